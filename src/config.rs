@@ -1,0 +1,294 @@
+//! Configuration: the only module that reads environment variables.
+//!
+//! Every variable is read once into [`Config`] (cached for the process), logged once at INFO
+//! under the `env` subsystem, and documented in `docs/ENV.md`. Launcher variables (torchrun,
+//! Slurm, MPI) are captured here too; `rendezvous::env` decides what they mean.
+
+use std::collections::BTreeMap;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+/// Default deadline of every blocking wait.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+/// Default time a waiting rank polls before it blocks in the kernel.
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
+
+/// Launcher variables read besides the `TOROID_*` ones (see `rendezvous::env`).
+pub const LAUNCHER_VARS: &[&str] = &[
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NODELIST",
+    "SLURM_JOB_ID",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "PMI_RANK",
+    "PMI_SIZE",
+    "MPI_LOCALRANKID",
+    "MPI_LOCALNRANKS",
+];
+
+/// Every `TOROID_*` variable the library reads.
+pub const TOROID_VARS: &[&str] = &[
+    "TOROID_RANK",
+    "TOROID_WORLD_SIZE",
+    "TOROID_LOCAL_RANK",
+    "TOROID_LOCAL_SIZE",
+    "TOROID_STORE_ADDR",
+    "TOROID_TIMEOUT",
+    "TOROID_SOCKET_IFNAME",
+    "TOROID_SOCKET_FAMILY",
+    "TOROID_SOCKET_BUFFER",
+    "TOROID_SPIN_US",
+    "TOROID_SEGMENT_SIZE",
+    "TOROID_ALGO",
+    "TOROID_DEBUG",
+    "TOROID_DEBUG_SUBSYS",
+    "TOROID_HOST_ID",
+];
+
+/// Settings of the library, from the environment or built by hand.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Deadline of every blocking wait (`TOROID_TIMEOUT`, seconds).
+    pub timeout: Duration,
+    /// Interface selection (`TOROID_SOCKET_IFNAME`): NCCL syntax, e.g. `eth0`, `^lo,docker`, `=eth1`.
+    pub socket_ifname: Option<String>,
+    /// Address family to prefer (`TOROID_SOCKET_FAMILY`: `AF_INET` or `AF_INET6`).
+    pub socket_family: Option<String>,
+    /// SO_SNDBUF/SO_RCVBUF in bytes (`TOROID_SOCKET_BUFFER`); 0 keeps Linux autotuning.
+    pub socket_buffer: usize,
+    /// Poll time before blocking (`TOROID_SPIN_US`); `None` picks from cores and local ranks.
+    pub spin: Option<Duration>,
+    /// Largest frame (segment) on the wire in bytes (`TOROID_SEGMENT_SIZE`).
+    pub segment_size: usize,
+    /// Algorithm override (`TOROID_ALGO`), NCCL list syntax.
+    pub algo: Option<String>,
+    /// Host identity override (`TOROID_HOST_ID`), for emulating several hosts on one machine.
+    pub host_id: Option<String>,
+    /// Every variable read, by name (for `rendezvous::env` and the one-time log).
+    pub vars: BTreeMap<String, String>,
+}
+
+/// Default largest frame on the wire. Gloo uses segments of at most 1 MiB; smaller segments start
+/// the reduction earlier, larger ones pay fewer headers and system calls.
+pub const DEFAULT_SEGMENT_SIZE: usize = 512 * 1024;
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            timeout: DEFAULT_TIMEOUT,
+            socket_ifname: None,
+            socket_family: None,
+            socket_buffer: 0,
+            spin: None,
+            segment_size: DEFAULT_SEGMENT_SIZE,
+            algo: None,
+            host_id: None,
+            vars: BTreeMap::new(),
+        }
+    }
+}
+
+impl Config {
+    /// The process-wide configuration from the environment, read and logged on first use.
+    ///
+    /// # Errors
+    /// When a variable is set to something that does not parse.
+    pub fn global() -> Result<&'static Config> {
+        static CONFIG: OnceLock<Result<Config>> = OnceLock::new();
+        CONFIG
+            .get_or_init(|| {
+                let cfg = Config::from_lookup(|name| std::env::var(name).ok())?;
+                cfg.log();
+                Ok(cfg)
+            })
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+
+    /// Builds a configuration from any variable lookup (tests pass a map).
+    ///
+    /// ```
+    /// let cfg = toroid::Config::from_lookup(|k| (k == "TOROID_TIMEOUT").then(|| "7".into())).unwrap();
+    /// assert_eq!(cfg.timeout, std::time::Duration::from_secs(7));
+    /// ```
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config> {
+        let mut vars = BTreeMap::new();
+        for &name in TOROID_VARS.iter().chain(LAUNCHER_VARS) {
+            if let Some(v) = lookup(name) {
+                vars.insert(name.to_string(), v);
+            }
+        }
+        let get = |name: &str| vars.get(name).map(|s| s.trim()).filter(|s| !s.is_empty());
+        let mut cfg = Config::default();
+        if let Some(v) = get("TOROID_TIMEOUT") {
+            cfg.timeout = parse_seconds("TOROID_TIMEOUT", v)?;
+        }
+        cfg.socket_ifname = get("TOROID_SOCKET_IFNAME").map(str::to_string);
+        cfg.socket_family = get("TOROID_SOCKET_FAMILY").map(str::to_string);
+        if let Some(v) = get("TOROID_SOCKET_BUFFER") {
+            cfg.socket_buffer = parse_size("TOROID_SOCKET_BUFFER", v)?;
+        }
+        if let Some(v) = get("TOROID_SPIN_US") {
+            let us: u64 = parse_num("TOROID_SPIN_US", v)?;
+            cfg.spin = Some(Duration::from_micros(us));
+        }
+        if let Some(v) = get("TOROID_SEGMENT_SIZE") {
+            let s = parse_size("TOROID_SEGMENT_SIZE", v)?;
+            if s < 4096 {
+                return Err(Error::InvalidArgument(format!(
+                    "TOROID_SEGMENT_SIZE={v}: must be at least 4096 bytes"
+                )));
+            }
+            cfg.segment_size = s;
+        }
+        cfg.algo = get("TOROID_ALGO").map(str::to_string);
+        cfg.host_id = get("TOROID_HOST_ID").map(str::to_string);
+        cfg.vars = vars;
+        Ok(cfg)
+    }
+
+    /// A launcher or `TOROID_*` variable as read (empty values count as unset).
+    pub fn var(&self, name: &str) -> Option<&str> {
+        self.vars.get(name).map(|s| s.trim()).filter(|s| !s.is_empty())
+    }
+
+    fn log(&self) {
+        for (k, v) in &self.vars {
+            if k.starts_with("TOROID_") {
+                tracing::info!(target: "toroid::env", "{k} set by environment to {v}");
+            }
+        }
+    }
+}
+
+fn parse_num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
+    v.parse()
+        .map_err(|_| Error::InvalidArgument(format!("{name}={v}: not a number")))
+}
+
+/// Seconds, possibly fractional (`0.5`).
+fn parse_seconds(name: &str, v: &str) -> Result<Duration> {
+    let secs: f64 = parse_num(name, v)?;
+    if !(secs > 0.0 && secs.is_finite()) {
+        return Err(Error::InvalidArgument(format!("{name}={v}: must be a positive number of seconds")));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// A byte size with an optional K/M/G suffix (powers of 1024, as nccl-tests reads sizes).
+///
+/// ```
+/// assert_eq!(toroid::config::parse_size("x", "4K").unwrap(), 4096);
+/// assert_eq!(toroid::config::parse_size("x", "64M").unwrap(), 64 << 20);
+/// assert_eq!(toroid::config::parse_size("x", "100").unwrap(), 100);
+/// ```
+pub fn parse_size(name: &str, v: &str) -> Result<usize> {
+    let v = v.trim();
+    let (digits, shift) = match v.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&v[..v.len() - 1], 10),
+        Some('M') => (&v[..v.len() - 1], 20),
+        Some('G') => (&v[..v.len() - 1], 30),
+        Some('T') => (&v[..v.len() - 1], 40),
+        _ => (v, 0),
+    };
+    let n: usize = parse_num(name, digits)?;
+    n.checked_mul(1usize << shift)
+        .ok_or_else(|| Error::InvalidArgument(format!("{name}={v}: too large")))
+}
+
+/// Sets up logging from `TOROID_DEBUG` (`WARN` default, `INFO`, `TRACE`, ...) and
+/// `TOROID_DEBUG_SUBSYS` (comma list of subsystems: `INIT,NET,COLL,ENV,TUNING,STORE`, `ALL`).
+/// Does nothing when the application installed its own `tracing` subscriber first.
+pub fn init_logging() {
+    static ONCE: OnceLock<()> = OnceLock::new();
+    ONCE.get_or_init(|| {
+        let level = std::env::var("TOROID_DEBUG").unwrap_or_default();
+        let level = match level.trim().to_ascii_uppercase().as_str() {
+            "" | "WARN" | "WARNING" => "warn",
+            "VERSION" | "ERROR" => "error",
+            "INFO" => "info",
+            "DEBUG" => "debug",
+            "TRACE" => "trace",
+            "OFF" | "NONE" => "off",
+            _ => "warn",
+        };
+        let subsys = std::env::var("TOROID_DEBUG_SUBSYS").unwrap_or_default();
+        let mut directives = String::new();
+        let subsys: Vec<String> = subsys
+            .split(',')
+            .map(|s| s.trim().to_ascii_lowercase())
+            .filter(|s| !s.is_empty())
+            .collect();
+        if subsys.is_empty() || subsys.iter().any(|s| s == "all") {
+            directives.push_str(&format!("warn,toroid={level}"));
+        } else {
+            // Warnings of every subsystem always show; the level applies to the chosen ones.
+            directives.push_str("warn");
+            for s in &subsys {
+                directives.push_str(&format!(",toroid::{s}={level}"));
+            }
+        }
+        let filter = tracing_subscriber::EnvFilter::try_new(&directives)
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .with_target(true)
+            .try_init();
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(pairs: &[(&str, &str)]) -> Result<Config> {
+        let map: BTreeMap<String, String> =
+            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Config::from_lookup(|k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn defaults_when_nothing_is_set() {
+        let c = cfg(&[]).unwrap();
+        assert_eq!(c.timeout, DEFAULT_TIMEOUT);
+        assert_eq!(c.segment_size, DEFAULT_SEGMENT_SIZE);
+        assert!(c.socket_ifname.is_none() && c.algo.is_none() && c.spin.is_none());
+    }
+
+    #[test]
+    fn parses_values_and_rejects_garbage() {
+        let c = cfg(&[("TOROID_TIMEOUT", "2.5"), ("TOROID_SEGMENT_SIZE", "1M"), ("TOROID_SPIN_US", "10")])
+            .unwrap();
+        assert_eq!(c.timeout, Duration::from_millis(2500));
+        assert_eq!(c.segment_size, 1 << 20);
+        assert_eq!(c.spin, Some(Duration::from_micros(10)));
+        assert!(cfg(&[("TOROID_TIMEOUT", "soon")]).is_err());
+        assert!(cfg(&[("TOROID_TIMEOUT", "-1")]).is_err());
+        assert!(cfg(&[("TOROID_SEGMENT_SIZE", "12")]).is_err());
+        // Empty counts as unset.
+        assert_eq!(cfg(&[("TOROID_TIMEOUT", "")]).unwrap().timeout, DEFAULT_TIMEOUT);
+    }
+
+    #[test]
+    fn size_suffixes() {
+        assert_eq!(parse_size("x", "1G").unwrap(), 1 << 30);
+        assert_eq!(parse_size("x", "8k").unwrap(), 8192);
+        assert!(parse_size("x", "M").is_err());
+        assert!(parse_size("x", "99999999999999T").is_err());
+    }
+}

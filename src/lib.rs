@@ -1,0 +1,31 @@
+//! # toroid
+//!
+//! A collective-communication runtime: N processes on one or many hosts all-reduce,
+//! reduce-scatter, all-gather, broadcast, reduce, all-to-all and barrier, fast, with every wait
+//! bounded by a deadline and every failure turned into an error on every rank.
+//!
+//! ## Layers, bottom to top
+//!
+//! ```text
+//!  src/comm.rs                  Communicator: rank, size, split, work queue, abort
+//!  src/algorithm/               collectives as schedules of steps over groups of ranks
+//!  src/transport/               Transport trait (tcp), framed exchanges with fingerprints
+//!  src/rendezvous/              Store trait: tcp store, file store; launcher detection
+//!  src/reduce.rs, src/dtype.rs  element types, reduction ops, vectorised kernels
+//! ```
+//!
+//! Each layer talks only to the one below. Environment variables are read in [`config`] only
+//! (documented in `docs/ENV.md`).
+
+#![deny(missing_docs, rust_2018_idioms)]
+#![warn(missing_debug_implementations)]
+
+pub mod config;
+pub mod dtype;
+pub mod error;
+pub mod reduce;
+pub mod rendezvous;
+
+pub use config::Config;
+pub use dtype::{DataType, Element, ReduceOp};
+pub use error::{Error, Result};
