@@ -20,12 +20,19 @@
 #![deny(missing_docs, rust_2018_idioms)]
 #![warn(missing_debug_implementations)]
 
+pub mod algorithm;
+pub mod comm;
 pub mod config;
 pub mod dtype;
 pub mod error;
+pub mod memory;
 pub mod reduce;
 pub mod rendezvous;
+pub mod transport;
+pub mod tuning;
 
+pub use algorithm::Algorithm;
+pub use comm::{CallOptions, Communicator, OpKind, OwnedBuffer, Topology, Work};
 pub use config::Config;
 pub use dtype::{DataType, Element, ReduceOp};
 pub use error::{Error, Result};

@@ -1,0 +1,275 @@
+//! Collectives as schedules of exchanges over groups of ranks.
+//!
+//! Every algorithm is a free function over a [`Wire`] (the peers, the operation's fingerprint
+//! and deadline) and [`Scratch`] (buffers owned by the communicator and reused across calls, so
+//! nothing is allocated per call once they have grown). Algorithms never name a transport; they
+//! describe steps ("send piece a to the right neighbour, reduce piece b from the left one") and
+//! [`Peers::exchange`] runs them. Offset maths is in [`schedule`], pure and unit-tested.
+//!
+//! | collective | algorithms |
+//! |---|---|
+//! | all_reduce | `ring` (reduce-scatter then all-gather, bandwidth-optimal), `rd` (recursive doubling, latency-optimal for small messages) |
+//! | reduce_scatter, all_gather | `ring` |
+//! | broadcast, reduce | `chain` (pipelined, large messages), `tree` (binomial, small messages) |
+//! | all_to_all | `pairwise` |
+//! | barrier | `dissemination` |
+//! | send/recv | `direct` |
+
+pub mod broadcast;
+pub mod doubling;
+pub mod pairwise;
+pub mod ring;
+pub mod schedule;
+
+use std::ops::Range;
+use std::time::Instant;
+
+use crate::dtype::{DataType, ReduceOp};
+use crate::error::{Error, Result};
+use crate::reduce;
+use crate::transport::{Fingerprint, Peers, Sink, Source};
+
+/// An algorithm, as carried in frame headers and named in `TOROID_ALGO`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Algorithm {
+    /// Ring: reduce-scatter then all-gather (all_reduce), or one of the two phases.
+    Ring = 1,
+    /// Recursive doubling with MPICH's fold for any rank count (small all_reduce).
+    Doubling = 2,
+    /// Pipelined chain (large broadcast and reduce).
+    Chain = 3,
+    /// Binomial tree (small broadcast and reduce).
+    Tree = 4,
+    /// Pairwise exchange (all_to_all).
+    Pairwise = 5,
+    /// Dissemination (barrier).
+    Dissemination = 6,
+    /// Direct point-to-point (send/recv).
+    Direct = 7,
+}
+
+impl Algorithm {
+    /// Every algorithm.
+    pub const ALL: [Algorithm; 7] = [
+        Algorithm::Ring,
+        Algorithm::Doubling,
+        Algorithm::Chain,
+        Algorithm::Tree,
+        Algorithm::Pairwise,
+        Algorithm::Dissemination,
+        Algorithm::Direct,
+    ];
+
+    /// The name used in `TOROID_ALGO`, logs and the benchmark.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Algorithm::Ring => "ring",
+            Algorithm::Doubling => "rd",
+            Algorithm::Chain => "chain",
+            Algorithm::Tree => "tree",
+            Algorithm::Pairwise => "pairwise",
+            Algorithm::Dissemination => "dissemination",
+            Algorithm::Direct => "direct",
+        }
+    }
+
+    /// The name of the algorithm with wire id `id` (for messages about a peer's choice).
+    pub fn name_of(id: u8) -> &'static str {
+        Algorithm::ALL.iter().find(|a| **a as u8 == id).map_or("unknown", |a| a.name())
+    }
+
+    /// Parses a name (case-insensitive; `doubling` is accepted for `rd`).
+    pub fn parse(s: &str) -> Option<Algorithm> {
+        let s = s.trim().to_ascii_lowercase();
+        if s == "doubling" || s == "recursive_doubling" {
+            return Some(Algorithm::Doubling);
+        }
+        Algorithm::ALL.iter().copied().find(|a| a.name() == s)
+    }
+}
+
+impl std::fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The peers, fingerprint and deadline of one running operation.
+#[derive(Debug)]
+pub struct Wire<'p> {
+    /// The connected peers.
+    pub peers: &'p mut Peers,
+    /// What every frame of this operation carries.
+    pub fp: Fingerprint,
+    /// When the whole operation must be done.
+    pub deadline: Instant,
+}
+
+impl Wire<'_> {
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.peers.rank()
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.peers.size()
+    }
+
+    /// One step: send and/or receive at once (see [`Peers::exchange`]).
+    pub fn exchange(&mut self, step: usize, send: Option<(usize, Source<'_>)>, recv: Option<(usize, Sink<'_>)>) -> Result<()> {
+        // Steps are compared modulo 2^16: enough to catch streams out of step.
+        self.peers.exchange(&self.fp, step as u16, self.deadline, send, recv)
+    }
+}
+
+/// Buffers owned by a communicator and reused by every call (they only grow).
+#[derive(Debug, Default)]
+pub struct Scratch {
+    a: Vec<u64>,
+    b: Vec<u64>,
+    c: Vec<u64>,
+}
+
+fn grow(v: &mut Vec<u64>, bytes: usize) -> &mut [u8] {
+    let words = bytes.div_ceil(8);
+    if v.len() < words {
+        v.resize(words, 0);
+    }
+    &mut bytemuck::cast_slice_mut::<u64, u8>(v)[..bytes]
+}
+
+impl Scratch {
+    /// One scratch buffer of `bytes` bytes (8-byte aligned).
+    pub fn one(&mut self, bytes: usize) -> &mut [u8] {
+        grow(&mut self.a, bytes)
+    }
+
+    /// Two distinct scratch buffers.
+    pub fn two(&mut self, a: usize, b: usize) -> (&mut [u8], &mut [u8]) {
+        (grow(&mut self.a, a), grow(&mut self.b, b))
+    }
+
+    /// A third buffer, distinct from the two above (for pre-scaled inputs).
+    pub fn third(&mut self, bytes: usize) -> &mut [u8] {
+        grow(&mut self.c, bytes)
+    }
+
+    /// Bytes held (for tests and logs).
+    pub fn capacity(&self) -> usize {
+        (self.a.len() + self.b.len() + self.c.len()) * 8
+    }
+}
+
+/// The buffers of a collective: in place (`sendbuf == recvbuf` in C) or not.
+#[derive(Debug)]
+pub enum Bufs<'a> {
+    /// One buffer is both input and output.
+    InPlace(&'a mut [u8]),
+    /// Separate input and output.
+    OutOfPlace {
+        /// Input.
+        send: &'a [u8],
+        /// Output.
+        recv: &'a mut [u8],
+    },
+}
+
+impl Bufs<'_> {
+    /// The input bytes.
+    pub fn input(&self) -> &[u8] {
+        match self {
+            Bufs::InPlace(b) => b,
+            Bufs::OutOfPlace { send, .. } => send,
+        }
+    }
+
+    /// The output bytes' length.
+    pub fn output_len(&self) -> usize {
+        match self {
+            Bufs::InPlace(b) => b.len(),
+            Bufs::OutOfPlace { recv, .. } => recv.len(),
+        }
+    }
+}
+
+/// Splits one buffer into a piece to read and a disjoint piece to write.
+pub(crate) fn read_write(buf: &mut [u8], read: Range<usize>, write: Range<usize>) -> (&[u8], &mut [u8]) {
+    assert!(read.end <= write.start || write.end <= read.start || read.is_empty() || write.is_empty(), "overlapping pieces {read:?} {write:?}");
+    if read.is_empty() {
+        return (&[], &mut buf[write]);
+    }
+    if read.start < write.start {
+        let (lo, hi) = buf.split_at_mut(write.start);
+        (&lo[read], &mut hi[..write.end - write.start])
+    } else {
+        let (lo, hi) = buf.split_at_mut(read.start);
+        (&hi[..read.end - read.start], &mut lo[write])
+    }
+}
+
+/// Combines `a` and `b` into `dst` with the lower rank's operand first, so every rank computes
+/// bit-identical results even where the operation is not (min/max of ±0, NaN payloads).
+pub(crate) fn combine_ordered(dtype: DataType, op: ReduceOp, mine_first: bool, mine: &mut [u8], theirs: &mut [u8]) -> bool {
+    if mine_first {
+        reduce::reduce_inplace(dtype, op, mine, theirs);
+        true
+    } else {
+        reduce::reduce_inplace(dtype, op, theirs, mine);
+        false
+    }
+}
+
+/// `avg` is sum over inputs pre-scaled by 1/n (NCCL's choice: no overflow of the half types in
+/// partial sums). Turns `bufs` into an in-place problem on the output holding scaled inputs and
+/// returns the op to reduce with.
+pub(crate) fn prescale_in_place<'a>(bufs: Bufs<'a>, dtype: DataType, op: ReduceOp, n: usize) -> (Bufs<'a>, ReduceOp) {
+    if op != ReduceOp::Avg {
+        return (bufs, op);
+    }
+    let factor = 1.0 / n as f64;
+    let buf = match bufs {
+        Bufs::InPlace(b) => {
+            reduce::scale_inplace(dtype, b, factor);
+            b
+        }
+        Bufs::OutOfPlace { send, recv } => {
+            reduce::scale_into(dtype, recv, send, factor);
+            recv
+        }
+    };
+    (Bufs::InPlace(buf), ReduceOp::Sum)
+}
+
+/// An ordered set of ranks that runs a phase together (a ring follows this order).
+#[derive(Debug, Clone, Copy)]
+pub enum Group<'a> {
+    /// Ranks `0..size` of the communicator, in order.
+    World(usize),
+    /// These ranks, in this order.
+    Ranks(&'a [usize]),
+}
+
+impl Group<'_> {
+    /// Number of members.
+    pub fn len(&self) -> usize {
+        match self {
+            Group::World(n) => *n,
+            Group::Ranks(r) => r.len(),
+        }
+    }
+
+    /// True when the group has no members.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The communicator rank at position `i`.
+    pub fn rank(&self, i: usize) -> usize {
+        match self {
+            Group::World(_) => i,
+            Group::Ranks(r) => r[i],
+        }
+    }
+}

@@ -1,0 +1,85 @@
+//! All-to-all by pairwise exchange, barrier by dissemination, and point-to-point.
+//!
+//! **Pairwise all-to-all**: in step `s = 1 .. n-1` rank `r` sends its block for `r + s` and
+//! receives the block from `r - s` (mod `n`) in one full-duplex exchange; every link carries
+//! one block each way and no rank ever waits on two peers at once.
+//!
+//! **Dissemination barrier**: in round `k` rank `r` sends an empty frame to `r + 2^k` and waits
+//! for one from `r - 2^k`; after `ceil(log2 n)` rounds every rank has (transitively) heard from
+//! every other, whatever `n`.
+
+use super::{Bufs, Scratch, Wire};
+use crate::error::Result;
+use crate::transport::{Sink, Source};
+
+/// All-to-all: block `j` of this rank's input goes to rank `j`, whose output block `r` it
+/// becomes. Blocks are `len / n` bytes.
+pub fn all_to_all(wire: &mut Wire<'_>, scratch: &mut Scratch, bufs: Bufs<'_>) -> Result<()> {
+    let n = wire.size();
+    let r = wire.rank();
+    let (src, dst): (&[u8], &mut [u8]) = match bufs {
+        Bufs::InPlace(b) => {
+            // Blocks are overwritten before they are sent: work from a copy.
+            let copy = scratch.one(b.len());
+            copy.copy_from_slice(b);
+            (copy, b)
+        }
+        Bufs::OutOfPlace { send, recv } => (send, recv),
+    };
+    let block = dst.len() / n;
+    let at = |j: usize| j * block..(j + 1) * block;
+    dst[at(r)].copy_from_slice(&src[at(r)]);
+    for s in 1..n {
+        let to = (r + s) % n;
+        let from = (r + n - s) % n;
+        wire.exchange(s, Some((to, Source::Bytes(&src[at(to)]))), Some((from, Sink::Copy(&mut dst[at(from)]))))?;
+    }
+    Ok(())
+}
+
+/// Dissemination barrier.
+pub fn barrier(wire: &mut Wire<'_>) -> Result<()> {
+    let n = wire.size();
+    let r = wire.rank();
+    let mut k = 0;
+    while (1usize << k) < n {
+        let d = 1usize << k;
+        wire.exchange(k, Some(((r + d) % n, Source::Bytes(&[]))), Some(((r + n - d % n) % n, Sink::Copy(&mut []))))?;
+        k += 1;
+    }
+    Ok(())
+}
+
+/// Sends `buf` to `peer`.
+pub fn send(wire: &mut Wire<'_>, buf: &[u8], peer: usize) -> Result<()> {
+    wire.exchange(0, Some((peer, Source::Bytes(buf))), None)
+}
+
+/// Receives into `buf` from `peer`.
+pub fn recv(wire: &mut Wire<'_>, buf: &mut [u8], peer: usize) -> Result<()> {
+    wire.exchange(0, None, Some((peer, Sink::Copy(buf))))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn dissemination_rounds_cover_every_rank() {
+        for n in 1..=17usize {
+            // reach[r] = set of ranks r has heard from (transitively).
+            let mut reach: Vec<Vec<bool>> = (0..n).map(|r| (0..n).map(|j| j == r).collect()).collect();
+            let mut k = 0;
+            while (1usize << k) < n {
+                let d = 1 << k;
+                let prev = reach.clone();
+                for r in 0..n {
+                    let from = (r + n - d % n) % n;
+                    for j in 0..n {
+                        reach[r][j] |= prev[from][j];
+                    }
+                }
+                k += 1;
+            }
+            assert!(reach.iter().all(|row| row.iter().all(|b| *b)), "n={n}");
+        }
+    }
+}

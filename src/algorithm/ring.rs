@@ -1,0 +1,150 @@
+//! Ring reduce-scatter, all-gather and all-reduce (Baidu, Horovod, Gloo, NCCL).
+//!
+//! The buffer is cut into one piece per member (balanced, see [`schedule::piece`]). In the
+//! reduce-scatter phase each of `n - 1` steps sends one piece to the right neighbour and
+//! reduces the piece arriving from the left into place; afterwards position `i` holds the full
+//! reduction of piece `i`. The all-gather phase circulates the finished pieces for `n - 1` more
+//! steps. Every byte crosses each link `2 (n - 1) / n` times: bandwidth-optimal.
+//!
+//! Each step is one full-duplex exchange; its pieces travel as frames of at most the segment
+//! size and arriving bytes are reduced as soon as whole elements are in, so reduction overlaps
+//! transfer. Out-of-place calls read the input where they first need it and never copy it.
+
+use std::ops::Range;
+
+use super::schedule::{self, ring_all_gather, ring_reduce_scatter};
+use super::{Bufs, Group, Scratch, Wire, prescale_in_place, read_write};
+use crate::dtype::{DataType, ReduceOp};
+use crate::error::Result;
+use crate::transport::{Sink, Source};
+
+/// Piece `i` of `count` elements cut into `n` pieces, in bytes.
+fn piece(count: usize, n: usize, esize: usize, i: usize) -> Range<usize> {
+    schedule::bytes(schedule::piece(count, n, i), esize)
+}
+
+/// Where a reduce-scatter reads its inputs and leaves its results.
+#[derive(Debug)]
+pub enum RsBufs<'a> {
+    /// Every piece lives in `buf`; the result lands in this position's piece.
+    InPlace(&'a mut [u8]),
+    /// Inputs in `src`; partial results and the result go to `dst`, laid out like `src`.
+    Full {
+        /// Inputs.
+        src: &'a [u8],
+        /// Output (same length as `src`).
+        dst: &'a mut [u8],
+    },
+    /// Inputs in `src`; only this position's piece is wanted, in `out`.
+    Own {
+        /// Inputs.
+        src: &'a [u8],
+        /// This position's reduced piece.
+        out: &'a mut [u8],
+    },
+}
+
+/// Ring reduce-scatter over `group` on `count` elements; `me` is this rank's position.
+/// Uses steps `step0 .. step0 + n - 1`.
+#[allow(clippy::too_many_arguments)]
+pub fn reduce_scatter_phase(
+    wire: &mut Wire<'_>,
+    scratch: &mut Scratch,
+    group: Group<'_>,
+    me: usize,
+    count: usize,
+    bufs: RsBufs<'_>,
+    dtype: DataType,
+    op: ReduceOp,
+    step0: usize,
+) -> Result<()> {
+    let n = group.len();
+    let es = dtype.size();
+    let right = group.rank((me + 1) % n);
+    let left = group.rank((me + n - 1) % n);
+    let p = |i: usize| piece(count, n, es, i);
+    match bufs {
+        RsBufs::InPlace(buf) => {
+            for s in 0..n.saturating_sub(1) {
+                let (ps, pr) = ring_reduce_scatter(n, me, s);
+                let (send, dst) = read_write(buf, p(ps), p(pr));
+                let sink = Sink::Reduce { dst, other: None, dtype, op };
+                wire.exchange(step0 + s, Some((right, Source::Bytes(send))), Some((left, sink)))?;
+            }
+        }
+        RsBufs::Full { src, dst } => {
+            if n == 1 {
+                dst.copy_from_slice(src);
+            }
+            for s in 0..n.saturating_sub(1) {
+                let (ps, pr) = ring_reduce_scatter(n, me, s);
+                // The first piece sent is raw input; later ones are partial sums we made.
+                let (send, out): (&[u8], &mut [u8]) =
+                    if s == 0 { (&src[p(ps)], &mut dst[p(pr)]) } else { read_write(dst, p(ps), p(pr)) };
+                let sink = Sink::Reduce { dst: out, other: Some(&src[p(pr)]), dtype, op };
+                wire.exchange(step0 + s, Some((right, Source::Bytes(send))), Some((left, sink)))?;
+            }
+        }
+        RsBufs::Own { src, out } => {
+            if n == 1 {
+                out.copy_from_slice(src);
+                return Ok(());
+            }
+            // Partial sums alternate between two scratch pieces: receive into one while the
+            // other (last step's result) is sent.
+            let max = p(0).len();
+            let (a, b) = scratch.two(max, max);
+            for s in 0..n - 1 {
+                let (ps, pr) = ring_reduce_scatter(n, me, s);
+                let (cur, prev) = if s % 2 == 0 { (&mut *a, &*b) } else { (&mut *b, &*a) };
+                let send: &[u8] = if s == 0 { &src[p(ps)] } else { &prev[..p(ps).len()] };
+                let target: &mut [u8] = if s == n - 2 { &mut *out } else { &mut cur[..p(pr).len()] };
+                let sink = Sink::Reduce { dst: target, other: Some(&src[p(pr)]), dtype, op };
+                wire.exchange(step0 + s, Some((right, Source::Bytes(send))), Some((left, sink)))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Ring all-gather over `group` on `count` elements held in `buf`, where this position's piece
+/// is already in place. Uses steps `step0 .. step0 + n - 1`.
+pub fn all_gather_phase(wire: &mut Wire<'_>, group: Group<'_>, me: usize, count: usize, esize: usize, buf: &mut [u8], step0: usize) -> Result<()> {
+    let n = group.len();
+    let right = group.rank((me + 1) % n);
+    let left = group.rank((me + n - 1) % n);
+    for s in 0..n.saturating_sub(1) {
+        let (ps, pr) = ring_all_gather(n, me, s);
+        let (send, dst) = read_write(buf, piece(count, n, esize, ps), piece(count, n, esize, pr));
+        wire.exchange(step0 + s, Some((right, Source::Bytes(send))), Some((left, Sink::Copy(dst))))?;
+    }
+    Ok(())
+}
+
+/// Ring all-reduce over `group`: reduce-scatter then all-gather, `2 (n - 1)` steps.
+#[allow(clippy::too_many_arguments)]
+pub fn all_reduce(
+    wire: &mut Wire<'_>,
+    scratch: &mut Scratch,
+    group: Group<'_>,
+    me: usize,
+    bufs: Bufs<'_>,
+    dtype: DataType,
+    op: ReduceOp,
+    scale_n: usize,
+) -> Result<()> {
+    let n = group.len();
+    let count = bufs.output_len() / dtype.size();
+    let (bufs, op) = prescale_in_place(bufs, dtype, op, scale_n);
+    let dst = match bufs {
+        Bufs::InPlace(buf) => {
+            reduce_scatter_phase(wire, scratch, group, me, count, RsBufs::InPlace(&mut *buf), dtype, op, 0)?;
+            buf
+        }
+        Bufs::OutOfPlace { send, recv } => {
+            reduce_scatter_phase(wire, scratch, group, me, count, RsBufs::Full { src: send, dst: &mut *recv }, dtype, op, 0)?;
+            recv
+        }
+    };
+    all_gather_phase(wire, group, me, count, dtype.size(), dst, n.saturating_sub(1))
+}

@@ -1,0 +1,1056 @@
+//! The communicator: rank, size, connected peers, an ordered work queue, split and abort.
+//!
+//! Operations run in the order they are issued, as on a CUDA stream. A blocking call runs on
+//! the caller's thread when nothing is queued (no thread hop on the latency path); otherwise it
+//! queues behind the async work and waits. Async calls return a [`Work`] and run on the
+//! communicator's one worker thread, started on first use.
+//!
+//! Any failure while communicating (a peer that died, a deadline, a mismatched collective)
+//! aborts the communicator: abort frames tell every peer, every link is closed, queued work
+//! fails, and later calls fail fast with [`Error::Aborted`]. Argument errors found before any
+//! byte moves leave it usable.
+
+use std::any::Any;
+use std::collections::VecDeque;
+use std::marker::PhantomData;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::algorithm::{self, Algorithm, Bufs, Group, Scratch, Wire};
+use crate::config::Config;
+use crate::dtype::{DataType, Element, ReduceOp};
+use crate::error::{Error, Result};
+use crate::memory::{RawBuf, RawBufMut, RawBufs};
+use crate::rendezvous::{self, Store};
+use crate::transport::exchange::{AbortSignal, SpinPolicy};
+use crate::transport::{CollKind, Fingerprint, Peers, tcp};
+use crate::tuning::{self, AlgoFilter};
+
+/// Options of one call.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CallOptions {
+    /// Deadline of this call (default: the communicator's timeout).
+    pub timeout: Option<Duration>,
+    /// Force an algorithm (must be able to run the collective).
+    pub algorithm: Option<Algorithm>,
+}
+
+/// What an operation does (the internal form of every collective call).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpKind {
+    /// all_reduce
+    AllReduce(ReduceOp),
+    /// reduce_scatter (output = this rank's piece)
+    ReduceScatter(ReduceOp),
+    /// all_gather
+    AllGather,
+    /// broadcast from root
+    Broadcast(usize),
+    /// reduce to root
+    Reduce(ReduceOp, usize),
+    /// all_to_all
+    AllToAll,
+    /// barrier
+    Barrier,
+    /// send to peer
+    Send(usize),
+    /// receive from peer
+    Recv(usize),
+    /// the all-gather inside `split`
+    SplitExchange,
+}
+
+impl OpKind {
+    fn coll(self) -> CollKind {
+        match self {
+            OpKind::AllReduce(_) => CollKind::AllReduce,
+            OpKind::ReduceScatter(_) => CollKind::ReduceScatter,
+            OpKind::AllGather => CollKind::AllGather,
+            OpKind::Broadcast(_) => CollKind::Broadcast,
+            OpKind::Reduce(..) => CollKind::Reduce,
+            OpKind::AllToAll => CollKind::AllToAll,
+            OpKind::Barrier => CollKind::Barrier,
+            OpKind::Send(_) | OpKind::Recv(_) => CollKind::PointToPoint,
+            OpKind::SplitExchange => CollKind::Split,
+        }
+    }
+}
+
+/// One operation with its buffers, ready to validate and run.
+#[derive(Debug, Clone, Copy)]
+pub struct RawOp {
+    /// What to do.
+    pub kind: OpKind,
+    /// Element type.
+    pub dtype: DataType,
+    /// The buffers.
+    pub bufs: RawBufs,
+    /// Per-call options.
+    pub opts: CallOptions,
+}
+
+/// Where ranks live: host of each rank, and this rank's place on its host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Topology {
+    /// Host index of each rank (hosts numbered in order of their lowest rank).
+    pub host_of: Vec<usize>,
+    /// Number of distinct hosts.
+    pub hosts: usize,
+    /// This rank's index among the ranks of its host.
+    pub local_rank: usize,
+    /// Number of ranks on this rank's host.
+    pub local_size: usize,
+}
+
+impl Topology {
+    /// Builds the topology from each rank's host identity.
+    pub fn from_host_ids(rank: usize, ids: &[String]) -> Topology {
+        let mut names: Vec<&str> = Vec::new();
+        let host_of: Vec<usize> = ids
+            .iter()
+            .map(|id| match names.iter().position(|n| *n == id) {
+                Some(i) => i,
+                None => {
+                    names.push(id);
+                    names.len() - 1
+                }
+            })
+            .collect();
+        let mine = host_of[rank];
+        Topology {
+            local_rank: host_of[..rank].iter().filter(|h| **h == mine).count(),
+            local_size: host_of.iter().filter(|h| **h == mine).count(),
+            hosts: names.len(),
+            host_of,
+        }
+    }
+}
+
+/// This machine's identity: `TOROID_HOST_ID`, else hostname plus boot id.
+fn host_identity(cfg: &Config) -> String {
+    if let Some(id) = &cfg.host_id {
+        return id.clone();
+    }
+    let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
+    format!("{}/{}", read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id"))
+}
+
+/// A random 64-bit id (no dependency: std's per-process random hash keys, mixed with time).
+fn random_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
+struct Engine {
+    peers: Peers,
+    scratch: Scratch,
+    /// Collective sequence number (every rank counts the same).
+    seq: u64,
+    /// Point-to-point sequence numbers, per peer and direction.
+    sent: Vec<u64>,
+    received: Vec<u64>,
+    splits: u64,
+}
+
+#[derive(Default)]
+struct Queue {
+    jobs: VecDeque<Job>,
+    running: bool,
+    shutdown: bool,
+}
+
+struct Job {
+    op: RawOp,
+    done: Arc<Completion>,
+}
+
+/// The shared state of a communicator (owned by the handle and its worker thread).
+struct Core {
+    rank: usize,
+    size: usize,
+    id: u64,
+    timeout: Duration,
+    filter: AlgoFilter,
+    config: Config,
+    topology: Topology,
+    iface: tcp::Interface,
+    abort: Arc<AbortSignal>,
+    engine: Mutex<Engine>,
+    queue: Mutex<Queue>,
+    queue_cv: Condvar,
+    last_error: Mutex<Option<String>>,
+    /// Rank 0 serves the TCP store; keep it alive while the communicator lives.
+    _store: Option<Arc<dyn Store>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section leaves its state consistent before anything can panic.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A group of ranks that run collectives together.
+///
+/// ```no_run
+/// use toroid::{Communicator, ReduceOp};
+/// let comm = Communicator::from_env()?;           // TOROID_* / torchrun / Slurm / MPI
+/// let mut grads = vec![1.0f32; 1 << 20];
+/// comm.all_reduce(&mut grads, ReduceOp::Avg)?;     // every rank now holds the mean
+/// # Ok::<(), toroid::Error>(())
+/// ```
+pub struct Communicator {
+    core: Arc<Core>,
+    worker: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Communicator")
+            .field("rank", &self.core.rank)
+            .field("size", &self.core.size)
+            .field("id", &format_args!("{:#018x}", self.core.id))
+            .field("aborted", &self.core.abort.is_fired())
+            .finish()
+    }
+}
+
+impl Communicator {
+    /// Joins the job described by the environment (`TOROID_*`, torchrun, Slurm or MPI
+    /// variables; see `docs/ENV.md`). Rank 0 serves the rendezvous store.
+    pub fn from_env() -> Result<Communicator> {
+        crate::config::init_logging();
+        let cfg = Config::global()?;
+        let launch = rendezvous::env::detect(cfg)?;
+        let store = rendezvous::env::open_store(&launch, cfg.timeout)?;
+        let store_host = match &launch.store {
+            rendezvous::env::StoreAddr::Tcp { host, .. } => Some(host.clone()),
+            rendezvous::env::StoreAddr::File(_) => None,
+        };
+        Communicator::build(launch.rank, launch.size, store, cfg, store_host.as_deref())
+    }
+
+    /// Joins a job of `size` ranks as `rank`, meeting the others through `store`.
+    ///
+    /// Every rank must call this the same number of times on the same store (each call creates
+    /// a new communicator; keys are kept apart per generation).
+    pub fn with_store(rank: usize, size: usize, store: Arc<dyn Store>, config: &Config) -> Result<Communicator> {
+        crate::config::init_logging();
+        Communicator::build(rank, size, store, config, None)
+    }
+
+    fn build(rank: usize, size: usize, store: Arc<dyn Store>, cfg: &Config, store_host: Option<&str>) -> Result<Communicator> {
+        if size == 0 || rank >= size {
+            return Err(Error::InvalidArgument(format!("rank {rank} is not in a world of {size}")));
+        }
+        let deadline = Instant::now() + cfg.timeout;
+        // Reject a malformed TOROID_ALGO before touching the store.
+        AlgoFilter::parse(cfg.algo.as_deref().unwrap_or(""))?;
+        let generation = store.add(&format!("toroid/rank{rank}/generation"), 1)?;
+        let prefix = format!("toroid/gen{generation}");
+        let left = || deadline.saturating_duration_since(Instant::now());
+        let id = if rank == 0 {
+            let id = random_id();
+            store.set(&format!("{prefix}/id"), &id.to_le_bytes())?;
+            id
+        } else {
+            let v = store.get(&format!("{prefix}/id"), left())?;
+            let b: [u8; 8] = v.as_slice().try_into().map_err(|_| Error::Internal("bad communicator id in store".into()))?;
+            u64::from_le_bytes(b)
+        };
+        let iface = tcp::choose_address(cfg.socket_ifname.as_deref(), cfg.socket_family.as_deref(), store_host)?;
+        let endpoint = tcp::listen(&iface, size)?;
+        tracing::info!(target: "toroid::init", "rank {rank}/{size}: listening on {} ({}), communicator {id:#x}",
+            endpoint.addr, if iface.name.is_empty() { "route to store" } else { &iface.name });
+        let host = host_identity(cfg);
+        store.set(&format!("{prefix}/addr/{rank}"), endpoint.addr.to_string().as_bytes())?;
+        store.set(&format!("{prefix}/host/{rank}"), host.as_bytes())?;
+        let mut addrs = Vec::with_capacity(size);
+        let mut hosts = Vec::with_capacity(size);
+        for r in 0..size {
+            let a = store.get(&format!("{prefix}/addr/{r}"), left())?;
+            let a = String::from_utf8_lossy(&a).parse::<SocketAddr>()
+                .map_err(|e| Error::Remote(format!("rank {r} published a bad address: {e}")))?;
+            addrs.push(a);
+            hosts.push(String::from_utf8_lossy(&store.get(&format!("{prefix}/host/{r}"), left())?).into_owned());
+        }
+        let transports = tcp::connect_mesh(rank, &addrs, &endpoint, id, cfg.socket_buffer, deadline)?;
+        let topology = Topology::from_host_ids(rank, &hosts);
+        Communicator::assemble(rank, size, id, cfg.clone(), topology, iface, transports, Some(store))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        rank: usize,
+        size: usize,
+        id: u64,
+        config: Config,
+        topology: Topology,
+        iface: tcp::Interface,
+        transports: Vec<Option<Box<dyn crate::transport::Transport>>>,
+        store: Option<Arc<dyn Store>>,
+    ) -> Result<Communicator> {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let oversubscribed = topology.local_size > cores;
+        let spin = SpinPolicy {
+            spin: config.spin.unwrap_or(if oversubscribed { crate::config::DEFAULT_SPIN * 4 } else { crate::config::DEFAULT_SPIN }),
+            yield_between: oversubscribed,
+        };
+        let abort = Arc::new(AbortSignal::new()?);
+        let peers = Peers::new(rank, transports, abort.clone(), spin, config.segment_size);
+        tracing::info!(target: "toroid::init",
+            "rank {rank}/{size}: connected; host {} of {}, local rank {}/{}, spin {:?}{}",
+            topology.host_of[rank], topology.hosts, topology.local_rank, topology.local_size,
+            spin.spin, if oversubscribed { " (more ranks than cores: yielding)" } else { "" });
+        let filter = AlgoFilter::parse(config.algo.as_deref().unwrap_or(""))?;
+        let core = Core {
+            rank,
+            size,
+            id,
+            timeout: config.timeout,
+            filter,
+            config,
+            topology,
+            iface,
+            abort,
+            engine: Mutex::new(Engine {
+                peers,
+                scratch: Scratch::default(),
+                seq: 0,
+                sent: vec![0; size],
+                received: vec![0; size],
+                splits: 0,
+            }),
+            queue: Mutex::new(Queue::default()),
+            queue_cv: Condvar::new(),
+            last_error: Mutex::new(None),
+            _store: store,
+        };
+        Ok(Communicator { core: Arc::new(core), worker: Mutex::new(None) })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.core.rank
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.core.size
+    }
+
+    /// The default deadline of every call.
+    pub fn timeout(&self) -> Duration {
+        self.core.timeout
+    }
+
+    /// Where the ranks live.
+    pub fn topology(&self) -> &Topology {
+        &self.core.topology
+    }
+
+    /// The communicator id (equal on all ranks; in logs and handshakes).
+    pub fn id(&self) -> u64 {
+        self.core.id
+    }
+
+    /// True once aborted (by [`Communicator::abort`] or a failure).
+    pub fn is_aborted(&self) -> bool {
+        self.core.abort.is_fired()
+    }
+
+    /// The message of the last failed call, if any (what `toroid_get_last_error` returns).
+    pub fn last_error(&self) -> Option<String> {
+        lock(&self.core.last_error).clone()
+    }
+
+    /// Aborts: pending and later operations fail, peers are told, links close. Never blocks.
+    pub fn abort(&self) {
+        self.core.abort.fire(Error::Aborted(format!("rank {} aborted the communicator", self.core.rank)));
+        // Idle: close the links now. Busy: the running operation sees the signal and does it.
+        if let Ok(mut engine) = self.core.engine.try_lock() {
+            if !engine.peers.is_closed() {
+                engine.peers.poison(&format!("rank {} called abort", self.core.rank));
+            }
+        }
+        self.core.queue_cv.notify_all();
+    }
+
+    /// The algorithm that a call of `kind` moving `bytes` would use (what the benchmark shows).
+    pub fn algorithm_for(&self, kind: OpKind, bytes: usize, opts: &CallOptions) -> Algorithm {
+        self.core.choose(kind, bytes, opts)
+    }
+
+    /// Validates `op` and runs it, blocking until it completes.
+    pub fn run(&self, op: RawOp) -> Result<()> {
+        let r = self.run_inner(op);
+        if let Err(e) = &r {
+            *lock(&self.core.last_error) = Some(e.to_string());
+        }
+        r
+    }
+
+    fn run_inner(&self, op: RawOp) -> Result<()> {
+        self.core.validate(&op)?;
+        self.core.abort.check()?;
+        {
+            let mut q = lock(&self.core.queue);
+            if q.jobs.is_empty() && !q.running {
+                q.running = true;
+                drop(q);
+                let r = self.core.execute(&op);
+                lock(&self.core.queue).running = false;
+                self.core.queue_cv.notify_all();
+                return r;
+            }
+        }
+        // Queued behind async work: wait for it. The caller's borrows outlive this wait.
+        let done = self.enqueue(op, None)?;
+        done.wait_done(&self.core.abort, self.core.timeout)
+    }
+
+    /// Validates `op` and queues it; the returned handle completes when it has run.
+    ///
+    /// # Safety
+    /// The buffers of `op` must stay valid (and, for outputs, untouched by anything else) until
+    /// the work completes, and `keep` (if any) must own them or otherwise keep them alive.
+    pub unsafe fn submit_raw(&self, op: RawOp, keep: Option<Box<dyn Any + Send>>) -> Result<Work<()>> {
+        let r = self.core.validate(&op).and_then(|_| self.core.abort.check()).and_then(|_| self.enqueue(op, keep));
+        match r {
+            Ok(done) => Ok(Work { done, abort: self.core.abort.clone(), timeout: self.core.timeout, _buf: PhantomData }),
+            Err(e) => {
+                *lock(&self.core.last_error) = Some(e.to_string());
+                Err(e)
+            }
+        }
+    }
+
+    fn enqueue(&self, op: RawOp, keep: Option<Box<dyn Any + Send>>) -> Result<Arc<Completion>> {
+        self.ensure_worker()?;
+        let done = Arc::new(Completion::new(keep));
+        let mut q = lock(&self.core.queue);
+        if q.shutdown {
+            return Err(Error::Aborted("communicator is shutting down".into()));
+        }
+        q.jobs.push_back(Job { op, done: done.clone() });
+        drop(q);
+        self.core.queue_cv.notify_all();
+        Ok(done)
+    }
+
+    fn ensure_worker(&self) -> Result<()> {
+        let mut w = lock(&self.worker);
+        if w.is_none() {
+            let core = self.core.clone();
+            let h = std::thread::Builder::new()
+                .name(format!("toroid-r{}", self.core.rank))
+                .spawn(move || core.worker_loop())
+                .map_err(|e| Error::system("spawning the worker thread", e))?;
+            *w = Some(h);
+        }
+        Ok(())
+    }
+
+    /// Splits into sub-communicators: ranks passing the same `color` form one, ordered by
+    /// `key` (ties by current rank). Ranks passing `None` take part but get `None` back.
+    /// Every rank must call it (it is a collective).
+    pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
+        let n = self.size();
+        // 1. Everyone learns everyone's color and key.
+        let mine: [i64; 2] = [color.map_or(-1, i64::from), key];
+        let mut all = vec![0i64; 2 * n];
+        all[2 * self.rank()..2 * self.rank() + 2].copy_from_slice(&mine);
+        self.run(RawOp {
+            kind: OpKind::SplitExchange,
+            dtype: DataType::I64,
+            bufs: RawBufs::InPlace(RawBufMut::new(bytemuck::cast_slice_mut(&mut all))),
+            opts: CallOptions::default(),
+        })?;
+        let mut members: Vec<(i64, usize)> = Vec::new();
+        if let Some(c) = color {
+            for r in 0..n {
+                if all[2 * r] == i64::from(c) {
+                    members.push((all[2 * r + 1], r));
+                }
+            }
+            members.sort();
+        }
+        let new_rank = members.iter().position(|(_, r)| *r == self.rank());
+        // 2. Members listen on a fresh port; everyone exchanges addresses over this communicator.
+        let endpoint = match new_rank {
+            Some(_) => Some(tcp::listen(&self.core.iface, members.len())?),
+            None => None,
+        };
+        const REC: usize = 64;
+        let mut addrs = vec![0u8; REC * n];
+        if let Some(ep) = &endpoint {
+            let s = ep.addr.to_string();
+            let rec = &mut addrs[REC * self.rank()..REC * (self.rank() + 1)];
+            rec[..s.len()].copy_from_slice(s.as_bytes());
+        }
+        self.run(RawOp {
+            kind: OpKind::SplitExchange,
+            dtype: DataType::U8,
+            bufs: RawBufs::InPlace(RawBufMut::new(&mut addrs)),
+            opts: CallOptions::default(),
+        })?;
+        let (Some(new_rank), Some(endpoint)) = (new_rank, endpoint) else { return Ok(None) };
+        let split_no = {
+            let mut e = lock(&self.core.engine);
+            e.splits += 1;
+            e.splits
+        };
+        let mut member_addrs = Vec::with_capacity(members.len());
+        for (_, r) in &members {
+            let rec = &addrs[REC * r..REC * (r + 1)];
+            let end = rec.iter().position(|b| *b == 0).unwrap_or(REC);
+            let a = std::str::from_utf8(&rec[..end]).ok().and_then(|s| s.parse::<SocketAddr>().ok())
+                .ok_or_else(|| Error::Remote(format!("rank {r} sent a bad address in split")))?;
+            member_addrs.push(a);
+        }
+        let id = {
+            use std::hash::{DefaultHasher, Hash, Hasher};
+            let mut h = DefaultHasher::new();
+            (self.core.id, split_no, color).hash(&mut h);
+            h.finish()
+        };
+        let deadline = Instant::now() + self.core.timeout;
+        let transports = tcp::connect_mesh(new_rank, &member_addrs, &endpoint, id, self.core.config.socket_buffer, deadline)?;
+        let host_of: Vec<String> = members.iter().map(|(_, r)| self.core.topology.host_of[*r].to_string()).collect();
+        let topology = Topology::from_host_ids(new_rank, &host_of);
+        tracing::info!(target: "toroid::init", "rank {} split (color {color:?}, key {key}) into rank {new_rank} of {}", self.rank(), members.len());
+        Communicator::assemble(new_rank, members.len(), id, self.core.config.clone(), topology, self.core.iface.clone(), transports, None).map(Some)
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        lock(&self.core.queue).shutdown = true;
+        self.core.queue_cv.notify_all();
+        if let Some(h) = lock(&self.worker).take() {
+            let _ = h.join();
+        }
+        // Links close when the core (and its engine) goes away right after this.
+    }
+}
+
+impl Core {
+    fn choose(&self, kind: OpKind, bytes: usize, opts: &CallOptions) -> Algorithm {
+        let coll = kind.coll();
+        match opts.algorithm {
+            Some(a) => a,
+            None => self.filter.choose(coll, bytes, self.size),
+        }
+    }
+
+    /// Checks everything that can be checked locally, before any byte moves.
+    fn validate(&self, op: &RawOp) -> Result<()> {
+        let n = self.size;
+        let es = op.dtype.size();
+        let (inp, out) = (op.bufs.input_len(), op.bufs.output_len());
+        let whole = |what: &str, len: usize| -> Result<usize> {
+            if len % es != 0 {
+                return Err(Error::InvalidArgument(format!("{what} of {len} bytes is not a whole number of {} elements", op.dtype)));
+            }
+            Ok(len / es)
+        };
+        let in_place = matches!(op.bufs, RawBufs::InPlace(_));
+        let rank_ok = |what: &str, r: usize| -> Result<()> {
+            if r >= n {
+                return Err(Error::InvalidArgument(format!("{what} {r} is not a rank of this communicator (size {n})")));
+            }
+            Ok(())
+        };
+        match op.kind {
+            OpKind::AllReduce(rop) | OpKind::Reduce(rop, _) => {
+                rop.check(op.dtype)?;
+                whole("buffer", out.max(inp))?;
+                if inp != out && !(matches!(op.kind, OpKind::Reduce(..)) && out == 0) {
+                    return Err(Error::InvalidArgument(format!("input is {inp} bytes but output is {out}")));
+                }
+                if let OpKind::Reduce(_, root) = op.kind {
+                    rank_ok("root", root)?;
+                }
+            }
+            OpKind::ReduceScatter(rop) => {
+                rop.check(op.dtype)?;
+                let c = whole("input", inp)?;
+                if c % n != 0 {
+                    return Err(Error::InvalidArgument(format!("reduce_scatter input of {c} elements does not split into {n} equal pieces")));
+                }
+                if !in_place && out * n != inp {
+                    return Err(Error::InvalidArgument(format!("reduce_scatter output is {out} bytes; expected input/size = {}", inp / n)));
+                }
+            }
+            OpKind::AllGather | OpKind::SplitExchange => {
+                let c = whole("output", out)?;
+                if c % n != 0 {
+                    return Err(Error::InvalidArgument(format!("all_gather output of {c} elements does not split into {n} equal pieces")));
+                }
+                if !in_place && inp * n != out {
+                    return Err(Error::InvalidArgument(format!("all_gather output is {out} bytes; expected size x input = {}", inp * n)));
+                }
+            }
+            OpKind::Broadcast(root) => {
+                rank_ok("root", root)?;
+                whole("buffer", out)?;
+                if !in_place && inp != out && (self.rank == root || inp != 0) {
+                    return Err(Error::InvalidArgument(format!("input is {inp} bytes but output is {out}")));
+                }
+            }
+            OpKind::AllToAll => {
+                let c = whole("buffer", out)?;
+                if c % n != 0 || inp != out {
+                    return Err(Error::InvalidArgument(format!("all_to_all buffers must be equal and split into {n} blocks (input {inp}, output {out} bytes)")));
+                }
+            }
+            OpKind::Barrier => {}
+            OpKind::Send(peer) | OpKind::Recv(peer) => {
+                rank_ok("peer", peer)?;
+                if peer == self.rank {
+                    return Err(Error::InvalidArgument(format!("rank {peer} cannot send to or receive from itself")));
+                }
+                whole("buffer", inp.max(out))?;
+            }
+        }
+        if let Some(a) = op.opts.algorithm {
+            tuning::check_forced(op.kind.coll(), a)?;
+        }
+        Ok(())
+    }
+
+    /// Runs a validated operation (callers guarantee one at a time, in issue order).
+    fn execute(&self, op: &RawOp) -> Result<()> {
+        self.abort.check()?;
+        let mut engine = lock(&self.engine);
+        let engine = &mut *engine;
+        let es = op.dtype.size();
+        let n = self.size;
+        let (count, root, rop, bytes) = match op.kind {
+            OpKind::AllReduce(o) => (op.bufs.output_len() / es, -1, o, op.bufs.output_len()),
+            OpKind::ReduceScatter(o) => (op.bufs.input_len() / es / n, -1, o, op.bufs.input_len()),
+            OpKind::AllGather | OpKind::SplitExchange => (op.bufs.output_len() / es / n, -1, ReduceOp::Sum, op.bufs.output_len()),
+            OpKind::Broadcast(r) => (op.bufs.output_len() / es, r as i32, ReduceOp::Sum, op.bufs.output_len()),
+            OpKind::Reduce(o, r) => (op.bufs.input_len() / es, r as i32, o, op.bufs.input_len()),
+            OpKind::AllToAll => (op.bufs.output_len() / es / n, -1, ReduceOp::Sum, op.bufs.output_len()),
+            OpKind::Barrier => (0, -1, ReduceOp::Sum, 0),
+            OpKind::Send(_) => (op.bufs.input_len() / es, -1, ReduceOp::Sum, op.bufs.input_len()),
+            OpKind::Recv(_) => (op.bufs.output_len() / es, -1, ReduceOp::Sum, op.bufs.output_len()),
+        };
+        let algo = self.choose(op.kind, bytes, &op.opts);
+        let seq = match op.kind {
+            OpKind::Send(p) => {
+                engine.sent[p] += 1;
+                engine.sent[p]
+            }
+            OpKind::Recv(p) => {
+                engine.received[p] += 1;
+                engine.received[p]
+            }
+            _ => {
+                engine.seq += 1;
+                engine.seq
+            }
+        };
+        let fp = Fingerprint { seq, kind: op.kind.coll(), dtype: op.dtype, op: rop, count: count as u64, root, algo: algo as u8 };
+        let timeout = op.opts.timeout.unwrap_or(self.timeout);
+        tracing::debug!(target: "toroid::coll", "rank {}: {fp} ({bytes} bytes)", self.rank);
+        engine.peers.begin_op();
+        let mut wire = Wire { peers: &mut engine.peers, fp, deadline: Instant::now() + timeout };
+        let scratch = &mut engine.scratch;
+        // SAFETY: validated buffers; blocking callers hold their borrows until we return, async
+        // callers keep them alive in the work handle (see `memory`). One operation runs at a time.
+        let result = unsafe { dispatch(&mut wire, scratch, op, algo) };
+        if let Err(e) = &result {
+            tracing::warn!(target: "toroid::coll", "rank {}: {e}", self.rank);
+            if !engine.peers.is_closed() {
+                engine.peers.poison(&format!("rank {}: {e}", self.rank));
+            }
+            self.abort.fire(e.clone());
+        }
+        result
+    }
+
+    fn worker_loop(self: Arc<Core>) {
+        loop {
+            let job = {
+                let mut q = lock(&self.queue);
+                loop {
+                    if !q.running {
+                        if let Some(j) = q.jobs.pop_front() {
+                            q.running = true;
+                            break j;
+                        }
+                        if q.shutdown {
+                            return;
+                        }
+                    }
+                    q = self.queue_cv.wait(q).unwrap_or_else(|e| e.into_inner());
+                }
+            };
+            let r = self.execute(&job.op);
+            if let Err(e) = &r {
+                *lock(&self.last_error) = Some(e.to_string());
+            }
+            job.done.complete(r);
+            lock(&self.queue).running = false;
+            self.queue_cv.notify_all();
+        }
+    }
+}
+
+/// Runs `op` with `algo`.
+///
+/// # Safety
+/// `op`'s buffers must be valid as [`RawBufs::bufs`] requires.
+unsafe fn dispatch(wire: &mut Wire<'_>, scratch: &mut Scratch, op: &RawOp, algo: Algorithm) -> Result<()> {
+    let n = wire.size();
+    let me = wire.rank();
+    let dtype = op.dtype;
+    // SAFETY: forwarded from the caller.
+    let bufs = unsafe { op.bufs.bufs() };
+    let need = || Error::Internal("operation without buffers".into());
+    match op.kind {
+        OpKind::AllReduce(rop) => match algo {
+            Algorithm::Doubling => algorithm::doubling::all_reduce(wire, scratch, bufs.ok_or_else(need)?, dtype, rop),
+            _ => algorithm::ring::all_reduce(wire, scratch, Group::World(n), me, bufs.ok_or_else(need)?, dtype, rop, n),
+        },
+        OpKind::ReduceScatter(rop) => {
+            use algorithm::ring::RsBufs;
+            let count = op.bufs.input_len() / dtype.size();
+            let (rs, rop) = match bufs.ok_or_else(need)? {
+                Bufs::InPlace(b) => {
+                    if rop == ReduceOp::Avg {
+                        crate::reduce::scale_inplace(dtype, b, 1.0 / n as f64);
+                    }
+                    (RsBufs::InPlace(b), rop)
+                }
+                Bufs::OutOfPlace { send, recv } if rop == ReduceOp::Avg => {
+                    // Pre-scale the input into scratch; the caller's input stays untouched.
+                    let scaled = scratch.third(send.len());
+                    crate::reduce::scale_into(dtype, scaled, send, 1.0 / n as f64);
+                    let scaled: &[u8] = scaled;
+                    // SAFETY of lifetimes: `scaled` borrows scratch's third buffer, which the
+                    // ring below does not touch (it uses the first two).
+                    return algorithm::ring::reduce_scatter_phase(
+                        wire, &mut Scratch::default(), Group::World(n), me, count,
+                        RsBufs::Own { src: scaled, out: recv }, dtype, ReduceOp::Sum, 0,
+                    );
+                }
+                Bufs::OutOfPlace { send, recv } => (RsBufs::Own { src: send, out: recv }, rop),
+            };
+            let rop = if rop == ReduceOp::Avg { ReduceOp::Sum } else { rop };
+            algorithm::ring::reduce_scatter_phase(wire, scratch, Group::World(n), me, count, rs, dtype, rop, 0)
+        }
+        OpKind::AllGather | OpKind::SplitExchange => {
+            let buf = match bufs.ok_or_else(need)? {
+                Bufs::InPlace(b) => b,
+                Bufs::OutOfPlace { send, recv } => {
+                    let piece = send.len();
+                    recv[me * piece..(me + 1) * piece].copy_from_slice(send);
+                    recv
+                }
+            };
+            let count = buf.len() / dtype.size();
+            algorithm::ring::all_gather_phase(wire, Group::World(n), me, count, dtype.size(), buf, 0)
+        }
+        OpKind::Broadcast(root) => algorithm::broadcast::broadcast(wire, algo, bufs.ok_or_else(need)?, root),
+        OpKind::Reduce(rop, root) => {
+            let bufs = match (bufs, op.bufs) {
+                (Some(b), _) => b,
+                // A non-root may pass no output at all.
+                // SAFETY: forwarded from the caller.
+                (None, RawBufs::Read(s)) => Bufs::InPlace(unsafe { RawBufMut::from_raw(s.addr() as *mut u8, 0)?.as_mut_slice() }),
+                _ => return Err(need()),
+            };
+            algorithm::broadcast::reduce(wire, scratch, algo, bufs, dtype, rop, root)
+        }
+        OpKind::AllToAll => algorithm::pairwise::all_to_all(wire, scratch, bufs.ok_or_else(need)?),
+        OpKind::Barrier => algorithm::pairwise::barrier(wire),
+        OpKind::Send(peer) => {
+            // SAFETY: forwarded from the caller.
+            let buf = unsafe { op.bufs.read() }.ok_or_else(need)?;
+            algorithm::pairwise::send(wire, buf, peer)
+        }
+        OpKind::Recv(peer) => match bufs.ok_or_else(need)? {
+            Bufs::InPlace(b) => algorithm::pairwise::recv(wire, b, peer),
+            Bufs::OutOfPlace { .. } => Err(need()),
+        },
+    }
+}
+
+/// Completion state of one queued operation.
+pub(crate) struct Completion {
+    result: Mutex<Option<Result<()>>>,
+    cv: Condvar,
+    done: AtomicBool,
+    keep: Mutex<Option<Box<dyn Any + Send>>>,
+}
+
+impl Completion {
+    fn new(keep: Option<Box<dyn Any + Send>>) -> Completion {
+        Completion { result: Mutex::new(None), cv: Condvar::new(), done: AtomicBool::new(false), keep: Mutex::new(keep) }
+    }
+
+    fn complete(&self, r: Result<()>) {
+        *lock(&self.result) = Some(r);
+        self.done.store(true, Ordering::Release);
+        self.cv.notify_all();
+    }
+
+    fn is_done(&self) -> bool {
+        self.done.load(Ordering::Acquire)
+    }
+
+    /// Waits for completion. Past `timeout` the communicator is aborted (so the operation
+    /// fails fast) and the wait continues until it has actually stopped: a caller's buffers are
+    /// never released while the operation may still touch them.
+    fn wait_done(&self, abort: &AbortSignal, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        // Poll briefly first: waking a sleeping thread costs tens of microseconds.
+        let spin_until = Instant::now() + Duration::from_micros(20);
+        while !self.is_done() && Instant::now() < spin_until {
+            std::hint::spin_loop();
+        }
+        let mut r = lock(&self.result);
+        let mut timed_out = false;
+        while r.is_none() {
+            let now = Instant::now();
+            if !timed_out && now >= deadline {
+                timed_out = true;
+                abort.fire(Error::Timeout(format!("work not completed within {timeout:?}")));
+            }
+            let wait = if timed_out { Duration::from_millis(50) } else { deadline - now };
+            r = self.cv.wait_timeout(r, wait).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        let res = r.clone().unwrap_or(Ok(()));
+        if timed_out && res.is_ok() {
+            return Ok(());
+        }
+        res
+    }
+}
+
+/// A handle to an operation issued asynchronously.
+///
+/// The operation runs on the communicator's worker thread in issue order. Dropping the handle
+/// does not cancel it; owned buffers stay alive until it has run.
+pub struct Work<B = ()> {
+    done: Arc<Completion>,
+    abort: Arc<AbortSignal>,
+    timeout: Duration,
+    _buf: PhantomData<fn() -> B>,
+}
+
+impl<B> std::fmt::Debug for Work<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Work").field("done", &self.done.is_done()).finish()
+    }
+}
+
+impl<B: 'static> Work<B> {
+    /// True once the operation has finished (successfully or not). Never blocks.
+    pub fn test(&self) -> bool {
+        self.done.is_done()
+    }
+
+    /// The error, once finished with one.
+    pub fn error(&self) -> Option<Error> {
+        if !self.test() {
+            return None;
+        }
+        lock(&self.done.result).clone().and_then(Result::err)
+    }
+
+    /// Waits up to `timeout`. Past it the communicator is aborted (this and every pending
+    /// operation fail) and `Err(Timeout)` is returned once the operation has stopped.
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
+        let r = self.done.wait_done(&self.abort, timeout);
+        if r.is_ok() && !self.test() {
+            return Err(Error::Timeout(format!("work not completed within {timeout:?}")));
+        }
+        r
+    }
+
+    /// Waits (with the communicator's timeout) and returns the buffer the operation owned.
+    pub fn wait(self) -> Result<B> {
+        self.done.wait_done(&self.abort, self.timeout)?;
+        let keep = lock(&self.done.keep).take();
+        match keep.map(|b| b.downcast::<B>()) {
+            Some(Ok(b)) => Ok(*b),
+            _ => {
+                // `B = ()` for raw submissions.
+                let unit: Box<dyn Any> = Box::new(());
+                unit.downcast::<B>().map(|b| *b).map_err(|_| Error::Internal("work buffer already taken".into()))
+            }
+        }
+    }
+}
+
+/// Host memory an async operation can own: its heap data does not move when the value does.
+pub trait OwnedBuffer<T>: Send + 'static {
+    /// The elements.
+    fn as_mut_elems(&mut self) -> &mut [T];
+}
+
+impl<T: Element> OwnedBuffer<T> for Vec<T> {
+    fn as_mut_elems(&mut self) -> &mut [T] {
+        self
+    }
+}
+
+impl<T: Element> OwnedBuffer<T> for Box<[T]> {
+    fn as_mut_elems(&mut self) -> &mut [T] {
+        self
+    }
+}
+
+fn bytes_of<T: Element>(s: &[T]) -> &[u8] {
+    bytemuck::cast_slice(s)
+}
+
+fn bytes_of_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
+    bytemuck::cast_slice_mut(s)
+}
+
+/// The typed collectives. Each blocks until done (see [`Communicator::run`]); `*_into` forms
+/// are out of place, the others in place.
+impl Communicator {
+    fn go(&self, kind: OpKind, dtype: DataType, bufs: RawBufs) -> Result<()> {
+        self.run(RawOp { kind, dtype, bufs, opts: CallOptions::default() })
+    }
+
+    /// Reduces `buf` across all ranks in place: afterwards every rank holds the result.
+    pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.go(OpKind::AllReduce(op), T::DTYPE, RawBufs::InPlace(RawBufMut::new(bytes_of_mut(buf))))
+    }
+
+    /// Reduces `send` across all ranks into `recv` (same length).
+    pub fn all_reduce_into<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+        self.go(OpKind::AllReduce(op), T::DTYPE, RawBufs::OutOfPlace(RawBuf::new(bytes_of(send)), RawBufMut::new(bytes_of_mut(recv))))
+    }
+
+    /// Reduces `send` (`size` equal pieces) across ranks; rank `r` receives piece `r` in `recv`.
+    pub fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+        self.go(OpKind::ReduceScatter(op), T::DTYPE, RawBufs::OutOfPlace(RawBuf::new(bytes_of(send)), RawBufMut::new(bytes_of_mut(recv))))
+    }
+
+    /// In-place reduce-scatter: `buf` holds `size` equal pieces; afterwards piece `rank` holds
+    /// the reduction of everyone's piece `rank` (other pieces hold intermediate values).
+    pub fn reduce_scatter_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.go(OpKind::ReduceScatter(op), T::DTYPE, RawBufs::InPlace(RawBufMut::new(bytes_of_mut(buf))))
+    }
+
+    /// Gathers every rank's `send` into `recv` (`size` pieces in rank order).
+    pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        self.go(OpKind::AllGather, T::DTYPE, RawBufs::OutOfPlace(RawBuf::new(bytes_of(send)), RawBufMut::new(bytes_of_mut(recv))))
+    }
+
+    /// In-place all-gather: this rank's piece is already at position `rank` of `buf`.
+    pub fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        self.go(OpKind::AllGather, T::DTYPE, RawBufs::InPlace(RawBufMut::new(bytes_of_mut(buf))))
+    }
+
+    /// Broadcasts `root`'s `buf` to every rank's `buf`.
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.go(OpKind::Broadcast(root), T::DTYPE, RawBufs::InPlace(RawBufMut::new(bytes_of_mut(buf))))
+    }
+
+    /// Broadcasts `root`'s `send` into every rank's `recv` (`send` is read on the root only).
+    pub fn broadcast_into<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
+        self.go(OpKind::Broadcast(root), T::DTYPE, RawBufs::OutOfPlace(RawBuf::new(bytes_of(send)), RawBufMut::new(bytes_of_mut(recv))))
+    }
+
+    /// Reduces every rank's `buf` into `root`'s `buf`; other ranks' buffers are left untouched.
+    pub fn reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+        self.go(OpKind::Reduce(op, root), T::DTYPE, RawBufs::InPlace(RawBufMut::new(bytes_of_mut(buf))))
+    }
+
+    /// Reduces every rank's `send` into `root`'s `recv` (`recv` is written on the root only).
+    pub fn reduce_into<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+        self.go(OpKind::Reduce(op, root), T::DTYPE, RawBufs::OutOfPlace(RawBuf::new(bytes_of(send)), RawBufMut::new(bytes_of_mut(recv))))
+    }
+
+    /// All-to-all: block `j` of `send` goes to rank `j`, arriving as its block `rank`.
+    pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        self.go(OpKind::AllToAll, T::DTYPE, RawBufs::OutOfPlace(RawBuf::new(bytes_of(send)), RawBufMut::new(bytes_of_mut(recv))))
+    }
+
+    /// In-place all-to-all.
+    pub fn all_to_all_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        self.go(OpKind::AllToAll, T::DTYPE, RawBufs::InPlace(RawBufMut::new(bytes_of_mut(buf))))
+    }
+
+    /// Returns once every rank has entered the barrier.
+    pub fn barrier(&self) -> Result<()> {
+        self.go(OpKind::Barrier, DataType::U8, RawBufs::None)
+    }
+
+    /// Sends `buf` to `peer` (which must post a matching `recv`).
+    pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
+        self.go(OpKind::Send(peer), T::DTYPE, RawBufs::Read(RawBuf::new(bytes_of(buf))))
+    }
+
+    /// Receives `buf.len()` elements from `peer`.
+    pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
+        self.go(OpKind::Recv(peer), T::DTYPE, RawBufs::InPlace(RawBufMut::new(bytes_of_mut(buf))))
+    }
+
+    /// Any collective on untyped bytes with options (the form the benchmark and the C ABI use).
+    pub fn run_bytes(&self, kind: OpKind, dtype: DataType, send: Option<&[u8]>, recv: Option<&mut [u8]>, opts: CallOptions) -> Result<()> {
+        let bufs = match (send, recv) {
+            (None, None) => RawBufs::None,
+            (Some(s), None) => RawBufs::Read(RawBuf::new(s)),
+            (None, Some(r)) => RawBufs::InPlace(RawBufMut::new(r)),
+            (Some(s), Some(r)) => RawBufs::OutOfPlace(RawBuf::new(s), RawBufMut::new(r)),
+        };
+        self.run(RawOp { kind, dtype, bufs, opts })
+    }
+
+    /// Async in-place all-reduce of an owned buffer; `wait` gives it back.
+    ///
+    /// ```no_run
+    /// # let comm = toroid::Communicator::from_env()?;
+    /// let work = comm.all_reduce_async(vec![1.0f32; 1024], toroid::ReduceOp::Sum)?;
+    /// // ... compute meanwhile ...
+    /// let summed: Vec<f32> = work.wait()?;
+    /// # Ok::<(), toroid::Error>(())
+    /// ```
+    pub fn all_reduce_async<T: Element, B: OwnedBuffer<T>>(&self, buf: B, op: ReduceOp) -> Result<Work<B>> {
+        self.submit_owned(buf, |b| (OpKind::AllReduce(op), RawBufs::InPlace(RawBufMut::new(b))))
+    }
+
+    /// Async broadcast of an owned buffer.
+    pub fn broadcast_async<T: Element, B: OwnedBuffer<T>>(&self, buf: B, root: usize) -> Result<Work<B>> {
+        self.submit_owned(buf, |b| (OpKind::Broadcast(root), RawBufs::InPlace(RawBufMut::new(b))))
+    }
+
+    /// Async in-place reduce-scatter of an owned buffer (see [`Communicator::reduce_scatter_in_place`]).
+    pub fn reduce_scatter_async<T: Element, B: OwnedBuffer<T>>(&self, buf: B, op: ReduceOp) -> Result<Work<B>> {
+        self.submit_owned(buf, |b| (OpKind::ReduceScatter(op), RawBufs::InPlace(RawBufMut::new(b))))
+    }
+
+    /// Async in-place all-gather of an owned buffer (see [`Communicator::all_gather_in_place`]).
+    pub fn all_gather_async<T: Element, B: OwnedBuffer<T>>(&self, buf: B) -> Result<Work<B>> {
+        self.submit_owned(buf, |b| (OpKind::AllGather, RawBufs::InPlace(RawBufMut::new(b))))
+    }
+
+    /// Async barrier.
+    pub fn barrier_async(&self) -> Result<Work<()>> {
+        // SAFETY: a barrier has no buffers.
+        unsafe { self.submit_raw(RawOp { kind: OpKind::Barrier, dtype: DataType::U8, bufs: RawBufs::None, opts: CallOptions::default() }, None) }
+    }
+
+    fn submit_owned<T: Element, B: OwnedBuffer<T>>(&self, mut buf: B, make: impl FnOnce(&mut [u8]) -> (OpKind, RawBufs)) -> Result<Work<B>> {
+        let (kind, bufs) = make(bytes_of_mut(buf.as_mut_elems()));
+        let op = RawOp { kind, dtype: T::DTYPE, bufs, opts: CallOptions::default() };
+        // SAFETY: the work keeps `buf` alive until the operation completes, and its heap data
+        // does not move when `buf` is moved into the box (OwnedBuffer's promise).
+        let w = unsafe { self.submit_raw(op, Some(Box::new(buf)))? };
+        Ok(Work { done: w.done, abort: w.abort, timeout: w.timeout, _buf: PhantomData })
+    }
+}

@@ -1,0 +1,949 @@
+//! The progress engine: framed, fingerprinted, deadline-bounded exchanges between ranks.
+//!
+//! Every algorithm moves data through [`Peers::exchange`]: "send these bytes to rank A while
+//! receiving that many bytes from rank B, and reduce (or copy) what arrives into this buffer".
+//! One thread drives both directions without blocking, so a step is full duplex; received bytes
+//! are reduced as soon as whole elements are in, so the reduction of one piece overlaps the
+//! transfer of the next; [`Source::Forward`] re-sends what was just received (pipelined chains).
+//!
+//! ## Frames
+//!
+//! Each step's payload travels as frames of at most `segment_size` bytes, each behind a 40-byte
+//! header (little-endian):
+//!
+//! ```text
+//! magic u32 | kind u8 | coll u8 | dtype u8 | op u8 | algo u8 | 0 u8 | step u16 | len u32
+//! seq u64 | count u64 | root i32 | 0 u32
+//! ```
+//!
+//! The receiver knows the frame layout from the schedule and checks every header against its own
+//! [`Fingerprint`], step and length before it uses the payload, so a mismatched collective, a
+//! different algorithm choice or a desynchronised stream is an error, never wrong data.
+//! A rank that fails sends `kind = ABORT` frames with the reason (where its stream is at a frame
+//! boundary) and closes every link; the other ranks turn that into [`Error::Remote`].
+//!
+//! ## Waiting
+//!
+//! When nothing moves, the engine polls for `spin` (yielding the core when ranks outnumber
+//! cores), then sleeps in `poll(2)` on the active links, the abort event and every idle link
+//! (a peer that closes, aborts or sends a frame of another collective is noticed at once).
+//! Every wait ends at the collective's deadline with [`Error::Timeout`] naming the awaited rank.
+
+use std::fmt;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::Transport;
+use crate::dtype::{DataType, ReduceOp};
+use crate::error::{Error, Result};
+use crate::reduce;
+
+/// "TRD1" little-endian.
+const MAGIC: u32 = u32::from_le_bytes(*b"TRD1");
+const KIND_DATA: u8 = 1;
+const KIND_ABORT: u8 = 2;
+/// Size of a frame header on the wire.
+pub const HEADER_LEN: usize = 40;
+/// Longest abort reason carried on the wire.
+const MAX_REASON: usize = 2048;
+/// How long a failing rank tries to deliver its abort frames.
+const ABORT_SEND_BUDGET: Duration = Duration::from_millis(200);
+/// Upper bound of one `poll(2)` sleep, so a lost wake-up can never stall past this.
+const MAX_SLEEP: Duration = Duration::from_millis(500);
+
+/// What kind of operation a frame belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum CollKind {
+    /// all_reduce
+    AllReduce = 1,
+    /// reduce_scatter
+    ReduceScatter = 2,
+    /// all_gather
+    AllGather = 3,
+    /// broadcast
+    Broadcast = 4,
+    /// reduce
+    Reduce = 5,
+    /// all_to_all
+    AllToAll = 6,
+    /// barrier
+    Barrier = 7,
+    /// send / recv between two ranks
+    PointToPoint = 8,
+    /// the internal exchange that creates sub-communicators
+    Split = 9,
+}
+
+impl CollKind {
+    const ALL: [CollKind; 9] = [
+        CollKind::AllReduce,
+        CollKind::ReduceScatter,
+        CollKind::AllGather,
+        CollKind::Broadcast,
+        CollKind::Reduce,
+        CollKind::AllToAll,
+        CollKind::Barrier,
+        CollKind::PointToPoint,
+        CollKind::Split,
+    ];
+
+    /// The snake_case name used in logs and errors.
+    pub const fn name(self) -> &'static str {
+        match self {
+            CollKind::AllReduce => "all_reduce",
+            CollKind::ReduceScatter => "reduce_scatter",
+            CollKind::AllGather => "all_gather",
+            CollKind::Broadcast => "broadcast",
+            CollKind::Reduce => "reduce",
+            CollKind::AllToAll => "all_to_all",
+            CollKind::Barrier => "barrier",
+            CollKind::PointToPoint => "send/recv",
+            CollKind::Split => "split",
+        }
+    }
+
+    fn from_u8(v: u8) -> Option<CollKind> {
+        CollKind::ALL.iter().copied().find(|k| *k as u8 == v)
+    }
+}
+
+/// What every rank taking part in one operation must agree on. Carried in every frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fingerprint {
+    /// Sequence number: per communicator for collectives, per pair of ranks for send/recv.
+    pub seq: u64,
+    /// Which operation.
+    pub kind: CollKind,
+    /// Element type.
+    pub dtype: DataType,
+    /// Reduction (`Sum` where none applies).
+    pub op: ReduceOp,
+    /// Element count as the operation's signature defines it.
+    pub count: u64,
+    /// Root rank, or -1.
+    pub root: i32,
+    /// Algorithm id (ranks that picked different algorithms must not exchange data).
+    pub algo: u8,
+}
+
+impl fmt::Display for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} #{} ({} x {}", self.kind.name(), self.seq, self.count, self.dtype)?;
+        if matches!(
+            self.kind,
+            CollKind::AllReduce | CollKind::ReduceScatter | CollKind::Reduce
+        ) {
+            write!(f, ", {}", self.op)?;
+        }
+        if self.root >= 0 {
+            write!(f, ", root {}", self.root)?;
+        }
+        write!(f, ", algorithm {})", crate::algorithm::Algorithm::name_of(self.algo))
+    }
+}
+
+/// A decoded frame header.
+#[derive(Debug, Clone)]
+struct Header {
+    kind: u8,
+    fp: Result<Fingerprint, String>,
+    step: u16,
+    len: u32,
+}
+
+fn encode(kind: u8, fp: &Fingerprint, step: u16, len: u32) -> [u8; HEADER_LEN] {
+    let mut h = [0u8; HEADER_LEN];
+    h[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+    h[4] = kind;
+    h[5] = fp.kind as u8;
+    h[6] = fp.dtype as u8;
+    h[7] = fp.op as u8;
+    h[8] = fp.algo;
+    h[10..12].copy_from_slice(&step.to_le_bytes());
+    h[12..16].copy_from_slice(&len.to_le_bytes());
+    h[16..24].copy_from_slice(&fp.seq.to_le_bytes());
+    h[24..32].copy_from_slice(&fp.count.to_le_bytes());
+    h[32..36].copy_from_slice(&fp.root.to_le_bytes());
+    h
+}
+
+fn decode(h: &[u8; HEADER_LEN]) -> std::result::Result<Header, String> {
+    let u32_at = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
+    let u64_at = |i: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&h[i..i + 8]);
+        u64::from_le_bytes(b)
+    };
+    if u32_at(0) != MAGIC {
+        return Err(format!("bad frame magic {:#010x}", u32_at(0)));
+    }
+    let kind = h[4];
+    if kind != KIND_DATA && kind != KIND_ABORT {
+        return Err(format!("unknown frame kind {kind}"));
+    }
+    let fp = match (CollKind::from_u8(h[5]), DataType::from_u8(h[6]), ReduceOp::from_u8(h[7])) {
+        (Some(k), Some(d), Some(o)) => Ok(Fingerprint {
+            seq: u64_at(16),
+            kind: k,
+            dtype: d,
+            op: o,
+            count: u64_at(24),
+            root: u32_at(32) as i32,
+            algo: h[8],
+        }),
+        _ => Err(format!("undecodable fingerprint fields {:?}", &h[5..8])),
+    };
+    Ok(Header { kind, fp, step: u16::from_le_bytes([h[10], h[11]]), len: u32_at(12) })
+}
+
+/// Where the bytes of a send come from.
+#[derive(Debug)]
+pub enum Source<'a> {
+    /// These bytes.
+    Bytes(&'a [u8]),
+    /// The bytes the receive of the same exchange produces, re-sent as they become final
+    /// (a pipelined chain). The length is the receive's length.
+    Forward,
+}
+
+/// What happens to received bytes.
+#[derive(Debug)]
+pub enum Sink<'a> {
+    /// Store them here.
+    Copy(&'a mut [u8]),
+    /// `dst = first ⊕ incoming`, where `first` is `other` or, when `None`, `dst` itself.
+    Reduce {
+        /// Output (and first operand when `other` is `None`).
+        dst: &'a mut [u8],
+        /// First operand when it is not `dst`.
+        other: Option<&'a [u8]>,
+        /// Element type.
+        dtype: DataType,
+        /// Operation (never `Avg`: callers pre-scale).
+        op: ReduceOp,
+    },
+}
+
+impl Sink<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Sink::Copy(d) => d.len(),
+            Sink::Reduce { dst, .. } => dst.len(),
+        }
+    }
+}
+
+/// The abort state shared by a communicator's threads: a flag, the first reason, and an event
+/// descriptor that wakes a rank sleeping in `poll(2)`.
+#[derive(Debug)]
+pub struct AbortSignal {
+    flag: AtomicBool,
+    reason: Mutex<Option<Error>>,
+    event: OwnedFd,
+}
+
+impl AbortSignal {
+    /// A signal that has not fired.
+    pub fn new() -> Result<AbortSignal> {
+        // SAFETY: eventfd has no memory-safety preconditions; the result is checked below.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if fd < 0 {
+            return Err(Error::system("eventfd", io::Error::last_os_error()));
+        }
+        // SAFETY: `fd` is a fresh descriptor that nothing else owns.
+        let event = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(AbortSignal { flag: AtomicBool::new(false), reason: Mutex::new(None), event })
+    }
+
+    /// Fires the signal (the first reason is kept) and wakes every sleeping waiter. Never blocks.
+    pub fn fire(&self, reason: Error) {
+        {
+            let mut r = self.reason.lock().unwrap_or_else(|e| e.into_inner());
+            if r.is_none() {
+                *r = Some(reason);
+            }
+        }
+        self.flag.store(true, Ordering::Release);
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a valid u64 to our own eventfd; a full counter (EAGAIN)
+        // still leaves the descriptor readable, which is all a waiter needs.
+        unsafe {
+            libc::write(self.event.as_raw_fd(), (&one as *const u64).cast(), 8);
+        }
+    }
+
+    /// True once fired.
+    pub fn is_fired(&self) -> bool {
+        self.flag.load(Ordering::Acquire)
+    }
+
+    /// `Err(Aborted)` with the reason once fired.
+    pub fn check(&self) -> Result<()> {
+        if !self.is_fired() {
+            return Ok(());
+        }
+        Err(self.error())
+    }
+
+    /// The error later calls report once fired.
+    pub fn error(&self) -> Error {
+        let r = self.reason.lock().unwrap_or_else(|e| e.into_inner());
+        match &*r {
+            Some(Error::Aborted(s)) => Error::Aborted(s.clone()),
+            Some(e) => Error::Aborted(format!("communicator aborted after an earlier error: {e}")),
+            None => Error::Aborted("communicator aborted".into()),
+        }
+    }
+}
+
+/// How a waiting rank spends its time before sleeping.
+#[derive(Debug, Clone, Copy)]
+pub struct SpinPolicy {
+    /// How long to poll without sleeping after the last progress.
+    pub spin: Duration,
+    /// Yield the core between polls (more ranks than cores on this host).
+    pub yield_between: bool,
+}
+
+#[derive(Debug)]
+struct Link {
+    transport: Box<dyn Transport>,
+    /// Our outgoing stream stopped inside a frame (an abort frame cannot follow it).
+    out_mid_frame: bool,
+    /// Idle-link checks are off for the operation with this token (data of ours is queued).
+    quiet_token: u64,
+    /// The peer closed its sending side (seen by poll); do not poll this link again this op.
+    hup_token: u64,
+}
+
+/// The connected peers of one rank and the engine that drives exchanges with them.
+pub struct Peers {
+    rank: usize,
+    links: Vec<Option<Link>>,
+    abort: Arc<AbortSignal>,
+    spin: SpinPolicy,
+    segment: usize,
+    scratch: Vec<u64>,
+    pollfds: Vec<libc::pollfd>,
+    poll_ranks: Vec<usize>,
+    token: u64,
+}
+
+impl fmt::Debug for Peers {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Peers")
+            .field("rank", &self.rank)
+            .field("links", &self.links.iter().filter(|l| l.is_some()).count())
+            .field("segment", &self.segment)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Peers {
+    /// Takes ownership of one transport per peer (`None` at `rank` and for unconnected peers).
+    /// `segment` is rounded down to a multiple of 64 (every element size divides it).
+    pub fn new(
+        rank: usize,
+        transports: Vec<Option<Box<dyn Transport>>>,
+        abort: Arc<AbortSignal>,
+        spin: SpinPolicy,
+        segment: usize,
+    ) -> Peers {
+        let segment = (segment / 64).max(1) * 64;
+        let links = transports
+            .into_iter()
+            .map(|t| t.map(|transport| Link { transport, out_mid_frame: false, quiet_token: 0, hup_token: 0 }))
+            .collect();
+        Peers {
+            rank,
+            links,
+            abort,
+            spin,
+            segment,
+            scratch: Vec::new(),
+            pollfds: Vec::new(),
+            poll_ranks: Vec::new(),
+            token: 0,
+        }
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks (links, including the empty one for this rank).
+    pub fn size(&self) -> usize {
+        self.links.len()
+    }
+
+    /// The largest frame payload.
+    pub fn segment(&self) -> usize {
+        self.segment
+    }
+
+    /// The abort signal this engine watches.
+    pub fn abort_signal(&self) -> &Arc<AbortSignal> {
+        &self.abort
+    }
+
+    /// Marks the start of a new operation (resets idle-link bookkeeping).
+    pub fn begin_op(&mut self) {
+        self.token += 1;
+    }
+
+    /// Sends `send` to one peer while receiving into `recv` from another (or the same) peer.
+    ///
+    /// Returns when both directions are complete. `step` numbers the exchanges of one
+    /// operation; sender and receiver must pass the same fingerprint, step and length.
+    pub fn exchange(
+        &mut self,
+        fp: &Fingerprint,
+        step: u16,
+        deadline: Instant,
+        send: Option<(usize, Source<'_>)>,
+        recv: Option<(usize, Sink<'_>)>,
+    ) -> Result<()> {
+        let recv_len = recv.as_ref().map(|(_, s)| s.len());
+        let mut tx = match send {
+            Some((peer, src)) => {
+                self.check_peer(peer)?;
+                let total = match (&src, recv_len) {
+                    (Source::Bytes(b), _) => b.len(),
+                    (Source::Forward, Some(n)) => n,
+                    (Source::Forward, None) => {
+                        return Err(Error::Internal("Source::Forward without a receive".into()));
+                    }
+                };
+                Some(Tx::new(peer, src, total, encode(KIND_DATA, fp, step, 0), self.segment))
+            }
+            None => None,
+        };
+        let mut rx = match recv {
+            Some((peer, sink)) => {
+                self.check_peer(peer)?;
+                if let Sink::Reduce { dst, other: Some(o), .. } = &sink {
+                    if o.len() != dst.len() {
+                        return Err(Error::Internal("reduce operand lengths differ".into()));
+                    }
+                }
+                Some(Rx::new(peer, sink, self.segment))
+            }
+            None => None,
+        };
+        if rx.as_ref().is_some_and(|r| matches!(r.sink, Sink::Reduce { .. })) {
+            let words = self.segment / 8;
+            if self.scratch.len() < words {
+                self.scratch.resize(words, 0);
+            }
+        }
+
+        let mut last_progress = Instant::now();
+        loop {
+            self.abort.check()?;
+            let mut progressed = false;
+            if let Some(r) = rx.as_mut() {
+                if !r.done {
+                    let link = live_link(&mut self.links, r.peer)?;
+                    let scratch = bytemuck::cast_slice_mut::<u64, u8>(&mut self.scratch);
+                    progressed |= r.pump(self.rank, link, fp, step, scratch)?;
+                }
+            }
+            if let Some(t) = tx.as_mut() {
+                if !t.done {
+                    let forwarded = rx.as_ref().map(|r| r.output());
+                    let link = live_link(&mut self.links, t.peer)?;
+                    progressed |= t.pump(link, forwarded)?;
+                }
+            }
+            let tx_done = tx.as_ref().is_none_or(|t| t.done);
+            let rx_done = rx.as_ref().is_none_or(|r| r.done);
+            if tx_done && rx_done {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if progressed {
+                last_progress = now;
+                continue;
+            }
+            if now >= deadline {
+                return Err(self.timeout_error(fp, step, tx.as_ref(), rx.as_ref()));
+            }
+            if now.duration_since(last_progress) < self.spin.spin {
+                if self.spin.yield_between {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+                continue;
+            }
+            let want_write = tx.as_ref().filter(|t| !t.done).map(|t| t.peer);
+            let want_read = rx.as_ref().filter(|r| !r.done).map(|r| r.peer);
+            self.sleep(fp, want_write, want_read, deadline)?;
+            last_progress = Instant::now();
+        }
+    }
+
+    fn check_peer(&self, peer: usize) -> Result<()> {
+        if peer == self.rank || peer >= self.links.len() {
+            return Err(Error::Internal(format!("rank {} cannot exchange with rank {peer}", self.rank)));
+        }
+        Ok(())
+    }
+
+    fn timeout_error(&self, fp: &Fingerprint, step: u16, tx: Option<&Tx<'_>>, rx: Option<&Rx<'_>>) -> Error {
+        let mut waits = Vec::new();
+        if let Some(r) = rx.filter(|r| !r.done) {
+            waits.push(format!("data from rank {} ({} of {} bytes received)", r.peer, r.frame_start + r.frame_got, r.total));
+        }
+        if let Some(t) = tx.filter(|t| !t.done) {
+            waits.push(format!("rank {} to take our data ({} of {} bytes sent)", t.peer, t.sent_payload(), t.total));
+        }
+        Error::Timeout(format!(
+            "rank {} in {fp}, step {step}: deadline passed waiting for {}",
+            self.rank,
+            waits.join(" and ")
+        ))
+    }
+
+    /// Sleeps in poll(2) until an active link can progress, an idle link shows something, the
+    /// abort event fires, or the deadline (capped) passes.
+    fn sleep(&mut self, fp: &Fingerprint, want_write: Option<usize>, want_read: Option<usize>, deadline: Instant) -> Result<()> {
+        self.pollfds.clear();
+        self.poll_ranks.clear();
+        self.pollfds.push(libc::pollfd { fd: self.abort.event.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+        self.poll_ranks.push(usize::MAX);
+        for (r, link) in self.links.iter().enumerate() {
+            let Some(link) = link else { continue };
+            let active = Some(r) == want_write || Some(r) == want_read;
+            let mut events: libc::c_short = 0;
+            if Some(r) == want_write {
+                events |= libc::POLLOUT;
+            }
+            if Some(r) == want_read {
+                events |= libc::POLLIN;
+            }
+            if !active {
+                if link.hup_token == self.token {
+                    continue;
+                }
+                events |= libc::POLLRDHUP;
+                if link.quiet_token != self.token {
+                    events |= libc::POLLIN;
+                }
+            }
+            self.pollfds.push(libc::pollfd { fd: link.transport.pollable(), events, revents: 0 });
+            self.poll_ranks.push(r);
+        }
+        let wait = deadline.saturating_duration_since(Instant::now()).min(MAX_SLEEP);
+        let ms = wait.as_millis().max(1) as libc::c_int;
+        // SAFETY: `pollfds` is a live, initialised array of `len` pollfd structs.
+        let n = unsafe { libc::poll(self.pollfds.as_mut_ptr(), self.pollfds.len() as libc::nfds_t, ms) };
+        if n < 0 {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::Interrupted {
+                return Ok(());
+            }
+            return Err(Error::system("poll", err));
+        }
+        self.abort.check()?;
+        for i in 1..self.pollfds.len() {
+            let r = self.poll_ranks[i];
+            let revents = self.pollfds[i].revents;
+            if revents == 0 || Some(r) == want_write || Some(r) == want_read {
+                continue;
+            }
+            self.inspect_idle(r, fp, revents)?;
+        }
+        Ok(())
+    }
+
+    /// Something showed on a link this step does not use: find out what without consuming data
+    /// that a later step needs.
+    fn inspect_idle(&mut self, r: usize, fp: &Fingerprint, revents: libc::c_short) -> Result<()> {
+        let token = self.token;
+        let rank = self.rank;
+        let Some(link) = self.links[r].as_mut() else { return Ok(()) };
+        let mut h = [0u8; HEADER_LEN];
+        let n = match link.transport.peek(&mut h) {
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
+            Err(e) => return Err(Error::Remote(format!("connection to rank {r} failed: {e}"))),
+        };
+        let hup = revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0;
+        if n == 0 && hup {
+            return Err(Error::Remote(format!(
+                "rank {r} closed its connection to rank {rank} (it exited, crashed or aborted) during {fp}"
+            )));
+        }
+        if n < HEADER_LEN {
+            link.quiet_token = token;
+            if hup {
+                link.hup_token = token;
+            }
+            return Ok(());
+        }
+        let header = decode(&h).map_err(|e| Error::Remote(format!("rank {r} sent a bad frame: {e}")))?;
+        if header.kind == KIND_ABORT {
+            return Err(read_abort(link, r, false, &[], header.len as usize));
+        }
+        let theirs = header.fp.map_err(|e| Error::Remote(format!("rank {r} sent a bad frame: {e}")))?;
+        let conflicting = theirs.kind != fp.kind
+            || (theirs.seq == fp.seq && (theirs != *fp))
+            || theirs.seq < fp.seq;
+        if conflicting {
+            return Err(mismatch(rank, r, fp, &theirs));
+        }
+        link.quiet_token = token;
+        if hup {
+            link.hup_token = token;
+        }
+        Ok(())
+    }
+
+    /// Tells every peer that this rank failed (abort frames where the stream allows) and closes
+    /// every link. Later exchanges fail.
+    pub fn poison(&mut self, reason: &str) {
+        let text = reason.as_bytes();
+        let text = &text[..text.len().min(MAX_REASON)];
+        let fp = Fingerprint {
+            seq: 0,
+            kind: CollKind::Barrier,
+            dtype: DataType::U8,
+            op: ReduceOp::Sum,
+            count: 0,
+            root: -1,
+            algo: 0,
+        };
+        let header = encode(KIND_ABORT, &fp, 0, text.len() as u32);
+        let deadline = Instant::now() + ABORT_SEND_BUDGET;
+        for link in self.links.iter_mut().flatten() {
+            if !link.out_mid_frame {
+                write_all_until(link.transport.as_mut(), &[&header, text], deadline);
+            }
+            link.transport.shutdown();
+        }
+        for l in self.links.iter_mut() {
+            *l = None;
+        }
+    }
+
+    /// True when every link is gone (after [`Peers::poison`]).
+    pub fn is_closed(&self) -> bool {
+        self.links.iter().all(Option::is_none)
+    }
+}
+
+fn live_link(links: &mut [Option<Link>], peer: usize) -> Result<&mut Link> {
+    links
+        .get_mut(peer)
+        .and_then(Option::as_mut)
+        .ok_or_else(|| Error::Aborted(format!("no connection to rank {peer} (communicator closed)")))
+}
+
+fn mismatch(rank: usize, peer: usize, mine: &Fingerprint, theirs: &Fingerprint) -> Error {
+    Error::InvalidUsage(format!(
+        "collective mismatch: rank {rank} called {mine} but rank {peer} called {theirs}; \
+         every rank must issue the same collectives in the same order with the same \
+         type, count, op, root and algorithm"
+    ))
+}
+
+/// Writes every byte of `bufs` or gives up at `deadline` (best effort, for abort frames).
+fn write_all_until(t: &mut dyn Transport, bufs: &[&[u8]], deadline: Instant) {
+    let total: usize = bufs.iter().map(|b| b.len()).sum();
+    let mut done = 0;
+    while done < total && Instant::now() < deadline {
+        let mut parts: [&[u8]; 2] = [&[], &[]];
+        let mut skip = done;
+        let mut k = 0;
+        for b in bufs {
+            if skip >= b.len() {
+                skip -= b.len();
+                continue;
+            }
+            if k < parts.len() {
+                parts[k] = &b[skip..];
+                k += 1;
+            }
+            skip = 0;
+        }
+        match t.try_write(&parts[..k]) {
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(_) => return,
+        }
+    }
+}
+
+/// Reads the reason of an abort frame from `peer` and returns the error to report.
+///
+/// `header_consumed` says whether the header was already read (or only peeked); `already` holds
+/// the reason bytes read together with it.
+fn read_abort(link: &mut Link, peer: usize, header_consumed: bool, already: &[u8], len: usize) -> Error {
+    let len = len.min(MAX_REASON);
+    let skip = if header_consumed { 0 } else { HEADER_LEN };
+    let mut reason = already[..already.len().min(len)].to_vec();
+    let mut buf = vec![0u8; skip + len - reason.len()];
+    let deadline = Instant::now() + ABORT_SEND_BUDGET;
+    let mut got = 0;
+    while got < buf.len() && Instant::now() < deadline {
+        match link.transport.try_read(&mut [&mut buf[got..]]) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(1)),
+            Err(_) => break,
+        }
+    }
+    if got == buf.len() {
+        reason.extend_from_slice(&buf[skip..]);
+        Error::Remote(format!("rank {peer} aborted: {}", String::from_utf8_lossy(&reason)))
+    } else {
+        Error::Remote(format!("rank {peer} aborted (its reason did not arrive)"))
+    }
+}
+
+/// Number of frames for `total` bytes (a step with no bytes still sends one empty frame, so
+/// every step carries a fingerprint).
+fn frame_len(total: usize, start: usize, segment: usize) -> usize {
+    (total - start).min(segment)
+}
+
+/// The sending half of an exchange.
+struct Tx<'a> {
+    peer: usize,
+    src: Source<'a>,
+    total: usize,
+    header: [u8; HEADER_LEN],
+    segment: usize,
+    /// Payload offset where the current frame starts.
+    frame_start: usize,
+    /// Header bytes of the current frame sent.
+    hdr_sent: usize,
+    /// Payload bytes of the current frame sent.
+    frame_sent: usize,
+    frame_open: bool,
+    done: bool,
+}
+
+impl<'a> Tx<'a> {
+    fn new(peer: usize, src: Source<'a>, total: usize, header: [u8; HEADER_LEN], segment: usize) -> Tx<'a> {
+        Tx { peer, src, total, header, segment, frame_start: 0, hdr_sent: 0, frame_sent: 0, frame_open: false, done: false }
+    }
+
+    fn sent_payload(&self) -> usize {
+        self.frame_start + self.frame_sent
+    }
+
+    /// Writes what it can. `forwarded` is the receive's final output so far (for `Forward`).
+    fn pump(&mut self, link: &mut Link, forwarded: Option<&[u8]>) -> Result<bool> {
+        let mut progressed = false;
+        while !self.done {
+            let len = frame_len(self.total, self.frame_start, self.segment);
+            if !self.frame_open {
+                self.header[12..16].copy_from_slice(&(len as u32).to_le_bytes());
+                self.hdr_sent = 0;
+                self.frame_sent = 0;
+                self.frame_open = true;
+            }
+            let data: &[u8] = match &self.src {
+                Source::Bytes(b) => b,
+                Source::Forward => forwarded.unwrap_or(&[]),
+            };
+            let end = (self.frame_start + len).min(data.len());
+            let payload = &data[(self.frame_start + self.frame_sent).min(end)..end];
+            let hdr = &self.header[self.hdr_sent..];
+            if hdr.is_empty() && payload.is_empty() && self.frame_sent < len {
+                break; // waiting for forwarded bytes
+            }
+            let n = if hdr.is_empty() && payload.is_empty() {
+                0
+            } else {
+                match link.transport.try_write(&[hdr, payload]) {
+                    Ok(n) => n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) => {
+                        return Err(Error::Remote(format!("sending to rank {} failed: {e} (peer gone?)", self.peer)));
+                    }
+                }
+            };
+            progressed |= n > 0;
+            let h = n.min(hdr.len());
+            self.hdr_sent += h;
+            self.frame_sent += n - h;
+            link.out_mid_frame = true;
+            if self.hdr_sent == HEADER_LEN && self.frame_sent == len {
+                link.out_mid_frame = false;
+                self.frame_open = false;
+                self.frame_start += len;
+                if self.frame_start == self.total {
+                    self.done = true;
+                }
+            } else if n == 0 {
+                break;
+            }
+        }
+        Ok(progressed)
+    }
+}
+
+/// The receiving half of an exchange.
+struct Rx<'a> {
+    peer: usize,
+    sink: Sink<'a>,
+    total: usize,
+    segment: usize,
+    header: [u8; HEADER_LEN],
+    hdr_got: usize,
+    frame_start: usize,
+    frame_len: usize,
+    frame_got: usize,
+    /// Bytes of the current frame already reduced into the output.
+    processed: usize,
+    frame_open: bool,
+    done: bool,
+}
+
+impl<'a> Rx<'a> {
+    fn new(peer: usize, sink: Sink<'a>, segment: usize) -> Rx<'a> {
+        let total = sink.len();
+        Rx {
+            peer,
+            sink,
+            total,
+            segment,
+            header: [0; HEADER_LEN],
+            hdr_got: 0,
+            frame_start: 0,
+            frame_len: 0,
+            frame_got: 0,
+            processed: 0,
+            frame_open: false,
+            done: false,
+        }
+    }
+
+    /// The output bytes that are final (received and reduced).
+    fn output(&self) -> &[u8] {
+        let (dst, fin) = match &self.sink {
+            Sink::Copy(d) => (&**d, self.frame_start + if self.hdr_got == HEADER_LEN { self.frame_got } else { 0 }),
+            Sink::Reduce { dst, .. } => (&**dst, self.frame_start + self.processed),
+        };
+        &dst[..fin.min(dst.len())]
+    }
+
+    fn pump(&mut self, rank: usize, link: &mut Link, fp: &Fingerprint, step: u16, scratch: &mut [u8]) -> Result<bool> {
+        let mut progressed = false;
+        while !self.done {
+            if !self.frame_open {
+                self.frame_len = frame_len(self.total, self.frame_start, self.segment);
+                self.hdr_got = 0;
+                self.frame_got = 0;
+                self.processed = 0;
+                self.frame_open = true;
+            }
+            let (fs, fl, fg) = (self.frame_start, self.frame_len, self.frame_got);
+            let payload: &mut [u8] = match &mut self.sink {
+                Sink::Copy(d) => &mut d[fs + fg..fs + fl],
+                Sink::Reduce { .. } => &mut scratch[fg..fl],
+            };
+            let hdr_missing = HEADER_LEN - self.hdr_got;
+            let res = if hdr_missing > 0 {
+                let hdr = &mut self.header[self.hdr_got..];
+                link.transport.try_read(&mut [hdr, payload])
+            } else if !payload.is_empty() {
+                link.transport.try_read(&mut [payload])
+            } else {
+                Ok(usize::MAX) // header complete and empty payload: frame complete
+            };
+            let n = match res {
+                Ok(0) => {
+                    return Err(Error::Remote(format!(
+                        "rank {} closed its connection during {fp} (it exited, crashed or aborted)",
+                        self.peer
+                    )));
+                }
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => {
+                    return Err(Error::Remote(format!("receiving from rank {} failed during {fp}: {e}", self.peer)));
+                }
+            };
+            let n = if n == usize::MAX { 0 } else { n };
+            progressed |= n > 0;
+            let h = n.min(hdr_missing);
+            self.hdr_got += h;
+            if h > 0 && self.hdr_got == HEADER_LEN {
+                self.frame_got += n - h;
+                self.validate(rank, link, fp, step, scratch)?;
+            } else {
+                self.frame_got += n - h;
+            }
+            if self.hdr_got == HEADER_LEN {
+                self.process(scratch);
+                if self.frame_got == self.frame_len {
+                    self.frame_open = false;
+                    self.frame_start += self.frame_len;
+                    if self.frame_start == self.total {
+                        self.done = true;
+                    }
+                    continue;
+                }
+            }
+            if n == 0 {
+                break;
+            }
+        }
+        Ok(progressed)
+    }
+
+    fn validate(&mut self, rank: usize, link: &mut Link, fp: &Fingerprint, step: u16, scratch: &[u8]) -> Result<()> {
+        let header = decode(&self.header)
+            .map_err(|e| Error::Remote(format!("rank {} sent a bad frame during {fp}: {e}", self.peer)))?;
+        if header.kind == KIND_ABORT {
+            let already: &[u8] = match &self.sink {
+                Sink::Copy(d) => &d[self.frame_start..self.frame_start + self.frame_got],
+                Sink::Reduce { .. } => &scratch[..self.frame_got],
+            };
+            let already = already.to_vec();
+            return Err(read_abort(link, self.peer, true, &already, header.len as usize));
+        }
+        let theirs = header
+            .fp
+            .map_err(|e| Error::Remote(format!("rank {} sent a bad frame during {fp}: {e}", self.peer)))?;
+        if theirs != *fp {
+            return Err(mismatch(rank, self.peer, fp, &theirs));
+        }
+        if header.step != step || header.len as usize != self.frame_len {
+            return Err(Error::Remote(format!(
+                "rank {} sent step {} frame of {} bytes during {fp}, expected step {step} frame of {} bytes \
+                 (streams out of step: ranks disagree on the schedule)",
+                self.peer, header.step, header.len, self.frame_len
+            )));
+        }
+        Ok(())
+    }
+
+    /// Reduces the whole elements of the current frame that arrived since the last call.
+    fn process(&mut self, scratch: &[u8]) {
+        if let Sink::Reduce { dst, other, dtype, op } = &mut self.sink {
+            let esize = dtype.size();
+            let upto = if self.frame_got == self.frame_len { self.frame_got } else { self.frame_got - self.frame_got % esize };
+            if upto > self.processed {
+                let (a, b) = (self.frame_start + self.processed, self.frame_start + upto);
+                let incoming = &scratch[self.processed..upto];
+                match other {
+                    Some(o) => reduce::reduce_into(*dtype, *op, &mut dst[a..b], &o[a..b], incoming),
+                    None => reduce::reduce_inplace(*dtype, *op, &mut dst[a..b], incoming),
+                }
+                self.processed = upto;
+            }
+        }
+    }
+}
