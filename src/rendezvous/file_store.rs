@@ -1,39 +1,425 @@
 //! File store: one file per key in a directory every rank can see.
-//! (Being written: see the rendezvous task.)
+//!
+//! A key `k` lives in the file `k.<k percent-encoded>`: bytes outside `[A-Za-z0-9._-]` become
+//! `%XX`, so any key maps to one safe name and distinct keys to distinct names (the `k.` prefix
+//! keeps `.` and `..` away). A value is written to a fresh temporary file and renamed over the
+//! key's file, so readers see the old value or the new one, never a torn one. `get` and `wait`
+//! poll with backoff from 1 ms to 50 ms. `add` is a read-modify-write under an exclusive
+//! `flock(2)` on the file `.lock` (on NFS, Linux maps `flock` onto byte-range locks, which the
+//! server arbitrates). `delete` unlinks. On a network file system a new file may take a moment
+//! (the attribute cache) to show on other hosts; the polling covers that.
 
-use std::path::Path;
-use std::time::Duration;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime};
 
 use super::Store;
-use crate::error::Result;
+use crate::config::DEFAULT_TIMEOUT;
+use crate::error::{Error, Result};
+
+const POLL_START: Duration = Duration::from_millis(1);
+const POLL_CAP: Duration = Duration::from_millis(50);
+/// Longest file name Linux file systems accept.
+const NAME_MAX: usize = 255;
+const LOCK_FILE: &str = ".lock";
 
 /// A store kept in a directory of a shared file system.
 #[derive(Debug)]
 pub struct FileStore {
-    _private: (),
+    dir: PathBuf,
+    timeout: Duration,
 }
 
 impl FileStore {
     /// Opens (creating if needed) the store directory `path`.
-    pub fn new(_path: impl AsRef<Path>) -> Result<FileStore> {
-        unimplemented!("FileStore::new")
+    ///
+    /// `add` waits for the lock up to [`DEFAULT_TIMEOUT`]; see [`FileStore::with_timeout`].
+    ///
+    /// # Errors
+    /// [`Error::System`] when the directory cannot be created.
+    pub fn new(path: impl AsRef<Path>) -> Result<FileStore> {
+        let dir = path.as_ref().to_path_buf();
+        fs::create_dir_all(&dir)
+            .map_err(|e| Error::system(format!("file store: create {}", dir.display()), e))?;
+        tracing::info!(target: "toroid::store", "file store in {}", dir.display());
+        Ok(FileStore {
+            dir,
+            timeout: DEFAULT_TIMEOUT,
+        })
+    }
+
+    /// Sets how long `add` waits for the lock that another process holds.
+    pub fn with_timeout(mut self, timeout: Duration) -> FileStore {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The store's directory.
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+
+    fn key_path(&self, key: &str) -> Result<PathBuf> {
+        let name = file_name(key);
+        if name.len() > NAME_MAX {
+            return Err(Error::InvalidArgument(format!(
+                "file store: key of {} bytes is too long (encoded file name above {NAME_MAX} bytes)",
+                key.len()
+            )));
+        }
+        Ok(self.dir.join(name))
+    }
+
+    fn err(&self, what: impl std::fmt::Display, e: io::Error) -> Error {
+        Error::system(format!("file store {}: {what}", self.dir.display()), e)
+    }
+
+    /// Writes `value` to a temporary file and renames it to `path`.
+    fn write_atomic(&self, path: &Path, value: &[u8]) -> Result<()> {
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        loop {
+            // Ranks on several hosts share the directory and may share a pid: the time and a
+            // per-process counter make the name unique, and `create_new` catches the rest.
+            let nanos = SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos());
+            let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+            let tmp = self
+                .dir
+                .join(format!(".tmp.{}.{seq}.{nanos}", std::process::id()));
+            let mut file = match OpenOptions::new().write(true).create_new(true).open(&tmp) {
+                Ok(f) => f,
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(self.err(format!("create {}", tmp.display()), e)),
+            };
+            let res = file.write_all(value).and_then(|()| fs::rename(&tmp, path));
+            if let Err(e) = res {
+                let _ = fs::remove_file(&tmp);
+                return Err(self.err(format!("write {}", path.display()), e));
+            }
+            return Ok(());
+        }
+    }
+
+    /// Calls `probe` with backoff until it returns a value or `timeout` passes; then `expired`
+    /// gives the timeout's message.
+    fn poll<T>(
+        &self,
+        timeout: Duration,
+        mut probe: impl FnMut() -> Result<Option<T>>,
+        expired: impl FnOnce() -> String,
+    ) -> Result<T> {
+        let deadline = Instant::now().checked_add(timeout);
+        let mut backoff = POLL_START;
+        loop {
+            if let Some(v) = probe()? {
+                return Ok(v);
+            }
+            let remaining =
+                deadline.map_or(POLL_CAP, |d| d.saturating_duration_since(Instant::now()));
+            if remaining.is_zero() {
+                return Err(Error::Timeout(format!(
+                    "file store {}: {}",
+                    self.dir.display(),
+                    expired()
+                )));
+            }
+            std::thread::sleep(backoff.min(remaining));
+            backoff = (backoff * 2).min(POLL_CAP);
+        }
+    }
+
+    fn exists(&self, path: &Path) -> Result<bool> {
+        match fs::symlink_metadata(path) {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(self.err(format!("stat {}", path.display()), e)),
+        }
+    }
+}
+
+/// `k.` followed by `key` with every byte outside `[A-Za-z0-9._-]` written as `%XX`.
+fn file_name(key: &str) -> String {
+    let mut name = String::with_capacity(2 + key.len());
+    name.push_str("k.");
+    for b in key.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-') {
+            name.push(char::from(b));
+        } else {
+            name.push_str(&format!("%{b:02X}"));
+        }
+    }
+    name
+}
+
+/// Tries to take an exclusive `flock` on `file` without blocking.
+fn try_lock(file: &File) -> io::Result<bool> {
+    // SAFETY: the descriptor belongs to `file`, which stays open for the whole call; flock reads
+    // no memory of ours.
+    let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if r == 0 {
+        return Ok(true);
+    }
+    let e = io::Error::last_os_error();
+    match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted => Ok(false),
+        _ => Err(e),
     }
 }
 
 impl Store for FileStore {
-    fn set(&self, _key: &str, _value: &[u8]) -> Result<()> {
-        unimplemented!()
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.write_atomic(&self.key_path(key)?, value)
     }
-    fn get(&self, _key: &str, _timeout: Duration) -> Result<Vec<u8>> {
-        unimplemented!()
+
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        let path = self.key_path(key)?;
+        self.poll(
+            timeout,
+            || match fs::read(&path) {
+                Ok(v) => Ok(Some(v)),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+                Err(e) => Err(self.err(format!("read {}", path.display()), e)),
+            },
+            || format!("waited {timeout:?} for key '{key}'"),
+        )
     }
-    fn add(&self, _key: &str, _delta: i64) -> Result<i64> {
-        unimplemented!()
+
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        let path = self.key_path(key)?;
+        let lock_path = self.dir.join(LOCK_FILE);
+        let lock = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&lock_path)
+            .map_err(|e| self.err(format!("open {}", lock_path.display()), e))?;
+        // Non-blocking attempts, so that a lock holder that hangs costs a timeout, not a hang.
+        self.poll(
+            self.timeout,
+            || {
+                try_lock(&lock)
+                    .map(|held| held.then_some(()))
+                    .map_err(|e| self.err("flock", e))
+            },
+            || {
+                format!(
+                    "waited {:?} for the lock {}",
+                    self.timeout,
+                    lock_path.display()
+                )
+            },
+        )?;
+        let cur = match fs::read(&path) {
+            Ok(v) => super::parse_counter(key, &v)?,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => 0,
+            Err(e) => return Err(self.err(format!("read {}", path.display()), e)),
+        };
+        let new = cur.wrapping_add(delta);
+        self.write_atomic(&path, new.to_string().as_bytes())?;
+        // Closing `lock` releases the flock.
+        drop(lock);
+        Ok(new)
     }
-    fn wait(&self, _keys: &[&str], _timeout: Duration) -> Result<()> {
-        unimplemented!()
+
+    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
+        let paths = keys
+            .iter()
+            .map(|k| self.key_path(k))
+            .collect::<Result<Vec<_>>>()?;
+        let missing = || -> Result<Vec<&str>> {
+            let mut missing = Vec::new();
+            for (k, p) in keys.iter().zip(&paths) {
+                if !self.exists(p)? {
+                    missing.push(*k);
+                }
+            }
+            Ok(missing)
+        };
+        self.poll(
+            timeout,
+            || Ok(missing()?.is_empty().then_some(())),
+            || {
+                format!(
+                    "waited {timeout:?} for keys {:?}",
+                    missing().unwrap_or_default()
+                )
+            },
+        )
     }
-    fn delete(&self, _key: &str) -> Result<bool> {
-        unimplemented!()
+
+    fn delete(&self, key: &str) -> Result<bool> {
+        let path = self.key_path(key)?;
+        match fs::remove_file(&path) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(self.err(format!("remove {}", path.display()), e)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    const T: Duration = Duration::from_secs(5);
+
+    /// A fresh directory under the system temp dir, removed on drop.
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new(name: &str) -> TempDir {
+            let nanos = SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos();
+            let p = std::env::temp_dir()
+                .join(format!("toroid-fs-{name}-{}-{nanos}", std::process::id()));
+            fs::create_dir_all(&p).unwrap();
+            TempDir(p)
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn set_get_add_delete_roundtrip() {
+        let dir = TempDir::new("roundtrip");
+        // A directory that does not exist yet is created.
+        let s = FileStore::new(dir.0.join("sub/store")).unwrap();
+        s.set("a", b"xyz").unwrap();
+        assert_eq!(s.get("a", T).unwrap(), b"xyz");
+        s.set("a", b"new").unwrap();
+        assert_eq!(s.get("a", T).unwrap(), b"new");
+        assert_eq!(s.add("n", 5).unwrap(), 5);
+        assert_eq!(s.add("n", -7).unwrap(), -2);
+        assert_eq!(s.get("n", T).unwrap(), b"-2");
+        s.set("bad", b"x").unwrap();
+        assert!(matches!(s.add("bad", 1), Err(Error::InvalidUsage(_))));
+        assert!(s.delete("a").unwrap());
+        assert!(!s.delete("a").unwrap());
+        assert!(matches!(s.get("a", Duration::ZERO), Err(Error::Timeout(_))));
+        s.wait(&[], Duration::ZERO).unwrap();
+        // No temporary files are left behind.
+        let names: Vec<String> = fs::read_dir(s.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert!(
+            names.iter().all(|n| n.starts_with("k.") || n == LOCK_FILE),
+            "{names:?}"
+        );
+    }
+
+    #[test]
+    fn keys_map_to_distinct_safe_file_names() {
+        let dir = TempDir::new("names");
+        let s = FileStore::new(&dir.0).unwrap();
+        let keys = [
+            "",
+            ".",
+            "..",
+            "a/b",
+            "a%2Fb",
+            "../escape",
+            "ключ 🔑",
+            "A-z_0.9",
+        ];
+        for (i, k) in keys.iter().enumerate() {
+            s.set(k, i.to_string().as_bytes()).unwrap();
+        }
+        for (i, k) in keys.iter().enumerate() {
+            assert_eq!(s.get(k, T).unwrap(), i.to_string().as_bytes(), "{k}");
+        }
+        assert_eq!(fs::read_dir(&dir.0).unwrap().count(), keys.len());
+        assert_eq!(file_name("a/b c"), "k.a%2Fb%20c");
+        assert_eq!(file_name("A-z_0.9"), "k.A-z_0.9");
+        let long = "x".repeat(300);
+        assert!(matches!(s.set(&long, b"v"), Err(Error::InvalidArgument(_))));
+    }
+
+    #[test]
+    fn concurrent_adds_from_many_stores_are_exact() {
+        let dir = TempDir::new("adds");
+        let path = Arc::new(dir.0.clone());
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let path = path.clone();
+                std::thread::spawn(move || {
+                    // One store per thread, as separate processes would have.
+                    let s = FileStore::new(&*path).unwrap().with_timeout(T);
+                    for _ in 0..100 {
+                        s.add("count", 1).unwrap();
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(
+            FileStore::new(&dir.0).unwrap().add("count", 0).unwrap(),
+            800
+        );
+    }
+
+    #[test]
+    fn get_blocks_until_another_store_sets() {
+        let dir = TempDir::new("get");
+        let s = FileStore::new(&dir.0).unwrap();
+        let path = dir.0.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(150));
+            FileStore::new(path).unwrap().set("late", b"here").unwrap();
+        });
+        let start = Instant::now();
+        assert_eq!(s.get("late", T).unwrap(), b"here");
+        assert!(start.elapsed() >= Duration::from_millis(100));
+        t.join().unwrap();
+    }
+
+    #[test]
+    fn wait_times_out_in_bounded_time_naming_the_missing_key() {
+        let dir = TempDir::new("wait");
+        let s = FileStore::new(&dir.0).unwrap();
+        s.set("present", b"1").unwrap();
+        let start = Instant::now();
+        let err = s
+            .wait(&["present", "absent"], Duration::from_millis(200))
+            .unwrap_err();
+        let took = start.elapsed();
+        assert!(
+            matches!(&err, Error::Timeout(m) if m.contains(r#"for keys ["absent"]"#)),
+            "{err}"
+        );
+        assert!(
+            took >= Duration::from_millis(190) && took < Duration::from_secs(2),
+            "{took:?}"
+        );
+        s.wait(&["present"], Duration::ZERO).unwrap();
+    }
+
+    #[test]
+    fn add_times_out_while_another_process_holds_the_lock() {
+        let dir = TempDir::new("lock");
+        let s = FileStore::new(&dir.0)
+            .unwrap()
+            .with_timeout(Duration::from_millis(150));
+        let held = File::create(dir.0.join(LOCK_FILE)).unwrap();
+        assert!(try_lock(&held).unwrap());
+        let start = Instant::now();
+        assert!(matches!(s.add("n", 1), Err(Error::Timeout(_))));
+        assert!(start.elapsed() < Duration::from_secs(2));
+        drop(held);
+        assert_eq!(s.add("n", 1).unwrap(), 1);
     }
 }
