@@ -25,7 +25,7 @@ use std::ops::Range;
 use std::time::Instant;
 
 use crate::dtype::{DataType, ReduceOp};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::reduce;
 use crate::transport::{Fingerprint, Peers, Sink, Source};
 
