@@ -309,10 +309,15 @@ fn timeout_stops_the_job() {
 #[test]
 fn grace_period_ends_in_sigkill() {
     let dir = TempDir::new("grace");
-    // Ranks 1 and 2 ignore SIGTERM (the ignoring is inherited by `sleep`).
+    // Every rank ignores SIGTERM (the ignoring is inherited by `sleep`); rank 0 exits 1 once all
+    // have recorded their pid (and so ignore SIGTERM already).
     let script = format!(
-        "trap '' TERM; {}; [ $TOROID_RANK = 0 ] && exit 1; sleep 30",
-        write_file(&dir.0, "rank.$TOROID_RANK", "$$")
+        "trap '' TERM; {}; \
+         if [ $TOROID_RANK = 0 ]; then \
+           while [ $(ls {d} | grep -c '^rank') -lt 3 ]; do sleep 0.02; done; exit 1; \
+         fi; sleep 30",
+        write_file(&dir.0, "rank.$TOROID_RANK", "$$"),
+        d = dir.0.display(),
     );
     let args = ["-n", "3", "--grace", "1", "--", "sh", "-c", &script];
     let run = run(&dir, &args);
