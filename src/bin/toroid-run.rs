@@ -252,15 +252,18 @@ fn copy_lines(src: impl Read, prefix: &[u8], to_stderr: bool, lines: &Sender<()>
         if line.last() != Some(&b'\n') {
             line.push(b'\n');
         }
-        // Write errors (a closed pipe downstream) are ignored: keep draining the rank so that it
-        // never blocks on a full pipe.
-        let _ = if to_stderr {
+        // On a write error (whoever reads our output went away) stop copying: closing the rank's
+        // pipe gives it EPIPE/SIGPIPE, as if it wrote to that reader itself.
+        let written = if to_stderr {
             let mut out = io::stderr().lock();
             out.write_all(&line).and_then(|()| out.flush())
         } else {
             let mut out = io::stdout().lock();
             out.write_all(&line).and_then(|()| out.flush())
         };
+        if written.is_err() {
+            break;
+        }
         let _ = lines.send(());
     }
 }
