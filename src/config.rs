@@ -163,7 +163,10 @@ impl Config {
 
     /// A launcher or `TOROID_*` variable as read (empty values count as unset).
     pub fn var(&self, name: &str) -> Option<&str> {
-        self.vars.get(name).map(|s| s.trim()).filter(|s| !s.is_empty())
+        self.vars
+            .get(name)
+            .map(|s| s.trim())
+            .filter(|s| !s.is_empty())
     }
 
     fn log(&self) {
@@ -184,7 +187,9 @@ fn parse_num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
 fn parse_seconds(name: &str, v: &str) -> Result<Duration> {
     let secs: f64 = parse_num(name, v)?;
     if !(secs > 0.0 && secs.is_finite()) {
-        return Err(Error::InvalidArgument(format!("{name}={v}: must be a positive number of seconds")));
+        return Err(Error::InvalidArgument(format!(
+            "{name}={v}: must be a positive number of seconds"
+        )));
     }
     Ok(Duration::from_secs_f64(secs))
 }
@@ -257,8 +262,10 @@ mod tests {
     use super::*;
 
     fn cfg(pairs: &[(&str, &str)]) -> Result<Config> {
-        let map: BTreeMap<String, String> =
-            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let map: BTreeMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         Config::from_lookup(|k| map.get(k).cloned())
     }
 
@@ -272,8 +279,12 @@ mod tests {
 
     #[test]
     fn parses_values_and_rejects_garbage() {
-        let c = cfg(&[("TOROID_TIMEOUT", "2.5"), ("TOROID_SEGMENT_SIZE", "1M"), ("TOROID_SPIN_US", "10")])
-            .unwrap();
+        let c = cfg(&[
+            ("TOROID_TIMEOUT", "2.5"),
+            ("TOROID_SEGMENT_SIZE", "1M"),
+            ("TOROID_SPIN_US", "10"),
+        ])
+        .unwrap();
         assert_eq!(c.timeout, Duration::from_millis(2500));
         assert_eq!(c.segment_size, 1 << 20);
         assert_eq!(c.spin, Some(Duration::from_micros(10)));
@@ -281,7 +292,10 @@ mod tests {
         assert!(cfg(&[("TOROID_TIMEOUT", "-1")]).is_err());
         assert!(cfg(&[("TOROID_SEGMENT_SIZE", "12")]).is_err());
         // Empty counts as unset.
-        assert_eq!(cfg(&[("TOROID_TIMEOUT", "")]).unwrap().timeout, DEFAULT_TIMEOUT);
+        assert_eq!(
+            cfg(&[("TOROID_TIMEOUT", "")]).unwrap().timeout,
+            DEFAULT_TIMEOUT
+        );
     }
 
     #[test]

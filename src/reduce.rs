@@ -27,7 +27,11 @@ const BLOCK: usize = 1024;
 /// `avg` is pre-scale plus sum).
 pub fn reduce_inplace(dtype: DataType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
     assert_eq!(dst.len(), src.len(), "reduce_inplace: length mismatch");
-    assert_eq!(dst.len() % dtype.size(), 0, "reduce_inplace: partial element");
+    assert_eq!(
+        dst.len() % dtype.size(),
+        0,
+        "reduce_inplace: partial element"
+    );
     dispatch!(dtype, op, T, F => kernel_inplace::<T, F>(dst, src));
 }
 
@@ -36,7 +40,10 @@ pub fn reduce_inplace(dtype: DataType, op: ReduceOp, dst: &mut [u8], src: &[u8])
 /// # Panics
 /// As [`reduce_inplace`].
 pub fn reduce_into(dtype: DataType, op: ReduceOp, dst: &mut [u8], a: &[u8], b: &[u8]) {
-    assert!(dst.len() == a.len() && a.len() == b.len(), "reduce_into: length mismatch");
+    assert!(
+        dst.len() == a.len() && a.len() == b.len(),
+        "reduce_into: length mismatch"
+    );
     assert_eq!(dst.len() % dtype.size(), 0, "reduce_into: partial element");
     dispatch!(dtype, op, T, F => kernel_into::<T, F>(dst, a, b));
 }
@@ -119,10 +126,26 @@ macro_rules! dispatch {
         macro_rules! by_op {
             ($t:ty) => {
                 match $op {
-                    ReduceOp::Sum => { type $T = $t; type $F = Sum; $body }
-                    ReduceOp::Prod => { type $T = $t; type $F = Prod; $body }
-                    ReduceOp::Min => { type $T = $t; type $F = Min; $body }
-                    ReduceOp::Max => { type $T = $t; type $F = Max; $body }
+                    ReduceOp::Sum => {
+                        type $T = $t;
+                        type $F = Sum;
+                        $body
+                    }
+                    ReduceOp::Prod => {
+                        type $T = $t;
+                        type $F = Prod;
+                        $body
+                    }
+                    ReduceOp::Min => {
+                        type $T = $t;
+                        type $F = Min;
+                        $body
+                    }
+                    ReduceOp::Max => {
+                        type $T = $t;
+                        type $F = Max;
+                        $body
+                    }
                     ReduceOp::Avg => panic!("avg is pre-scale plus sum, not a kernel"),
                 }
             };
@@ -130,10 +153,26 @@ macro_rules! dispatch {
         macro_rules! by_op_half {
             ($t:ty) => {
                 match $op {
-                    ReduceOp::Sum => { type $T = $t; type $F = Wide<Sum>; $body }
-                    ReduceOp::Prod => { type $T = $t; type $F = Wide<Prod>; $body }
-                    ReduceOp::Min => { type $T = $t; type $F = Wide<Min>; $body }
-                    ReduceOp::Max => { type $T = $t; type $F = Wide<Max>; $body }
+                    ReduceOp::Sum => {
+                        type $T = $t;
+                        type $F = Wide<Sum>;
+                        $body
+                    }
+                    ReduceOp::Prod => {
+                        type $T = $t;
+                        type $F = Wide<Prod>;
+                        $body
+                    }
+                    ReduceOp::Min => {
+                        type $T = $t;
+                        type $F = Wide<Min>;
+                        $body
+                    }
+                    ReduceOp::Max => {
+                        type $T = $t;
+                        type $F = Wide<Max>;
+                        $body
+                    }
                     ReduceOp::Avg => panic!("avg is pre-scale plus sum, not a kernel"),
                 }
             };
@@ -156,7 +195,10 @@ use dispatch;
 
 #[inline(always)]
 fn kernel_inplace<T: bytemuck::Pod, F: Combine<T>>(dst: &mut [u8], src: &[u8]) {
-    match (bytemuck::try_cast_slice_mut::<u8, T>(dst), bytemuck::try_cast_slice::<u8, T>(src)) {
+    match (
+        bytemuck::try_cast_slice_mut::<u8, T>(dst),
+        bytemuck::try_cast_slice::<u8, T>(src),
+    ) {
         (Ok(d), Ok(s)) => {
             for (d, &s) in d.iter_mut().zip(s) {
                 *d = F::combine(*d, s);
@@ -207,7 +249,10 @@ fn unaligned<T: bytemuck::Pod>(dst: &mut [u8], a: Option<&[u8]>, b: &[u8], f: fn
 }
 
 fn map_into<T: bytemuck::Pod>(dst: &mut [u8], src: &[u8], f: impl Fn(T) -> T) {
-    match (bytemuck::try_cast_slice_mut::<u8, T>(dst), bytemuck::try_cast_slice::<u8, T>(src)) {
+    match (
+        bytemuck::try_cast_slice_mut::<u8, T>(dst),
+        bytemuck::try_cast_slice::<u8, T>(src),
+    ) {
         (Ok(d), Ok(s)) => {
             for (d, &s) in d.iter_mut().zip(s) {
                 *d = f(s);

@@ -1,1 +1,509 @@
-fn main() {}
+//! `toroid-run`: start N ranks of a program on this host, like torchrun.
+//!
+//! Every rank gets the `TOROID_*` variables that `rendezvous::env` reads, its output is re-emitted
+//! line by line with a `[rank]: ` prefix, and when one rank fails the others are stopped
+//! (SIGTERM, a grace period, SIGKILL) and the launcher exits with the failing rank's code.
+
+use std::ffi::OsString;
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError, Sender};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use clap::{CommandFactory, Parser, error::ErrorKind};
+
+const ABOUT: &str = "Start N ranks of a program on this host (a small torchrun for toroid)";
+
+const LONG_ABOUT: &str = "\
+Start N ranks of PROGRAM on this host (a small torchrun for toroid).
+
+Every rank gets, besides the launcher's own environment:
+  TOROID_RANK=r  TOROID_WORLD_SIZE=N  TOROID_LOCAL_RANK  TOROID_LOCAL_SIZE
+  TOROID_STORE_ADDR=127.0.0.1:PORT   (PORT: a free port; rank 0 serves the store there)
+  TOROID_HOST_ID=host<h>             (only with --emulate-hosts)
+then the --env pairs, which win over all of these.
+
+Each line a rank writes to stdout or stderr is re-emitted on the same stream as '[r]: line'.
+Ranks run with stdin on /dev/null, each in its own process group.
+
+When a rank exits non-zero or is killed by a signal, the others get SIGTERM, then SIGKILL after
+the grace period, and toroid-run exits with that rank's status (128+signal when killed).
+SIGINT, SIGTERM and SIGHUP sent to toroid-run are forwarded to every rank, with the same
+shutdown. Ranks are killed (SIGKILL) even when toroid-run itself is killed (processes that a
+rank started itself are not covered then).
+
+Exit status: 0 when every rank succeeds; the first failing rank's status; 124 on --timeout;
+128+signal when toroid-run was interrupted; 127 when PROGRAM is not found, 126 when it
+cannot be run; 2 on a usage error.";
+
+const EXAMPLES: &str = "\
+Examples:
+  toroid-run -n 4 -- ./target/release/toroid-bench -b 8 -e 128M
+  toroid-run -n 8 --emulate-hosts 2 --timeout 600 --env TOROID_DEBUG=INFO -- python train.py";
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "toroid-run",
+    version,
+    about = ABOUT,
+    long_about = LONG_ABOUT,
+    after_help = EXAMPLES,
+    override_usage = "toroid-run -n N [OPTIONS] -- PROGRAM [ARGS]..."
+)]
+struct Cli {
+    /// Number of ranks to start (at least 1).
+    #[arg(short = 'n', long = "nprocs", value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..))]
+    nprocs: u32,
+
+    /// Pretend the ranks are on H hosts (1..=N): rank r is on host r*H/N, consecutive ranks share
+    /// a host, uneven splits allowed. Sets TOROID_HOST_ID=host<h> and the local rank and size.
+    #[arg(long, value_name = "H")]
+    emulate_hosts: Option<u32>,
+
+    /// Store address given to every rank instead of 127.0.0.1:<free port>.
+    #[arg(long, value_name = "HOST:PORT", value_parser = parse_addr, conflicts_with = "port")]
+    store_addr: Option<String>,
+
+    /// Store port on 127.0.0.1 instead of a free one.
+    #[arg(long, value_name = "PORT")]
+    port: Option<u16>,
+
+    /// Stop the whole job after SECS seconds and exit with status 124.
+    #[arg(long, value_name = "SECS", value_parser = parse_timeout)]
+    timeout: Option<Duration>,
+
+    /// Seconds between SIGTERM and SIGKILL when stopping the ranks.
+    #[arg(long, value_name = "SECS", default_value = "5", value_parser = parse_secs)]
+    grace: Duration,
+
+    /// Re-emit the ranks' lines without the '[r]: ' prefix.
+    #[arg(long)]
+    no_prefix: bool,
+
+    /// Set K=V in every rank's environment (repeatable; wins over the TOROID_* set here).
+    #[arg(long = "env", value_name = "K=V", value_parser = parse_env)]
+    env: Vec<(String, String)>,
+
+    /// The program to run and its arguments (after `--`).
+    #[arg(
+        value_name = "PROGRAM",
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true
+    )]
+    command: Vec<OsString>,
+}
+
+fn parse_secs(s: &str) -> Result<Duration, String> {
+    let secs: f64 = s
+        .parse()
+        .map_err(|_| format!("'{s}' is not a number of seconds"))?;
+    Duration::try_from_secs_f64(secs).map_err(|_| format!("'{s}' is not a duration"))
+}
+
+fn parse_timeout(s: &str) -> Result<Duration, String> {
+    parse_secs(s).and_then(|d| {
+        if d.is_zero() {
+            Err("must be > 0".into())
+        } else {
+            Ok(d)
+        }
+    })
+}
+
+fn parse_env(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+        _ => Err(format!("'{s}' is not K=V")),
+    }
+}
+
+fn parse_addr(s: &str) -> Result<String, String> {
+    match s.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(s.to_string()),
+        _ => Err(format!("'{s}' is not HOST:PORT")),
+    }
+}
+
+/// Where a rank sits when the job pretends to span `hosts` hosts.
+#[derive(Debug, PartialEq, Eq)]
+struct Place {
+    host: usize,
+    local_rank: usize,
+    local_size: usize,
+}
+
+/// Rank r is on host r*H/N: consecutive ranks share a host, every host gets at least one rank
+/// when 1 <= H <= N.
+fn layout(n: usize, hosts: usize) -> Vec<Place> {
+    let host = |r: usize| r * hosts / n;
+    (0..n)
+        .map(|r| Place {
+            host: host(r),
+            local_rank: (0..r).filter(|&q| host(q) == host(r)).count(),
+            local_size: (0..n).filter(|&q| host(q) == host(r)).count(),
+        })
+        .collect()
+}
+
+/// The last SIGINT/SIGTERM/SIGHUP received (0: none); set by the handler, read by the main loop.
+static SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    SIGNAL.store(sig, Ordering::SeqCst);
+}
+
+fn install_signal_handlers() -> io::Result<()> {
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        // SAFETY: the handler only stores to an atomic (async-signal-safe); `sa` is zeroed and
+        // then fully set up; sigaction reads it and writes no old action (null).
+        let rc = unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+            sa.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(sig, &sa, std::ptr::null_mut())
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// Sends `sig` to the process group of a rank (its pid: see `spawn`), so that a rank's own
+/// children (`sh -c 'prog'`, worker processes) are reached too. ESRCH (group gone) is fine.
+/// A reaped rank's pid is not handed out again while its group still has members, so this
+/// never hits a stranger's group in practice.
+fn signal_group(pid: u32, sig: libc::c_int) {
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe { libc::kill(-(pid as libc::pid_t), sig) };
+}
+
+/// Starts one rank with its stdout and stderr piped.
+fn spawn(cli: &Cli, env: &[(&str, String)]) -> io::Result<Child> {
+    let mut cmd = Command::new(&cli.command[0]);
+    cmd.args(&cli.command[1..])
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .envs(cli.env.iter().cloned())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    // Each rank gets its own process group (pgid = its pid). Then (1) stopping a rank reaches
+    // its whole tree with kill(-pgid), not only the top process (`sh -c`, Python workers), and
+    // (2) a Ctrl-C at the terminal, which goes to the foreground group, reaches only the
+    // launcher, which forwards it exactly once to every rank and then runs the usual shutdown;
+    // in the launcher's group every rank would get it twice, racing our shutdown. The cost:
+    // ranks are not in the terminal's foreground group, so stdin is /dev/null (a read of the
+    // terminal would stop them with SIGTTIN), and Ctrl-Z stops only the launcher.
+    cmd.process_group(0);
+    // SAFETY: spawn runs this in the forked child before exec, where only async-signal-safe
+    // calls are allowed: prctl, getppid and building an io::Error from errno (no allocation).
+    // PR_SET_PDEATHSIG fires when the *thread* that forked the child exits; we spawn from the
+    // main thread, which lives until the launcher exits. If the launcher died between fork and
+    // prctl the signal would never come, so check that our parent is still the launcher.
+    // (The signal survives exec but not fork: a rank's own children are not covered.)
+    let launcher = std::process::id() as libc::pid_t;
+    let kill = libc::SIGKILL as libc::c_ulong;
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, kill, 0, 0, 0) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if libc::getppid() != launcher {
+                return Err(io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        });
+    }
+    cmd.spawn()
+}
+
+/// Starts a thread that copies `src` line by line to stdout or stderr, each line prefixed and
+/// written whole under the stream's lock, so lines of different ranks never mix. Bytes pass
+/// unchanged (no UTF-8 needed). The thread sends `()` on `lines` after each line and drops its
+/// sender when `src` closes.
+fn pump(
+    src: Option<impl Read + Send + 'static>,
+    prefix: &[u8],
+    to_stderr: bool,
+    lines: &Sender<()>,
+) {
+    if let Some(src) = src {
+        let (prefix, lines) = (prefix.to_vec(), lines.clone());
+        thread::spawn(move || copy_lines(src, &prefix, to_stderr, &lines));
+    }
+}
+
+fn copy_lines(src: impl Read, prefix: &[u8], to_stderr: bool, lines: &Sender<()>) {
+    let mut src = BufReader::new(src);
+    let mut line = prefix.to_vec();
+    loop {
+        line.truncate(prefix.len());
+        match src.read_until(b'\n', &mut line) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+        if line.last() != Some(&b'\n') {
+            line.push(b'\n');
+        }
+        // On a write error (whoever reads our output went away) stop copying: closing the rank's
+        // pipe gives it EPIPE/SIGPIPE, as if it wrote to that reader itself.
+        let written = if to_stderr {
+            let mut out = io::stderr().lock();
+            out.write_all(&line).and_then(|()| out.flush())
+        } else {
+            let mut out = io::stdout().lock();
+            out.write_all(&line).and_then(|()| out.flush())
+        };
+        if written.is_err() {
+            break;
+        }
+        let _ = lines.send(());
+    }
+}
+
+struct Rank {
+    child: Child,
+    pid: u32,
+    status: Option<ExitStatus>,
+}
+
+/// Exit code of a finished rank: its code, or 128+signal.
+fn exit_code(st: ExitStatus) -> i32 {
+    st.code().or(st.signal().map(|s| 128 + s)).unwrap_or(1)
+}
+
+fn describe(st: ExitStatus) -> String {
+    match st.signal() {
+        Some(s) => format!("killed by signal {s}"),
+        None => format!("exited with status {}", exit_code(st)),
+    }
+}
+
+fn signal_name(sig: libc::c_int) -> String {
+    match sig {
+        libc::SIGINT => "SIGINT".into(),
+        libc::SIGTERM => "SIGTERM".into(),
+        libc::SIGHUP => "SIGHUP".into(),
+        _ => format!("signal {sig}"),
+    }
+}
+
+fn ranks(n: usize) -> String {
+    format!("{n} rank{}", if n == 1 { "" } else { "s" })
+}
+
+/// Reaps every rank that finished; returns the first that failed in this pass.
+fn poll(ranks: &mut [Rank]) -> Option<usize> {
+    let mut failed = None;
+    for (r, rank) in ranks.iter_mut().enumerate() {
+        if rank.status.is_some() {
+            continue;
+        }
+        let st = match rank.child.try_wait() {
+            Ok(None) => continue,
+            Ok(Some(st)) => st,
+            Err(e) => {
+                let pid = rank.pid;
+                eprintln!("toroid-run: cannot wait for rank {r} (pid {pid}): {e}");
+                ExitStatus::from_raw(1 << 8)
+            }
+        };
+        rank.status = Some(st);
+        if !st.success() && failed.is_none() {
+            failed = Some(r);
+        }
+    }
+    failed
+}
+
+fn running(ranks: &[Rank]) -> usize {
+    ranks.iter().filter(|k| k.status.is_none()).count()
+}
+
+/// Sends `first` to every rank, waits up to `grace` for them (a second signal to the launcher
+/// cuts it short), then SIGKILLs what is left, including the ranks' leftover children.
+fn shutdown(ranks: &mut [Rank], first: libc::c_int, grace: Duration) {
+    for rank in ranks.iter() {
+        signal_group(rank.pid, first);
+    }
+    SIGNAL.store(0, Ordering::SeqCst);
+    let deadline = Instant::now() + grace;
+    while running(ranks) > 0 && Instant::now() < deadline && SIGNAL.load(Ordering::SeqCst) == 0 {
+        poll(ranks);
+        thread::sleep(POLL);
+    }
+    for rank in ranks.iter_mut() {
+        signal_group(rank.pid, libc::SIGKILL);
+        if rank.status.is_none() {
+            let st = rank.child.wait();
+            rank.status = Some(st.unwrap_or(ExitStatus::from_raw(libc::SIGKILL)));
+        }
+    }
+}
+
+const POLL: Duration = Duration::from_millis(20);
+/// How long to keep copying output after the last rank exited, counted from the last line.
+const DRAIN: Duration = Duration::from_secs(2);
+
+fn main() {
+    let cli = Cli::parse();
+    let n = cli.nprocs as usize;
+    let hosts = cli.emulate_hosts.map_or(1, |h| h as usize);
+    if !(1..=n).contains(&hosts) {
+        let msg = format!("--emulate-hosts must be in 1..={n}");
+        Cli::command().error(ErrorKind::ValueValidation, msg).exit();
+    }
+    let store = match (&cli.store_addr, cli.port) {
+        (Some(addr), _) => addr.clone(),
+        (None, Some(port)) => format!("127.0.0.1:{port}"),
+        // Bound then closed: another process could take the port before rank 0 binds it, a
+        // race every launcher that picks a port this way accepts.
+        (None, None) => match TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()) {
+            Ok(addr) => addr.to_string(),
+            Err(e) => fail(1, format!("cannot find a free port: {e}")),
+        },
+    };
+    if let Err(e) = install_signal_handlers() {
+        fail(1, format!("cannot install signal handlers: {e}"));
+    }
+
+    let (lines, rx) = mpsc::channel();
+    let mut job: Vec<Rank> = Vec::with_capacity(n);
+    for (r, place) in layout(n, hosts).into_iter().enumerate() {
+        let mut env = vec![
+            ("TOROID_RANK", r.to_string()),
+            ("TOROID_WORLD_SIZE", n.to_string()),
+            ("TOROID_LOCAL_RANK", place.local_rank.to_string()),
+            ("TOROID_LOCAL_SIZE", place.local_size.to_string()),
+            ("TOROID_STORE_ADDR", store.clone()),
+        ];
+        if cli.emulate_hosts.is_some() {
+            env.push(("TOROID_HOST_ID", format!("host{}", place.host)));
+        }
+        let mut child = match spawn(&cli, &env) {
+            Ok(child) => child,
+            Err(e) => {
+                let program = cli.command[0].to_string_lossy();
+                let msg = e.to_string();
+                let msg = msg.split(" (os error").next().unwrap_or_default();
+                eprintln!("toroid-run: cannot start '{program}': {msg}");
+                shutdown(&mut job, libc::SIGTERM, cli.grace);
+                let not_found = e.kind() == io::ErrorKind::NotFound;
+                std::process::exit(if not_found { 127 } else { 126 });
+            }
+        };
+        let prefix = match cli.no_prefix {
+            true => Vec::new(),
+            false => format!("[{r}]: ").into_bytes(),
+        };
+        pump(child.stdout.take(), &prefix, false, &lines);
+        pump(child.stderr.take(), &prefix, true, &lines);
+        job.push(Rank {
+            pid: child.id(),
+            child,
+            status: None,
+        });
+    }
+    drop(lines);
+
+    let start = Instant::now();
+    let mut code = 0;
+    while running(&job) > 0 {
+        let sig = SIGNAL.load(Ordering::SeqCst);
+        let (first, why) = if let Some(r) = poll(&mut job) {
+            let st = job[r].status.unwrap_or_default();
+            code = exit_code(st);
+            let why = format!("rank {r} (pid {}) {}", job[r].pid, describe(st));
+            match running(&job) {
+                0 => (libc::SIGTERM, why),
+                k => (
+                    libc::SIGTERM,
+                    format!("{why}; stopping the other {}", ranks(k)),
+                ),
+            }
+        } else if sig != 0 {
+            code = 128 + sig;
+            let k = ranks(running(&job));
+            (
+                sig,
+                format!("received {}; forwarding it to {k}", signal_name(sig)),
+            )
+        } else if let Some(t) = cli.timeout.filter(|&t| start.elapsed() >= t) {
+            code = 124;
+            let k = ranks(running(&job));
+            (
+                libc::SIGTERM,
+                format!("timeout after {} s; stopping {k}", t.as_secs_f64()),
+            )
+        } else {
+            thread::sleep(POLL);
+            continue;
+        };
+        eprintln!("toroid-run: {why}");
+        shutdown(&mut job, first, cli.grace);
+    }
+
+    // Copy what the ranks left in their pipes (the channel disconnects when every copying thread
+    // is done). A pipe still open after its rank exited is held by a process the rank left
+    // behind: stop waiting when no line came for DRAIN.
+    loop {
+        match rx.recv_timeout(DRAIN) {
+            Ok(()) => {}
+            Err(RecvTimeoutError::Disconnected) => break,
+            Err(RecvTimeoutError::Timeout) => {
+                eprintln!("toroid-run: output still open after the ranks exited; not waiting");
+                break;
+            }
+        }
+    }
+    std::process::exit(code);
+}
+
+fn fail(code: i32, msg: String) -> ! {
+    eprintln!("toroid-run: {msg}");
+    std::process::exit(code);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_follows_r_times_h_over_n() {
+        let hosts: Vec<_> = layout(5, 2)
+            .iter()
+            .map(|p| (p.host, p.local_rank, p.local_size))
+            .collect();
+        assert_eq!(
+            hosts,
+            [(0, 0, 3), (0, 1, 3), (0, 2, 3), (1, 0, 2), (1, 1, 2)]
+        );
+        for n in 1..=9 {
+            for h in 1..=n {
+                let places = layout(n, h);
+                for (r, p) in places.iter().enumerate() {
+                    assert_eq!(p.host, r * h / n);
+                    assert!(p.local_rank < p.local_size);
+                }
+                assert_eq!(places.last().map(|p| p.host), Some(h - 1));
+            }
+        }
+    }
+
+    #[test]
+    fn cli_rejects_zero_ranks_and_parses_env() {
+        assert!(Cli::try_parse_from(["toroid-run", "-n", "0", "--", "true"]).is_err());
+        let cli = Cli::try_parse_from(["toroid-run", "-n", "2", "--env", "A=b=c", "--", "x", "-y"]);
+        let cli = cli.expect("valid command line");
+        assert_eq!(cli.env, [("A".to_string(), "b=c".to_string())]);
+        assert_eq!(cli.command, [OsString::from("x"), OsString::from("-y")]);
+        Cli::command().debug_assert();
+    }
+}

@@ -79,7 +79,10 @@ pub struct PrefixStore {
 impl PrefixStore {
     /// Wraps `inner`; keys become `prefix/key`.
     pub fn new(prefix: impl Into<String>, inner: Arc<dyn Store>) -> PrefixStore {
-        PrefixStore { prefix: prefix.into(), inner }
+        PrefixStore {
+            prefix: prefix.into(),
+            inner,
+        }
     }
 
     fn key(&self, key: &str) -> String {
@@ -89,7 +92,9 @@ impl PrefixStore {
 
 impl std::fmt::Debug for PrefixStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PrefixStore").field("prefix", &self.prefix).finish_non_exhaustive()
+        f.debug_struct("PrefixStore")
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
     }
 }
 
@@ -170,8 +175,11 @@ impl Store for MemStore {
             }
             let now = Instant::now();
             if now >= deadline {
-                let missing: Vec<&str> =
-                    keys.iter().filter(|k| !map.contains_key(**k)).copied().collect();
+                let missing: Vec<&str> = keys
+                    .iter()
+                    .filter(|k| !map.contains_key(**k))
+                    .copied()
+                    .collect();
                 return Err(Error::Timeout(format!(
                     "store: waited {timeout:?} for keys {missing:?}"
                 )));
@@ -210,8 +218,17 @@ mod tests {
         assert_eq!(s.add("n", -2).unwrap(), 3);
         assert!(s.delete("a").unwrap());
         assert!(!s.delete("a").unwrap());
-        assert!(matches!(s.get("a", Duration::from_millis(10)), Err(Error::Timeout(_))));
-        assert!(matches!(s.add("bad", 1).and_then(|_| { s.set("bad", b"x")?; s.add("bad", 1) }), Err(Error::InvalidUsage(_))));
+        assert!(matches!(
+            s.get("a", Duration::from_millis(10)),
+            Err(Error::Timeout(_))
+        ));
+        assert!(matches!(
+            s.add("bad", 1).and_then(|_| {
+                s.set("bad", b"x")?;
+                s.add("bad", 1)
+            }),
+            Err(Error::InvalidUsage(_))
+        ));
     }
 
     #[test]
