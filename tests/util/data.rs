@@ -1,0 +1,174 @@
+//! Random inputs and independent references.
+//!
+//! Values are generated per (case, rank) with splitmix64, so every rank can compute every other
+//! rank's input and the expected result without communicating. Floats are generated in f64,
+//! rounded to the element type, and the reference is computed in f64 from the rounded values;
+//! integers use wrapping i128 arithmetic truncated to the type's width.
+
+use half::{bf16, f16};
+use toroid::{DataType, ReduceOp};
+
+/// splitmix64.
+pub fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = x;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A value as the reference sees it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Val {
+    /// Floating types.
+    F(f64),
+    /// Integer types.
+    I(i128),
+}
+
+/// Bits of an integer type and whether it is signed.
+fn int_shape(d: DataType) -> (u32, bool) {
+    match d {
+        DataType::I8 => (8, true),
+        DataType::U8 => (8, false),
+        DataType::I32 => (32, true),
+        DataType::U32 => (32, false),
+        DataType::I64 => (64, true),
+        DataType::U64 => (64, false),
+        _ => unreachable!(),
+    }
+}
+
+/// Truncates `v` to the integer type `d` (two's complement wrap-around).
+pub fn wrap(v: i128, d: DataType) -> i128 {
+    let (bits, signed) = int_shape(d);
+    let m = (1i128 << bits) - 1;
+    let low = v & m;
+    if signed && low >> (bits - 1) == 1 { low - (1i128 << bits) } else { low }
+}
+
+/// The input element `i` of `rank` in case `case` for op `op`.
+pub fn input(case: u64, rank: usize, i: usize, d: DataType, op: ReduceOp) -> Val {
+    let r = mix(case.wrapping_mul(0x1000_0000_01B3) ^ mix(rank as u64) ^ (i as u64).wrapping_mul(0x9E37_79B9));
+    if d.is_float() {
+        let u = (r >> 11) as f64 / (1u64 << 53) as f64; // [0, 1)
+        let v = match op {
+            // Products stay near 1 so nine of them neither overflow nor vanish.
+            ReduceOp::Prod => (0.5 + u) * if r & 1 == 0 { 1.0 } else { -1.0 },
+            _ => u * 2.0 - 1.0,
+        };
+        let mut b = [0u8; 8];
+        encode(d, Val::F(v), &mut b[..d.size()]);
+        Val::F(decode(d, &b[..d.size()]).as_f())
+    } else {
+        Val::I(wrap(r as i64 as i128, d))
+    }
+}
+
+impl Val {
+    /// The float.
+    pub fn as_f(self) -> f64 {
+        match self {
+            Val::F(f) => f,
+            Val::I(i) => i as f64,
+        }
+    }
+}
+
+/// Encodes one value into the type's bytes (floats rounded to nearest).
+pub fn encode(d: DataType, v: Val, out: &mut [u8]) {
+    match (d, v) {
+        (DataType::F64, Val::F(f)) => out.copy_from_slice(&f.to_le_bytes()),
+        (DataType::F32, Val::F(f)) => out.copy_from_slice(&(f as f32).to_le_bytes()),
+        (DataType::F16, Val::F(f)) => out.copy_from_slice(&f16::from_f64(f).to_le_bytes()),
+        (DataType::BF16, Val::F(f)) => out.copy_from_slice(&bf16::from_f64(f).to_le_bytes()),
+        (_, Val::I(i)) => out.copy_from_slice(&i.to_le_bytes()[..d.size()]),
+        _ => unreachable!(),
+    }
+}
+
+/// Decodes one element.
+pub fn decode(d: DataType, b: &[u8]) -> Val {
+    match d {
+        DataType::F64 => Val::F(f64::from_le_bytes(b.try_into().unwrap())),
+        DataType::F32 => Val::F(f32::from_le_bytes(b.try_into().unwrap()) as f64),
+        DataType::F16 => Val::F(f16::from_le_bytes(b.try_into().unwrap()).to_f64()),
+        DataType::BF16 => Val::F(bf16::from_le_bytes(b.try_into().unwrap()).to_f64()),
+        _ => {
+            let mut full = [0u8; 16];
+            full[..d.size()].copy_from_slice(b);
+            Val::I(wrap(i128::from_le_bytes(full), d))
+        }
+    }
+}
+
+/// Fills `buf` with `rank`'s input for elements `start..start + buf.len() / size`.
+pub fn fill(buf: &mut [u8], case: u64, rank: usize, start: usize, d: DataType, op: ReduceOp) {
+    let s = d.size();
+    for (k, chunk) in buf.chunks_exact_mut(s).enumerate() {
+        encode(d, input(case, rank, start + k, d, op), chunk);
+    }
+}
+
+/// Machine epsilon of a float type.
+pub fn eps(d: DataType) -> f64 {
+    match d {
+        DataType::F64 => f64::EPSILON,
+        DataType::F32 => f32::EPSILON as f64,
+        DataType::F16 => 2f64.powi(-10),
+        DataType::BF16 => 2f64.powi(-7),
+        _ => 0.0,
+    }
+}
+
+/// The expected reduction of element `i` over `n` ranks, and the tolerance for floats.
+pub fn expected(case: u64, n: usize, i: usize, d: DataType, op: ReduceOp) -> (Val, f64) {
+    if d.is_float() {
+        let (mut sum, mut abs_sum, mut prod) = (0.0f64, 0.0f64, 1.0f64);
+        let (mut min, mut max) = (f64::INFINITY, f64::NEG_INFINITY);
+        for r in 0..n {
+            let x = input(case, r, i, d, op).as_f();
+            sum += x;
+            abs_sum += x.abs();
+            prod *= x;
+            min = min.min(x);
+            max = max.max(x);
+        }
+        let (v, scale) = match op {
+            ReduceOp::Sum => (sum, abs_sum),
+            ReduceOp::Avg => (sum / n as f64, abs_sum / n as f64),
+            ReduceOp::Prod => (prod, prod.abs()),
+            ReduceOp::Min => (min, 0.0),
+            ReduceOp::Max => (max, 0.0),
+        };
+        // Every partial result is rounded once per rank (plus the pre-scale of avg and the final
+        // rounding of the output type).
+        let tol = 2.0 * (n as f64 + 2.0) * eps(d) * scale + 1e-300;
+        (Val::F(v), tol)
+    } else {
+        let mut acc: Option<i128> = None;
+        for r in 0..n {
+            let Val::I(x) = input(case, r, i, d, op) else { unreachable!() };
+            acc = Some(match acc {
+                None => x,
+                Some(a) => match op {
+                    ReduceOp::Sum => wrap(a.wrapping_add(x), d),
+                    ReduceOp::Prod => wrap(a.wrapping_mul(x), d),
+                    ReduceOp::Min => a.min(x),
+                    ReduceOp::Max => a.max(x),
+                    ReduceOp::Avg => unreachable!("avg is rejected for integers"),
+                },
+            });
+        }
+        (Val::I(acc.unwrap_or(0)), 0.0)
+    }
+}
+
+/// Compares an output element with the expectation.
+pub fn matches(got: Val, want: Val, tol: f64) -> bool {
+    match (got, want) {
+        (Val::F(g), Val::F(w)) => (g - w).abs() <= tol,
+        (Val::I(g), Val::I(w)) => g == w,
+        _ => false,
+    }
+}
