@@ -30,10 +30,11 @@
 //! elements per `u32` word, all plain Rust that LLVM vectorises; `f16` goes through F16C
 //! (`vcvtph2ps`/`vcvtps2ph`) 16 lanes at a time.
 //! Other architectures get the portable copy, which LLVM still vectorises for the baseline
-//! (except `f16`, converted there one element at a time by `half`).
+//! (`f16` there goes through `half`'s slice conversions, 16 at a time).
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use crate::dtype::{DataType, ReduceOp};
@@ -574,18 +575,23 @@ trait Isa: Copy {
     fn f16_narrow(self, x: &[f32; L16]) -> [U<f16>; L16];
 }
 
-/// Baseline: `half`'s scalar conversions (which check for F16C themselves).
+/// Baseline: `half`'s slice conversions, which use F16C or NEON `fp16` when the CPU has them
+/// (one cached check per chunk rather than per element) and software otherwise.
 #[derive(Clone, Copy)]
 struct Portable;
 
 impl Isa for Portable {
     #[inline(always)]
     fn f16_widen(self, x: &[U<f16>; L16]) -> [f32; L16] {
-        std::array::from_fn(|i| x[i].0.to_f32())
+        let mut out = [0f32; L16];
+        x.map(|h| h.0).convert_to_f32_slice(&mut out);
+        out
     }
     #[inline(always)]
     fn f16_narrow(self, x: &[f32; L16]) -> [U<f16>; L16] {
-        std::array::from_fn(|i| U(f16::from_f32(x[i])))
+        let mut out = [f16::ZERO; L16];
+        out.convert_from_f32_slice(x);
+        out.map(U)
     }
 }
 
