@@ -89,7 +89,7 @@ impl DataType {
 
     /// Number of whole elements in `bytes`, or an error when `bytes` is not a multiple.
     pub fn count_of(self, bytes: usize) -> Result<usize> {
-        if bytes % self.size() != 0 {
+        if !bytes.is_multiple_of(self.size()) {
             return Err(Error::InvalidArgument(format!(
                 "buffer of {bytes} bytes is not a whole number of {} elements",
                 self.name()
