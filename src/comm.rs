@@ -298,7 +298,7 @@ impl Communicator {
         let oversubscribed = topology.local_size > cores;
         let spin = SpinPolicy {
             spin: config.spin.unwrap_or(if oversubscribed { crate::config::DEFAULT_SPIN * 4 } else { crate::config::DEFAULT_SPIN }),
-            yield_between: oversubscribed,
+            yield_between: true,
         };
         let abort = Arc::new(AbortSignal::new()?);
         let peers = Peers::new(rank, transports, abort.clone(), spin, config.segment_size);

@@ -54,6 +54,12 @@ const ABORT_SEND_BUDGET: Duration = Duration::from_millis(200);
 /// Upper bound of one `poll(2)` sleep, so a lost wake-up can never stall past this.
 const MAX_SLEEP: Duration = Duration::from_millis(500);
 
+/// debug counter
+pub static SLEEPS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// debug counter
+pub static YIELDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// debug counter
+pub static EXCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 /// What kind of operation a frame belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
@@ -408,6 +414,7 @@ impl Peers {
         send: Option<(usize, Source<'_>)>,
         recv: Option<(usize, Sink<'_>)>,
     ) -> Result<()> {
+        EXCH.fetch_add(1, Ordering::Relaxed);
         let recv_len = recv.as_ref().map(|(_, s)| s.len());
         let mut tx = match send {
             Some((peer, src)) => {
@@ -443,9 +450,15 @@ impl Peers {
         }
 
         let mut last_progress = Instant::now();
+        // Plain sends go out before we look for input (the peer can start sooner and we skip a
+        // receive that would find nothing); forwarded sends follow the receive that feeds them.
+        let forwarding = tx.as_ref().is_some_and(|t| matches!(t.src, Source::Forward));
         loop {
             self.abort.check()?;
             let mut progressed = false;
+            if !forwarding {
+                progressed |= self.pump_tx(tx.as_mut(), None)?;
+            }
             if let Some(r) = rx.as_mut() {
                 if !r.done {
                     let link = live_link(&mut self.links, r.peer)?;
@@ -453,12 +466,8 @@ impl Peers {
                     progressed |= r.pump(self.rank, link, fp, step, scratch)?;
                 }
             }
-            if let Some(t) = tx.as_mut() {
-                if !t.done {
-                    let forwarded = rx.as_ref().map(|r| r.output());
-                    let link = live_link(&mut self.links, t.peer)?;
-                    progressed |= t.pump(link, forwarded)?;
-                }
+            if forwarding {
+                progressed |= self.pump_tx(tx.as_mut(), rx.as_ref().map(|r| r.output()))?;
             }
             let tx_done = tx.as_ref().is_none_or(|t| t.done);
             let rx_done = rx.as_ref().is_none_or(|r| r.done);
@@ -474,6 +483,7 @@ impl Peers {
                 return Err(self.timeout_error(fp, step, tx.as_ref(), rx.as_ref()));
             }
             if now.duration_since(last_progress) < self.spin.spin {
+                YIELDS.fetch_add(1, Ordering::Relaxed);
                 if self.spin.yield_between {
                     std::thread::yield_now();
                 } else {
@@ -483,8 +493,19 @@ impl Peers {
             }
             let want_write = tx.as_ref().filter(|t| !t.done).map(|t| t.peer);
             let want_read = rx.as_ref().filter(|r| !r.done).map(|r| r.peer);
+            SLEEPS.fetch_add(1, Ordering::Relaxed);
             self.sleep(fp, want_write, want_read, deadline)?;
             last_progress = Instant::now();
+        }
+    }
+
+    fn pump_tx(&mut self, tx: Option<&mut Tx<'_>>, forwarded: Option<&[u8]>) -> Result<bool> {
+        match tx {
+            Some(t) if !t.done => {
+                let link = live_link(&mut self.links, t.peer)?;
+                t.pump(link, forwarded).map_err(|e| explain_send_failure(link, t.peer, e))
+            }
+            _ => Ok(false),
         }
     }
 
@@ -639,6 +660,19 @@ impl Peers {
     }
 }
 
+/// A send failed because the peer closed: if what it sent last is an abort frame, report its
+/// reason instead (it says why).
+fn explain_send_failure(link: &mut Link, peer: usize, err: Error) -> Error {
+    let mut h = [0u8; HEADER_LEN];
+    match link.transport.peek(&mut h) {
+        Ok(HEADER_LEN) => match decode(&h) {
+            Ok(header) if header.kind == KIND_ABORT => read_abort(link, peer, false, &[], header.len as usize),
+            _ => err,
+        },
+        _ => err,
+    }
+}
+
 fn live_link(links: &mut [Option<Link>], peer: usize) -> Result<&mut Link> {
     links
         .get_mut(peer)
@@ -770,7 +804,10 @@ impl<'a> Tx<'a> {
                     Ok(n) => n,
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                     Err(e) => {
-                        return Err(Error::Remote(format!("sending to rank {} failed: {e} (peer gone?)", self.peer)));
+                        return Err(Error::Remote(format!(
+                            "sending to rank {} failed: {e} (rank {} exited, crashed or aborted)",
+                            self.peer, self.peer
+                        )));
                     }
                 }
             };
