@@ -1,0 +1,175 @@
+//! Communicator features: async work in issue order, split, send/recv, stores, drop.
+
+mod util;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use toroid::rendezvous::{FileStore, Store};
+use toroid::{Communicator, ReduceOp};
+
+#[test]
+fn async_work_completes_in_issue_order_with_correct_results() {
+    util::run_threads(3, &util::test_config(30.0), |comm| {
+        let n = comm.size() as f64;
+        let r = comm.rank() as f64;
+        // Several operations in flight, mixed with blocking calls that must queue behind them.
+        let works: Vec<_> = (0..8)
+            .map(|k| comm.all_reduce_async(vec![r + k as f64; 10_000 + k], ReduceOp::Sum).unwrap())
+            .collect();
+        let mut blocking = vec![1i32; 5];
+        comm.all_reduce(&mut blocking, ReduceOp::Sum).unwrap();
+        assert_eq!(blocking, vec![3; 5]);
+        let bcast = comm.broadcast_async(vec![r as f32; 4099], 2).unwrap();
+        for (k, w) in works.into_iter().enumerate() {
+            let v = w.wait().unwrap();
+            let want = (0..comm.size()).map(|x| x as f64 + k as f64).sum::<f64>();
+            assert_eq!(v.len(), 10_000 + k);
+            assert!(v.iter().all(|x| *x == want), "work {k}: {} != {want} (n = {n})", v[0]);
+        }
+        assert!(bcast.wait().unwrap().iter().all(|x| *x == 2.0));
+        let b = comm.barrier_async().unwrap();
+        b.wait_timeout(Duration::from_secs(10)).unwrap();
+        assert!(b.test() && b.error().is_none());
+    });
+}
+
+#[test]
+fn async_reduce_scatter_and_all_gather_round_trip() {
+    util::run_threads(4, &util::test_config(30.0), |comm| {
+        let n = comm.size();
+        let r = comm.rank();
+        let piece = 1000;
+        let input: Vec<i64> = (0..n * piece).map(|i| (i * (r + 1)) as i64).collect();
+        let rs = comm.reduce_scatter_async(input, ReduceOp::Sum).unwrap().wait().unwrap();
+        let tri = (n * (n + 1) / 2) as i64;
+        for k in 0..piece {
+            let i = r * piece + k;
+            assert_eq!(rs[i], i as i64 * tri);
+        }
+        // all-gather the reduced pieces back into a full vector.
+        let ag = comm.all_gather_async(rs).unwrap().wait().unwrap();
+        for (i, v) in ag.iter().enumerate() {
+            assert_eq!(*v, i as i64 * tri);
+        }
+    });
+}
+
+#[test]
+fn dropping_a_work_handle_does_not_cancel_or_free_early() {
+    util::run_threads(2, &util::test_config(30.0), |comm| {
+        for _ in 0..20 {
+            drop(comm.all_reduce_async(vec![1.0f32; 100_000], ReduceOp::Sum).unwrap());
+        }
+        // Ordering: this blocking call runs after all 20 dropped ones.
+        let mut x = [comm.rank() as u64];
+        comm.all_reduce(&mut x, ReduceOp::Max).unwrap();
+        assert_eq!(x[0], 1);
+    });
+}
+
+#[test]
+fn split_into_even_and_odd_and_excluded() {
+    util::run_threads(7, &util::test_config(30.0), |comm| {
+        let r = comm.rank();
+        // Rank 6 opts out; the rest split by parity, ordered by descending rank.
+        let color = if r == 6 { None } else { Some((r % 2) as u32) };
+        let sub = comm.split(color, -(r as i64)).unwrap();
+        match sub {
+            None => assert_eq!(r, 6),
+            Some(sub) => {
+                let members: Vec<usize> = (0..6).filter(|x| x % 2 == r % 2).rev().collect();
+                assert_eq!(sub.size(), members.len());
+                assert_eq!(sub.rank(), members.iter().position(|m| *m == r).unwrap());
+                let mut v = vec![r as u32; 4099];
+                sub.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+                assert!(v.iter().all(|x| *x as usize == members.iter().sum::<usize>()));
+                // The parent keeps working alongside.
+            }
+        }
+        let mut one = [1u8];
+        comm.all_reduce(&mut one, ReduceOp::Sum).unwrap();
+        assert_eq!(one[0], 7);
+    });
+}
+
+#[test]
+fn send_recv_pairs_in_a_ring_and_back_to_back() {
+    util::run_threads(5, &util::test_config(30.0), |comm| {
+        let n = comm.size();
+        let r = comm.rank();
+        let next = (r + 1) % n;
+        let prev = (r + n - 1) % n;
+        let big: Vec<f64> = (0..1 << 20).map(|i| (i * 31 + r) as f64).collect();
+        let mut got = vec![0f64; 1 << 20];
+        // Even ranks send first, odd ranks receive first: no cycle of blocked senders.
+        if r % 2 == 0 {
+            comm.send(&big, next).unwrap();
+            comm.recv(&mut got, prev).unwrap();
+        } else {
+            comm.recv(&mut got, prev).unwrap();
+            comm.send(&big, next).unwrap();
+        }
+        assert!(got.iter().enumerate().all(|(i, v)| *v == (i * 31 + prev) as f64));
+        // Several small messages to one peer arrive in order.
+        if r == 0 {
+            for k in 0..10u32 {
+                comm.send(&[k; 3], 1).unwrap();
+            }
+        } else if r == 1 {
+            for k in 0..10u32 {
+                let mut b = [0u32; 3];
+                comm.recv(&mut b, 0).unwrap();
+                assert_eq!(b, [k; 3]);
+            }
+        }
+        comm.barrier().unwrap();
+    });
+}
+
+#[test]
+fn send_recv_size_mismatch_is_an_error() {
+    util::run_threads(2, &util::test_config(10.0), |comm| {
+        let e = if comm.rank() == 0 {
+            comm.send(&[1u8; 10], 1).err().or_else(|| comm.barrier().err())
+        } else {
+            let mut b = [0u8; 12];
+            comm.recv(&mut b, 0).err()
+        };
+        let e = e.expect("an error");
+        assert!(e.to_string().contains("mismatch") || e.to_string().contains("abort"), "{e}");
+    });
+}
+
+#[test]
+fn communicators_meet_through_a_file_store() {
+    let dir = std::env::temp_dir().join(format!("toroid-filestore-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let store: Arc<dyn Store> = Arc::new(FileStore::new(&dir).unwrap());
+    let handles: Vec<_> = (0..3)
+        .map(|r| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let comm = Communicator::with_store(r, 3, store, &util::test_config(20.0)).unwrap();
+                let mut v = [r as u32 + 1];
+                comm.all_reduce(&mut v, ReduceOp::Prod).unwrap();
+                assert_eq!(v[0], 6);
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn two_communicators_on_one_store_are_independent() {
+    util::run_threads(3, &util::test_config(20.0), |comm| {
+        let mut v = [comm.rank() as i32];
+        comm.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+        assert_eq!(v[0], 3);
+        assert_eq!(comm.topology().hosts, 1);
+        assert_eq!(comm.topology().local_size, 3);
+    });
+}
