@@ -34,15 +34,9 @@ fn buffer(dtype: DataType, bytes: usize, seed: usize) -> Vec<u8> {
     match dtype {
         DataType::F32 => (0..n).flat_map(|i| v(i).to_le_bytes()).collect(),
         DataType::F64 => (0..n).flat_map(|i| (v(i) as f64).to_le_bytes()).collect(),
-        DataType::F16 => (0..n)
-            .flat_map(|i| half::f16::from_f32(v(i)).to_le_bytes())
-            .collect(),
-        DataType::BF16 => (0..n)
-            .flat_map(|i| half::bf16::from_f32(v(i)).to_le_bytes())
-            .collect(),
-        DataType::I32 => (0..n)
-            .flat_map(|i| ((v(i) * 4.0) as i32).to_le_bytes())
-            .collect(),
+        DataType::F16 => (0..n).flat_map(|i| half::f16::from_f32(v(i)).to_le_bytes()).collect(),
+        DataType::BF16 => (0..n).flat_map(|i| half::bf16::from_f32(v(i)).to_le_bytes()).collect(),
+        DataType::I32 => (0..n).flat_map(|i| ((v(i) * 4.0) as i32).to_le_bytes()).collect(),
         _ => unreachable!("not benchmarked"),
     }
 }
@@ -63,11 +57,7 @@ fn kernels(c: &mut Criterion) {
         let name = format!("{}_{}", dtype.name(), op.name());
         let mut g = c.benchmark_group(format!("reduce_into/{name}"));
         for (size, label) in SIZES {
-            let (a, b_, mut dst) = (
-                buffer(dtype, size, 1),
-                buffer(dtype, size, 2),
-                vec![0; size],
-            );
+            let (a, b_, mut dst) = (buffer(dtype, size, 1), buffer(dtype, size, 2), vec![0; size]);
             g.throughput(Throughput::Bytes(3 * size as u64));
             g.bench_function(BenchmarkId::from_parameter(label), |b| {
                 b.iter(|| reduce_into(dtype, op, black_box(&mut dst), &a, &b_))

@@ -142,7 +142,9 @@ fn host_identity(cfg: &Config) -> String {
 fn random_id() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.write_u128(
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()),
+    );
     h.write_u32(std::process::id());
     h.finish()
 }
@@ -238,12 +240,23 @@ impl Communicator {
     ///
     /// Every rank must call this the same number of times on the same store (each call creates
     /// a new communicator; keys are kept apart per generation).
-    pub fn with_store(rank: usize, size: usize, store: Arc<dyn Store>, config: &Config) -> Result<Communicator> {
+    pub fn with_store(
+        rank: usize,
+        size: usize,
+        store: Arc<dyn Store>,
+        config: &Config,
+    ) -> Result<Communicator> {
         crate::config::init_logging();
         Communicator::build(rank, size, store, config, None)
     }
 
-    fn build(rank: usize, size: usize, store: Arc<dyn Store>, cfg: &Config, store_host: Option<&str>) -> Result<Communicator> {
+    fn build(
+        rank: usize,
+        size: usize,
+        store: Arc<dyn Store>,
+        cfg: &Config,
+        store_host: Option<&str>,
+    ) -> Result<Communicator> {
         if size == 0 || rank >= size {
             return Err(Error::InvalidArgument(format!("rank {rank} is not in a world of {size}")));
         }
@@ -259,10 +272,14 @@ impl Communicator {
             id
         } else {
             let v = store.get(&format!("{prefix}/id"), left())?;
-            let b: [u8; 8] = v.as_slice().try_into().map_err(|_| Error::Internal("bad communicator id in store".into()))?;
+            let b: [u8; 8] = v
+                .as_slice()
+                .try_into()
+                .map_err(|_| Error::Internal("bad communicator id in store".into()))?;
             u64::from_le_bytes(b)
         };
-        let iface = tcp::choose_address(cfg.socket_ifname.as_deref(), cfg.socket_family.as_deref(), store_host)?;
+        let iface =
+            tcp::choose_address(cfg.socket_ifname.as_deref(), cfg.socket_family.as_deref(), store_host)?;
         let endpoint = tcp::listen(&iface, size)?;
         tracing::info!(target: "toroid::init", "rank {rank}/{size}: listening on {} ({}), communicator {id:#x}",
             endpoint.addr, if iface.name.is_empty() { "route to store" } else { &iface.name });
@@ -273,10 +290,13 @@ impl Communicator {
         let mut hosts = Vec::with_capacity(size);
         for r in 0..size {
             let a = store.get(&format!("{prefix}/addr/{r}"), left())?;
-            let a = String::from_utf8_lossy(&a).parse::<SocketAddr>()
+            let a = String::from_utf8_lossy(&a)
+                .parse::<SocketAddr>()
                 .map_err(|e| Error::Remote(format!("rank {r} published a bad address: {e}")))?;
             addrs.push(a);
-            hosts.push(String::from_utf8_lossy(&store.get(&format!("{prefix}/host/{r}"), left())?).into_owned());
+            hosts.push(
+                String::from_utf8_lossy(&store.get(&format!("{prefix}/host/{r}"), left())?).into_owned(),
+            );
         }
         let transports = tcp::connect_mesh(rank, &addrs, &endpoint, id, cfg.socket_buffer, deadline)?;
         let topology = Topology::from_host_ids(rank, &hosts);
@@ -297,7 +317,11 @@ impl Communicator {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let oversubscribed = topology.local_size > cores;
         let spin = SpinPolicy {
-            spin: config.spin.unwrap_or(if oversubscribed { crate::config::DEFAULT_SPIN * 4 } else { crate::config::DEFAULT_SPIN }),
+            spin: config.spin.unwrap_or(if oversubscribed {
+                crate::config::DEFAULT_SPIN * 4
+            } else {
+                crate::config::DEFAULT_SPIN
+            }),
             yield_between: true,
         };
         let abort = Arc::new(AbortSignal::new()?);
@@ -372,10 +396,10 @@ impl Communicator {
     pub fn abort(&self) {
         self.core.abort.fire(Error::Aborted(format!("rank {} aborted the communicator", self.core.rank)));
         // Idle: close the links now. Busy: the running operation sees the signal and does it.
-        if let Ok(mut engine) = self.core.engine.try_lock() {
-            if !engine.peers.is_closed() {
-                engine.peers.poison(&format!("rank {} called abort", self.core.rank));
-            }
+        if let Ok(mut engine) = self.core.engine.try_lock()
+            && !engine.peers.is_closed()
+        {
+            engine.peers.poison(&format!("rank {} called abort", self.core.rank));
         }
         self.core.queue_cv.notify_all();
     }
@@ -419,9 +443,18 @@ impl Communicator {
     /// The buffers of `op` must stay valid (and, for outputs, untouched by anything else) until
     /// the work completes, and `keep` (if any) must own them or otherwise keep them alive.
     pub unsafe fn submit_raw(&self, op: RawOp, keep: Option<Box<dyn Any + Send>>) -> Result<Work<()>> {
-        let r = self.core.validate(&op).and_then(|_| self.core.abort.check()).and_then(|_| self.enqueue(op, keep));
+        let r = self
+            .core
+            .validate(&op)
+            .and_then(|_| self.core.abort.check())
+            .and_then(|_| self.enqueue(op, keep));
         match r {
-            Ok(done) => Ok(Work { done, abort: self.core.abort.clone(), timeout: self.core.timeout, _buf: PhantomData }),
+            Ok(done) => Ok(Work {
+                done,
+                abort: self.core.abort.clone(),
+                timeout: self.core.timeout,
+                _buf: PhantomData,
+            }),
             Err(e) => {
                 *lock(&self.core.last_error) = Some(e.to_string());
                 Err(e)
@@ -508,7 +541,9 @@ impl Communicator {
         for (_, r) in &members {
             let rec = &addrs[REC * r..REC * (r + 1)];
             let end = rec.iter().position(|b| *b == 0).unwrap_or(REC);
-            let a = std::str::from_utf8(&rec[..end]).ok().and_then(|s| s.parse::<SocketAddr>().ok())
+            let a = std::str::from_utf8(&rec[..end])
+                .ok()
+                .and_then(|s| s.parse::<SocketAddr>().ok())
                 .ok_or_else(|| Error::Remote(format!("rank {r} sent a bad address in split")))?;
             member_addrs.push(a);
         }
@@ -519,11 +554,29 @@ impl Communicator {
             h.finish()
         };
         let deadline = Instant::now() + self.core.timeout;
-        let transports = tcp::connect_mesh(new_rank, &member_addrs, &endpoint, id, self.core.config.socket_buffer, deadline)?;
-        let host_of: Vec<String> = members.iter().map(|(_, r)| self.core.topology.host_of[*r].to_string()).collect();
+        let transports = tcp::connect_mesh(
+            new_rank,
+            &member_addrs,
+            &endpoint,
+            id,
+            self.core.config.socket_buffer,
+            deadline,
+        )?;
+        let host_of: Vec<String> =
+            members.iter().map(|(_, r)| self.core.topology.host_of[*r].to_string()).collect();
         let topology = Topology::from_host_ids(new_rank, &host_of);
         tracing::info!(target: "toroid::init", "rank {} split (color {color:?}, key {key}) into rank {new_rank} of {}", self.rank(), members.len());
-        Communicator::assemble(new_rank, members.len(), id, self.core.config.clone(), topology, self.core.iface.clone(), transports, None).map(Some)
+        Communicator::assemble(
+            new_rank,
+            members.len(),
+            id,
+            self.core.config.clone(),
+            topology,
+            self.core.iface.clone(),
+            transports,
+            None,
+        )
+        .map(Some)
     }
 }
 
@@ -553,15 +606,20 @@ impl Core {
         let es = op.dtype.size();
         let (inp, out) = (op.bufs.input_len(), op.bufs.output_len());
         let whole = |what: &str, len: usize| -> Result<usize> {
-            if len % es != 0 {
-                return Err(Error::InvalidArgument(format!("{what} of {len} bytes is not a whole number of {} elements", op.dtype)));
+            if !len.is_multiple_of(es) {
+                return Err(Error::InvalidArgument(format!(
+                    "{what} of {len} bytes is not a whole number of {} elements",
+                    op.dtype
+                )));
             }
             Ok(len / es)
         };
         let in_place = matches!(op.bufs, RawBufs::InPlace(_));
         let rank_ok = |what: &str, r: usize| -> Result<()> {
             if r >= n {
-                return Err(Error::InvalidArgument(format!("{what} {r} is not a rank of this communicator (size {n})")));
+                return Err(Error::InvalidArgument(format!(
+                    "{what} {r} is not a rank of this communicator (size {n})"
+                )));
             }
             Ok(())
         };
@@ -580,19 +638,29 @@ impl Core {
                 rop.check(op.dtype)?;
                 let c = whole("input", inp)?;
                 if c % n != 0 {
-                    return Err(Error::InvalidArgument(format!("reduce_scatter input of {c} elements does not split into {n} equal pieces")));
+                    return Err(Error::InvalidArgument(format!(
+                        "reduce_scatter input of {c} elements does not split into {n} equal pieces"
+                    )));
                 }
                 if !in_place && out * n != inp {
-                    return Err(Error::InvalidArgument(format!("reduce_scatter output is {out} bytes; expected input/size = {}", inp / n)));
+                    return Err(Error::InvalidArgument(format!(
+                        "reduce_scatter output is {out} bytes; expected input/size = {}",
+                        inp / n
+                    )));
                 }
             }
             OpKind::AllGather | OpKind::SplitExchange => {
                 let c = whole("output", out)?;
                 if c % n != 0 {
-                    return Err(Error::InvalidArgument(format!("all_gather output of {c} elements does not split into {n} equal pieces")));
+                    return Err(Error::InvalidArgument(format!(
+                        "all_gather output of {c} elements does not split into {n} equal pieces"
+                    )));
                 }
                 if !in_place && inp * n != out {
-                    return Err(Error::InvalidArgument(format!("all_gather output is {out} bytes; expected size x input = {}", inp * n)));
+                    return Err(Error::InvalidArgument(format!(
+                        "all_gather output is {out} bytes; expected size x input = {}",
+                        inp * n
+                    )));
                 }
             }
             OpKind::Broadcast(root) => {
@@ -605,14 +673,18 @@ impl Core {
             OpKind::AllToAll => {
                 let c = whole("buffer", out)?;
                 if c % n != 0 || inp != out {
-                    return Err(Error::InvalidArgument(format!("all_to_all buffers must be equal and split into {n} blocks (input {inp}, output {out} bytes)")));
+                    return Err(Error::InvalidArgument(format!(
+                        "all_to_all buffers must be equal and split into {n} blocks (input {inp}, output {out} bytes)"
+                    )));
                 }
             }
             OpKind::Barrier => {}
             OpKind::Send(peer) | OpKind::Recv(peer) => {
                 rank_ok("peer", peer)?;
                 if peer == self.rank {
-                    return Err(Error::InvalidArgument(format!("rank {peer} cannot send to or receive from itself")));
+                    return Err(Error::InvalidArgument(format!(
+                        "rank {peer} cannot send to or receive from itself"
+                    )));
                 }
                 whole("buffer", inp.max(out))?;
             }
@@ -633,8 +705,12 @@ impl Core {
         let (count, root, rop, bytes) = match op.kind {
             OpKind::AllReduce(o) => (op.bufs.output_len() / es, -1, o, op.bufs.output_len()),
             OpKind::ReduceScatter(o) => (op.bufs.input_len() / es / n, -1, o, op.bufs.input_len()),
-            OpKind::AllGather | OpKind::SplitExchange => (op.bufs.output_len() / es / n, -1, ReduceOp::Sum, op.bufs.output_len()),
-            OpKind::Broadcast(r) => (op.bufs.output_len() / es, r as i32, ReduceOp::Sum, op.bufs.output_len()),
+            OpKind::AllGather | OpKind::SplitExchange => {
+                (op.bufs.output_len() / es / n, -1, ReduceOp::Sum, op.bufs.output_len())
+            }
+            OpKind::Broadcast(r) => {
+                (op.bufs.output_len() / es, r as i32, ReduceOp::Sum, op.bufs.output_len())
+            }
             OpKind::Reduce(o, r) => (op.bufs.input_len() / es, r as i32, o, op.bufs.input_len()),
             OpKind::AllToAll => (op.bufs.output_len() / es / n, -1, ReduceOp::Sum, op.bufs.output_len()),
             OpKind::Barrier => (0, -1, ReduceOp::Sum, 0),
@@ -656,7 +732,15 @@ impl Core {
                 engine.seq
             }
         };
-        let fp = Fingerprint { seq, kind: op.kind.coll(), dtype: op.dtype, op: rop, count: count as u64, root, algo: algo as u8 };
+        let fp = Fingerprint {
+            seq,
+            kind: op.kind.coll(),
+            dtype: op.dtype,
+            op: rop,
+            count: count as u64,
+            root,
+            algo: algo as u8,
+        };
         let timeout = op.opts.timeout.unwrap_or(self.timeout);
         tracing::debug!(target: "toroid::coll", "rank {}: {fp} ({bytes} bytes)", self.rank);
         engine.peers.begin_op();
@@ -716,8 +800,19 @@ unsafe fn dispatch(wire: &mut Wire<'_>, scratch: &mut Scratch, op: &RawOp, algo:
     let need = || Error::Internal("operation without buffers".into());
     match op.kind {
         OpKind::AllReduce(rop) => match algo {
-            Algorithm::Doubling => algorithm::doubling::all_reduce(wire, scratch, bufs.ok_or_else(need)?, dtype, rop),
-            _ => algorithm::ring::all_reduce(wire, scratch, Group::World(n), me, bufs.ok_or_else(need)?, dtype, rop, n),
+            Algorithm::Doubling => {
+                algorithm::doubling::all_reduce(wire, scratch, bufs.ok_or_else(need)?, dtype, rop)
+            }
+            _ => algorithm::ring::all_reduce(
+                wire,
+                scratch,
+                Group::World(n),
+                me,
+                bufs.ok_or_else(need)?,
+                dtype,
+                rop,
+                n,
+            ),
         },
         OpKind::ReduceScatter(rop) => {
             use algorithm::ring::RsBufs;
@@ -737,14 +832,31 @@ unsafe fn dispatch(wire: &mut Wire<'_>, scratch: &mut Scratch, op: &RawOp, algo:
                     // SAFETY of lifetimes: `scaled` borrows scratch's third buffer, which the
                     // ring below does not touch (it uses the first two).
                     return algorithm::ring::reduce_scatter_phase(
-                        wire, &mut Scratch::default(), Group::World(n), me, count,
-                        RsBufs::Own { src: scaled, out: recv }, dtype, ReduceOp::Sum, 0,
+                        wire,
+                        &mut Scratch::default(),
+                        Group::World(n),
+                        me,
+                        count,
+                        RsBufs::Own { src: scaled, out: recv },
+                        dtype,
+                        ReduceOp::Sum,
+                        0,
                     );
                 }
                 Bufs::OutOfPlace { send, recv } => (RsBufs::Own { src: send, out: recv }, rop),
             };
             let rop = if rop == ReduceOp::Avg { ReduceOp::Sum } else { rop };
-            algorithm::ring::reduce_scatter_phase(wire, scratch, Group::World(n), me, count, rs, dtype, rop, 0)
+            algorithm::ring::reduce_scatter_phase(
+                wire,
+                scratch,
+                Group::World(n),
+                me,
+                count,
+                rs,
+                dtype,
+                rop,
+                0,
+            )
         }
         OpKind::AllGather | OpKind::SplitExchange => {
             let buf = match bufs.ok_or_else(need)? {
@@ -764,7 +876,9 @@ unsafe fn dispatch(wire: &mut Wire<'_>, scratch: &mut Scratch, op: &RawOp, algo:
                 (Some(b), _) => b,
                 // A non-root may pass no output at all.
                 // SAFETY: forwarded from the caller.
-                (None, RawBufs::Read(s)) => Bufs::InPlace(unsafe { RawBufMut::from_raw(s.addr() as *mut u8, 0)?.as_mut_slice() }),
+                (None, RawBufs::Read(s)) => {
+                    Bufs::InPlace(unsafe { RawBufMut::from_raw(s.addr() as *mut u8, 0)?.as_mut_slice() })
+                }
                 _ => return Err(need()),
             };
             algorithm::broadcast::reduce(wire, scratch, algo, bufs, dtype, rop, root)
@@ -793,7 +907,12 @@ pub(crate) struct Completion {
 
 impl Completion {
     fn new(keep: Option<Box<dyn Any + Send>>) -> Completion {
-        Completion { result: Mutex::new(None), cv: Condvar::new(), done: AtomicBool::new(false), keep: Mutex::new(keep) }
+        Completion {
+            result: Mutex::new(None),
+            cv: Condvar::new(),
+            done: AtomicBool::new(false),
+            keep: Mutex::new(keep),
+        }
     }
 
     fn complete(&self, r: Result<()>) {
@@ -885,7 +1004,9 @@ impl<B: 'static> Work<B> {
             _ => {
                 // `B = ()` for raw submissions.
                 let unit: Box<dyn Any> = Box::new(());
-                unit.downcast::<B>().map(|b| *b).map_err(|_| Error::Internal("work buffer already taken".into()))
+                unit.downcast::<B>()
+                    .map(|b| *b)
+                    .map_err(|_| Error::Internal("work buffer already taken".into()))
             }
         }
     }
@@ -931,12 +1052,20 @@ impl Communicator {
 
     /// Reduces `send` across all ranks into `recv` (same length).
     pub fn all_reduce_into<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
-        self.go(OpKind::AllReduce(op), T::DTYPE, RawBufs::OutOfPlace(RawBuf::new(bytes_of(send)), RawBufMut::new(bytes_of_mut(recv))))
+        self.go(
+            OpKind::AllReduce(op),
+            T::DTYPE,
+            RawBufs::OutOfPlace(RawBuf::new(bytes_of(send)), RawBufMut::new(bytes_of_mut(recv))),
+        )
     }
 
     /// Reduces `send` (`size` equal pieces) across ranks; rank `r` receives piece `r` in `recv`.
     pub fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
-        self.go(OpKind::ReduceScatter(op), T::DTYPE, RawBufs::OutOfPlace(RawBuf::new(bytes_of(send)), RawBufMut::new(bytes_of_mut(recv))))
+        self.go(
+            OpKind::ReduceScatter(op),
+            T::DTYPE,
+            RawBufs::OutOfPlace(RawBuf::new(bytes_of(send)), RawBufMut::new(bytes_of_mut(recv))),
+        )
     }
 
     /// In-place reduce-scatter: `buf` holds `size` equal pieces; afterwards piece `rank` holds
@@ -947,7 +1076,11 @@ impl Communicator {
 
     /// Gathers every rank's `send` into `recv` (`size` pieces in rank order).
     pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
-        self.go(OpKind::AllGather, T::DTYPE, RawBufs::OutOfPlace(RawBuf::new(bytes_of(send)), RawBufMut::new(bytes_of_mut(recv))))
+        self.go(
+            OpKind::AllGather,
+            T::DTYPE,
+            RawBufs::OutOfPlace(RawBuf::new(bytes_of(send)), RawBufMut::new(bytes_of_mut(recv))),
+        )
     }
 
     /// In-place all-gather: this rank's piece is already at position `rank` of `buf`.
@@ -962,7 +1095,11 @@ impl Communicator {
 
     /// Broadcasts `root`'s `send` into every rank's `recv` (`send` is read on the root only).
     pub fn broadcast_into<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
-        self.go(OpKind::Broadcast(root), T::DTYPE, RawBufs::OutOfPlace(RawBuf::new(bytes_of(send)), RawBufMut::new(bytes_of_mut(recv))))
+        self.go(
+            OpKind::Broadcast(root),
+            T::DTYPE,
+            RawBufs::OutOfPlace(RawBuf::new(bytes_of(send)), RawBufMut::new(bytes_of_mut(recv))),
+        )
     }
 
     /// Reduces every rank's `buf` into `root`'s `buf`; other ranks' buffers are left untouched.
@@ -971,13 +1108,27 @@ impl Communicator {
     }
 
     /// Reduces every rank's `send` into `root`'s `recv` (`recv` is written on the root only).
-    pub fn reduce_into<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
-        self.go(OpKind::Reduce(op, root), T::DTYPE, RawBufs::OutOfPlace(RawBuf::new(bytes_of(send)), RawBufMut::new(bytes_of_mut(recv))))
+    pub fn reduce_into<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        self.go(
+            OpKind::Reduce(op, root),
+            T::DTYPE,
+            RawBufs::OutOfPlace(RawBuf::new(bytes_of(send)), RawBufMut::new(bytes_of_mut(recv))),
+        )
     }
 
     /// All-to-all: block `j` of `send` goes to rank `j`, arriving as its block `rank`.
     pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
-        self.go(OpKind::AllToAll, T::DTYPE, RawBufs::OutOfPlace(RawBuf::new(bytes_of(send)), RawBufMut::new(bytes_of_mut(recv))))
+        self.go(
+            OpKind::AllToAll,
+            T::DTYPE,
+            RawBufs::OutOfPlace(RawBuf::new(bytes_of(send)), RawBufMut::new(bytes_of_mut(recv))),
+        )
     }
 
     /// In-place all-to-all.
@@ -1001,7 +1152,14 @@ impl Communicator {
     }
 
     /// Any collective on untyped bytes with options (the form the benchmark and the C ABI use).
-    pub fn run_bytes(&self, kind: OpKind, dtype: DataType, send: Option<&[u8]>, recv: Option<&mut [u8]>, opts: CallOptions) -> Result<()> {
+    pub fn run_bytes(
+        &self,
+        kind: OpKind,
+        dtype: DataType,
+        send: Option<&[u8]>,
+        recv: Option<&mut [u8]>,
+        opts: CallOptions,
+    ) -> Result<()> {
         let bufs = match (send, recv) {
             (None, None) => RawBufs::None,
             (Some(s), None) => RawBufs::Read(RawBuf::new(s)),
@@ -1030,7 +1188,11 @@ impl Communicator {
     }
 
     /// Async in-place reduce-scatter of an owned buffer (see [`Communicator::reduce_scatter_in_place`]).
-    pub fn reduce_scatter_async<T: Element, B: OwnedBuffer<T>>(&self, buf: B, op: ReduceOp) -> Result<Work<B>> {
+    pub fn reduce_scatter_async<T: Element, B: OwnedBuffer<T>>(
+        &self,
+        buf: B,
+        op: ReduceOp,
+    ) -> Result<Work<B>> {
         self.submit_owned(buf, |b| (OpKind::ReduceScatter(op), RawBufs::InPlace(RawBufMut::new(b))))
     }
 
@@ -1042,10 +1204,24 @@ impl Communicator {
     /// Async barrier.
     pub fn barrier_async(&self) -> Result<Work<()>> {
         // SAFETY: a barrier has no buffers.
-        unsafe { self.submit_raw(RawOp { kind: OpKind::Barrier, dtype: DataType::U8, bufs: RawBufs::None, opts: CallOptions::default() }, None) }
+        unsafe {
+            self.submit_raw(
+                RawOp {
+                    kind: OpKind::Barrier,
+                    dtype: DataType::U8,
+                    bufs: RawBufs::None,
+                    opts: CallOptions::default(),
+                },
+                None,
+            )
+        }
     }
 
-    fn submit_owned<T: Element, B: OwnedBuffer<T>>(&self, mut buf: B, make: impl FnOnce(&mut [u8]) -> (OpKind, RawBufs)) -> Result<Work<B>> {
+    fn submit_owned<T: Element, B: OwnedBuffer<T>>(
+        &self,
+        mut buf: B,
+        make: impl FnOnce(&mut [u8]) -> (OpKind, RawBufs),
+    ) -> Result<Work<B>> {
         let (kind, bufs) = make(bytes_of_mut(buf.as_mut_elems()));
         let op = RawOp { kind, dtype: T::DTYPE, bufs, opts: CallOptions::default() };
         // SAFETY: the work keeps `buf` alive until the operation completes, and its heap data

@@ -163,10 +163,7 @@ impl Config {
 
     /// A launcher or `TOROID_*` variable as read (empty values count as unset).
     pub fn var(&self, name: &str) -> Option<&str> {
-        self.vars
-            .get(name)
-            .map(|s| s.trim())
-            .filter(|s| !s.is_empty())
+        self.vars.get(name).map(|s| s.trim()).filter(|s| !s.is_empty())
     }
 
     fn log(&self) {
@@ -179,17 +176,14 @@ impl Config {
 }
 
 fn parse_num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
-    v.parse()
-        .map_err(|_| Error::InvalidArgument(format!("{name}={v}: not a number")))
+    v.parse().map_err(|_| Error::InvalidArgument(format!("{name}={v}: not a number")))
 }
 
 /// Seconds, possibly fractional (`0.5`).
 fn parse_seconds(name: &str, v: &str) -> Result<Duration> {
     let secs: f64 = parse_num(name, v)?;
     if !(secs > 0.0 && secs.is_finite()) {
-        return Err(Error::InvalidArgument(format!(
-            "{name}={v}: must be a positive number of seconds"
-        )));
+        return Err(Error::InvalidArgument(format!("{name}={v}: must be a positive number of seconds")));
     }
     Ok(Duration::from_secs_f64(secs))
 }
@@ -211,8 +205,7 @@ pub fn parse_size(name: &str, v: &str) -> Result<usize> {
         _ => (v, 0),
     };
     let n: usize = parse_num(name, digits)?;
-    n.checked_mul(1usize << shift)
-        .ok_or_else(|| Error::InvalidArgument(format!("{name}={v}: too large")))
+    n.checked_mul(1usize << shift).ok_or_else(|| Error::InvalidArgument(format!("{name}={v}: too large")))
 }
 
 /// Sets up logging from `TOROID_DEBUG` (`WARN` default, `INFO`, `TRACE`, ...) and
@@ -233,11 +226,8 @@ pub fn init_logging() {
         };
         let subsys = std::env::var("TOROID_DEBUG_SUBSYS").unwrap_or_default();
         let mut directives = String::new();
-        let subsys: Vec<String> = subsys
-            .split(',')
-            .map(|s| s.trim().to_ascii_lowercase())
-            .filter(|s| !s.is_empty())
-            .collect();
+        let subsys: Vec<String> =
+            subsys.split(',').map(|s| s.trim().to_ascii_lowercase()).filter(|s| !s.is_empty()).collect();
         if subsys.is_empty() || subsys.iter().any(|s| s == "all") {
             directives.push_str(&format!("warn,toroid={level}"));
         } else {
@@ -262,10 +252,8 @@ mod tests {
     use super::*;
 
     fn cfg(pairs: &[(&str, &str)]) -> Result<Config> {
-        let map: BTreeMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+        let map: BTreeMap<String, String> =
+            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         Config::from_lookup(|k| map.get(k).cloned())
     }
 
@@ -279,12 +267,8 @@ mod tests {
 
     #[test]
     fn parses_values_and_rejects_garbage() {
-        let c = cfg(&[
-            ("TOROID_TIMEOUT", "2.5"),
-            ("TOROID_SEGMENT_SIZE", "1M"),
-            ("TOROID_SPIN_US", "10"),
-        ])
-        .unwrap();
+        let c = cfg(&[("TOROID_TIMEOUT", "2.5"), ("TOROID_SEGMENT_SIZE", "1M"), ("TOROID_SPIN_US", "10")])
+            .unwrap();
         assert_eq!(c.timeout, Duration::from_millis(2500));
         assert_eq!(c.segment_size, 1 << 20);
         assert_eq!(c.spin, Some(Duration::from_micros(10)));
@@ -292,10 +276,7 @@ mod tests {
         assert!(cfg(&[("TOROID_TIMEOUT", "-1")]).is_err());
         assert!(cfg(&[("TOROID_SEGMENT_SIZE", "12")]).is_err());
         // Empty counts as unset.
-        assert_eq!(
-            cfg(&[("TOROID_TIMEOUT", "")]).unwrap().timeout,
-            DEFAULT_TIMEOUT
-        );
+        assert_eq!(cfg(&[("TOROID_TIMEOUT", "")]).unwrap().timeout, DEFAULT_TIMEOUT);
     }
 
     #[test]

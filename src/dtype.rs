@@ -60,10 +60,7 @@ impl DataType {
 
     /// True for the floating-point types (the ones `avg` is defined on).
     pub const fn is_float(self) -> bool {
-        matches!(
-            self,
-            DataType::F16 | DataType::BF16 | DataType::F32 | DataType::F64
-        )
+        matches!(self, DataType::F16 | DataType::BF16 | DataType::F32 | DataType::F64)
     }
 
     /// The nccl-tests name (`float`, `half`, `bfloat16`, ...), used by toroid-bench.
@@ -143,13 +140,8 @@ pub enum ReduceOp {
 
 impl ReduceOp {
     /// Every operation, in discriminant order.
-    pub const ALL: [ReduceOp; 5] = [
-        ReduceOp::Sum,
-        ReduceOp::Prod,
-        ReduceOp::Min,
-        ReduceOp::Max,
-        ReduceOp::Avg,
-    ];
+    pub const ALL: [ReduceOp; 5] =
+        [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
 
     /// The nccl-tests name.
     pub const fn name(self) -> &'static str {
@@ -194,9 +186,7 @@ impl FromStr for ReduceOp {
             "max" => ReduceOp::Max,
             "avg" | "mean" => ReduceOp::Avg,
             _ => {
-                return Err(Error::InvalidArgument(format!(
-                    "unknown reduction op '{s}'"
-                )));
+                return Err(Error::InvalidArgument(format!("unknown reduction op '{s}'")));
             }
         })
     }
@@ -249,10 +239,7 @@ mod tests {
     fn avg_only_on_floats() {
         assert!(ReduceOp::Avg.check(DataType::F32).is_ok());
         assert!(ReduceOp::Avg.check(DataType::BF16).is_ok());
-        assert!(matches!(
-            ReduceOp::Avg.check(DataType::I32),
-            Err(Error::Unsupported(_))
-        ));
+        assert!(matches!(ReduceOp::Avg.check(DataType::I32), Err(Error::Unsupported(_))));
         assert!(ReduceOp::Sum.check(DataType::U8).is_ok());
     }
 

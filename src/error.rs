@@ -50,11 +50,7 @@ impl Error {
     pub fn is_fatal(&self) -> bool {
         matches!(
             self,
-            Error::Remote(_)
-                | Error::Timeout(_)
-                | Error::Aborted(_)
-                | Error::System(_)
-                | Error::Internal(_)
+            Error::Remote(_) | Error::Timeout(_) | Error::Aborted(_) | Error::System(_) | Error::Internal(_)
         )
     }
 

@@ -176,7 +176,9 @@ impl RawBufs {
         unsafe {
             match self {
                 RawBufs::InPlace(b) => Some(Bufs::InPlace(b.as_mut_slice())),
-                RawBufs::OutOfPlace(s, r) => Some(Bufs::OutOfPlace { send: s.as_slice(), recv: r.as_mut_slice() }),
+                RawBufs::OutOfPlace(s, r) => {
+                    Some(Bufs::OutOfPlace { send: s.as_slice(), recv: r.as_mut_slice() })
+                }
                 RawBufs::None | RawBufs::Read(_) => None,
             }
         }
@@ -203,12 +205,17 @@ mod tests {
     fn pair_classification() {
         let mut a = [0u8; 16];
         let p = a.as_mut_ptr();
-        let same = RawBufs::from_pair(RawBuf::from_raw(p, 16).unwrap(), RawBufMut::from_raw(p, 16).unwrap()).unwrap();
+        let same = RawBufs::from_pair(RawBuf::from_raw(p, 16).unwrap(), RawBufMut::from_raw(p, 16).unwrap())
+            .unwrap();
         assert!(matches!(same, RawBufs::InPlace(_)));
         // SAFETY: offsets stay inside `a`.
         let q = unsafe { p.add(8) };
-        assert!(RawBufs::from_pair(RawBuf::from_raw(p, 16).unwrap(), RawBufMut::from_raw(q, 8).unwrap()).is_err());
-        assert!(RawBufs::from_pair(RawBuf::from_raw(p, 8).unwrap(), RawBufMut::from_raw(q, 8).unwrap()).is_ok());
+        assert!(
+            RawBufs::from_pair(RawBuf::from_raw(p, 16).unwrap(), RawBufMut::from_raw(q, 8).unwrap()).is_err()
+        );
+        assert!(
+            RawBufs::from_pair(RawBuf::from_raw(p, 8).unwrap(), RawBufMut::from_raw(q, 8).unwrap()).is_ok()
+        );
         assert!(RawBuf::from_raw(std::ptr::null(), 4).is_err());
         assert!(RawBuf::from_raw(std::ptr::null(), 0).is_ok());
     }

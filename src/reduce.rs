@@ -77,10 +77,7 @@ pub fn scale_inplace(dtype: DataType, buf: &mut [u8], factor: f64) {
 
 fn reduce_inplace_at(level: Level, dtype: DataType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
     assert_eq!(dst.len(), src.len(), "reduce_inplace: length mismatch");
-    assert!(
-        dst.len().is_multiple_of(dtype.size()),
-        "reduce_inplace: partial element"
-    );
+    assert!(dst.len().is_multiple_of(dtype.size()), "reduce_inplace: partial element");
     dispatch!(dtype, op, T, F => {
         let (d, s) = (view_mut::<T>(dst), view::<T>(src));
         // SAFETY: `level` came from `level()` or `Level::supported()`, which checked the CPU.
@@ -89,14 +86,8 @@ fn reduce_inplace_at(level: Level, dtype: DataType, op: ReduceOp, dst: &mut [u8]
 }
 
 fn reduce_into_at(level: Level, dtype: DataType, op: ReduceOp, dst: &mut [u8], a: &[u8], b: &[u8]) {
-    assert!(
-        dst.len() == a.len() && a.len() == b.len(),
-        "reduce_into: length mismatch"
-    );
-    assert!(
-        dst.len().is_multiple_of(dtype.size()),
-        "reduce_into: partial element"
-    );
+    assert!(dst.len() == a.len() && a.len() == b.len(), "reduce_into: length mismatch");
+    assert!(dst.len().is_multiple_of(dtype.size()), "reduce_into: partial element");
     dispatch!(dtype, op, T, F => {
         let (d, a, b) = (view_mut::<T>(dst), view::<T>(a), view::<T>(b));
         // SAFETY: `level` came from `level()` or `Level::supported()`, which checked the CPU.
@@ -106,14 +97,8 @@ fn reduce_into_at(level: Level, dtype: DataType, op: ReduceOp, dst: &mut [u8], a
 
 fn scale_into_at(level: Level, dtype: DataType, dst: &mut [u8], src: &[u8], factor: f64) {
     assert_eq!(dst.len(), src.len(), "scale_into: length mismatch");
-    assert!(
-        dtype.is_float(),
-        "scale_into: {dtype} is not a floating type"
-    );
-    assert!(
-        dst.len().is_multiple_of(dtype.size()),
-        "scale_into: partial element"
-    );
+    assert!(dtype.is_float(), "scale_into: {dtype} is not a floating type");
+    assert!(dst.len().is_multiple_of(dtype.size()), "scale_into: partial element");
     let k = factor as f32;
     // SAFETY (each arm): `level` came from `level()` or `Level::supported()`.
     unsafe {
@@ -128,14 +113,8 @@ fn scale_into_at(level: Level, dtype: DataType, dst: &mut [u8], src: &[u8], fact
 }
 
 fn scale_inplace_at(level: Level, dtype: DataType, buf: &mut [u8], factor: f64) {
-    assert!(
-        dtype.is_float(),
-        "scale_inplace: {dtype} is not a floating type"
-    );
-    assert!(
-        buf.len().is_multiple_of(dtype.size()),
-        "scale_inplace: partial element"
-    );
+    assert!(dtype.is_float(), "scale_inplace: {dtype} is not a floating type");
+    assert!(buf.len().is_multiple_of(dtype.size()), "scale_inplace: partial element");
     let k = factor as f32;
     // SAFETY (each arm): `level` came from `level()` or `Level::supported()`.
     unsafe {
@@ -414,10 +393,7 @@ impl Elem for bf16 {
 #[inline(always)]
 fn bf16_pair(x: u32, y: u32, f: impl Fn2<f32>) -> u32 {
     let lo = f(f32::from_bits(x << 16), f32::from_bits(y << 16));
-    let hi = f(
-        f32::from_bits(x & 0xffff_0000),
-        f32::from_bits(y & 0xffff_0000),
-    );
+    let hi = f(f32::from_bits(x & 0xffff_0000), f32::from_bits(y & 0xffff_0000));
     f32_to_bf16_bits(lo.to_bits()) as u32 | (f32_to_bf16_bits(hi.to_bits()) as u32) << 16
 }
 
@@ -427,10 +403,7 @@ fn pairs(s: &[U<bf16>]) -> (&[U<u32>], &[U<bf16>]) {
     let (p, tail) = s.split_at(s.len() & !1);
     // SAFETY: U<u32> is 4 bytes with alignment 1, the size of two U<bf16>; `p` has an even
     // length and every bit pattern is a u32.
-    (
-        unsafe { std::slice::from_raw_parts(p.as_ptr().cast(), p.len() / 2) },
-        tail,
-    )
+    (unsafe { std::slice::from_raw_parts(p.as_ptr().cast(), p.len() / 2) }, tail)
 }
 
 /// Mutable form of [`pairs`].
@@ -438,10 +411,7 @@ fn pairs(s: &[U<bf16>]) -> (&[U<u32>], &[U<bf16>]) {
 fn pairs_mut(s: &mut [U<bf16>]) -> (&mut [U<u32>], &mut [U<bf16>]) {
     let (p, tail) = s.split_at_mut(s.len() & !1);
     // SAFETY: as in `pairs`; the exclusive borrow of `p` moves to the result.
-    (
-        unsafe { std::slice::from_raw_parts_mut(p.as_mut_ptr().cast(), p.len() / 2) },
-        tail,
-    )
+    (unsafe { std::slice::from_raw_parts_mut(p.as_mut_ptr().cast(), p.len() / 2) }, tail)
 }
 
 /// `bf16::from_f32(f32::from_bits(x)).to_bits()`, branch-free so that it vectorises: round to
@@ -451,11 +421,7 @@ fn pairs_mut(s: &mut [U<bf16>]) -> (&mut [U<u32>], &mut [U<bf16>]) {
 #[inline(always)]
 fn f32_to_bf16_bits(x: u32) -> u16 {
     let nan = f32::from_bits(x).is_nan();
-    let r = if nan {
-        x | 0x0040_0000
-    } else {
-        x.wrapping_add(0x7fff + ((x >> 16) & 1))
-    };
+    let r = if nan { x | 0x0040_0000 } else { x.wrapping_add(0x7fff + ((x >> 16) & 1)) };
     (r >> 16) as u16
 }
 
@@ -722,10 +688,7 @@ mod avx2 {
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     #![allow(clippy::missing_safety_doc)]
-    entry_points!(
-        x86::Avx512::new(),
-        "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"
-    );
+    entry_points!(x86::Avx512::new(), "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c");
 }
 
 /// The instruction-set level a kernel runs at. A value other than `Portable` only ever comes
@@ -874,16 +837,8 @@ mod tests {
         /// Mostly moderate values of mixed sign and magnitude (so sums really round), one in
         /// sixteen a special one (signed zero, infinity, NaN, an f32 subnormal).
         fn float(&mut self, max_exp: i32) -> f64 {
-            const SPECIAL: [f64; 8] = [
-                0.0,
-                -0.0,
-                f64::INFINITY,
-                f64::NEG_INFINITY,
-                f64::NAN,
-                1.0,
-                -1.0,
-                1e-40,
-            ];
+            const SPECIAL: [f64; 8] =
+                [0.0, -0.0, f64::INFINITY, f64::NEG_INFINITY, f64::NAN, 1.0, -1.0, 1e-40];
             match self.next() % 16 {
                 0 => SPECIAL[(self.next() % SPECIAL.len() as u64) as usize],
                 _ => {
@@ -903,9 +858,7 @@ mod tests {
             let bits = rng.next();
             match dtype {
                 // Raw bits for halves cover every class (NaN, inf, subnormal) at useful rates.
-                DataType::F16 | DataType::BF16 => {
-                    out.extend_from_slice(&(bits as u16).to_ne_bytes())
-                }
+                DataType::F16 | DataType::BF16 => out.extend_from_slice(&(bits as u16).to_ne_bytes()),
                 DataType::F32 if !bits.is_multiple_of(8) => {
                     out.extend_from_slice(&(rng.float(20) as f32).to_ne_bytes())
                 }
@@ -927,11 +880,7 @@ mod tests {
 
     impl Buf {
         fn new(bytes: &[u8], offset: usize) -> Buf {
-            let mut b = Buf {
-                store: vec![0; (bytes.len() + offset).div_ceil(8)],
-                offset,
-                len: bytes.len(),
-            };
+            let mut b = Buf { store: vec![0; (bytes.len() + offset).div_ceil(8)], offset, len: bytes.len() };
             b.bytes_mut().copy_from_slice(bytes);
             b
         }
@@ -972,10 +921,8 @@ mod tests {
     fn reference(dtype: DataType, op: ReduceOp, x: &[u8], y: &[u8]) -> Vec<u8> {
         macro_rules! int {
             ($t:ty) => {{
-                let (x, y) = (
-                    <$t>::from_ne_bytes(x.try_into().unwrap()),
-                    <$t>::from_ne_bytes(y.try_into().unwrap()),
-                );
+                let (x, y) =
+                    (<$t>::from_ne_bytes(x.try_into().unwrap()), <$t>::from_ne_bytes(y.try_into().unwrap()));
                 let r = match op {
                     ReduceOp::Sum => x.wrapping_add(y),
                     ReduceOp::Prod => x.wrapping_mul(y),
@@ -1008,37 +955,22 @@ mod tests {
                 if pick_y { y.to_vec() } else { x.to_vec() }
             }
             DataType::F32 => {
-                let (x, y) = (
-                    f32::from_ne_bytes(x.try_into().unwrap()),
-                    f32::from_ne_bytes(y.try_into().unwrap()),
-                );
-                (f64_op(op, x as f64, y as f64) as f32)
-                    .to_ne_bytes()
-                    .to_vec()
+                let (x, y) =
+                    (f32::from_ne_bytes(x.try_into().unwrap()), f32::from_ne_bytes(y.try_into().unwrap()));
+                (f64_op(op, x as f64, y as f64) as f32).to_ne_bytes().to_vec()
             }
             DataType::F64 => {
-                let (x, y) = (
-                    f64::from_ne_bytes(x.try_into().unwrap()),
-                    f64::from_ne_bytes(y.try_into().unwrap()),
-                );
+                let (x, y) =
+                    (f64::from_ne_bytes(x.try_into().unwrap()), f64::from_ne_bytes(y.try_into().unwrap()));
                 f64_op(op, x, y).to_ne_bytes().to_vec()
             }
             DataType::F16 => {
                 let (x, y) = (f16::from_bits(h(x)).to_f64(), f16::from_bits(h(y)).to_f64());
-                f16::from_f64(f64_op(op, x, y))
-                    .to_bits()
-                    .to_ne_bytes()
-                    .to_vec()
+                f16::from_f64(f64_op(op, x, y)).to_bits().to_ne_bytes().to_vec()
             }
             DataType::BF16 => {
-                let (x, y) = (
-                    bf16::from_bits(h(x)).to_f64(),
-                    bf16::from_bits(h(y)).to_f64(),
-                );
-                bf16::from_f64(f64_op(op, x, y))
-                    .to_bits()
-                    .to_ne_bytes()
-                    .to_vec()
+                let (x, y) = (bf16::from_bits(h(x)).to_f64(), bf16::from_bits(h(y)).to_f64());
+                bf16::from_f64(f64_op(op, x, y)).to_bits().to_ne_bytes().to_vec()
             }
         }
     }
@@ -1055,39 +987,23 @@ mod tests {
 
     /// The half-type contract, `T::from_f32(op(a.to_f32(), b.to_f32()))`, as bits.
     fn half_formula(dtype: DataType, op: ReduceOp, x: &[u8], y: &[u8]) -> [u8; 2] {
-        let (x, y) = (
-            u16::from_ne_bytes(x.try_into().unwrap()),
-            u16::from_ne_bytes(y.try_into().unwrap()),
-        );
+        let (x, y) = (u16::from_ne_bytes(x.try_into().unwrap()), u16::from_ne_bytes(y.try_into().unwrap()));
         let f = |a: f32, b: f32| f64_op(op, a as f64, b as f64) as f32;
         match dtype {
             DataType::F16 => {
-                f16::from_f32(f(f16::from_bits(x).to_f32(), f16::from_bits(y).to_f32()))
-                    .to_ne_bytes()
+                f16::from_f32(f(f16::from_bits(x).to_f32(), f16::from_bits(y).to_f32())).to_ne_bytes()
             }
-            _ => bf16::from_f32(f(bf16::from_bits(x).to_f32(), bf16::from_bits(y).to_f32()))
-                .to_ne_bytes(),
+            _ => bf16::from_f32(f(bf16::from_bits(x).to_f32(), bf16::from_bits(y).to_f32())).to_ne_bytes(),
         }
     }
 
     /// Bit-exact, except that a NaN from a sum or product may have any payload (IEEE 754 does
     /// not say which operand's NaN an arithmetic op returns; min/max select, so are exact).
-    fn check_elem(
-        what: &str,
-        dtype: DataType,
-        op: ReduceOp,
-        i: usize,
-        x: &[u8],
-        y: &[u8],
-        got: &[u8],
-    ) {
+    fn check_elem(what: &str, dtype: DataType, op: ReduceOp, i: usize, x: &[u8], y: &[u8], got: &[u8]) {
         let want = reference(dtype, op, x, y);
         let arith = matches!(op, ReduceOp::Sum | ReduceOp::Prod);
         let ok = |want: &[u8]| got == want || (arith && is_nan(dtype, want) && is_nan(dtype, got));
-        assert!(
-            ok(&want),
-            "{what} {dtype} {op} [{i}]: {x:02x?} ⊕ {y:02x?} = {got:02x?}, want {want:02x?}"
-        );
+        assert!(ok(&want), "{what} {dtype} {op} [{i}]: {x:02x?} ⊕ {y:02x?} = {got:02x?}, want {want:02x?}");
         if matches!(dtype, DataType::F16 | DataType::BF16) {
             let want = half_formula(dtype, op, x, y);
             assert!(
@@ -1115,19 +1031,9 @@ mod tests {
 
                             let (ba, bb) = (Buf::new(&a, offset), Buf::new(&b, offset));
                             let mut out = Buf::new(&vec![0xa5; a.len()], offset);
-                            reduce_into_at(
-                                level,
-                                dtype,
-                                op,
-                                out.bytes_mut(),
-                                ba.bytes(),
-                                bb.bytes(),
-                            );
-                            for (i, ((x, y), got)) in a
-                                .chunks(size)
-                                .zip(b.chunks(size))
-                                .zip(out.bytes().chunks(size))
-                                .enumerate()
+                            reduce_into_at(level, dtype, op, out.bytes_mut(), ba.bytes(), bb.bytes());
+                            for (i, ((x, y), got)) in
+                                a.chunks(size).zip(b.chunks(size)).zip(out.bytes().chunks(size)).enumerate()
                             {
                                 check_elem(&format!("into {what}"), dtype, op, i, x, y, got);
                             }
@@ -1179,28 +1085,24 @@ mod tests {
                             );
 
                             let k = factor as f32;
-                            for (i, (x, got)) in
-                                src.chunks(size).zip(out.bytes().chunks(size)).enumerate()
-                            {
+                            for (i, (x, got)) in src.chunks(size).zip(out.bytes().chunks(size)).enumerate() {
                                 let h = u16::from_ne_bytes(x.try_into().unwrap_or([0; 2]));
                                 // The documented formulas, computed independently.
                                 let want = match dtype {
-                                    DataType::F32 => ((f32::from_ne_bytes(x.try_into().unwrap())
-                                        as f64
-                                        * k as f64)
-                                        as f32)
+                                    DataType::F32 => {
+                                        ((f32::from_ne_bytes(x.try_into().unwrap()) as f64 * k as f64) as f32)
+                                            .to_ne_bytes()
+                                            .to_vec()
+                                    }
+                                    DataType::F64 => (f64::from_ne_bytes(x.try_into().unwrap()) * factor)
                                         .to_ne_bytes()
                                         .to_vec(),
-                                    DataType::F64 => (f64::from_ne_bytes(x.try_into().unwrap())
-                                        * factor)
-                                        .to_ne_bytes()
-                                        .to_vec(),
-                                    DataType::F16 => f16::from_f32(f16::from_bits(h).to_f32() * k)
-                                        .to_ne_bytes()
-                                        .to_vec(),
-                                    _ => bf16::from_f32(bf16::from_bits(h).to_f32() * k)
-                                        .to_ne_bytes()
-                                        .to_vec(),
+                                    DataType::F16 => {
+                                        f16::from_f32(f16::from_bits(h).to_f32() * k).to_ne_bytes().to_vec()
+                                    }
+                                    _ => {
+                                        bf16::from_f32(bf16::from_bits(h).to_f32() * k).to_ne_bytes().to_vec()
+                                    }
                                 };
                                 assert!(
                                     got == want || (is_nan(dtype, &want) && is_nan(dtype, got)),
@@ -1221,11 +1123,7 @@ mod tests {
         for hi in 0..=u16::MAX as u32 {
             for lo in [0, 1, 0x7fff, 0x8000, 0x8001, 0xc000, 0xffff] {
                 let x = hi << 16 | lo;
-                assert_eq!(
-                    f32_to_bf16_bits(x),
-                    bf16::from_f32(f32::from_bits(x)).to_bits(),
-                    "{x:#010x}"
-                );
+                assert_eq!(f32_to_bf16_bits(x), bf16::from_f32(f32::from_bits(x)).to_bits(), "{x:#010x}");
             }
         }
     }
@@ -1251,20 +1149,11 @@ mod tests {
             for hi in 0..=u16::MAX as u32 {
                 let x: [f32; L16] = std::array::from_fn(|i| {
                     let lo = [0, 1, 0x0fff, 0x1000, 0x1001, 0x2000, 0x1fff][i % 7];
-                    f32::from_bits(if i < 7 {
-                        hi << 16 | lo
-                    } else {
-                        rng.next() as u32
-                    })
+                    f32::from_bits(if i < 7 { hi << 16 | lo } else { rng.next() as u32 })
                 });
                 let n = isa.f16_narrow(&x);
                 for i in 0..L16 {
-                    assert_eq!(
-                        n[i].0.to_bits(),
-                        f16::from_f32(x[i]).to_bits(),
-                        "{:#010x}",
-                        x[i].to_bits()
-                    );
+                    assert_eq!(n[i].0.to_bits(), f16::from_f32(x[i]).to_bits(), "{:#010x}", x[i].to_bits());
                 }
             }
         }
@@ -1283,21 +1172,9 @@ mod tests {
     #[test]
     fn integer_and_float_edge_cases() {
         let mut d = [0u8; 4];
-        reduce_into(
-            DataType::I32,
-            ReduceOp::Sum,
-            &mut d,
-            &i32::MAX.to_ne_bytes(),
-            &1i32.to_ne_bytes(),
-        );
+        reduce_into(DataType::I32, ReduceOp::Sum, &mut d, &i32::MAX.to_ne_bytes(), &1i32.to_ne_bytes());
         assert_eq!(i32::from_ne_bytes(d), i32::MIN, "integers wrap");
-        reduce_into(
-            DataType::U32,
-            ReduceOp::Prod,
-            &mut d,
-            &u32::MAX.to_ne_bytes(),
-            &2u32.to_ne_bytes(),
-        );
+        reduce_into(DataType::U32, ReduceOp::Prod, &mut d, &u32::MAX.to_ne_bytes(), &2u32.to_ne_bytes());
         assert_eq!(u32::from_ne_bytes(d), u32::MAX - 1);
         // min: a NaN in the second operand is dropped, in the first kept.
         let (nan, one) = (f32::NAN.to_ne_bytes(), 1f32.to_ne_bytes());
@@ -1306,10 +1183,7 @@ mod tests {
         reduce_into(DataType::F32, ReduceOp::Max, &mut d, &nan, &one);
         assert!(f32::from_ne_bytes(d).is_nan());
         // bf16 sum rounds to nearest even: 1 + 2^-8 is halfway between 1 and 1 + 2^-7.
-        let (a, b) = (
-            bf16::from_f32(1.0).to_ne_bytes(),
-            bf16::from_f32(2f32.powi(-8)).to_ne_bytes(),
-        );
+        let (a, b) = (bf16::from_f32(1.0).to_ne_bytes(), bf16::from_f32(2f32.powi(-8)).to_ne_bytes());
         let mut h = [0u8; 2];
         reduce_into(DataType::BF16, ReduceOp::Sum, &mut h, &a, &b);
         assert_eq!(bf16::from_ne_bytes(h), bf16::from_f32(1.0));

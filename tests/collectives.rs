@@ -7,7 +7,7 @@ mod util;
 use std::time::Instant;
 
 use toroid::{Algorithm, CallOptions, Communicator, DataType, OpKind, ReduceOp};
-use util::data::{Val, decode, encode, expected, fill, input, matches};
+use util::data::{Val, decode, expected, fill, input, matches};
 
 #[derive(Debug, Clone, Copy)]
 enum Coll {
@@ -93,7 +93,13 @@ fn check(comm: &Communicator, id: u64, c: &Case) -> Result<(), String> {
             }
             for j in 0..n {
                 for k in 0..c.count {
-                    expect("out", j * c.count + k, elem(&out, j * c.count + k), input(id, j, k, d, c.op), 0.0);
+                    expect(
+                        "out",
+                        j * c.count + k,
+                        elem(&out, j * c.count + k),
+                        input(id, j, k, d, c.op),
+                        0.0,
+                    );
                 }
             }
         }
@@ -179,7 +185,8 @@ fn cases(n: usize, large: bool) -> Vec<Case> {
     let mut v = Vec::new();
     let both = [false, true];
     let roots = if n > 1 { vec![0, n - 1] } else { vec![0] };
-    let mut push = |coll, dtype, op, count, in_place, algo| v.push(Case { coll, dtype, op, count, in_place, algo });
+    let mut push =
+        |coll, dtype, op, count, in_place, algo| v.push(Case { coll, dtype, op, count, in_place, algo });
     for count in [0usize, 1, 7, 4099] {
         for d in ALL_TYPES {
             for op in ops_for(d) {

@@ -91,7 +91,11 @@ fn mismatched_count_is_an_error_naming_the_mismatch_on_both_ranks() {
         let mut buf = vec![1.0f32; count];
         let e = comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap_err();
         let msg = e.to_string();
-        assert!(msg.contains("mismatch") && msg.contains("100 x float") && msg.contains("200 x float"), "rank {}: {msg}", comm.rank());
+        assert!(
+            msg.contains("mismatch") && msg.contains("100 x float") && msg.contains("200 x float"),
+            "rank {}: {msg}",
+            comm.rank()
+        );
         assert!(comm.is_aborted());
     });
 }
@@ -103,7 +107,11 @@ fn mismatched_op_is_an_error_on_every_rank() {
         let mut buf = vec![1i64; 1000];
         let e = comm.all_reduce(&mut buf, op).unwrap_err();
         let msg = e.to_string();
-        assert!(msg.contains("mismatch") && msg.contains("max") && msg.contains("sum"), "rank {}: {msg}", comm.rank());
+        assert!(
+            msg.contains("mismatch") && msg.contains("max") && msg.contains("sum"),
+            "rank {}: {msg}",
+            comm.rank()
+        );
     });
 }
 
@@ -111,7 +119,11 @@ fn mismatched_op_is_an_error_on_every_rank() {
 fn mismatched_collective_kind_is_an_error() {
     util::run_threads(2, &util::test_config(20.0), |comm| {
         let mut buf = vec![1u8; 64];
-        let r = if comm.rank() == 0 { comm.broadcast(&mut buf, 0) } else { comm.all_reduce(&mut buf, ReduceOp::Sum) };
+        let r = if comm.rank() == 0 {
+            comm.broadcast(&mut buf, 0)
+        } else {
+            comm.all_reduce(&mut buf, ReduceOp::Sum)
+        };
         // The broadcast root only sends, so it may finish; the error reaches it at its next call.
         let e = match r {
             Err(e) => e,
@@ -130,7 +142,13 @@ fn deadline_names_the_missing_rank_and_the_late_rank_fails_fast() {
             let opts = CallOptions { timeout: Some(Duration::from_millis(500)), algorithm: None };
             let t = Instant::now();
             let e = comm
-                .run_bytes(OpKind::AllReduce(ReduceOp::Sum), DataType::F64, None, Some(bytemuck::cast_slice_mut(&mut buf)), opts)
+                .run_bytes(
+                    OpKind::AllReduce(ReduceOp::Sum),
+                    DataType::F64,
+                    None,
+                    Some(bytemuck::cast_slice_mut(&mut buf)),
+                    opts,
+                )
                 .unwrap_err();
             let waited = t.elapsed();
             assert!(matches!(e, Error::Timeout(_)), "{e}");

@@ -19,11 +19,8 @@ struct TempDir(PathBuf);
 
 impl TempDir {
     fn new(name: &str) -> TempDir {
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos());
-        let dir =
-            std::env::temp_dir().join(format!("toroid-run-{name}-{}-{nanos}", std::process::id()));
+        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        let dir = std::env::temp_dir().join(format!("toroid-run-{name}-{}-{nanos}", std::process::id()));
         fs::create_dir_all(&dir).expect("create temp dir");
         TempDir(dir)
     }
@@ -87,10 +84,7 @@ fn run(dir: &TempDir, args: &[&str]) -> Run {
 }
 
 fn stdout_lines(run: &Run) -> Vec<String> {
-    String::from_utf8_lossy(&run.stdout)
-        .lines()
-        .map(str::to_string)
-        .collect()
+    String::from_utf8_lossy(&run.stdout).lines().map(str::to_string).collect()
 }
 
 /// Splits `[r]: rest` into (r, rest).
@@ -104,9 +98,7 @@ fn split_prefix(line: &str) -> (usize, &str) {
 
 /// `key=value` words of a line.
 fn fields(rest: &str) -> BTreeMap<&str, &str> {
-    rest.split_whitespace()
-        .filter_map(|w| w.split_once('='))
-        .collect()
+    rest.split_whitespace().filter_map(|w| w.split_once('=')).collect()
 }
 
 /// True when `pid` names a live process (a zombie counts as gone: it waits only to be reaped).
@@ -144,10 +136,7 @@ fn wait_for_pids(dir: &TempDir, prefix: &str, n: usize) -> Vec<i32> {
         if pids.len() == n {
             return pids;
         }
-        assert!(
-            Instant::now() < deadline,
-            "ranks did not write {n} pid files"
-        );
+        assert!(Instant::now() < deadline, "ranks did not write {n} pid files");
         thread::sleep(Duration::from_millis(20));
     }
 }
@@ -183,9 +172,7 @@ fn every_rank_gets_its_variables_and_prefix() {
     ranks.sort_unstable();
     assert_eq!(ranks, [0, 1, 2]);
     assert!(stores.iter().all(|s| *s == stores[0]), "{stores:?}");
-    let port = stores[0]
-        .strip_prefix("127.0.0.1:")
-        .and_then(|p| p.parse::<u16>().ok());
+    let port = stores[0].strip_prefix("127.0.0.1:").and_then(|p| p.parse::<u16>().ok());
     assert!(port.is_some_and(|p| p > 0), "store address {}", stores[0]);
 }
 
@@ -193,10 +180,7 @@ fn every_rank_gets_its_variables_and_prefix() {
 fn emulated_hosts_follow_r_times_h_over_n() {
     let dir = TempDir::new("hosts");
     let script = "echo host=$TOROID_HOST_ID local=$TOROID_LOCAL_RANK size=$TOROID_LOCAL_SIZE";
-    let run = run(
-        &dir,
-        &["-n", "5", "--emulate-hosts", "2", "--", "sh", "-c", script],
-    );
+    let run = run(&dir, &["-n", "5", "--emulate-hosts", "2", "--", "sh", "-c", script]);
     assert_eq!(run.code, Some(0), "stderr: {}", run.stderr);
     let (n, h) = (5, 2);
     let mut seen = Vec::new();
@@ -235,9 +219,7 @@ fn failing_rank_stops_the_others() {
     assert!(run.elapsed < Duration::from_secs(10), "{:?}", run.elapsed);
     assert!(
         run.stderr.contains("toroid-run: rank 1 (pid ")
-            && run
-                .stderr
-                .contains(") exited with status 3; stopping the other 2 ranks"),
+            && run.stderr.contains(") exited with status 3; stopping the other 2 ranks"),
         "stderr: {}",
         run.stderr
     );
@@ -253,11 +235,7 @@ fn rank_killed_by_a_signal_gives_128_plus_signal() {
     let run = run(&dir, &["-n", "2", "--", "sh", "-c", script]);
     assert_eq!(run.code, Some(137), "stderr: {}", run.stderr);
     assert!(run.elapsed < Duration::from_secs(10), "{:?}", run.elapsed);
-    assert!(
-        run.stderr.contains("killed by signal 9"),
-        "stderr: {}",
-        run.stderr
-    );
+    assert!(run.stderr.contains("killed by signal 9"), "stderr: {}", run.stderr);
 }
 
 #[test]
@@ -266,9 +244,7 @@ fn missing_program_exits_127() {
     let run = run(&dir, &["-n", "2", "--", "/nonexistent/toroid-xyz", "a"]);
     assert_eq!(run.code, Some(127));
     assert!(
-        run.stderr.contains(
-            "toroid-run: cannot start '/nonexistent/toroid-xyz': No such file or directory"
-        ),
+        run.stderr.contains("toroid-run: cannot start '/nonexistent/toroid-xyz': No such file or directory"),
         "stderr: {}",
         run.stderr
     );
@@ -292,14 +268,8 @@ fn usage_errors_exit_2() {
 #[test]
 fn timeout_stops_the_job() {
     let dir = TempDir::new("timeout");
-    let script = format!(
-        "{}; sleep 30",
-        write_file(&dir.0, "rank.$TOROID_RANK", "$$")
-    );
-    let run = run(
-        &dir,
-        &["-n", "2", "--timeout", "1", "--", "sh", "-c", &script],
-    );
+    let script = format!("{}; sleep 30", write_file(&dir.0, "rank.$TOROID_RANK", "$$"));
+    let run = run(&dir, &["-n", "2", "--timeout", "1", "--", "sh", "-c", &script]);
     assert_eq!(run.code, Some(124), "stderr: {}", run.stderr);
     assert!(run.elapsed < Duration::from_secs(10), "{:?}", run.elapsed);
     assert!(run.stderr.contains("timeout"), "stderr: {}", run.stderr);
@@ -322,11 +292,7 @@ fn grace_period_ends_in_sigkill() {
     let args = ["-n", "3", "--grace", "1", "--", "sh", "-c", &script];
     let run = run(&dir, &args);
     assert_eq!(run.code, Some(1), "stderr: {}", run.stderr);
-    assert!(
-        run.elapsed >= Duration::from_millis(900),
-        "{:?}",
-        run.elapsed
-    );
+    assert!(run.elapsed >= Duration::from_millis(900), "{:?}", run.elapsed);
     assert!(run.elapsed < Duration::from_secs(10), "{:?}", run.elapsed);
     assert_all_gone(&wait_for_pids(&dir, "rank.", 3));
 }
@@ -347,11 +313,7 @@ fn sigint_is_forwarded_to_the_ranks() {
     unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
     let run = finish(&dir, child, started);
     assert_eq!(run.code, Some(130), "stderr: {}", run.stderr);
-    assert!(
-        run.stderr.contains("received SIGINT"),
-        "stderr: {}",
-        run.stderr
-    );
+    assert!(run.stderr.contains("received SIGINT"), "stderr: {}", run.stderr);
     let mut lines = stdout_lines(&run);
     lines.sort();
     assert_eq!(lines, ["[0]: got INT", "[1]: got INT"]);
@@ -361,10 +323,7 @@ fn sigint_is_forwarded_to_the_ranks() {
 #[test]
 fn ranks_die_with_a_killed_launcher() {
     let dir = TempDir::new("pdeathsig");
-    let script = format!(
-        "{}; exec sleep 30",
-        write_file(&dir.0, "rank.$TOROID_RANK", "$$")
-    );
+    let script = format!("{}; exec sleep 30", write_file(&dir.0, "rank.$TOROID_RANK", "$$"));
     let mut child = start(&dir, &["-n", "2", "--", "sh", "-c", &script]);
     let pids = wait_for_pids(&dir, "rank.", 2);
     // Give the ranks time to exec (the pid file is written just before).
@@ -399,16 +358,8 @@ fn output_is_copied_line_by_line_as_bytes() {
         }
         let f = fields(rest);
         assert_eq!(f["r"], r.to_string(), "{text}");
-        assert_eq!(
-            f["i"],
-            counts[r].to_string(),
-            "lines of rank {r} out of order: {text}"
-        );
-        assert_eq!(
-            rest.len(),
-            format!("r={r} i={} ", counts[r]).len() + 51,
-            "{text}"
-        );
+        assert_eq!(f["i"], counts[r].to_string(), "lines of rank {r} out of order: {text}");
+        assert_eq!(rest.len(), format!("r={r} i={} ", counts[r]).len() + 51, "{text}");
         counts[r] += 1;
     }
     assert_eq!(counts, [300; 3]);
@@ -416,11 +367,7 @@ fn output_is_copied_line_by_line_as_bytes() {
         let tail = format!("[{r}]: no-newline\n");
         let stdout = String::from_utf8_lossy(&run.stdout);
         assert!(stdout.contains(&tail), "missing {tail:?}");
-        assert!(
-            run.stderr.contains(&format!("[{r}]: to-stderr\n")),
-            "{}",
-            run.stderr
-        );
+        assert!(run.stderr.contains(&format!("[{r}]: to-stderr\n")), "{}", run.stderr);
     }
 }
 

@@ -32,10 +32,10 @@ pub fn broadcast(wire: &mut Wire<'_>, algo: Algorithm, bufs: Bufs<'_>, root: usi
         Bufs::InPlace(b) => (None, b),
         Bufs::OutOfPlace { send, recv } => (Some(send), recv),
     };
-    if rank == root {
-        if let Some(src) = src {
-            dst.copy_from_slice(src);
-        }
+    if rank == root
+        && let Some(src) = src
+    {
+        dst.copy_from_slice(src);
     }
     if n == 1 {
         return Ok(());
@@ -57,7 +57,11 @@ pub fn broadcast(wire: &mut Wire<'_>, algo: Algorithm, bufs: Bufs<'_>, root: usi
             let rounds = ceil_log2(n);
             if let Some(parent) = binomial_parent(v) {
                 let k = v.trailing_zeros() as usize;
-                wire.exchange(rounds - 1 - k, None, Some((absolute(parent, root, n), Sink::Copy(&mut *dst))))?;
+                wire.exchange(
+                    rounds - 1 - k,
+                    None,
+                    Some((absolute(parent, root, n), Sink::Copy(&mut *dst))),
+                )?;
             }
             for child in binomial_children(n, v) {
                 let k = child.trailing_zeros() as usize;
@@ -120,7 +124,8 @@ pub fn reduce(
     let input = bufs.input();
     let (a, b) = scratch.two(input.len(), input.len());
     let v = relative(rank, root, n);
-    let toward_root = absolute(binomial_parent(v).filter(|_| algo != Algorithm::Chain).unwrap_or(v - 1), root, n);
+    let toward_root =
+        absolute(binomial_parent(v).filter(|_| algo != Algorithm::Chain).unwrap_or(v - 1), root, n);
     match algo {
         Algorithm::Chain => {
             // Scaled input (avg) goes to `b`; the running result to `a`.
@@ -150,7 +155,15 @@ pub fn reduce(
 
 /// Receives and combines the partial results of `v`'s children into `acc`, smallest subtree
 /// first: round `k` for the child `v + 2^k`.
-fn tree_gather(wire: &mut Wire<'_>, tmp: &mut [u8], acc: &mut [u8], v: usize, dtype: DataType, op: ReduceOp, root: usize) -> Result<()> {
+fn tree_gather(
+    wire: &mut Wire<'_>,
+    tmp: &mut [u8],
+    acc: &mut [u8],
+    v: usize,
+    dtype: DataType,
+    op: ReduceOp,
+    root: usize,
+) -> Result<()> {
     let n = wire.size();
     let limit = if v == 0 { usize::BITS } else { v.trailing_zeros() };
     for k in 0..limit as usize {

@@ -15,7 +15,13 @@ use crate::error::Result;
 use crate::transport::{Sink, Source};
 
 /// Recursive-doubling all-reduce over the whole communicator.
-pub fn all_reduce(wire: &mut Wire<'_>, scratch: &mut Scratch, bufs: Bufs<'_>, dtype: DataType, op: ReduceOp) -> Result<()> {
+pub fn all_reduce(
+    wire: &mut Wire<'_>,
+    scratch: &mut Scratch,
+    bufs: Bufs<'_>,
+    dtype: DataType,
+    op: ReduceOp,
+) -> Result<()> {
     let n = wire.size();
     let rank = wire.rank();
     let (bufs, op) = prescale_in_place(bufs, dtype, op, n);
@@ -32,7 +38,7 @@ pub fn all_reduce(wire: &mut Wire<'_>, scratch: &mut Scratch, bufs: Bufs<'_>, dt
     let rounds = d.rounds();
     // Fold: even ranks below 2*rem give their data to the odd rank above them.
     if rank < 2 * d.rem {
-        if rank % 2 == 0 {
+        if rank.is_multiple_of(2) {
             wire.exchange(0, Some((rank + 1, Source::Bytes(buf))), None)?;
             // ... and get the result back at the end.
             return wire.exchange(rounds + 1, None, Some((rank + 1, Sink::Copy(buf))));

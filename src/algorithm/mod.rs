@@ -118,7 +118,12 @@ impl Wire<'_> {
     }
 
     /// One step: send and/or receive at once (see [`Peers::exchange`]).
-    pub fn exchange(&mut self, step: usize, send: Option<(usize, Source<'_>)>, recv: Option<(usize, Sink<'_>)>) -> Result<()> {
+    pub fn exchange(
+        &mut self,
+        step: usize,
+        send: Option<(usize, Source<'_>)>,
+        recv: Option<(usize, Sink<'_>)>,
+    ) -> Result<()> {
         // Steps are compared modulo 2^16: enough to catch streams out of step.
         self.peers.exchange(&self.fp, step as u16, self.deadline, send, recv)
     }
@@ -196,7 +201,10 @@ impl Bufs<'_> {
 
 /// Splits one buffer into a piece to read and a disjoint piece to write.
 pub(crate) fn read_write(buf: &mut [u8], read: Range<usize>, write: Range<usize>) -> (&[u8], &mut [u8]) {
-    assert!(read.end <= write.start || write.end <= read.start || read.is_empty() || write.is_empty(), "overlapping pieces {read:?} {write:?}");
+    assert!(
+        read.end <= write.start || write.end <= read.start || read.is_empty() || write.is_empty(),
+        "overlapping pieces {read:?} {write:?}"
+    );
     if read.is_empty() {
         return (&[], &mut buf[write]);
     }
@@ -211,7 +219,13 @@ pub(crate) fn read_write(buf: &mut [u8], read: Range<usize>, write: Range<usize>
 
 /// Combines `a` and `b` into `dst` with the lower rank's operand first, so every rank computes
 /// bit-identical results even where the operation is not (min/max of ±0, NaN payloads).
-pub(crate) fn combine_ordered(dtype: DataType, op: ReduceOp, mine_first: bool, mine: &mut [u8], theirs: &mut [u8]) -> bool {
+pub(crate) fn combine_ordered(
+    dtype: DataType,
+    op: ReduceOp,
+    mine_first: bool,
+    mine: &mut [u8],
+    theirs: &mut [u8],
+) -> bool {
     if mine_first {
         reduce::reduce_inplace(dtype, op, mine, theirs);
         true
@@ -224,7 +238,12 @@ pub(crate) fn combine_ordered(dtype: DataType, op: ReduceOp, mine_first: bool, m
 /// `avg` is sum over inputs pre-scaled by 1/n (NCCL's choice: no overflow of the half types in
 /// partial sums). Turns `bufs` into an in-place problem on the output holding scaled inputs and
 /// returns the op to reduce with.
-pub(crate) fn prescale_in_place<'a>(bufs: Bufs<'a>, dtype: DataType, op: ReduceOp, n: usize) -> (Bufs<'a>, ReduceOp) {
+pub(crate) fn prescale_in_place<'a>(
+    bufs: Bufs<'a>,
+    dtype: DataType,
+    op: ReduceOp,
+    n: usize,
+) -> (Bufs<'a>, ReduceOp) {
     if op != ReduceOp::Avg {
         return (bufs, op);
     }

@@ -32,7 +32,11 @@ pub fn all_to_all(wire: &mut Wire<'_>, scratch: &mut Scratch, bufs: Bufs<'_>) ->
     for s in 1..n {
         let to = (r + s) % n;
         let from = (r + n - s) % n;
-        wire.exchange(s, Some((to, Source::Bytes(&src[at(to)]))), Some((from, Sink::Copy(&mut dst[at(from)]))))?;
+        wire.exchange(
+            s,
+            Some((to, Source::Bytes(&src[at(to)]))),
+            Some((from, Sink::Copy(&mut dst[at(from)]))),
+        )?;
     }
     Ok(())
 }
@@ -44,7 +48,11 @@ pub fn barrier(wire: &mut Wire<'_>) -> Result<()> {
     let mut k = 0;
     while (1usize << k) < n {
         let d = 1usize << k;
-        wire.exchange(k, Some(((r + d) % n, Source::Bytes(&[]))), Some(((r + n - d % n) % n, Sink::Copy(&mut []))))?;
+        wire.exchange(
+            k,
+            Some(((r + d) % n, Source::Bytes(&[]))),
+            Some(((r + n - d % n) % n, Sink::Copy(&mut []))),
+        )?;
         k += 1;
     }
     Ok(())
@@ -71,10 +79,10 @@ mod tests {
             while (1usize << k) < n {
                 let d = 1 << k;
                 let prev = reach.clone();
-                for r in 0..n {
+                for (r, row) in reach.iter_mut().enumerate() {
                     let from = (r + n - d % n) % n;
-                    for j in 0..n {
-                        reach[r][j] |= prev[from][j];
+                    for (j, b) in row.iter_mut().enumerate() {
+                        *b |= prev[from][j];
                     }
                 }
                 k += 1;

@@ -109,7 +109,15 @@ pub fn reduce_scatter_phase(
 
 /// Ring all-gather over `group` on `count` elements held in `buf`, where this position's piece
 /// is already in place. Uses steps `step0 .. step0 + n - 1`.
-pub fn all_gather_phase(wire: &mut Wire<'_>, group: Group<'_>, me: usize, count: usize, esize: usize, buf: &mut [u8], step0: usize) -> Result<()> {
+pub fn all_gather_phase(
+    wire: &mut Wire<'_>,
+    group: Group<'_>,
+    me: usize,
+    count: usize,
+    esize: usize,
+    buf: &mut [u8],
+    step0: usize,
+) -> Result<()> {
     let n = group.len();
     let right = group.rank((me + 1) % n);
     let left = group.rank((me + n - 1) % n);
@@ -142,7 +150,17 @@ pub fn all_reduce(
             buf
         }
         Bufs::OutOfPlace { send, recv } => {
-            reduce_scatter_phase(wire, scratch, group, me, count, RsBufs::Full { src: send, dst: &mut *recv }, dtype, op, 0)?;
+            reduce_scatter_phase(
+                wire,
+                scratch,
+                group,
+                me,
+                count,
+                RsBufs::Full { src: send, dst: &mut *recv },
+                dtype,
+                op,
+                0,
+            )?;
             recv
         }
     };

@@ -67,11 +67,7 @@ impl Doubling {
 
     /// The rank among the `pof2` that `rank` plays, or `None` when it folds away.
     pub fn virtual_rank(&self, rank: usize) -> Option<usize> {
-        if rank < 2 * self.rem {
-            (rank % 2 == 1).then_some(rank / 2)
-        } else {
-            Some(rank - self.rem)
-        }
+        if rank < 2 * self.rem { (rank % 2 == 1).then_some(rank / 2) } else { Some(rank - self.rem) }
     }
 
     /// The real rank that plays virtual rank `v`.

@@ -30,8 +30,12 @@ enum Collective {
 }
 
 #[derive(Parser, Debug)]
-#[command(name = "toroid-bench", version, about = "nccl-tests-style benchmark of toroid collectives",
-    after_help = "Example:\n  toroid-run -n 4 -- toroid-bench -b 4K -e 64M -f 4 -d float -o sum")]
+#[command(
+    name = "toroid-bench",
+    version,
+    about = "nccl-tests-style benchmark of toroid collectives",
+    after_help = "Example:\n  toroid-run -n 4 -- toroid-bench -b 4K -e 64M -f 4 -d float -o sum"
+)]
 struct Cli {
     /// Smallest size in bytes (K, M, G suffixes: powers of 1024).
     #[arg(short = 'b', long = "minbytes", default_value = "32M", value_parser = size)]
@@ -134,7 +138,9 @@ impl Bench {
     fn counts(&self, total: usize) -> (usize, usize) {
         let n = self.comm.size();
         match self.cli.collective {
-            Collective::AllReduce | Collective::Broadcast | Collective::Reduce | Collective::AllToAll => (total, total),
+            Collective::AllReduce | Collective::Broadcast | Collective::Reduce | Collective::AllToAll => {
+                (total, total)
+            }
             Collective::ReduceScatter => (total, total / n),
             Collective::AllGather => (total / n, total),
         }
@@ -221,7 +227,10 @@ impl Bench {
         let n = self.comm.size();
         let s = self.dtype.size();
         let mut total = bytes / s;
-        if matches!(self.cli.collective, Collective::ReduceScatter | Collective::AllGather | Collective::AllToAll) {
+        if matches!(
+            self.cli.collective,
+            Collective::ReduceScatter | Collective::AllGather | Collective::AllToAll
+        ) {
             total -= total % n;
         }
         let (cin, cout) = self.counts(total);
@@ -258,7 +267,8 @@ impl Bench {
             if self.cli.check != 0 {
                 prepare(&mut send, &mut recv);
                 self.run_once(&send, &mut recv, in_place)?;
-                let out_len = if in_place && self.cli.collective == Collective::ReduceScatter { cin } else { cout };
+                let out_len =
+                    if in_place && self.cli.collective == Collective::ReduceScatter { cin } else { cout };
                 wrong[0] = self.wrong(&recv[..out_len * s], in_place, cin);
                 self.comm.all_reduce(&mut wrong, ReduceOp::Sum)?;
             }
@@ -330,7 +340,10 @@ fn run(cli: Cli) -> toroid::Result<u64> {
     let dtype: DataType = cli.datatype.parse()?;
     let op: ReduceOp = cli.op.parse()?;
     let algorithm = match &cli.algorithm {
-        Some(a) => Some(Algorithm::parse(a).ok_or_else(|| toroid::Error::InvalidArgument(format!("unknown algorithm '{a}'")))?),
+        Some(a) => Some(
+            Algorithm::parse(a)
+                .ok_or_else(|| toroid::Error::InvalidArgument(format!("unknown algorithm '{a}'")))?,
+        ),
         None => None,
     };
     let comm = Communicator::from_env()?;
@@ -340,11 +353,12 @@ fn run(cli: Cli) -> toroid::Result<u64> {
     let cli = &bench.cli;
     let rooted = matches!(cli.collective, Collective::Broadcast | Collective::Reduce);
     let root_col = if rooted { cli.root.to_string() } else { "-1".into() };
-    let redop = if matches!(cli.collective, Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce) {
-        op.name()
-    } else {
-        "none"
-    };
+    let redop =
+        if matches!(cli.collective, Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce) {
+            op.name()
+        } else {
+            "none"
+        };
     let me = bench.comm.rank();
     let mut out = std::io::stdout().lock();
     let mut p = |s: String| {
@@ -369,7 +383,20 @@ fn run(cli: Cli) -> toroid::Result<u64> {
     p(format!("#{:>60}{:>35}", "out-of-place", "in-place"));
     p(format!(
         "#{:>11}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>6}  {}",
-        "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong", "algorithm"
+        "size",
+        "count",
+        "type",
+        "redop",
+        "root",
+        "time",
+        "algbw",
+        "busbw",
+        "#wrong",
+        "time",
+        "algbw",
+        "busbw",
+        "#wrong",
+        "algorithm"
     ));
     p(format!(
         "#{:>11}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>6}",
@@ -381,10 +408,23 @@ fn run(cli: Cli) -> toroid::Result<u64> {
     let (mut bw_sum, mut bw_count) = (0.0, 0usize);
     while bytes <= cli.max_bytes {
         if let Some(row) = bench.measure(bytes)? {
-            let mut line = format!("{:>12}  {:>12}  {:>8}  {:>6}  {:>6}", row.bytes, row.count, dtype.name(), redop, root_col);
+            let mut line = format!(
+                "{:>12}  {:>12}  {:>8}  {:>6}  {:>6}",
+                row.bytes,
+                row.count,
+                dtype.name(),
+                redop,
+                root_col
+            );
             for (t, alg, bus, wrong) in row.results {
                 let wrong_s = if cli.check != 0 { wrong.to_string() } else { "N/A".into() };
-                line.push_str(&format!("  {:>7}  {:>6}  {:>6}  {:>6}", fit(t, 7), fit(alg, 6), fit(bus, 6), wrong_s));
+                line.push_str(&format!(
+                    "  {:>7}  {:>6}  {:>6}  {:>6}",
+                    fit(t, 7),
+                    fit(alg, 6),
+                    fit(bus, 6),
+                    wrong_s
+                ));
                 total_wrong += wrong;
                 bw_sum += bus;
                 bw_count += 1;
@@ -424,7 +464,12 @@ fn run(cli: Cli) -> toroid::Result<u64> {
     }
     use std::sync::atomic::Ordering::Relaxed;
     use toroid::transport::exchange::{EXCH, SLEEPS, YIELDS};
-    eprintln!("rank {me}: exchanges {} sleeps {} yields {}", EXCH.load(Relaxed), SLEEPS.load(Relaxed), YIELDS.load(Relaxed));
+    eprintln!(
+        "rank {me}: exchanges {} sleeps {} yields {}",
+        EXCH.load(Relaxed),
+        SLEEPS.load(Relaxed),
+        YIELDS.load(Relaxed)
+    );
     Ok(total_wrong)
 }
 

@@ -90,30 +90,17 @@ struct Cli {
     env: Vec<(String, String)>,
 
     /// The program to run and its arguments (after `--`).
-    #[arg(
-        value_name = "PROGRAM",
-        required = true,
-        trailing_var_arg = true,
-        allow_hyphen_values = true
-    )]
+    #[arg(value_name = "PROGRAM", required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     command: Vec<OsString>,
 }
 
 fn parse_secs(s: &str) -> Result<Duration, String> {
-    let secs: f64 = s
-        .parse()
-        .map_err(|_| format!("'{s}' is not a number of seconds"))?;
+    let secs: f64 = s.parse().map_err(|_| format!("'{s}' is not a number of seconds"))?;
     Duration::try_from_secs_f64(secs).map_err(|_| format!("'{s}' is not a duration"))
 }
 
 fn parse_timeout(s: &str) -> Result<Duration, String> {
-    parse_secs(s).and_then(|d| {
-        if d.is_zero() {
-            Err("must be > 0".into())
-        } else {
-            Ok(d)
-        }
-    })
+    parse_secs(s).and_then(|d| if d.is_zero() { Err("must be > 0".into()) } else { Ok(d) })
 }
 
 fn parse_env(s: &str) -> Result<(String, String), String> {
@@ -228,12 +215,7 @@ fn spawn(cli: &Cli, env: &[(&str, String)]) -> io::Result<Child> {
 /// written whole under the stream's lock, so lines of different ranks never mix. Bytes pass
 /// unchanged (no UTF-8 needed). The thread sends `()` on `lines` after each line and drops its
 /// sender when `src` closes.
-fn pump(
-    src: Option<impl Read + Send + 'static>,
-    prefix: &[u8],
-    to_stderr: bool,
-    lines: &Sender<()>,
-) {
+fn pump(src: Option<impl Read + Send + 'static>, prefix: &[u8], to_stderr: bool, lines: &Sender<()>) {
     if let Some(src) = src {
         let (prefix, lines) = (prefix.to_vec(), lines.clone());
         thread::spawn(move || copy_lines(src, &prefix, to_stderr, &lines));
@@ -405,11 +387,7 @@ fn main() {
         };
         pump(child.stdout.take(), &prefix, false, &lines);
         pump(child.stderr.take(), &prefix, true, &lines);
-        job.push(Rank {
-            pid: child.id(),
-            child,
-            status: None,
-        });
+        job.push(Rank { pid: child.id(), child, status: None });
     }
     drop(lines);
 
@@ -423,25 +401,16 @@ fn main() {
             let why = format!("rank {r} (pid {}) {}", job[r].pid, describe(st));
             match running(&job) {
                 0 => (libc::SIGTERM, why),
-                k => (
-                    libc::SIGTERM,
-                    format!("{why}; stopping the other {}", ranks(k)),
-                ),
+                k => (libc::SIGTERM, format!("{why}; stopping the other {}", ranks(k))),
             }
         } else if sig != 0 {
             code = 128 + sig;
             let k = ranks(running(&job));
-            (
-                sig,
-                format!("received {}; forwarding it to {k}", signal_name(sig)),
-            )
+            (sig, format!("received {}; forwarding it to {k}", signal_name(sig)))
         } else if let Some(t) = cli.timeout.filter(|&t| start.elapsed() >= t) {
             code = 124;
             let k = ranks(running(&job));
-            (
-                libc::SIGTERM,
-                format!("timeout after {} s; stopping {k}", t.as_secs_f64()),
-            )
+            (libc::SIGTERM, format!("timeout after {} s; stopping {k}", t.as_secs_f64()))
         } else {
             thread::sleep(POLL);
             continue;
@@ -477,14 +446,8 @@ mod tests {
 
     #[test]
     fn layout_follows_r_times_h_over_n() {
-        let hosts: Vec<_> = layout(5, 2)
-            .iter()
-            .map(|p| (p.host, p.local_rank, p.local_size))
-            .collect();
-        assert_eq!(
-            hosts,
-            [(0, 0, 3), (0, 1, 3), (0, 2, 3), (1, 0, 2), (1, 1, 2)]
-        );
+        let hosts: Vec<_> = layout(5, 2).iter().map(|p| (p.host, p.local_rank, p.local_size)).collect();
+        assert_eq!(hosts, [(0, 0, 3), (0, 1, 3), (0, 2, 3), (1, 0, 2), (1, 1, 2)]);
         for n in 1..=9 {
             for h in 1..=n {
                 let places = layout(n, h);

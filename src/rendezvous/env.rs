@@ -94,9 +94,7 @@ impl StoreAddr {
         };
         let (host, port) = split_host_port(hostport)?;
         if port == 0 {
-            return Err(Error::InvalidArgument(format!(
-                "store address '{s}': port 0 cannot be agreed on"
-            )));
+            return Err(Error::InvalidArgument(format!("store address '{s}': port 0 cannot be agreed on")));
         }
         Ok(StoreAddr::Tcp { host, port })
     }
@@ -104,11 +102,7 @@ impl StoreAddr {
 
 /// `host:port`, with brackets around an IPv6 host.
 fn join_host_port(host: &str, port: u16) -> String {
-    if host.contains(':') {
-        format!("[{host}]:{port}")
-    } else {
-        format!("{host}:{port}")
-    }
+    if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") }
 }
 
 /// Which launcher's variables were used.
@@ -193,9 +187,7 @@ const SOURCES: [Source; 5] = [
 fn num<T: std::str::FromStr>(cfg: &Config, name: &str) -> Result<Option<T>> {
     cfg.var(name)
         .map(|v| {
-            v.parse().map_err(|_| {
-                Error::InvalidArgument(format!("{name}={v}: not a non-negative integer"))
-            })
+            v.parse().map_err(|_| Error::InvalidArgument(format!("{name}={v}: not a non-negative integer")))
         })
         .transpose()
 }
@@ -251,40 +243,29 @@ fn from_source(cfg: &Config, src: &Source) -> Result<Launch> {
     let rank: usize = num(cfg, src.rank)?.unwrap_or_default();
     let size: usize = num(cfg, src.size)?.unwrap_or_default();
     if size == 0 {
-        return Err(Error::InvalidArgument(format!(
-            "{}=0: the world needs at least one rank",
-            src.size
-        )));
+        return Err(Error::InvalidArgument(format!("{}=0: the world needs at least one rank", src.size)));
     }
     if rank >= size {
-        return Err(Error::InvalidArgument(format!(
-            "{}={rank} is not below {}={size}",
-            src.rank, src.size
-        )));
+        return Err(Error::InvalidArgument(format!("{}={rank} is not below {}={size}", src.rank, src.size)));
     }
     let local_rank: Option<usize> = num(cfg, src.local_rank)?;
     let local_size: Option<usize> = if src.launcher == Launcher::Slurm {
         // Forms like "2(x3),1" describe several nodes: only a plain number is this node's, and
         // with fewer tasks than that in the whole job, the job is the bound.
-        cfg.var(src.local_size)
-            .and_then(|v| v.parse().ok())
-            .map(|n: usize| n.min(size))
+        cfg.var(src.local_size).and_then(|v| v.parse().ok()).map(|n: usize| n.min(size))
     } else {
         num(cfg, src.local_size)?
     };
     if local_size == Some(0) {
-        return Err(Error::InvalidArgument(format!(
-            "{}=0: must be at least 1",
-            src.local_size
-        )));
+        return Err(Error::InvalidArgument(format!("{}=0: must be at least 1", src.local_size)));
     }
-    if let (Some(lr), Some(ls)) = (local_rank, local_size) {
-        if lr >= ls {
-            return Err(Error::InvalidArgument(format!(
-                "{}={lr} is not below {}={ls}",
-                src.local_rank, src.local_size
-            )));
-        }
+    if let (Some(lr), Some(ls)) = (local_rank, local_size)
+        && lr >= ls
+    {
+        return Err(Error::InvalidArgument(format!(
+            "{}={lr} is not below {}={ls}",
+            src.local_rank, src.local_size
+        )));
     }
     Ok(Launch {
         rank,
@@ -310,9 +291,9 @@ fn store_addr(cfg: &Config, launcher: Launcher) -> Result<StoreAddr> {
     let port = match cfg.var("MASTER_PORT") {
         // torchrun's own store already listens on MASTER_PORT.
         Some(v) => {
-            let p: u16 = v.parse().map_err(|_| {
-                Error::InvalidArgument(format!("MASTER_PORT={v}: not a port number"))
-            })?;
+            let p: u16 = v
+                .parse()
+                .map_err(|_| Error::InvalidArgument(format!("MASTER_PORT={v}: not a port number")))?;
             Some(p.checked_add(1).filter(|_| p != 0).ok_or_else(|| {
                 Error::InvalidArgument(format!(
                     "MASTER_PORT={v}: must be in 1..=65534 (the store uses MASTER_PORT+1)"
@@ -330,8 +311,7 @@ fn store_addr(cfg: &Config, launcher: Launcher) -> Result<StoreAddr> {
                 .into(),
         )),
         (None, Some(_)) if slurm => Err(Error::InvalidUsage(
-            "no store host: set MASTER_ADDR or TOROID_STORE_ADDR (SLURM_JOB_NODELIST is not set)"
-                .into(),
+            "no store host: set MASTER_ADDR or TOROID_STORE_ADDR (SLURM_JOB_NODELIST is not set)".into(),
         )),
         (None, _) => Err(Error::InvalidUsage(format!(
             "{launcher:?} gives rank and size but no store address: set TOROID_STORE_ADDR \
@@ -343,14 +323,13 @@ fn store_addr(cfg: &Config, launcher: Launcher) -> Result<StoreAddr> {
 
 /// The first host of `SLURM_JOB_NODELIST` (or `SLURM_NODELIST`), where srun places rank 0.
 fn slurm_first_host(cfg: &Config) -> Result<Option<String>> {
-    let Some((name, list)) = ["SLURM_JOB_NODELIST", "SLURM_NODELIST"]
-        .iter()
-        .find_map(|n| Some((*n, cfg.var(n)?)))
+    let Some((name, list)) =
+        ["SLURM_JOB_NODELIST", "SLURM_NODELIST"].iter().find_map(|n| Some((*n, cfg.var(n)?)))
     else {
         return Ok(None);
     };
-    let hosts = expand_hostlist(list)
-        .map_err(|e| Error::InvalidArgument(format!("{name}: {}", e.detail())))?;
+    let hosts =
+        expand_hostlist(list).map_err(|e| Error::InvalidArgument(format!("{name}: {}", e.detail())))?;
     Ok(hosts.into_iter().next())
 }
 
@@ -378,17 +357,10 @@ pub fn expand_hostlist(list: &str) -> Result<Vec<String>> {
     let mut hosts = Vec::new();
     let mut depth = 0usize;
     let mut start = 0;
-    for (i, c) in list
-        .char_indices()
-        .chain(std::iter::once((list.len(), ',')))
-    {
+    for (i, c) in list.char_indices().chain(std::iter::once((list.len(), ','))) {
         match c {
             '[' => depth += 1,
-            ']' => {
-                depth = depth
-                    .checked_sub(1)
-                    .ok_or_else(|| bad("unmatched ']'".into()))?
-            }
+            ']' => depth = depth.checked_sub(1).ok_or_else(|| bad("unmatched ']'".into()))?,
             ',' if depth == 0 => {
                 let item = list[start..i].trim();
                 if !item.is_empty() {
@@ -414,10 +386,7 @@ fn expand_item(item: &str, out: &mut Vec<String>) -> std::result::Result<(), Str
         out.push(item.to_string());
         return Ok(());
     };
-    let close = item[open..]
-        .find(']')
-        .map(|c| open + c)
-        .ok_or("unclosed '['")?;
+    let close = item[open..].find(']').map(|c| open + c).ok_or("unclosed '['")?;
     let (prefix, ranges, rest) = (&item[..open], &item[open + 1..close], &item[close + 1..]);
     let mut tails = Vec::new();
     expand_item_or_empty(rest, &mut tails)?;
@@ -433,9 +402,7 @@ fn expand_item(item: &str, out: &mut Vec<String>) -> std::result::Result<(), Str
         if a > b {
             return Err(format!("range '{range}' runs backwards"));
         }
-        let count = usize::try_from(b - a + 1)
-            .unwrap_or(usize::MAX)
-            .saturating_mul(tails.len());
+        let count = usize::try_from(b - a + 1).unwrap_or(usize::MAX).saturating_mul(tails.len());
         if out.len().saturating_add(count) > MAX_HOSTS {
             return Err(format!("more than {MAX_HOSTS} hosts"));
         }
@@ -476,22 +443,16 @@ pub fn open_store(launch: &Launch, timeout: Duration) -> Result<Arc<dyn Store>> 
             tracing::info!(target: "toroid::store", "rank 0 serves the store on {bind} for {}", launch.store);
             Ok(Arc::new(TcpStore::serve(&bind, timeout)?))
         }
-        StoreAddr::Tcp { host, port } => Ok(Arc::new(TcpStore::connect(
-            &join_host_port(host, *port),
-            timeout,
-        )?)),
+        StoreAddr::Tcp { host, port } => {
+            Ok(Arc::new(TcpStore::connect(&join_host_port(host, *port), timeout)?))
+        }
     }
 }
 
 /// The address rank 0 listens on for a store that the others reach at `host:port`.
 fn bind_addr(host: &str, port: u16) -> String {
-    let ips: Vec<_> = (host, port)
-        .to_socket_addrs()
-        .map(|a| a.map(|a| a.ip()).collect())
-        .unwrap_or_default();
-    if host.eq_ignore_ascii_case("localhost")
-        || (!ips.is_empty() && ips.iter().all(|ip| ip.is_loopback()))
-    {
+    let ips: Vec<_> = (host, port).to_socket_addrs().map(|a| a.map(|a| a.ip()).collect()).unwrap_or_default();
+    if host.eq_ignore_ascii_case("localhost") || (!ips.is_empty() && ips.iter().all(|ip| ip.is_loopback())) {
         join_host_port(host, port)
     } else if !ips.is_empty() && ips.iter().all(|ip| ip.is_ipv6()) {
         format!("[::]:{port}")
@@ -506,18 +467,13 @@ mod tests {
     use std::collections::BTreeMap;
 
     fn detect_with(pairs: &[(&str, &str)]) -> Result<Launch> {
-        let map: BTreeMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+        let map: BTreeMap<String, String> =
+            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         detect(&Config::from_lookup(|k| map.get(k).cloned()).unwrap())
     }
 
     fn tcp(host: &str, port: u16) -> StoreAddr {
-        StoreAddr::Tcp {
-            host: host.into(),
-            port,
-        }
+        StoreAddr::Tcp { host: host.into(), port }
     }
 
     fn invalid_arg_naming(r: Result<Launch>, needles: &[&str]) {
@@ -541,9 +497,7 @@ mod tests {
         match detect_with(&[]) {
             Err(Error::InvalidUsage(m)) => {
                 assert!(
-                    m.contains("toroid-run")
-                        && m.contains("TOROID_RANK")
-                        && m.contains("TOROID_STORE_ADDR"),
+                    m.contains("toroid-run") && m.contains("TOROID_RANK") && m.contains("TOROID_STORE_ADDR"),
                     "{m}"
                 )
             }
@@ -584,10 +538,7 @@ mod tests {
     #[test]
     fn torchrun_uses_master_port_plus_one() {
         let l = detect_with(TORCHRUN).unwrap();
-        assert_eq!(
-            (l.rank, l.size, l.local_rank, l.local_size),
-            (3, 8, Some(1), Some(4))
-        );
+        assert_eq!((l.rank, l.size, l.local_rank, l.local_size), (3, 8, Some(1), Some(4)));
         assert_eq!(l.launcher, Launcher::Torchrun);
         assert_eq!(l.store, tcp("node0", 29501));
         let mut v6 = TORCHRUN.to_vec();
@@ -616,34 +567,17 @@ mod tests {
         assert_eq!(l.store, tcp("node0", 29501));
 
         let drop_keys = |keys: &[&str]| -> Vec<(&str, &str)> {
-            all.iter()
-                .filter(|(k, _)| !keys.iter().any(|d| k.starts_with(d)))
-                .copied()
-                .collect()
+            all.iter().filter(|(k, _)| !keys.iter().any(|d| k.starts_with(d))).copied().collect()
         };
         // An incomplete TOROID pair falls through to torchrun.
         let l = detect_with(&drop_keys(&["TOROID_WORLD_SIZE"])).unwrap();
         assert_eq!((l.launcher, l.rank), (Launcher::Torchrun, 3));
         let l = detect_with(&drop_keys(&["TOROID_", "RANK", "WORLD_SIZE", "LOCAL_"])).unwrap();
         assert_eq!((l.launcher, l.rank, l.size), (Launcher::Slurm, 5, 6));
-        let l = detect_with(&drop_keys(&[
-            "TOROID_",
-            "RANK",
-            "WORLD_SIZE",
-            "LOCAL_",
-            "SLURM_",
-        ]))
-        .unwrap();
+        let l = detect_with(&drop_keys(&["TOROID_", "RANK", "WORLD_SIZE", "LOCAL_", "SLURM_"])).unwrap();
         assert_eq!((l.launcher, l.rank, l.size), (Launcher::OpenMpi, 6, 7));
-        let l = detect_with(&drop_keys(&[
-            "TOROID_",
-            "RANK",
-            "WORLD_SIZE",
-            "LOCAL_",
-            "SLURM_",
-            "OMPI_",
-        ]))
-        .unwrap();
+        let l =
+            detect_with(&drop_keys(&["TOROID_", "RANK", "WORLD_SIZE", "LOCAL_", "SLURM_", "OMPI_"])).unwrap();
         assert_eq!((l.launcher, l.rank, l.size), (Launcher::Pmi, 7, 8));
     }
 
@@ -665,19 +599,13 @@ mod tests {
         assert_eq!(l.store, tcp("gpu07", SLURM_PORT_BASE + 456));
 
         // Per-node counts that vary by node give no local size; SLURM_NODELIST is the fallback.
-        let mut v: Vec<_> = base
-            .iter()
-            .filter(|(k, _)| !k.starts_with("SLURM_JOB_NODELIST"))
-            .copied()
-            .collect();
+        let mut v: Vec<_> =
+            base.iter().filter(|(k, _)| !k.starts_with("SLURM_JOB_NODELIST")).copied().collect();
         v.retain(|(k, _)| *k != "SLURM_NTASKS_PER_NODE");
         v.push(("SLURM_NTASKS_PER_NODE", "2(x3),1"));
         v.push(("SLURM_NODELIST", "a1"));
         let l = detect_with(&v).unwrap();
-        assert_eq!(
-            (l.local_size, l.store.clone()),
-            (None, tcp("a1", SLURM_PORT_BASE + 456))
-        );
+        assert_eq!((l.local_size, l.store.clone()), (None, tcp("a1", SLURM_PORT_BASE + 456)));
 
         // MASTER_ADDR / MASTER_PORT win over the derived values, each on its own.
         let mut v = base.to_vec();
@@ -687,24 +615,17 @@ mod tests {
         assert_eq!(detect_with(&v).unwrap().store, tcp("head", 40001));
 
         // No node list and no MASTER_ADDR.
-        let v: Vec<_> = base
-            .iter()
-            .filter(|(k, _)| *k != "SLURM_JOB_NODELIST")
-            .copied()
-            .collect();
-        assert!(
-            matches!(detect_with(&v), Err(Error::InvalidUsage(m)) if m.contains("MASTER_ADDR"))
-        );
+        let v: Vec<_> = base.iter().filter(|(k, _)| *k != "SLURM_JOB_NODELIST").copied().collect();
+        assert!(matches!(detect_with(&v), Err(Error::InvalidUsage(m)) if m.contains("MASTER_ADDR")));
     }
 
     #[test]
     fn mpi_without_an_address_asks_for_one() {
         let ompi = [("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "2")];
         match detect_with(&ompi) {
-            Err(Error::InvalidUsage(m)) => assert!(
-                m.contains("TOROID_STORE_ADDR") && m.contains("MASTER_ADDR"),
-                "{m}"
-            ),
+            Err(Error::InvalidUsage(m)) => {
+                assert!(m.contains("TOROID_STORE_ADDR") && m.contains("MASTER_ADDR"), "{m}")
+            }
             other => panic!("{other:?}"),
         }
         let mut v = ompi.to_vec();
@@ -723,9 +644,7 @@ mod tests {
         assert_eq!(l.store, StoreAddr::File("/shared/rdv".into()));
         // MASTER_ADDR alone is not enough outside Slurm.
         let v = [("PMI_RANK", "0"), ("PMI_SIZE", "3"), ("MASTER_ADDR", "h")];
-        assert!(
-            matches!(detect_with(&v), Err(Error::InvalidUsage(m)) if m.contains("MASTER_PORT"))
-        );
+        assert!(matches!(detect_with(&v), Err(Error::InvalidUsage(m)) if m.contains("MASTER_PORT")));
     }
 
     #[test]
@@ -739,14 +658,8 @@ mod tests {
             detect_with(&[("TOROID_RANK", "0"), ("TOROID_WORLD_SIZE", "0"), addr]),
             &["TOROID_WORLD_SIZE=0"],
         );
-        invalid_arg_naming(
-            detect_with(&[("RANK", "-1"), ("WORLD_SIZE", "2"), addr]),
-            &["RANK=-1"],
-        );
-        invalid_arg_naming(
-            detect_with(&[("RANK", "0"), ("WORLD_SIZE", "two"), addr]),
-            &["WORLD_SIZE=two"],
-        );
+        invalid_arg_naming(detect_with(&[("RANK", "-1"), ("WORLD_SIZE", "2"), addr]), &["RANK=-1"]);
+        invalid_arg_naming(detect_with(&[("RANK", "0"), ("WORLD_SIZE", "two"), addr]), &["WORLD_SIZE=two"]);
         invalid_arg_naming(
             detect_with(&[
                 ("RANK", "0"),
@@ -758,11 +671,9 @@ mod tests {
             &["LOCAL_RANK=2", "LOCAL_WORLD_SIZE=2"],
         );
         let ok = [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")];
-        for (port, needle) in [
-            ("65535", "MASTER_PORT=65535"),
-            ("0", "MASTER_PORT=0"),
-            ("http", "MASTER_PORT=http"),
-        ] {
+        for (port, needle) in
+            [("65535", "MASTER_PORT=65535"), ("0", "MASTER_PORT=0"), ("http", "MASTER_PORT=http")]
+        {
             let mut v = ok.to_vec();
             v.push(("MASTER_PORT", port));
             invalid_arg_naming(detect_with(&v), &[needle]);
@@ -773,30 +684,17 @@ mod tests {
                 &["TOROID_STORE_ADDR", a],
             );
         }
-        let slurm = [
-            ("SLURM_PROCID", "0"),
-            ("SLURM_NTASKS", "1"),
-            ("SLURM_JOB_NODELIST", "n[1-"),
-        ];
+        let slurm = [("SLURM_PROCID", "0"), ("SLURM_NTASKS", "1"), ("SLURM_JOB_NODELIST", "n[1-")];
         invalid_arg_naming(detect_with(&slurm), &["SLURM_JOB_NODELIST", "n[1-"]);
     }
 
     #[test]
     fn store_addr_forms() {
         assert_eq!(StoreAddr::parse("h:1").unwrap(), tcp("h", 1));
-        assert_eq!(
-            StoreAddr::parse("tcp://10.0.0.1:29501").unwrap(),
-            tcp("10.0.0.1", 29501)
-        );
+        assert_eq!(StoreAddr::parse("tcp://10.0.0.1:29501").unwrap(), tcp("10.0.0.1", 29501));
         assert_eq!(StoreAddr::parse("[::1]:7").unwrap(), tcp("::1", 7));
-        assert_eq!(
-            StoreAddr::parse("tcp://[fe80::2]:8").unwrap().to_string(),
-            "tcp://[fe80::2]:8"
-        );
-        assert_eq!(
-            StoreAddr::parse("file:///a/b").unwrap().to_string(),
-            "file:///a/b"
-        );
+        assert_eq!(StoreAddr::parse("tcp://[fe80::2]:8").unwrap().to_string(), "tcp://[fe80::2]:8");
+        assert_eq!(StoreAddr::parse("file:///a/b").unwrap().to_string(), "file:///a/b");
     }
 
     #[test]
@@ -806,10 +704,7 @@ mod tests {
             ["node01", "node02", "node03", "node04", "node07", "gpu5"]
         );
         assert_eq!(expand_hostlist("a[8-10]").unwrap(), ["a8", "a9", "a10"]);
-        assert_eq!(
-            expand_hostlist("a[098-101]").unwrap(),
-            ["a098", "a099", "a100", "a101"]
-        );
+        assert_eq!(expand_hostlist("a[098-101]").unwrap(), ["a098", "a099", "a100", "a101"]);
         assert_eq!(
             expand_hostlist("r[1-2]-n[01-02]x").unwrap(),
             ["r1-n01x", "r1-n02x", "r2-n01x", "r2-n02x"]
@@ -817,20 +712,8 @@ mod tests {
         assert_eq!(expand_hostlist("single").unwrap(), ["single"]);
         assert_eq!(expand_hostlist(" a , b[3] ,,").unwrap(), ["a", "b3"]);
         assert!(expand_hostlist("").unwrap().is_empty());
-        for bad in [
-            "n[1-",
-            "n]1",
-            "n[3-1]",
-            "n[a-b]",
-            "n[1-2-3]",
-            "n[]",
-            "n[0-99999999]",
-            "n[1]]",
-        ] {
-            assert!(
-                matches!(expand_hostlist(bad), Err(Error::InvalidArgument(_))),
-                "{bad}"
-            );
+        for bad in ["n[1-", "n]1", "n[3-1]", "n[a-b]", "n[1-2-3]", "n[]", "n[0-99999999]", "n[1]]"] {
+            assert!(matches!(expand_hostlist(bad), Err(Error::InvalidArgument(_))), "{bad}");
         }
     }
 
@@ -845,11 +728,7 @@ mod tests {
 
     #[test]
     fn open_store_serves_on_rank_0_and_connects_the_others() {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let launch = move |rank| Launch {
             rank,
             size: 2,

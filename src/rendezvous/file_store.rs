@@ -45,10 +45,7 @@ impl FileStore {
         fs::create_dir_all(&dir)
             .map_err(|e| Error::system(format!("file store: create {}", dir.display()), e))?;
         tracing::info!(target: "toroid::store", "file store in {}", dir.display());
-        Ok(FileStore {
-            dir,
-            timeout: DEFAULT_TIMEOUT,
-        })
+        Ok(FileStore { dir, timeout: DEFAULT_TIMEOUT })
     }
 
     /// Sets how long `add` waits for the lock that another process holds.
@@ -83,13 +80,9 @@ impl FileStore {
         loop {
             // Ranks on several hosts share the directory and may share a pid: the time and a
             // per-process counter make the name unique, and `create_new` catches the rest.
-            let nanos = SystemTime::now()
-                .duration_since(SystemTime::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos());
+            let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
             let seq = SEQ.fetch_add(1, Ordering::Relaxed);
-            let tmp = self
-                .dir
-                .join(format!(".tmp.{}.{seq}.{nanos}", std::process::id()));
+            let tmp = self.dir.join(format!(".tmp.{}.{seq}.{nanos}", std::process::id()));
             let mut file = match OpenOptions::new().write(true).create_new(true).open(&tmp) {
                 Ok(f) => f,
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
@@ -118,14 +111,9 @@ impl FileStore {
             if let Some(v) = probe()? {
                 return Ok(v);
             }
-            let remaining =
-                deadline.map_or(POLL_CAP, |d| d.saturating_duration_since(Instant::now()));
+            let remaining = deadline.map_or(POLL_CAP, |d| d.saturating_duration_since(Instant::now()));
             if remaining.is_zero() {
-                return Err(Error::Timeout(format!(
-                    "file store {}: {}",
-                    self.dir.display(),
-                    expired()
-                )));
+                return Err(Error::Timeout(format!("file store {}: {}", self.dir.display(), expired())));
             }
             std::thread::sleep(backoff.min(remaining));
             backoff = (backoff * 2).min(POLL_CAP);
@@ -201,18 +189,8 @@ impl Store for FileStore {
         // Non-blocking attempts, so that a lock holder that hangs costs a timeout, not a hang.
         self.poll(
             self.timeout,
-            || {
-                try_lock(&lock)
-                    .map(|held| held.then_some(()))
-                    .map_err(|e| self.err("flock", e))
-            },
-            || {
-                format!(
-                    "waited {:?} for the lock {}",
-                    self.timeout,
-                    lock_path.display()
-                )
-            },
+            || try_lock(&lock).map(|held| held.then_some(())).map_err(|e| self.err("flock", e)),
+            || format!("waited {:?} for the lock {}", self.timeout, lock_path.display()),
         )?;
         let cur = match fs::read(&path) {
             Ok(v) => super::parse_counter(key, &v)?,
@@ -227,10 +205,7 @@ impl Store for FileStore {
     }
 
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
-        let paths = keys
-            .iter()
-            .map(|k| self.key_path(k))
-            .collect::<Result<Vec<_>>>()?;
+        let paths = keys.iter().map(|k| self.key_path(k)).collect::<Result<Vec<_>>>()?;
         let missing = || -> Result<Vec<&str>> {
             let mut missing = Vec::new();
             for (k, p) in keys.iter().zip(&paths) {
@@ -243,12 +218,7 @@ impl Store for FileStore {
         self.poll(
             timeout,
             || Ok(missing()?.is_empty().then_some(())),
-            || {
-                format!(
-                    "waited {timeout:?} for keys {:?}",
-                    missing().unwrap_or_default()
-                )
-            },
+            || format!("waited {timeout:?} for keys {:?}", missing().unwrap_or_default()),
         )
     }
 
@@ -274,12 +244,8 @@ mod tests {
 
     impl TempDir {
         fn new(name: &str) -> TempDir {
-            let nanos = SystemTime::now()
-                .duration_since(SystemTime::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos();
-            let p = std::env::temp_dir()
-                .join(format!("toroid-fs-{name}-{}-{nanos}", std::process::id()));
+            let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap().as_nanos();
+            let p = std::env::temp_dir().join(format!("toroid-fs-{name}-{}-{nanos}", std::process::id()));
             fs::create_dir_all(&p).unwrap();
             TempDir(p)
         }
@@ -310,30 +276,16 @@ mod tests {
         assert!(matches!(s.get("a", Duration::ZERO), Err(Error::Timeout(_))));
         s.wait(&[], Duration::ZERO).unwrap();
         // No temporary files are left behind.
-        let names: Vec<String> = fs::read_dir(s.path())
-            .unwrap()
-            .map(|e| e.unwrap().file_name().into_string().unwrap())
-            .collect();
-        assert!(
-            names.iter().all(|n| n.starts_with("k.") || n == LOCK_FILE),
-            "{names:?}"
-        );
+        let names: Vec<String> =
+            fs::read_dir(s.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        assert!(names.iter().all(|n| n.starts_with("k.") || n == LOCK_FILE), "{names:?}");
     }
 
     #[test]
     fn keys_map_to_distinct_safe_file_names() {
         let dir = TempDir::new("names");
         let s = FileStore::new(&dir.0).unwrap();
-        let keys = [
-            "",
-            ".",
-            "..",
-            "a/b",
-            "a%2Fb",
-            "../escape",
-            "ключ 🔑",
-            "A-z_0.9",
-        ];
+        let keys = ["", ".", "..", "a/b", "a%2Fb", "../escape", "ключ 🔑", "A-z_0.9"];
         for (i, k) in keys.iter().enumerate() {
             s.set(k, i.to_string().as_bytes()).unwrap();
         }
@@ -366,10 +318,7 @@ mod tests {
         for t in threads {
             t.join().unwrap();
         }
-        assert_eq!(
-            FileStore::new(&dir.0).unwrap().add("count", 0).unwrap(),
-            800
-        );
+        assert_eq!(FileStore::new(&dir.0).unwrap().add("count", 0).unwrap(), 800);
     }
 
     #[test]
@@ -393,27 +342,17 @@ mod tests {
         let s = FileStore::new(&dir.0).unwrap();
         s.set("present", b"1").unwrap();
         let start = Instant::now();
-        let err = s
-            .wait(&["present", "absent"], Duration::from_millis(200))
-            .unwrap_err();
+        let err = s.wait(&["present", "absent"], Duration::from_millis(200)).unwrap_err();
         let took = start.elapsed();
-        assert!(
-            matches!(&err, Error::Timeout(m) if m.contains(r#"for keys ["absent"]"#)),
-            "{err}"
-        );
-        assert!(
-            took >= Duration::from_millis(190) && took < Duration::from_secs(2),
-            "{took:?}"
-        );
+        assert!(matches!(&err, Error::Timeout(m) if m.contains(r#"for keys ["absent"]"#)), "{err}");
+        assert!(took >= Duration::from_millis(190) && took < Duration::from_secs(2), "{took:?}");
         s.wait(&["present"], Duration::ZERO).unwrap();
     }
 
     #[test]
     fn add_times_out_while_another_process_holds_the_lock() {
         let dir = TempDir::new("lock");
-        let s = FileStore::new(&dir.0)
-            .unwrap()
-            .with_timeout(Duration::from_millis(150));
+        let s = FileStore::new(&dir.0).unwrap().with_timeout(Duration::from_millis(150));
         let held = File::create(dir.0.join(LOCK_FILE)).unwrap();
         assert!(try_lock(&held).unwrap());
         let start = Instant::now();

@@ -79,10 +79,7 @@ pub struct PrefixStore {
 impl PrefixStore {
     /// Wraps `inner`; keys become `prefix/key`.
     pub fn new(prefix: impl Into<String>, inner: Arc<dyn Store>) -> PrefixStore {
-        PrefixStore {
-            prefix: prefix.into(),
-            inner,
-        }
+        PrefixStore { prefix: prefix.into(), inner }
     }
 
     fn key(&self, key: &str) -> String {
@@ -92,9 +89,7 @@ impl PrefixStore {
 
 impl std::fmt::Debug for PrefixStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PrefixStore")
-            .field("prefix", &self.prefix)
-            .finish_non_exhaustive()
+        f.debug_struct("PrefixStore").field("prefix", &self.prefix).finish_non_exhaustive()
     }
 }
 
@@ -147,10 +142,7 @@ impl Store for MemStore {
 
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         self.wait(&[key], timeout)?;
-        self.lock()
-            .get(key)
-            .cloned()
-            .ok_or_else(|| Error::Internal(format!("store key '{key}' vanished")))
+        self.lock().get(key).cloned().ok_or_else(|| Error::Internal(format!("store key '{key}' vanished")))
     }
 
     fn add(&self, key: &str, delta: i64) -> Result<i64> {
@@ -175,20 +167,10 @@ impl Store for MemStore {
             }
             let now = Instant::now();
             if now >= deadline {
-                let missing: Vec<&str> = keys
-                    .iter()
-                    .filter(|k| !map.contains_key(**k))
-                    .copied()
-                    .collect();
-                return Err(Error::Timeout(format!(
-                    "store: waited {timeout:?} for keys {missing:?}"
-                )));
+                let missing: Vec<&str> = keys.iter().filter(|k| !map.contains_key(**k)).copied().collect();
+                return Err(Error::Timeout(format!("store: waited {timeout:?} for keys {missing:?}")));
             }
-            map = self
-                .changed
-                .wait_timeout(map, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            map = self.changed.wait_timeout(map, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
         }
     }
 
@@ -218,10 +200,7 @@ mod tests {
         assert_eq!(s.add("n", -2).unwrap(), 3);
         assert!(s.delete("a").unwrap());
         assert!(!s.delete("a").unwrap());
-        assert!(matches!(
-            s.get("a", Duration::from_millis(10)),
-            Err(Error::Timeout(_))
-        ));
+        assert!(matches!(s.get("a", Duration::from_millis(10)), Err(Error::Timeout(_))));
         assert!(matches!(
             s.add("bad", 1).and_then(|_| {
                 s.set("bad", b"x")?;

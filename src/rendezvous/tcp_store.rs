@@ -29,9 +29,7 @@
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
-use std::net::{
-    IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs,
-};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::{Mutex, MutexGuard};
@@ -97,8 +95,8 @@ impl TcpStore {
     /// bound.
     pub fn serve(addr: &str, timeout: Duration) -> Result<TcpStore> {
         let (host, port) = split_host_port(addr)?;
-        let candidates = resolve(&host, port)
-            .map_err(|e| Error::system(format!("store: resolve '{addr}'"), e))?;
+        let candidates =
+            resolve(&host, port).map_err(|e| Error::system(format!("store: resolve '{addr}'"), e))?;
         let mut last = None;
         let mut listener = None;
         for a in candidates {
@@ -114,35 +112,19 @@ impl TcpStore {
             (Some(l), _) => l,
             (None, Some(e)) => return Err(Error::system(format!("store: bind {addr}"), e)),
             (None, None) => {
-                return Err(Error::InvalidArgument(format!(
-                    "store: '{addr}' resolves to no address"
-                )));
+                return Err(Error::InvalidArgument(format!("store: '{addr}' resolves to no address")));
             }
         };
-        let bound = listener
-            .local_addr()
-            .map_err(|e| Error::system("store: local address", e))?;
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| Error::system("store: set_nonblocking", e))?;
-        let (wake_tx, wake_rx) =
-            UnixStream::pair().map_err(|e| Error::system("store: socketpair", e))?;
-        let server = Server {
-            listener,
-            wake: wake_rx,
-            conns: Vec::new(),
-            map: HashMap::new(),
-        };
+        let bound = listener.local_addr().map_err(|e| Error::system("store: local address", e))?;
+        listener.set_nonblocking(true).map_err(|e| Error::system("store: set_nonblocking", e))?;
+        let (wake_tx, wake_rx) = UnixStream::pair().map_err(|e| Error::system("store: socketpair", e))?;
+        let server = Server { listener, wake: wake_rx, conns: Vec::new(), map: HashMap::new() };
         let thread = std::thread::Builder::new()
             .name("toroid-store".into())
             .spawn(move || server.run())
             .map_err(|e| Error::system("store: spawn server thread", e))?;
         tracing::info!(target: "toroid::store", "store server listening on {bound}");
-        let handle = ServerHandle {
-            addr: bound,
-            wake: Some(wake_tx),
-            thread: Some(thread),
-        };
+        let handle = ServerHandle { addr: bound, wake: Some(wake_tx), thread: Some(thread) };
 
         // An unspecified bind address is not something to connect to: use loopback.
         let local = match bound.ip() {
@@ -155,18 +137,14 @@ impl TcpStore {
             _ => bound,
         };
         // On failure `handle` drops here, which stops and joins the server.
-        let client = Client::connect(&local.to_string(), &[local], timeout, timeout).map_err(
-            |r| match r {
-                Retry::Again(e) => Error::System(format!(
-                    "store: cannot reach its own server at {local}: {e}"
-                )),
+        let client =
+            Client::connect(&local.to_string(), &[local], timeout, timeout).map_err(|r| match r {
+                Retry::Again(e) => {
+                    Error::System(format!("store: cannot reach its own server at {local}: {e}"))
+                }
                 Retry::Fatal(e) => e,
-            },
-        )?;
-        Ok(TcpStore {
-            client,
-            server: Some(handle),
-        })
+            })?;
+        Ok(TcpStore { client, server: Some(handle) })
     }
 
     /// Connects to the server at `addr`, retrying with backoff until `timeout`.
@@ -181,9 +159,7 @@ impl TcpStore {
     pub fn connect(addr: &str, timeout: Duration) -> Result<TcpStore> {
         let (host, port) = split_host_port(addr)?;
         if port == 0 {
-            return Err(Error::InvalidArgument(format!(
-                "store: cannot connect to port 0 ('{addr}')"
-            )));
+            return Err(Error::InvalidArgument(format!("store: cannot connect to port 0 ('{addr}')")));
         }
         let deadline = deadline(timeout);
         let mut backoff = BACKOFF_START;
@@ -196,10 +172,7 @@ impl TcpStore {
                     timeout,
                 ) {
                     Ok(client) => {
-                        return Ok(TcpStore {
-                            client,
-                            server: None,
-                        });
+                        return Ok(TcpStore { client, server: None });
                     }
                     Err(Retry::Fatal(e)) => return Err(e),
                     Err(Retry::Again(e)) => e,
@@ -229,8 +202,7 @@ impl Store for TcpStore {
         let mut req = Enc::new(OP_SET);
         req.bytes(key.as_bytes());
         req.bytes(value);
-        self.client
-            .call(req, self.client.timeout, || format!("set '{key}'"))?;
+        self.client.call(req, self.client.timeout, || format!("set '{key}'"))?;
         Ok(())
     }
 
@@ -256,14 +228,12 @@ impl Store for TcpStore {
         let mut req = Enc::new(OP_WAIT);
         req.u64(millis(timeout));
         req.u32(
-            u32::try_from(keys.len())
-                .map_err(|_| Error::InvalidArgument("store: too many keys".into()))?,
+            u32::try_from(keys.len()).map_err(|_| Error::InvalidArgument("store: too many keys".into()))?,
         );
         for k in keys {
             req.bytes(k.as_bytes());
         }
-        self.client
-            .call(req, timeout, || format!("wait {keys:?}"))?;
+        self.client.call(req, timeout, || format!("wait {keys:?}"))?;
         Ok(())
     }
 
@@ -282,9 +252,7 @@ impl Store for TcpStore {
 /// Splits `host:port` or `[v6]:port` into host (brackets removed) and port.
 pub(crate) fn split_host_port(addr: &str) -> Result<(String, u16)> {
     let bad = |why: &str| {
-        Error::InvalidArgument(format!(
-            "store address '{addr}': {why} (expected host:port or [v6]:port)"
-        ))
+        Error::InvalidArgument(format!("store address '{addr}': {why} (expected host:port or [v6]:port)"))
     };
     let (host, port) = addr.rsplit_once(':').ok_or_else(|| bad("no port"))?;
     let host = match host.strip_prefix('[') {
@@ -296,9 +264,7 @@ pub(crate) fn split_host_port(addr: &str) -> Result<(String, u16)> {
     if host.is_empty() {
         return Err(bad("empty host"));
     }
-    let port = port
-        .parse()
-        .map_err(|_| bad("port is not a number in 0..=65535"))?;
+    let port = port.parse().map_err(|_| bad("port is not a number in 0..=65535"))?;
     Ok((host.to_string(), port))
 }
 
@@ -309,8 +275,7 @@ fn resolve(host: &str, port: u16) -> io::Result<Vec<SocketAddr>> {
 /// `timeout` from now; a timeout too long for `Instant` becomes a year (no set-up lasts that long).
 fn deadline(timeout: Duration) -> Instant {
     let now = Instant::now();
-    now.checked_add(timeout)
-        .unwrap_or(now + Duration::from_secs(365 * 24 * 3600))
+    now.checked_add(timeout).unwrap_or(now + Duration::from_secs(365 * 24 * 3600))
 }
 
 /// Milliseconds, rounded up so that a short timeout is not cut to zero.
@@ -367,10 +332,7 @@ struct Dec<'a>(&'a [u8]);
 impl<'a> Dec<'a> {
     fn take(&mut self, n: usize) -> std::result::Result<&'a [u8], String> {
         if self.0.len() < n {
-            return Err(format!(
-                "truncated message: wanted {n} more bytes, have {}",
-                self.0.len()
-            ));
+            return Err(format!("truncated message: wanted {n} more bytes, have {}", self.0.len()));
         }
         let (head, tail) = self.0.split_at(n);
         self.0 = tail;
@@ -398,11 +360,7 @@ impl<'a> Dec<'a> {
         self.take(n)
     }
     fn end(&self) -> std::result::Result<(), String> {
-        if self.0.is_empty() {
-            Ok(())
-        } else {
-            Err(format!("{} unexpected trailing bytes", self.0.len()))
-        }
+        if self.0.is_empty() { Ok(()) } else { Err(format!("{} unexpected trailing bytes", self.0.len())) }
     }
 }
 
@@ -472,10 +430,7 @@ impl Client {
                     continue;
                 }
                 Err(e) => {
-                    return Err(Retry::Fatal(Error::system(
-                        format!("store: connect to {addr} ({a})"),
-                        e,
-                    )));
+                    return Err(Retry::Fatal(Error::system(format!("store: connect to {addr} ({a})"), e)));
                 }
             };
             // Setup traffic is small request/response pairs: do not let Nagle delay them.
@@ -483,15 +438,10 @@ impl Client {
             let client = Client {
                 addr: addr.to_string(),
                 timeout,
-                conn: Mutex::new(ClientConn {
-                    stream,
-                    broken: None,
-                }),
+                conn: Mutex::new(ClientConn { stream, broken: None }),
             };
             let io_timeout = deadline.saturating_duration_since(Instant::now());
-            let answer = client
-                .exchange(Enc::hello(), io_timeout)
-                .map_err(Retry::Fatal)?;
+            let answer = client.exchange(Enc::hello(), io_timeout).map_err(Retry::Fatal)?;
             return match answer.split_first() {
                 Some((&ST_OK, _)) => {
                     tracing::info!(target: "toroid::store", "connected to store at {addr} ({a})");
@@ -501,9 +451,9 @@ impl Client {
                     "store at {addr} refused the hello: {}",
                     String::from_utf8_lossy(msg)
                 )))),
-                None => Err(Retry::Fatal(Error::Remote(format!(
-                    "store at {addr}: empty answer to the hello"
-                )))),
+                None => {
+                    Err(Retry::Fatal(Error::Remote(format!("store at {addr}: empty answer to the hello"))))
+                }
             };
         }
         Err(Retry::Again(last))
@@ -552,9 +502,9 @@ impl Client {
         use io::ErrorKind::*;
         let addr = &self.addr;
         match e.kind() {
-            WouldBlock | TimedOut => Error::Timeout(format!(
-                "store {addr}: no answer within {timeout:?} + {IO_MARGIN:?}"
-            )),
+            WouldBlock | TimedOut => {
+                Error::Timeout(format!("store {addr}: no answer within {timeout:?} + {IO_MARGIN:?}"))
+            }
             UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe => {
                 Error::Remote(format!("store {addr}: server closed the connection ({e})"))
             }
@@ -573,14 +523,7 @@ impl Client {
             return Err(self.bad_answer(&what(), "empty answer"));
         };
         answer.remove(0);
-        let msg = || {
-            format!(
-                "store {}: {}: {}",
-                self.addr,
-                what(),
-                String::from_utf8_lossy(&answer)
-            )
-        };
+        let msg = || format!("store {}: {}: {}", self.addr, what(), String::from_utf8_lossy(&answer));
         match status {
             ST_OK => Ok(answer),
             ST_TIMEOUT => Err(Error::Timeout(msg())),
@@ -591,10 +534,7 @@ impl Client {
     }
 
     fn bad_answer(&self, what: &str, why: &str) -> Error {
-        Error::Remote(format!(
-            "store {}: {what}: malformed answer: {why}",
-            self.addr
-        ))
+        Error::Remote(format!("store {}: {what}: malformed answer: {why}", self.addr))
     }
 }
 
@@ -611,10 +551,10 @@ struct ServerHandle {
 impl Drop for ServerHandle {
     fn drop(&mut self) {
         drop(self.wake.take());
-        if let Some(t) = self.thread.take() {
-            if t.join().is_err() {
-                tracing::error!(target: "toroid::store", "store server thread panicked");
-            }
+        if let Some(t) = self.thread.take()
+            && t.join().is_err()
+        {
+            tracing::error!(target: "toroid::store", "store server thread panicked");
         }
         tracing::info!(target: "toroid::store", "store server on {} stopped", self.addr);
     }
@@ -716,11 +656,7 @@ fn poll(fds: &mut [libc::pollfd], timeout_ms: i32) -> io::Result<()> {
 }
 
 fn pollfd(fd: i32, events: libc::c_short) -> libc::pollfd {
-    libc::pollfd {
-        fd,
-        events,
-        revents: 0,
-    }
+    libc::pollfd { fd, events, revents: 0 }
 }
 
 impl Server {
@@ -734,17 +670,10 @@ impl Server {
         let mut fds = Vec::new();
         loop {
             let now = Instant::now();
-            let timeout_ms = self
-                .conns
-                .iter()
-                .filter_map(|c| c.pending.as_ref()?.deadline)
-                .min()
-                .map_or(-1, |d| {
+            let timeout_ms =
+                self.conns.iter().filter_map(|c| c.pending.as_ref()?.deadline).min().map_or(-1, |d| {
                     // Rounded up, so that we wake after the deadline rather than just before.
-                    let ms = d
-                        .saturating_duration_since(now)
-                        .as_nanos()
-                        .div_ceil(1_000_000);
+                    let ms = d.saturating_duration_since(now).as_nanos().div_ceil(1_000_000);
                     i32::try_from(ms).unwrap_or(i32::MAX)
                 });
             fds.clear();
@@ -768,11 +697,7 @@ impl Server {
             }
             // A SET on one connection can complete a GET parked on another: repeat until quiet.
             let now = Instant::now();
-            while self
-                .conns
-                .iter_mut()
-                .fold(false, |m, c| c.drive(&mut self.map, now) | m)
-            {}
+            while self.conns.iter_mut().fold(false, |m, c| c.drive(&mut self.map, now) | m) {}
             for c in &mut self.conns {
                 c.flush();
                 if c.eof && c.state != State::Dead {
@@ -844,8 +769,7 @@ impl Conn {
 
     fn send(&mut self, payload: &[u8]) {
         // Answers are bounded by what a client could send, which is bounded by MAX_FRAME.
-        self.wbuf
-            .extend_from_slice(&(payload.len() as u32).to_le_bytes());
+        self.wbuf.extend_from_slice(&(payload.len() as u32).to_le_bytes());
         self.wbuf.extend_from_slice(payload);
     }
 
@@ -876,9 +800,7 @@ impl Conn {
             };
             let len = u32::from_le_bytes(*head) as usize;
             if len > MAX_FRAME {
-                self.reject(&format!(
-                    "frame of {len} bytes exceeds the limit of {MAX_FRAME} bytes"
-                ));
+                self.reject(&format!("frame of {len} bytes exceeds the limit of {MAX_FRAME} bytes"));
                 break;
             }
             if self.rbuf.len() < 4 + len {
@@ -942,11 +864,7 @@ fn handle(frame: &[u8], map: &mut Map, now: Instant) -> std::result::Result<Hand
     let mut d = Dec(frame);
     let park = |want, timeout_ms: u64| {
         let deadline = now.checked_add(Duration::from_millis(timeout_ms));
-        Handled::Park(Pending {
-            want,
-            deadline,
-            timeout_ms,
-        })
+        Handled::Park(Pending { want, deadline, timeout_ms })
     };
     let out = match d.u8()? {
         OP_SET => {
@@ -971,10 +889,7 @@ fn handle(frame: &[u8], map: &mut Map, now: Instant) -> std::result::Result<Hand
                 Some(v) => match super::parse_counter(&name, v) {
                     Ok(n) => n,
                     Err(e) => {
-                        return Ok(Handled::Answer(
-                            answer(ST_INVALID_USAGE, e.detail().as_bytes()),
-                            false,
-                        ));
+                        return Ok(Handled::Answer(answer(ST_INVALID_USAGE, e.detail().as_bytes()), false));
                     }
                 },
                 None => 0,
@@ -1022,11 +937,7 @@ mod tests {
 
     /// A port that was free a moment ago.
     fn free_port() -> u16 {
-        TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
+        TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
     }
 
     #[test]
@@ -1091,11 +1002,7 @@ mod tests {
         });
         let start = Instant::now();
         assert_eq!(s.get("late", T).unwrap(), b"here");
-        assert!(
-            start.elapsed() >= Duration::from_millis(100),
-            "{:?}",
-            start.elapsed()
-        );
+        assert!(start.elapsed() >= Duration::from_millis(100), "{:?}", start.elapsed());
         t.join().unwrap();
     }
 
@@ -1104,18 +1011,10 @@ mod tests {
         let s = server();
         s.set("present", b"1").unwrap();
         let start = Instant::now();
-        let err = s
-            .wait(&["present", "absent"], Duration::from_millis(200))
-            .unwrap_err();
+        let err = s.wait(&["present", "absent"], Duration::from_millis(200)).unwrap_err();
         let took = start.elapsed();
-        assert!(
-            matches!(&err, Error::Timeout(m) if m.contains(r#"for keys ["absent"]"#)),
-            "{err}"
-        );
-        assert!(
-            took >= Duration::from_millis(190) && took < Duration::from_secs(2),
-            "{took:?}"
-        );
+        assert!(matches!(&err, Error::Timeout(m) if m.contains(r#"for keys ["absent"]"#)), "{err}");
+        assert!(took >= Duration::from_millis(190) && took < Duration::from_secs(2), "{took:?}");
     }
 
     #[test]
@@ -1144,10 +1043,7 @@ mod tests {
         let addr = format!("127.0.0.1:{}", free_port());
         let start = Instant::now();
         let err = TcpStore::connect(&addr, Duration::from_millis(300)).unwrap_err();
-        assert!(
-            matches!(&err, Error::Timeout(m) if m.contains(&addr)),
-            "{err}"
-        );
+        assert!(matches!(&err, Error::Timeout(m) if m.contains(&addr)), "{err}");
         assert!(start.elapsed() < Duration::from_secs(3));
     }
 
@@ -1164,10 +1060,7 @@ mod tests {
         std::thread::sleep(Duration::from_millis(100));
         drop(s);
         let (r, took, c) = t.join().unwrap();
-        assert!(
-            matches!(r, Err(Error::Remote(_) | Error::System(_))),
-            "{r:?}"
-        );
+        assert!(matches!(r, Err(Error::Remote(_) | Error::System(_))), "{r:?}");
         assert!(took < Duration::from_secs(5), "{took:?}");
         // Later calls fail fast too.
         assert!(matches!(c.set("x", b"y"), Err(Error::Remote(_))));
@@ -1235,44 +1128,30 @@ mod tests {
             s.write_all(&u32::MAX.to_le_bytes()).unwrap();
         });
         let err = TcpStore::connect(&addr, T).unwrap_err();
-        assert!(
-            matches!(&err, Error::Remote(m) if m.contains("limit")),
-            "{err}"
-        );
+        assert!(matches!(&err, Error::Remote(m) if m.contains("limit")), "{err}");
         fake.join().unwrap();
     }
 
     #[test]
     fn addresses_parse() {
         assert_eq!(split_host_port("h:1").unwrap(), ("h".into(), 1));
-        assert_eq!(
-            split_host_port("[::1]:29500").unwrap(),
-            ("::1".into(), 29500)
-        );
+        assert_eq!(split_host_port("[::1]:29500").unwrap(), ("::1".into(), 29500));
         assert_eq!(split_host_port("0.0.0.0:0").unwrap(), ("0.0.0.0".into(), 0));
         for bad in ["h", ":1", "h:x", "h:65536", "::1:80", "[::1:80", "[]:1"] {
-            assert!(
-                matches!(split_host_port(bad), Err(Error::InvalidArgument(_))),
-                "{bad}"
-            );
+            assert!(matches!(split_host_port(bad), Err(Error::InvalidArgument(_))), "{bad}");
         }
-        assert!(matches!(
-            TcpStore::connect("127.0.0.1:0", T),
-            Err(Error::InvalidArgument(_))
-        ));
+        assert!(matches!(TcpStore::connect("127.0.0.1:0", T), Err(Error::InvalidArgument(_))));
     }
 
     #[test]
     fn serves_on_ipv6_loopback_and_all_interfaces() {
         if let Ok(s) = TcpStore::serve("[::1]:0", T) {
-            let c = TcpStore::connect(&format!("[::1]:{}", s.server_addr().unwrap().port()), T)
-                .unwrap();
+            let c = TcpStore::connect(&format!("[::1]:{}", s.server_addr().unwrap().port()), T).unwrap();
             c.set("v6", b"ok").unwrap();
             assert_eq!(s.get("v6", T).unwrap(), b"ok");
         } // else: no IPv6 on this machine
         let s = TcpStore::serve("0.0.0.0:0", T).unwrap();
-        let c = TcpStore::connect(&format!("localhost:{}", s.server_addr().unwrap().port()), T)
-            .unwrap();
+        let c = TcpStore::connect(&format!("localhost:{}", s.server_addr().unwrap().port()), T).unwrap();
         c.set("any", b"ok").unwrap();
         assert_eq!(s.get("any", T).unwrap(), b"ok");
     }

@@ -139,10 +139,7 @@ pub struct Fingerprint {
 impl fmt::Display for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{} #{} ({} x {}", self.kind.name(), self.seq, self.count, self.dtype)?;
-        if matches!(
-            self.kind,
-            CollKind::AllReduce | CollKind::ReduceScatter | CollKind::Reduce
-        ) {
+        if matches!(self.kind, CollKind::AllReduce | CollKind::ReduceScatter | CollKind::Reduce) {
             write!(f, ", {}", self.op)?;
         }
         if self.root >= 0 {
@@ -362,7 +359,9 @@ impl Peers {
         let segment = (segment / 64).max(1) * 64;
         let links = transports
             .into_iter()
-            .map(|t| t.map(|transport| Link { transport, out_mid_frame: false, quiet_token: 0, hup_token: 0 }))
+            .map(|t| {
+                t.map(|transport| Link { transport, out_mid_frame: false, quiet_token: 0, hup_token: 0 })
+            })
             .collect();
         Peers {
             rank,
@@ -433,10 +432,10 @@ impl Peers {
         let mut rx = match recv {
             Some((peer, sink)) => {
                 self.check_peer(peer)?;
-                if let Sink::Reduce { dst, other: Some(o), .. } = &sink {
-                    if o.len() != dst.len() {
-                        return Err(Error::Internal("reduce operand lengths differ".into()));
-                    }
+                if let Sink::Reduce { dst, other: Some(o), .. } = &sink
+                    && o.len() != dst.len()
+                {
+                    return Err(Error::Internal("reduce operand lengths differ".into()));
                 }
                 Some(Rx::new(peer, sink, self.segment))
             }
@@ -459,12 +458,12 @@ impl Peers {
             if !forwarding {
                 progressed |= self.pump_tx(tx.as_mut(), None)?;
             }
-            if let Some(r) = rx.as_mut() {
-                if !r.done {
-                    let link = live_link(&mut self.links, r.peer)?;
-                    let scratch = bytemuck::cast_slice_mut::<u64, u8>(&mut self.scratch);
-                    progressed |= r.pump(self.rank, link, fp, step, scratch)?;
-                }
+            if let Some(r) = rx.as_mut()
+                && !r.done
+            {
+                let link = live_link(&mut self.links, r.peer)?;
+                let scratch = bytemuck::cast_slice_mut::<u64, u8>(&mut self.scratch);
+                progressed |= r.pump(self.rank, link, fp, step, scratch)?;
             }
             if forwarding {
                 progressed |= self.pump_tx(tx.as_mut(), rx.as_ref().map(|r| r.output()))?;
@@ -519,10 +518,20 @@ impl Peers {
     fn timeout_error(&self, fp: &Fingerprint, step: u16, tx: Option<&Tx<'_>>, rx: Option<&Rx<'_>>) -> Error {
         let mut waits = Vec::new();
         if let Some(r) = rx.filter(|r| !r.done) {
-            waits.push(format!("data from rank {} ({} of {} bytes received)", r.peer, r.frame_start + r.frame_got, r.total));
+            waits.push(format!(
+                "data from rank {} ({} of {} bytes received)",
+                r.peer,
+                r.frame_start + r.frame_got,
+                r.total
+            ));
         }
         if let Some(t) = tx.filter(|t| !t.done) {
-            waits.push(format!("rank {} to take our data ({} of {} bytes sent)", t.peer, t.sent_payload(), t.total));
+            waits.push(format!(
+                "rank {} to take our data ({} of {} bytes sent)",
+                t.peer,
+                t.sent_payload(),
+                t.total
+            ));
         }
         Error::Timeout(format!(
             "rank {} in {fp}, step {step}: deadline passed waiting for {}",
@@ -533,10 +542,20 @@ impl Peers {
 
     /// Sleeps in poll(2) until an active link can progress, an idle link shows something, the
     /// abort event fires, or the deadline (capped) passes.
-    fn sleep(&mut self, fp: &Fingerprint, want_write: Option<usize>, want_read: Option<usize>, deadline: Instant) -> Result<()> {
+    fn sleep(
+        &mut self,
+        fp: &Fingerprint,
+        want_write: Option<usize>,
+        want_read: Option<usize>,
+        deadline: Instant,
+    ) -> Result<()> {
         self.pollfds.clear();
         self.poll_ranks.clear();
-        self.pollfds.push(libc::pollfd { fd: self.abort.event.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+        self.pollfds.push(libc::pollfd {
+            fd: self.abort.event.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        });
         self.poll_ranks.push(usize::MAX);
         for (r, link) in self.links.iter().enumerate() {
             let Some(link) = link else { continue };
@@ -666,7 +685,9 @@ fn explain_send_failure(link: &mut Link, peer: usize, err: Error) -> Error {
     let mut h = [0u8; HEADER_LEN];
     match link.transport.peek(&mut h) {
         Ok(HEADER_LEN) => match decode(&h) {
-            Ok(header) if header.kind == KIND_ABORT => read_abort(link, peer, false, &[], header.len as usize),
+            Ok(header) if header.kind == KIND_ABORT => {
+                read_abort(link, peer, false, &[], header.len as usize)
+            }
             _ => err,
         },
         _ => err,
@@ -769,7 +790,18 @@ struct Tx<'a> {
 
 impl<'a> Tx<'a> {
     fn new(peer: usize, src: Source<'a>, total: usize, header: [u8; HEADER_LEN], segment: usize) -> Tx<'a> {
-        Tx { peer, src, total, header, segment, frame_start: 0, hdr_sent: 0, frame_sent: 0, frame_open: false, done: false }
+        Tx {
+            peer,
+            src,
+            total,
+            header,
+            segment,
+            frame_start: 0,
+            hdr_sent: 0,
+            frame_sent: 0,
+            frame_open: false,
+            done: false,
+        }
     }
 
     fn sent_payload(&self) -> usize {
@@ -870,13 +902,22 @@ impl<'a> Rx<'a> {
     /// The output bytes that are final (received and reduced).
     fn output(&self) -> &[u8] {
         let (dst, fin) = match &self.sink {
-            Sink::Copy(d) => (&**d, self.frame_start + if self.hdr_got == HEADER_LEN { self.frame_got } else { 0 }),
+            Sink::Copy(d) => {
+                (&**d, self.frame_start + if self.hdr_got == HEADER_LEN { self.frame_got } else { 0 })
+            }
             Sink::Reduce { dst, .. } => (&**dst, self.frame_start + self.processed),
         };
         &dst[..fin.min(dst.len())]
     }
 
-    fn pump(&mut self, rank: usize, link: &mut Link, fp: &Fingerprint, step: u16, scratch: &mut [u8]) -> Result<bool> {
+    fn pump(
+        &mut self,
+        rank: usize,
+        link: &mut Link,
+        fp: &Fingerprint,
+        step: u16,
+        scratch: &mut [u8],
+    ) -> Result<bool> {
         let mut progressed = false;
         while !self.done {
             if !self.frame_open {
@@ -910,7 +951,10 @@ impl<'a> Rx<'a> {
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) => {
-                    return Err(Error::Remote(format!("receiving from rank {} failed during {fp}: {e}", self.peer)));
+                    return Err(Error::Remote(format!(
+                        "receiving from rank {} failed during {fp}: {e}",
+                        self.peer
+                    )));
                 }
             };
             let n = if n == usize::MAX { 0 } else { n };
@@ -941,7 +985,14 @@ impl<'a> Rx<'a> {
         Ok(progressed)
     }
 
-    fn validate(&mut self, rank: usize, link: &mut Link, fp: &Fingerprint, step: u16, scratch: &[u8]) -> Result<()> {
+    fn validate(
+        &mut self,
+        rank: usize,
+        link: &mut Link,
+        fp: &Fingerprint,
+        step: u16,
+        scratch: &[u8],
+    ) -> Result<()> {
         let header = decode(&self.header)
             .map_err(|e| Error::Remote(format!("rank {} sent a bad frame during {fp}: {e}", self.peer)))?;
         if header.kind == KIND_ABORT {
@@ -972,7 +1023,11 @@ impl<'a> Rx<'a> {
     fn process(&mut self, scratch: &[u8]) {
         if let Sink::Reduce { dst, other, dtype, op } = &mut self.sink {
             let esize = dtype.size();
-            let upto = if self.frame_got == self.frame_len { self.frame_got } else { self.frame_got - self.frame_got % esize };
+            let upto = if self.frame_got == self.frame_len {
+                self.frame_got
+            } else {
+                self.frame_got - self.frame_got % esize
+            };
             if upto > self.processed {
                 let (a, b) = (self.frame_start + self.processed, self.frame_start + upto);
                 let incoming = &scratch[self.processed..upto];

@@ -213,13 +213,18 @@ pub fn select_interfaces(all: &[Interface], spec: &str) -> Vec<Interface> {
 /// `AF_INET6`), or an error listing what exists. Without it, the local address of the route
 /// towards `store_host` (the address every rank can already reach), else the first interface
 /// that is not loopback or docker, else loopback.
-pub fn choose_address(ifname: Option<&str>, family: Option<&str>, store_host: Option<&str>) -> Result<Interface> {
+pub fn choose_address(
+    ifname: Option<&str>,
+    family: Option<&str>,
+    store_host: Option<&str>,
+) -> Result<Interface> {
     let all = interfaces()?;
-    let want_v6 = matches!(family.map(str::to_ascii_uppercase).as_deref(), Some("AF_INET6") | Some("INET6") | Some("IPV6"));
+    let want_v6 = matches!(
+        family.map(str::to_ascii_uppercase).as_deref(),
+        Some("AF_INET6") | Some("INET6") | Some("IPV6")
+    );
     let family_ok = |i: &Interface| i.addr.is_ipv6() == want_v6;
-    let listing = || {
-        all.iter().map(|i| format!("{} ({})", i.name, i.addr)).collect::<Vec<_>>().join(", ")
-    };
+    let listing = || all.iter().map(|i| format!("{} ({})", i.name, i.addr)).collect::<Vec<_>>().join(", ");
     if let Some(spec) = ifname {
         let mut chosen = select_interfaces(&all, spec);
         // Prefer the requested family but accept the other rather than fail.
@@ -232,11 +237,11 @@ pub fn choose_address(ifname: Option<&str>, family: Option<&str>, store_host: Op
             ))
         });
     }
-    if let Some(host) = store_host {
-        if let Some(local) = route_source(host) {
-            let name = all.iter().find(|i| i.addr == local).map(|i| i.name.clone()).unwrap_or_default();
-            return Ok(Interface { name, addr: local });
-        }
+    if let Some(host) = store_host
+        && let Some(local) = route_source(host)
+    {
+        let name = all.iter().find(|i| i.addr == local).map(|i| i.name.clone()).unwrap_or_default();
+        return Ok(Interface { name, addr: local });
     }
     let candidates = select_interfaces(&all, "^lo,docker,virbr");
     let pick = candidates
@@ -252,7 +257,8 @@ pub fn choose_address(ifname: Option<&str>, family: Option<&str>, store_host: Op
 /// only picks a route).
 fn route_source(host: &str) -> Option<IpAddr> {
     let target = (host, 9).to_socket_addrs().ok()?.next()?;
-    let bind: SocketAddr = if target.is_ipv4() { (Ipv4Addr::UNSPECIFIED, 0).into() } else { (Ipv6Addr::UNSPECIFIED, 0).into() };
+    let bind: SocketAddr =
+        if target.is_ipv4() { (Ipv4Addr::UNSPECIFIED, 0).into() } else { (Ipv6Addr::UNSPECIFIED, 0).into() };
     let sock = UdpSocket::bind(bind).ok()?;
     sock.connect(target).ok()?;
     sock.local_addr().ok().map(|a| a.ip())
@@ -310,7 +316,9 @@ fn check_hello(h: &[u8; HELLO_LEN], kind: u8, comm_id: u64, me: usize, size: usi
     }
     let (from, to) = (u32_at(16) as usize, u32_at(20) as usize);
     if to != me || from >= size || from == me {
-        return Err(Error::Remote(format!("handshake: peer claims rank {from} calling rank {to}; this is rank {me} of {size}")));
+        return Err(Error::Remote(format!(
+            "handshake: peer claims rank {from} calling rank {to}; this is rank {me} of {size}"
+        )));
     }
     Ok(from)
 }
@@ -327,7 +335,9 @@ fn read_hello(s: &mut TcpStream, deadline: Instant, what: &str) -> Result<[u8; H
     s.set_read_timeout(Some(remaining(deadline)?)).map_err(|e| Error::system("SO_RCVTIMEO", e))?;
     let mut h = [0u8; HELLO_LEN];
     s.read_exact(&mut h).map_err(|e| match e.kind() {
-        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Error::Timeout(format!("{what}: no handshake before the deadline")),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+            Error::Timeout(format!("{what}: no handshake before the deadline"))
+        }
         _ => Error::Remote(format!("{what}: handshake failed: {e}")),
     })?;
     Ok(h)
@@ -351,13 +361,27 @@ pub fn connect_mesh(
         let mut s = loop {
             match TcpStream::connect_timeout(addr, remaining(deadline)?.min(Duration::from_secs(5))) {
                 Ok(s) => break s,
-                Err(e) if matches!(e.kind(), io::ErrorKind::ConnectionRefused | io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock) => {
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::ConnectionRefused
+                            | io::ErrorKind::TimedOut
+                            | io::ErrorKind::WouldBlock
+                    ) =>
+                {
                     if remaining(deadline).is_err() {
-                        return Err(Error::Timeout(format!("rank {rank}: could not connect to rank {peer} at {addr}: {e}")));
+                        return Err(Error::Timeout(format!(
+                            "rank {rank}: could not connect to rank {peer} at {addr}: {e}"
+                        )));
                     }
                     std::thread::sleep(Duration::from_millis(10));
                 }
-                Err(e) => return Err(Error::system(format!("rank {rank}: connecting to rank {peer} at {addr}"), e)),
+                Err(e) => {
+                    return Err(Error::system(
+                        format!("rank {rank}: connecting to rank {peer} at {addr}"),
+                        e,
+                    ));
+                }
             }
         };
         s.set_write_timeout(Some(remaining(deadline)?)).map_err(|e| Error::system("SO_SNDTIMEO", e))?;
@@ -384,7 +408,8 @@ pub fn connect_mesh(
                     tracing::warn!(target: "toroid::net", "rank {rank}: unexpected second connection from rank {from}; dropped");
                     continue;
                 }
-                s.set_write_timeout(Some(remaining(deadline)?)).map_err(|e| Error::system("SO_SNDTIMEO", e))?;
+                s.set_write_timeout(Some(remaining(deadline)?))
+                    .map_err(|e| Error::system("SO_SNDTIMEO", e))?;
                 s.write_all(&hello(KIND_ACK, comm_id, rank, from))
                     .map_err(|e| Error::Remote(format!("rank {rank}: ack to rank {from} failed: {e}")))?;
                 streams[from] = Some(s);
@@ -393,9 +418,12 @@ pub fn connect_mesh(
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 let left = remaining(deadline).map_err(|_| {
                     let missing: Vec<usize> = (rank + 1..size).filter(|r| streams[*r].is_none()).collect();
-                    Error::Timeout(format!("rank {rank}: ranks {missing:?} never connected before the deadline"))
+                    Error::Timeout(format!(
+                        "rank {rank}: ranks {missing:?} never connected before the deadline"
+                    ))
                 })?;
-                let mut pfd = libc::pollfd { fd: endpoint.listener.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                let mut pfd =
+                    libc::pollfd { fd: endpoint.listener.as_raw_fd(), events: libc::POLLIN, revents: 0 };
                 let ms = left.as_millis().clamp(1, 1000) as libc::c_int;
                 // SAFETY: one live pollfd.
                 let _ = syscall!(poll(&mut pfd, 1, ms));
@@ -405,12 +433,14 @@ pub fn connect_mesh(
         }
     }
     // 3. Read the acks of the lower ranks.
-    for peer in 0..rank {
-        let s = streams[peer].as_mut().ok_or_else(|| Error::Internal("missing stream".into()))?;
+    for (peer, s) in streams.iter_mut().enumerate().take(rank) {
+        let s = s.as_mut().ok_or_else(|| Error::Internal("missing stream".into()))?;
         let h = read_hello(s, deadline, &format!("rank {rank}: waiting for rank {peer}'s ack"))?;
         let from = check_hello(&h, KIND_ACK, comm_id, rank, size)?;
         if from != peer {
-            return Err(Error::Remote(format!("rank {rank}: ack from rank {from} on the connection to rank {peer}")));
+            return Err(Error::Remote(format!(
+                "rank {rank}: ack from rank {from} on the connection to rank {peer}"
+            )));
         }
     }
     let mut out: Vec<Option<Box<dyn Transport>>> = Vec::with_capacity(size);
@@ -432,13 +462,17 @@ mod tests {
     use super::*;
 
     fn ifs(names: &[&str]) -> Vec<Interface> {
-        names.iter().map(|n| Interface { name: n.to_string(), addr: IpAddr::V4(Ipv4Addr::LOCALHOST) }).collect()
+        names
+            .iter()
+            .map(|n| Interface { name: n.to_string(), addr: IpAddr::V4(Ipv4Addr::LOCALHOST) })
+            .collect()
     }
 
     #[test]
     fn ifname_syntax_matches_nccl() {
         let all = ifs(&["lo", "eth0", "eth1", "docker0", "ib0"]);
-        let names = |spec: &str| select_interfaces(&all, spec).into_iter().map(|i| i.name).collect::<Vec<_>>();
+        let names =
+            |spec: &str| select_interfaces(&all, spec).into_iter().map(|i| i.name).collect::<Vec<_>>();
         assert_eq!(names("eth"), ["eth0", "eth1"]);
         assert_eq!(names("=eth"), Vec::<String>::new());
         assert_eq!(names("=eth1"), ["eth1"]);

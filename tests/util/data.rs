@@ -49,7 +49,8 @@ pub fn wrap(v: i128, d: DataType) -> i128 {
 
 /// The input element `i` of `rank` in case `case` for op `op`.
 pub fn input(case: u64, rank: usize, i: usize, d: DataType, op: ReduceOp) -> Val {
-    let r = mix(case.wrapping_mul(0x1000_0000_01B3) ^ mix(rank as u64) ^ (i as u64).wrapping_mul(0x9E37_79B9));
+    let r =
+        mix(case.wrapping_mul(0x1000_0000_01B3) ^ mix(rank as u64) ^ (i as u64).wrapping_mul(0x9E37_79B9));
     if d.is_float() {
         let u = (r >> 11) as f64 / (1u64 << 53) as f64; // [0, 1)
         let v = match op {

@@ -23,9 +23,7 @@ pub fn is_child() -> bool {
 
 /// A configuration for tests: short timeout unless given.
 pub fn test_config(timeout_s: f64) -> Config {
-    let mut c = Config::default();
-    c.timeout = Duration::from_secs_f64(timeout_s);
-    c
+    Config { timeout: Duration::from_secs_f64(timeout_s), ..Config::default() }
 }
 
 /// Runs `body` on `n` ranks that are threads of this process, each with its own communicator.
