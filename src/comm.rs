@@ -228,7 +228,14 @@ impl Communicator {
         crate::config::init_logging();
         let cfg = Config::global()?;
         let launch = rendezvous::env::detect(cfg)?;
-        let store = rendezvous::env::open_store(&launch, cfg.timeout)?;
+        Communicator::from_launch(&launch, cfg)
+    }
+
+    /// Joins the job described by `launch` (rank, size, store address) with settings `cfg`:
+    /// rank 0 serves a TCP store (or everyone opens the file store) and the ranks connect.
+    pub fn from_launch(launch: &rendezvous::env::Launch, cfg: &Config) -> Result<Communicator> {
+        crate::config::init_logging();
+        let store = rendezvous::env::open_store(launch, cfg.timeout)?;
         let store_host = match &launch.store {
             rendezvous::env::StoreAddr::Tcp { host, .. } => Some(host.clone()),
             rendezvous::env::StoreAddr::File(_) => None,
