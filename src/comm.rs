@@ -810,16 +810,9 @@ unsafe fn dispatch(wire: &mut Wire<'_>, scratch: &mut Scratch, op: &RawOp, algo:
             Algorithm::Doubling => {
                 algorithm::doubling::all_reduce(wire, scratch, bufs.ok_or_else(need)?, dtype, rop)
             }
-            _ => algorithm::ring::all_reduce(
-                wire,
-                scratch,
-                Group::World(n),
-                me,
-                bufs.ok_or_else(need)?,
-                dtype,
-                rop,
-                n,
-            ),
+            _ => {
+                algorithm::ring::all_reduce(wire, Group::World(n), me, bufs.ok_or_else(need)?, dtype, rop, n)
+            }
         },
         OpKind::ReduceScatter(rop) => {
             use algorithm::ring::RsBufs;

@@ -21,12 +21,12 @@ pub mod pairwise;
 pub mod ring;
 pub mod schedule;
 
-use std::ops::Range;
 use std::time::Instant;
 
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::reduce;
+use crate::transport::exchange::RingPlan;
 use crate::transport::{Fingerprint, Peers, Sink, Source};
 
 /// An algorithm, as carried in frame headers and named in `TOROID_ALGO`.
@@ -129,6 +129,13 @@ impl Wire<'_> {
     }
 }
 
+impl Wire<'_> {
+    /// A whole ring schedule as one stream (see [`RingPlan`]).
+    pub fn ring(&mut self, plan: &RingPlan<'_>, work: &mut [u8], src: Option<&[u8]>) -> Result<()> {
+        self.peers.ring(&self.fp, self.deadline, plan, work, src)
+    }
+}
+
 /// Buffers owned by a communicator and reused by every call (they only grow).
 #[derive(Debug, Default)]
 pub struct Scratch {
@@ -196,24 +203,6 @@ impl Bufs<'_> {
             Bufs::InPlace(b) => b.len(),
             Bufs::OutOfPlace { recv, .. } => recv.len(),
         }
-    }
-}
-
-/// Splits one buffer into a piece to read and a disjoint piece to write.
-pub(crate) fn read_write(buf: &mut [u8], read: Range<usize>, write: Range<usize>) -> (&[u8], &mut [u8]) {
-    assert!(
-        read.end <= write.start || write.end <= read.start || read.is_empty() || write.is_empty(),
-        "overlapping pieces {read:?} {write:?}"
-    );
-    if read.is_empty() {
-        return (&[], &mut buf[write]);
-    }
-    if read.start < write.start {
-        let (lo, hi) = buf.split_at_mut(write.start);
-        (&lo[read], &mut hi[..write.end - write.start])
-    } else {
-        let (lo, hi) = buf.split_at_mut(read.start);
-        (&hi[..read.end - read.start], &mut lo[write])
     }
 }
 

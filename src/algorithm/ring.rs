@@ -13,9 +13,10 @@
 use std::ops::Range;
 
 use super::schedule::{self, ring_all_gather, ring_reduce_scatter};
-use super::{Bufs, Group, Scratch, Wire, prescale_in_place, read_write};
+use super::{Bufs, Group, Scratch, Wire, prescale_in_place};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
+use crate::transport::exchange::RingPlan;
 use crate::transport::{Sink, Source};
 
 /// Piece `i` of `count` elements cut into `n` pieces, in bytes.
@@ -44,6 +45,32 @@ pub enum RsBufs<'a> {
     },
 }
 
+fn plan<'f>(
+    group: Group<'_>,
+    me: usize,
+    steps: usize,
+    first_step: usize,
+    reduce_steps: usize,
+    dtype: DataType,
+    op: ReduceOp,
+    send0: Range<usize>,
+    piece: &'f dyn Fn(usize) -> Range<usize>,
+) -> RingPlan<'f> {
+    let n = group.len();
+    RingPlan {
+        left: group.rank((me + n - 1) % n),
+        right: group.rank((me + 1) % n),
+        steps,
+        first_step,
+        reduce_steps,
+        lag: n - 1,
+        dtype,
+        op,
+        send0,
+        piece,
+    }
+}
+
 /// Ring reduce-scatter over `group` on `count` elements; `me` is this rank's position.
 /// Uses steps `step0 .. step0 + n - 1`.
 #[allow(clippy::too_many_arguments)]
@@ -60,29 +87,24 @@ pub fn reduce_scatter_phase(
 ) -> Result<()> {
     let n = group.len();
     let es = dtype.size();
-    let right = group.rank((me + 1) % n);
-    let left = group.rank((me + n - 1) % n);
     let p = |i: usize| piece(count, n, es, i);
+    let recv_piece = |k: usize| p(ring_reduce_scatter(n, me, k).1);
+    let send0 = if n > 1 { p(ring_reduce_scatter(n, me, 0).0) } else { 0..0 };
     match bufs {
         RsBufs::InPlace(buf) => {
-            for s in 0..n.saturating_sub(1) {
-                let (ps, pr) = ring_reduce_scatter(n, me, s);
-                let (send, dst) = read_write(buf, p(ps), p(pr));
-                let sink = Sink::Reduce { dst, other: None, dtype, op };
-                wire.exchange(step0 + s, Some((right, Source::Bytes(send))), Some((left, sink)))?;
+            if n > 1 {
+                wire.ring(&plan(group, me, n - 1, step0, n - 1, dtype, op, send0, &recv_piece), buf, None)?;
             }
         }
         RsBufs::Full { src, dst } => {
             if n == 1 {
                 dst.copy_from_slice(src);
-            }
-            for s in 0..n.saturating_sub(1) {
-                let (ps, pr) = ring_reduce_scatter(n, me, s);
-                // The first piece sent is raw input; later ones are partial sums we made.
-                let (send, out): (&[u8], &mut [u8]) =
-                    if s == 0 { (&src[p(ps)], &mut dst[p(pr)]) } else { read_write(dst, p(ps), p(pr)) };
-                let sink = Sink::Reduce { dst: out, other: Some(&src[p(pr)]), dtype, op };
-                wire.exchange(step0 + s, Some((right, Source::Bytes(send))), Some((left, sink)))?;
+            } else {
+                wire.ring(
+                    &plan(group, me, n - 1, step0, n - 1, dtype, op, send0, &recv_piece),
+                    dst,
+                    Some(src),
+                )?;
             }
         }
         RsBufs::Own { src, out } => {
@@ -90,8 +112,10 @@ pub fn reduce_scatter_phase(
                 out.copy_from_slice(src);
                 return Ok(());
             }
-            // Partial sums alternate between two scratch pieces: receive into one while the
-            // other (last step's result) is sent.
+            let right = group.rank((me + 1) % n);
+            let left = group.rank((me + n - 1) % n);
+            // Only this rank's piece is wanted: partial sums alternate between two scratch
+            // pieces, one step at a time (receive into one while the other is sent).
             let max = p(0).len();
             let (a, b) = scratch.two(max, max);
             for s in 0..n - 1 {
@@ -119,21 +143,20 @@ pub fn all_gather_phase(
     step0: usize,
 ) -> Result<()> {
     let n = group.len();
-    let right = group.rank((me + 1) % n);
-    let left = group.rank((me + n - 1) % n);
-    for s in 0..n.saturating_sub(1) {
-        let (ps, pr) = ring_all_gather(n, me, s);
-        let (send, dst) = read_write(buf, piece(count, n, esize, ps), piece(count, n, esize, pr));
-        wire.exchange(step0 + s, Some((right, Source::Bytes(send))), Some((left, Sink::Copy(dst))))?;
+    if n == 1 {
+        return Ok(());
     }
-    Ok(())
+    let recv_piece = |k: usize| piece(count, n, esize, ring_all_gather(n, me, k).1);
+    let send0 = piece(count, n, esize, me);
+    // Copies only: the element type and op are not used.
+    wire.ring(&plan(group, me, n - 1, step0, 0, DataType::U8, ReduceOp::Sum, send0, &recv_piece), buf, None)
 }
 
-/// Ring all-reduce over `group`: reduce-scatter then all-gather, `2 (n - 1)` steps.
+/// Ring all-reduce over `group`: reduce-scatter then all-gather, `2 (n - 1)` steps run as one
+/// stream (the piece finished last in the reduce-scatter is the first one all-gathered).
 #[allow(clippy::too_many_arguments)]
 pub fn all_reduce(
     wire: &mut Wire<'_>,
-    scratch: &mut Scratch,
     group: Group<'_>,
     me: usize,
     bufs: Bufs<'_>,
@@ -142,27 +165,23 @@ pub fn all_reduce(
     scale_n: usize,
 ) -> Result<()> {
     let n = group.len();
-    let count = bufs.output_len() / dtype.size();
+    let es = dtype.size();
+    let count = bufs.output_len() / es;
     let (bufs, op) = prescale_in_place(bufs, dtype, op, scale_n);
-    let dst = match bufs {
+    // Step k receives piece me - k - 2 (mod n), in both phases.
+    let recv_piece = |k: usize| piece(count, n, es, (me + 3 * n - k - 2) % n);
+    let send0 = piece(count, n, es, (me + n - 1) % n);
+    let steps = 2 * (n - 1);
+    match bufs {
         Bufs::InPlace(buf) => {
-            reduce_scatter_phase(wire, scratch, group, me, count, RsBufs::InPlace(&mut *buf), dtype, op, 0)?;
-            buf
+            wire.ring(&plan(group, me, steps, 0, n - 1, dtype, op, send0, &recv_piece), buf, None)
         }
         Bufs::OutOfPlace { send, recv } => {
-            reduce_scatter_phase(
-                wire,
-                scratch,
-                group,
-                me,
-                count,
-                RsBufs::Full { src: send, dst: &mut *recv },
-                dtype,
-                op,
-                0,
-            )?;
-            recv
+            if n == 1 {
+                recv.copy_from_slice(send);
+                return Ok(());
+            }
+            wire.ring(&plan(group, me, steps, 0, n - 1, dtype, op, send0, &recv_piece), recv, Some(send))
         }
-    };
-    all_gather_phase(wire, group, me, count, dtype.size(), dst, n.saturating_sub(1))
+    }
 }

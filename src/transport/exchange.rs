@@ -240,6 +240,47 @@ impl Sink<'_> {
     }
 }
 
+/// A ring schedule run as one stream by [`Peers::ring`].
+///
+/// Every step receives piece `piece(k)` of the work buffer from `left` (reducing it for the
+/// first `reduce_steps` steps: `work = (src or work) ⊕ incoming`, copying afterwards) and sends
+/// to `right`: step 0 sends `send0` (of `src` when given, else of `work`), step `k > 0` what
+/// step `k - 1` received. Frames carry step numbers `first_step + k`.
+pub struct RingPlan<'f> {
+    /// Rank that sends to us.
+    pub left: usize,
+    /// Rank we send to.
+    pub right: usize,
+    /// Number of steps.
+    pub steps: usize,
+    /// Step number of the first step on the wire.
+    pub first_step: usize,
+    /// Steps that reduce (the rest copy).
+    pub reduce_steps: usize,
+    /// A receive may overwrite a piece only when the send that last read it is complete: the
+    /// receive of step `k` waits for the send of step `k - lag` (`lag = ring size - 1`).
+    pub lag: usize,
+    /// Element type of reductions.
+    pub dtype: DataType,
+    /// Reduction (never `Avg`).
+    pub op: ReduceOp,
+    /// Byte range sent at step 0.
+    pub send0: std::ops::Range<usize>,
+    /// Byte range of `work` received at step `k`.
+    pub piece: &'f dyn Fn(usize) -> std::ops::Range<usize>,
+}
+
+impl fmt::Debug for RingPlan<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RingPlan")
+            .field("left", &self.left)
+            .field("right", &self.right)
+            .field("steps", &self.steps)
+            .field("reduce_steps", &self.reduce_steps)
+            .finish_non_exhaustive()
+    }
+}
+
 /// The abort state shared by a communicator's threads: a flag, the first reason, and an event
 /// descriptor that wakes a rank sleeping in `poll(2)`.
 #[derive(Debug)]
@@ -429,7 +470,7 @@ impl Peers {
             }
             None => None,
         };
-        let mut rx = match recv {
+        let (mut rx, mut sink) = match recv {
             Some((peer, sink)) => {
                 self.check_peer(peer)?;
                 if let Sink::Reduce { dst, other: Some(o), .. } = &sink
@@ -437,11 +478,11 @@ impl Peers {
                 {
                     return Err(Error::Internal("reduce operand lengths differ".into()));
                 }
-                Some(Rx::new(peer, sink, self.segment))
+                (Some(Rx::new(peer, sink.len(), self.segment)), Some(sink))
             }
-            None => None,
+            None => (None, None),
         };
-        if rx.as_ref().is_some_and(|r| matches!(r.sink, Sink::Reduce { .. })) {
+        if matches!(sink, Some(Sink::Reduce { .. })) {
             let words = self.segment / 8;
             if self.scratch.len() < words {
                 self.scratch.resize(words, 0);
@@ -458,15 +499,20 @@ impl Peers {
             if !forwarding {
                 progressed |= self.pump_tx(tx.as_mut(), None)?;
             }
-            if let Some(r) = rx.as_mut()
+            if let (Some(r), Some(sink)) = (rx.as_mut(), sink.as_mut())
                 && !r.done
             {
                 let link = live_link(&mut self.links, r.peer)?;
                 let scratch = bytemuck::cast_slice_mut::<u64, u8>(&mut self.scratch);
-                progressed |= r.pump(self.rank, link, fp, step, scratch)?;
+                progressed |= r.pump(sink, self.rank, link, fp, step, scratch)?;
             }
             if forwarding {
-                progressed |= self.pump_tx(tx.as_mut(), rx.as_ref().map(|r| r.output()))?;
+                let out = match (rx.as_ref(), sink.as_ref()) {
+                    (Some(r), Some(Sink::Copy(d))) => Some(&d[..r.final_len(false)]),
+                    (Some(r), Some(Sink::Reduce { dst, .. })) => Some(&dst[..r.final_len(true)]),
+                    _ => None,
+                };
+                progressed |= self.pump_tx(tx.as_mut(), out)?;
             }
             let tx_done = tx.as_ref().is_none_or(|t| t.done);
             let rx_done = rx.as_ref().is_none_or(|r| r.done);
@@ -498,6 +544,115 @@ impl Peers {
         }
     }
 
+    /// Runs a whole ring schedule as one stream (see [`RingPlan`]): what arrives at step `k`
+    /// is forwarded as step `k + 1`'s send while it is still arriving, so there is no bubble
+    /// between steps and forwarded bytes leave while they are still in cache.
+    pub fn ring(
+        &mut self,
+        fp: &Fingerprint,
+        deadline: Instant,
+        plan: &RingPlan<'_>,
+        work: &mut [u8],
+        src: Option<&[u8]>,
+    ) -> Result<()> {
+        if plan.steps == 0 {
+            return Ok(());
+        }
+        self.check_peer(plan.left)?;
+        self.check_peer(plan.right)?;
+        if plan.reduce_steps > 0 {
+            let words = self.segment / 8;
+            if self.scratch.len() < words {
+                self.scratch.resize(words, 0);
+            }
+        }
+        let header = |k: usize, fp: &Fingerprint| encode(KIND_DATA, fp, (plan.first_step + k) as u16, 0);
+        let send_len = |k: usize| if k == 0 { plan.send0.len() } else { (plan.piece)(k - 1).len() };
+        let (mut ts, mut rs) = (0usize, 0usize);
+        let mut tx = Tx::new(plan.right, Source::Forward, send_len(0), header(0, fp), self.segment);
+        let mut rx = Rx::new(plan.left, (plan.piece)(0).len(), self.segment);
+        let mut last_progress = Instant::now();
+        loop {
+            self.abort.check()?;
+            let mut progressed = false;
+            // Send: step 0 reads its piece; step k > 0 forwards what step k - 1 received.
+            if ts < plan.steps {
+                let data: &[u8] = if ts == 0 {
+                    match src {
+                        Some(s) => &s[plan.send0.clone()],
+                        None => &work[plan.send0.clone()],
+                    }
+                } else {
+                    let p = (plan.piece)(ts - 1);
+                    let ready = if rs > ts - 1 { p.len() } else { rx.final_len(ts - 1 < plan.reduce_steps) };
+                    &work[p.start..p.start + ready]
+                };
+                let link = live_link(&mut self.links, plan.right)?;
+                progressed |=
+                    tx.pump(link, Some(data)).map_err(|e| explain_send_failure(link, plan.right, e))?;
+                if tx.done {
+                    ts += 1;
+                    if ts < plan.steps {
+                        tx = Tx::new(plan.right, Source::Forward, send_len(ts), header(ts, fp), self.segment);
+                    }
+                }
+            }
+            // Receive step rs, once the send that last read its piece (step rs - lag) is done.
+            if rs < plan.steps && (rs < plan.lag || ts > rs - plan.lag) {
+                let p = (plan.piece)(rs);
+                let mut sink = if rs < plan.reduce_steps {
+                    Sink::Reduce {
+                        dst: &mut work[p.clone()],
+                        other: src.map(|s| &s[p]),
+                        dtype: plan.dtype,
+                        op: plan.op,
+                    }
+                } else {
+                    Sink::Copy(&mut work[p])
+                };
+                let link = live_link(&mut self.links, plan.left)?;
+                let scratch = bytemuck::cast_slice_mut::<u64, u8>(&mut self.scratch);
+                let step = (plan.first_step + rs) as u16;
+                progressed |= rx.pump(&mut sink, self.rank, link, fp, step, scratch)?;
+                if rx.done {
+                    rs += 1;
+                    if rs < plan.steps {
+                        rx = Rx::new(plan.left, (plan.piece)(rs).len(), self.segment);
+                    }
+                    progressed = true;
+                }
+            }
+            if ts == plan.steps && rs == plan.steps {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if progressed {
+                last_progress = now;
+                continue;
+            }
+            if now >= deadline {
+                let step = plan.first_step + rs.min(ts);
+                let txr = (ts < plan.steps).then_some(&tx);
+                let rxr = (rs < plan.steps).then_some(&rx);
+                return Err(self.timeout_error(fp, step as u16, txr, rxr));
+            }
+            if now.duration_since(last_progress) < self.spin.spin {
+                YIELDS.fetch_add(1, Ordering::Relaxed);
+                if self.spin.yield_between {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+                continue;
+            }
+            let want_write = (ts < plan.steps).then_some(plan.right);
+            let want_read = (rs < plan.steps && (rs < plan.lag || ts > rs - plan.lag)).then_some(plan.left);
+            SLEEPS.fetch_add(1, Ordering::Relaxed);
+            self.sleep(fp, want_write, want_read, deadline)?;
+            last_progress = Instant::now();
+        }
+    }
+
     fn pump_tx(&mut self, tx: Option<&mut Tx<'_>>, forwarded: Option<&[u8]>) -> Result<bool> {
         match tx {
             Some(t) if !t.done => {
@@ -515,7 +670,7 @@ impl Peers {
         Ok(())
     }
 
-    fn timeout_error(&self, fp: &Fingerprint, step: u16, tx: Option<&Tx<'_>>, rx: Option<&Rx<'_>>) -> Error {
+    fn timeout_error(&self, fp: &Fingerprint, step: u16, tx: Option<&Tx<'_>>, rx: Option<&Rx>) -> Error {
         let mut waits = Vec::new();
         if let Some(r) = rx.filter(|r| !r.done) {
             waits.push(format!(
@@ -864,9 +1019,8 @@ impl<'a> Tx<'a> {
 }
 
 /// The receiving half of an exchange.
-struct Rx<'a> {
+struct Rx {
     peer: usize,
-    sink: Sink<'a>,
     total: usize,
     segment: usize,
     header: [u8; HEADER_LEN],
@@ -880,12 +1034,11 @@ struct Rx<'a> {
     done: bool,
 }
 
-impl<'a> Rx<'a> {
-    fn new(peer: usize, sink: Sink<'a>, segment: usize) -> Rx<'a> {
-        let total = sink.len();
+impl Rx {
+    /// A receive of `total` bytes from `peer`; the sink is passed to every `pump`.
+    fn new(peer: usize, total: usize, segment: usize) -> Rx {
         Rx {
             peer,
-            sink,
             total,
             segment,
             header: [0; HEADER_LEN],
@@ -899,19 +1052,23 @@ impl<'a> Rx<'a> {
         }
     }
 
-    /// The output bytes that are final (received and reduced).
-    fn output(&self) -> &[u8] {
-        let (dst, fin) = match &self.sink {
-            Sink::Copy(d) => {
-                (&**d, self.frame_start + if self.hdr_got == HEADER_LEN { self.frame_got } else { 0 })
-            }
-            Sink::Reduce { dst, .. } => (&**dst, self.frame_start + self.processed),
+    /// How many leading output bytes are final (received, and reduced for reducing sinks).
+    fn final_len(&self, reducing: bool) -> usize {
+        if self.done {
+            return self.total;
+        }
+        let in_frame = match (reducing, self.hdr_got == HEADER_LEN) {
+            (_, false) => 0,
+            (true, true) => self.processed,
+            (false, true) => self.frame_got,
         };
-        &dst[..fin.min(dst.len())]
+        self.frame_start + in_frame
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn pump(
         &mut self,
+        sink: &mut Sink<'_>,
         rank: usize,
         link: &mut Link,
         fp: &Fingerprint,
@@ -928,7 +1085,7 @@ impl<'a> Rx<'a> {
                 self.frame_open = true;
             }
             let (fs, fl, fg) = (self.frame_start, self.frame_len, self.frame_got);
-            let payload: &mut [u8] = match &mut self.sink {
+            let payload: &mut [u8] = match sink {
                 Sink::Copy(d) => &mut d[fs + fg..fs + fl],
                 Sink::Reduce { .. } => &mut scratch[fg..fl],
             };
@@ -963,12 +1120,12 @@ impl<'a> Rx<'a> {
             self.hdr_got += h;
             if h > 0 && self.hdr_got == HEADER_LEN {
                 self.frame_got += n - h;
-                self.validate(rank, link, fp, step, scratch)?;
+                self.validate(sink, rank, link, fp, step, scratch)?;
             } else {
                 self.frame_got += n - h;
             }
             if self.hdr_got == HEADER_LEN {
-                self.process(scratch);
+                self.process(sink, scratch);
                 if self.frame_got == self.frame_len {
                     self.frame_open = false;
                     self.frame_start += self.frame_len;
@@ -985,8 +1142,10 @@ impl<'a> Rx<'a> {
         Ok(progressed)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn validate(
         &mut self,
+        sink: &Sink<'_>,
         rank: usize,
         link: &mut Link,
         fp: &Fingerprint,
@@ -996,7 +1155,7 @@ impl<'a> Rx<'a> {
         let header = decode(&self.header)
             .map_err(|e| Error::Remote(format!("rank {} sent a bad frame during {fp}: {e}", self.peer)))?;
         if header.kind == KIND_ABORT {
-            let already: &[u8] = match &self.sink {
+            let already: &[u8] = match sink {
                 Sink::Copy(d) => &d[self.frame_start..self.frame_start + self.frame_got],
                 Sink::Reduce { .. } => &scratch[..self.frame_got],
             };
@@ -1020,8 +1179,8 @@ impl<'a> Rx<'a> {
     }
 
     /// Reduces the whole elements of the current frame that arrived since the last call.
-    fn process(&mut self, scratch: &[u8]) {
-        if let Sink::Reduce { dst, other, dtype, op } = &mut self.sink {
+    fn process(&mut self, sink: &mut Sink<'_>, scratch: &[u8]) {
+        if let Sink::Reduce { dst, other, dtype, op } = sink {
             let esize = dtype.size();
             let upto = if self.frame_got == self.frame_len {
                 self.frame_got
