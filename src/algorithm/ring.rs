@@ -45,29 +45,35 @@ pub enum RsBufs<'a> {
     },
 }
 
-fn plan<'f>(
-    group: Group<'_>,
+/// A ring plan over `group` for position `me`: the caller fills in the schedule.
+struct Ring<'g> {
+    group: Group<'g>,
     me: usize,
-    steps: usize,
-    first_step: usize,
-    reduce_steps: usize,
-    dtype: DataType,
-    op: ReduceOp,
-    send0: Range<usize>,
-    piece: &'f dyn Fn(usize) -> Range<usize>,
-) -> RingPlan<'f> {
-    let n = group.len();
-    RingPlan {
-        left: group.rank((me + n - 1) % n),
-        right: group.rank((me + 1) % n),
-        steps,
-        first_step,
-        reduce_steps,
-        lag: n - 1,
-        dtype,
-        op,
-        send0,
-        piece,
+}
+
+impl Ring<'_> {
+    fn plan<'f>(
+        &self,
+        steps: usize,
+        first_step: usize,
+        reduce: Option<(usize, DataType, ReduceOp)>,
+        send0: Range<usize>,
+        piece: &'f dyn Fn(usize) -> Range<usize>,
+    ) -> RingPlan<'f> {
+        let n = self.group.len();
+        let (reduce_steps, dtype, op) = reduce.unwrap_or((0, DataType::U8, ReduceOp::Sum));
+        RingPlan {
+            left: self.group.rank((self.me + n - 1) % n),
+            right: self.group.rank((self.me + 1) % n),
+            steps,
+            first_step,
+            reduce_steps,
+            lag: n - 1,
+            dtype,
+            op,
+            send0,
+            piece,
+        }
     }
 }
 
@@ -88,12 +94,13 @@ pub fn reduce_scatter_phase(
     let n = group.len();
     let es = dtype.size();
     let p = |i: usize| piece(count, n, es, i);
+    let ring = Ring { group, me };
     let recv_piece = |k: usize| p(ring_reduce_scatter(n, me, k).1);
     let send0 = if n > 1 { p(ring_reduce_scatter(n, me, 0).0) } else { 0..0 };
     match bufs {
         RsBufs::InPlace(buf) => {
             if n > 1 {
-                wire.ring(&plan(group, me, n - 1, step0, n - 1, dtype, op, send0, &recv_piece), buf, None)?;
+                wire.ring(&ring.plan(n - 1, step0, Some((n - 1, dtype, op)), send0, &recv_piece), buf, None)?;
             }
         }
         RsBufs::Full { src, dst } => {
@@ -101,7 +108,7 @@ pub fn reduce_scatter_phase(
                 dst.copy_from_slice(src);
             } else {
                 wire.ring(
-                    &plan(group, me, n - 1, step0, n - 1, dtype, op, send0, &recv_piece),
+                    &ring.plan(n - 1, step0, Some((n - 1, dtype, op)), send0, &recv_piece),
                     dst,
                     Some(src),
                 )?;
@@ -149,7 +156,7 @@ pub fn all_gather_phase(
     let recv_piece = |k: usize| piece(count, n, esize, ring_all_gather(n, me, k).1);
     let send0 = piece(count, n, esize, me);
     // Copies only: the element type and op are not used.
-    wire.ring(&plan(group, me, n - 1, step0, 0, DataType::U8, ReduceOp::Sum, send0, &recv_piece), buf, None)
+    wire.ring(&Ring { group, me }.plan(n - 1, step0, None, send0, &recv_piece), buf, None)
 }
 
 /// Ring all-reduce over `group`: reduce-scatter then all-gather, `2 (n - 1)` steps run as one
@@ -172,16 +179,17 @@ pub fn all_reduce(
     let recv_piece = |k: usize| piece(count, n, es, (me + 3 * n - k - 2) % n);
     let send0 = piece(count, n, es, (me + n - 1) % n);
     let steps = 2 * (n - 1);
+    let ring = Ring { group, me };
     match bufs {
         Bufs::InPlace(buf) => {
-            wire.ring(&plan(group, me, steps, 0, n - 1, dtype, op, send0, &recv_piece), buf, None)
+            wire.ring(&ring.plan(steps, 0, Some((n - 1, dtype, op)), send0, &recv_piece), buf, None)
         }
         Bufs::OutOfPlace { send, recv } => {
             if n == 1 {
                 recv.copy_from_slice(send);
                 return Ok(());
             }
-            wire.ring(&plan(group, me, steps, 0, n - 1, dtype, op, send0, &recv_piece), recv, Some(send))
+            wire.ring(&ring.plan(steps, 0, Some((n - 1, dtype, op)), send0, &recv_piece), recv, Some(send))
         }
     }
 }
