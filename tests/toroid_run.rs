@@ -391,3 +391,31 @@ fn no_prefix_and_env() {
     assert_eq!(run.code, Some(0), "stderr: {}", run.stderr);
     assert_eq!(stdout_lines(&run), ["x=y||set", "x=y||set"]);
 }
+
+#[test]
+fn ranks_are_bound_to_distinct_cpus_by_default() {
+    let dir = TempDir::new("bind");
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cpus < 2 {
+        eprintln!("skipped: needs at least 2 CPUs, this machine has {cpus}");
+        return;
+    }
+    let show = "grep Cpus_allowed_list /proc/self/status | cut -f2";
+    let run = run(&dir, &["-n", "2", "--", "sh", "-c", show]);
+    assert_eq!(run.code, Some(0), "stderr: {}", run.stderr);
+    // Drop the "[r]: " prefixes so that only the CPU lists are compared.
+    let mut lists: Vec<String> = stdout_lines(&run)
+        .iter()
+        .map(|l| l.split_once(": ").map_or(l.as_str(), |x| x.1).to_string())
+        .collect();
+    lists.sort();
+    assert_eq!(lists.len(), 2);
+    assert_ne!(lists[0], lists[1], "both ranks on the same CPUs: {lists:?}");
+    let run = run_none(&dir, show);
+    assert!(run.iter().all(|l| l.contains('-') || l.contains(',')), "--bind-to none still bound: {run:?}");
+}
+
+fn run_none(dir: &TempDir, show: &str) -> Vec<String> {
+    let r = run(dir, &["-n", "2", "--bind-to", "none", "--", "sh", "-c", show]);
+    stdout_lines(&r)
+}

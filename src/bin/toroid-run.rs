@@ -85,6 +85,13 @@ struct Cli {
     #[arg(long)]
     no_prefix: bool,
 
+    /// CPU binding of the ranks: `auto` gives each rank an equal share of the CPUs the launcher
+    /// may use (one CPU each when ranks outnumber CPUs; no binding for a single rank), as mpirun
+    /// binds by default; `core` binds rank r to one CPU (r mod CPUs); `none` leaves placement
+    /// to the scheduler (use it when ranks run their own thread pools across all CPUs).
+    #[arg(long, value_enum, default_value = "auto")]
+    bind_to: Bind,
+
     /// Set K=V in every rank's environment (repeatable; wins over the TOROID_* set here).
     #[arg(long = "env", value_name = "K=V", value_parser = parse_env)]
     env: Vec<(String, String)>,
@@ -92,6 +99,40 @@ struct Cli {
     /// The program to run and its arguments (after `--`).
     #[arg(value_name = "PROGRAM", required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     command: Vec<OsString>,
+}
+
+/// How ranks are bound to CPUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Bind {
+    Auto,
+    Core,
+    None,
+}
+
+/// The CPUs this process may run on, in order.
+fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity fills it.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a live cpu_set_t and its size is passed.
+    let ok = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } == 0;
+    let max = 8 * std::mem::size_of::<libc::cpu_set_t>();
+    // SAFETY: CPU_ISSET reads the set for an index below its capacity.
+    let cpus: Vec<usize> = (0..max).filter(|&c| ok && unsafe { libc::CPU_ISSET(c, &set) }).collect();
+    if cpus.is_empty() { (0..thread::available_parallelism().map_or(1, |n| n.get())).collect() } else { cpus }
+}
+
+/// The CPUs rank `r` of `n` is bound to, if any.
+fn binding(bind: Bind, r: usize, n: usize, cpus: &[usize]) -> Option<Vec<usize>> {
+    let c = cpus.len();
+    match bind {
+        Bind::None => None,
+        Bind::Auto if n == 1 => None,
+        Bind::Auto if n <= c => {
+            let k = c / n;
+            Some(cpus[r * k..(r + 1) * k].to_vec())
+        }
+        Bind::Auto | Bind::Core => Some(vec![cpus[r % c]]),
+    }
 }
 
 fn parse_secs(s: &str) -> Result<Duration, String> {
@@ -173,7 +214,7 @@ fn signal_group(pid: u32, sig: libc::c_int) {
 }
 
 /// Starts one rank with its stdout and stderr piped.
-fn spawn(cli: &Cli, env: &[(&str, String)]) -> io::Result<Child> {
+fn spawn(cli: &Cli, env: &[(&str, String)], cpus: Option<&[usize]>) -> io::Result<Child> {
     let mut cmd = Command::new(&cli.command[0]);
     cmd.args(&cli.command[1..])
         .envs(env.iter().map(|(k, v)| (k, v)))
@@ -197,10 +238,24 @@ fn spawn(cli: &Cli, env: &[(&str, String)]) -> io::Result<Child> {
     // (The signal survives exec but not fork: a rank's own children are not covered.)
     let launcher = std::process::id() as libc::pid_t;
     let kill = libc::SIGKILL as libc::c_ulong;
+    // The CPU set is built here, before the fork, so the child only makes the system call.
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes indices below capacity.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let max = 8 * std::mem::size_of::<libc::cpu_set_t>();
+    for &c in cpus.unwrap_or(&[]).iter().filter(|&&c| c < max) {
+        // SAFETY: as above.
+        unsafe { libc::CPU_SET(c, &mut set) };
+    }
+    let bind = cpus.is_some_and(|c| !c.is_empty());
     unsafe {
         cmd.pre_exec(move || {
             if libc::prctl(libc::PR_SET_PDEATHSIG, kill, 0, 0, 0) != 0 {
                 return Err(io::Error::last_os_error());
+            }
+            // sched_setaffinity is a plain system call (async-signal-safe). A failure (a CPU
+            // taken away meanwhile) only loses the binding, so it is not fatal.
+            if bind {
+                libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
             }
             if libc::getppid() != launcher {
                 return Err(io::Error::from_raw_os_error(libc::ESRCH));
@@ -358,6 +413,7 @@ fn main() {
 
     let (lines, rx) = mpsc::channel();
     let mut job: Vec<Rank> = Vec::with_capacity(n);
+    let cpus = allowed_cpus();
     for (r, place) in layout(n, hosts).into_iter().enumerate() {
         let mut env = vec![
             ("TOROID_RANK", r.to_string()),
@@ -369,7 +425,7 @@ fn main() {
         if cli.emulate_hosts.is_some() {
             env.push(("TOROID_HOST_ID", format!("host{}", place.host)));
         }
-        let mut child = match spawn(&cli, &env) {
+        let mut child = match spawn(&cli, &env, binding(cli.bind_to, r, n, &cpus).as_deref()) {
             Ok(child) => child,
             Err(e) => {
                 let program = cli.command[0].to_string_lossy();
@@ -443,6 +499,18 @@ fn fail(code: i32, msg: String) -> ! {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn binding_shares_cpus_evenly() {
+        let cpus = [0, 1, 2, 3, 4, 5, 6, 7];
+        assert_eq!(binding(Bind::Auto, 0, 1, &cpus), None);
+        assert_eq!(binding(Bind::Auto, 1, 2, &cpus), Some(vec![4, 5, 6, 7]));
+        assert_eq!(binding(Bind::Auto, 2, 3, &cpus), Some(vec![4, 5]));
+        assert_eq!(binding(Bind::Auto, 9, 10, &cpus), Some(vec![1]));
+        assert_eq!(binding(Bind::Core, 1, 2, &cpus), Some(vec![1]));
+        assert_eq!(binding(Bind::None, 1, 2, &cpus), None);
+        assert_eq!(binding(Bind::Auto, 1, 2, &[3, 9]), Some(vec![9]));
+    }
 
     #[test]
     fn layout_follows_r_times_h_over_n() {
