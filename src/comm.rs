@@ -814,50 +814,16 @@ unsafe fn dispatch(wire: &mut Wire<'_>, scratch: &mut Scratch, op: &RawOp, algo:
                 algorithm::ring::all_reduce(wire, Group::World(n), me, bufs.ok_or_else(need)?, dtype, rop, n)
             }
         },
-        OpKind::ReduceScatter(rop) => {
-            use algorithm::ring::RsBufs;
-            let count = op.bufs.input_len() / dtype.size();
-            let (rs, rop) = match bufs.ok_or_else(need)? {
-                Bufs::InPlace(b) => {
-                    if rop == ReduceOp::Avg {
-                        crate::reduce::scale_inplace(dtype, b, 1.0 / n as f64);
-                    }
-                    (RsBufs::InPlace(b), rop)
-                }
-                Bufs::OutOfPlace { send, recv } if rop == ReduceOp::Avg => {
-                    // Pre-scale the input into scratch; the caller's input stays untouched.
-                    let scaled = scratch.third(send.len());
-                    crate::reduce::scale_into(dtype, scaled, send, 1.0 / n as f64);
-                    let scaled: &[u8] = scaled;
-                    // SAFETY of lifetimes: `scaled` borrows scratch's third buffer, which the
-                    // ring below does not touch (it uses the first two).
-                    return algorithm::ring::reduce_scatter_phase(
-                        wire,
-                        &mut Scratch::default(),
-                        Group::World(n),
-                        me,
-                        count,
-                        RsBufs::Own { src: scaled, out: recv },
-                        dtype,
-                        ReduceOp::Sum,
-                        0,
-                    );
-                }
-                Bufs::OutOfPlace { send, recv } => (RsBufs::Own { src: send, out: recv }, rop),
-            };
-            let rop = if rop == ReduceOp::Avg { ReduceOp::Sum } else { rop };
-            algorithm::ring::reduce_scatter_phase(
-                wire,
-                scratch,
-                Group::World(n),
-                me,
-                count,
-                rs,
-                dtype,
-                rop,
-                0,
-            )
-        }
+        OpKind::ReduceScatter(rop) => algorithm::ring::reduce_scatter(
+            wire,
+            scratch,
+            Group::World(n),
+            me,
+            bufs.ok_or_else(need)?,
+            dtype,
+            rop,
+            n,
+        ),
         OpKind::AllGather | OpKind::SplitExchange => {
             let buf = match bufs.ok_or_else(need)? {
                 Bufs::InPlace(b) => b,

@@ -144,7 +144,7 @@ pub struct Scratch {
     c: Vec<u64>,
 }
 
-fn grow(v: &mut Vec<u64>, bytes: usize) -> &mut [u8] {
+pub(crate) fn grow(v: &mut Vec<u64>, bytes: usize) -> &mut [u8] {
     let words = bytes.div_ceil(8);
     if v.len() < words {
         v.resize(words, 0);
@@ -161,11 +161,6 @@ impl Scratch {
     /// Two distinct scratch buffers.
     pub fn two(&mut self, a: usize, b: usize) -> (&mut [u8], &mut [u8]) {
         (grow(&mut self.a, a), grow(&mut self.b, b))
-    }
-
-    /// A third buffer, distinct from the two above (for pre-scaled inputs).
-    pub fn third(&mut self, bytes: usize) -> &mut [u8] {
-        grow(&mut self.c, bytes)
     }
 
     /// Bytes held (for tests and logs).

@@ -13,9 +13,10 @@
 use std::ops::Range;
 
 use super::schedule::{self, ring_all_gather, ring_reduce_scatter};
-use super::{Bufs, Group, Scratch, Wire, prescale_in_place};
+use super::{Bufs, Group, Scratch, Wire, grow, prescale_in_place};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
+use crate::reduce;
 use crate::transport::exchange::RingPlan;
 use crate::transport::{Sink, Source};
 
@@ -35,13 +36,6 @@ pub enum RsBufs<'a> {
         src: &'a [u8],
         /// Output (same length as `src`).
         dst: &'a mut [u8],
-    },
-    /// Inputs in `src`; only this position's piece is wanted, in `out`.
-    Own {
-        /// Inputs.
-        src: &'a [u8],
-        /// This position's reduced piece.
-        out: &'a mut [u8],
     },
 }
 
@@ -82,7 +76,6 @@ impl Ring<'_> {
 #[allow(clippy::too_many_arguments)]
 pub fn reduce_scatter_phase(
     wire: &mut Wire<'_>,
-    scratch: &mut Scratch,
     group: Group<'_>,
     me: usize,
     count: usize,
@@ -114,28 +107,82 @@ pub fn reduce_scatter_phase(
                 )?;
             }
         }
-        RsBufs::Own { src, out } => {
-            if n == 1 {
-                out.copy_from_slice(src);
-                return Ok(());
-            }
-            let right = group.rank((me + 1) % n);
-            let left = group.rank((me + n - 1) % n);
-            // Only this rank's piece is wanted: partial sums alternate between two scratch
-            // pieces, one step at a time (receive into one while the other is sent).
-            let max = p(0).len();
-            let (a, b) = scratch.two(max, max);
-            for s in 0..n - 1 {
-                let (ps, pr) = ring_reduce_scatter(n, me, s);
-                let (cur, prev) = if s % 2 == 0 { (&mut *a, &*b) } else { (&mut *b, &*a) };
-                let send: &[u8] = if s == 0 { &src[p(ps)] } else { &prev[..p(ps).len()] };
-                let target: &mut [u8] = if s == n - 2 { &mut *out } else { &mut cur[..p(pr).len()] };
-                let sink = Sink::Reduce { dst: target, other: Some(&src[p(pr)]), dtype, op };
-                wire.exchange(step0 + s, Some((right, Source::Bytes(send))), Some((left, sink)))?;
-            }
-        }
     }
     Ok(())
+}
+
+/// Ring reduce-scatter where only this position's piece is wanted, in `out` (the public
+/// out-of-place form): partial sums alternate between the scratch pieces `a` and `b`, one step
+/// at a time (receive into one while the other is sent).
+#[allow(clippy::too_many_arguments)]
+fn reduce_scatter_own(
+    wire: &mut Wire<'_>,
+    group: Group<'_>,
+    me: usize,
+    src: &[u8],
+    out: &mut [u8],
+    (a, b): (&mut [u8], &mut [u8]),
+    dtype: DataType,
+    op: ReduceOp,
+) -> Result<()> {
+    let n = group.len();
+    if n == 1 {
+        out.copy_from_slice(src);
+        return Ok(());
+    }
+    let count = src.len() / dtype.size();
+    let p = |i: usize| piece(count, n, dtype.size(), i);
+    let right = group.rank((me + 1) % n);
+    let left = group.rank((me + n - 1) % n);
+    for s in 0..n - 1 {
+        let (ps, pr) = ring_reduce_scatter(n, me, s);
+        let (cur, prev) = if s % 2 == 0 { (&mut *a, &*b) } else { (&mut *b, &*a) };
+        let send: &[u8] = if s == 0 { &src[p(ps)] } else { &prev[..p(ps).len()] };
+        let target: &mut [u8] = if s == n - 2 { &mut *out } else { &mut cur[..p(pr).len()] };
+        let sink = Sink::Reduce { dst: target, other: Some(&src[p(pr)]), dtype, op };
+        wire.exchange(s, Some((right, Source::Bytes(send))), Some((left, sink)))?;
+    }
+    Ok(())
+}
+
+/// The public reduce-scatter over `group`: in place, the result lands in this position's piece
+/// of the buffer; out of place, `recv` gets it. `avg` pre-scales the inputs by `1/scale_n`.
+#[allow(clippy::too_many_arguments)]
+pub fn reduce_scatter(
+    wire: &mut Wire<'_>,
+    scratch: &mut Scratch,
+    group: Group<'_>,
+    me: usize,
+    bufs: Bufs<'_>,
+    dtype: DataType,
+    op: ReduceOp,
+    scale_n: usize,
+) -> Result<()> {
+    let factor = 1.0 / scale_n as f64;
+    let sum_op = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
+    match bufs {
+        Bufs::InPlace(buf) => {
+            if op == ReduceOp::Avg {
+                reduce::scale_inplace(dtype, buf, factor);
+            }
+            let count = buf.len() / dtype.size();
+            reduce_scatter_phase(wire, group, me, count, RsBufs::InPlace(buf), dtype, sum_op, 0)
+        }
+        Bufs::OutOfPlace { send, recv } => {
+            let Scratch { a, b, c } = scratch;
+            let piece_len = recv.len();
+            let tmp = (grow(a, piece_len), grow(b, piece_len));
+            // avg: reduce a pre-scaled copy; the caller's input stays untouched.
+            let src: &[u8] = if op == ReduceOp::Avg {
+                let scaled = grow(c, send.len());
+                reduce::scale_into(dtype, scaled, send, factor);
+                scaled
+            } else {
+                send
+            };
+            reduce_scatter_own(wire, group, me, src, recv, tmp, dtype, sum_op)
+        }
+    }
 }
 
 /// Ring all-gather over `group` on `count` elements held in `buf`, where this position's piece
