@@ -54,12 +54,6 @@ const ABORT_SEND_BUDGET: Duration = Duration::from_millis(200);
 /// Upper bound of one `poll(2)` sleep, so a lost wake-up can never stall past this.
 const MAX_SLEEP: Duration = Duration::from_millis(500);
 
-/// debug counter
-pub static SLEEPS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-/// debug counter
-pub static YIELDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-/// debug counter
-pub static EXCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 /// What kind of operation a frame belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
@@ -454,7 +448,6 @@ impl Peers {
         send: Option<(usize, Source<'_>)>,
         recv: Option<(usize, Sink<'_>)>,
     ) -> Result<()> {
-        EXCH.fetch_add(1, Ordering::Relaxed);
         let recv_len = recv.as_ref().map(|(_, s)| s.len());
         let mut tx = match send {
             Some((peer, src)) => {
@@ -528,7 +521,6 @@ impl Peers {
                 return Err(self.timeout_error(fp, step, tx.as_ref(), rx.as_ref()));
             }
             if now.duration_since(last_progress) < self.spin.spin {
-                YIELDS.fetch_add(1, Ordering::Relaxed);
                 if self.spin.yield_between {
                     std::thread::yield_now();
                 } else {
@@ -538,7 +530,6 @@ impl Peers {
             }
             let want_write = tx.as_ref().filter(|t| !t.done).map(|t| t.peer);
             let want_read = rx.as_ref().filter(|r| !r.done).map(|r| r.peer);
-            SLEEPS.fetch_add(1, Ordering::Relaxed);
             self.sleep(fp, want_write, want_read, deadline)?;
             last_progress = Instant::now();
         }
@@ -637,7 +628,6 @@ impl Peers {
                 return Err(self.timeout_error(fp, step as u16, txr, rxr));
             }
             if now.duration_since(last_progress) < self.spin.spin {
-                YIELDS.fetch_add(1, Ordering::Relaxed);
                 if self.spin.yield_between {
                     std::thread::yield_now();
                 } else {
@@ -647,7 +637,6 @@ impl Peers {
             }
             let want_write = (ts < plan.steps).then_some(plan.right);
             let want_read = (rs < plan.steps && (rs < plan.lag || ts > rs - plan.lag)).then_some(plan.left);
-            SLEEPS.fetch_add(1, Ordering::Relaxed);
             self.sleep(fp, want_write, want_read, deadline)?;
             last_progress = Instant::now();
         }

@@ -45,6 +45,7 @@ pub struct TcpTransport {
 impl TcpTransport {
     fn new(stream: TcpStream, buffer: usize) -> Result<TcpTransport> {
         stream.set_nodelay(true).map_err(|e| Error::system("TCP_NODELAY", e))?;
+        let buffer = effective_buffer(buffer);
         if buffer > 0 {
             let fd = stream.as_raw_fd();
             let v = buffer.min(i32::MAX as usize) as libc::c_int;
@@ -63,6 +64,22 @@ impl TcpTransport {
         stream.set_nonblocking(true).map_err(|e| Error::system("O_NONBLOCK", e))?;
         Ok(TcpTransport { stream })
     }
+}
+
+/// The buffer size to set: the request, or 0 (keep autotuning) when the kernel would cap it
+/// below the request (`net.core.rmem_max`/`wmem_max`), since a capped fixed buffer is worse than
+/// autotuning.
+fn effective_buffer(requested: usize) -> usize {
+    if requested == 0 {
+        return 0;
+    }
+    let cap = |name: &str| {
+        std::fs::read_to_string(format!("/proc/sys/net/core/{name}"))
+            .ok()
+            .and_then(|s| s.trim().parse::<usize>().ok())
+            .unwrap_or(0)
+    };
+    if cap("rmem_max") >= requested && cap("wmem_max") >= requested { requested } else { 0 }
 }
 
 fn iovecs<const N: usize>(bufs: impl Iterator<Item = (*mut u8, usize)>) -> ([libc::iovec; N], usize) {
