@@ -462,14 +462,6 @@ fn run(cli: Cli) -> toroid::Result<u64> {
         std::fs::write(path, serde_json::to_string_pretty(&json).unwrap_or_default())
             .map_err(|e| toroid::Error::system(format!("writing {path}"), e))?;
     }
-    use std::sync::atomic::Ordering::Relaxed;
-    use toroid::transport::exchange::{EXCH, SLEEPS, YIELDS};
-    eprintln!(
-        "rank {me}: exchanges {} sleeps {} yields {}",
-        EXCH.load(Relaxed),
-        SLEEPS.load(Relaxed),
-        YIELDS.load(Relaxed)
-    );
     Ok(total_wrong)
 }
 
