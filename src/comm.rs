@@ -26,7 +26,7 @@ use crate::error::{Error, Result};
 use crate::memory::{RawBuf, RawBufMut, RawBufs};
 use crate::rendezvous::{self, Store};
 use crate::transport::exchange::{AbortSignal, SpinPolicy};
-use crate::transport::{CollKind, Fingerprint, Peers, tcp};
+use crate::transport::{CollKind, Fingerprint, Peers, shm, tcp};
 use crate::tuning::{self, AlgoFilter};
 
 /// Options of one call.
@@ -183,6 +183,8 @@ struct Core {
     topology: Topology,
     iface: tcp::Interface,
     abort: Arc<AbortSignal>,
+    /// Every rank is on this host and maps the shared window (`shm_direct` can run). shm
+    has_window: bool,
     engine: Mutex<Engine>,
     queue: Mutex<Queue>,
     queue_cv: Condvar,
@@ -307,7 +309,16 @@ impl Communicator {
         }
         let transports = tcp::connect_mesh(rank, &addrs, &endpoint, id, cfg.socket_buffer, deadline)?;
         let topology = Topology::from_host_ids(rank, &hosts);
-        Communicator::assemble(rank, size, id, cfg.clone(), topology, iface, transports, Some(store))
+        // shm: same-host links move to shared memory; one host gets the shared window
+        let links = shm::connect(
+            rank,
+            &topology.host_of,
+            transports,
+            &shm::ShmOptions::from_config(cfg),
+            id,
+            deadline,
+        )?;
+        Communicator::assemble(rank, size, id, cfg.clone(), topology, iface, links, Some(store))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -318,9 +329,10 @@ impl Communicator {
         config: Config,
         topology: Topology,
         iface: tcp::Interface,
-        transports: Vec<Option<Box<dyn crate::transport::Transport>>>,
+        links: shm::ShmSetup,
         store: Option<Arc<dyn Store>>,
     ) -> Result<Communicator> {
+        let shm::ShmSetup { links: transports, window, shm_peers } = links; // shm
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let oversubscribed = topology.local_size > cores;
         let spin = SpinPolicy {
@@ -332,11 +344,16 @@ impl Communicator {
             yield_between: true,
         };
         let abort = Arc::new(AbortSignal::new()?);
-        let peers = Peers::new(rank, transports, abort.clone(), spin, config.segment_size);
+        let mut peers = Peers::new(rank, transports, abort.clone(), spin, config.segment_size);
+        // shm: BEGIN
+        let has_window = window.is_some();
+        peers.set_window(window);
+        // shm: END
         tracing::info!(target: "toroid::init",
-            "rank {rank}/{size}: connected; host {} of {}, local rank {}/{}, spin {:?}{}",
+            "rank {rank}/{size}: connected; host {} of {}, local rank {}/{}, spin {:?}{}; shared memory with {shm_peers} peers{}",
             topology.host_of[rank], topology.hosts, topology.local_rank, topology.local_size,
-            spin.spin, if oversubscribed { " (more ranks than cores: yielding)" } else { "" });
+            spin.spin, if oversubscribed { " (more ranks than cores: yielding)" } else { "" },
+            if has_window { ", shared window" } else { "" });
         let filter = AlgoFilter::parse(config.algo.as_deref().unwrap_or(""))?;
         let core = Core {
             rank,
@@ -348,6 +365,7 @@ impl Communicator {
             topology,
             iface,
             abort,
+            has_window, // shm
             engine: Mutex::new(Engine {
                 peers,
                 scratch: Scratch::default(),
@@ -410,6 +428,20 @@ impl Communicator {
         }
         self.core.queue_cv.notify_all();
     }
+
+    // shm: BEGIN
+    /// The transport linking this rank to `peer` (`"shm"` or `"tcp"`); `None` for this rank
+    /// itself and once the communicator is closed. Waits for a running operation to finish.
+    pub fn transport_to(&self, peer: usize) -> Option<&'static str> {
+        lock(&self.core.engine).peers.link_kind(peer)
+    }
+
+    /// True when every rank is on this host and maps the shared window, so that `shm_direct`
+    /// can run.
+    pub fn has_shared_window(&self) -> bool {
+        self.core.has_window
+    }
+    // shm: END
 
     /// The algorithm that a call of `kind` moving `bytes` would use (what the benchmark shows).
     pub fn algorithm_for(&self, kind: OpKind, bytes: usize, opts: &CallOptions) -> Algorithm {
@@ -572,6 +604,15 @@ impl Communicator {
         let host_of: Vec<String> =
             members.iter().map(|(_, r)| self.core.topology.host_of[*r].to_string()).collect();
         let topology = Topology::from_host_ids(new_rank, &host_of);
+        // shm: same-host links move to shared memory; one host gets the shared window
+        let links = shm::connect(
+            new_rank,
+            &topology.host_of,
+            transports,
+            &shm::ShmOptions::from_config(&self.core.config),
+            id,
+            deadline,
+        )?;
         tracing::info!(target: "toroid::init", "rank {} split (color {color:?}, key {key}) into rank {new_rank} of {}", self.rank(), members.len());
         Communicator::assemble(
             new_rank,
@@ -580,7 +621,7 @@ impl Communicator {
             self.core.config.clone(),
             topology,
             self.core.iface.clone(),
-            transports,
+            links,
             None,
         )
         .map(Some)
@@ -603,6 +644,13 @@ impl Core {
         let coll = kind.coll();
         match opts.algorithm {
             Some(a) => a,
+            // shm: BEGIN
+            None if self.has_window
+                && let Some(a) = self.filter.choose_intra(coll, bytes, self.size) =>
+            {
+                a
+            }
+            // shm: END
             None => self.filter.choose(coll, bytes, self.size),
         }
     }
@@ -698,6 +746,15 @@ impl Core {
         }
         if let Some(a) = op.opts.algorithm {
             tuning::check_forced(op.kind.coll(), a)?;
+            // shm: BEGIN
+            if a == Algorithm::ShmDirect && !self.has_window {
+                return Err(Error::InvalidArgument(
+                    "algorithm shm_direct needs every rank on one host with a shared-memory window \
+                     (not available on this communicator: see TOROID_SHM_DISABLE and the WARN lines at set-up)"
+                        .into(),
+                ));
+            }
+            // shm: END
         }
         Ok(())
     }
@@ -805,6 +862,18 @@ unsafe fn dispatch(wire: &mut Wire<'_>, scratch: &mut Scratch, op: &RawOp, algo:
     // SAFETY: forwarded from the caller.
     let bufs = unsafe { op.bufs.bufs() };
     let need = || Error::Internal("operation without buffers".into());
+    // shm: BEGIN
+    if algo == Algorithm::ShmDirect {
+        let bufs = bufs.ok_or_else(need)?;
+        return match op.kind {
+            OpKind::AllReduce(rop) => algorithm::intra::all_reduce(wire, bufs, dtype, rop),
+            OpKind::ReduceScatter(rop) => algorithm::intra::reduce_scatter(wire, bufs, dtype, rop),
+            OpKind::AllGather | OpKind::SplitExchange => algorithm::intra::all_gather(wire, bufs),
+            OpKind::Broadcast(root) => algorithm::intra::broadcast(wire, bufs, root),
+            _ => Err(Error::Internal(format!("shm_direct cannot run {:?}", op.kind))),
+        };
+    }
+    // shm: END
     match op.kind {
         OpKind::AllReduce(rop) => match algo {
             Algorithm::Doubling => {

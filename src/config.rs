@@ -57,6 +57,12 @@ pub const TOROID_VARS: &[&str] = &[
     "TOROID_DEBUG",
     "TOROID_DEBUG_SUBSYS",
     "TOROID_HOST_ID",
+    // shm: BEGIN
+    "TOROID_SHM_DISABLE",
+    "TOROID_SHM_DIR",
+    "TOROID_SHM_RING_SIZE",
+    "TOROID_SHM_CHUNK_SIZE",
+    // shm: END
 ];
 
 /// Settings of the library, from the environment or built by hand.
@@ -78,9 +84,29 @@ pub struct Config {
     pub algo: Option<String>,
     /// Host identity override (`TOROID_HOST_ID`), for emulating several hosts on one machine.
     pub host_id: Option<String>,
+    // shm: BEGIN
+    /// Keep TCP between ranks of one host (`TOROID_SHM_DISABLE=1`).
+    pub shm_disable: bool,
+    /// Directory of shared-memory segments (`TOROID_SHM_DIR`, a tmpfs).
+    pub shm_dir: std::path::PathBuf,
+    /// Bytes of each point-to-point shared-memory ring, per direction (`TOROID_SHM_RING_SIZE`).
+    pub shm_ring_size: usize,
+    /// Bytes each rank contributes per chunk to the shared window (`TOROID_SHM_CHUNK_SIZE`;
+    /// 0: no window).
+    pub shm_chunk_size: usize,
+    // shm: END
     /// Every variable read, by name (for `rendezvous::env` and the one-time log).
     pub vars: BTreeMap<String, String>,
 }
+
+// shm: BEGIN
+/// Default directory of shared-memory segments.
+pub const DEFAULT_SHM_DIR: &str = "/dev/shm";
+/// Default point-to-point ring size (per direction; a pair of ranks maps twice this).
+pub const DEFAULT_SHM_RING_SIZE: usize = 512 * 1024;
+/// Default window chunk per rank (the window holds two per rank).
+pub const DEFAULT_SHM_CHUNK_SIZE: usize = 512 * 1024;
+// shm: END
 
 /// Default socket buffer request. Measured on loopback: autotuning keeps buffers small after a
 /// run of small messages and large transfers then stall on them (1 MiB all-reduce at 1.6 instead
@@ -103,6 +129,12 @@ impl Default for Config {
             segment_size: DEFAULT_SEGMENT_SIZE,
             algo: None,
             host_id: None,
+            // shm: BEGIN
+            shm_disable: false,
+            shm_dir: DEFAULT_SHM_DIR.into(),
+            shm_ring_size: DEFAULT_SHM_RING_SIZE,
+            shm_chunk_size: DEFAULT_SHM_CHUNK_SIZE,
+            // shm: END
             vars: BTreeMap::new(),
         }
     }
@@ -163,6 +195,32 @@ impl Config {
         }
         cfg.algo = get("TOROID_ALGO").map(str::to_string);
         cfg.host_id = get("TOROID_HOST_ID").map(str::to_string);
+        // shm: BEGIN
+        if let Some(v) = get("TOROID_SHM_DISABLE") {
+            cfg.shm_disable = parse_bool("TOROID_SHM_DISABLE", v)?;
+        }
+        if let Some(v) = get("TOROID_SHM_DIR") {
+            cfg.shm_dir = v.into();
+        }
+        if let Some(v) = get("TOROID_SHM_RING_SIZE") {
+            let s = parse_size("TOROID_SHM_RING_SIZE", v)?;
+            if !(4096..=1 << 30).contains(&s) {
+                return Err(Error::InvalidArgument(format!(
+                    "TOROID_SHM_RING_SIZE={v}: must be between 4K and 1G"
+                )));
+            }
+            cfg.shm_ring_size = s;
+        }
+        if let Some(v) = get("TOROID_SHM_CHUNK_SIZE") {
+            let s = parse_size("TOROID_SHM_CHUNK_SIZE", v)?;
+            if s != 0 && !(4096..=1 << 30).contains(&s) {
+                return Err(Error::InvalidArgument(format!(
+                    "TOROID_SHM_CHUNK_SIZE={v}: must be 0 (no window) or between 4K and 1G"
+                )));
+            }
+            cfg.shm_chunk_size = s;
+        }
+        // shm: END
         cfg.vars = vars;
         Ok(cfg)
     }
@@ -184,6 +242,17 @@ impl Config {
 fn parse_num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
     v.parse().map_err(|_| Error::InvalidArgument(format!("{name}={v}: not a number")))
 }
+
+// shm: BEGIN
+/// `1`/`0`, `true`/`false`, `yes`/`no`, `on`/`off`.
+fn parse_bool(name: &str, v: &str) -> Result<bool> {
+    match v.to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(Error::InvalidArgument(format!("{name}={v}: expected 1 or 0"))),
+    }
+}
+// shm: END
 
 /// Seconds, possibly fractional (`0.5`).
 fn parse_seconds(name: &str, v: &str) -> Result<Duration> {
@@ -284,6 +353,26 @@ mod tests {
         // Empty counts as unset.
         assert_eq!(cfg(&[("TOROID_TIMEOUT", "")]).unwrap().timeout, DEFAULT_TIMEOUT);
     }
+
+    // shm: BEGIN
+    #[test]
+    fn shm_settings() {
+        let c = cfg(&[]).unwrap();
+        assert!(!c.shm_disable);
+        assert_eq!(c.shm_dir, std::path::PathBuf::from("/dev/shm"));
+        let c = cfg(&[
+            ("TOROID_SHM_DISABLE", "1"),
+            ("TOROID_SHM_RING_SIZE", "1M"),
+            ("TOROID_SHM_CHUNK_SIZE", "0"),
+        ])
+        .unwrap();
+        assert!(c.shm_disable);
+        assert_eq!((c.shm_ring_size, c.shm_chunk_size), (1 << 20, 0));
+        assert!(!cfg(&[("TOROID_SHM_DISABLE", "off")]).unwrap().shm_disable);
+        assert!(cfg(&[("TOROID_SHM_DISABLE", "maybe")]).is_err());
+        assert!(cfg(&[("TOROID_SHM_RING_SIZE", "100")]).is_err());
+    }
+    // shm: END
 
     #[test]
     fn size_suffixes() {

@@ -14,9 +14,13 @@
 //! | all_to_all | `pairwise` |
 //! | barrier | `dissemination` |
 //! | send/recv | `direct` |
+//! | all_reduce, reduce_scatter, all_gather, broadcast (one host) | `shm_direct` (loads and stores in a shared window) |
 
 pub mod broadcast;
 pub mod doubling;
+// shm: BEGIN
+pub mod intra;
+// shm: END
 pub mod pairwise;
 pub mod ring;
 pub mod schedule;
@@ -47,11 +51,15 @@ pub enum Algorithm {
     Dissemination = 6,
     /// Direct point-to-point (send/recv).
     Direct = 7,
+    // shm: BEGIN
+    /// Direct loads and stores in a shared window (every rank on one host; see [`intra`]).
+    ShmDirect = 8,
+    // shm: END
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 7] = [
+    pub const ALL: [Algorithm; 8] = [
         Algorithm::Ring,
         Algorithm::Doubling,
         Algorithm::Chain,
@@ -59,6 +67,7 @@ impl Algorithm {
         Algorithm::Pairwise,
         Algorithm::Dissemination,
         Algorithm::Direct,
+        Algorithm::ShmDirect, // shm
     ];
 
     /// The name used in `TOROID_ALGO`, logs and the benchmark.
@@ -71,6 +80,7 @@ impl Algorithm {
             Algorithm::Pairwise => "pairwise",
             Algorithm::Dissemination => "dissemination",
             Algorithm::Direct => "direct",
+            Algorithm::ShmDirect => "shm_direct", // shm
         }
     }
 
@@ -84,6 +94,9 @@ impl Algorithm {
         let s = s.trim().to_ascii_lowercase();
         if s == "doubling" || s == "recursive_doubling" {
             return Some(Algorithm::Doubling);
+        }
+        if s == "shm" || s == "shmdirect" || s == "shm-direct" {
+            return Some(Algorithm::ShmDirect); // shm
         }
         Algorithm::ALL.iter().copied().find(|a| a.name() == s)
     }

@@ -356,6 +356,10 @@ struct Link {
     quiet_token: u64,
     /// The peer closed its sending side (seen by poll); do not poll this link again this op.
     hup_token: u64,
+    // shm: BEGIN
+    /// The transport lends received bytes in place (reducing sinks read straight from it).
+    zero_copy: bool,
+    // shm: END
 }
 
 /// The connected peers of one rank and the engine that drives exchanges with them.
@@ -369,6 +373,10 @@ pub struct Peers {
     pollfds: Vec<libc::pollfd>,
     poll_ranks: Vec<usize>,
     token: u64,
+    // shm: BEGIN
+    /// The shared window of all ranks (every rank on one host), when set up.
+    window: Option<super::window::Window>,
+    // shm: END
 }
 
 impl fmt::Debug for Peers {
@@ -395,7 +403,13 @@ impl Peers {
         let links = transports
             .into_iter()
             .map(|t| {
-                t.map(|transport| Link { transport, out_mid_frame: false, quiet_token: 0, hup_token: 0 })
+                t.map(|transport| Link {
+                    zero_copy: transport.zero_copy(),
+                    transport,
+                    out_mid_frame: false,
+                    quiet_token: 0,
+                    hup_token: 0,
+                })
             })
             .collect();
         Peers {
@@ -408,8 +422,83 @@ impl Peers {
             pollfds: Vec::new(),
             poll_ranks: Vec::new(),
             token: 0,
+            window: None,
         }
     }
+
+    // shm: BEGIN
+    /// Installs the shared window (see [`super::window`]).
+    pub fn set_window(&mut self, window: Option<super::window::Window>) {
+        self.window = window;
+    }
+
+    /// The shared window, if any.
+    pub fn window_mut(&mut self) -> Option<&mut super::window::Window> {
+        self.window.as_mut()
+    }
+
+    /// Takes the shared window out (a collective on it gives it back with
+    /// [`Peers::set_window`]; meanwhile its waits can borrow the peers to probe the links).
+    pub fn take_window(&mut self) -> Option<super::window::Window> {
+        self.window.take()
+    }
+
+    /// How waiting ranks spend their time before sleeping.
+    pub fn spin_policy(&self) -> SpinPolicy {
+        self.spin
+    }
+
+    /// The kind of transport to `peer` ("shm", "tcp"), or `None` without a link.
+    pub fn link_kind(&self, peer: usize) -> Option<&'static str> {
+        self.links.get(peer).and_then(Option::as_ref).map(|l| l.transport.kind())
+    }
+
+    /// Checks, without blocking, every link for what an idle link can show (an abort frame, a
+    /// frame of a mismatched collective, a closed connection) while this rank waits outside the
+    /// engine (in the shared window). Returns true when the link to `watch` is closed.
+    pub fn probe(&mut self, fp: &Fingerprint, watch: usize) -> Result<bool> {
+        self.abort.check()?;
+        self.pollfds.clear();
+        self.poll_ranks.clear();
+        for (r, link) in self.links.iter_mut().enumerate() {
+            let Some(link) = link else { continue };
+            if link.hup_token == self.token {
+                continue;
+            }
+            let mut events = libc::POLLRDHUP;
+            if link.quiet_token != self.token {
+                match link.transport.arm(true, false) {
+                    Some(ev) => events |= ev,
+                    None => events |= libc::POLLIN | libc::POLLPRI,
+                }
+            }
+            self.pollfds.push(libc::pollfd { fd: link.transport.pollable(), events, revents: 0 });
+            self.poll_ranks.push(r);
+        }
+        // SAFETY: `pollfds` is a live, initialised array of `len` pollfd structs.
+        let n = unsafe { libc::poll(self.pollfds.as_mut_ptr(), self.pollfds.len() as libc::nfds_t, 0) };
+        if n > 0 {
+            for i in 0..self.pollfds.len() {
+                let (r, ev, want) = (self.poll_ranks[i], self.pollfds[i].revents, self.pollfds[i].events);
+                // POLLPRI marks "arm said data is there now": inspect without an event.
+                let ev = if want & libc::POLLPRI != 0 { ev | libc::POLLIN } else { ev };
+                if ev != 0 {
+                    self.inspect_idle(r, fp, ev)?;
+                }
+            }
+        } else {
+            for i in 0..self.pollfds.len() {
+                if self.pollfds[i].events & libc::POLLPRI != 0 {
+                    self.inspect_idle(self.poll_ranks[i], fp, libc::POLLIN)?;
+                }
+            }
+        }
+        Ok(match self.links.get(watch).and_then(Option::as_ref) {
+            None => true,
+            Some(l) => l.hup_token == self.token,
+        })
+    }
+    // shm: END
 
     /// This rank.
     pub fn rank(&self) -> usize {
@@ -701,28 +790,40 @@ impl Peers {
             revents: 0,
         });
         self.poll_ranks.push(usize::MAX);
-        for (r, link) in self.links.iter().enumerate() {
+        // shm: BEGIN (transports say what to poll for: `Transport::arm`)
+        let mut ready_idle: Option<usize> = None;
+        for (r, link) in self.links.iter_mut().enumerate() {
             let Some(link) = link else { continue };
             let active = Some(r) == want_write || Some(r) == want_read;
             let mut events: libc::c_short = 0;
-            if Some(r) == want_write {
-                events |= libc::POLLOUT;
-            }
-            if Some(r) == want_read {
-                events |= libc::POLLIN;
-            }
-            if !active {
+            if active {
+                match link.transport.arm(Some(r) == want_read, Some(r) == want_write) {
+                    Some(ev) => events |= ev,
+                    // It can progress now: do not sleep.
+                    None => return Ok(()),
+                }
+            } else {
                 if link.hup_token == self.token {
                     continue;
                 }
                 events |= libc::POLLRDHUP;
                 if link.quiet_token != self.token {
-                    events |= libc::POLLIN;
+                    match link.transport.arm(true, false) {
+                        Some(ev) => events |= ev,
+                        None => {
+                            ready_idle.get_or_insert(r);
+                        }
+                    }
                 }
             }
             self.pollfds.push(libc::pollfd { fd: link.transport.pollable(), events, revents: 0 });
             self.poll_ranks.push(r);
         }
+        if let Some(r) = ready_idle {
+            // Something arrived on an idle link already: look at it instead of sleeping.
+            return self.inspect_idle(r, fp, libc::POLLIN);
+        }
+        // shm: END
         let wait = deadline.saturating_duration_since(Instant::now()).min(MAX_SLEEP);
         let ms = wait.as_millis().max(1) as libc::c_int;
         // SAFETY: `pollfds` is a live, initialised array of `len` pollfd structs.
@@ -815,6 +916,11 @@ impl Peers {
         for l in self.links.iter_mut() {
             *l = None;
         }
+        // shm: BEGIN
+        if let Some(w) = self.window.take() {
+            w.abort();
+        }
+        // shm: END
     }
 
     /// True when every link is gone (after [`Peers::poison`]).
@@ -1074,12 +1180,74 @@ impl Rx {
                 self.frame_open = true;
             }
             let (fs, fl, fg) = (self.frame_start, self.frame_len, self.frame_got);
+            // shm: BEGIN (zero copy: reduce straight out of the transport's memory)
+            if link.zero_copy
+                && self.hdr_got == HEADER_LEN
+                && fg < fl
+                && let Sink::Reduce { dst, other, dtype, op } = &mut *sink
+            {
+                let es = dtype.size();
+                let (dtype, op) = (*dtype, *op);
+                let mut at = fs + fg;
+                let frame_end = fs + fl;
+                let mut consume = |bytes: &[u8]| {
+                    let take = if at + bytes.len() == frame_end {
+                        bytes.len()
+                    } else {
+                        bytes.len() - bytes.len() % es
+                    };
+                    if take > 0 {
+                        let (a, b) = (at, at + take);
+                        match other {
+                            Some(o) => {
+                                reduce::reduce_into(dtype, op, &mut dst[a..b], &o[a..b], &bytes[..take])
+                            }
+                            None => reduce::reduce_inplace(dtype, op, &mut dst[a..b], &bytes[..take]),
+                        }
+                        at = b;
+                    }
+                    take
+                };
+                match link.transport.read_with(fl - fg, &mut consume) {
+                    Ok(0) => {
+                        return Err(Error::Remote(format!(
+                            "rank {} closed its connection during {fp} (it exited, crashed or aborted)",
+                            self.peer
+                        )));
+                    }
+                    Ok(n) => {
+                        progressed = true;
+                        self.frame_got += n;
+                        self.processed = self.frame_got;
+                        if self.frame_got == self.frame_len {
+                            self.frame_open = false;
+                            self.frame_start += self.frame_len;
+                            if self.frame_start == self.total {
+                                self.done = true;
+                            }
+                        }
+                        continue;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) => {
+                        return Err(Error::Remote(format!(
+                            "receiving from rank {} failed during {fp}: {e}",
+                            self.peer
+                        )));
+                    }
+                }
+            }
+            let zero_copy_header = link.zero_copy && matches!(sink, Sink::Reduce { .. });
+            // shm: END
             let payload: &mut [u8] = match sink {
                 Sink::Copy(d) => &mut d[fs + fg..fs + fl],
                 Sink::Reduce { .. } => &mut scratch[fg..fl],
             };
             let hdr_missing = HEADER_LEN - self.hdr_got;
-            let res = if hdr_missing > 0 {
+            let res = if hdr_missing > 0 && zero_copy_header {
+                // shm: the payload is read in place once the header is validated
+                link.transport.try_read(&mut [&mut self.header[self.hdr_got..]])
+            } else if hdr_missing > 0 {
                 let hdr = &mut self.header[self.hdr_got..];
                 link.transport.try_read(&mut [hdr, payload])
             } else if !payload.is_empty() {

@@ -17,9 +17,20 @@
 //! Transports know nothing of collectives. Framing, fingerprints, deadlines, spinning and
 //! failure propagation live in [`exchange`], which every algorithm goes through.
 //!
-//! Transports are chosen per peer; today every peer uses [`tcp`].
+//! Transports are chosen per peer: [`shm`] between ranks with the same host identity (unless
+//! `TOROID_SHM_DISABLE=1` or shared memory cannot be set up), [`tcp`] otherwise.
+//!
+//! Optional parts of the contract (defaults suit sockets):
+//! - [`Transport::arm`] says what to `poll(2)` for before the engine sleeps (a shared-memory
+//!   ring is not a descriptor: it arms a wake-up and polls its wake-up connection);
+//! - [`Transport::read_with`] lends received bytes in place (zero copy) when
+//!   [`Transport::zero_copy`] is true.
 
 pub mod exchange;
+// shm: BEGIN
+pub mod shm;
+pub mod window;
+// shm: END
 pub mod tcp;
 
 use std::io;
@@ -41,4 +52,35 @@ pub trait Transport: Send + std::fmt::Debug {
     fn pollable(&self) -> RawFd;
     /// Ends the sending direction; the peer reads end of stream after the data already sent.
     fn shutdown(&mut self);
+
+    // shm: BEGIN
+    /// Prepares to sleep until `try_read` (`read`) or `try_write` (`write`) can progress:
+    /// returns the `poll(2)` events to wait for on [`Transport::pollable`], or `None` when
+    /// progress is possible now (do not sleep). Sockets wait for their own readiness.
+    fn arm(&mut self, read: bool, write: bool) -> Option<libc::c_short> {
+        let mut events = 0;
+        if read {
+            events |= libc::POLLIN;
+        }
+        if write {
+            events |= libc::POLLOUT;
+        }
+        Some(events)
+    }
+
+    /// True when [`Transport::read_with`] lends bytes in place.
+    fn zero_copy(&self) -> bool {
+        false
+    }
+
+    /// Zero-copy receive: offers up to `max` received bytes to `f` where they lie (no copy);
+    /// `f` returns how many it consumed (it may take fewer, e.g. whole elements only) and
+    /// those are consumed. Returns the bytes consumed; `Ok(0)` means the peer closed the
+    /// stream; `WouldBlock` means nothing (or nothing `f` took) has arrived. Only called when
+    /// [`Transport::zero_copy`] is true.
+    fn read_with(&mut self, max: usize, f: &mut dyn FnMut(&[u8]) -> usize) -> io::Result<usize> {
+        let _ = (max, f);
+        Err(io::Error::new(io::ErrorKind::Unsupported, "this transport cannot lend received bytes"))
+    }
+    // shm: END
 }

@@ -1,0 +1,369 @@
+//! Intra-host collectives over the shared window (`shm_direct`).
+//!
+//! When every rank lives on one host they all map one window (see [`crate::transport::window`]):
+//! each rank owns two regions that everybody can read. A collective runs in chunks of at most a
+//! region; chunk `g` uses region buffer `g mod 2`, so one chunk's copy-in overlaps the slowest
+//! rank's reads of the previous one. Every phase ends with a `post` (a release store of the
+//! rank's stage counter) and the next phase waits for the stages it needs.
+//!
+//! **all_reduce, large (two-shot, direct reduce-scatter then all-gather by reading).** The chunk
+//! is cut into one slice per rank.
+//!
+//! ```text
+//!   1. copy in    rank r copies its input slices j != r into its region        post
+//!   2. reduce     rank r: out[r] = in[r] ⊕ region_j[r] for every j != r,
+//!                 written to out and to its own region                           post
+//!   3. gather     rank r copies region_j[j] (rank j's result) to out[j]          post (done)
+//! ```
+//!
+//! Per rank and byte of message that is about `3 - 2/n` reads and 2 writes, where a ring over
+//! point-to-point links moves `2 (n - 1) / n` of the message through a transport twice (copy in,
+//! copy out) and synchronises `2 (n - 1)` times instead of twice.
+//!
+//! **all_reduce, small (one-shot).** Every rank copies its whole input into its region, posts,
+//! and reduces all regions into its output itself, in member order (so every rank computes
+//! bit-identical results): one synchronisation instead of two, at the price of `n` times the
+//! reduction work, which is nothing for small messages.
+//!
+//! **reduce_scatter** is phases 1 and 2 (each rank reduces its own piece from every region);
+//! **all_gather** copies each rank's piece into its region and every rank reads all regions;
+//! **broadcast** has the root copy in and everyone else copy out. Each rank posts the same number
+//! of stages per chunk in every collective, so stage values keep meaning the same phase
+//! everywhere. `avg` pre-scales inputs by `1/n` where they are copied in (as the ring does).
+//!
+//! Reductions run in blocks of [`BLOCK`] bytes, so a block of the output stays in L1 while
+//! every source streams through it.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::schedule;
+use super::{Bufs, Wire};
+use crate::dtype::{DataType, ReduceOp};
+use crate::error::{Error, Result};
+use crate::reduce;
+use crate::transport::Fingerprint;
+use crate::transport::exchange::{AbortSignal, Peers};
+use crate::transport::window::{WaitPolicy, Window};
+
+/// Bytes reduced at a time (a block of output stays in L1).
+pub const BLOCK: usize = 16 * 1024;
+
+/// Largest all-reduce (bytes) done one-shot with `n` ranks: every rank reduces the whole message,
+/// so the limit shrinks as `n` grows.
+pub fn one_shot_max(n: usize) -> usize {
+    match n {
+        0..=2 => 64 * 1024,
+        3..=4 => 16 * 1024,
+        _ => 8 * 1024,
+    }
+}
+
+/// True when `op` can run on the window with this communicator.
+pub fn available(wire: &mut Wire<'_>) -> bool {
+    wire.peers.window_mut().is_some()
+}
+
+/// The synchronisation context of one collective on the window.
+struct Sync<'a> {
+    peers: &'a mut Peers,
+    fp: Fingerprint,
+    deadline: Instant,
+    policy: WaitPolicy,
+    abort: Arc<AbortSignal>,
+}
+
+impl Sync<'_> {
+    fn wait_all(&mut self, win: &mut Window, target: u32) -> Result<()> {
+        let (fp, peers) = (self.fp, &mut *self.peers);
+        win.wait_all(target, &fp, &self.policy, self.deadline, &self.abort, &mut |m| peers.probe(&fp, m))
+    }
+
+    fn wait(&mut self, win: &mut Window, m: usize, target: u32) -> Result<()> {
+        let (fp, peers) = (self.fp, &mut *self.peers);
+        win.wait(m, target, &fp, &self.policy, self.deadline, &self.abort, &mut |m| peers.probe(&fp, m))
+    }
+
+    fn begin_chunk(&mut self, win: &mut Window, writes: bool) -> Result<usize> {
+        let (fp, peers) = (self.fp, &mut *self.peers);
+        win.begin_chunk(writes, &fp, &self.policy, self.deadline, &self.abort, &mut |m| peers.probe(&fp, m))
+    }
+}
+
+/// Runs `f` with the window taken out of the peers (so that waits can probe the links), and
+/// puts it back whatever happens.
+fn with_window(wire: &mut Wire<'_>, f: impl FnOnce(&mut Window, &mut Sync<'_>) -> Result<()>) -> Result<()> {
+    let Some(mut win) = wire.peers.take_window() else {
+        return Err(Error::InvalidArgument(
+            "algorithm shm_direct needs every rank on one host with a shared-memory window \
+             (see TOROID_SHM_DISABLE, TOROID_SHM_CHUNK_SIZE and the WARN lines at set-up)"
+                .into(),
+        ));
+    };
+    let spin = wire.peers.spin_policy();
+    let policy = WaitPolicy { spin: spin.spin, oversubscribed: win.oversubscribed() };
+    let abort = wire.peers.abort_signal().clone();
+    win.begin(&wire.fp);
+    let mut sync = Sync { peers: &mut *wire.peers, fp: wire.fp, deadline: wire.deadline, policy, abort };
+    let r = f(&mut win, &mut sync);
+    wire.peers.set_window(Some(win));
+    r
+}
+
+/// Element ranges of chunk `c` of `count` elements in chunks of `per` elements.
+fn chunks(count: usize, per: usize) -> impl Iterator<Item = (usize, usize)> {
+    let per = per.max(1);
+    let n = count.div_ceil(per).max(1);
+    (0..n).map(move |c| (c * per, ((c + 1) * per).min(count)))
+}
+
+/// `dst = src · 1/n` for avg, else a copy into the window.
+fn put_input(win: &Window, buf: usize, off: usize, src: &[u8], dtype: DataType, avg: Option<f64>) {
+    match avg {
+        Some(f) => win.put_scaled(buf, off, src, dtype, f),
+        None => win.put(buf, off, src),
+    }
+}
+
+/// Reduces my slice: `dst = first ⊕ region_j[off..]` over every member `j != me`, where `first`
+/// is `src` (scaled for avg) or, when `src` is `None`, `dst` itself; also writes the result to
+/// my region at `publish` when given. Block by block.
+#[allow(clippy::too_many_arguments)]
+fn reduce_slice(
+    win: &Window,
+    buf: usize,
+    off: usize,
+    dst: &mut [u8],
+    src: Option<&[u8]>,
+    dtype: DataType,
+    op: ReduceOp,
+    avg: Option<f64>,
+    publish: Option<usize>,
+) {
+    let me = win.me();
+    let n = win.members();
+    let block = BLOCK - BLOCK % dtype.size();
+    let mut at = 0;
+    while at < dst.len() {
+        let len = block.min(dst.len() - at);
+        let d = &mut dst[at..at + len];
+        let mut peers = (0..n).filter(|&j| j != me);
+        match (src, avg) {
+            (Some(s), Some(f)) => reduce::scale_into(dtype, d, &s[at..at + len], f),
+            (None, Some(f)) => reduce::scale_inplace(dtype, d, f),
+            (Some(s), None) => {
+                if let Some(j) = peers.next() {
+                    win.reduce_into_from(j, buf, off + at, d, &s[at..at + len], dtype, op);
+                } else {
+                    d.copy_from_slice(&s[at..at + len]);
+                }
+            }
+            (None, None) => {}
+        }
+        for j in peers {
+            win.reduce_from(j, buf, off + at, d, dtype, op);
+        }
+        if let Some(p) = publish {
+            win.put(buf, p + at, d);
+        }
+        at += len;
+    }
+}
+
+fn avg_factor(op: ReduceOp, n: usize) -> (ReduceOp, Option<f64>) {
+    if op == ReduceOp::Avg { (ReduceOp::Sum, Some(1.0 / n as f64)) } else { (op, None) }
+}
+
+/// All-reduce on the window (one-shot for small messages, two-shot otherwise).
+pub fn all_reduce(wire: &mut Wire<'_>, bufs: Bufs<'_>, dtype: DataType, op: ReduceOp) -> Result<()> {
+    with_window(wire, |win, sync| {
+        let n = win.members();
+        let es = dtype.size();
+        let (op, avg) = avg_factor(op, n);
+        let (src, out): (Option<&[u8]>, &mut [u8]) = match bufs {
+            Bufs::InPlace(b) => (None, b),
+            Bufs::OutOfPlace { send, recv } => (Some(send), recv),
+        };
+        let count = out.len() / es;
+        if out.len() <= one_shot_max(n).min(win.region()) {
+            one_shot(win, sync, src, out, dtype, op, avg)
+        } else {
+            two_shot(win, sync, src, out, count, dtype, op, avg)
+        }
+    })
+}
+
+fn one_shot(
+    win: &mut Window,
+    sync: &mut Sync<'_>,
+    src: Option<&[u8]>,
+    out: &mut [u8],
+    dtype: DataType,
+    op: ReduceOp,
+    avg: Option<f64>,
+) -> Result<()> {
+    let n = win.members();
+    let b = sync.begin_chunk(win, true)?;
+    put_input(win, b, 0, src.unwrap_or(&*out), dtype, avg);
+    let s = win.post();
+    sync.wait_all(win, s)?;
+    // Every rank reduces all regions in member order: identical results everywhere.
+    let block = BLOCK - BLOCK % dtype.size();
+    let mut at = 0;
+    while at < out.len() {
+        let len = block.min(out.len() - at);
+        let d = &mut out[at..at + len];
+        win.reduce_two((0, at), (1, at), b, d, dtype, op);
+        for j in 2..n {
+            win.reduce_from(j, b, at, d, dtype, op);
+        }
+        at += len;
+    }
+    win.end_chunk(b);
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn two_shot(
+    win: &mut Window,
+    sync: &mut Sync<'_>,
+    src: Option<&[u8]>,
+    out: &mut [u8],
+    count: usize,
+    dtype: DataType,
+    op: ReduceOp,
+    avg: Option<f64>,
+) -> Result<()> {
+    let n = win.members();
+    let me = win.me();
+    let es = dtype.size();
+    for (c0, c1) in chunks(count, win.region() / es) {
+        let slice = |j: usize| schedule::bytes(schedule::piece(c1 - c0, n, j), es);
+        let base = c0 * es;
+        let b = sync.begin_chunk(win, true)?;
+        // 1. Copy in every slice the others reduce.
+        for j in (0..n).filter(|&j| j != me) {
+            let r = slice(j);
+            let input = match src {
+                Some(s) => &s[base + r.start..base + r.end],
+                None => &out[base + r.start..base + r.end],
+            };
+            put_input(win, b, r.start, input, dtype, avg);
+        }
+        let s = win.post();
+        sync.wait_all(win, s)?;
+        // 2. Reduce my slice from everyone's region, into the output and my region.
+        let r = slice(me);
+        let dst = &mut out[base + r.start..base + r.end];
+        let own = src.map(|s| &s[base + r.start..base + r.end]);
+        reduce_slice(win, b, r.start, dst, own, dtype, op, avg, Some(r.start));
+        let s = win.post();
+        sync.wait_all(win, s)?;
+        // 3. Gather the others' results.
+        for j in (0..n).filter(|&j| j != me) {
+            let r = slice(j);
+            win.get(j, b, r.start, &mut out[base + r.start..base + r.end]);
+        }
+        win.end_chunk(b);
+    }
+    Ok(())
+}
+
+/// Reduce-scatter on the window: in place the result lands in this rank's piece of the buffer,
+/// out of place in `recv`.
+pub fn reduce_scatter(wire: &mut Wire<'_>, bufs: Bufs<'_>, dtype: DataType, op: ReduceOp) -> Result<()> {
+    with_window(wire, |win, sync| {
+        let n = win.members();
+        let me = win.me();
+        let es = dtype.size();
+        let (op, avg) = avg_factor(op, n);
+        let (src, buf, in_place) = match bufs {
+            Bufs::InPlace(b) => (None, b, true),
+            Bufs::OutOfPlace { send, recv } => (Some(send), recv, false),
+        };
+        let total = src.map_or(buf.len(), <[u8]>::len);
+        let count = total / es / n;
+        let piece = count * es;
+        // A chunk holds one sub-slice per member in a region.
+        for (c0, c1) in chunks(count, win.region() / n / es) {
+            let sub = (c1 - c0) * es;
+            let (a, z) = (c0 * es, c1 * es);
+            let b = sync.begin_chunk(win, true)?;
+            for j in (0..n).filter(|&j| j != me) {
+                let input = match src {
+                    Some(s) => &s[j * piece + a..j * piece + z],
+                    None => &buf[j * piece + a..j * piece + z],
+                };
+                put_input(win, b, j * sub, input, dtype, avg);
+            }
+            let s = win.post();
+            sync.wait_all(win, s)?;
+            let (dst, own) = if in_place {
+                (&mut buf[me * piece + a..me * piece + z], None)
+            } else {
+                let own = src.map(|s| &s[me * piece + a..me * piece + z]);
+                (&mut buf[a..z], own)
+            };
+            reduce_slice(win, b, me * sub, dst, own, dtype, op, avg, None);
+            win.end_chunk(b);
+        }
+        Ok(())
+    })
+}
+
+/// All-gather on the window: every rank's piece lands at its position of the output.
+pub fn all_gather(wire: &mut Wire<'_>, bufs: Bufs<'_>) -> Result<()> {
+    with_window(wire, |win, sync| {
+        let n = win.members();
+        let me = win.me();
+        let out = match bufs {
+            Bufs::InPlace(b) => b,
+            Bufs::OutOfPlace { send, recv } => {
+                let p = send.len();
+                recv[me * p..(me + 1) * p].copy_from_slice(send);
+                recv
+            }
+        };
+        let piece = out.len() / n;
+        for (a, z) in chunks(piece, win.region()) {
+            let b = sync.begin_chunk(win, true)?;
+            win.put(b, 0, &out[me * piece + a..me * piece + z]);
+            let s = win.post();
+            sync.wait_all(win, s)?;
+            for j in (0..n).filter(|&j| j != me) {
+                win.get(j, b, 0, &mut out[j * piece + a..j * piece + z]);
+            }
+            win.end_chunk(b);
+        }
+        Ok(())
+    })
+}
+
+/// Broadcast from `root` on the window.
+pub fn broadcast(wire: &mut Wire<'_>, bufs: Bufs<'_>, root: usize) -> Result<()> {
+    with_window(wire, |win, sync| {
+        let me = win.me();
+        let out = match bufs {
+            Bufs::InPlace(b) => b,
+            Bufs::OutOfPlace { send, recv } => {
+                if me == root {
+                    recv.copy_from_slice(send);
+                }
+                recv
+            }
+        };
+        for (a, z) in chunks(out.len(), win.region()) {
+            let b = sync.begin_chunk(win, me == root)?;
+            if me == root {
+                win.put(b, 0, &out[a..z]);
+            }
+            let s = win.post();
+            if me != root {
+                sync.wait(win, root, s)?;
+                win.get(root, b, 0, &mut out[a..z]);
+            }
+            win.end_chunk(b);
+        }
+        Ok(())
+    })
+}

@@ -1,0 +1,621 @@
+//! A shared window: one segment mapped by every rank of a group on one host.
+//!
+//! It gives each member a control block and two data regions ("buffers" 0 and 1) that every
+//! member can read, so a collective can move data with plain loads and stores: a member writes
+//! its own region, publishes that with a counter, and the others read it after seeing the
+//! counter (see `algorithm::intra` for the schedules).
+//!
+//! ```text
+//! offset 0        header: magic, version, nonce, members, region size | aborted flag
+//!        4096     member i control (512 bytes each):
+//!                   +0    stage    u32, only member i stores it (release); futex word
+//!                   +128  waiters  u32, members sleeping on `stage` (others add/subtract)
+//!                   +256  fingerprints of the last 4 collectives, 64 bytes each
+//!        data     member i, buffer b at data + (2 i + b) * region   (page aligned)
+//! ```
+//!
+//! **Stages.** Each member counts the phases it has finished in `stage` (wrapping `u32`; every
+//! member runs the same schedule, so equal values mean the same phase). Waiting for member `m`
+//! to reach `t` spins (pure spinning for a few microseconds, only when every rank has its own
+//! core), then yields the CPU until the spin budget is spent, then sleeps on a futex on `m`'s
+//! `stage` word in short slices. `post` stores the new stage and wakes sleepers only when the
+//! `waiters` count says there are some (a sequentially consistent fence on both sides: either
+//! the waiter sees the new stage or the poster sees the waiter). Between slices a waiter checks
+//! the deadline, the abort signal, the window's abort flag and, through a caller-supplied probe,
+//! the member's connection: a member that died is an error within milliseconds, and a member
+//! whose stage is already past the target is fine even if it has exited since.
+//!
+//! **Buffers.** Chunk `g` of a collective uses buffer `g mod 2`. Before a member writes its
+//! region of buffer `b` it waits until every member's stage is past the value at which the chunk
+//! that last used `b` ended ([`Window::begin_chunk`]): nobody still reads it. The wait is nearly
+//! always already satisfied (and checked against cached stages, without touching shared lines).
+//!
+//! **Fingerprints.** At the start of a collective each member writes its fingerprint into slot
+//! `seq mod 4`; a waiter compares the slot of each member it waits for once per collective, so
+//! ranks that issued different collectives get a mismatch error rather than wrong data. Four
+//! slots suffice: no member can be more than two chunks (hence two collectives) ahead of another,
+//! because of the buffer rule above.
+//!
+//! The data methods copy or reduce between private buffers and regions. They are safe to call;
+//! their correctness (no member writes a region while another reads it) rests on the protocol,
+//! which every schedule in `algorithm::intra` follows.
+
+use std::io;
+use std::sync::atomic::{AtomicU32, Ordering, fence};
+use std::time::{Duration, Instant};
+
+use super::exchange::{AbortSignal, Fingerprint};
+use super::shm::Segment;
+use crate::dtype::{DataType, ReduceOp};
+use crate::error::{Error, Result};
+use crate::reduce;
+
+const WIN_MAGIC: u64 = u64::from_le_bytes(*b"TRSHMWIN");
+const WIN_VERSION: u64 = 1;
+const HDR_MAGIC: usize = 0;
+const HDR_VERSION: usize = 8;
+const HDR_NONCE: usize = 16;
+const HDR_MEMBERS: usize = 24;
+const HDR_REGION: usize = 32;
+const HDR_ABORTED: usize = 128;
+const CTL_BASE: usize = 4096;
+const MEMBER_CTL: usize = 512;
+const STAGE: usize = 0;
+const WAITERS: usize = 128;
+const FP_SLOTS: usize = 256;
+const FP_LEN: usize = 64;
+const PAGE: usize = 4096;
+/// Longest futex sleep between liveness checks.
+const SLICE: Duration = Duration::from_millis(5);
+/// Pure spinning before yielding (only when ranks do not outnumber cores).
+const PURE_SPIN: Duration = Duration::from_micros(20);
+
+/// Bytes of a window for `members` members with regions of `region` bytes.
+pub fn window_len(members: usize, region: usize) -> usize {
+    data_base(members) + 2 * members * region
+}
+
+fn data_base(members: usize) -> usize {
+    (CTL_BASE + members * MEMBER_CTL).div_ceil(PAGE) * PAGE
+}
+
+/// How a waiting member spends its time.
+#[derive(Debug, Clone, Copy)]
+pub struct WaitPolicy {
+    /// Time to poll before sleeping on the futex.
+    pub spin: Duration,
+    /// Ranks outnumber cores: yield from the start instead of spinning.
+    pub oversubscribed: bool,
+}
+
+/// What a waiter checks between futex slices: `Ok(true)` when the awaited member's connection
+/// has closed (it exited or crashed), `Err` to stop waiting (an abort frame, a mismatch).
+pub type Probe<'a> = &'a mut dyn FnMut(usize) -> Result<bool>;
+
+/// One member's view of a shared window.
+#[derive(Debug)]
+pub struct Window {
+    seg: Segment,
+    members: usize,
+    me: usize,
+    region: usize,
+    /// My stage (what I last posted).
+    stage: u32,
+    /// The last stage seen of every member (a lower bound of its real stage).
+    seen: Vec<u32>,
+    /// Chunks started (global across collectives).
+    chunks: u64,
+    /// Stage at which the last chunk using buffer `b` ended.
+    done_at: [u32; 2],
+    /// Fingerprint of the running collective was checked for these members.
+    fp_checked: Vec<bool>,
+    /// Sequence number of the running collective.
+    seq: u64,
+    /// More members than online CPUs: waiters yield from the start.
+    oversubscribed: bool,
+}
+
+fn reached(v: u32, target: u32) -> bool {
+    (v.wrapping_sub(target) as i32) >= 0
+}
+
+impl Window {
+    /// Initialises a freshly created (zeroed) segment as a window.
+    pub fn init(seg: Segment, members: usize, me: usize, region: usize, nonce: u64) -> Result<Window> {
+        if seg.len() < window_len(members, region) {
+            return Err(Error::Internal("window segment too small".into()));
+        }
+        seg.u64_at(HDR_VERSION).store(WIN_VERSION, Ordering::Relaxed);
+        seg.u64_at(HDR_NONCE).store(nonce, Ordering::Relaxed);
+        seg.u64_at(HDR_MEMBERS).store(members as u64, Ordering::Relaxed);
+        seg.u64_at(HDR_REGION).store(region as u64, Ordering::Relaxed);
+        seg.u64_at(HDR_MAGIC).store(WIN_MAGIC, Ordering::Release);
+        Ok(Window::wrap(seg, members, me, region))
+    }
+
+    /// Adopts a window another member created, after checking its header.
+    pub fn attach(seg: Segment, members: usize, me: usize, region: usize, nonce: u64) -> io::Result<Window> {
+        let bad =
+            |what: &str| io::Error::new(io::ErrorKind::InvalidData, format!("window header: bad {what}"));
+        if seg.len() < window_len(members, region) {
+            return Err(bad("size"));
+        }
+        if seg.u64_at(HDR_MAGIC).load(Ordering::Acquire) != WIN_MAGIC {
+            return Err(bad("magic"));
+        }
+        if seg.u64_at(HDR_VERSION).load(Ordering::Relaxed) != WIN_VERSION {
+            return Err(bad("version"));
+        }
+        if seg.u64_at(HDR_NONCE).load(Ordering::Relaxed) != nonce {
+            return Err(bad("nonce"));
+        }
+        if seg.u64_at(HDR_MEMBERS).load(Ordering::Relaxed) != members as u64
+            || seg.u64_at(HDR_REGION).load(Ordering::Relaxed) != region as u64
+        {
+            return Err(bad("shape"));
+        }
+        Ok(Window::wrap(seg, members, me, region))
+    }
+
+    fn wrap(seg: Segment, members: usize, me: usize, region: usize) -> Window {
+        Window {
+            seg,
+            members,
+            me,
+            region,
+            stage: 0,
+            seen: vec![0; members],
+            chunks: 0,
+            done_at: [0; 2],
+            fp_checked: vec![false; members],
+            seq: 0,
+            oversubscribed: members > online_cpus(),
+        }
+    }
+
+    /// Removes the segment's name (once every member has mapped it).
+    pub fn unlink(&mut self) {
+        self.seg.unlink();
+    }
+
+    /// Number of members.
+    pub fn members(&self) -> usize {
+        self.members
+    }
+
+    /// My index.
+    pub fn me(&self) -> usize {
+        self.me
+    }
+
+    /// Bytes of each region.
+    pub fn region(&self) -> usize {
+        self.region
+    }
+
+    /// True when members outnumber the host's online CPUs (waiters yield instead of spinning).
+    pub fn oversubscribed(&self) -> bool {
+        self.oversubscribed
+    }
+
+    fn ctl(&self, m: usize) -> usize {
+        CTL_BASE + m * MEMBER_CTL
+    }
+
+    fn stage_word(&self, m: usize) -> &AtomicU32 {
+        self.seg.u32_at(self.ctl(m) + STAGE)
+    }
+
+    fn region_offset(&self, m: usize, buf: usize, off: usize, len: usize) -> usize {
+        assert!(m < self.members && buf < 2 && off + len <= self.region, "window access out of bounds");
+        data_base(self.members) + (2 * m + buf) * self.region + off
+    }
+
+    /// Bytes of member `m`'s region `buf` at `off`.
+    ///
+    /// Only for the duration of one kernel call, while the protocol guarantees that member `m`
+    /// does not write them (it posted them and waits for us before touching the buffer again).
+    fn theirs(&self, m: usize, buf: usize, off: usize, len: usize) -> &[u8] {
+        let at = self.region_offset(m, buf, off, len);
+        // SAFETY: in bounds of the live mapping (checked); the protocol keeps writers away
+        // while readers hold this slice (see the module docs).
+        unsafe { std::slice::from_raw_parts(self.seg.as_ptr().add(at), len) }
+    }
+
+    /// Bytes of my own region `buf` at `off`, for writing (nobody reads them before I post).
+    #[allow(clippy::mut_from_ref)]
+    fn mine(&self, buf: usize, off: usize, len: usize) -> &mut [u8] {
+        let at = self.region_offset(self.me, buf, off, len);
+        // SAFETY: in bounds of the live mapping (checked); only this member writes its region,
+        // one call at a time, and readers wait for a later post (see the module docs).
+        unsafe { std::slice::from_raw_parts_mut(self.seg.as_ptr().add(at), len) }
+    }
+
+    // --- data -----------------------------------------------------------------------------
+
+    /// Copies `src` into my region `buf` at `off`.
+    pub fn put(&self, buf: usize, off: usize, src: &[u8]) {
+        self.mine(buf, off, src.len()).copy_from_slice(src);
+    }
+
+    /// Writes `src · factor` into my region `buf` at `off` (floating types).
+    pub fn put_scaled(&self, buf: usize, off: usize, src: &[u8], dtype: DataType, factor: f64) {
+        reduce::scale_into(dtype, self.mine(buf, off, src.len()), src, factor);
+    }
+
+    /// Copies member `m`'s region `buf` at `off` into `dst`.
+    pub fn get(&self, m: usize, buf: usize, off: usize, dst: &mut [u8]) {
+        dst.copy_from_slice(self.theirs(m, buf, off, dst.len()));
+    }
+
+    /// `dst = dst ⊕ region(m, buf)[off..]`.
+    pub fn reduce_from(
+        &self,
+        m: usize,
+        buf: usize,
+        off: usize,
+        dst: &mut [u8],
+        dtype: DataType,
+        op: ReduceOp,
+    ) {
+        reduce::reduce_inplace(dtype, op, dst, self.theirs(m, buf, off, dst.len()));
+    }
+
+    /// `dst = a ⊕ region(m, buf)[off..]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn reduce_into_from(
+        &self,
+        m: usize,
+        buf: usize,
+        off: usize,
+        dst: &mut [u8],
+        a: &[u8],
+        dtype: DataType,
+        op: ReduceOp,
+    ) {
+        reduce::reduce_into(dtype, op, dst, a, self.theirs(m, buf, off, dst.len()));
+    }
+
+    /// `dst = region(m1, buf)[off1..] ⊕ region(m2, buf)[off2..]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn reduce_two(
+        &self,
+        (m1, off1): (usize, usize),
+        (m2, off2): (usize, usize),
+        buf: usize,
+        dst: &mut [u8],
+        dtype: DataType,
+        op: ReduceOp,
+    ) {
+        let len = dst.len();
+        reduce::reduce_into(dtype, op, dst, self.theirs(m1, buf, off1, len), self.theirs(m2, buf, off2, len));
+    }
+
+    // --- synchronisation -------------------------------------------------------------------
+
+    /// Starts a collective: publishes my fingerprint (read by the others before they use my
+    /// data) and forgets which members were checked.
+    pub fn begin(&mut self, fp: &Fingerprint) {
+        let slot = self.ctl(self.me) + FP_SLOTS + (fp.seq % 4) as usize * FP_LEN;
+        for (i, w) in encode_fp(fp).iter().enumerate() {
+            self.seg.u64_at(slot + 8 * i).store(*w, Ordering::Relaxed);
+        }
+        self.seq = fp.seq;
+        self.fp_checked.iter_mut().for_each(|c| *c = false);
+        self.fp_checked[self.me] = true;
+    }
+
+    fn check_fp(&mut self, m: usize, fp: &Fingerprint) -> Result<()> {
+        if self.fp_checked[m] {
+            return Ok(());
+        }
+        let slot = self.ctl(m) + FP_SLOTS + (fp.seq % 4) as usize * FP_LEN;
+        let mut w = [0u64; 4];
+        for (i, x) in w.iter_mut().enumerate() {
+            *x = self.seg.u64_at(slot + 8 * i).load(Ordering::Relaxed);
+        }
+        if w != encode_fp(fp) {
+            return Err(Error::InvalidUsage(format!(
+                "collective mismatch: {fp} on local rank {} but local rank {m} called {} \
+                 (every rank must issue the same collectives in the same order with the same \
+                 type, count, op, root and algorithm)",
+                self.me,
+                describe_fp(&w)
+            )));
+        }
+        self.fp_checked[m] = true;
+        Ok(())
+    }
+
+    /// My current stage.
+    pub fn stage(&self) -> u32 {
+        self.stage
+    }
+
+    /// Finishes a phase: stage + 1, visible to the other members (release), waking sleepers.
+    pub fn post(&mut self) -> u32 {
+        self.stage = self.stage.wrapping_add(1);
+        let word = self.stage_word(self.me);
+        word.store(self.stage, Ordering::Release);
+        fence(Ordering::SeqCst);
+        let waiters = self.seg.u32_at(self.ctl(self.me) + WAITERS);
+        if waiters.load(Ordering::Relaxed) != 0 {
+            futex_wake(word);
+        }
+        self.stage
+    }
+
+    /// Starts a chunk: returns its buffer. When this member will write its region (`writes`),
+    /// first waits until every member is done with the chunk that last used that buffer.
+    pub fn begin_chunk(
+        &mut self,
+        writes: bool,
+        fp: &Fingerprint,
+        policy: &WaitPolicy,
+        deadline: Instant,
+        abort: &AbortSignal,
+        probe: Probe<'_>,
+    ) -> Result<usize> {
+        let buf = (self.chunks % 2) as usize;
+        self.chunks += 1;
+        if writes {
+            let target = self.done_at[buf];
+            let start = Instant::now();
+            for m in 0..self.members {
+                if m != self.me && !reached(self.seen[m], target) {
+                    self.wait_at(m, target, fp, policy, deadline, abort, &mut *probe, start, false)?;
+                }
+            }
+        }
+        Ok(buf)
+    }
+
+    /// Ends the chunk that used `buf`: posts "done" (after this member's last read of the
+    /// chunk) and records the stage for the buffer rule.
+    pub fn end_chunk(&mut self, buf: usize) {
+        self.post();
+        self.done_at[buf] = self.stage;
+    }
+
+    /// Waits until member `m` reached stage `target`, checking its fingerprint for this
+    /// collective on the way.
+    #[allow(clippy::too_many_arguments)]
+    pub fn wait(
+        &mut self,
+        m: usize,
+        target: u32,
+        fp: &Fingerprint,
+        policy: &WaitPolicy,
+        deadline: Instant,
+        abort: &AbortSignal,
+        probe: Probe<'_>,
+    ) -> Result<()> {
+        self.wait_at(m, target, fp, policy, deadline, abort, probe, Instant::now(), true)
+    }
+
+    /// Waits until every other member reached `target` (one spin budget for all).
+    pub fn wait_all(
+        &mut self,
+        target: u32,
+        fp: &Fingerprint,
+        policy: &WaitPolicy,
+        deadline: Instant,
+        abort: &AbortSignal,
+        probe: Probe<'_>,
+    ) -> Result<()> {
+        let start = Instant::now();
+        // Check everyone once before waiting on anyone: members that are already there cost a
+        // load each instead of a spin budget.
+        for m in 0..self.members {
+            if m != self.me && !reached(self.seen[m], target) {
+                let v = self.stage_word(m).load(Ordering::Acquire);
+                if reached(v, target) {
+                    self.seen[m] = v;
+                }
+            }
+        }
+        for m in 0..self.members {
+            if m != self.me {
+                self.wait_at(m, target, fp, policy, deadline, abort, &mut *probe, start, true)?;
+            }
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn wait_at(
+        &mut self,
+        m: usize,
+        target: u32,
+        fp: &Fingerprint,
+        policy: &WaitPolicy,
+        deadline: Instant,
+        abort: &AbortSignal,
+        probe: Probe<'_>,
+        start: Instant,
+        check_fp: bool,
+    ) -> Result<()> {
+        if !reached(self.seen[m], target) {
+            self.spin_then_sleep(m, target, fp, policy, deadline, abort, probe, start)?;
+        }
+        if check_fp {
+            self.check_fp(m, fp)?;
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn spin_then_sleep(
+        &mut self,
+        m: usize,
+        target: u32,
+        fp: &Fingerprint,
+        policy: &WaitPolicy,
+        deadline: Instant,
+        abort: &AbortSignal,
+        probe: Probe<'_>,
+        start: Instant,
+    ) -> Result<()> {
+        let aborted = self.seg.u32_at(HDR_ABORTED);
+        let pure = if policy.oversubscribed { Duration::ZERO } else { PURE_SPIN.min(policy.spin) };
+        let mut i = 0u32;
+        // 1. Spin, then yield, until the spin budget is spent.
+        loop {
+            let v = self.stage_word(m).load(Ordering::Acquire);
+            if reached(v, target) {
+                self.seen[m] = v;
+                return Ok(());
+            }
+            i = i.wrapping_add(1);
+            if i.is_multiple_of(64) || policy.oversubscribed {
+                abort.check()?;
+                if aborted.load(Ordering::Relaxed) != 0 {
+                    return Err(self.aborted_error(m, fp, probe));
+                }
+                let spent = start.elapsed();
+                if spent >= policy.spin {
+                    break;
+                }
+                if spent >= pure {
+                    std::thread::yield_now();
+                    continue;
+                }
+            }
+            std::hint::spin_loop();
+        }
+        // 2. Sleep on the member's stage word in slices, checking liveness between them.
+        let word = self.stage_word(m);
+        let waiters = self.seg.u32_at(self.ctl(m) + WAITERS);
+        waiters.fetch_add(1, Ordering::SeqCst);
+        let r = (|| loop {
+            let v = word.load(Ordering::SeqCst);
+            if reached(v, target) {
+                return Ok(v);
+            }
+            abort.check()?;
+            if aborted.load(Ordering::Relaxed) != 0 {
+                return Err(self.aborted_error(m, fp, &mut *probe));
+            }
+            if probe(m)? {
+                // Its connection closed: fine only if it got there before leaving.
+                let v = word.load(Ordering::SeqCst);
+                if reached(v, target) {
+                    return Ok(v);
+                }
+                return Err(Error::Remote(format!(
+                    "local rank {m} closed its connection during {fp} (it exited, crashed or aborted)"
+                )));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Timeout(format!(
+                    "local rank {} in {fp}: deadline passed waiting for local rank {m} \
+                     (shared-memory stage {v}, waiting for {target})",
+                    self.me
+                )));
+            }
+            futex_wait(word, v, SLICE.min(deadline - now));
+        })();
+        waiters.fetch_sub(1, Ordering::SeqCst);
+        let v = r?;
+        self.seen[m] = v;
+        Ok(())
+    }
+
+    /// Another member flagged the window aborted: find its reason on the links if it is there.
+    fn aborted_error(&self, m: usize, fp: &Fingerprint, probe: Probe<'_>) -> Error {
+        let deadline = Instant::now() + Duration::from_millis(200);
+        while Instant::now() < deadline {
+            match probe(m) {
+                Err(e) => return e,
+                Ok(true) => break,
+                Ok(false) => std::thread::sleep(Duration::from_millis(1)),
+            }
+        }
+        Error::Remote(format!("another rank aborted {fp} (its reason did not arrive)"))
+    }
+
+    /// Flags the window aborted and wakes every sleeping member (after a failure on this rank).
+    pub fn abort(&self) {
+        self.seg.u32_at(HDR_ABORTED).store(1, Ordering::SeqCst);
+        for m in 0..self.members {
+            futex_wake(self.stage_word(m));
+        }
+    }
+}
+
+/// CPUs online on this host (not this thread's affinity: ranks bound to one CPU each share the
+/// host's CPUs between them).
+fn online_cpus() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    if n > 0 { n as usize } else { 1 }
+}
+
+fn encode_fp(fp: &Fingerprint) -> [u64; 4] {
+    let w0 = fp.kind as u64 | (fp.dtype as u64) << 8 | (fp.op as u64) << 16 | (fp.algo as u64) << 24;
+    [fp.seq, fp.count, fp.root as u32 as u64, w0]
+}
+
+fn describe_fp(w: &[u64; 4]) -> String {
+    use crate::dtype::{DataType, ReduceOp};
+    use crate::transport::CollKind;
+    let kind = [
+        CollKind::AllReduce,
+        CollKind::ReduceScatter,
+        CollKind::AllGather,
+        CollKind::Broadcast,
+        CollKind::Reduce,
+        CollKind::AllToAll,
+        CollKind::Barrier,
+        CollKind::PointToPoint,
+        CollKind::Split,
+    ]
+    .into_iter()
+    .find(|c| *c as u64 == w[3] & 0xff)
+    .map_or("an unknown collective", |k| k.name());
+    let dtype = DataType::from_u8((w[3] >> 8) as u8).map_or("?", |d| d.name());
+    let op = ReduceOp::from_u8((w[3] >> 16) as u8).map_or("?", |o| o.name());
+    format!(
+        "{kind} #{} ({} x {dtype}, {op}, root {}, algorithm {})",
+        w[0],
+        w[1],
+        w[2] as u32 as i32,
+        crate::algorithm::Algorithm::name_of((w[3] >> 24) as u8)
+    )
+}
+
+fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: FUTEX_WAIT on a live, aligned u32 in a shared mapping with a live timespec; it
+    // only reads the word. Spurious returns (EAGAIN, EINTR, ETIMEDOUT) are fine: callers loop.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: FUTEX_WAKE on a live, aligned u32; no memory is written.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<u32>(),
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
