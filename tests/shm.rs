@@ -199,6 +199,11 @@ fn kill_case(algo: &str) {
         })
         .collect();
     use std::os::unix::process::ExitStatusExt;
+    if std::env::var_os("KILL_TEST_DEBUG").is_some() {
+        for (r, o) in outputs.iter().enumerate() {
+            println!("--- rank {r} ({:?}):\n{o}", statuses[r]);
+        }
+    }
     assert_eq!(statuses[2].and_then(|s| s.signal()), Some(libc::SIGKILL), "{algo}: rank 2:\n{}", outputs[2]);
     for r in [0, 1, 3] {
         let out = &outputs[r];
@@ -300,13 +305,19 @@ fn small_dev_shm_falls_back_to_tcp_with_a_warning() {
     if util::is_child() {
         let comm = Communicator::from_env().unwrap();
         let kinds: Vec<_> = (0..comm.size()).map(|p| comm.transport_to(p).unwrap_or("-")).collect();
-        println!("KINDS rank {} {} window {}", comm.rank(), kinds.join(","), comm.has_shared_window());
+        println!(
+            "\nKINDS rank {} links {} window {}",
+            comm.rank(),
+            kinds.join(","),
+            comm.has_shared_window()
+        );
         exercise(&comm, None);
         return;
     }
     let test = "small_dev_shm_falls_back_to_tcp_with_a_warning";
-    // 1 MiB: not even one pair segment (two 512 KiB rings) fits; 3 MiB: two of the six fit.
-    for (size, some_shm) in [("1m", false), ("3m", true)] {
+    // 1 MiB: not even one pair segment (two 512 KiB rings) fits; 5 MiB: four of the six fit, the
+    // window (two 512 KiB regions per rank) does not.
+    for (size, some_shm) in [("1m", false), ("5m", true)] {
         let Some((out, left)) = run_with_small_dev_shm(test, 4, size) else { return };
         util::assert_success(&out, &format!("/dev/shm of {size}"));
         let stdout = String::from_utf8_lossy(&out.stdout);
@@ -319,8 +330,11 @@ fn small_dev_shm_falls_back_to_tcp_with_a_warning() {
         );
         assert!(stderr.contains("no shared-memory window"), "{size}: no WARN about the window:\n{stderr}");
         assert!(stderr.contains("--shm-size"), "{size}: the WARN should say what to do:\n{stderr}");
-        assert!(!stdout.contains("window true"), "{size}: a window cannot fit:\n{stdout}");
-        assert_eq!(stdout.contains("shm"), some_shm, "{size}: links:\n{stdout}");
+        let kinds: Vec<&str> = stdout.lines().filter_map(|l| l.split("KINDS ").nth(1)).collect();
+        assert_eq!(kinds.len(), 4, "{size}: every rank reports its links:\n{stdout}");
+        assert!(kinds.iter().all(|k| k.ends_with("window false")), "{size}: a window cannot fit: {kinds:?}");
+        assert_eq!(kinds.iter().any(|k| k.contains("shm")), some_shm, "{size}: links {kinds:?}");
+        assert!(kinds.iter().any(|k| k.contains("tcp")), "{size}: links {kinds:?}");
         assert_eq!(left, "", "{size}: files left in the small /dev/shm");
     }
 }

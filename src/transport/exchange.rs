@@ -588,12 +588,14 @@ impl Peers {
                 let scratch = bytemuck::cast_slice_mut::<u64, u8>(&mut self.scratch);
                 progressed |= r.pump(sink, self.rank, link, fp, step, scratch)?;
             }
+            let mut forward_avail = usize::MAX; // shm
             if forwarding {
                 let out = match (rx.as_ref(), sink.as_ref()) {
                     (Some(r), Some(Sink::Copy(d))) => Some(&d[..r.final_len(false)]),
                     (Some(r), Some(Sink::Reduce { dst, .. })) => Some(&dst[..r.final_len(true)]),
                     _ => None,
                 };
+                forward_avail = out.map_or(0, <[u8]>::len); // shm
                 progressed |= self.pump_tx(tx.as_mut(), out)?;
             }
             let tx_done = tx.as_ref().is_none_or(|t| t.done);
@@ -617,7 +619,8 @@ impl Peers {
                 }
                 continue;
             }
-            let want_write = tx.as_ref().filter(|t| !t.done).map(|t| t.peer);
+            // shm: a send waiting for forwarded bytes waits on the receive, not on its link
+            let want_write = tx.as_ref().filter(|t| !t.done && !t.starved(forward_avail)).map(|t| t.peer);
             let want_read = rx.as_ref().filter(|r| !r.done).map(|r| r.peer);
             self.sleep(fp, want_write, want_read, deadline)?;
             last_progress = Instant::now();
@@ -655,6 +658,7 @@ impl Peers {
         loop {
             self.abort.check()?;
             let mut progressed = false;
+            let mut tx_avail = usize::MAX; // shm
             // Send: step 0 reads its piece; step k > 0 forwards what step k - 1 received.
             if ts < plan.steps {
                 let data: &[u8] = if ts == 0 {
@@ -667,6 +671,7 @@ impl Peers {
                     let ready = if rs > ts - 1 { p.len() } else { rx.final_len(ts - 1 < plan.reduce_steps) };
                     &work[p.start..p.start + ready]
                 };
+                tx_avail = data.len(); // shm
                 let link = live_link(&mut self.links, plan.right)?;
                 progressed |=
                     tx.pump(link, Some(data)).map_err(|e| explain_send_failure(link, plan.right, e))?;
@@ -724,7 +729,8 @@ impl Peers {
                 }
                 continue;
             }
-            let want_write = (ts < plan.steps).then_some(plan.right);
+            // shm: a send waiting for forwarded bytes waits on the receive, not on its link
+            let want_write = (ts < plan.steps && !tx.starved(tx_avail)).then_some(plan.right);
             let want_read = (rs < plan.steps && (rs < plan.lag || ts > rs - plan.lag)).then_some(plan.left);
             self.sleep(fp, want_write, want_read, deadline)?;
             last_progress = Instant::now();
@@ -792,6 +798,7 @@ impl Peers {
         self.poll_ranks.push(usize::MAX);
         // shm: BEGIN (transports say what to poll for: `Transport::arm`)
         let mut ready_idle: Option<usize> = None;
+        let mut can_progress = false;
         for (r, link) in self.links.iter_mut().enumerate() {
             let Some(link) = link else { continue };
             let active = Some(r) == want_write || Some(r) == want_read;
@@ -799,8 +806,9 @@ impl Peers {
             if active {
                 match link.transport.arm(Some(r) == want_read, Some(r) == want_write) {
                     Some(ev) => events |= ev,
-                    // It can progress now: do not sleep.
-                    None => return Ok(()),
+                    // It can progress now: do not sleep (after arming the others, which is
+                    // also where they notice a peer that is gone).
+                    None => can_progress = true,
                 }
             } else {
                 if link.hup_token == self.token {
@@ -822,6 +830,9 @@ impl Peers {
         if let Some(r) = ready_idle {
             // Something arrived on an idle link already: look at it instead of sleeping.
             return self.inspect_idle(r, fp, libc::POLLIN);
+        }
+        if can_progress {
+            return Ok(());
         }
         // shm: END
         let wait = deadline.saturating_duration_since(Instant::now()).min(MAX_SLEEP);
@@ -1053,6 +1064,14 @@ impl<'a> Tx<'a> {
             done: false,
         }
     }
+
+    // shm: BEGIN
+    /// True when the send cannot progress for want of bytes to forward (everything `avail`
+    /// holds is sent): only the receive that produces them can unblock it.
+    fn starved(&self, avail: usize) -> bool {
+        !self.done && self.frame_open && self.hdr_sent == HEADER_LEN && self.sent_payload() >= avail
+    }
+    // shm: END
 
     fn sent_payload(&self) -> usize {
         self.frame_start + self.frame_sent

@@ -471,6 +471,11 @@ impl Consumer {
         (self.head_cache - self.tail) as usize
     }
 
+    /// True when the writer closed its end (it may have left data to read).
+    fn writer_done(&self, seg: &Segment) -> bool {
+        seg.u32_at(self.at.ctl + CLOSED).load(Ordering::Acquire) != 0
+    }
+
     /// True when the writer closed and everything it wrote has been consumed.
     fn at_end(&mut self, seg: &Segment) -> bool {
         if seg.u32_at(self.at.ctl + CLOSED).load(Ordering::Acquire) == 0 {
@@ -742,6 +747,7 @@ impl Transport for ShmTransport {
 
     fn arm(&mut self, read: bool, write: bool) -> Option<libc::c_short> {
         self.drain_doorbell();
+
         if self.peer_gone {
             return None;
         }
@@ -778,8 +784,15 @@ impl Transport for ShmTransport {
         if n > 0 {
             return Ok(n);
         }
-        if self.rx.available(&self.seg) == 0 && (self.rx.at_end(&self.seg) || self.peer_gone) {
-            return Ok(0);
+        // Nothing taken: either nothing is there, or only part of an element. Once the writer
+        // has closed or died, look once more (it may have published just before) and then it is
+        // the end of the stream: a partial element will never be completed.
+        if self.rx.writer_done(&self.seg) || self.peer_gone {
+            let (n, wake) = self.rx.read_with(&self.seg, max, f);
+            if wake {
+                self.ring_doorbell();
+            }
+            return Ok(n);
         }
         Err(io::ErrorKind::WouldBlock.into())
     }
