@@ -9,7 +9,8 @@
 //! ```text
 //!  src/comm.rs                  Communicator: rank, size, split, work queue, abort
 //!  src/algorithm/               collectives as schedules of steps over groups of ranks
-//!  src/transport/               Transport trait (tcp), framed exchanges with fingerprints
+//!  src/transport/               Transport trait (tcp, shm), framed exchanges with fingerprints,
+//!                               the shared window of one host
 //!  src/rendezvous/              Store trait: tcp store, file store; launcher detection
 //!  src/reduce.rs, src/dtype.rs  element types, reduction ops, vectorised kernels
 //! ```

@@ -73,6 +73,35 @@ fn exercise(comm: &Communicator, algo: Option<Algorithm>) {
     }
 }
 
+/// Outputs too large for the cache (streaming stores) through every window collective.
+fn exercise_large(comm: &Communicator) {
+    let n = comm.size();
+    let r = comm.rank();
+    let count = 6 << 20;
+    let tri = (n * (n - 1) / 2) as f32;
+    let input: Vec<f32> = (0..count).map(|i| (r + i % 5) as f32).collect();
+    let mut out = vec![0f32; count];
+    comm.all_reduce_into(&input, &mut out, ReduceOp::Sum).unwrap();
+    assert!(out.iter().enumerate().all(|(i, v)| *v == tri + (n * (i % 5)) as f32), "large all_reduce_into");
+    let mut buf = input.clone();
+    comm.all_reduce(&mut buf, ReduceOp::Avg).unwrap();
+    let ok = buf.iter().enumerate().all(|(i, v)| (*v - (tri / n as f32 + (i % 5) as f32)).abs() < 1e-4);
+    assert!(ok, "large in-place avg");
+    let mut rs = vec![0f32; count / n];
+    comm.reduce_scatter(&input[..count / n * n], &mut rs, ReduceOp::Max).unwrap();
+    let base = r * (count / n);
+    assert!(
+        rs.iter().enumerate().all(|(k, v)| *v == (n - 1 + (base + k) % 5) as f32),
+        "large reduce_scatter"
+    );
+    let mut all = vec![0f32; count / n * n];
+    comm.all_gather(&rs, &mut all).unwrap();
+    assert!(all.iter().enumerate().all(|(i, v)| *v == (n - 1 + i % 5) as f32), "large all_gather");
+    let mut b: Vec<f32> = if r == 0 { input.clone() } else { vec![0.0; count] };
+    comm.broadcast(&mut b, 0).unwrap();
+    assert!(b.iter().enumerate().all(|(i, v)| *v == (i % 5) as f32), "large broadcast");
+}
+
 #[test]
 fn same_host_ranks_use_shared_memory_and_the_window() {
     if util::is_child() {
@@ -92,6 +121,7 @@ fn same_host_ranks_use_shared_memory_and_the_window() {
         exercise(&comm, None);
         exercise(&comm, Some(Algorithm::Ring));
         exercise(&comm, Some(Algorithm::ShmDirect));
+        exercise_large(&comm);
         comm.barrier().unwrap();
         println!("PIDS {pids:?}");
         return;

@@ -44,7 +44,7 @@ use crate::error::{Error, Result};
 use crate::reduce;
 use crate::transport::Fingerprint;
 use crate::transport::exchange::{AbortSignal, Peers};
-use crate::transport::window::{WaitPolicy, Window};
+use crate::transport::window::{WaitPolicy, Window, copy_streaming, last_level_cache};
 
 /// Bytes reduced at a time (a block of output stays in L1).
 pub const BLOCK: usize = 16 * 1024;
@@ -127,7 +127,8 @@ fn put_input(win: &Window, buf: usize, off: usize, src: &[u8], dtype: DataType, 
 
 /// Reduces my slice: `dst = first ⊕ region_j[off..]` over every member `j != me`, where `first`
 /// is `src` (scaled for avg) or, when `src` is `None`, `dst` itself; also writes the result to
-/// my region at `publish` when given. Block by block.
+/// my region at `publish` when given. Block by block; with `stream`, each block is reduced in a
+/// small buffer that stays in L1 and streamed to `dst` (see [`copy_streaming`]).
 #[allow(clippy::too_many_arguments)]
 fn reduce_slice(
     win: &Window,
@@ -139,14 +140,22 @@ fn reduce_slice(
     op: ReduceOp,
     avg: Option<f64>,
     publish: Option<usize>,
+    stream: bool,
 ) {
     let me = win.me();
     let n = win.members();
     let block = BLOCK - BLOCK % dtype.size();
+    let mut tmp = [0u64; BLOCK / 8];
     let mut at = 0;
     while at < dst.len() {
         let len = block.min(dst.len() - at);
-        let d = &mut dst[at..at + len];
+        let out = &mut dst[at..at + len];
+        // In place the first operand is the output itself: copy it into the block first.
+        if stream && src.is_none() {
+            bytemuck::cast_slice_mut::<u64, u8>(&mut tmp)[..len].copy_from_slice(out);
+        }
+        let d: &mut [u8] =
+            if stream { &mut bytemuck::cast_slice_mut::<u64, u8>(&mut tmp)[..len] } else { out };
         let mut peers = (0..n).filter(|&j| j != me);
         match (src, avg) {
             (Some(s), Some(f)) => reduce::scale_into(dtype, d, &s[at..at + len], f),
@@ -166,8 +175,18 @@ fn reduce_slice(
         if let Some(p) = publish {
             win.put(buf, p + at, d);
         }
+        if stream {
+            copy_streaming(&mut dst[at..at + len], &bytemuck::cast_slice::<u64, u8>(&tmp)[..len]);
+        }
         at += len;
     }
+}
+
+/// Whether outputs of `bytes` per rank should be written with streaming stores: when every
+/// rank's input and output together overflow the last-level cache, the output would be evicted
+/// before anyone reads it again, and streaming saves reading each line before writing it.
+fn streaming(bytes: usize, members: usize) -> bool {
+    2 * bytes * members > last_level_cache()
 }
 
 fn avg_factor(op: ReduceOp, n: usize) -> (ReduceOp, Option<f64>) {
@@ -237,6 +256,7 @@ fn two_shot(
     let n = win.members();
     let me = win.me();
     let es = dtype.size();
+    let stream = streaming(out.len(), n);
     for (c0, c1) in chunks(count, win.region() / es) {
         let slice = |j: usize| schedule::bytes(schedule::piece(c1 - c0, n, j), es);
         let base = c0 * es;
@@ -256,13 +276,13 @@ fn two_shot(
         let r = slice(me);
         let dst = &mut out[base + r.start..base + r.end];
         let own = src.map(|s| &s[base + r.start..base + r.end]);
-        reduce_slice(win, b, r.start, dst, own, dtype, op, avg, Some(r.start));
+        reduce_slice(win, b, r.start, dst, own, dtype, op, avg, Some(r.start), stream);
         let s = win.post();
         sync.wait_all(win, s)?;
         // 3. Gather the others' results.
         for j in (0..n).filter(|&j| j != me) {
             let r = slice(j);
-            win.get(j, b, r.start, &mut out[base + r.start..base + r.end]);
+            win.get_to(j, b, r.start, &mut out[base + r.start..base + r.end], stream);
         }
         win.end_chunk(b);
     }
@@ -284,6 +304,7 @@ pub fn reduce_scatter(wire: &mut Wire<'_>, bufs: Bufs<'_>, dtype: DataType, op: 
         let total = src.map_or(buf.len(), <[u8]>::len);
         let count = total / es / n;
         let piece = count * es;
+        let stream = streaming(total, n);
         // A chunk holds one sub-slice per member in a region.
         for (c0, c1) in chunks(count, win.region() / n / es) {
             let sub = (c1 - c0) * es;
@@ -304,7 +325,7 @@ pub fn reduce_scatter(wire: &mut Wire<'_>, bufs: Bufs<'_>, dtype: DataType, op: 
                 let own = src.map(|s| &s[me * piece + a..me * piece + z]);
                 (&mut buf[a..z], own)
             };
-            reduce_slice(win, b, me * sub, dst, own, dtype, op, avg, None);
+            reduce_slice(win, b, me * sub, dst, own, dtype, op, avg, None, stream);
             win.end_chunk(b);
         }
         Ok(())
@@ -325,13 +346,14 @@ pub fn all_gather(wire: &mut Wire<'_>, bufs: Bufs<'_>) -> Result<()> {
             }
         };
         let piece = out.len() / n;
+        let stream = streaming(out.len(), n);
         for (a, z) in chunks(piece, win.region()) {
             let b = sync.begin_chunk(win, true)?;
             win.put(b, 0, &out[me * piece + a..me * piece + z]);
             let s = win.post();
             sync.wait_all(win, s)?;
             for j in (0..n).filter(|&j| j != me) {
-                win.get(j, b, 0, &mut out[j * piece + a..j * piece + z]);
+                win.get_to(j, b, 0, &mut out[j * piece + a..j * piece + z], stream);
             }
             win.end_chunk(b);
         }
@@ -352,6 +374,7 @@ pub fn broadcast(wire: &mut Wire<'_>, bufs: Bufs<'_>, root: usize) -> Result<()>
                 recv
             }
         };
+        let stream = streaming(out.len(), win.members());
         for (a, z) in chunks(out.len(), win.region()) {
             let b = sync.begin_chunk(win, me == root)?;
             if me == root {
@@ -360,7 +383,7 @@ pub fn broadcast(wire: &mut Wire<'_>, bufs: Bufs<'_>, root: usize) -> Result<()>
             let s = win.post();
             if me != root {
                 sync.wait(win, root, s)?;
-                win.get(root, b, 0, &mut out[a..z]);
+                win.get_to(root, b, 0, &mut out[a..z], stream);
             }
             win.end_chunk(b);
         }

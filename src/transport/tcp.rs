@@ -21,7 +21,8 @@ use super::Transport;
 use crate::error::{Error, Result};
 
 /// Wire protocol version; bumped on any incompatible change of handshake or frames.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// (2: links between ranks of one host start with the shared-memory set-up of `shm`.)
+pub const PROTOCOL_VERSION: u16 = 2;
 const HELLO_MAGIC: u32 = u32::from_le_bytes(*b"TRDH");
 const HELLO_LEN: usize = 24;
 const KIND_HELLO: u8 = 1;

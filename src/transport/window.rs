@@ -248,6 +248,12 @@ impl Window {
         dst.copy_from_slice(self.theirs(m, buf, off, dst.len()));
     }
 
+    /// As [`Window::get`], with non-temporal stores when `stream` (see [`copy_streaming`]).
+    pub fn get_to(&self, m: usize, buf: usize, off: usize, dst: &mut [u8], stream: bool) {
+        let src = self.theirs(m, buf, off, dst.len());
+        if stream { copy_streaming(dst, src) } else { dst.copy_from_slice(src) }
+    }
+
     /// `dst = dst ⊕ region(m, buf)[off..]`.
     pub fn reduce_from(
         &self,
@@ -585,6 +591,96 @@ fn describe_fp(w: &[u64; 4]) -> String {
     )
 }
 
+/// Bytes of the last-level cache (for choosing streaming stores), 32 MiB when unknown.
+pub fn last_level_cache() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_LEVEL3_CACHE_SIZE) };
+    if n > 0 { n as usize } else { 32 << 20 }
+}
+
+/// Copies `src` to `dst` with non-temporal (streaming) stores: the destination is written to
+/// memory without first being read into the cache (no read-for-ownership) and without evicting
+/// useful lines. Worth it only for outputs that will not be read again soon and do not fit in
+/// the cache anyway: a large collective's output. Falls back to a plain copy off x86-64.
+pub fn copy_streaming(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "copy_streaming: length mismatch");
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 is present (checked); the slices are valid and of equal length.
+            unsafe { stream_avx2(dst, src) };
+        } else {
+            // SAFETY: SSE2 is part of x86-64; the slices are valid and of equal length.
+            unsafe { stream_sse2(dst, src) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    dst.copy_from_slice(src);
+}
+
+/// Splits `dst` into a head that brings it to `align`, a body of whole `step`s and a tail.
+#[cfg(target_arch = "x86_64")]
+fn stream_split(dst: &[u8], align: usize, step: usize) -> (usize, usize) {
+    let head = (align - dst.as_ptr() as usize % align) % align;
+    let head = head.min(dst.len());
+    let body = (dst.len() - head) / step * step;
+    (head, body)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn stream_avx2(dst: &mut [u8], src: &[u8]) {
+    use std::arch::x86_64::{__m256i, _mm_sfence, _mm256_loadu_si256, _mm256_stream_si256};
+    let (head, body) = stream_split(dst, 32, 128);
+    dst[..head].copy_from_slice(&src[..head]);
+    let mut i = head;
+    while i < head + body {
+        // SAFETY: `i + 128 <= head + body <= len`; `dst + i` is 32-byte aligned (head brings it
+        // there and steps are multiples of 32); loads are unaligned.
+        unsafe {
+            let s = src.as_ptr().add(i) as *const __m256i;
+            let d = dst.as_mut_ptr().add(i) as *mut __m256i;
+            let (a, b, c, e) = (
+                _mm256_loadu_si256(s),
+                _mm256_loadu_si256(s.add(1)),
+                _mm256_loadu_si256(s.add(2)),
+                _mm256_loadu_si256(s.add(3)),
+            );
+            _mm256_stream_si256(d, a);
+            _mm256_stream_si256(d.add(1), b);
+            _mm256_stream_si256(d.add(2), c);
+            _mm256_stream_si256(d.add(3), e);
+        }
+        i += 128;
+    }
+    dst[i..].copy_from_slice(&src[i..]);
+    // Streaming stores are weakly ordered: make them visible before anything that follows
+    // (the collective's completion, which another thread may observe).
+    _mm_sfence();
+}
+
+#[cfg(target_arch = "x86_64")]
+unsafe fn stream_sse2(dst: &mut [u8], src: &[u8]) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+    let (head, body) = stream_split(dst, 16, 64);
+    dst[..head].copy_from_slice(&src[..head]);
+    let mut i = head;
+    while i < head + body {
+        // SAFETY: as in `stream_avx2`, with 16-byte alignment and 64-byte steps.
+        unsafe {
+            let s = src.as_ptr().add(i) as *const __m128i;
+            let d = dst.as_mut_ptr().add(i) as *mut __m128i;
+            for k in 0..4 {
+                _mm_stream_si128(d.add(k), _mm_loadu_si128(s.add(k)));
+            }
+        }
+        i += 64;
+    }
+    dst[i..].copy_from_slice(&src[i..]);
+    // SAFETY: sfence has no preconditions.
+    unsafe { _mm_sfence() };
+}
+
 fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     let ts = libc::timespec {
         tv_sec: timeout.as_secs() as libc::time_t,
@@ -617,5 +713,30 @@ fn futex_wake(word: &AtomicU32) {
             std::ptr::null::<u32>(),
             0u32,
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn streaming_copy_is_a_copy_at_any_alignment_and_length() {
+        let src: Vec<u8> = (0..5000u32).map(|i| (i * 31 % 251) as u8).collect();
+        for off in [0usize, 1, 7, 16, 31, 33] {
+            for len in [0usize, 1, 15, 31, 32, 127, 128, 129, 1000, 4000] {
+                let mut dst = vec![0u8; len + 64];
+                copy_streaming(&mut dst[off..off + len], &src[3..3 + len]);
+                assert_eq!(&dst[off..off + len], &src[3..3 + len], "offset {off}, length {len}");
+                assert!(dst[..off].iter().chain(&dst[off + len..]).all(|b| *b == 0), "wrote outside");
+            }
+        }
+    }
+
+    #[test]
+    fn stages_compare_across_wrap_around() {
+        assert!(reached(5, 5) && reached(6, 5) && !reached(4, 5));
+        assert!(reached(2, u32::MAX - 1), "2 is three posts after 2^32 - 2");
+        assert!(!reached(u32::MAX - 1, 2));
     }
 }

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Side-by-side all-reduce on this host: toroid (toroid-bench under toroid-run) against Open MPI
+# (our own mpi_allreduce_bench.c, timed the same way), and PyTorch's gloo backend when torch is
+# installed. Prints one table per rank count with the median over RUNS interleaved runs and the
+# ratio toroid/other per size, for busbw (higher is better) and time (lower is better).
+#
+#   benches/compare/run.sh                  # 2 and 4 ranks, 4 KiB .. 64 MiB, 5 runs each
+#   RANKS="2 4 8" RUNS=3 benches/compare/run.sh
+#   GLOO=0 benches/compare/run.sh           # skip torch/gloo even when torch is installed
+#
+# Installs Open MPI from Debian (apt-get install openmpi-bin libopenmpi-dev) when mpicc or
+# mpirun is missing. Both sides bind ranks to cores (toroid-run binds by default; mpirun gets
+# --bind-to core, with :overload-allowed and --oversubscribe when ranks outnumber cores), use
+# float sum, the same sizes, warm-up and iteration counts, and report nccl-tests' busbw
+# (algbw * 2 (n - 1) / n, decimal GB/s). Other load on the machine makes the numbers noisy: the
+# script prints `uptime` before and after, and runs the implementations alternately so that
+# load hits both alike.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+RANKS=${RANKS:-"2 4"}
+RUNS=${RUNS:-5}
+MINB=${MINB:-4K}
+MAXB=${MAXB:-64M}
+FACTOR=${FACTOR:-4}
+ITERS=${ITERS:-20}
+WARMUP=${WARMUP:-5}
+GLOO=${GLOO:-1}
+out="${OUT:-$root/target/compare}"
+mkdir -p "$out"
+
+if ! command -v mpicc >/dev/null || ! command -v mpirun >/dev/null; then
+    echo "# installing Open MPI (openmpi-bin libopenmpi-dev) from Debian" >&2
+    sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
+fi
+
+echo "# building" >&2
+(cd "$root" && cargo build --release --quiet --bin toroid-bench --bin toroid-run)
+mpicc -O2 -o "$out/mpi_allreduce_bench" "$here/mpi_allreduce_bench.c"
+
+cores=$(getconf _NPROCESSORS_ONLN)
+mpi_flags=(-n)
+[ "$(id -u)" -eq 0 ] && mpi_flags=(--allow-run-as-root -n)
+have_gloo=0
+if [ "$GLOO" = 1 ] && python3 -c "import torch.distributed" 2>/dev/null; then
+    have_gloo=1
+fi
+
+echo "# $(mpirun --version 2>/dev/null | head -1); toroid $(cd "$root" && git rev-parse --short HEAD 2>/dev/null || echo '?')"
+echo "# $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $cores CPUs online"
+echo "# uptime before: $(uptime)"
+for n in $RANKS; do
+    bind=(--bind-to core)
+    extra=()
+    if [ "$n" -gt "$cores" ]; then
+        bind=(--bind-to core:overload-allowed)
+        extra=(--oversubscribe)
+    fi
+    for run in $(seq 1 "$RUNS"); do
+        "$root/target/release/toroid-run" -n "$n" -- "$root/target/release/toroid-bench" \
+            -b "$MINB" -e "$MAXB" -f "$FACTOR" -n "$ITERS" -w "$WARMUP" \
+            >"$out/toroid-n$n-r$run.txt" 2>"$out/toroid-n$n-r$run.err"
+        mpirun "${mpi_flags[@]}" "$n" "${bind[@]}" "${extra[@]}" "$out/mpi_allreduce_bench" \
+            -b "$MINB" -e "$MAXB" -f "$FACTOR" -n "$ITERS" -w "$WARMUP" \
+            >"$out/mpi-n$n-r$run.txt" 2>"$out/mpi-n$n-r$run.err"
+        if [ "$have_gloo" = 1 ]; then
+            python3 -m torch.distributed.run --standalone --nproc-per-node "$n" \
+                "$here/gloo_allreduce_bench.py" -b "$MINB" -e "$MAXB" -f "$FACTOR" -n "$ITERS" -w "$WARMUP" \
+                >"$out/gloo-n$n-r$run.txt" 2>"$out/gloo-n$n-r$run.err" || true
+        fi
+    done
+done
+echo "# uptime after:  $(uptime)"
+python3 "$here/table.py" "$out" $RANKS
