@@ -180,8 +180,9 @@ fn ops_for(d: DataType) -> Vec<ReduceOp> {
     ReduceOp::ALL.iter().copied().filter(|o| *o != ReduceOp::Avg || d.is_float()).collect()
 }
 
-/// The whole matrix for `n` ranks. `large` adds the 1<<20 cases.
-fn cases(n: usize, large: bool) -> Vec<Case> {
+/// The whole matrix for `n` ranks. `large` adds the 1<<20 cases; `window` (every rank on one
+/// host with the shared window) adds `shm_direct` forced where it applies.
+fn cases(n: usize, large: bool, window: bool) -> Vec<Case> {
     let mut v = Vec::new();
     let both = [false, true];
     let roots = if n > 1 { vec![0, n - 1] } else { vec![0] };
@@ -194,7 +195,11 @@ fn cases(n: usize, large: bool) -> Vec<Case> {
                     for algo in [None, Some(Algorithm::Ring), Some(Algorithm::Doubling)] {
                         push(Coll::AllReduce, d, op, count, ip, algo);
                     }
+                    if window {
+                        push(Coll::AllReduce, d, op, count, ip, Some(Algorithm::ShmDirect));
+                    }
                     push(Coll::ReduceScatter, d, op, count, ip, None);
+                    push(Coll::ReduceScatter, d, op, count, ip, Some(Algorithm::Ring));
                     for &root in &roots {
                         for algo in [Algorithm::Chain, Algorithm::Tree] {
                             push(Coll::Reduce(root), d, op, count, ip, Some(algo));
@@ -206,10 +211,14 @@ fn cases(n: usize, large: bool) -> Vec<Case> {
         for d in [DataType::F32, DataType::I64, DataType::U8, DataType::BF16] {
             for ip in both {
                 push(Coll::AllGather, d, ReduceOp::Sum, count, ip, None);
+                push(Coll::AllGather, d, ReduceOp::Sum, count, ip, Some(Algorithm::Ring));
                 push(Coll::AllToAll, d, ReduceOp::Sum, count, ip, None);
                 for &root in &roots {
                     for algo in [Algorithm::Chain, Algorithm::Tree] {
                         push(Coll::Broadcast(root), d, ReduceOp::Sum, count, ip, Some(algo));
+                    }
+                    if window {
+                        push(Coll::Broadcast(root), d, ReduceOp::Sum, count, ip, Some(Algorithm::ShmDirect));
                     }
                 }
             }
@@ -226,7 +235,10 @@ fn cases(n: usize, large: bool) -> Vec<Case> {
             push(Coll::AllReduce, DataType::I32, ReduceOp::Prod, m, ip, None);
             push(Coll::AllReduce, DataType::I64, ReduceOp::Sum, m, ip, None);
             push(Coll::ReduceScatter, DataType::F32, ReduceOp::Sum, m, ip, None);
+            push(Coll::ReduceScatter, DataType::F32, ReduceOp::Sum, m, ip, Some(Algorithm::Ring));
             push(Coll::AllGather, DataType::F32, ReduceOp::Sum, m, ip, None);
+            push(Coll::AllGather, DataType::F32, ReduceOp::Sum, m, ip, Some(Algorithm::Ring));
+            push(Coll::AllReduce, DataType::F32, ReduceOp::Avg, m, ip, Some(Algorithm::Ring));
             push(Coll::AllToAll, DataType::I32, ReduceOp::Sum, m, ip, None);
             push(Coll::Broadcast(n / 2), DataType::F32, ReduceOp::Sum, m, ip, Some(Algorithm::Chain));
             push(Coll::Reduce(n / 2), DataType::F32, ReduceOp::Sum, m, ip, Some(Algorithm::Chain));
@@ -250,7 +262,7 @@ fn cases(n: usize, large: bool) -> Vec<Case> {
 fn run_matrix(comm: &Communicator, large: bool) -> Vec<String> {
     let mut failures = Vec::new();
     let t = Instant::now();
-    let all = cases(comm.size(), large);
+    let all = cases(comm.size(), large, comm.has_shared_window());
     for (id, c) in all.iter().enumerate() {
         if let Err(e) = check(comm, id as u64 + 1, c) {
             let fatal = comm.is_aborted();
@@ -288,6 +300,7 @@ fn all_collectives_in_processes() {
         assert!(failures.is_empty(), "{}", failures.join("\n"));
         return;
     }
+    // One host (shared memory: rings between every pair and the shared window)...
     for n in 1..=9 {
         let t = Instant::now();
         let out = util::launch("all_collectives_in_processes", n, &[("TOROID_TIMEOUT", "60")], 600);
@@ -295,5 +308,21 @@ fn all_collectives_in_processes() {
         let report = String::from_utf8_lossy(&out.stdout);
         let line = report.lines().find(|l| l.contains("cases in")).unwrap_or("(no report)");
         println!("{line} (job {:.1?})", t.elapsed());
+    }
+    // ... TCP only, and two emulated hosts (shared memory within, TCP across, no window).
+    let variants: [(&str, usize, &[(&str, &str)], &[&str]); 3] = [
+        ("TCP only", 3, &[("TOROID_SHM_DISABLE", "1")], &[]),
+        ("2 hosts", 4, &[], &["--emulate-hosts", "2"]),
+        ("2 hosts", 7, &[], &["--emulate-hosts", "2"]),
+    ];
+    for (what, n, env, opts) in variants {
+        let t = Instant::now();
+        let mut env = env.to_vec();
+        env.push(("TOROID_TIMEOUT", "60"));
+        let out = util::launch_with("all_collectives_in_processes", n, &env, opts, 600);
+        util::assert_success(&out, &format!("{n} ranks, {what}"));
+        let report = String::from_utf8_lossy(&out.stdout);
+        let line = report.lines().find(|l| l.contains("cases in")).unwrap_or("(no report)");
+        println!("{what}: {line} (job {:.1?})", t.elapsed());
     }
 }

@@ -30,11 +30,14 @@
 //! that last used `b` ended ([`Window::begin_chunk`]): nobody still reads it. The wait is nearly
 //! always already satisfied (and checked against cached stages, without touching shared lines).
 //!
-//! **Fingerprints.** At the start of a collective each member writes its fingerprint into slot
-//! `seq mod 4`; a waiter compares the slot of each member it waits for once per collective, so
-//! ranks that issued different collectives get a mismatch error rather than wrong data. Four
-//! slots suffice: no member can be more than two chunks (hence two collectives) ahead of another,
-//! because of the buffer rule above.
+//! **Fingerprints.** At the start of its `k`-th collective on the window each member writes the
+//! collective's fingerprint into slot `k mod 4`; a waiter compares the slot of each member it
+//! waits for once per collective, so ranks that issued different collectives get a mismatch
+//! error rather than wrong data. Four slots suffice: while a member is in window collective `k`,
+//! no other member can start `k + 4` (by the buffer rule, starting to write chunk `g + 2` needs
+//! everyone done with chunk `g`, and a member that writes nothing waits for one that does). The
+//! count is of window collectives, not sequence numbers: other collectives in between (over the
+//! point-to-point links) do not hold the window's members together.
 //!
 //! The data methods copy or reduce between private buffers and regions. They are safe to call;
 //! their correctness (no member writes a region while another reads it) rests on the protocol,
@@ -109,8 +112,9 @@ pub struct Window {
     done_at: [u32; 2],
     /// Fingerprint of the running collective was checked for these members.
     fp_checked: Vec<bool>,
-    /// Sequence number of the running collective.
-    seq: u64,
+    /// Collectives run on this window (every member counts the same); the running one's
+    /// fingerprint lives in slot `colls mod 4`.
+    colls: u64,
     /// More members than online CPUs: waiters yield from the start.
     oversubscribed: bool,
 }
@@ -168,7 +172,7 @@ impl Window {
             chunks: 0,
             done_at: [0; 2],
             fp_checked: vec![false; members],
-            seq: 0,
+            colls: 0,
             oversubscribed: members > online_cpus(),
         }
     }
@@ -302,11 +306,11 @@ impl Window {
     /// Starts a collective: publishes my fingerprint (read by the others before they use my
     /// data) and forgets which members were checked.
     pub fn begin(&mut self, fp: &Fingerprint) {
-        let slot = self.ctl(self.me) + FP_SLOTS + (fp.seq % 4) as usize * FP_LEN;
+        self.colls += 1;
+        let slot = self.ctl(self.me) + FP_SLOTS + (self.colls % 4) as usize * FP_LEN;
         for (i, w) in encode_fp(fp).iter().enumerate() {
             self.seg.u64_at(slot + 8 * i).store(*w, Ordering::Relaxed);
         }
-        self.seq = fp.seq;
         self.fp_checked.iter_mut().for_each(|c| *c = false);
         self.fp_checked[self.me] = true;
     }
@@ -315,7 +319,7 @@ impl Window {
         if self.fp_checked[m] {
             return Ok(());
         }
-        let slot = self.ctl(m) + FP_SLOTS + (fp.seq % 4) as usize * FP_LEN;
+        let slot = self.ctl(m) + FP_SLOTS + (self.colls % 4) as usize * FP_LEN;
         let mut w = [0u64; 4];
         for (i, x) in w.iter_mut().enumerate() {
             *x = self.seg.u64_at(slot + 8 * i).load(Ordering::Relaxed);
@@ -591,11 +595,29 @@ fn describe_fp(w: &[u64; 4]) -> String {
     )
 }
 
-/// Bytes of the last-level cache (for choosing streaming stores), 32 MiB when unknown.
+/// Bytes of the last-level cache (for choosing streaming stores): the largest cache sysfs lists
+/// for CPU 0 (`sysconf` is not trusted: under KVM glibc reports the host's total), 32 MiB when
+/// unknown. Read once.
 pub fn last_level_cache() -> usize {
-    // SAFETY: sysconf has no memory-safety preconditions.
-    let n = unsafe { libc::sysconf(libc::_SC_LEVEL3_CACHE_SIZE) };
-    if n > 0 { n as usize } else { 32 << 20 }
+    static LLC: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *LLC.get_or_init(|| {
+        let parse = |s: &str| {
+            let s = s.trim();
+            let (num, mult) = match s.chars().last() {
+                Some('K') => (&s[..s.len() - 1], 1 << 10),
+                Some('M') => (&s[..s.len() - 1], 1 << 20),
+                _ => (s, 1),
+            };
+            num.parse::<usize>().ok().map(|v| v * mult)
+        };
+        (0..8)
+            .filter_map(|i| {
+                std::fs::read_to_string(format!("/sys/devices/system/cpu/cpu0/cache/index{i}/size")).ok()
+            })
+            .filter_map(|s| parse(&s))
+            .max()
+            .unwrap_or(32 << 20)
+    })
 }
 
 /// Copies `src` to `dst` with non-temporal (streaming) stores: the destination is written to

@@ -57,9 +57,15 @@ where
 /// Re-runs the test `test_name` of this test binary as `n` rank processes under `toroid-run`
 /// (which prefixes their output and stops them all when one fails), bounded by `timeout_s`.
 pub fn launch(test_name: &str, n: usize, env: &[(&str, &str)], timeout_s: u64) -> Output {
+    launch_with(test_name, n, env, &[], timeout_s)
+}
+
+/// As [`launch`], with extra `toroid-run` options (e.g. `--emulate-hosts 2`).
+pub fn launch_with(test_name: &str, n: usize, env: &[(&str, &str)], opts: &[&str], timeout_s: u64) -> Output {
     let exe = std::env::current_exe().unwrap();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_toroid-run"));
     cmd.arg("-n").arg(n.to_string()).arg("--timeout").arg(timeout_s.to_string()).arg("--grace").arg("2");
+    cmd.args(opts);
     cmd.arg("--env").arg(format!("{CHILD_VAR}=1"));
     for (k, v) in env {
         cmd.arg("--env").arg(format!("{k}={v}"));
