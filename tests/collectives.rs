@@ -310,7 +310,8 @@ fn all_collectives_in_processes() {
         println!("{line} (job {:.1?})", t.elapsed());
     }
     // ... TCP only, and two emulated hosts (shared memory within, TCP across, no window).
-    let variants: [(&str, usize, &[(&str, &str)], &[&str]); 3] = [
+    type Variant<'a> = (&'a str, usize, &'a [(&'a str, &'a str)], &'a [&'a str]);
+    let variants: [Variant<'_>; 3] = [
         ("TCP only", 3, &[("TOROID_SHM_DISABLE", "1")], &[]),
         ("2 hosts", 4, &[], &["--emulate-hosts", "2"]),
         ("2 hosts", 7, &[], &["--emulate-hosts", "2"]),
