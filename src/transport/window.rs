@@ -117,6 +117,31 @@ pub struct Window {
     colls: u64,
     /// More members than online CPUs: waiters yield from the start.
     oversubscribed: bool,
+    /// How waits went (logged at DEBUG when the window is dropped).
+    stats: WaitStats,
+}
+
+/// Counters of a window's waits.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct WaitStats {
+    /// Waits that found the member behind.
+    pub waits: u64,
+    /// CPU yields while spinning.
+    pub yields: u64,
+    /// Waits that went to sleep on the futex.
+    pub sleeps: u64,
+    /// Futex sleeps (a wait may take several).
+    pub naps: u64,
+    /// Time spent spinning and yielding.
+    pub spin_time: Duration,
+    /// Time spent asleep.
+    pub sleep_time: Duration,
+}
+
+impl Drop for Window {
+    fn drop(&mut self) {
+        tracing::debug!(target: "toroid::net", "local rank {}: window waits {:?}", self.me, self.stats);
+    }
 }
 
 fn reached(v: u32, target: u32) -> bool {
@@ -174,6 +199,7 @@ impl Window {
             fp_checked: vec![false; members],
             colls: 0,
             oversubscribed: members > online_cpus(),
+            stats: WaitStats::default(),
         }
     }
 
@@ -195,6 +221,11 @@ impl Window {
     /// Bytes of each region.
     pub fn region(&self) -> usize {
         self.region
+    }
+
+    /// How waits went so far.
+    pub fn stats(&self) -> WaitStats {
+        self.stats
     }
 
     /// True when members outnumber the host's online CPUs (waiters yield instead of spinning).
@@ -469,11 +500,14 @@ impl Window {
         let aborted = self.seg.u32_at(HDR_ABORTED);
         let pure = if policy.oversubscribed { Duration::ZERO } else { PURE_SPIN.min(policy.spin) };
         let mut i = 0u32;
+        self.stats.waits += 1;
+        let spun = Instant::now();
         // 1. Spin, then yield, until the spin budget is spent.
         loop {
             let v = self.stage_word(m).load(Ordering::Acquire);
             if reached(v, target) {
                 self.seen[m] = v;
+                self.stats.spin_time += spun.elapsed();
                 return Ok(());
             }
             i = i.wrapping_add(1);
@@ -487,16 +521,21 @@ impl Window {
                     break;
                 }
                 if spent >= pure {
+                    self.stats.yields += 1;
                     std::thread::yield_now();
                     continue;
                 }
             }
             std::hint::spin_loop();
         }
+        self.stats.spin_time += spun.elapsed();
         // 2. Sleep on the member's stage word in slices, checking liveness between them.
         let word = self.stage_word(m);
         let waiters = self.seg.u32_at(self.ctl(m) + WAITERS);
         waiters.fetch_add(1, Ordering::SeqCst);
+        let slept = Instant::now();
+        let mut last_probe = slept;
+        let mut naps = 0u64;
         let r = (|| loop {
             let v = word.load(Ordering::SeqCst);
             if reached(v, target) {
@@ -506,6 +545,14 @@ impl Window {
             if aborted.load(Ordering::Relaxed) != 0 {
                 return Err(self.aborted_error(m, fp, &mut *probe));
             }
+            let now = Instant::now();
+            if now.duration_since(last_probe) < SLICE && now < deadline {
+                naps += 1;
+                futex_wait(word, v, SLICE.min(deadline - now));
+                continue;
+            }
+            // A slice passed without the stage moving: is the member still there?
+            last_probe = now;
             if probe(m)? {
                 // Its connection closed: fine only if it got there before leaving.
                 let v = word.load(Ordering::SeqCst);
@@ -516,7 +563,6 @@ impl Window {
                     "local rank {m} closed its connection during {fp} (it exited, crashed or aborted)"
                 )));
             }
-            let now = Instant::now();
             if now >= deadline {
                 return Err(Error::Timeout(format!(
                     "local rank {} in {fp}: deadline passed waiting for local rank {m} \
@@ -524,9 +570,13 @@ impl Window {
                     self.me
                 )));
             }
+            naps += 1;
             futex_wait(word, v, SLICE.min(deadline - now));
         })();
         waiters.fetch_sub(1, Ordering::SeqCst);
+        self.stats.sleeps += 1;
+        self.stats.naps += naps;
+        self.stats.sleep_time += slept.elapsed();
         let v = r?;
         self.seen[m] = v;
         Ok(())
