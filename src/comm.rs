@@ -25,6 +25,7 @@ use crate::dtype::{DataType, Element, ReduceOp};
 use crate::error::{Error, Result};
 use crate::memory::{RawBuf, RawBufMut, RawBufs};
 use crate::rendezvous::{self, Store};
+use crate::topology::{Layout, Topology};
 use crate::transport::exchange::{AbortSignal, SpinPolicy};
 use crate::transport::{CollKind, Fingerprint, Peers, tcp};
 use crate::tuning::{self, AlgoFilter};
@@ -92,43 +93,6 @@ pub struct RawOp {
     pub opts: CallOptions,
 }
 
-/// Where ranks live: host of each rank, and this rank's place on its host.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Topology {
-    /// Host index of each rank (hosts numbered in order of their lowest rank).
-    pub host_of: Vec<usize>,
-    /// Number of distinct hosts.
-    pub hosts: usize,
-    /// This rank's index among the ranks of its host.
-    pub local_rank: usize,
-    /// Number of ranks on this rank's host.
-    pub local_size: usize,
-}
-
-impl Topology {
-    /// Builds the topology from each rank's host identity.
-    pub fn from_host_ids(rank: usize, ids: &[String]) -> Topology {
-        let mut names: Vec<&str> = Vec::new();
-        let host_of: Vec<usize> = ids
-            .iter()
-            .map(|id| match names.iter().position(|n| *n == id) {
-                Some(i) => i,
-                None => {
-                    names.push(id);
-                    names.len() - 1
-                }
-            })
-            .collect();
-        let mine = host_of[rank];
-        Topology {
-            local_rank: host_of[..rank].iter().filter(|h| **h == mine).count(),
-            local_size: host_of.iter().filter(|h| **h == mine).count(),
-            hosts: names.len(),
-            host_of,
-        }
-    }
-}
-
 /// This machine's identity: `TOROID_HOST_ID`, else hostname plus boot id.
 fn host_identity(cfg: &Config) -> String {
     if let Some(id) = &cfg.host_id {
@@ -181,6 +145,7 @@ struct Core {
     filter: AlgoFilter,
     config: Config,
     topology: Topology,
+    layout: Layout,
     iface: tcp::Interface,
     abort: Arc<AbortSignal>,
     engine: Mutex<Engine>,
@@ -338,6 +303,12 @@ impl Communicator {
             topology.host_of[rank], topology.hosts, topology.local_rank, topology.local_size,
             spin.spin, if oversubscribed { " (more ranks than cores: yielding)" } else { "" });
         let filter = AlgoFilter::parse(config.algo.as_deref().unwrap_or(""))?;
+        let layout = Layout::new(&topology, rank, config.torus_shape)?;
+        if let Some(note) = &layout.grid.note {
+            if rank == 0 {
+                tracing::info!(target: "toroid::init", "torus grid: {note}");
+            }
+        }
         let core = Core {
             rank,
             size,
@@ -346,6 +317,7 @@ impl Communicator {
             filter,
             config,
             topology,
+            layout,
             iface,
             abort,
             engine: Mutex::new(Engine {
@@ -755,7 +727,7 @@ impl Core {
         let scratch = &mut engine.scratch;
         // SAFETY: validated buffers; blocking callers hold their borrows until we return, async
         // callers keep them alive in the work handle (see `memory`). One operation runs at a time.
-        let result = unsafe { dispatch(&mut wire, scratch, op, algo) };
+        let result = unsafe { dispatch(&mut wire, scratch, &self.layout, op, algo) };
         if let Err(e) = &result {
             tracing::warn!(target: "toroid::coll", "rank {}: {e}", self.rank);
             if !engine.peers.is_closed() {
@@ -798,7 +770,13 @@ impl Core {
 ///
 /// # Safety
 /// `op`'s buffers must be valid as [`RawBufs::bufs`] requires.
-unsafe fn dispatch(wire: &mut Wire<'_>, scratch: &mut Scratch, op: &RawOp, algo: Algorithm) -> Result<()> {
+unsafe fn dispatch(
+    wire: &mut Wire<'_>,
+    scratch: &mut Scratch,
+    layout: &Layout,
+    op: &RawOp,
+    algo: Algorithm,
+) -> Result<()> {
     let n = wire.size();
     let me = wire.rank();
     let dtype = op.dtype;
@@ -809,6 +787,15 @@ unsafe fn dispatch(wire: &mut Wire<'_>, scratch: &mut Scratch, op: &RawOp, algo:
         OpKind::AllReduce(rop) => match algo {
             Algorithm::Doubling => {
                 algorithm::doubling::all_reduce(wire, scratch, bufs.ok_or_else(need)?, dtype, rop)
+            }
+            Algorithm::HalvingDoubling => {
+                algorithm::halving_doubling::all_reduce(wire, bufs.ok_or_else(need)?, dtype, rop)
+            }
+            Algorithm::HierarchicalRing => {
+                algorithm::hierarchical::all_reduce(wire, layout, bufs.ok_or_else(need)?, dtype, rop)
+            }
+            Algorithm::Torus2d => {
+                algorithm::torus2d::all_reduce(wire, layout, bufs.ok_or_else(need)?, dtype, rop)
             }
             _ => {
                 algorithm::ring::all_reduce(wire, Group::World(n), me, bufs.ok_or_else(need)?, dtype, rop, n)

@@ -57,6 +57,8 @@ pub const TOROID_VARS: &[&str] = &[
     "TOROID_DEBUG",
     "TOROID_DEBUG_SUBSYS",
     "TOROID_HOST_ID",
+    "TOROID_TORUS_SHAPE",
+    "TOROID_COST_MODEL",
 ];
 
 /// Settings of the library, from the environment or built by hand.
@@ -78,6 +80,10 @@ pub struct Config {
     pub algo: Option<String>,
     /// Host identity override (`TOROID_HOST_ID`), for emulating several hosts on one machine.
     pub host_id: Option<String>,
+    /// Torus grid override (`TOROID_TORUS_SHAPE=XxY`).
+    pub torus_shape: Option<(usize, usize)>,
+    /// Cost model source (`TOROID_COST_MODEL`): `probe` (default), `default`, or explicit values.
+    pub cost_model: Option<String>,
     /// Every variable read, by name (for `rendezvous::env` and the one-time log).
     pub vars: BTreeMap<String, String>,
 }
@@ -103,6 +109,8 @@ impl Default for Config {
             segment_size: DEFAULT_SEGMENT_SIZE,
             algo: None,
             host_id: None,
+            torus_shape: None,
+            cost_model: None,
             vars: BTreeMap::new(),
         }
     }
@@ -163,6 +171,10 @@ impl Config {
         }
         cfg.algo = get("TOROID_ALGO").map(str::to_string);
         cfg.host_id = get("TOROID_HOST_ID").map(str::to_string);
+        if let Some(v) = get("TOROID_TORUS_SHAPE") {
+            cfg.torus_shape = Some(crate::topology::parse_shape(v)?);
+        }
+        cfg.cost_model = get("TOROID_COST_MODEL").map(str::to_string);
         cfg.vars = vars;
         Ok(cfg)
     }

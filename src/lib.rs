@@ -28,11 +28,13 @@ pub mod error;
 pub mod memory;
 pub mod reduce;
 pub mod rendezvous;
+pub mod topology;
 pub mod transport;
 pub mod tuning;
 
 pub use algorithm::Algorithm;
-pub use comm::{CallOptions, Communicator, OpKind, OwnedBuffer, Topology, Work};
+pub use comm::{CallOptions, Communicator, OpKind, OwnedBuffer, Work};
 pub use config::Config;
 pub use dtype::{DataType, Element, ReduceOp};
 pub use error::{Error, Result};
+pub use topology::Topology;

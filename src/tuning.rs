@@ -21,7 +21,13 @@ pub const TREE_MAX_BYTES: usize = 64 * 1024;
 /// The algorithms that can run `kind`.
 pub fn candidates(kind: CollKind) -> &'static [Algorithm] {
     match kind {
-        CollKind::AllReduce => &[Algorithm::Ring, Algorithm::Doubling],
+        CollKind::AllReduce => &[
+            Algorithm::Ring,
+            Algorithm::Doubling,
+            Algorithm::HalvingDoubling,
+            Algorithm::HierarchicalRing,
+            Algorithm::Torus2d,
+        ],
         CollKind::ReduceScatter | CollKind::AllGather => &[Algorithm::Ring],
         CollKind::Broadcast | CollKind::Reduce => &[Algorithm::Chain, Algorithm::Tree],
         CollKind::AllToAll => &[Algorithm::Pairwise],

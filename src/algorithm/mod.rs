@@ -8,7 +8,7 @@
 //!
 //! | collective | algorithms |
 //! |---|---|
-//! | all_reduce | `ring` (reduce-scatter then all-gather, bandwidth-optimal), `rd` (recursive doubling, latency-optimal for small messages) |
+//! | all_reduce | `ring` (reduce-scatter then all-gather, bandwidth-optimal), `hring` (hierarchical ring), `torus2d` (2D torus), `hd` (halving-doubling), `rd` (recursive doubling, latency-optimal for small messages) |
 //! | reduce_scatter, all_gather | `ring` |
 //! | broadcast, reduce | `chain` (pipelined, large messages), `tree` (binomial, small messages) |
 //! | all_to_all | `pairwise` |
@@ -17,9 +17,12 @@
 
 pub mod broadcast;
 pub mod doubling;
+pub mod halving_doubling;
+pub mod hierarchical;
 pub mod pairwise;
 pub mod ring;
 pub mod schedule;
+pub mod torus2d;
 
 use std::time::Instant;
 
@@ -47,11 +50,17 @@ pub enum Algorithm {
     Dissemination = 6,
     /// Direct point-to-point (send/recv).
     Direct = 7,
+    /// Recursive halving-doubling, Rabenseifner (small and medium all_reduce).
+    HalvingDoubling = 8,
+    /// Hierarchical ring (Tencent): reduce per host, ring among hosts' roots, broadcast per host.
+    HierarchicalRing = 9,
+    /// 2D torus (Sony): reduce-scatter along rows, all-reduce along columns, all-gather along rows.
+    Torus2d = 10,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 7] = [
+    pub const ALL: [Algorithm; 10] = [
         Algorithm::Ring,
         Algorithm::Doubling,
         Algorithm::Chain,
@@ -59,6 +68,9 @@ impl Algorithm {
         Algorithm::Pairwise,
         Algorithm::Dissemination,
         Algorithm::Direct,
+        Algorithm::HalvingDoubling,
+        Algorithm::HierarchicalRing,
+        Algorithm::Torus2d,
     ];
 
     /// The name used in `TOROID_ALGO`, logs and the benchmark.
@@ -71,6 +83,9 @@ impl Algorithm {
             Algorithm::Pairwise => "pairwise",
             Algorithm::Dissemination => "dissemination",
             Algorithm::Direct => "direct",
+            Algorithm::HalvingDoubling => "hd",
+            Algorithm::HierarchicalRing => "hring",
+            Algorithm::Torus2d => "torus2d",
         }
     }
 
@@ -198,6 +213,28 @@ impl Bufs<'_> {
             Bufs::InPlace(b) => b.len(),
             Bufs::OutOfPlace { recv, .. } => recv.len(),
         }
+    }
+}
+
+/// Splits one buffer into a piece to read and a disjoint piece to write.
+pub(crate) fn read_write(
+    buf: &mut [u8],
+    read: std::ops::Range<usize>,
+    write: std::ops::Range<usize>,
+) -> (&[u8], &mut [u8]) {
+    assert!(
+        read.end <= write.start || write.end <= read.start || read.is_empty() || write.is_empty(),
+        "overlapping pieces {read:?} {write:?}"
+    );
+    if read.is_empty() {
+        return (&[], &mut buf[write]);
+    }
+    if read.start < write.start {
+        let (lo, hi) = buf.split_at_mut(write.start);
+        (&lo[read], &mut hi[..write.end - write.start])
+    } else {
+        let (lo, hi) = buf.split_at_mut(read.start);
+        (&hi[..read.end - read.start], &mut lo[write])
     }
 }
 
