@@ -304,10 +304,10 @@ impl Communicator {
             spin.spin, if oversubscribed { " (more ranks than cores: yielding)" } else { "" });
         let filter = AlgoFilter::parse(config.algo.as_deref().unwrap_or(""))?;
         let layout = Layout::new(&topology, rank, config.torus_shape)?;
-        if let Some(note) = &layout.grid.note {
-            if rank == 0 {
-                tracing::info!(target: "toroid::init", "torus grid: {note}");
-            }
+        if let Some(note) = &layout.grid.note
+            && rank == 0
+        {
+            tracing::info!(target: "toroid::init", "torus grid: {note}");
         }
         let core = Core {
             rank,

@@ -98,7 +98,7 @@ impl Topology {
         }
         let mean = n as f64 / self.hosts.max(1) as f64;
         let x = (1..=n)
-            .filter(|d| n % d == 0)
+            .filter(|d| n.is_multiple_of(*d))
             .min_by(|a, b| (*a as f64 - mean).abs().total_cmp(&(*b as f64 - mean).abs()))
             .unwrap_or(1);
         let sizes: Vec<usize> = self.members.iter().map(Vec::len).collect();

@@ -39,7 +39,7 @@ pub fn all_reduce(wire: &mut Wire<'_>, bufs: Bufs<'_>, dtype: DataType, op: Redu
     let last = 2 * rounds + 1;
     // Fold: even ranks below 2*rem hand their data to the odd rank above them.
     if rank < 2 * d.rem {
-        if rank % 2 == 0 {
+        if rank.is_multiple_of(2) {
             wire.exchange(0, Some((rank + 1, Source::Bytes(src.unwrap_or(buf)))), None)?;
             return wire.exchange(last, None, Some((rank + 1, Sink::Copy(buf))));
         }
