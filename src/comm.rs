@@ -28,7 +28,7 @@ use crate::rendezvous::{self, Store};
 use crate::topology::{Layout, Topology};
 use crate::transport::exchange::{AbortSignal, SpinPolicy};
 use crate::transport::{CollKind, Fingerprint, Peers, tcp};
-use crate::tuning::{self, AlgoFilter};
+use crate::tuning::{self, AlgoFilter, CostModel, Shape};
 
 /// Options of one call.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -62,6 +62,8 @@ pub enum OpKind {
     Recv(usize),
     /// the all-gather inside `split`
     SplitExchange,
+    /// the cost model's link measurements (output: the probe results as 6 f64)
+    Probe,
 }
 
 impl OpKind {
@@ -76,6 +78,7 @@ impl OpKind {
             OpKind::Barrier => CollKind::Barrier,
             OpKind::Send(_) | OpKind::Recv(_) => CollKind::PointToPoint,
             OpKind::SplitExchange => CollKind::Split,
+            OpKind::Probe => CollKind::Probe,
         }
     }
 }
@@ -146,6 +149,12 @@ struct Core {
     config: Config,
     topology: Topology,
     layout: Layout,
+    /// The cost model and shape every choice uses: the untuned defaults until the probe (or
+    /// `TOROID_COST_MODEL`) sets them, identically on every rank.
+    tuning: std::sync::OnceLock<(CostModel, Shape)>,
+    untuned: (CostModel, Shape),
+    /// Sizes whose algorithm choice was already logged (log once per collective and size class).
+    logged: Mutex<std::collections::HashSet<(CollKind, u32, Algorithm)>>,
     iface: tcp::Interface,
     abort: Arc<AbortSignal>,
     engine: Mutex<Engine>,
@@ -286,7 +295,7 @@ impl Communicator {
         transports: Vec<Option<Box<dyn crate::transport::Transport>>>,
         store: Option<Arc<dyn Store>>,
     ) -> Result<Communicator> {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let cores = crate::topology::online_cpus();
         let oversubscribed = topology.local_size > cores;
         let spin = SpinPolicy {
             spin: config.spin.unwrap_or(if oversubscribed {
@@ -309,6 +318,16 @@ impl Communicator {
         {
             tracing::info!(target: "toroid::init", "torus grid: {note}");
         }
+        let shape = Shape {
+            n: size,
+            hosts: topology.hosts,
+            per_host: layout.max_local,
+            grid: (layout.grid.x, layout.grid.y),
+            rows_are_hosts: matches!(layout.grid.placement, crate::topology::Placement::Hosts(_)),
+            cpu_share: 1.0,
+            nics: 1,
+        };
+        let explicit = CostModel::parse(config.cost_model.as_deref().unwrap_or(""))?;
         let core = Core {
             rank,
             size,
@@ -318,6 +337,9 @@ impl Communicator {
             config,
             topology,
             layout,
+            tuning: std::sync::OnceLock::new(),
+            untuned: (CostModel::default(), shape),
+            logged: Mutex::new(std::collections::HashSet::new()),
             iface,
             abort,
             engine: Mutex::new(Engine {
@@ -333,7 +355,48 @@ impl Communicator {
             last_error: Mutex::new(None),
             _store: store,
         };
-        Ok(Communicator { core: Arc::new(core), worker: Mutex::new(None) })
+        let comm = Communicator { core: Arc::new(core), worker: Mutex::new(None) };
+        comm.calibrate(explicit)?;
+        Ok(comm)
+    }
+
+    /// Sets the cost model: `explicit` when given, else the probe's measurements agreed by an
+    /// all-reduce of maxima (a collective: every rank runs it at creation).
+    fn calibrate(&self, explicit: Option<CostModel>) -> Result<()> {
+        let shape = self.core.untuned.1.clone();
+        let model = match explicit {
+            Some(m) => (m, shape),
+            None if self.size() == 1 => (CostModel::default(), shape),
+            None => {
+                let mut r = [0f64; 6];
+                self.run(RawOp {
+                    kind: OpKind::Probe,
+                    dtype: DataType::F64,
+                    bufs: RawBufs::InPlace(RawBufMut::new(bytemuck::cast_slice_mut(&mut r))),
+                    opts: CallOptions::default(),
+                })?;
+                self.all_reduce(&mut r, ReduceOp::Max)?;
+                (CostModel::from_probe(&r), Shape { cpu_share: r[5].max(1.0), ..shape })
+            }
+        };
+        if self.rank() == 0 {
+            tracing::info!(target: "toroid::tuning", "cost model: {} (cpu share {:.1})", model.0, model.1.cpu_share);
+        }
+        let _ = self.core.tuning.set(model);
+        Ok(())
+    }
+
+    /// Seconds the cost model predicts for an all-reduce (broadcast and reduce for `chain` and
+    /// `tree`) of `bytes` with `algo`.
+    pub fn predict(&self, algo: Algorithm, bytes: usize) -> f64 {
+        let (m, s) = self.cost_model();
+        m.predict(algo, bytes, s).time
+    }
+
+    /// The cost model and shape the algorithm choice uses.
+    pub fn cost_model(&self) -> (&CostModel, &Shape) {
+        let (m, s) = self.core.tuning.get().unwrap_or(&self.core.untuned);
+        (m, s)
     }
 
     /// This rank.
@@ -573,10 +636,23 @@ impl Drop for Communicator {
 impl Core {
     fn choose(&self, kind: OpKind, bytes: usize, opts: &CallOptions) -> Algorithm {
         let coll = kind.coll();
-        match opts.algorithm {
-            Some(a) => a,
-            None => self.filter.choose(coll, bytes, self.size),
+        if let Some(a) = opts.algorithm {
+            return a;
         }
+        let (model, shape) = self.tuning.get().unwrap_or(&self.untuned);
+        let algo = tuning::choose(&self.filter, model, shape, coll, bytes);
+        if tracing::enabled!(target: "toroid::tuning", tracing::Level::INFO)
+            && tuning::candidates(coll).len() > 1
+        {
+            let class = usize::BITS - bytes.leading_zeros();
+            if lock(&self.logged).insert((coll, class, algo)) {
+                let t = model.predict(algo, bytes, shape).time;
+                tracing::info!(target: "toroid::tuning",
+                    "rank {}: {} of {bytes} bytes on {} ranks: {algo} (predicted {:.1} us)",
+                    self.rank, coll.name(), self.size, t * 1e6);
+            }
+        }
+        algo
     }
 
     /// Checks everything that can be checked locally, before any byte moves.
@@ -658,6 +734,11 @@ impl Core {
                 }
             }
             OpKind::Barrier => {}
+            OpKind::Probe => {
+                if out != 6 * 8 {
+                    return Err(Error::Internal("probe output must be 6 f64".into()));
+                }
+            }
             OpKind::Send(peer) | OpKind::Recv(peer) => {
                 rank_ok("peer", peer)?;
                 if peer == self.rank {
@@ -692,7 +773,7 @@ impl Core {
             }
             OpKind::Reduce(o, r) => (op.bufs.input_len() / es, r as i32, o, op.bufs.input_len()),
             OpKind::AllToAll => (op.bufs.output_len() / es / n, -1, ReduceOp::Sum, op.bufs.output_len()),
-            OpKind::Barrier => (0, -1, ReduceOp::Sum, 0),
+            OpKind::Barrier | OpKind::Probe => (0, -1, ReduceOp::Sum, 0),
             OpKind::Send(_) => (op.bufs.input_len() / es, -1, ReduceOp::Sum, op.bufs.input_len()),
             OpKind::Recv(_) => (op.bufs.output_len() / es, -1, ReduceOp::Sum, op.bufs.output_len()),
         };
@@ -727,7 +808,7 @@ impl Core {
         let scratch = &mut engine.scratch;
         // SAFETY: validated buffers; blocking callers hold their borrows until we return, async
         // callers keep them alive in the work handle (see `memory`). One operation runs at a time.
-        let result = unsafe { dispatch(&mut wire, scratch, &self.layout, op, algo) };
+        let result = unsafe { dispatch(&mut wire, scratch, &self.topology, &self.layout, op, algo) };
         if let Err(e) = &result {
             tracing::warn!(target: "toroid::coll", "rank {}: {e}", self.rank);
             if !engine.peers.is_closed() {
@@ -773,6 +854,7 @@ impl Core {
 unsafe fn dispatch(
     wire: &mut Wire<'_>,
     scratch: &mut Scratch,
+    topology: &Topology,
     layout: &Layout,
     op: &RawOp,
     algo: Algorithm,
@@ -838,6 +920,14 @@ unsafe fn dispatch(
         }
         OpKind::AllToAll => algorithm::pairwise::all_to_all(wire, scratch, bufs.ok_or_else(need)?),
         OpKind::Barrier => algorithm::pairwise::barrier(wire),
+        OpKind::Probe => {
+            let r = tuning::probe(wire, topology, scratch.one(tuning::PROBE_BYTES))?;
+            match bufs.ok_or_else(need)? {
+                Bufs::InPlace(out) => out.copy_from_slice(bytemuck::cast_slice(&r)),
+                Bufs::OutOfPlace { .. } => return Err(need()),
+            }
+            Ok(())
+        }
         OpKind::Send(peer) => {
             // SAFETY: forwarded from the caller.
             let buf = unsafe { op.bufs.read() }.ok_or_else(need)?;

@@ -76,10 +76,12 @@ pub enum CollKind {
     PointToPoint = 8,
     /// the internal exchange that creates sub-communicators
     Split = 9,
+    /// the link measurements of the cost model
+    Probe = 10,
 }
 
 impl CollKind {
-    const ALL: [CollKind; 9] = [
+    const ALL: [CollKind; 10] = [
         CollKind::AllReduce,
         CollKind::ReduceScatter,
         CollKind::AllGather,
@@ -89,6 +91,7 @@ impl CollKind {
         CollKind::Barrier,
         CollKind::PointToPoint,
         CollKind::Split,
+        CollKind::Probe,
     ];
 
     /// The snake_case name used in logs and errors.
@@ -103,6 +106,7 @@ impl CollKind {
             CollKind::Barrier => "barrier",
             CollKind::PointToPoint => "send/recv",
             CollKind::Split => "split",
+            CollKind::Probe => "probe",
         }
     }
 
