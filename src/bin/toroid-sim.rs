@@ -149,7 +149,7 @@ fn main() {
 
 fn toroid_size(b: usize) -> String {
     for (shift, suffix) in [(30, "G"), (20, "M"), (10, "K")] {
-        if b >= 1 << shift && b % (1 << shift) == 0 {
+        if b >= 1 << shift && b.is_multiple_of(1 << shift) {
             return format!("{}{suffix}", b >> shift);
         }
     }
