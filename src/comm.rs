@@ -98,9 +98,11 @@ pub struct RawOp {
 
 /// This machine's identity: `TOROID_HOST_ID`, else hostname plus boot id.
 fn host_identity(cfg: &Config) -> String {
-    if let Some(id) = &cfg.host_id {
-        return id.clone();
-    }
+    cfg.host_id.clone().unwrap_or_else(machine_identity)
+}
+
+/// The physical machine: hostname plus boot id (ranks of emulated hosts share it).
+fn machine_identity() -> String {
     let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
     format!("{}/{}", read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id"))
 }
@@ -264,23 +266,26 @@ impl Communicator {
         let endpoint = tcp::listen(&iface, size)?;
         tracing::info!(target: "toroid::init", "rank {rank}/{size}: listening on {} ({}), communicator {id:#x}",
             endpoint.addr, if iface.name.is_empty() { "route to store" } else { &iface.name });
-        let host = host_identity(cfg);
+        // Logical host (what the algorithms group by) and physical machine (whose cores ranks
+        // share), one per line.
+        let host = format!("{}\n{}", host_identity(cfg), machine_identity());
         store.set(&format!("{prefix}/addr/{rank}"), endpoint.addr.to_string().as_bytes())?;
         store.set(&format!("{prefix}/host/{rank}"), host.as_bytes())?;
         let mut addrs = Vec::with_capacity(size);
-        let mut hosts = Vec::with_capacity(size);
+        let (mut hosts, mut machines) = (Vec::with_capacity(size), Vec::with_capacity(size));
         for r in 0..size {
             let a = store.get(&format!("{prefix}/addr/{r}"), left())?;
             let a = String::from_utf8_lossy(&a)
                 .parse::<SocketAddr>()
                 .map_err(|e| Error::Remote(format!("rank {r} published a bad address: {e}")))?;
             addrs.push(a);
-            hosts.push(
-                String::from_utf8_lossy(&store.get(&format!("{prefix}/host/{r}"), left())?).into_owned(),
-            );
+            let ids = String::from_utf8_lossy(&store.get(&format!("{prefix}/host/{r}"), left())?).into_owned();
+            let (h, m) = ids.split_once('\n').unwrap_or((&ids, &ids));
+            hosts.push(h.to_string());
+            machines.push(m.to_string());
         }
         let transports = tcp::connect_mesh(rank, &addrs, &endpoint, id, cfg.socket_buffer, deadline)?;
-        let topology = Topology::from_host_ids(rank, &hosts);
+        let topology = Topology::from_ids(rank, &hosts, &machines);
         Communicator::assemble(rank, size, id, cfg.clone(), topology, iface, transports, Some(store))
     }
 
@@ -296,7 +301,7 @@ impl Communicator {
         store: Option<Arc<dyn Store>>,
     ) -> Result<Communicator> {
         let cores = crate::topology::online_cpus();
-        let oversubscribed = topology.local_size > cores;
+        let oversubscribed = topology.machine_ranks(rank) > cores;
         let spin = SpinPolicy {
             spin: config.spin.unwrap_or(if oversubscribed {
                 crate::config::DEFAULT_SPIN * 4
@@ -604,9 +609,10 @@ impl Communicator {
             self.core.config.socket_buffer,
             deadline,
         )?;
-        let host_of: Vec<String> =
-            members.iter().map(|(_, r)| self.core.topology.host_of[*r].to_string()).collect();
-        let topology = Topology::from_host_ids(new_rank, &host_of);
+        let t = &self.core.topology;
+        let host_of: Vec<String> = members.iter().map(|(_, r)| t.host_of[*r].to_string()).collect();
+        let machine_of: Vec<String> = members.iter().map(|(_, r)| t.machine_of[*r].to_string()).collect();
+        let topology = Topology::from_ids(new_rank, &host_of, &machine_of);
         tracing::info!(target: "toroid::init", "rank {} split (color {color:?}, key {key}) into rank {new_rank} of {}", self.rank(), members.len());
         Communicator::assemble(
             new_rank,

@@ -23,23 +23,29 @@ pub struct Topology {
     pub local_size: usize,
     /// The ranks of each host, in rank order.
     pub members: Vec<Vec<usize>>,
+    /// Physical machine index of each rank: equal to `host_of` unless hosts are emulated
+    /// (`TOROID_HOST_ID`), when several hosts share one machine and its cores.
+    pub machine_of: Vec<usize>,
 }
 
 impl Topology {
-    /// Builds the topology of `rank` from each rank's host identity.
+    /// Builds the topology of `rank` from each rank's host identity (and physical machine).
     pub fn from_host_ids(rank: usize, ids: &[String]) -> Topology {
-        let mut names: Vec<&str> = Vec::new();
-        let host_of: Vec<usize> = ids
-            .iter()
-            .map(|id| match names.iter().position(|n| *n == id) {
-                Some(i) => i,
-                None => {
-                    names.push(id);
-                    names.len() - 1
-                }
-            })
-            .collect();
-        Topology::from_host_of(rank, host_of)
+        Topology::from_ids(rank, ids, ids)
+    }
+
+    /// Builds the topology of `rank` from each rank's logical host identity and physical
+    /// machine identity.
+    pub fn from_ids(rank: usize, hosts: &[String], machines: &[String]) -> Topology {
+        let mut t = Topology::from_host_of(rank, index_by_first_seen(hosts));
+        t.machine_of = index_by_first_seen(machines);
+        t
+    }
+
+    /// Ranks on this rank's physical machine.
+    pub fn machine_ranks(&self, rank: usize) -> usize {
+        let m = self.machine_of[rank];
+        self.machine_of.iter().filter(|&&x| x == m).count()
     }
 
     /// Builds the topology of `rank` from the host index of every rank.
@@ -55,6 +61,7 @@ impl Topology {
             local_size: members[mine].len(),
             hosts,
             members,
+            machine_of: host_of.clone(),
             host_of,
         }
     }
@@ -113,6 +120,20 @@ impl Topology {
             )),
         })
     }
+}
+
+/// Numbers strings by first appearance: `[b, a, b]` becomes `[0, 1, 0]`.
+fn index_by_first_seen(ids: &[String]) -> Vec<usize> {
+    let mut names: Vec<&str> = Vec::new();
+    ids.iter()
+        .map(|id| match names.iter().position(|n| *n == id) {
+            Some(i) => i,
+            None => {
+                names.push(id);
+                names.len() - 1
+            }
+        })
+        .collect()
 }
 
 /// How grid positions map to ranks.

@@ -442,7 +442,7 @@ pub fn probe(
     }
     out[4] = best / q as f64;
     let cores = crate::topology::online_cpus();
-    out[5] = (topology.local_size as f64 / cores as f64).max(1.0);
+    out[5] = (topology.machine_ranks(me) as f64 / cores as f64).max(1.0);
     Ok(out)
 }
 
