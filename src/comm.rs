@@ -279,7 +279,8 @@ impl Communicator {
                 .parse::<SocketAddr>()
                 .map_err(|e| Error::Remote(format!("rank {r} published a bad address: {e}")))?;
             addrs.push(a);
-            let ids = String::from_utf8_lossy(&store.get(&format!("{prefix}/host/{r}"), left())?).into_owned();
+            let ids =
+                String::from_utf8_lossy(&store.get(&format!("{prefix}/host/{r}"), left())?).into_owned();
             let (h, m) = ids.split_once('\n').unwrap_or((&ids, &ids));
             hosts.push(h.to_string());
             machines.push(m.to_string());

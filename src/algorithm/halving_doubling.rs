@@ -11,7 +11,7 @@
 //! per rank: the latency of recursive doubling at the bandwidth of the ring.
 
 use super::schedule::{self, Doubling, halving_round};
-use super::{Bufs, Wire, prescale_in_place, read_write};
+use super::{Bufs, Wire, read_write, work_and_input};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::transport::{Sink, Source};
@@ -21,11 +21,7 @@ pub fn all_reduce(wire: &mut Wire<'_>, bufs: Bufs<'_>, dtype: DataType, op: Redu
     let n = wire.size();
     let rank = wire.rank();
     let es = dtype.size();
-    let (bufs, op) = prescale_in_place(bufs, dtype, op, n);
-    let (buf, src): (&mut [u8], Option<&[u8]>) = match bufs {
-        Bufs::InPlace(b) => (b, None),
-        Bufs::OutOfPlace { send, recv } => (recv, Some(send)),
-    };
+    let (buf, src, op) = work_and_input(bufs, dtype, op, n);
     let d = Doubling::new(n);
     let rounds = d.rounds();
     let count = buf.len() / es;

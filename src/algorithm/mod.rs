@@ -256,6 +256,20 @@ pub(crate) fn combine_ordered(
     }
 }
 
+/// The output buffer to work in and, out of place, the input to read, after `avg`'s
+/// pre-scale (see [`prescale_in_place`]); with the op to reduce with.
+pub(crate) fn work_and_input<'a>(
+    bufs: Bufs<'a>,
+    dtype: DataType,
+    op: ReduceOp,
+    n: usize,
+) -> (&'a mut [u8], Option<&'a [u8]>, ReduceOp) {
+    match prescale_in_place(bufs, dtype, op, n) {
+        (Bufs::InPlace(b), op) => (b, None, op),
+        (Bufs::OutOfPlace { send, recv }, op) => (recv, Some(send), op),
+    }
+}
+
 /// `avg` is sum over inputs pre-scaled by 1/n (NCCL's choice: no overflow of the half types in
 /// partial sums). Turns `bufs` into an in-place problem on the output holding scaled inputs and
 /// returns the op to reduce with.

@@ -13,7 +13,7 @@
 use std::ops::Range;
 
 use super::schedule::{self, ring_all_gather, ring_reduce_scatter};
-use super::{Bufs, Group, Scratch, Wire, grow, prescale_in_place};
+use super::{Bufs, Group, Scratch, Wire, grow, work_and_input};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::reduce;
@@ -219,11 +219,8 @@ pub fn all_reduce(
     op: ReduceOp,
     scale_n: usize,
 ) -> Result<()> {
-    let (bufs, op) = prescale_in_place(bufs, dtype, op, scale_n);
-    match bufs {
-        Bufs::InPlace(buf) => all_reduce_phase(wire, group, me, buf, None, dtype, op, 0),
-        Bufs::OutOfPlace { send, recv } => all_reduce_phase(wire, group, me, recv, Some(send), dtype, op, 0),
-    }
+    let (work, src, op) = work_and_input(bufs, dtype, op, scale_n);
+    all_reduce_phase(wire, group, me, work, src, dtype, op, 0)
 }
 
 /// The all-reduce phase over `group` on `work` (the result), reading inputs from `src` when

@@ -14,7 +14,7 @@
 
 use super::ring::{self, RsBufs};
 use super::schedule;
-use super::{Bufs, Group, Wire, prescale_in_place};
+use super::{Bufs, Group, Wire, work_and_input};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::topology::Layout;
@@ -29,11 +29,7 @@ pub fn all_reduce(
 ) -> Result<()> {
     let n = wire.size();
     let es = dtype.size();
-    let (bufs, op) = prescale_in_place(bufs, dtype, op, n);
-    let (buf, src): (&mut [u8], Option<&[u8]>) = match bufs {
-        Bufs::InPlace(b) => (b, None),
-        Bufs::OutOfPlace { send, recv } => (recv, Some(send)),
-    };
+    let (buf, src, op) = work_and_input(bufs, dtype, op, n);
     let count = buf.len() / es;
     let (x, y) = layout.position;
     let (nx, ny) = (layout.grid.x, layout.grid.y);
