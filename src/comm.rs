@@ -1009,10 +1009,13 @@ impl Completion {
             r = self.cv.wait_timeout(r, wait).unwrap_or_else(|e| e.into_inner()).0;
         }
         let res = r.clone().unwrap_or(Ok(()));
-        if timed_out && res.is_ok() {
-            return Ok(());
+        match res {
+            // The operation stopped because this wait's deadline aborted the communicator.
+            Err(Error::Aborted(_)) if timed_out => {
+                Err(Error::Timeout(format!("work not completed within {timeout:?} (communicator aborted)")))
+            }
+            other => other,
         }
-        res
     }
 }
 

@@ -211,3 +211,22 @@ fn hooks_run_on_the_worker_in_issue_order_around_their_operation() {
         assert!(buf.iter().all(|x| *x == 2));
     });
 }
+
+#[test]
+fn a_wait_past_its_deadline_returns_timeout_and_aborts() {
+    let gate = Arc::new(std::sync::Barrier::new(2));
+    util::run_threads(2, &util::test_config(30.0), move |comm| {
+        if comm.rank() == 0 {
+            // Rank 1 never joins this all-reduce.
+            let w = comm.all_reduce_async(vec![1.0f32; 100], ReduceOp::Sum).unwrap();
+            let e = w.wait_timeout(Duration::from_millis(100)).unwrap_err();
+            assert!(matches!(e, toroid::Error::Timeout(_)), "{e}");
+            assert!(comm.is_aborted());
+            assert!(matches!(comm.barrier(), Err(toroid::Error::Aborted(_))));
+        }
+        gate.wait();
+        if comm.rank() == 1 {
+            assert!(comm.barrier().is_err());
+        }
+    });
+}
