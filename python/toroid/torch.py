@@ -459,7 +459,8 @@ class ProcessGroupToroid(dist.ProcessGroup):
         """Waits for queued operations, then releases the communicator."""
         if self._thread.is_alive():
             self._queue.put(None)
-            self._thread.join()
+            if threading.current_thread() is not self._thread:  # (may run from its last work)
+                self._thread.join()
         self._comm.destroy()
 
     def __del__(self):

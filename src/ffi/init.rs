@@ -32,11 +32,8 @@ pub(crate) unsafe fn from_config(p: *const toroid_config) -> Result<Communicator
         return Err(Error::InvalidArgument("config is NULL".into()));
     }
     // SAFETY: every version of the struct starts with struct_size.
-    check_struct_size(
-        unsafe { p.cast::<usize>().read() },
-        std::mem::size_of::<toroid_config>(),
-        "toroid_config",
-    )?;
+    let struct_size = unsafe { p.cast::<usize>().read() };
+    check_struct_size(struct_size, std::mem::size_of::<toroid_config>(), "toroid_config")?;
     // SAFETY: struct_size >= v1, so the first-version fields are there; later fields are ignored.
     let c = unsafe { p.read() };
     let (rank, size) = world(c.rank, c.size)?;
