@@ -4,8 +4,8 @@
 //! Conventions (DESIGN §4, §5): opaque handles; `toroid_<noun>_<verb>` names; every function
 //! returns a `toroid_result` and writes its outputs only on success; every pointer and handle is
 //! checked; every body runs inside a panic boundary. Helpers live in the sibling modules:
-//! [`types`] (the C types), [`boundary`] (panics, errors, handles), [`ops`] (arguments to
-//! operations), [`init`] and [`store`] (set-up).
+//! [`types`] (the C types), `boundary.rs` (panics, errors, handles), `ops.rs` (arguments to
+//! operations), `init.rs` and `store.rs` (set-up).
 //!
 //! The functions are `unsafe` for Rust callers (they take raw pointers); their safety contract
 //! is the C contract written in the header: pointers NULL or valid for the lengths a call
