@@ -154,3 +154,91 @@ impl Store for CallbackStore {
         Err(Error::Unsupported(format!("the caller-supplied store cannot delete ('{key}')")))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::ffi::{CStr, c_char, c_int};
+    use std::sync::Mutex;
+
+    use super::*;
+
+    /// The test's store behind `ctx`: a map and a count of callback calls.
+    #[derive(Default)]
+    struct Map {
+        values: Mutex<HashMap<String, Vec<u8>>>,
+        calls: Mutex<usize>,
+    }
+
+    fn map<'a>(ctx: *mut c_void) -> &'a Map {
+        // SAFETY (test): `ctx` is the `Map` the test passed, alive for the whole test.
+        unsafe { &*ctx.cast::<Map>() }
+    }
+
+    unsafe extern "C" fn set(
+        ctx: *mut c_void,
+        key: *const c_char,
+        value: *const c_void,
+        len: usize,
+    ) -> c_int {
+        let m = map(ctx);
+        *m.calls.lock().unwrap() += 1;
+        // SAFETY (test): toroid passes a NUL-terminated key and `len` readable bytes.
+        let (k, v) = unsafe { (CStr::from_ptr(key), std::slice::from_raw_parts(value.cast::<u8>(), len)) };
+        m.values.lock().unwrap().insert(k.to_str().unwrap().to_string(), v.to_vec());
+        0
+    }
+
+    unsafe extern "C" fn get(
+        ctx: *mut c_void,
+        key: *const c_char,
+        value: *mut c_void,
+        cap: usize,
+        len: *mut usize,
+        _timeout_ms: i64,
+    ) -> c_int {
+        let m = map(ctx);
+        *m.calls.lock().unwrap() += 1;
+        // SAFETY (test): as above; `value` is writable for `cap` bytes and `len` for a usize.
+        unsafe {
+            let k = CStr::from_ptr(key).to_str().unwrap();
+            let Some(v) = m.values.lock().unwrap().get(k).cloned() else { return 1 };
+            std::ptr::copy_nonoverlapping(v.as_ptr(), value.cast::<u8>(), v.len().min(cap));
+            *len = v.len();
+        }
+        0
+    }
+
+    #[test]
+    fn callbacks_give_every_store_operation_until_closed() {
+        let m = Map::default();
+        let ctx = (&m as *const Map).cast_mut().cast::<c_void>();
+        let ops = toroid_store_ops {
+            struct_size: std::mem::size_of::<toroid_store_ops>(),
+            set: Some(set),
+            get: Some(get),
+        };
+        let s = CallbackStore::new(&ops, ctx).unwrap();
+        s.set("a", b"xyz").unwrap();
+        assert_eq!(s.get("a", Duration::ZERO).unwrap(), b"xyz");
+        // A value longer than the first buffer is asked for again with the right size.
+        let long = vec![7u8; 1000];
+        s.set("long", &long).unwrap();
+        assert_eq!(s.get("long", Duration::from_millis(10)).unwrap(), long);
+        assert!(matches!(s.get("missing", Duration::ZERO), Err(Error::Timeout(_))));
+        assert!(matches!(s.wait(&["a", "missing"], Duration::ZERO), Err(Error::Timeout(_))));
+        s.wait(&["a", "long"], Duration::ZERO).unwrap();
+        // add: a missing key counts as 0.
+        assert_eq!(s.add("n", 1).unwrap(), 1);
+        assert_eq!(s.add("n", 4).unwrap(), 5);
+        assert!(matches!(s.add("a", 1), Err(Error::InvalidUsage(_))));
+        assert!(matches!(s.delete("a"), Err(Error::Unsupported(_))));
+        let calls = *m.calls.lock().unwrap();
+        s.close();
+        assert!(matches!(s.set("b", b"1"), Err(Error::InvalidUsage(_))));
+        assert!(s.get("a", Duration::ZERO).is_err());
+        assert_eq!(*m.calls.lock().unwrap(), calls, "a closed store calls nothing");
+        let no_get = toroid_store_ops { get: None, ..ops };
+        assert!(matches!(CallbackStore::new(&no_get, ctx), Err(Error::InvalidArgument(_))));
+    }
+}
