@@ -139,6 +139,29 @@ struct Queue {
 struct Job {
     op: RawOp,
     done: Arc<Completion>,
+    hooks: Hooks,
+}
+
+/// A step run on the worker thread next to an operation, in issue order (see
+/// [`Communicator::submit_raw_with_hooks`]).
+pub type Hook = Box<dyn FnOnce() + Send>;
+
+/// Steps around one queued operation.
+#[derive(Default)]
+pub struct Hooks {
+    /// Runs right before the operation starts.
+    pub before: Option<Hook>,
+    /// Runs right after the operation succeeded, before its work handle reports completion.
+    pub after: Option<Hook>,
+}
+
+impl std::fmt::Debug for Hooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hooks")
+            .field("before", &self.before.is_some())
+            .field("after", &self.after.is_some())
+            .finish()
+    }
 }
 
 /// The shared state of a communicator (owned by the handle and its worker thread).
@@ -440,6 +463,12 @@ impl Communicator {
         lock(&self.core.last_error).clone()
     }
 
+    /// Records `message` as the last error (the C ABI's argument checks fail before any call
+    /// reaches the communicator, yet `toroid_get_last_error` must show them).
+    pub fn set_last_error(&self, message: impl Into<String>) {
+        *lock(&self.core.last_error) = Some(message.into());
+    }
+
     /// Aborts: pending and later operations fail, peers are told, links close. Never blocks.
     pub fn abort(&self) {
         self.core.abort.fire(Error::Aborted(format!("rank {} aborted the communicator", self.core.rank)));
@@ -481,7 +510,7 @@ impl Communicator {
             }
         }
         // Queued behind async work: wait for it. The caller's borrows outlive this wait.
-        let done = self.enqueue(op, None)?;
+        let done = self.enqueue(op, None, Hooks::default())?;
         done.wait_done(&self.core.abort, self.core.timeout)
     }
 
@@ -491,11 +520,28 @@ impl Communicator {
     /// The buffers of `op` must stay valid (and, for outputs, untouched by anything else) until
     /// the work completes, and `keep` (if any) must own them or otherwise keep them alive.
     pub unsafe fn submit_raw(&self, op: RawOp, keep: Option<Box<dyn Any + Send>>) -> Result<Work<()>> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.submit_raw_with_hooks(op, keep, Hooks::default()) }
+    }
+
+    /// As [`Communicator::submit_raw`], with steps run on the worker thread right before the
+    /// operation and right after it succeeded, in issue order. The C ABI uses them to move a
+    /// piece within the caller's buffer for NCCL's in-place layouts of reduce_scatter and
+    /// all_gather, which must happen after earlier queued operations and before later ones.
+    ///
+    /// # Safety
+    /// As [`Communicator::submit_raw`]; the hooks may touch only the operation's buffers.
+    pub unsafe fn submit_raw_with_hooks(
+        &self,
+        op: RawOp,
+        keep: Option<Box<dyn Any + Send>>,
+        hooks: Hooks,
+    ) -> Result<Work<()>> {
         let r = self
             .core
             .validate(&op)
             .and_then(|_| self.core.abort.check())
-            .and_then(|_| self.enqueue(op, keep));
+            .and_then(|_| self.enqueue(op, keep, hooks));
         match r {
             Ok(done) => Ok(Work {
                 done,
@@ -510,14 +556,14 @@ impl Communicator {
         }
     }
 
-    fn enqueue(&self, op: RawOp, keep: Option<Box<dyn Any + Send>>) -> Result<Arc<Completion>> {
+    fn enqueue(&self, op: RawOp, keep: Option<Box<dyn Any + Send>>, hooks: Hooks) -> Result<Arc<Completion>> {
         self.ensure_worker()?;
         let done = Arc::new(Completion::new(keep));
         let mut q = lock(&self.core.queue);
         if q.shutdown {
             return Err(Error::Aborted("communicator is shutting down".into()));
         }
-        q.jobs.push_back(Job { op, done: done.clone() });
+        q.jobs.push_back(Job { op, done: done.clone(), hooks });
         drop(q);
         self.core.queue_cv.notify_all();
         Ok(done)
@@ -843,7 +889,16 @@ impl Core {
                     q = self.queue_cv.wait(q).unwrap_or_else(|e| e.into_inner());
                 }
             };
+            let mut job = job;
+            if let Some(before) = job.hooks.before.take() {
+                before();
+            }
             let r = self.execute(&job.op);
+            if r.is_ok()
+                && let Some(after) = job.hooks.after.take()
+            {
+                after();
+            }
             if let Err(e) = &r {
                 *lock(&self.last_error) = Some(e.to_string());
             }
@@ -997,10 +1052,13 @@ impl Completion {
             r = self.cv.wait_timeout(r, wait).unwrap_or_else(|e| e.into_inner()).0;
         }
         let res = r.clone().unwrap_or(Ok(()));
-        if timed_out && res.is_ok() {
-            return Ok(());
+        match res {
+            // The operation stopped because this wait's deadline aborted the communicator.
+            Err(Error::Aborted(_)) if timed_out => {
+                Err(Error::Timeout(format!("work not completed within {timeout:?} (communicator aborted)")))
+            }
+            other => other,
         }
-        res
     }
 }
 

@@ -7,6 +7,7 @@
 //! ## Layers, bottom to top
 //!
 //! ```text
+//!  include/toroid.h + src/ffi/  C ABI (cbindgen), panics caught, handles opaque
 //!  src/comm.rs                  Communicator: rank, size, split, work queue, abort
 //!  src/algorithm/               collectives as schedules of steps over groups of ranks
 //!  src/transport/               Transport trait (tcp), framed exchanges with fingerprints
@@ -25,6 +26,7 @@ pub mod comm;
 pub mod config;
 pub mod dtype;
 pub mod error;
+pub mod ffi;
 pub mod memory;
 pub mod reduce;
 pub mod rendezvous;
