@@ -973,9 +973,7 @@ unsafe fn dispatch(
                 (Some(b), _) => b,
                 // A non-root may pass no output at all.
                 // SAFETY: forwarded from the caller.
-                (None, RawBufs::Read(s)) => {
-                    Bufs::InPlace(unsafe { RawBufMut::from_raw(s.addr() as *mut u8, 0)?.as_mut_slice() })
-                }
+                (None, RawBufs::Read(s)) => Bufs::OutOfPlace { send: unsafe { s.as_slice() }, recv: &mut [] },
                 _ => return Err(need()),
             };
             algorithm::broadcast::reduce(wire, scratch, algo, bufs, dtype, rop, root)

@@ -230,3 +230,28 @@ fn a_wait_past_its_deadline_returns_timeout_and_aborts() {
         }
     });
 }
+
+#[test]
+fn reduce_accepts_no_output_on_non_roots() {
+    use toroid::{CallOptions, DataType, OpKind};
+    util::run_threads(3, &util::test_config(20.0), |comm| {
+        let input: Vec<i64> = (0..1000).map(|i| i * (comm.rank() as i64 + 1)).collect();
+        let bytes: &[u8] = bytemuck::cast_slice(&input);
+        let kind = OpKind::Reduce(ReduceOp::Sum, 1);
+        if comm.rank() == 1 {
+            let mut out = vec![0i64; 1000];
+            comm.run_bytes(
+                kind,
+                DataType::I64,
+                Some(bytes),
+                Some(bytemuck::cast_slice_mut(&mut out)),
+                CallOptions::default(),
+            )
+            .unwrap();
+            assert!(out.iter().enumerate().all(|(i, v)| *v == 6 * i as i64));
+        } else {
+            // Only the input: a non-root has nothing to receive.
+            comm.run_bytes(kind, DataType::I64, Some(bytes), None, CallOptions::default()).unwrap();
+        }
+    });
+}
