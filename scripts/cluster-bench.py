@@ -38,13 +38,25 @@ def main():
     p.add_argument("--factor", type=int, default=4)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--reps", type=int, default=1, help="runs per algorithm; the median time is used")
     p.add_argument("--json", help="write all results here")
     args = p.parse_args()
     args.sizes = args.sizes.split(",")
     results = {}
     with tempfile.TemporaryDirectory() as d:
-        for algo in ALGOS + ["auto"]:
-            results[algo] = run(args, algo, os.path.join(d, f"{algo}.json"))
+        # Interleave the algorithms across repetitions so that load changes hit them alike.
+        runs = {a: [] for a in ALGOS + ["auto"]}
+        for rep in range(args.reps):
+            for algo in ALGOS + ["auto"]:
+                runs[algo].append(run(args, algo, os.path.join(d, f"{algo}-{rep}.json")))
+        for algo, rs in runs.items():
+            merged = rs[0]
+            for i, row in enumerate(merged["results"]):
+                for mode in ("out_of_place", "in_place"):
+                    times = sorted(r["results"][i][mode]["time_us"] for r in rs)
+                    row[mode]["time_us"] = times[len(times) // 2]
+                    row[mode]["wrong"] = sum(r["results"][i][mode]["wrong"] for r in rs)
+            results[algo] = merged
     sizes = [r["size"] for r in results["ring"]["results"]]
     rows = []
     print(f"# {args.hosts} hosts x {args.per_host} ranks, links {args.rate}; time in ms (measured / predicted)")
