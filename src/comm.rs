@@ -25,9 +25,10 @@ use crate::dtype::{DataType, Element, ReduceOp};
 use crate::error::{Error, Result};
 use crate::memory::{RawBuf, RawBufMut, RawBufs};
 use crate::rendezvous::{self, Store};
+use crate::topology::{Layout, Topology};
 use crate::transport::exchange::{AbortSignal, SpinPolicy};
 use crate::transport::{CollKind, Fingerprint, Peers, shm, tcp};
-use crate::tuning::{self, AlgoFilter};
+use crate::tuning::{self, AlgoFilter, CostModel, Shape};
 
 /// Options of one call.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -61,6 +62,8 @@ pub enum OpKind {
     Recv(usize),
     /// the all-gather inside `split`
     SplitExchange,
+    /// the cost model's link measurements (output: the probe results as 6 f64)
+    Probe,
 }
 
 impl OpKind {
@@ -75,6 +78,7 @@ impl OpKind {
             OpKind::Barrier => CollKind::Barrier,
             OpKind::Send(_) | OpKind::Recv(_) => CollKind::PointToPoint,
             OpKind::SplitExchange => CollKind::Split,
+            OpKind::Probe => CollKind::Probe,
         }
     }
 }
@@ -92,48 +96,13 @@ pub struct RawOp {
     pub opts: CallOptions,
 }
 
-/// Where ranks live: host of each rank, and this rank's place on its host.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Topology {
-    /// Host index of each rank (hosts numbered in order of their lowest rank).
-    pub host_of: Vec<usize>,
-    /// Number of distinct hosts.
-    pub hosts: usize,
-    /// This rank's index among the ranks of its host.
-    pub local_rank: usize,
-    /// Number of ranks on this rank's host.
-    pub local_size: usize,
-}
-
-impl Topology {
-    /// Builds the topology from each rank's host identity.
-    pub fn from_host_ids(rank: usize, ids: &[String]) -> Topology {
-        let mut names: Vec<&str> = Vec::new();
-        let host_of: Vec<usize> = ids
-            .iter()
-            .map(|id| match names.iter().position(|n| *n == id) {
-                Some(i) => i,
-                None => {
-                    names.push(id);
-                    names.len() - 1
-                }
-            })
-            .collect();
-        let mine = host_of[rank];
-        Topology {
-            local_rank: host_of[..rank].iter().filter(|h| **h == mine).count(),
-            local_size: host_of.iter().filter(|h| **h == mine).count(),
-            hosts: names.len(),
-            host_of,
-        }
-    }
-}
-
 /// This machine's identity: `TOROID_HOST_ID`, else hostname plus boot id.
 fn host_identity(cfg: &Config) -> String {
-    if let Some(id) = &cfg.host_id {
-        return id.clone();
-    }
+    cfg.host_id.clone().unwrap_or_else(machine_identity)
+}
+
+/// The physical machine: hostname plus boot id (ranks of emulated hosts share it).
+fn machine_identity() -> String {
     let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
     format!("{}/{}", read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id"))
 }
@@ -170,6 +139,29 @@ struct Queue {
 struct Job {
     op: RawOp,
     done: Arc<Completion>,
+    hooks: Hooks,
+}
+
+/// A step run on the worker thread next to an operation, in issue order (see
+/// [`Communicator::submit_raw_with_hooks`]).
+pub type Hook = Box<dyn FnOnce() + Send>;
+
+/// Steps around one queued operation.
+#[derive(Default)]
+pub struct Hooks {
+    /// Runs right before the operation starts.
+    pub before: Option<Hook>,
+    /// Runs right after the operation succeeded, before its work handle reports completion.
+    pub after: Option<Hook>,
+}
+
+impl std::fmt::Debug for Hooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hooks")
+            .field("before", &self.before.is_some())
+            .field("after", &self.after.is_some())
+            .finish()
+    }
 }
 
 /// The shared state of a communicator (owned by the handle and its worker thread).
@@ -181,6 +173,13 @@ struct Core {
     filter: AlgoFilter,
     config: Config,
     topology: Topology,
+    layout: Layout,
+    /// The cost model and shape every choice uses: the untuned defaults until the probe (or
+    /// `TOROID_COST_MODEL`) sets them, identically on every rank.
+    tuning: std::sync::OnceLock<(CostModel, Shape)>,
+    untuned: (CostModel, Shape),
+    /// Sizes whose algorithm choice was already logged (log once per collective and size class).
+    logged: Mutex<std::collections::HashSet<(CollKind, u32, Algorithm)>>,
     iface: tcp::Interface,
     abort: Arc<AbortSignal>,
     /// Every rank is on this host and maps the shared window (`shm_direct` can run). shm
@@ -292,23 +291,27 @@ impl Communicator {
         let endpoint = tcp::listen(&iface, size)?;
         tracing::info!(target: "toroid::init", "rank {rank}/{size}: listening on {} ({}), communicator {id:#x}",
             endpoint.addr, if iface.name.is_empty() { "route to store" } else { &iface.name });
-        let host = host_identity(cfg);
+        // Logical host (what the algorithms group by) and physical machine (whose cores ranks
+        // share), one per line.
+        let host = format!("{}\n{}", host_identity(cfg), machine_identity());
         store.set(&format!("{prefix}/addr/{rank}"), endpoint.addr.to_string().as_bytes())?;
         store.set(&format!("{prefix}/host/{rank}"), host.as_bytes())?;
         let mut addrs = Vec::with_capacity(size);
-        let mut hosts = Vec::with_capacity(size);
+        let (mut hosts, mut machines) = (Vec::with_capacity(size), Vec::with_capacity(size));
         for r in 0..size {
             let a = store.get(&format!("{prefix}/addr/{r}"), left())?;
             let a = String::from_utf8_lossy(&a)
                 .parse::<SocketAddr>()
                 .map_err(|e| Error::Remote(format!("rank {r} published a bad address: {e}")))?;
             addrs.push(a);
-            hosts.push(
-                String::from_utf8_lossy(&store.get(&format!("{prefix}/host/{r}"), left())?).into_owned(),
-            );
+            let ids =
+                String::from_utf8_lossy(&store.get(&format!("{prefix}/host/{r}"), left())?).into_owned();
+            let (h, m) = ids.split_once('\n').unwrap_or((&ids, &ids));
+            hosts.push(h.to_string());
+            machines.push(m.to_string());
         }
         let transports = tcp::connect_mesh(rank, &addrs, &endpoint, id, cfg.socket_buffer, deadline)?;
-        let topology = Topology::from_host_ids(rank, &hosts);
+        let topology = Topology::from_ids(rank, &hosts, &machines);
         // shm: same-host links move to shared memory; one host gets the shared window
         let links = shm::connect(
             rank,
@@ -333,8 +336,8 @@ impl Communicator {
         store: Option<Arc<dyn Store>>,
     ) -> Result<Communicator> {
         let shm::ShmSetup { links: transports, window, shm_peers } = links; // shm
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let oversubscribed = topology.local_size > cores;
+        let cores = crate::topology::online_cpus();
+        let oversubscribed = topology.machine_ranks(rank) > cores;
         let spin = SpinPolicy {
             spin: config.spin.unwrap_or(if oversubscribed {
                 crate::config::DEFAULT_SPIN * 4
@@ -355,6 +358,22 @@ impl Communicator {
             spin.spin, if oversubscribed { " (more ranks than cores: yielding)" } else { "" },
             if has_window { ", shared window" } else { "" });
         let filter = AlgoFilter::parse(config.algo.as_deref().unwrap_or(""))?;
+        let layout = Layout::new(&topology, rank, config.torus_shape)?;
+        if let Some(note) = &layout.grid.note
+            && rank == 0
+        {
+            tracing::info!(target: "toroid::init", "torus grid: {note}");
+        }
+        let shape = Shape {
+            n: size,
+            hosts: topology.hosts,
+            per_host: layout.max_local,
+            grid: (layout.grid.x, layout.grid.y),
+            rows_are_hosts: matches!(layout.grid.placement, crate::topology::Placement::Hosts(_)),
+            cpu_share: 1.0,
+            nics: 1,
+        };
+        let explicit = CostModel::parse(config.cost_model.as_deref().unwrap_or(""))?;
         let core = Core {
             rank,
             size,
@@ -363,6 +382,10 @@ impl Communicator {
             filter,
             config,
             topology,
+            layout,
+            tuning: std::sync::OnceLock::new(),
+            untuned: (CostModel::default(), shape),
+            logged: Mutex::new(std::collections::HashSet::new()),
             iface,
             abort,
             has_window, // shm
@@ -379,7 +402,48 @@ impl Communicator {
             last_error: Mutex::new(None),
             _store: store,
         };
-        Ok(Communicator { core: Arc::new(core), worker: Mutex::new(None) })
+        let comm = Communicator { core: Arc::new(core), worker: Mutex::new(None) };
+        comm.calibrate(explicit)?;
+        Ok(comm)
+    }
+
+    /// Sets the cost model: `explicit` when given, else the probe's measurements agreed by an
+    /// all-reduce of maxima (a collective: every rank runs it at creation).
+    fn calibrate(&self, explicit: Option<CostModel>) -> Result<()> {
+        let shape = self.core.untuned.1.clone();
+        let model = match explicit {
+            Some(m) => (m, shape),
+            None if self.size() == 1 => (CostModel::default(), shape),
+            None => {
+                let mut r = [0f64; 6];
+                self.run(RawOp {
+                    kind: OpKind::Probe,
+                    dtype: DataType::F64,
+                    bufs: RawBufs::InPlace(RawBufMut::new(bytemuck::cast_slice_mut(&mut r))),
+                    opts: CallOptions::default(),
+                })?;
+                self.all_reduce(&mut r, ReduceOp::Max)?;
+                (CostModel::from_probe(&r), Shape { cpu_share: r[5].max(1.0), ..shape })
+            }
+        };
+        if self.rank() == 0 {
+            tracing::info!(target: "toroid::tuning", "cost model: {} (cpu share {:.1})", model.0, model.1.cpu_share);
+        }
+        let _ = self.core.tuning.set(model);
+        Ok(())
+    }
+
+    /// Seconds the cost model predicts for an all-reduce (broadcast and reduce for `chain` and
+    /// `tree`) of `bytes` with `algo`.
+    pub fn predict(&self, algo: Algorithm, bytes: usize) -> f64 {
+        let (m, s) = self.cost_model();
+        m.predict(algo, bytes, s).time
+    }
+
+    /// The cost model and shape the algorithm choice uses.
+    pub fn cost_model(&self) -> (&CostModel, &Shape) {
+        let (m, s) = self.core.tuning.get().unwrap_or(&self.core.untuned);
+        (m, s)
     }
 
     /// This rank.
@@ -415,6 +479,12 @@ impl Communicator {
     /// The message of the last failed call, if any (what `toroid_get_last_error` returns).
     pub fn last_error(&self) -> Option<String> {
         lock(&self.core.last_error).clone()
+    }
+
+    /// Records `message` as the last error (the C ABI's argument checks fail before any call
+    /// reaches the communicator, yet `toroid_get_last_error` must show them).
+    pub fn set_last_error(&self, message: impl Into<String>) {
+        *lock(&self.core.last_error) = Some(message.into());
     }
 
     /// Aborts: pending and later operations fail, peers are told, links close. Never blocks.
@@ -472,7 +542,7 @@ impl Communicator {
             }
         }
         // Queued behind async work: wait for it. The caller's borrows outlive this wait.
-        let done = self.enqueue(op, None)?;
+        let done = self.enqueue(op, None, Hooks::default())?;
         done.wait_done(&self.core.abort, self.core.timeout)
     }
 
@@ -482,11 +552,28 @@ impl Communicator {
     /// The buffers of `op` must stay valid (and, for outputs, untouched by anything else) until
     /// the work completes, and `keep` (if any) must own them or otherwise keep them alive.
     pub unsafe fn submit_raw(&self, op: RawOp, keep: Option<Box<dyn Any + Send>>) -> Result<Work<()>> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.submit_raw_with_hooks(op, keep, Hooks::default()) }
+    }
+
+    /// As [`Communicator::submit_raw`], with steps run on the worker thread right before the
+    /// operation and right after it succeeded, in issue order. The C ABI uses them to move a
+    /// piece within the caller's buffer for NCCL's in-place layouts of reduce_scatter and
+    /// all_gather, which must happen after earlier queued operations and before later ones.
+    ///
+    /// # Safety
+    /// As [`Communicator::submit_raw`]; the hooks may touch only the operation's buffers.
+    pub unsafe fn submit_raw_with_hooks(
+        &self,
+        op: RawOp,
+        keep: Option<Box<dyn Any + Send>>,
+        hooks: Hooks,
+    ) -> Result<Work<()>> {
         let r = self
             .core
             .validate(&op)
             .and_then(|_| self.core.abort.check())
-            .and_then(|_| self.enqueue(op, keep));
+            .and_then(|_| self.enqueue(op, keep, hooks));
         match r {
             Ok(done) => Ok(Work {
                 done,
@@ -501,14 +588,14 @@ impl Communicator {
         }
     }
 
-    fn enqueue(&self, op: RawOp, keep: Option<Box<dyn Any + Send>>) -> Result<Arc<Completion>> {
+    fn enqueue(&self, op: RawOp, keep: Option<Box<dyn Any + Send>>, hooks: Hooks) -> Result<Arc<Completion>> {
         self.ensure_worker()?;
         let done = Arc::new(Completion::new(keep));
         let mut q = lock(&self.core.queue);
         if q.shutdown {
             return Err(Error::Aborted("communicator is shutting down".into()));
         }
-        q.jobs.push_back(Job { op, done: done.clone() });
+        q.jobs.push_back(Job { op, done: done.clone(), hooks });
         drop(q);
         self.core.queue_cv.notify_all();
         Ok(done)
@@ -601,9 +688,10 @@ impl Communicator {
             self.core.config.socket_buffer,
             deadline,
         )?;
-        let host_of: Vec<String> =
-            members.iter().map(|(_, r)| self.core.topology.host_of[*r].to_string()).collect();
-        let topology = Topology::from_host_ids(new_rank, &host_of);
+        let t = &self.core.topology;
+        let host_of: Vec<String> = members.iter().map(|(_, r)| t.host_of[*r].to_string()).collect();
+        let machine_of: Vec<String> = members.iter().map(|(_, r)| t.machine_of[*r].to_string()).collect();
+        let topology = Topology::from_ids(new_rank, &host_of, &machine_of);
         // shm: same-host links move to shared memory; one host gets the shared window
         let links = shm::connect(
             new_rank,
@@ -642,17 +730,30 @@ impl Drop for Communicator {
 impl Core {
     fn choose(&self, kind: OpKind, bytes: usize, opts: &CallOptions) -> Algorithm {
         let coll = kind.coll();
-        match opts.algorithm {
-            Some(a) => a,
-            // shm: BEGIN
-            None if self.has_window
-                && let Some(a) = self.filter.choose_intra(coll, bytes, self.size) =>
-            {
-                a
-            }
-            // shm: END
-            None => self.filter.choose(coll, bytes, self.size),
+        if let Some(a) = opts.algorithm {
+            return a;
         }
+        // shm: BEGIN (every rank on this host with the shared window: see tuning::choose_intra)
+        if self.has_window
+            && let Some(a) = self.filter.choose_intra(coll, bytes, self.size)
+        {
+            return a;
+        }
+        // shm: END
+        let (model, shape) = self.tuning.get().unwrap_or(&self.untuned);
+        let algo = tuning::choose(&self.filter, model, shape, coll, bytes);
+        if tracing::enabled!(target: "toroid::tuning", tracing::Level::INFO)
+            && tuning::candidates(coll).len() > 1
+        {
+            let class = usize::BITS - bytes.leading_zeros();
+            if lock(&self.logged).insert((coll, class, algo)) {
+                let t = model.predict(algo, bytes, shape).time;
+                tracing::info!(target: "toroid::tuning",
+                    "rank {}: {} of {bytes} bytes on {} ranks: {algo} (predicted {:.1} us)",
+                    self.rank, coll.name(), self.size, t * 1e6);
+            }
+        }
+        algo
     }
 
     /// Checks everything that can be checked locally, before any byte moves.
@@ -734,6 +835,11 @@ impl Core {
                 }
             }
             OpKind::Barrier => {}
+            OpKind::Probe => {
+                if out != 6 * 8 {
+                    return Err(Error::Internal("probe output must be 6 f64".into()));
+                }
+            }
             OpKind::Send(peer) | OpKind::Recv(peer) => {
                 rank_ok("peer", peer)?;
                 if peer == self.rank {
@@ -777,7 +883,7 @@ impl Core {
             }
             OpKind::Reduce(o, r) => (op.bufs.input_len() / es, r as i32, o, op.bufs.input_len()),
             OpKind::AllToAll => (op.bufs.output_len() / es / n, -1, ReduceOp::Sum, op.bufs.output_len()),
-            OpKind::Barrier => (0, -1, ReduceOp::Sum, 0),
+            OpKind::Barrier | OpKind::Probe => (0, -1, ReduceOp::Sum, 0),
             OpKind::Send(_) => (op.bufs.input_len() / es, -1, ReduceOp::Sum, op.bufs.input_len()),
             OpKind::Recv(_) => (op.bufs.output_len() / es, -1, ReduceOp::Sum, op.bufs.output_len()),
         };
@@ -812,7 +918,7 @@ impl Core {
         let scratch = &mut engine.scratch;
         // SAFETY: validated buffers; blocking callers hold their borrows until we return, async
         // callers keep them alive in the work handle (see `memory`). One operation runs at a time.
-        let result = unsafe { dispatch(&mut wire, scratch, op, algo) };
+        let result = unsafe { dispatch(&mut wire, scratch, &self.topology, &self.layout, op, algo) };
         if let Err(e) = &result {
             tracing::warn!(target: "toroid::coll", "rank {}: {e}", self.rank);
             if !engine.peers.is_closed() {
@@ -840,7 +946,16 @@ impl Core {
                     q = self.queue_cv.wait(q).unwrap_or_else(|e| e.into_inner());
                 }
             };
+            let mut job = job;
+            if let Some(before) = job.hooks.before.take() {
+                before();
+            }
             let r = self.execute(&job.op);
+            if r.is_ok()
+                && let Some(after) = job.hooks.after.take()
+            {
+                after();
+            }
             if let Err(e) = &r {
                 *lock(&self.last_error) = Some(e.to_string());
             }
@@ -855,7 +970,14 @@ impl Core {
 ///
 /// # Safety
 /// `op`'s buffers must be valid as [`RawBufs::bufs`] requires.
-unsafe fn dispatch(wire: &mut Wire<'_>, scratch: &mut Scratch, op: &RawOp, algo: Algorithm) -> Result<()> {
+unsafe fn dispatch(
+    wire: &mut Wire<'_>,
+    scratch: &mut Scratch,
+    topology: &Topology,
+    layout: &Layout,
+    op: &RawOp,
+    algo: Algorithm,
+) -> Result<()> {
     let n = wire.size();
     let me = wire.rank();
     let dtype = op.dtype;
@@ -878,6 +1000,15 @@ unsafe fn dispatch(wire: &mut Wire<'_>, scratch: &mut Scratch, op: &RawOp, algo:
         OpKind::AllReduce(rop) => match algo {
             Algorithm::Doubling => {
                 algorithm::doubling::all_reduce(wire, scratch, bufs.ok_or_else(need)?, dtype, rop)
+            }
+            Algorithm::HalvingDoubling => {
+                algorithm::halving_doubling::all_reduce(wire, bufs.ok_or_else(need)?, dtype, rop)
+            }
+            Algorithm::HierarchicalRing => {
+                algorithm::hierarchical::all_reduce(wire, layout, bufs.ok_or_else(need)?, dtype, rop)
+            }
+            Algorithm::Torus2d => {
+                algorithm::torus2d::all_reduce(wire, layout, bufs.ok_or_else(need)?, dtype, rop)
             }
             _ => {
                 algorithm::ring::all_reduce(wire, Group::World(n), me, bufs.ok_or_else(need)?, dtype, rop, n)
@@ -911,15 +1042,21 @@ unsafe fn dispatch(wire: &mut Wire<'_>, scratch: &mut Scratch, op: &RawOp, algo:
                 (Some(b), _) => b,
                 // A non-root may pass no output at all.
                 // SAFETY: forwarded from the caller.
-                (None, RawBufs::Read(s)) => {
-                    Bufs::InPlace(unsafe { RawBufMut::from_raw(s.addr() as *mut u8, 0)?.as_mut_slice() })
-                }
+                (None, RawBufs::Read(s)) => Bufs::OutOfPlace { send: unsafe { s.as_slice() }, recv: &mut [] },
                 _ => return Err(need()),
             };
             algorithm::broadcast::reduce(wire, scratch, algo, bufs, dtype, rop, root)
         }
         OpKind::AllToAll => algorithm::pairwise::all_to_all(wire, scratch, bufs.ok_or_else(need)?),
         OpKind::Barrier => algorithm::pairwise::barrier(wire),
+        OpKind::Probe => {
+            let r = tuning::probe(wire, topology, scratch.one(tuning::PROBE_BYTES))?;
+            match bufs.ok_or_else(need)? {
+                Bufs::InPlace(out) => out.copy_from_slice(bytemuck::cast_slice(&r)),
+                Bufs::OutOfPlace { .. } => return Err(need()),
+            }
+            Ok(())
+        }
         OpKind::Send(peer) => {
             // SAFETY: forwarded from the caller.
             let buf = unsafe { op.bufs.read() }.ok_or_else(need)?;
@@ -982,10 +1119,13 @@ impl Completion {
             r = self.cv.wait_timeout(r, wait).unwrap_or_else(|e| e.into_inner()).0;
         }
         let res = r.clone().unwrap_or(Ok(()));
-        if timed_out && res.is_ok() {
-            return Ok(());
+        match res {
+            // The operation stopped because this wait's deadline aborted the communicator.
+            Err(Error::Aborted(_)) if timed_out => {
+                Err(Error::Timeout(format!("work not completed within {timeout:?} (communicator aborted)")))
+            }
+            other => other,
         }
-        res
     }
 }
 

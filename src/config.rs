@@ -57,6 +57,8 @@ pub const TOROID_VARS: &[&str] = &[
     "TOROID_DEBUG",
     "TOROID_DEBUG_SUBSYS",
     "TOROID_HOST_ID",
+    "TOROID_TORUS_SHAPE",
+    "TOROID_COST_MODEL",
     // shm: BEGIN
     "TOROID_SHM_DISABLE",
     "TOROID_SHM_DIR",
@@ -84,6 +86,10 @@ pub struct Config {
     pub algo: Option<String>,
     /// Host identity override (`TOROID_HOST_ID`), for emulating several hosts on one machine.
     pub host_id: Option<String>,
+    /// Torus grid override (`TOROID_TORUS_SHAPE=XxY`).
+    pub torus_shape: Option<(usize, usize)>,
+    /// Cost model source (`TOROID_COST_MODEL`): `probe` (default), `default`, or explicit values.
+    pub cost_model: Option<String>,
     // shm: BEGIN
     /// Keep TCP between ranks of one host (`TOROID_SHM_DISABLE=1`).
     pub shm_disable: bool,
@@ -129,6 +135,8 @@ impl Default for Config {
             segment_size: DEFAULT_SEGMENT_SIZE,
             algo: None,
             host_id: None,
+            torus_shape: None,
+            cost_model: None,
             // shm: BEGIN
             shm_disable: false,
             shm_dir: DEFAULT_SHM_DIR.into(),
@@ -195,6 +203,10 @@ impl Config {
         }
         cfg.algo = get("TOROID_ALGO").map(str::to_string);
         cfg.host_id = get("TOROID_HOST_ID").map(str::to_string);
+        if let Some(v) = get("TOROID_TORUS_SHAPE") {
+            cfg.torus_shape = Some(crate::topology::parse_shape(v)?);
+        }
+        cfg.cost_model = get("TOROID_COST_MODEL").map(str::to_string);
         // shm: BEGIN
         if let Some(v) = get("TOROID_SHM_DISABLE") {
             cfg.shm_disable = parse_bool("TOROID_SHM_DISABLE", v)?;

@@ -7,6 +7,7 @@
 //! ## Layers, bottom to top
 //!
 //! ```text
+//!  include/toroid.h + src/ffi/  C ABI (cbindgen), panics caught, handles opaque
 //!  src/comm.rs                  Communicator: rank, size, split, work queue, abort
 //!  src/algorithm/               collectives as schedules of steps over groups of ranks
 //!  src/transport/               Transport trait (tcp, shm), framed exchanges with fingerprints,
@@ -26,14 +27,17 @@ pub mod comm;
 pub mod config;
 pub mod dtype;
 pub mod error;
+pub mod ffi;
 pub mod memory;
 pub mod reduce;
 pub mod rendezvous;
+pub mod topology;
 pub mod transport;
 pub mod tuning;
 
 pub use algorithm::Algorithm;
-pub use comm::{CallOptions, Communicator, OpKind, OwnedBuffer, Topology, Work};
+pub use comm::{CallOptions, Communicator, OpKind, OwnedBuffer, Work};
 pub use config::Config;
 pub use dtype::{DataType, Element, ReduceOp};
 pub use error::{Error, Result};
+pub use topology::Topology;

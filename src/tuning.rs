@@ -1,42 +1,42 @@
-//! Algorithm choice.
+//! Algorithm choice: an alpha-beta-gamma cost model, a probe that measures it, and
+//! `TOROID_ALGO`.
 //!
-//! Each collective has a default rule by message size and rank count, measured on loopback TCP
-//! (see the README's results): latency-bound sizes take the algorithm with the fewest steps,
-//! bandwidth-bound sizes the one that moves the fewest bytes. `TOROID_ALGO` narrows the choice
-//! with NCCL's syntax, and a per-call option forces it.
+//! Every link is either inside a host (`intra`) or between hosts (`inter`), each with a
+//! latency `alpha` (seconds per message) and an inverse bandwidth `beta` (seconds per byte);
+//! `gamma` is seconds per byte reduced. [`CostModel::predict`] turns an algorithm's schedule
+//! into `time = steps * alpha + bytes * beta + reduced * gamma`, phase by phase, with the bytes
+//! that cross each host's link counted where several ranks of a host share it (the formulas are
+//! in `/work/shared/reference/algorithms.md` §1-4). The cheapest allowed algorithm wins.
 //!
-//! The choice depends only on the operation, its size, the rank count and the configuration,
-//! so every rank makes the same one; a rank configured differently is caught by the fingerprint
-//! (which carries the algorithm), never silently mixed.
+//! The parameters come from a short probe when a communicator is created (ping-pong and a
+//! bulk transfer between two ranks of one host, and between two hosts; a timed local
+//! reduction), agreed across ranks by an all-reduce of the maxima, or from
+//! `TOROID_COST_MODEL`. The same model drives the `toroid-sim` simulator.
+//!
+//! The choice depends only on the operation, its size, the shape and the model, which every
+//! rank holds identically, so every rank makes the same one; a rank configured differently is
+//! caught by the fingerprint (which carries the algorithm), never silently mixed.
 
 use crate::algorithm::Algorithm;
 use crate::error::{Error, Result};
-use crate::transport::CollKind;
-
-/// Largest all-reduce (bytes) that recursive doubling handles by default.
-pub const DOUBLING_MAX_BYTES: usize = 64 * 1024;
-/// Largest broadcast/reduce (bytes) that the binomial tree handles by default.
-pub const TREE_MAX_BYTES: usize = 64 * 1024;
+use crate::transport::{CollKind, Sink, Source};
 
 /// The algorithms that can run `kind`.
 pub fn candidates(kind: CollKind) -> &'static [Algorithm] {
     match kind {
-        CollKind::AllReduce => &[Algorithm::Ring, Algorithm::Doubling],
+        CollKind::AllReduce => &[
+            Algorithm::Ring,
+            Algorithm::Doubling,
+            Algorithm::HalvingDoubling,
+            Algorithm::HierarchicalRing,
+            Algorithm::Torus2d,
+        ],
         CollKind::ReduceScatter | CollKind::AllGather => &[Algorithm::Ring],
         CollKind::Broadcast | CollKind::Reduce => &[Algorithm::Chain, Algorithm::Tree],
         CollKind::AllToAll => &[Algorithm::Pairwise],
         CollKind::Barrier => &[Algorithm::Dissemination],
         CollKind::PointToPoint => &[Algorithm::Direct],
-        CollKind::Split => &[Algorithm::Ring],
-    }
-}
-
-/// The default choice for `kind` moving `bytes` (the full message size) among `n` ranks.
-pub fn default_choice(kind: CollKind, bytes: usize, n: usize) -> Algorithm {
-    match kind {
-        CollKind::AllReduce if bytes <= DOUBLING_MAX_BYTES || n == 1 => Algorithm::Doubling,
-        CollKind::Broadcast | CollKind::Reduce if bytes <= TREE_MAX_BYTES || n <= 2 => Algorithm::Tree,
-        _ => candidates(kind)[0],
+        CollKind::Split | CollKind::Probe => &[Algorithm::Ring],
     }
 }
 
@@ -110,16 +110,12 @@ impl AlgoFilter {
         Ok(f)
     }
 
-    /// Picks the algorithm for `kind`: the default choice when the filter allows it, else the
-    /// first allowed candidate, else (nothing allowed fits this collective) the default choice.
-    pub fn choose(&self, kind: CollKind, bytes: usize, n: usize) -> Algorithm {
-        let def = default_choice(kind, bytes, n);
+    /// The candidates for `kind` this filter allows (all of them when a rule leaves none, so
+    /// a list meant for other collectives never disables one).
+    pub fn allowed(&self, kind: CollKind) -> impl Iterator<Item = Algorithm> + '_ {
         let rule = self.per_kind.iter().find(|(k, _)| *k == kind).map(|(_, r)| r).or(self.default.as_ref());
-        let Some(rule) = rule else { return def };
-        if rule.allows(def) {
-            return def;
-        }
-        candidates(kind).iter().copied().find(|a| rule.allows(*a)).unwrap_or(def)
+        let any = rule.is_none_or(|r| candidates(kind).iter().any(|a| r.allows(*a)));
+        candidates(kind).iter().copied().filter(move |a| !any || rule.is_none_or(|r| r.allows(*a)))
     }
 
     // shm: BEGIN
@@ -134,6 +130,365 @@ impl AlgoFilter {
         }
     }
     // shm: END
+}
+
+/// Latency and inverse bandwidth of one class of link.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LinkCost {
+    /// Seconds per message.
+    pub alpha: f64,
+    /// Seconds per byte.
+    pub beta: f64,
+}
+
+/// The alpha-beta-gamma model of a communicator's links.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CostModel {
+    /// Links between ranks of one host.
+    pub intra: LinkCost,
+    /// Links between hosts.
+    pub inter: LinkCost,
+    /// Seconds per byte reduced.
+    pub gamma: f64,
+    /// Where the numbers came from (for logs).
+    pub source: String,
+}
+
+impl Default for CostModel {
+    /// Loopback TCP on a 2-core VM inside a host; 10 Gbit/s Ethernet between hosts.
+    fn default() -> CostModel {
+        CostModel {
+            intra: LinkCost { alpha: 8e-6, beta: 1.0 / 2.5e9 },
+            inter: LinkCost { alpha: 30e-6, beta: 1.0 / 1.25e9 },
+            gamma: 1.0 / 10e9,
+            source: "defaults".into(),
+        }
+    }
+}
+
+/// What the model needs to know about a communicator.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Shape {
+    /// Number of ranks.
+    pub n: usize,
+    /// Number of hosts.
+    pub hosts: usize,
+    /// Largest number of ranks on one host.
+    pub per_host: usize,
+    /// Torus grid `(X, Y)`.
+    pub grid: (usize, usize),
+    /// The grid's rows are hosts (ranks-per-host by hosts).
+    pub rows_are_hosts: bool,
+    /// Ranks of one host outnumber its cores by this factor (at least 1): loopback links
+    /// then share CPUs.
+    pub cpu_share: f64,
+    /// Network interfaces per host: parallel streams leaving a host (the torus's columns,
+    /// halving-doubling's pairs) use up to this many; one stream uses one.
+    pub nics: usize,
+}
+
+impl Shape {
+    /// `n` ranks on `hosts` hosts of `per_host` ranks, grid `per_host x hosts`.
+    pub fn uniform(n: usize, hosts: usize) -> Shape {
+        let per_host = n.div_ceil(hosts.max(1));
+        Shape { n, hosts, per_host, grid: (per_host, hosts), rows_are_hosts: true, cpu_share: 1.0, nics: 1 }
+    }
+}
+
+/// A predicted run of one algorithm.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prediction {
+    /// The algorithm.
+    pub algo: Algorithm,
+    /// Predicted seconds.
+    pub time: f64,
+    /// Sequential communication steps (the latency count).
+    pub steps: usize,
+    /// Bytes that leave the busiest host through its link.
+    pub inter_bytes: f64,
+}
+
+fn log2_floor(n: usize) -> usize {
+    (usize::BITS - 1 - n.max(1).leading_zeros()) as usize
+}
+
+fn log2_ceil(n: usize) -> usize {
+    (usize::BITS - (n.max(1) - 1).leading_zeros()) as usize
+}
+
+impl CostModel {
+    /// Parses `TOROID_COST_MODEL`: `probe` (the default; handled by the caller), `default`, or
+    /// `intra=ALPHA_US/GBPS,inter=ALPHA_US/GBPS,reduce=GBPS` (bandwidths in GB/s).
+    pub fn parse(spec: &str) -> Result<Option<CostModel>> {
+        let spec = spec.trim();
+        if spec.is_empty() || spec.eq_ignore_ascii_case("probe") {
+            return Ok(None);
+        }
+        let mut m = CostModel::default();
+        if spec.eq_ignore_ascii_case("default") {
+            return Ok(Some(m));
+        }
+        let bad = || {
+            Error::InvalidArgument(format!(
+                "TOROID_COST_MODEL={spec}: expected probe, default or intra=US/GBPS,inter=US/GBPS,reduce=GBPS"
+            ))
+        };
+        let num =
+            |s: &str| s.trim().parse::<f64>().ok().filter(|v| *v > 0.0 && v.is_finite()).ok_or_else(bad);
+        for part in spec.split(',') {
+            let (k, v) = part.split_once('=').ok_or_else(bad)?;
+            match k.trim() {
+                "intra" | "inter" => {
+                    let (a, b) = v.split_once('/').ok_or_else(bad)?;
+                    let link = LinkCost { alpha: num(a)? * 1e-6, beta: 1.0 / (num(b)? * 1e9) };
+                    if k.trim() == "intra" { m.intra = link } else { m.inter = link }
+                }
+                "reduce" => m.gamma = 1.0 / (num(v)? * 1e9),
+                _ => return Err(bad()),
+            }
+        }
+        m.source = format!("TOROID_COST_MODEL={spec}");
+        Ok(Some(m))
+    }
+
+    /// Predicts an all-reduce of `bytes` with `algo` on `shape`.
+    pub fn predict(&self, algo: Algorithm, bytes: usize, shape: &Shape) -> Prediction {
+        let n = shape.n.max(1);
+        let b = bytes as f64;
+        let cross = shape.hosts > 1;
+        let k = shape.per_host.max(1);
+        // When ranks outnumber cores, every message waits for its receiver to get a core, and
+        // loopback transfers (which are CPU copies) share the cores too.
+        let intra =
+            LinkCost { alpha: self.intra.alpha * shape.cpu_share, beta: self.intra.beta * shape.cpu_share };
+        let inter = LinkCost { alpha: self.inter.alpha * shape.cpu_share, beta: self.inter.beta };
+        let worst = if cross {
+            LinkCost { alpha: inter.alpha.max(intra.alpha), beta: inter.beta.max(intra.beta) }
+        } else {
+            intra
+        };
+        let g = self.gamma * shape.cpu_share;
+        let mut t = 0.0;
+        let mut steps = 0;
+        let mut inter_bytes = 0.0;
+        // One phase: `s` steps on `link`, moving `bytes_per_link` through the busiest link.
+        let mut phase = |s: usize, link: LinkCost, bytes_on_link: f64, is_inter: bool| {
+            t += s as f64 * link.alpha + bytes_on_link * link.beta;
+            steps += s;
+            if is_inter {
+                inter_bytes += bytes_on_link;
+            }
+        };
+        if n == 1 {
+            return Prediction { algo, time: 0.0, steps: 0, inter_bytes: 0.0 };
+        }
+        let nf = n as f64;
+        let mut reduced = 0.0;
+        match algo {
+            Algorithm::Ring => {
+                // One stream per link; a ring of consecutive ranks crosses each host link once.
+                phase(2 * (n - 1), worst, 2.0 * (nf - 1.0) / nf * b, cross);
+                reduced = (nf - 1.0) / nf * b;
+            }
+            Algorithm::Doubling | Algorithm::HalvingDoubling => {
+                let p = 1usize << log2_floor(n);
+                let rounds = log2_floor(n);
+                let folded = p != n;
+                if folded {
+                    phase(1, intra, b, false);
+                    reduced += b;
+                }
+                for j in 0..rounds {
+                    // Partners 2^j apart: across hosts once 2^j reaches the ranks per host, and
+                    // then every rank of a host sends through the host's link at once.
+                    let remote = cross && (1usize << j) >= k;
+                    let per_rank = if algo == Algorithm::Doubling { b } else { b / (2 << j) as f64 };
+                    let parallel = k.min(shape.nics.max(1)) as f64;
+                    let (link, on_link) =
+                        if remote { (inter, per_rank * k as f64 / parallel) } else { (intra, per_rank) };
+                    let reps = if algo == Algorithm::Doubling { 1 } else { 2 };
+                    for _ in 0..reps {
+                        phase(1, link, on_link, remote);
+                    }
+                    reduced += per_rank;
+                }
+                if folded {
+                    phase(1, intra, b, false);
+                }
+            }
+            Algorithm::HierarchicalRing => {
+                let kf = k as f64;
+                let m = shape.hosts.max(1);
+                let mf = m as f64;
+                // Reduce to the root: ring reduce-scatter, then the root gathers the pieces.
+                phase(2 * (k - 1), intra, 2.0 * (kf - 1.0) / kf * b, false);
+                phase(2 * (m - 1), inter, 2.0 * (mf - 1.0) / mf * b, cross);
+                phase(2 * (k - 1), intra, 2.0 * (kf - 1.0) / kf * b, false);
+                reduced = (kf - 1.0) / kf * b + (mf - 1.0) / mf * b;
+            }
+            Algorithm::Torus2d => {
+                let (x, y) = shape.grid;
+                let (xf, yf) = (x as f64, y as f64);
+                let row = if shape.rows_are_hosts || !cross { intra } else { worst };
+                phase(x - 1, row, (xf - 1.0) / xf * b, false);
+                // The X column rings of a host share its link(s): X * 2(Y-1)/Y * b/X bytes,
+                // spread over up to `nics` interfaces.
+                let col_share = if shape.rows_are_hosts { xf / x.min(shape.nics.max(1)) as f64 } else { 1.0 };
+                let col = if cross { inter } else { intra };
+                phase(2 * (y - 1), col, col_share * 2.0 * (yf - 1.0) / yf * b / xf, cross);
+                phase(x - 1, row, (xf - 1.0) / xf * b, false);
+                reduced = (xf - 1.0) / xf * b + (yf - 1.0) / yf * b / xf;
+            }
+            Algorithm::Chain => {
+                // Pipelined: n - 1 frame latencies, then the whole message once.
+                let seg = b.min(crate::config::DEFAULT_SEGMENT_SIZE as f64);
+                phase(n - 1, worst, seg, cross);
+                phase(0, worst, b, cross);
+            }
+            Algorithm::Tree => {
+                phase(log2_ceil(n), worst, log2_ceil(n) as f64 * b, cross);
+            }
+            _ => phase(n - 1, worst, b, cross),
+        }
+        Prediction { algo, time: t + reduced * g, steps, inter_bytes }
+    }
+}
+
+/// Picks the cheapest algorithm the filter allows for `kind` moving `bytes`.
+pub fn choose(
+    filter: &AlgoFilter,
+    model: &CostModel,
+    shape: &Shape,
+    kind: CollKind,
+    bytes: usize,
+) -> Algorithm {
+    let mut best: Option<(f64, Algorithm)> = None;
+    for a in filter.allowed(kind) {
+        let time = match kind {
+            CollKind::AllReduce | CollKind::Broadcast | CollKind::Reduce => {
+                model.predict(a, bytes, shape).time
+            }
+            _ => 0.0,
+        };
+        if best.is_none_or(|(t, _)| time < t) {
+            best = Some((time, a));
+        }
+    }
+    best.map_or(candidates(kind)[0], |(_, a)| a)
+}
+
+/// The probe's results: `[intra alpha, intra beta, inter alpha, inter beta, gamma, cpu share]`,
+/// zero where this rank measured nothing. Every rank contributes and the communicator takes
+/// the maximum of each, so all ranks end with the same model.
+pub type ProbeResult = [f64; 6];
+
+/// Bytes of the larger bulk transfer that measures beta (the smaller is half of it).
+pub const PROBE_BYTES: usize = 8 << 20;
+const PROBE_PINGS: usize = 16;
+
+/// Measures link costs: ping-pongs and bulk transfers between two ranks of one host and
+/// between the roots of two hosts (only those ranks act; the others return at once), plus a
+/// timed local reduction. `scratch` must hold [`PROBE_BYTES`].
+pub fn probe(
+    wire: &mut crate::algorithm::Wire<'_>,
+    topology: &crate::topology::Topology,
+    scratch: &mut [u8],
+) -> Result<ProbeResult> {
+    let mut out = [0.0; 6];
+    let me = wire.rank();
+    let intra = topology.members.iter().find(|m| m.len() >= 2).map(|m| (m[0], m[1]));
+    let inter = (topology.hosts >= 2).then(|| (topology.members[0][0], topology.members[1][0]));
+    for (class, pair) in [(0usize, intra), (2, inter)] {
+        let Some((a, b)) = pair else { continue };
+        if me != a && me != b {
+            continue;
+        }
+        let peer = if me == a { b } else { a };
+        let base = class * 1000;
+        let mut step = base;
+        let mut next = || {
+            step += 1;
+            step
+        };
+        // Latency: ping-pongs of empty frames (two untimed to warm up).
+        let mut rtt = f64::INFINITY;
+        for i in 0..PROBE_PINGS + 2 {
+            let t = std::time::Instant::now();
+            if me == a {
+                wire.exchange(next(), Some((peer, Source::Bytes(&[]))), None)?;
+                wire.exchange(next(), None, Some((peer, Sink::Copy(&mut []))))?;
+            } else {
+                wire.exchange(next(), None, Some((peer, Sink::Copy(&mut []))))?;
+                wire.exchange(next(), Some((peer, Source::Bytes(&[]))), None)?;
+            }
+            if i >= 2 {
+                rtt = rtt.min(t.elapsed().as_secs_f64());
+            }
+        }
+        let alpha = rtt / 2.0;
+        // Bandwidth: two transfers back to back, timed by the receiver between the end of the
+        // first and the end of the second: the link is busy the whole time, so neither the
+        // latency nor a burst the shaper lets through counts.
+        let (first, second) = (PROBE_BYTES / 4, PROBE_BYTES / 2);
+        if me == a {
+            out[class] = alpha;
+            wire.exchange(next(), Some((peer, Source::Bytes(&scratch[..first]))), None)?;
+            wire.exchange(next(), Some((peer, Source::Bytes(&scratch[..second]))), None)?;
+            wire.exchange(next(), None, Some((peer, Sink::Copy(&mut []))))?;
+        } else {
+            wire.exchange(next(), None, Some((peer, Sink::Copy(&mut scratch[..first]))))?;
+            let t = std::time::Instant::now();
+            wire.exchange(next(), None, Some((peer, Sink::Copy(&mut scratch[..second]))))?;
+            out[class + 1] = (t.elapsed().as_secs_f64() / second as f64).max(1e-12);
+            wire.exchange(next(), Some((peer, Source::Bytes(&[]))), None)?;
+        }
+    }
+    // Reduction speed, locally: f32 sums of a quarter of the scratch, best of three.
+    let q = PROBE_BYTES / 4;
+    let (dst, rest) = scratch.split_at_mut(q);
+    let (a, b) = (&rest[..q], &rest[q..2 * q]);
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let t = std::time::Instant::now();
+        crate::reduce::reduce_into(crate::DataType::F32, crate::ReduceOp::Sum, dst, a, b);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    out[4] = best / q as f64;
+    let cores = crate::topology::online_cpus();
+    out[5] = (topology.machine_ranks(me) as f64 / cores as f64).max(1.0);
+    Ok(out)
+}
+
+impl CostModel {
+    /// The model from probe results, with defaults where nothing was measured (a single host
+    /// has no inter-host link; a host of one rank no intra-host one).
+    pub fn from_probe(r: &ProbeResult) -> CostModel {
+        let d = CostModel::default();
+        let link = |a: f64, b: f64, def: LinkCost| {
+            if a > 0.0 && b > 0.0 { LinkCost { alpha: a, beta: b } } else { def }
+        };
+        CostModel {
+            intra: link(r[0], r[1], d.intra),
+            inter: link(r[2], r[3], d.inter),
+            gamma: if r[4] > 0.0 { r[4] } else { d.gamma },
+            source: "probe".into(),
+        }
+    }
+}
+
+impl std::fmt::Display for CostModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "intra {:.1} us + {:.2} GB/s, inter {:.1} us + {:.3} GB/s, reduce {:.1} GB/s ({})",
+            self.intra.alpha * 1e6,
+            1e-9 / self.intra.beta,
+            self.inter.alpha * 1e6,
+            1e-9 / self.inter.beta,
+            1e-9 / self.gamma,
+            self.source
+        )
+    }
 }
 
 /// Checks that `algo` can run `kind` (a forced per-call choice).
@@ -180,24 +535,61 @@ pub fn intra_default(kind: CollKind, bytes: usize, n: usize) -> Option<Algorithm
 mod tests {
     use super::*;
 
+    fn model() -> CostModel {
+        CostModel {
+            intra: LinkCost { alpha: 5e-6, beta: 1.0 / 10e9 },
+            inter: LinkCost { alpha: 50e-6, beta: 1.0 / 1.25e9 },
+            gamma: 1.0 / 20e9,
+            source: "test".into(),
+        }
+    }
+
     #[test]
-    fn defaults_by_size() {
-        assert_eq!(default_choice(CollKind::AllReduce, 4096, 4), Algorithm::Doubling);
-        assert_eq!(default_choice(CollKind::AllReduce, 16 << 20, 4), Algorithm::Ring);
-        assert_eq!(default_choice(CollKind::Broadcast, 16 << 20, 4), Algorithm::Chain);
-        assert_eq!(default_choice(CollKind::Broadcast, 100, 4), Algorithm::Tree);
+    fn step_counts_follow_the_formulas() {
+        let m = model();
+        for (n, k) in [(8usize, 4usize), (1088, 4), (2176, 4), (64, 8)] {
+            let s = Shape::uniform(n, n / k);
+            let (x, y) = s.grid;
+            assert_eq!(m.predict(Algorithm::Ring, 1 << 20, &s).steps, 2 * (n - 1));
+            assert_eq!(m.predict(Algorithm::Torus2d, 1 << 20, &s).steps, 2 * (x - 1) + 2 * (y - 1));
+            assert_eq!(
+                m.predict(Algorithm::HierarchicalRing, 1 << 20, &s).steps,
+                4 * (k - 1) + 2 * (n / k - 1)
+            );
+        }
+        // The torus's vertical phase moves 1/X of what the hierarchical ring's inter phase does
+        // per rank; with the X columns sharing a host's link the link carries the same.
+        let s = Shape::uniform(16, 4);
+        let t = m.predict(Algorithm::Torus2d, 1 << 20, &s);
+        let h = m.predict(Algorithm::HierarchicalRing, 1 << 20, &s);
+        assert!((t.inter_bytes - h.inter_bytes).abs() < 1.0);
+    }
+
+    #[test]
+    fn small_messages_pick_few_steps_and_large_ones_few_bytes() {
+        let m = model();
+        let s = Shape::uniform(8, 1);
+        let f = AlgoFilter::default();
+        let small = choose(&f, &m, &s, CollKind::AllReduce, 1024);
+        assert!(matches!(small, Algorithm::Doubling | Algorithm::HalvingDoubling), "{small}");
+        let big = choose(&f, &m, &s, CollKind::AllReduce, 256 << 20);
+        assert!(matches!(big, Algorithm::Ring | Algorithm::Torus2d | Algorithm::HalvingDoubling), "{big}");
+        assert_eq!(choose(&f, &m, &s, CollKind::Broadcast, 64 << 20), Algorithm::Chain);
+        assert_eq!(choose(&f, &m, &s, CollKind::Broadcast, 64), Algorithm::Tree);
+        assert_eq!(choose(&f, &m, &s, CollKind::AllToAll, 64), Algorithm::Pairwise);
     }
 
     #[test]
     fn filter_syntax() {
+        let m = model();
+        let s = Shape::uniform(4, 1);
         let f = AlgoFilter::parse("ring;broadcast:^chain").unwrap();
-        assert_eq!(f.choose(CollKind::AllReduce, 16, 4), Algorithm::Ring);
-        assert_eq!(f.choose(CollKind::Broadcast, 1 << 30, 4), Algorithm::Tree);
-        // A global list that names nothing a collective can run leaves its default.
-        assert_eq!(f.choose(CollKind::AllToAll, 1, 4), Algorithm::Pairwise);
+        assert_eq!(choose(&f, &m, &s, CollKind::AllReduce, 16), Algorithm::Ring);
+        assert_eq!(choose(&f, &m, &s, CollKind::Broadcast, 1 << 30), Algorithm::Tree);
+        // A global list that names nothing a collective can run leaves it all its candidates.
+        assert_eq!(choose(&f, &m, &s, CollKind::AllToAll, 1), Algorithm::Pairwise);
         let f = AlgoFilter::parse("allreduce:rd").unwrap();
-        assert_eq!(f.choose(CollKind::AllReduce, 1 << 30, 4), Algorithm::Doubling);
-        assert_eq!(f.choose(CollKind::Reduce, 1 << 30, 4), Algorithm::Chain);
+        assert_eq!(choose(&f, &m, &s, CollKind::AllReduce, 1 << 30), Algorithm::Doubling);
         assert!(AlgoFilter::parse("warp").is_err());
         assert!(AlgoFilter::parse("gossip:ring").is_err());
         assert_eq!(AlgoFilter::parse("").unwrap(), AlgoFilter::default());
@@ -219,12 +611,23 @@ mod tests {
         assert_eq!(excl.choose_intra(CollKind::AllGather, 1 << 20, 4), None);
         let forced = AlgoFilter::parse("shm_direct").unwrap();
         assert_eq!(forced.choose_intra(CollKind::AllReduce, 8, 2), Some(Algorithm::ShmDirect));
-        // Not a candidate elsewhere: the filter keeps other collectives on their defaults.
-        assert_eq!(forced.choose(CollKind::AllReduce, 8, 2), Algorithm::Doubling);
+        // Not a candidate of the cost model: without the window the filter leaves the others.
+        let other = choose(&forced, &model(), &Shape::uniform(2, 1), CollKind::AllReduce, 8);
+        assert_ne!(other, Algorithm::ShmDirect);
         assert!(check_forced(CollKind::AllGather, Algorithm::ShmDirect).is_ok());
         assert!(check_forced(CollKind::Reduce, Algorithm::ShmDirect).is_err());
     }
     // shm: END
+
+    #[test]
+    fn cost_model_syntax() {
+        assert_eq!(CostModel::parse("probe").unwrap(), None);
+        assert_eq!(CostModel::parse("default").unwrap(), Some(CostModel::default()));
+        let m = CostModel::parse("intra=5/10,inter=50/0.125,reduce=20").unwrap().unwrap();
+        assert!((m.inter.beta - 8e-9).abs() < 1e-15 && (m.intra.alpha - 5e-6).abs() < 1e-12);
+        assert!(CostModel::parse("intra=5").is_err());
+        assert!(CostModel::parse("fast").is_err());
+    }
 
     #[test]
     fn forced_choice_must_fit() {

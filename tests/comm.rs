@@ -173,3 +173,85 @@ fn two_communicators_on_one_store_are_independent() {
         assert_eq!(comm.topology().local_size, 3);
     });
 }
+
+#[test]
+fn hooks_run_on_the_worker_in_issue_order_around_their_operation() {
+    use std::sync::Mutex;
+    use toroid::comm::{Hooks, RawOp};
+    use toroid::memory::{RawBufMut, RawBufs};
+    use toroid::{CallOptions, DataType, OpKind};
+    util::run_threads(2, &util::test_config(30.0), |comm| {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let mut buf = vec![1u32; 4099];
+        let addr = buf.as_ptr() as usize;
+        // An async operation queued first, then one with hooks: `before` runs after the first and
+        // sees the input (1), `after` sees the sum (2) before the work reports completion.
+        let first = comm.all_reduce_async(vec![0u8; 10], ReduceOp::Sum).unwrap();
+        let (l1, l2) = (log.clone(), log.clone());
+        let hooks = Hooks {
+            // SAFETY (test): `buf` outlives the wait below and nothing else touches it.
+            before: Some(Box::new(move || {
+                l1.lock().unwrap().push(("before", unsafe { *(addr as *const u32) }))
+            })),
+            after: Some(Box::new(move || {
+                l2.lock().unwrap().push(("after", unsafe { *(addr as *const u32) }))
+            })),
+        };
+        let op = RawOp {
+            kind: OpKind::AllReduce(ReduceOp::Sum),
+            dtype: DataType::U32,
+            bufs: RawBufs::InPlace(RawBufMut::new(bytemuck::cast_slice_mut(&mut buf))),
+            opts: CallOptions::default(),
+        };
+        // SAFETY: `buf` stays alive and untouched until the wait returns.
+        let w = unsafe { comm.submit_raw_with_hooks(op, None, hooks) }.unwrap();
+        w.wait_timeout(Duration::from_secs(20)).unwrap();
+        first.wait().unwrap();
+        assert_eq!(*log.lock().unwrap(), vec![("before", 1), ("after", 2)]);
+        assert!(buf.iter().all(|x| *x == 2));
+    });
+}
+
+#[test]
+fn a_wait_past_its_deadline_returns_timeout_and_aborts() {
+    let gate = Arc::new(std::sync::Barrier::new(2));
+    util::run_threads(2, &util::test_config(30.0), move |comm| {
+        if comm.rank() == 0 {
+            // Rank 1 never joins this all-reduce.
+            let w = comm.all_reduce_async(vec![1.0f32; 100], ReduceOp::Sum).unwrap();
+            let e = w.wait_timeout(Duration::from_millis(100)).unwrap_err();
+            assert!(matches!(e, toroid::Error::Timeout(_)), "{e}");
+            assert!(comm.is_aborted());
+            assert!(matches!(comm.barrier(), Err(toroid::Error::Aborted(_))));
+        }
+        gate.wait();
+        if comm.rank() == 1 {
+            assert!(comm.barrier().is_err());
+        }
+    });
+}
+
+#[test]
+fn reduce_accepts_no_output_on_non_roots() {
+    use toroid::{CallOptions, DataType, OpKind};
+    util::run_threads(3, &util::test_config(20.0), |comm| {
+        let input: Vec<i64> = (0..1000).map(|i| i * (comm.rank() as i64 + 1)).collect();
+        let bytes: &[u8] = bytemuck::cast_slice(&input);
+        let kind = OpKind::Reduce(ReduceOp::Sum, 1);
+        if comm.rank() == 1 {
+            let mut out = vec![0i64; 1000];
+            comm.run_bytes(
+                kind,
+                DataType::I64,
+                Some(bytes),
+                Some(bytemuck::cast_slice_mut(&mut out)),
+                CallOptions::default(),
+            )
+            .unwrap();
+            assert!(out.iter().enumerate().all(|(i, v)| *v == 6 * i as i64));
+        } else {
+            // Only the input: a non-root has nothing to receive.
+            comm.run_bytes(kind, DataType::I64, Some(bytes), None, CallOptions::default()).unwrap();
+        }
+    });
+}

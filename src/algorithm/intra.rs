@@ -79,17 +79,23 @@ struct Sync<'a> {
 impl Sync<'_> {
     fn wait_all(&mut self, win: &mut Window, target: u32) -> Result<()> {
         let (fp, peers) = (self.fp, &mut *self.peers);
-        win.wait_all(target, &fp, &self.policy, self.deadline, &self.abort, &mut |m| peers.probe(&fp, m))
+        win.wait_all(target, &fp, &self.policy, self.deadline, &self.abort, &mut |m| {
+            peers.poll_idle_links(&fp, m)
+        })
     }
 
     fn wait(&mut self, win: &mut Window, m: usize, target: u32) -> Result<()> {
         let (fp, peers) = (self.fp, &mut *self.peers);
-        win.wait(m, target, &fp, &self.policy, self.deadline, &self.abort, &mut |m| peers.probe(&fp, m))
+        win.wait(m, target, &fp, &self.policy, self.deadline, &self.abort, &mut |m| {
+            peers.poll_idle_links(&fp, m)
+        })
     }
 
     fn begin_chunk(&mut self, win: &mut Window, writes: bool) -> Result<usize> {
         let (fp, peers) = (self.fp, &mut *self.peers);
-        win.begin_chunk(writes, &fp, &self.policy, self.deadline, &self.abort, &mut |m| peers.probe(&fp, m))
+        win.begin_chunk(writes, &fp, &self.policy, self.deadline, &self.abort, &mut |m| {
+            peers.poll_idle_links(&fp, m)
+        })
     }
 }
 

@@ -8,7 +8,7 @@
 //!
 //! | collective | algorithms |
 //! |---|---|
-//! | all_reduce | `ring` (reduce-scatter then all-gather, bandwidth-optimal), `rd` (recursive doubling, latency-optimal for small messages) |
+//! | all_reduce | `ring` (reduce-scatter then all-gather, bandwidth-optimal), `hring` (hierarchical ring), `torus2d` (2D torus), `hd` (halving-doubling), `rd` (recursive doubling, latency-optimal for small messages) |
 //! | reduce_scatter, all_gather | `ring` |
 //! | broadcast, reduce | `chain` (pipelined, large messages), `tree` (binomial, small messages) |
 //! | all_to_all | `pairwise` |
@@ -18,12 +18,15 @@
 
 pub mod broadcast;
 pub mod doubling;
+pub mod halving_doubling;
+pub mod hierarchical;
 // shm: BEGIN
 pub mod intra;
 // shm: END
 pub mod pairwise;
 pub mod ring;
 pub mod schedule;
+pub mod torus2d;
 
 use std::time::Instant;
 
@@ -51,15 +54,21 @@ pub enum Algorithm {
     Dissemination = 6,
     /// Direct point-to-point (send/recv).
     Direct = 7,
+    /// Recursive halving-doubling, Rabenseifner (small and medium all_reduce).
+    HalvingDoubling = 8,
+    /// Hierarchical ring (Tencent): reduce per host, ring among hosts' roots, broadcast per host.
+    HierarchicalRing = 9,
+    /// 2D torus (Sony): reduce-scatter along rows, all-reduce along columns, all-gather along rows.
+    Torus2d = 10,
     // shm: BEGIN
     /// Direct loads and stores in a shared window (every rank on one host; see [`intra`]).
-    ShmDirect = 8,
+    ShmDirect = 11,
     // shm: END
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 8] = [
+    pub const ALL: [Algorithm; 11] = [
         Algorithm::Ring,
         Algorithm::Doubling,
         Algorithm::Chain,
@@ -67,6 +76,9 @@ impl Algorithm {
         Algorithm::Pairwise,
         Algorithm::Dissemination,
         Algorithm::Direct,
+        Algorithm::HalvingDoubling,
+        Algorithm::HierarchicalRing,
+        Algorithm::Torus2d,
         Algorithm::ShmDirect, // shm
     ];
 
@@ -80,6 +92,9 @@ impl Algorithm {
             Algorithm::Pairwise => "pairwise",
             Algorithm::Dissemination => "dissemination",
             Algorithm::Direct => "direct",
+            Algorithm::HalvingDoubling => "hd",
+            Algorithm::HierarchicalRing => "hring",
+            Algorithm::Torus2d => "torus2d",
             Algorithm::ShmDirect => "shm_direct", // shm
         }
     }
@@ -214,6 +229,28 @@ impl Bufs<'_> {
     }
 }
 
+/// Splits one buffer into a piece to read and a disjoint piece to write.
+pub(crate) fn read_write(
+    buf: &mut [u8],
+    read: std::ops::Range<usize>,
+    write: std::ops::Range<usize>,
+) -> (&[u8], &mut [u8]) {
+    assert!(
+        read.end <= write.start || write.end <= read.start || read.is_empty() || write.is_empty(),
+        "overlapping pieces {read:?} {write:?}"
+    );
+    if read.is_empty() {
+        return (&[], &mut buf[write]);
+    }
+    if read.start < write.start {
+        let (lo, hi) = buf.split_at_mut(write.start);
+        (&lo[read], &mut hi[..write.end - write.start])
+    } else {
+        let (lo, hi) = buf.split_at_mut(read.start);
+        (&hi[..read.end - read.start], &mut lo[write])
+    }
+}
+
 /// Combines `a` and `b` into `dst` with the lower rank's operand first, so every rank computes
 /// bit-identical results even where the operation is not (min/max of ±0, NaN payloads).
 pub(crate) fn combine_ordered(
@@ -229,6 +266,20 @@ pub(crate) fn combine_ordered(
     } else {
         reduce::reduce_inplace(dtype, op, theirs, mine);
         false
+    }
+}
+
+/// The output buffer to work in and, out of place, the input to read, after `avg`'s
+/// pre-scale (see [`prescale_in_place`]); with the op to reduce with.
+pub(crate) fn work_and_input<'a>(
+    bufs: Bufs<'a>,
+    dtype: DataType,
+    op: ReduceOp,
+    n: usize,
+) -> (&'a mut [u8], Option<&'a [u8]>, ReduceOp) {
+    match prescale_in_place(bufs, dtype, op, n) {
+        (Bufs::InPlace(b), op) => (b, None, op),
+        (Bufs::OutOfPlace { send, recv }, op) => (recv, Some(send), op),
     }
 }
 

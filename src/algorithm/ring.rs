@@ -13,7 +13,7 @@
 use std::ops::Range;
 
 use super::schedule::{self, ring_all_gather, ring_reduce_scatter};
-use super::{Bufs, Group, Scratch, Wire, grow, prescale_in_place};
+use super::{Bufs, Group, Scratch, Wire, grow, work_and_input};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::reduce;
@@ -208,6 +208,7 @@ pub fn all_gather_phase(
 
 /// Ring all-reduce over `group`: reduce-scatter then all-gather, `2 (n - 1)` steps run as one
 /// stream (the piece finished last in the reduce-scatter is the first one all-gathered).
+/// `avg` pre-scales the inputs by `1/scale_n`.
 #[allow(clippy::too_many_arguments)]
 pub fn all_reduce(
     wire: &mut Wire<'_>,
@@ -218,25 +219,35 @@ pub fn all_reduce(
     op: ReduceOp,
     scale_n: usize,
 ) -> Result<()> {
+    let (work, src, op) = work_and_input(bufs, dtype, op, scale_n);
+    all_reduce_phase(wire, group, me, work, src, dtype, op, 0)
+}
+
+/// The all-reduce phase over `group` on `work` (the result), reading inputs from `src` when
+/// given (else from `work`); steps `step0 .. step0 + 2 (n - 1)`. `op` is never `Avg` here.
+#[allow(clippy::too_many_arguments)]
+pub fn all_reduce_phase(
+    wire: &mut Wire<'_>,
+    group: Group<'_>,
+    me: usize,
+    work: &mut [u8],
+    src: Option<&[u8]>,
+    dtype: DataType,
+    op: ReduceOp,
+    step0: usize,
+) -> Result<()> {
     let n = group.len();
     let es = dtype.size();
-    let count = bufs.output_len() / es;
-    let (bufs, op) = prescale_in_place(bufs, dtype, op, scale_n);
+    let count = work.len() / es;
+    if n == 1 {
+        if let Some(src) = src {
+            work.copy_from_slice(src);
+        }
+        return Ok(());
+    }
     // Step k receives piece me - k - 2 (mod n), in both phases.
     let recv_piece = |k: usize| piece(count, n, es, (me + 3 * n - k - 2) % n);
     let send0 = piece(count, n, es, (me + n - 1) % n);
-    let steps = 2 * (n - 1);
     let ring = Ring { group, me };
-    match bufs {
-        Bufs::InPlace(buf) => {
-            wire.ring(&ring.plan(steps, 0, Some((n - 1, dtype, op)), send0, &recv_piece), buf, None)
-        }
-        Bufs::OutOfPlace { send, recv } => {
-            if n == 1 {
-                recv.copy_from_slice(send);
-                return Ok(());
-            }
-            wire.ring(&ring.plan(steps, 0, Some((n - 1, dtype, op)), send0, &recv_piece), recv, Some(send))
-        }
-    }
+    wire.ring(&ring.plan(2 * (n - 1), step0, Some((n - 1, dtype, op)), send0, &recv_piece), work, src)
 }

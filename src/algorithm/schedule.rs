@@ -81,6 +81,24 @@ impl Doubling {
     }
 }
 
+/// Recursive halving on `2^rounds` ranks, Rabenseifner's reduce-scatter: in round `k` virtual
+/// rank `v` pairs with `v ^ 2^k`, keeps the half of its current block range selected by bit `k`
+/// of `v` and sends the other half. Returns `(send, keep)` block ranges of round `k`; after all
+/// rounds `v` keeps exactly one block (its bit-reversed index). The all-gather runs the same
+/// rounds backwards, receiving what it sent.
+pub fn halving_round(v: usize, rounds: usize, k: usize) -> (Range<usize>, Range<usize>) {
+    let (mut lo, mut hi) = (0usize, 1usize << rounds);
+    for j in 0..=k {
+        let mid = (lo + hi) / 2;
+        let (send, keep) = if v >> j & 1 == 0 { (mid..hi, lo..mid) } else { (lo..mid, mid..hi) };
+        if j == k {
+            return (send, keep);
+        }
+        (lo, hi) = (keep.start, keep.end);
+    }
+    unreachable!()
+}
+
 /// Binomial tree rooted at virtual rank 0 over `n` ranks: the parent of `v` (none for 0) and
 /// its children in the order they are served (largest subtree first).
 pub fn binomial_parent(v: usize) -> Option<usize> {
@@ -189,6 +207,29 @@ mod tests {
             }
             assert!(seen.iter().all(|s| *s));
             assert_eq!(1 << d.rounds(), d.pof2);
+        }
+    }
+
+    #[test]
+    fn halving_rounds_partition_the_blocks() {
+        for rounds in 0..=5usize {
+            let p = 1usize << rounds;
+            let mut owner = vec![usize::MAX; p];
+            for v in 0..p {
+                let mut range = 0..p;
+                for k in 0..rounds {
+                    let (send, keep) = halving_round(v, rounds, k);
+                    // Both halves split the current range; the partner keeps what we send.
+                    assert_eq!(send.len(), keep.len());
+                    assert!(range.start <= keep.start.min(send.start) && keep.end.max(send.end) <= range.end);
+                    let (psend, pkeep) = halving_round(v ^ (1 << k), rounds, k);
+                    assert_eq!((psend, pkeep), (keep.clone(), send.clone()));
+                    range = keep;
+                }
+                assert_eq!(range.len(), 1);
+                assert_eq!(owner[range.start], usize::MAX, "block owned twice");
+                owner[range.start] = v;
+            }
         }
     }
 

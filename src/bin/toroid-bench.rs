@@ -76,6 +76,9 @@ struct Cli {
     /// Timeout of every call in seconds.
     #[arg(short = 'T', long = "timeout")]
     timeout: Option<f64>,
+    /// Add the cost model's predicted time (us) after the algorithm.
+    #[arg(long)]
+    predict: bool,
     /// Also write the results as JSON to this file.
     #[arg(short = 'J', long = "output_file")]
     json: Option<String>,
@@ -377,6 +380,8 @@ fn run(cli: Cli) -> toroid::Result<u64> {
         cli.iters,
         cli.check
     ));
+    let (model, shape) = bench.comm.cost_model();
+    p(format!("# cost model: {model}; {} hosts, grid {}x{}", shape.hosts, shape.grid.0, shape.grid.1));
     p("#".into());
     p(format!("#  Rank {me:>2} Pid {:>7} on {}", std::process::id(), hostname()));
     p("#".into());
@@ -430,6 +435,10 @@ fn run(cli: Cli) -> toroid::Result<u64> {
                 bw_count += 1;
             }
             line.push_str(&format!("  {}", row.algorithm));
+            if cli.predict {
+                let t = bench.comm.predict(row.algorithm, row.bytes);
+                line.push_str(&format!("  {:>9}", fit(t * 1e6, 9)));
+            }
             p(line);
             rows.push(row);
         }
@@ -455,6 +464,7 @@ fn run(cli: Cli) -> toroid::Result<u64> {
                 "size": r.bytes,
                 "count": r.count,
                 "algorithm": r.algorithm.name(),
+                "predicted_us": bench.comm.predict(r.algorithm, r.bytes) * 1e6,
                 "out_of_place": {"time_us": r.results[0].0, "algbw": r.results[0].1, "busbw": r.results[0].2, "wrong": r.results[0].3},
                 "in_place": {"time_us": r.results[1].0, "algbw": r.results[1].1, "busbw": r.results[1].2, "wrong": r.results[1].3},
             })).collect::<Vec<_>>(),

@@ -277,7 +277,13 @@ fn from_source(cfg: &Config, src: &Source) -> Result<Launch> {
     })
 }
 
-fn store_addr(cfg: &Config, launcher: Launcher) -> Result<StoreAddr> {
+/// The store address from the environment alone (`TOROID_STORE_ADDR`, then `MASTER_ADDR` and
+/// `MASTER_PORT`+1, then Slurm's node list when `launcher` is Slurm), for callers that know rank
+/// and size some other way (the C ABI's `toroid_comm_init` with a NULL `store_addr`).
+///
+/// # Errors
+/// As [`detect`] for the store part.
+pub fn store_addr(cfg: &Config, launcher: Launcher) -> Result<StoreAddr> {
     if let Some(v) = cfg.var("TOROID_STORE_ADDR") {
         return StoreAddr::parse(v)
             .map_err(|e| Error::InvalidArgument(format!("TOROID_STORE_ADDR: {}", e.detail())));

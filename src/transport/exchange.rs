@@ -76,10 +76,12 @@ pub enum CollKind {
     PointToPoint = 8,
     /// the internal exchange that creates sub-communicators
     Split = 9,
+    /// the link measurements of the cost model
+    Probe = 10,
 }
 
 impl CollKind {
-    const ALL: [CollKind; 9] = [
+    const ALL: [CollKind; 10] = [
         CollKind::AllReduce,
         CollKind::ReduceScatter,
         CollKind::AllGather,
@@ -89,6 +91,7 @@ impl CollKind {
         CollKind::Barrier,
         CollKind::PointToPoint,
         CollKind::Split,
+        CollKind::Probe,
     ];
 
     /// The snake_case name used in logs and errors.
@@ -103,10 +106,11 @@ impl CollKind {
             CollKind::Barrier => "barrier",
             CollKind::PointToPoint => "send/recv",
             CollKind::Split => "split",
+            CollKind::Probe => "probe",
         }
     }
 
-    fn from_u8(v: u8) -> Option<CollKind> {
+    pub(crate) fn from_u8(v: u8) -> Option<CollKind> {
         CollKind::ALL.iter().copied().find(|k| *k as u8 == v)
     }
 }
@@ -456,7 +460,7 @@ impl Peers {
     /// Checks, without blocking, every link for what an idle link can show (an abort frame, a
     /// frame of a mismatched collective, a closed connection) while this rank waits outside the
     /// engine (in the shared window). Returns true when the link to `watch` is closed.
-    pub fn probe(&mut self, fp: &Fingerprint, watch: usize) -> Result<bool> {
+    pub fn poll_idle_links(&mut self, fp: &Fingerprint, watch: usize) -> Result<bool> {
         self.abort.check()?;
         self.pollfds.clear();
         self.poll_ranks.clear();

@@ -620,20 +620,7 @@ fn encode_fp(fp: &Fingerprint) -> [u64; 4] {
 fn describe_fp(w: &[u64; 4]) -> String {
     use crate::dtype::{DataType, ReduceOp};
     use crate::transport::CollKind;
-    let kind = [
-        CollKind::AllReduce,
-        CollKind::ReduceScatter,
-        CollKind::AllGather,
-        CollKind::Broadcast,
-        CollKind::Reduce,
-        CollKind::AllToAll,
-        CollKind::Barrier,
-        CollKind::PointToPoint,
-        CollKind::Split,
-    ]
-    .into_iter()
-    .find(|c| *c as u64 == w[3] & 0xff)
-    .map_or("an unknown collective", |k| k.name());
+    let kind = CollKind::from_u8((w[3] & 0xff) as u8).map_or("an unknown collective", |k| k.name());
     let dtype = DataType::from_u8((w[3] >> 8) as u8).map_or("?", |d| d.name());
     let op = ReduceOp::from_u8((w[3] >> 16) as u8).map_or("?", |o| o.name());
     format!(

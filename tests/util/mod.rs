@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod cases;
 pub mod data;
 
 use std::process::{Child, Command, Output, Stdio};
@@ -31,13 +32,23 @@ pub fn run_threads<F>(n: usize, cfg: &Config, body: F)
 where
     F: Fn(Communicator) + Send + Sync + 'static,
 {
+    let cfg = cfg.clone();
+    run_threads_with(n, move |_| cfg.clone(), body)
+}
+
+/// As [`run_threads`], with a configuration per rank (host identities, torus shapes).
+pub fn run_threads_with<C, F>(n: usize, cfg_of: C, body: F)
+where
+    C: Fn(usize) -> Config,
+    F: Fn(Communicator) + Send + Sync + 'static,
+{
     let store: Arc<dyn Store> = Arc::new(MemStore::new());
     let body = Arc::new(body);
     let handles: Vec<_> = (0..n)
         .map(|r| {
             let store = store.clone();
             let body = body.clone();
-            let cfg = cfg.clone();
+            let cfg = cfg_of(r);
             std::thread::Builder::new()
                 .name(format!("rank{r}"))
                 .spawn(move || {
@@ -57,11 +68,11 @@ where
 /// Re-runs the test `test_name` of this test binary as `n` rank processes under `toroid-run`
 /// (which prefixes their output and stops them all when one fails), bounded by `timeout_s`.
 pub fn launch(test_name: &str, n: usize, env: &[(&str, &str)], timeout_s: u64) -> Output {
-    launch_with(test_name, n, env, &[], timeout_s)
+    launch_with(test_name, n, &[], env, timeout_s)
 }
 
-/// As [`launch`], with extra `toroid-run` options (e.g. `--emulate-hosts 2`).
-pub fn launch_with(test_name: &str, n: usize, env: &[(&str, &str)], opts: &[&str], timeout_s: u64) -> Output {
+/// As [`launch`], with extra `toroid-run` options (`--emulate-hosts H`).
+pub fn launch_with(test_name: &str, n: usize, opts: &[&str], env: &[(&str, &str)], timeout_s: u64) -> Output {
     let exe = std::env::current_exe().unwrap();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_toroid-run"));
     cmd.arg("-n").arg(n.to_string()).arg("--timeout").arg(timeout_s.to_string()).arg("--grace").arg("2");

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Runs the Python tests (numpy binding, torch.distributed backend) against the libtoroid.so built
+# from this checkout. Installs numpy, pytest and torch with pip when they are missing (torch from
+# PyPI is the CUDA build, about 3 GB; it runs on CPU, and pip reuses its cache).
+#
+#   python/run_tests.sh [pytest arguments...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+
+if ! "$PYTHON" -c "import numpy, pytest, torch" 2>/dev/null; then
+  echo "run_tests.sh: installing numpy, pytest and torch with pip" >&2
+  "$PYTHON" -m pip install --quiet numpy pytest torch
+fi
+
+cargo build --lib --quiet
+export TOROID_LIBRARY="$PWD/target/debug/libtoroid.so"
+echo "run_tests.sh: toroid $(PYTHONPATH=python "$PYTHON" -c 'import toroid; print(toroid.version())') from $TOROID_LIBRARY; torch $("$PYTHON" -c 'import torch; print(torch.__version__)')" >&2
+exec "$PYTHON" -m pytest -q python/tests "$@"

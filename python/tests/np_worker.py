@@ -1,0 +1,217 @@
+"""One rank of the numpy tests (started by test_numpy.py through launch.py).
+
+Every rank generates every rank's input from a seed, so it computes the expected result itself."""
+
+import os
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+import toroid
+
+SCENARIO = sys.argv[1]
+RANK = int(os.environ["TOROID_RANK"])
+SIZE = int(os.environ["TOROID_WORLD_SIZE"])
+checks = 0
+
+
+def data(test: int, rank: int, n: int, dtype, op="sum"):
+    rng = np.random.default_rng(1000 * test + rank)
+    dt = np.dtype(dtype)
+    if dt.kind == "f":
+        if op == "prod":
+            return rng.uniform(0.5, 1.5, n).astype(dt)
+        if dt == np.float16:
+            return rng.integers(-8, 9, n).astype(dt)  # exact sums
+        return rng.uniform(-1, 1, n).astype(dt)
+    info = np.iinfo(dt)
+    return rng.integers(info.min, info.max, n, dtype=dt, endpoint=True)
+
+
+def reference(inputs, op):
+    with np.errstate(over="ignore"):
+        acc = inputs[0].copy()
+        for x in inputs[1:]:
+            if op in ("sum", "avg"):
+                acc = acc + x
+            elif op == "prod":
+                acc = acc * x
+            elif op == "min":
+                acc = np.minimum(acc, x)
+            else:
+                acc = np.maximum(acc, x)
+        if op == "avg":
+            acc = acc / len(inputs)
+        return acc.astype(inputs[0].dtype)
+
+
+def same(got, want, what):
+    global checks
+    checks += got.size
+    if got.dtype.kind == "f":
+        tol = {np.float16: 0.07, np.float32: 1e-5 * SIZE, np.float64: 1e-12 * SIZE}[got.dtype.type]
+        ok = np.allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol, atol=tol)
+    else:
+        ok = np.array_equal(got, want)
+    if not ok:
+        bad = np.flatnonzero(got != want)[:5]
+        raise AssertionError(f"{what}: elements {bad} are {got.flat[bad]}, expected {want.flat[bad]}")
+
+
+def collectives(comm: toroid.Comm):
+    t = 0
+    for dtype in ["int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64"]:
+        for op in ["sum", "prod", "min", "max", "avg"]:
+            if op == "avg" and np.dtype(dtype).kind != "f":
+                continue
+            for n in [0, 1, 7, 4099]:
+                t += 1
+                xs = [data(t, r, n, dtype, op) for r in range(SIZE)]
+                mine = xs[RANK].copy()
+                if t % 2:
+                    out = comm.all_reduce(mine, np.empty_like(mine), op=op)
+                    same(mine, xs[RANK], "all_reduce input untouched")
+                else:
+                    out = comm.all_reduce(mine, op=op)
+                    assert out is mine
+                same(out, reference(xs, op), f"all_reduce {dtype} {op} n={n}")
+    # reduce_scatter / all_gather / all_to_all / broadcast / reduce
+    for dtype in ["int32", "float64"]:
+        for n in [0, 5, 4099]:
+            t += 1
+            xs = [data(t, r, n * SIZE, dtype) for r in range(SIZE)]
+            want = reference(xs, "sum")[RANK * n:(RANK + 1) * n]
+            same(comm.reduce_scatter(xs[RANK].copy()), want, "reduce_scatter")
+            xs = [data(t, r, n, dtype) for r in range(SIZE)]
+            same(comm.all_gather(xs[RANK]), np.stack(xs), "all_gather")
+            xs = [data(t, r, n * SIZE, dtype) for r in range(SIZE)]
+            want = np.concatenate([xs[j][RANK * n:(RANK + 1) * n] for j in range(SIZE)])
+            same(comm.all_to_all(xs[RANK]), want, "all_to_all")
+            for root in range(SIZE):
+                buf = data(t, RANK, n, dtype)
+                same(comm.broadcast(buf, root), data(t, root, n, dtype), f"broadcast root {root}")
+                xs = [data(t + 1, r, n, dtype) for r in range(SIZE)]
+                got = comm.reduce(xs[RANK].copy(), op="max", root=root)
+                if RANK == root:
+                    same(got, reference(xs, "max"), "reduce")
+                else:
+                    assert got is None
+    # send/recv around a ring
+    nxt, prv = (RANK + 1) % SIZE, (RANK - 1) % SIZE
+    mine, got = data(99, RANK, 100_003, "float32"), np.empty(100_003, np.float32)
+    if RANK % 2 == 0:
+        comm.send(mine, nxt)
+        comm.recv(got, prv)
+    else:
+        comm.recv(got, prv)
+        comm.send(mine, nxt)
+    same(got, data(99, prv, 100_003, "float32"), "send/recv")
+    comm.barrier()
+
+
+def async_and_pointers(comm: toroid.Comm):
+    n = 10_001
+    xs = [data(500, r, n, "float32") for r in range(SIZE)]
+    a = xs[RANK].copy()
+    works = [
+        comm.all_reduce(a, op="sum", async_op=True),
+        comm.all_gather(xs[RANK], async_op=True),
+        comm.barrier(async_op=True),
+    ]
+    # The async work owns references: dropping our names does not free the arrays early.
+    results = [w.wait() for w in works]
+    same(results[0], reference(xs, "sum"), "async all_reduce")
+    same(results[1], np.stack(xs), "async all_gather")
+    assert results[2] is None
+    w = comm.all_reduce(np.full(3, RANK, np.int64), op="max", async_op=True)
+    deadline = time.time() + 60
+    while not w.test():
+        assert time.time() < deadline
+        time.sleep(0.001)
+    same(w.wait(), np.full(3, SIZE - 1, np.int64), "async test/wait")
+    # bfloat16 through the pointer API: the upper halves of float32 values (small integers:
+    # exact sums).
+    vals = [np.arange(64, dtype=np.float32) % 7 + r for r in range(SIZE)]
+    bf = (vals[RANK].view(np.uint32) >> 16).astype(np.uint16)
+    comm.all_reduce_ptr(bf.ctypes.data, bf.ctypes.data, bf.size, "bfloat16", "sum")
+    got = (bf.astype(np.uint32) << 16).view(np.float32)
+    same(got, reference(vals, "sum"), "bfloat16 all_reduce_ptr")
+    # split: even and odd ranks
+    sub = comm.split(RANK % 2, key=RANK)
+    members = [r for r in range(SIZE) if r % 2 == RANK % 2]
+    assert sub.size == len(members) and sub.rank == members.index(RANK)
+    same(sub.all_reduce(np.array([RANK], np.int32)), np.array([sum(members)], np.int32), "split")
+    sub.destroy()
+    none = comm.split(toroid.SPLIT_NOCOLOR if RANK == 0 else 1)
+    assert (none is None) == (RANK == 0)
+    if none is not None:
+        none.destroy()
+
+
+def errors(comm: toroid.Comm):
+    try:
+        comm.all_reduce(np.zeros(4, np.int32), op="avg")
+        raise AssertionError("avg on int32 succeeded")
+    except toroid.UnsupportedError as e:
+        assert e.code == toroid.Result.UNSUPPORTED and "avg" in e.detail and "TOROID_DEBUG" in str(e)
+    try:
+        comm.broadcast(np.zeros(4, np.float32), root=SIZE + 3)
+        raise AssertionError("bad root accepted")
+    except toroid.InvalidArgumentError as e:
+        assert f"root {SIZE + 3}" in e.detail, e.detail
+        assert isinstance(e, ValueError)
+    try:
+        comm.all_reduce_ptr(0, 0, 10, "float32")
+        raise AssertionError("NULL buffers accepted")
+    except toroid.InvalidArgumentError as e:
+        assert "NULL" in str(e)
+    assert "NULL" in comm.last_error
+    # Still usable after argument errors.
+    same(comm.all_reduce(np.ones(2, np.float64)), np.full(2, float(SIZE)), "usable after errors")
+    sub = comm.split(0, RANK)
+    sub.destroy()
+    try:
+        sub.barrier()
+        raise AssertionError("destroyed communicator used")
+    except toroid.InvalidUsageError:
+        pass
+
+
+class FileStore:
+    """A caller-supplied store for Comm.with_store: one file per key."""
+
+    def __init__(self, path):
+        self.path = pathlib.Path(path)
+
+    def _file(self, key):
+        return self.path / key.replace("/", "_")
+
+    def set(self, key, value):
+        tmp = self.path / f".{os.getpid()}.tmp"
+        tmp.write_bytes(value)
+        tmp.rename(self._file(key))
+
+    def get(self, key, timeout):
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._file(key).read_bytes()
+            except FileNotFoundError:
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(0.002)
+
+
+if __name__ == "__main__":
+    if SCENARIO == "with_store":
+        comm = toroid.Comm.with_store(RANK, SIZE, FileStore(os.environ["TOROID_TEST_TMP"]))
+        same(comm.all_reduce(np.array([RANK + 1], np.int64), op="prod"),
+             np.array([np.prod(np.arange(1, SIZE + 1))], np.int64), "with_store all_reduce")
+    else:
+        comm = toroid.Comm.from_env()
+        {"collectives": collectives, "async": async_and_pointers, "errors": errors}[SCENARIO](comm)
+    comm.barrier()
+    comm.destroy()
+    print(f"rank {RANK}: {SCENARIO} passed ({checks} element checks)")

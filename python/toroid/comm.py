@@ -1,0 +1,393 @@
+"""`Comm`: a toroid communicator over the C ABI, on numpy arrays and raw pointers."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any, Callable, Optional, Protocol
+
+from . import _lib
+from ._lib import DataType, ReduceOp, check
+
+try:  # numpy is optional for the pointer-level API
+    import numpy as np
+except ImportError:  # pragma: no cover
+    np = None
+
+_NP_TYPES = {
+    "int8": DataType.INT8,
+    "uint8": DataType.UINT8,
+    "int32": DataType.INT32,
+    "uint32": DataType.UINT32,
+    "int64": DataType.INT64,
+    "uint64": DataType.UINT64,
+    "float16": DataType.FLOAT16,
+    "float32": DataType.FLOAT32,
+    "float64": DataType.FLOAT64,
+}
+
+
+def numpy_dtype(array) -> DataType:
+    """The toroid type of a numpy array's elements."""
+    try:
+        return _NP_TYPES[array.dtype.name]
+    except KeyError:
+        raise TypeError(f"toroid has no element type for numpy dtype {array.dtype}") from None
+
+
+def _buffer(array, writable: bool) -> int:
+    if np is None or not isinstance(array, np.ndarray):
+        raise TypeError(f"expected a numpy array, got {type(array).__name__}")
+    if not array.flags.c_contiguous:
+        raise ValueError("toroid needs C-contiguous arrays (use np.ascontiguousarray)")
+    if writable and not array.flags.writeable:
+        raise ValueError("the output array is read-only")
+    return array.ctypes.data
+
+
+class Store(Protocol):
+    """What `Comm.with_store` needs from a key-value store."""
+
+    def set(self, key: str, value: bytes) -> None: ...
+
+    def get(self, key: str, timeout: float) -> Optional[bytes]:
+        """The value, waiting up to `timeout` seconds (0: do not wait); None when missing."""
+        ...
+
+
+class Work:
+    """An operation issued with ``async_op=True``. It keeps its buffers alive until done."""
+
+    def __init__(self, comm: "Comm", handle: int, refs: tuple, result: Any, name: str):
+        self._comm = comm
+        self._handle = handle
+        self._refs = refs
+        self._result = result
+        self._name = name
+        self._done = False
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        """Waits for completion and returns the output (raises ToroidError on failure).
+
+        `timeout` in seconds (None: the communicator's timeout). Past it the communicator is
+        aborted and toroid.TimeoutError is raised, as at every toroid deadline."""
+        ms = -1 if timeout is None else max(0, int(timeout * 1000))
+        code = _lib.lib().toroid_work_wait(self._handle, ms)
+        self._finished()
+        check(f"{self._name} (wait)", code, self._comm._handle_or_none())
+        return self._result
+
+    def test(self) -> bool:
+        """True once the operation has finished (successfully or not). Never blocks."""
+        done = ctypes.c_int(0)
+        check("toroid_work_test", _lib.lib().toroid_work_test(self._handle, ctypes.byref(done)))
+        if done.value:
+            self._finished()
+        return bool(done.value)
+
+    def _finished(self) -> None:
+        if not self._done:
+            self._done = True
+            self._comm._forget(self)
+
+    def __del__(self):
+        # Unfinished works are kept referenced by their communicator: this runs once finished
+        # (or at interpreter exit, when freeing without cancelling is still correct).
+        handle, self._handle = self._handle, None
+        if handle:
+            try:
+                _lib.lib().toroid_work_free(handle)
+            except Exception:  # pragma: no cover - interpreter shutdown
+                pass
+
+
+class Comm:
+    """A toroid communicator.
+
+    Create it with `Comm.from_env()` (under toroid-run, torchrun, srun or mpirun),
+    `Comm.init(rank, size, store_addr)` or `Comm.with_store(rank, size, store)`.
+
+    Collectives take numpy arrays (C-contiguous, of a toroid element type); the `*_ptr` forms
+    take raw addresses, element counts and a `DataType` (for bfloat16 or foreign memory).
+    Every collective takes ``async_op=True`` to return a `Work` instead of blocking.
+    """
+
+    def __init__(self, handle: int):
+        self._handle = handle
+        self._lock = threading.Lock()
+        self._inflight: list[Work] = []
+        rank, size = ctypes.c_int(), ctypes.c_int()
+        check("toroid_comm_rank", _lib.lib().toroid_comm_rank(handle, ctypes.byref(rank)), handle)
+        check("toroid_comm_size", _lib.lib().toroid_comm_size(handle, ctypes.byref(size)), handle)
+        self.rank = rank.value
+        self.size = size.value
+
+    # ---- creation ------------------------------------------------------------------------
+
+    @classmethod
+    def from_env(cls) -> "Comm":
+        """From TOROID_RANK/TOROID_WORLD_SIZE/TOROID_STORE_ADDR or torchrun/Slurm/MPI variables."""
+        out = ctypes.c_void_p()
+        check("toroid_comm_init_env", _lib.lib().toroid_comm_init_env(ctypes.byref(out)))
+        return cls(out.value)
+
+    @classmethod
+    def init(
+        cls,
+        rank: int,
+        size: int,
+        store_addr: Optional[str] = None,
+        timeout: Optional[float] = None,
+        socket_ifname: Optional[str] = None,
+    ) -> "Comm":
+        """Rank 0 serves a TCP store at `store_addr` ("host:port", or "file:///dir"); None: from
+        the environment. `timeout` in seconds (None: TOROID_TIMEOUT or 300 s)."""
+        cfg = _lib.Config()
+        cfg.struct_size = ctypes.sizeof(_lib.Config)
+        cfg.rank, cfg.size = rank, size
+        cfg.store_addr = store_addr.encode() if store_addr else None
+        cfg.timeout_ms = int(timeout * 1000) if timeout else 0
+        cfg.socket_ifname = socket_ifname.encode() if socket_ifname else None
+        out = ctypes.c_void_p()
+        check("toroid_comm_init", _lib.lib().toroid_comm_init(ctypes.byref(out), ctypes.byref(cfg)))
+        return cls(out.value)
+
+    @classmethod
+    def with_store(cls, rank: int, size: int, store: Store) -> "Comm":
+        """Meets the other ranks through `store` (set/get, see `Store`): no port of toroid's own."""
+        errors: list[BaseException] = []
+
+        def on_set(_ctx, key, value, length):
+            try:
+                store.set(key.decode(), ctypes.string_at(value, length) if length else b"")
+                return 0
+            except BaseException as e:  # noqa: BLE001 - reported below, never into C
+                errors.append(e)
+                return 1
+
+        def on_get(_ctx, key, value, cap, length, timeout_ms):
+            try:
+                v = store.get(key.decode(), timeout_ms / 1000.0)
+                if v is None:
+                    return 1
+                v = bytes(v)
+                ctypes.memmove(value, v, min(len(v), cap))
+                length[0] = len(v)
+                return 0
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+                return 1
+
+        ops = _lib.StoreOps(ctypes.sizeof(_lib.StoreOps), _lib.STORE_SET(on_set), _lib.STORE_GET(on_get))
+        out = ctypes.c_void_p()
+        code = _lib.lib().toroid_comm_init_with_store(ctypes.byref(out), rank, size, ctypes.byref(ops), None)
+        try:
+            check("toroid_comm_init_with_store", code)
+        except _lib.ToroidError as e:
+            if errors:
+                raise e from errors[-1]
+            raise
+        return cls(out.value)
+
+    # ---- life cycle ----------------------------------------------------------------------
+
+    def _handle_or_none(self) -> Optional[int]:
+        return self._handle
+
+    def _live(self) -> int:
+        if self._handle is None:
+            raise _lib.InvalidUsageError("Comm", _lib.Result.INVALID_USAGE, "the communicator was destroyed", "")
+        return self._handle
+
+    def _forget(self, work: Work) -> None:
+        with self._lock:
+            try:
+                self._inflight.remove(work)
+            except ValueError:
+                pass
+
+    def _prune(self) -> None:
+        with self._lock:
+            works = list(self._inflight)
+        for w in works:
+            w.test()
+
+    def split(self, color: int, key: int = 0) -> Optional["Comm"]:
+        """Ranks with the same color form a new communicator ordered by key; color < 0 (or
+        None) takes part without joining one and returns None. Every rank calls it."""
+        out = ctypes.c_void_p()
+        color = _lib.SPLIT_NOCOLOR if color is None else color
+        check("toroid_comm_split", _lib.lib().toroid_comm_split(self._live(), color, key, ctypes.byref(out)), self._handle)
+        return Comm(out.value) if out.value else None
+
+    def abort(self) -> None:
+        """Fails pending and later operations; never blocks."""
+        check("toroid_comm_abort", _lib.lib().toroid_comm_abort(self._live()), self._handle)
+
+    def destroy(self) -> None:
+        """Releases the communicator once its queued operations have finished."""
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            check("toroid_comm_destroy", _lib.lib().toroid_comm_destroy(handle))
+            with self._lock:
+                works, self._inflight = self._inflight, []
+            for w in works:  # all finished now
+                w._done = True
+
+    close = destroy
+
+    def __enter__(self) -> "Comm":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()
+
+    def __del__(self):
+        try:
+            self.destroy()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+    @property
+    def last_error(self) -> str:
+        """The detail of the last failure on this communicator ('' if none)."""
+        return _lib.last_error(self._handle)
+
+    def __repr__(self) -> str:
+        return f"toroid.Comm(rank={self.rank}, size={self.size})"
+
+    # ---- the calls -----------------------------------------------------------------------
+
+    def _call(self, name: str, args: tuple, async_op: bool, refs: tuple, result: Any):
+        handle = self._live()
+        f = _lib.lib()
+        if not async_op:
+            check(name, getattr(f, name)(handle, *args), handle)
+            return result
+        self._prune()
+        work = ctypes.c_void_p()
+        check(name + "_async", getattr(f, name + "_async")(handle, *args, ctypes.byref(work)), handle)
+        w = Work(self, work.value, refs, result, name + "_async")
+        with self._lock:
+            self._inflight.append(w)
+        return w
+
+    # Pointer-level collectives: addresses (int), counts in elements, DataType or its name.
+
+    def all_reduce_ptr(self, send: int, recv: int, count: int, dtype, op="sum", async_op=False, _refs=(), _result=None):
+        args = (send, recv, count, DataType.of(dtype), ReduceOp.of(op))
+        return self._call("toroid_all_reduce", args, async_op, _refs, _result)
+
+    def reduce_scatter_ptr(self, send: int, recv: int, recvcount: int, dtype, op="sum", async_op=False, _refs=(), _result=None):
+        args = (send, recv, recvcount, DataType.of(dtype), ReduceOp.of(op))
+        return self._call("toroid_reduce_scatter", args, async_op, _refs, _result)
+
+    def all_gather_ptr(self, send: int, recv: int, sendcount: int, dtype, async_op=False, _refs=(), _result=None):
+        args = (send, recv, sendcount, DataType.of(dtype))
+        return self._call("toroid_all_gather", args, async_op, _refs, _result)
+
+    def broadcast_ptr(self, send: int, recv: int, count: int, dtype, root: int, async_op=False, _refs=(), _result=None):
+        args = (send, recv, count, DataType.of(dtype), root)
+        return self._call("toroid_broadcast", args, async_op, _refs, _result)
+
+    def reduce_ptr(self, send: int, recv: int, count: int, dtype, op="sum", root=0, async_op=False, _refs=(), _result=None):
+        args = (send, recv, count, DataType.of(dtype), ReduceOp.of(op), root)
+        return self._call("toroid_reduce", args, async_op, _refs, _result)
+
+    def all_to_all_ptr(self, send: int, recv: int, count_per_rank: int, dtype, async_op=False, _refs=(), _result=None):
+        args = (send, recv, count_per_rank, DataType.of(dtype))
+        return self._call("toroid_all_to_all", args, async_op, _refs, _result)
+
+    def send_ptr(self, buf: int, count: int, dtype, peer: int, async_op=False, _refs=(), _result=None):
+        return self._call("toroid_send", (buf, count, DataType.of(dtype), peer), async_op, _refs, _result)
+
+    def recv_ptr(self, buf: int, count: int, dtype, peer: int, async_op=False, _refs=(), _result=None):
+        return self._call("toroid_recv", (buf, count, DataType.of(dtype), peer), async_op, _refs, _result)
+
+    def barrier(self, async_op: bool = False):
+        """Returns once every rank has entered the barrier."""
+        return self._call("toroid_barrier", (), async_op, (), None)
+
+    # numpy collectives. `recv=None` means in place where the collective allows it, or a new
+    # array. The return value is the output array (or a Work whose wait() returns it).
+
+    def all_reduce(self, send, recv=None, op="sum", async_op: bool = False):
+        """Every rank receives the reduction of every rank's `send` (in place when recv is None)."""
+        recv = send if recv is None else recv
+        self._same(send, recv)
+        return self.all_reduce_ptr(
+            _buffer(send, False), _buffer(recv, True), send.size, numpy_dtype(send), op, async_op, (send, recv), recv
+        )
+
+    def reduce_scatter(self, send, recv=None, op="sum", async_op: bool = False):
+        """`send` holds size equal pieces; rank r receives the reduction of everyone's piece r."""
+        if send.size % self.size:
+            raise ValueError(f"reduce_scatter input of {send.size} elements does not split into {self.size}")
+        if recv is None:
+            recv = np.empty(send.size // self.size, dtype=send.dtype)
+        self._kind(send, recv)
+        if recv.size * self.size != send.size:
+            raise ValueError(f"reduce_scatter output has {recv.size} elements, expected {send.size // self.size}")
+        return self.reduce_scatter_ptr(
+            _buffer(send, False), _buffer(recv, True), recv.size, numpy_dtype(send), op, async_op, (send, recv), recv
+        )
+
+    def all_gather(self, send, recv=None, async_op: bool = False):
+        """Every rank receives every rank's `send`, in rank order (a new array of shape
+        (size, *send.shape) when recv is None)."""
+        if recv is None:
+            recv = np.empty((self.size,) + send.shape, dtype=send.dtype)
+        self._kind(send, recv)
+        if recv.size != send.size * self.size:
+            raise ValueError(f"all_gather output has {recv.size} elements, expected {send.size * self.size}")
+        return self.all_gather_ptr(
+            _buffer(send, False), _buffer(recv, True), send.size, numpy_dtype(send), async_op, (send, recv), recv
+        )
+
+    def broadcast(self, buf, root: int, async_op: bool = False):
+        """Root's `buf` is copied into every rank's `buf`."""
+        p = _buffer(buf, True)
+        return self.broadcast_ptr(p, p, buf.size, numpy_dtype(buf), root, async_op, (buf,), buf)
+
+    def reduce(self, send, recv=None, op="sum", root: int = 0, async_op: bool = False):
+        """The root receives the reduction in `recv` (in place in `send` when recv is None);
+        other ranks' arrays are only read. Returns the result at the root, None elsewhere."""
+        if self.rank == root:
+            recv = send if recv is None else recv
+            self._same(send, recv)
+            rp = _buffer(recv, True)
+        else:
+            rp, recv = None, None
+        return self.reduce_ptr(
+            _buffer(send, False), rp, send.size, numpy_dtype(send), op, root, async_op, (send, recv), recv
+        )
+
+    def all_to_all(self, send, recv=None, async_op: bool = False):
+        """Block j of `send` goes to rank j, arriving as block `rank` of `recv` (equal blocks)."""
+        if send.size % self.size:
+            raise ValueError(f"all_to_all input of {send.size} elements does not split into {self.size}")
+        recv = np.empty_like(send) if recv is None else recv
+        self._same(send, recv)
+        return self.all_to_all_ptr(
+            _buffer(send, False), _buffer(recv, True), send.size // self.size, numpy_dtype(send), async_op,
+            (send, recv), recv,
+        )
+
+    def send(self, buf, peer: int, async_op: bool = False):
+        """Sends `buf` to `peer` (which calls recv with an array of the same size and type)."""
+        return self.send_ptr(_buffer(buf, False), buf.size, numpy_dtype(buf), peer, async_op, (buf,), None)
+
+    def recv(self, buf, peer: int, async_op: bool = False):
+        """Receives into `buf` from `peer`."""
+        return self.recv_ptr(_buffer(buf, True), buf.size, numpy_dtype(buf), peer, async_op, (buf,), buf)
+
+    @staticmethod
+    def _kind(a, b) -> None:
+        if a.dtype != b.dtype:
+            raise TypeError(f"input is {a.dtype} but output is {b.dtype}")
+
+    @staticmethod
+    def _same(a, b) -> None:
+        Comm._kind(a, b)
+        if a.size != b.size:
+            raise ValueError(f"input has {a.size} elements but output has {b.size}")

@@ -1,0 +1,486 @@
+"""The torch.distributed backend "toroid".
+
+    import torch.distributed as dist
+    import toroid.torch                         # registers the backend
+    dist.init_process_group("toroid")           # env:// (torchrun) or any init_method
+
+`ProcessGroupToroid` is a Python subclass of `dist.ProcessGroup` (the pattern of torch's
+test/distributed/test_c10d_pypg.py). It bootstraps through the store torch hands to every
+backend (toroid_comm_init_with_store with ctypes callbacks: no port of its own) and runs every
+collective as a toroid async call; the returned Work completes its torch Future when toroid's
+work completes, so DistributedDataParallel overlaps gradient all-reduce with backward.
+
+Supported: all_reduce (SUM, PRODUCT, MIN, MAX, AVG; complex SUM/AVG as pairs of reals),
+broadcast, reduce, all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor,
+all_to_all_single (uneven splits too), all_to_all, gather, scatter, barrier, send/recv (tags are
+ignored: messages between two ranks match in issue order), the coalesced forms; CPU tensors of
+int8, uint8, int32, int64, uint32, uint64, float16, bfloat16, float32, float64.
+Not supported: BAND/BOR/BXOR/PREMUL_SUM, recv from any source, CUDA tensors.
+
+Like every toroid call, operations of one process group run in issue order on one queue: a
+send waits for its receiver, so pair sends and receives so that no cycle of ranks all sends
+first with large messages (for example even ranks send first, odd ranks receive first).
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import queue
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from . import _lib
+from ._lib import DataType, ReduceOp
+from .comm import Comm
+
+BACKEND = "toroid"
+
+_TYPES = {
+    torch.int8: DataType.INT8,
+    torch.uint8: DataType.UINT8,
+    torch.int32: DataType.INT32,
+    torch.int64: DataType.INT64,
+    torch.float16: DataType.FLOAT16,
+    torch.bfloat16: DataType.BFLOAT16,
+    torch.float32: DataType.FLOAT32,
+    torch.float64: DataType.FLOAT64,
+}
+for _name, _dt in (("uint32", DataType.UINT32), ("uint64", DataType.UINT64)):
+    if hasattr(torch, _name):
+        _TYPES[getattr(torch, _name)] = _dt
+
+_OPS = [
+    (dist.ReduceOp.SUM, ReduceOp.SUM),
+    (dist.ReduceOp.PRODUCT, ReduceOp.PROD),
+    (dist.ReduceOp.MIN, ReduceOp.MIN),
+    (dist.ReduceOp.MAX, ReduceOp.MAX),
+    (dist.ReduceOp.AVG, ReduceOp.AVG),
+]
+
+
+def _op(torch_op) -> ReduceOp:
+    for t, o in _OPS:
+        if torch_op == t:
+            return o
+    raise ValueError(f"toroid does not support the reduction {torch_op} (it has SUM, PRODUCT, MIN, MAX, AVG)")
+
+
+def _flat(t: torch.Tensor, op: Optional[ReduceOp] = None) -> torch.Tensor:
+    """The tensor as toroid sees it: on CPU, of a toroid type; complex as pairs of reals."""
+    if t.device.type != "cpu":
+        raise ValueError(f"the toroid backend works on CPU tensors, not {t.device}")
+    if t.is_complex():
+        if op not in (None, ReduceOp.SUM, ReduceOp.AVG):
+            raise ValueError(f"toroid reduces complex tensors with SUM or AVG only, not {op.name}")
+        t = torch.view_as_real(t)
+    if t.dtype not in _TYPES:
+        raise ValueError(f"the toroid backend has no element type for {t.dtype}")
+    return t
+
+
+def _dtype(t: torch.Tensor) -> DataType:
+    return _TYPES[t.dtype]
+
+
+class TorchStore:
+    """A torch.distributed Store as toroid's caller-supplied store (Comm.with_store)."""
+
+    def __init__(self, store: dist.Store):
+        self.store = store
+
+    def set(self, key: str, value: bytes) -> None:
+        self.store.set(key, value)
+
+    def get(self, key: str, timeout: float) -> Optional[bytes]:
+        if timeout <= 0:
+            if not self.store.check([key]):
+                return None
+        else:
+            try:
+                self.store.wait([key], datetime.timedelta(seconds=timeout))
+            except Exception:  # torch raises on timeout: toroid sees a missing key
+                return None
+        return bytes(self.store.get(key))
+
+
+class _Output:
+    """An output tensor, or a contiguous stand-in copied back when the operation is done."""
+
+    def __init__(self, t: torch.Tensor, op: Optional[ReduceOp] = None):
+        self.target = t
+        self.buf = _flat(t if t.is_contiguous() else t.contiguous(), op)
+
+    def copy_back(self) -> None:
+        if not self.target.is_contiguous():
+            src = torch.view_as_complex(self.buf) if self.target.is_complex() else self.buf
+            self.target.copy_(src)
+
+
+class ToroidWork(dist.Work):
+    """A torch Work over toroid async works: wait() blocks until they are done, get_future()
+    completes when they are (set by the group's completion thread, or by wait())."""
+
+    def __init__(self, pg: "ProcessGroupToroid", works: list, result: Any, finish: Optional[Callable[[], None]], name: str):
+        super().__init__()
+        self._pg = pg
+        self._works = works
+        self._result = result
+        self._finish = finish
+        self._name = name
+        self._future = Future()
+        self._lock = threading.Lock()
+        self._done = False
+        self._exception: Optional[BaseException] = None
+
+    def _complete(self) -> None:
+        """Waits for the toroid works, runs the copy-backs, completes the future (once)."""
+        with self._lock:
+            if self._done:
+                return
+            try:
+                for w in self._works:
+                    w.wait(self._pg._timeout_s)
+                if self._finish is not None:
+                    self._finish()
+            except BaseException as e:  # noqa: BLE001 - handed to the future and to wait()
+                self._exception = e
+            self._done = True
+            self._works = []
+        if self._exception is not None:
+            self._future.set_exception(self._exception)
+        else:
+            self._future.set_result(self._result)
+
+    def wait(self, timeout=None) -> bool:
+        self._complete()
+        if self._exception is not None:
+            raise self._exception
+        return True
+
+    def get_future(self) -> Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._done
+
+    def is_success(self) -> bool:
+        return self._done and self._exception is None
+
+    def exception(self):
+        return self._exception
+
+    def result(self):
+        return self._result
+
+    def __repr__(self) -> str:
+        return f"ToroidWork({self._name}, done={self._done})"
+
+
+class ProcessGroupToroid(dist.ProcessGroup):
+    """A torch.distributed process group whose collectives run on a toroid communicator."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: Optional[datetime.timedelta] = None):
+        super().__init__(rank, size)
+        self._timeout_s = timeout.total_seconds() if timeout else None
+        self._comm = Comm.with_store(rank, size, TorchStore(store))
+        self.stats: collections.Counter = collections.Counter()  # operations issued, by name
+        self._queue: "queue.Queue[Optional[ToroidWork]]" = queue.Queue()
+        self._thread = threading.Thread(target=self._completer, name=f"toroid-pg-r{rank}", daemon=True)
+        self._thread.start()
+
+    # The completion thread: toroid runs a group's operations in issue order, so completing the
+    # works in FIFO order is what they finish in.
+    def _completer(self) -> None:
+        while True:
+            w = self._queue.get()
+            if w is None:
+                return
+            w._complete()
+
+    def _work(self, works: list, result: Any, finish: Optional[Callable[[], None]] = None, name: str = "") -> ToroidWork:
+        w = ToroidWork(self, works, result, finish, name)
+        self.stats[name] += 1
+        self._queue.put(w)
+        return w
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupToroid(rank={self.rank()}, size={self.size()})"
+
+    @property
+    def comm(self) -> Comm:
+        """The toroid communicator."""
+        return self._comm
+
+    # ---- collectives -----------------------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        works, outs = [], []
+        for t in tensors:
+            o = _Output(t, op)
+            p = o.buf.data_ptr()
+            works.append(self._comm.all_reduce_ptr(p, p, o.buf.numel(), _dtype(o.buf), op, True, (o.buf,)))
+            outs.append(o)
+        return self._work(works, tensors, lambda: [o.copy_back() for o in outs], "allreduce")
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        if not tensors:
+            return self._work([], tensors)
+        flat = torch.cat([_flat(t, op).reshape(-1) for t in tensors])
+        p = flat.data_ptr()
+        w = self._comm.all_reduce_ptr(p, p, flat.numel(), _dtype(flat), op, True, (flat,))
+
+        def finish():
+            at = 0
+            for t in tensors:
+                v = _flat(t, op)
+                v.copy_(flat[at:at + v.numel()].view_as(v))
+                at += v.numel()
+
+        return self._work([w], tensors, finish, "allreduce_coalesced")
+
+    def broadcast(self, tensors, opts=None):
+        root = opts.rootRank if opts is not None else 0
+        works, outs = [], []
+        for t in tensors:
+            o = _Output(t)
+            p = o.buf.data_ptr()
+            works.append(self._comm.broadcast_ptr(p, p, o.buf.numel(), _dtype(o.buf), root, True, (o.buf,)))
+            outs.append(o)
+        return self._work(works, tensors, lambda: [o.copy_back() for o in outs], "broadcast")
+
+    def reduce(self, tensors, opts=None):
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        root = opts.rootRank if opts is not None else 0
+        works, outs = [], []
+        for t in tensors:
+            o = _Output(t, op)
+            p = o.buf.data_ptr()
+            works.append(self._comm.reduce_ptr(p, p, o.buf.numel(), _dtype(o.buf), op, root, True, (o.buf,)))
+            outs.append(o)
+        return self._work(works, tensors, lambda: [o.copy_back() for o in outs], "reduce")
+
+    def _gather_into(self, output: torch.Tensor, input: torch.Tensor):
+        """all_gather of `input` into the flat `output` (size x numel) as a toroid work."""
+        src = _flat(input.contiguous())
+        o = _Output(output)
+        if o.buf.numel() != src.numel() * self.size():
+            raise ValueError(f"all_gather output has {o.buf.numel()} elements, expected {src.numel() * self.size()}")
+        if o.buf.dtype != src.dtype:
+            raise ValueError(f"all_gather output is {output.dtype} but input is {input.dtype}")
+        w = self._comm.all_gather_ptr(src.data_ptr(), o.buf.data_ptr(), src.numel(), _dtype(src), True, (src, o.buf))
+        return w, o
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        works, finishers = [], []
+        for outs, inp in zip(output_tensors, input_tensors):
+            if len(outs) != self.size():
+                raise ValueError(f"all_gather needs {self.size()} output tensors, got {len(outs)}")
+            tmp = torch.empty((self.size(),) + tuple(inp.shape), dtype=inp.dtype)
+            w, o = self._gather_into(tmp, inp)
+            works.append(w)
+
+            def finish(outs=outs, tmp=tmp):
+                for r, out in enumerate(outs):
+                    out.copy_(tmp[r].view_as(out))
+
+            finishers.append(finish)
+        return self._work(works, output_tensors, lambda: [f() for f in finishers], "allgather")
+
+    def all_gather_single(self, output, input, opts=None):
+        w, o = self._gather_into(output, input)
+        return self._work([w], output, o.copy_back, "all_gather_single")
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        pairs = [self._gather_into(o, i) for o, i in zip(outputs, inputs)]
+        return self._work([w for w, _ in pairs], outputs, lambda: [o.copy_back() for _, o in pairs], "all_gather_coalesced")
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def _scatter_from(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp):
+        """reduce_scatter of the flat `input` (size x numel) into `output` as a toroid work."""
+        src = _flat(input.contiguous(), op)
+        o = _Output(output, op)
+        if src.numel() != o.buf.numel() * self.size():
+            raise ValueError(f"reduce_scatter input has {src.numel()} elements, expected {o.buf.numel() * self.size()}")
+        if o.buf.dtype != src.dtype:
+            raise ValueError(f"reduce_scatter output is {output.dtype} but input is {input.dtype}")
+        p = o.buf.data_ptr()
+        w = self._comm.reduce_scatter_ptr(src.data_ptr(), p, o.buf.numel(), _dtype(src), op, True, (src, o.buf))
+        return w, o
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        pairs = []
+        for out, ins in zip(output_tensors, input_tensors):
+            if len(ins) != self.size():
+                raise ValueError(f"reduce_scatter needs {self.size()} input tensors, got {len(ins)}")
+            flat = torch.cat([_flat(x, op).reshape(-1) for x in ins])
+            pairs.append(self._scatter_from(out, flat, op))
+        return self._work([w for w, _ in pairs], output_tensors, lambda: [o.copy_back() for _, o in pairs], "reduce_scatter")
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        w, o = self._scatter_from(output, input, op)
+        return self._work([w], output, o.copy_back, "reduce_scatter_single")
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        pairs = [self._scatter_from(o, i, op) for o, i in zip(outputs, inputs)]
+        return self._work([w for w, _ in pairs], outputs, lambda: [o.copy_back() for _, o in pairs], "reduce_scatter_coalesced")
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def _all_to_all_v(self, send_blocks: list, recv_counts: list, dtype: torch.dtype):
+        """All-to-all of blocks of any sizes: padded to the largest block of any rank (one small
+        all-reduce finds it), exchanged as equal blocks. Returns (work, padded output, M)."""
+        n = self.size()
+        local = max([b.numel() for b in send_blocks] + list(recv_counts) + [0])
+        m = torch.tensor([local], dtype=torch.int64)
+        self._comm.all_reduce_ptr(m.data_ptr(), m.data_ptr(), 1, DataType.INT64, ReduceOp.MAX)
+        width = int(m.item())
+        send = torch.zeros(n * width, dtype=dtype)
+        for j, b in enumerate(send_blocks):
+            send[j * width:j * width + b.numel()] = b
+        recv = torch.empty(n * width, dtype=dtype)
+        w = self._comm.all_to_all_ptr(send.data_ptr(), recv.data_ptr(), width, _dtype(send), True, (send, recv))
+        return w, recv, width
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        n = self.size()
+        src = _flat(input.contiguous())
+        if not output_split_sizes and not input_split_sizes:
+            o = _Output(output)
+            if src.numel() % n or o.buf.numel() != src.numel():
+                raise ValueError("all_to_all_single with equal splits needs equal inputs and outputs divisible by the size")
+            w = self._comm.all_to_all_ptr(src.data_ptr(), o.buf.data_ptr(), src.numel() // n, _dtype(src), True, (src, o.buf))
+            return self._work([w], output, o.copy_back, "all_to_all_single")
+        # Uneven splits are counted in rows of dim 0.
+        row = src[0].numel() if src.dim() > 0 and src.shape[0] else 1
+        ins = list(input_split_sizes) or [input.shape[0] // n] * n
+        outs = list(output_split_sizes) or [output.shape[0] // n] * n
+        flat_in = src.reshape(-1)
+        blocks, at = [], 0
+        for s in ins:
+            blocks.append(flat_in[at:at + s * row])
+            at += s * row
+        w, recv, width = self._all_to_all_v(blocks, [s * row for s in outs], src.dtype)
+        o = _Output(output)
+
+        def finish():
+            flat_out, at = o.buf.reshape(-1), 0
+            for j, s in enumerate(outs):
+                flat_out[at:at + s * row] = recv[j * width:j * width + s * row]
+                at += s * row
+            o.copy_back()
+
+        return self._work([w], output, finish, "all_to_all_single")
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        blocks = [_flat(t.contiguous()).reshape(-1) for t in input_tensors]
+        w, recv, width = self._all_to_all_v(blocks, [t.numel() for t in output_tensors], blocks[0].dtype)
+
+        def finish():
+            for j, out in enumerate(output_tensors):
+                o = _flat(out)  # a view: writing it writes `out`
+                o.copy_(recv[j * width:j * width + o.numel()].view_as(o))
+
+        return self._work([w], output_tensors, finish, "alltoall")
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        """Gather by all-gather (every rank receives; the root keeps it)."""
+        root = opts.rootRank if opts is not None else 0
+        inp = input_tensors[0]
+        tmp = torch.empty((self.size(),) + tuple(inp.shape), dtype=inp.dtype)
+        w, _ = self._gather_into(tmp, inp)
+
+        def finish():
+            if self.rank() == root:
+                for r, out in enumerate(output_tensors[0]):
+                    out.copy_(tmp[r])
+
+        return self._work([w], output_tensors, finish, "gather")
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        """Scatter by broadcast of the root's pieces (every rank receives all, keeps its own)."""
+        root = opts.rootRank if opts is not None else 0
+        out = output_tensors[0]
+        buf = torch.empty((self.size(),) + tuple(out.shape), dtype=out.dtype)
+        if self.rank() == root:
+            for r, piece in enumerate(input_tensors[0]):
+                buf[r].copy_(piece)
+        flat = _flat(buf)
+        p = flat.data_ptr()
+        w = self._comm.broadcast_ptr(p, p, flat.numel(), _dtype(flat), root, True, (flat,))
+        return self._work([w], output_tensors, lambda: out.copy_(buf[self.rank()]), "scatter")
+
+    def barrier(self, opts=None):
+        return self._work([self._comm.barrier(async_op=True)], None, None, "barrier")
+
+    def send(self, tensors, dstRank, tag=0):
+        works = []
+        for t in tensors:
+            src = _flat(t.contiguous())
+            works.append(self._comm.send_ptr(src.data_ptr(), src.numel(), _dtype(src), dstRank, True, (src,)))
+        return self._work(works, tensors, None, "send")
+
+    def recv(self, tensors, srcRank, tag=0):
+        works, outs = [], []
+        for t in tensors:
+            o = _Output(t)
+            works.append(self._comm.recv_ptr(o.buf.data_ptr(), o.buf.numel(), _dtype(o.buf), srcRank, True, (o.buf,)))
+            outs.append(o)
+        return self._work(works, tensors, lambda: [o.copy_back() for o in outs], "recv")
+
+    def recv_anysource(self, tensors, tag=0):
+        raise ValueError("the toroid backend does not support recv from any source")
+
+    # ---- life cycle --------------------------------------------------------------------------
+
+    def abort(self) -> None:
+        self._comm.abort()
+
+    def shutdown(self) -> None:
+        """Waits for queued operations, then releases the communicator."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            if threading.current_thread() is not self._thread:  # (may run from its last work)
+                self._thread.join()
+        self._comm.destroy()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+
+def _create(store, rank, size, timeout=None, *args, **kwargs) -> ProcessGroupToroid:
+    return ProcessGroupToroid(store, rank, size, timeout)
+
+
+def register() -> None:
+    """Registers the backend "toroid" (done on import; repeated calls do nothing)."""
+    if not hasattr(dist.Backend, BACKEND.upper()):
+        dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+
+
+register()
+
+__all__ = ["BACKEND", "ProcessGroupToroid", "ToroidWork", "TorchStore", "register"]
+_ = _lib  # the ctypes layer, for users who want toroid.torch._lib

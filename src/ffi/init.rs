@@ -1,0 +1,97 @@
+//! Creating communicators from C: the environment, a `toroid_config`, or the caller's store.
+
+use std::ffi::{c_int, c_void};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::boundary::{non_negative, opt_str};
+use super::store::CallbackStore;
+use super::types::{toroid_config, toroid_store_ops};
+use crate::Communicator;
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::rendezvous::Store;
+use crate::rendezvous::env::{self, Launch, Launcher, StoreAddr};
+
+fn world(rank: c_int, size: c_int) -> Result<(usize, usize)> {
+    let rank = non_negative(rank, "rank")?;
+    let size = non_negative(size, "size")?;
+    if size == 0 || rank >= size {
+        return Err(Error::InvalidArgument(format!("rank {rank} is not in a world of {size}")));
+    }
+    Ok((rank, size))
+}
+
+/// Reads a caller's `toroid_config`, of any size at least the first version's.
+///
+/// # Safety
+/// `p` must point to a `toroid_config` (or a later, longer version of it) whose `struct_size`
+/// says how many bytes are readable; string fields NULL or NUL-terminated.
+pub(crate) unsafe fn from_config(p: *const toroid_config) -> Result<Communicator> {
+    if p.is_null() {
+        return Err(Error::InvalidArgument("config is NULL".into()));
+    }
+    // SAFETY: every version of the struct starts with struct_size.
+    let struct_size = unsafe { p.cast::<usize>().read() };
+    check_struct_size(struct_size, std::mem::size_of::<toroid_config>(), "toroid_config")?;
+    // SAFETY: struct_size >= v1, so the first-version fields are there; later fields are ignored.
+    let c = unsafe { p.read() };
+    let (rank, size) = world(c.rank, c.size)?;
+    let mut cfg = Config::global()?.clone();
+    if c.timeout_ms > 0 {
+        cfg.timeout = Duration::from_millis(c.timeout_ms.unsigned_abs());
+    }
+    // SAFETY: the caller promises NULL or NUL-terminated strings.
+    if let Some(ifname) = unsafe { opt_str(c.socket_ifname, "socket_ifname")? } {
+        cfg.socket_ifname = Some(ifname);
+    }
+    // SAFETY: as above.
+    let store = match unsafe { opt_str(c.store_addr, "store_addr")? } {
+        Some(addr) => StoreAddr::parse(&addr)?,
+        None => {
+            // A Slurm job finds its store host in Slurm's variables.
+            let launcher = env::detect(&cfg).map_or(Launcher::Toroid, |l| l.launcher);
+            env::store_addr(&cfg, launcher)?
+        }
+    };
+    let launch = Launch { rank, size, local_rank: None, local_size: None, store, launcher: Launcher::Toroid };
+    Communicator::from_launch(&launch, &cfg)
+}
+
+/// Joins through the caller's store.
+///
+/// # Safety
+/// `ops` must be NULL or point to a `toroid_store_ops` whose callbacks may be called with `ctx`
+/// on this thread until this function returns.
+pub(crate) unsafe fn with_store(
+    rank: c_int,
+    size: c_int,
+    ops: *const toroid_store_ops,
+    ctx: *mut c_void,
+) -> Result<Communicator> {
+    if ops.is_null() {
+        return Err(Error::InvalidArgument("store ops is NULL".into()));
+    }
+    // SAFETY: every version of the struct starts with struct_size.
+    let struct_size = unsafe { ops.cast::<usize>().read() };
+    check_struct_size(struct_size, std::mem::size_of::<toroid_store_ops>(), "toroid_store_ops")?;
+    // SAFETY: struct_size covers the first version.
+    let ops = unsafe { ops.read() };
+    let (rank, size) = world(rank, size)?;
+    let store = Arc::new(CallbackStore::new(&ops, ctx)?);
+    let cfg = Config::global()?;
+    let r = Communicator::with_store(rank, size, store.clone() as Arc<dyn Store>, cfg);
+    store.close();
+    r
+}
+
+/// A versioned struct must be at least as large as its first version.
+fn check_struct_size(size: usize, v1: usize, name: &str) -> Result<()> {
+    if size < v1 {
+        return Err(Error::InvalidArgument(format!(
+            "{name}.struct_size is {size}, less than the {v1} bytes of its first version (set it to \
+             sizeof({name}))"
+        )));
+    }
+    Ok(())
+}
