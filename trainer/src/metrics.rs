@@ -1,0 +1,337 @@
+//! Metrics: CSV files (one row per logged step, one per epoch) and a PNG of the curves.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use plotters::prelude::*;
+
+use crate::error::{Context, Error, Result};
+
+/// One logged training step (averaged over the steps since the previous row).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StepRow {
+    /// Optimiser steps so far.
+    pub step: u64,
+    /// Fractional epoch.
+    pub epoch: f64,
+    /// Global batch.
+    pub batch: usize,
+    /// Learning rate.
+    pub lr: f64,
+    /// Mean training loss (over ranks and steps since the last row).
+    pub loss: f64,
+    /// Training images per second, all ranks together.
+    pub images_per_s: f64,
+    /// Mean step time in seconds.
+    pub step_s: f64,
+    /// Mean time per step blocked on gradient all-reduce, seconds.
+    pub comm_s: f64,
+}
+
+/// One finished epoch.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EpochRow {
+    /// Epoch number.
+    pub epoch: u64,
+    /// Optimiser steps so far.
+    pub step: u64,
+    /// Global batch.
+    pub batch: usize,
+    /// Learning rate at the end of the epoch.
+    pub lr: f64,
+    /// Mean training loss.
+    pub train_loss: f64,
+    /// Training top-1 accuracy (on augmented examples, as seen).
+    pub train_acc: f64,
+    /// Test loss.
+    pub test_loss: f64,
+    /// Test top-1 accuracy.
+    pub test_acc: f64,
+    /// Training images per second, all ranks.
+    pub images_per_s: f64,
+    /// Fraction of step time blocked on gradient all-reduce.
+    pub comm_fraction: f64,
+    /// Seconds spent in this epoch's training steps.
+    pub epoch_s: f64,
+    /// Seconds since the start of the run.
+    pub wall_s: f64,
+}
+
+/// CSV writers and the history for plotting (rank 0 only).
+pub struct Metrics {
+    dir: PathBuf,
+    steps: Vec<StepRow>,
+    epochs: Vec<EpochRow>,
+    step_file: std::fs::File,
+    epoch_file: std::fs::File,
+}
+
+const STEP_HEADER: &str = "step,epoch,global_batch,lr,loss,images_per_s,step_s,allreduce_wait_s";
+const EPOCH_HEADER: &str = "epoch,step,global_batch,lr,train_loss,train_acc,test_loss,test_acc,images_per_s,allreduce_fraction,epoch_s,wall_s";
+
+impl Metrics {
+    /// Creates `dir` and the CSV files `steps.csv` and `epochs.csv` in it (appending when
+    /// `append`, for a resumed run).
+    pub fn create(dir: &Path, append: bool) -> Result<Metrics> {
+        std::fs::create_dir_all(dir)
+            .context(|| format!("cannot create output directory {}", dir.display()))?;
+        let open = |name: &str, header: &str| -> Result<std::fs::File> {
+            let path = dir.join(name);
+            let exists = append && path.exists();
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(exists)
+                .write(true)
+                .truncate(!exists)
+                .open(&path)
+                .context(|| format!("cannot write {}", path.display()))?;
+            if !exists {
+                writeln!(f, "{header}")?;
+            }
+            Ok(f)
+        };
+        Ok(Metrics {
+            dir: dir.to_path_buf(),
+            steps: vec![],
+            epochs: vec![],
+            step_file: open("steps.csv", STEP_HEADER)?,
+            epoch_file: open("epochs.csv", EPOCH_HEADER)?,
+        })
+    }
+
+    /// Records a step row.
+    pub fn step(&mut self, r: StepRow) -> Result<()> {
+        writeln!(
+            self.step_file,
+            "{},{:.4},{},{:.6},{:.5},{:.1},{:.4},{:.5}",
+            r.step, r.epoch, r.batch, r.lr, r.loss, r.images_per_s, r.step_s, r.comm_s
+        )?;
+        self.steps.push(r);
+        Ok(())
+    }
+
+    /// Records an epoch row.
+    pub fn epoch(&mut self, r: EpochRow) -> Result<()> {
+        writeln!(
+            self.epoch_file,
+            "{},{},{},{:.6},{:.5},{:.4},{:.5},{:.4},{:.1},{:.4},{:.1},{:.1}",
+            r.epoch,
+            r.step,
+            r.batch,
+            r.lr,
+            r.train_loss,
+            r.train_acc,
+            r.test_loss,
+            r.test_acc,
+            r.images_per_s,
+            r.comm_fraction,
+            r.epoch_s,
+            r.wall_s
+        )?;
+        self.epochs.push(r);
+        Ok(())
+    }
+
+    /// Draws `curves.png`: loss, accuracy, images/s and all-reduce share of step time.
+    pub fn plot(&self, title: &str) -> Result<PathBuf> {
+        let path = self.dir.join("curves.png");
+        plot(&path, title, &self.steps, &self.epochs)?;
+        Ok(path)
+    }
+}
+
+/// Fonts tried in order (plotters draws text with ab_glyph from a TTF file; Debian's
+/// fonts-dejavu-core provides the first).
+const FONTS: [&str; 3] = [
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+];
+
+fn register_font() -> Result<()> {
+    static DONE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let ok = *DONE.get_or_init(|| {
+        FONTS.iter().any(|p| {
+            std::fs::read(p)
+                .ok()
+                .map(|bytes| {
+                    // plotters keeps the font for the life of the process.
+                    let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+                    plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok()
+                })
+                .unwrap_or(false)
+        })
+    });
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::msg(format!(
+            "no TrueType font for the plot labels (looked for {FONTS:?}; apt-get install fonts-dejavu-core)"
+        )))
+    }
+}
+
+fn pe<E: std::fmt::Debug>(e: E) -> Error {
+    Error::msg(format!("plot: {e:?}"))
+}
+
+/// A line chart of `series` (name, colour, points) in one panel.
+fn panel<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    caption: &str,
+    xlabel: &str,
+    series: &[(&str, RGBColor, Vec<(f64, f64)>)],
+) -> Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    let pts = series.iter().flat_map(|s| s.2.iter());
+    let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
+    for &(x, y) in pts {
+        if x.is_finite() && y.is_finite() {
+            x0 = x0.min(x);
+            x1 = x1.max(x);
+            y0 = y0.min(y);
+            y1 = y1.max(y);
+        }
+    }
+    if x0 > x1 {
+        (x0, x1, y0, y1) = (0.0, 1.0, 0.0, 1.0);
+    }
+    if x1 - x0 < 1e-9 {
+        x1 = x0 + 1.0;
+    }
+    let pad = ((y1 - y0) * 0.05).max(1e-6);
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 20))
+        .margin(10)
+        .x_label_area_size(35)
+        .y_label_area_size(60)
+        .build_cartesian_2d(x0..x1, (y0 - pad)..(y1 + pad))
+        .map_err(pe)?;
+    chart.configure_mesh().x_desc(xlabel).label_style(("sans-serif", 13)).draw().map_err(pe)?;
+    for (name, colour, points) in series {
+        let c = *colour;
+        chart
+            .draw_series(LineSeries::new(points.iter().copied(), c.stroke_width(2)))
+            .map_err(pe)?
+            .label(*name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
+    }
+    if series.len() > 1 {
+        chart
+            .configure_series_labels()
+            .border_style(BLACK)
+            .background_style(WHITE.mix(0.8))
+            .draw()
+            .map_err(pe)?;
+    }
+    Ok(())
+}
+
+/// Draws the four panels to `path`.
+pub fn plot(path: &Path, title: &str, steps: &[StepRow], epochs: &[EpochRow]) -> Result<()> {
+    register_font()?;
+    let root = BitMapBackend::new(path, (1400, 1000)).into_drawing_area();
+    root.fill(&WHITE).map_err(pe)?;
+    let root = root.titled(title, ("sans-serif", 24)).map_err(pe)?;
+    let areas = root.split_evenly((2, 2));
+    let blue = RGBColor(31, 119, 180);
+    let orange = RGBColor(255, 127, 14);
+    let green = RGBColor(44, 160, 44);
+    panel(
+        &areas[0],
+        "training loss",
+        "epoch",
+        &[
+            ("per logged step", blue, steps.iter().map(|s| (s.epoch, s.loss)).collect()),
+            (
+                "test (per epoch)",
+                orange,
+                epochs
+                    .iter()
+                    .filter(|e| e.test_loss.is_finite())
+                    .map(|e| ((e.epoch + 1) as f64, e.test_loss))
+                    .collect(),
+            ),
+        ],
+    )?;
+    panel(
+        &areas[1],
+        "top-1 accuracy",
+        "epoch",
+        &[
+            ("train", blue, epochs.iter().map(|e| ((e.epoch + 1) as f64, e.train_acc)).collect()),
+            (
+                "test",
+                orange,
+                epochs
+                    .iter()
+                    .filter(|e| e.test_acc.is_finite())
+                    .map(|e| ((e.epoch + 1) as f64, e.test_acc))
+                    .collect(),
+            ),
+        ],
+    )?;
+    panel(
+        &areas[2],
+        "images/s (all ranks)",
+        "epoch",
+        &[("images/s", green, steps.iter().map(|s| (s.epoch, s.images_per_s)).collect())],
+    )?;
+    panel(
+        &areas[3],
+        "share of step time waiting on all-reduce",
+        "epoch",
+        &[(
+            "all-reduce wait / step",
+            RED,
+            steps.iter().map(|s| (s.epoch, if s.step_s > 0.0 { s.comm_s / s.step_s } else { 0.0 })).collect(),
+        )],
+    )?;
+    root.present().map_err(pe)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_csv_and_png() {
+        let dir = std::env::temp_dir().join(format!("toroid-metrics-{}", std::process::id()));
+        let mut m = Metrics::create(&dir, false).unwrap();
+        for i in 0..20 {
+            m.step(StepRow {
+                step: i,
+                epoch: i as f64 / 10.0,
+                batch: 64,
+                lr: 0.1,
+                loss: 2.0 / (1.0 + i as f64),
+                images_per_s: 500.0,
+                step_s: 0.1,
+                comm_s: 0.01,
+            })
+            .unwrap();
+        }
+        m.epoch(EpochRow { epoch: 0, test_acc: 0.5, train_acc: 0.4, test_loss: 1.0, ..Default::default() })
+            .unwrap();
+        m.epoch(EpochRow { epoch: 1, test_acc: 0.7, train_acc: 0.6, test_loss: 0.8, ..Default::default() })
+            .unwrap();
+        let csv = std::fs::read_to_string(dir.join("epochs.csv")).unwrap();
+        assert_eq!(csv.lines().count(), 3);
+        assert!(csv.starts_with("epoch,step"));
+        if register_font().is_ok() {
+            let png = m.plot("test").unwrap();
+            let img = image::open(&png).unwrap();
+            assert_eq!((img.width(), img.height()), (1400, 1000));
+        }
+        // Appending keeps the header single.
+        drop(m);
+        let mut m = Metrics::create(&dir, true).unwrap();
+        m.epoch(EpochRow { epoch: 2, ..Default::default() }).unwrap();
+        let csv = std::fs::read_to_string(dir.join("epochs.csv")).unwrap();
+        assert_eq!(csv.lines().count(), 4);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
