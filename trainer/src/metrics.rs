@@ -232,64 +232,75 @@ where
 /// Draws the four panels to `path`.
 pub fn plot(path: &Path, title: &str, steps: &[StepRow], epochs: &[EpochRow]) -> Result<()> {
     register_font()?;
-    let root = BitMapBackend::new(path, (1400, 1000)).into_drawing_area();
-    root.fill(&WHITE).map_err(pe)?;
-    let root = root.titled(title, ("sans-serif", 24)).map_err(pe)?;
-    let areas = root.split_evenly((2, 2));
-    let blue = RGBColor(31, 119, 180);
-    let orange = RGBColor(255, 127, 14);
-    let green = RGBColor(44, 160, 44);
-    panel(
-        &areas[0],
-        "training loss",
-        "epoch",
-        &[
-            ("per logged step", blue, steps.iter().map(|s| (s.epoch, s.loss)).collect()),
-            (
-                "test (per epoch)",
-                orange,
-                epochs
+    // Drawn into memory and encoded with the `image` crate the trainer already uses, rather than
+    // plotters' encoder (which would pull in a second, older `image`).
+    let (w, h) = (1400u32, 1000u32);
+    let mut pixels = vec![0u8; (w * h * 3) as usize];
+    {
+        let root = BitMapBackend::with_buffer(&mut pixels, (w, h)).into_drawing_area();
+        root.fill(&WHITE).map_err(pe)?;
+        let root = root.titled(title, ("sans-serif", 24)).map_err(pe)?;
+        let areas = root.split_evenly((2, 2));
+        let blue = RGBColor(31, 119, 180);
+        let orange = RGBColor(255, 127, 14);
+        let green = RGBColor(44, 160, 44);
+        panel(
+            &areas[0],
+            "training loss",
+            "epoch",
+            &[
+                ("per logged step", blue, steps.iter().map(|s| (s.epoch, s.loss)).collect()),
+                (
+                    "test (per epoch)",
+                    orange,
+                    epochs
+                        .iter()
+                        .filter(|e| e.test_loss.is_finite())
+                        .map(|e| ((e.epoch + 1) as f64, e.test_loss))
+                        .collect(),
+                ),
+            ],
+        )?;
+        panel(
+            &areas[1],
+            "top-1 accuracy",
+            "epoch",
+            &[
+                ("train", blue, epochs.iter().map(|e| ((e.epoch + 1) as f64, e.train_acc)).collect()),
+                (
+                    "test",
+                    orange,
+                    epochs
+                        .iter()
+                        .filter(|e| e.test_acc.is_finite())
+                        .map(|e| ((e.epoch + 1) as f64, e.test_acc))
+                        .collect(),
+                ),
+            ],
+        )?;
+        panel(
+            &areas[2],
+            "images/s (all ranks)",
+            "epoch",
+            &[("images/s", green, steps.iter().map(|s| (s.epoch, s.images_per_s)).collect())],
+        )?;
+        panel(
+            &areas[3],
+            "share of step time waiting on all-reduce",
+            "epoch",
+            &[(
+                "all-reduce wait / step",
+                RED,
+                steps
                     .iter()
-                    .filter(|e| e.test_loss.is_finite())
-                    .map(|e| ((e.epoch + 1) as f64, e.test_loss))
+                    .map(|s| (s.epoch, if s.step_s > 0.0 { s.comm_s / s.step_s } else { 0.0 }))
                     .collect(),
-            ),
-        ],
-    )?;
-    panel(
-        &areas[1],
-        "top-1 accuracy",
-        "epoch",
-        &[
-            ("train", blue, epochs.iter().map(|e| ((e.epoch + 1) as f64, e.train_acc)).collect()),
-            (
-                "test",
-                orange,
-                epochs
-                    .iter()
-                    .filter(|e| e.test_acc.is_finite())
-                    .map(|e| ((e.epoch + 1) as f64, e.test_acc))
-                    .collect(),
-            ),
-        ],
-    )?;
-    panel(
-        &areas[2],
-        "images/s (all ranks)",
-        "epoch",
-        &[("images/s", green, steps.iter().map(|s| (s.epoch, s.images_per_s)).collect())],
-    )?;
-    panel(
-        &areas[3],
-        "share of step time waiting on all-reduce",
-        "epoch",
-        &[(
-            "all-reduce wait / step",
-            RED,
-            steps.iter().map(|s| (s.epoch, if s.step_s > 0.0 { s.comm_s / s.step_s } else { 0.0 })).collect(),
-        )],
-    )?;
-    root.present().map_err(pe)?;
+            )],
+        )?;
+        root.present().map_err(pe)?;
+    }
+    let img = image::RgbImage::from_raw(w, h, pixels).ok_or_else(|| Error::msg("plot: bad buffer size"))?;
+    img.save(path).map_err(|e| Error::msg(format!("cannot write {}: {e}", path.display())))?;
     Ok(())
 }
 

@@ -149,7 +149,7 @@ mod tests {
         // A corrupt image is an error naming the file, not a panic.
         std::fs::write(root.join("ant").join("bad.jpg"), b"not a jpeg").unwrap();
         let d = FolderDataset::open(&root, 3).unwrap();
-        let e = d.get(0).unwrap_err().0;
+        let e = d.get(1).unwrap_err().0; // ant/0.png, ant/bad.jpg, cat/...
         assert!(e.contains("bad.jpg"), "{e}");
 
         // An empty class directory is named.
