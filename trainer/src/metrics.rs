@@ -175,12 +175,15 @@ fn pe<E: std::fmt::Debug>(e: E) -> Error {
     Error::msg(format!("plot: {e:?}"))
 }
 
+/// A named, coloured line of (x, y) points.
+type Series<'a> = (&'a str, RGBColor, Vec<(f64, f64)>);
+
 /// A line chart of `series` (name, colour, points) in one panel.
 fn panel<DB: DrawingBackend>(
     area: &DrawingArea<DB, plotters::coord::Shift>,
     caption: &str,
     xlabel: &str,
-    series: &[(&str, RGBColor, Vec<(f64, f64)>)],
+    series: &[Series],
 ) -> Result<()>
 where
     DB::ErrorType: 'static,
@@ -201,7 +204,8 @@ where
     if x1 - x0 < 1e-9 {
         x1 = x0 + 1.0;
     }
-    let pad = ((y1 - y0) * 0.05).max(1e-6);
+    // A flat or single-point series still gets a readable axis.
+    let pad = ((y1 - y0) * 0.05).max(y1.abs().max(y0.abs()) * 0.01).max(1e-3);
     let mut chart = ChartBuilder::on(area)
         .caption(caption, ("sans-serif", 20))
         .margin(10)
@@ -212,6 +216,8 @@ where
     chart.configure_mesh().x_desc(xlabel).label_style(("sans-serif", 13)).draw().map_err(pe)?;
     for (name, colour, points) in series {
         let c = *colour;
+        // Markers as well as lines: per-epoch series may have a single point.
+        chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, c.filled()))).map_err(pe)?;
         chart
             .draw_series(LineSeries::new(points.iter().copied(), c.stroke_width(2)))
             .map_err(pe)?

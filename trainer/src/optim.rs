@@ -127,13 +127,13 @@ pub struct BatchPlan {
 /// Splits `global` over `world` ranks with at most `max_micro` examples per pass: the smallest
 /// accumulation count that divides evenly.
 pub fn plan_batch(global: usize, world: usize, max_micro: usize) -> Result<BatchPlan> {
-    if global % world != 0 {
+    if !global.is_multiple_of(world) {
         bail!("global batch {global} is not a multiple of the {world} ranks");
     }
     let per_rank = global / world;
     let max_micro = max_micro.max(1);
     for accum in 1..=per_rank {
-        if per_rank % accum == 0 && per_rank / accum <= max_micro {
+        if per_rank.is_multiple_of(accum) && per_rank / accum <= max_micro {
             return Ok(BatchPlan { micro: per_rank / accum, accum });
         }
     }

@@ -43,7 +43,7 @@ impl Rng {
 
     /// Uniform in `0..n` (`n > 0`), by Lemire's multiply-shift (bias below 2^-32 for n < 2^32).
     pub fn below(&mut self, n: usize) -> usize {
-        ((self.next_u64() >> 32) * n as u64 >> 32) as usize
+        (((self.next_u64() >> 32) * n as u64) >> 32) as usize
     }
 
     /// Uniform in [0, 1).

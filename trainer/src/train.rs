@@ -33,8 +33,11 @@ pub fn model_config(args: &Args, in_channels: usize, num_classes: usize) -> Mode
     }
 }
 
+/// A shared data set (the test split is optional for image folders).
+pub type TestSet = Arc<dyn Dataset>;
+
 /// Opens the training and test sets named by `args`.
-pub fn open_data(args: &Args) -> Result<(Arc<dyn Dataset>, Option<Arc<dyn Dataset>>)> {
+pub fn open_data(args: &Args) -> Result<(Arc<dyn Dataset>, Option<TestSet>)> {
     let dir = args.data.clone().unwrap_or_else(|| PathBuf::from(FASHION_MNIST_DIR));
     let format = match args.format {
         Format::Auto if dir.join("train").is_dir() => Format::Folder,
@@ -412,14 +415,14 @@ pub fn run(args: Args) -> Result<()> {
                 (plan.micro * plan.accum * world) as f64 / dt
             ));
             bar.inc(1);
-            if args.check_every > 0 && step % args.check_every == 0 {
+            if args.check_every > 0 && step.is_multiple_of(args.check_every) {
                 rep.check_identical(
                     &host.iter().map(|h| h.data.as_slice()).collect::<Vec<_>>(),
                     &format!("parameters after step {step}"),
                 )?;
             }
             let at_max = args.max_steps.is_some_and(|m| step >= m);
-            if step % args.log_every.max(1) == 0 || at_max || s + 1 == steps {
+            if step.is_multiple_of(args.log_every.max(1)) || at_max || s + 1 == steps {
                 let mut w = [win[0], win[1], win[3], win[4]];
                 rep.sum_f64(&mut w)?;
                 let elapsed = win_start.elapsed().as_secs_f64();
@@ -502,7 +505,7 @@ pub fn run(args: Args) -> Result<()> {
         }
         epoch += 1;
         let last = epoch >= args.epochs || done;
-        if rank == 0 && (last || (args.checkpoint_every > 0 && epoch % args.checkpoint_every == 0)) {
+        if rank == 0 && (last || (args.checkpoint_every > 0 && epoch.is_multiple_of(args.checkpoint_every))) {
             let momentum: Vec<Vec<f32>> = host.iter().map(|h| h.momentum.clone()).collect();
             // A run stopped by --max-steps mid-epoch resumes at the next epoch.
             let meta = Meta {

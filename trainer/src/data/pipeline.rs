@@ -316,7 +316,7 @@ pub fn start(data: Arc<dyn Dataset>, indices: Vec<usize>, cfg: PipelineConfig) -
             Box::new(move || {
                 let aug = if cfg.train { cfg.augment.clone() } else { cfg.augment.deterministic() };
                 for (seq, ex) in rx.iter() {
-                    let mut rng = Rng::derive(cfg.seed, &[0x4155_47, cfg.epoch, cfg.rank as u64, seq]);
+                    let mut rng = Rng::derive(cfg.seed, &[0x0041_5547, cfg.epoch, cfg.rank as u64, seq]);
                     let s = ex.and_then(|ex| {
                         Ok(Sample { pixels: aug.apply(&ex.image, &mut rng)?, label: ex.label })
                     });
