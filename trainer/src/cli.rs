@@ -52,6 +52,9 @@ pub struct Args {
     /// Side of the square model input; images are resized to it (default: the data's own size).
     #[arg(long)]
     pub input_size: Option<usize>,
+    /// Redraw DIR/curves.png from DIR/steps.csv and DIR/epochs.csv, then exit.
+    #[arg(long, value_name = "DIR")]
+    pub replot: Option<PathBuf>,
     /// Print the parameter count (as the last line) and exit. Classes and channels default to
     /// ImageNet's 1000 and 3 unless --data is given.
     #[arg(long)]

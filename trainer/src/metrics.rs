@@ -55,6 +55,8 @@ pub struct EpochRow {
     pub epoch_s: f64,
     /// Seconds since the start of the run.
     pub wall_s: f64,
+    /// Epochs completed, fractional when --max-steps ended the epoch early.
+    pub epochs_done: f64,
 }
 
 /// CSV writers and the history for plotting (rank 0 only).
@@ -67,11 +69,12 @@ pub struct Metrics {
 }
 
 const STEP_HEADER: &str = "step,epoch,global_batch,lr,loss,images_per_s,step_s,allreduce_wait_s";
-const EPOCH_HEADER: &str = "epoch,step,global_batch,lr,train_loss,train_acc,test_loss,test_acc,images_per_s,allreduce_fraction,epoch_s,wall_s";
+const EPOCH_HEADER: &str = "epoch,step,global_batch,lr,train_loss,train_acc,test_loss,test_acc,images_per_s,allreduce_fraction,epoch_s,wall_s,epochs_done";
 
 impl Metrics {
-    /// Creates `dir` and the CSV files `steps.csv` and `epochs.csv` in it (appending when
-    /// `append`, for a resumed run).
+    /// Creates `dir` and the CSV files `steps.csv` and `epochs.csv` in it. With `append` (a
+    /// resumed run) existing files are kept and their rows become the start of the history, so
+    /// the plot covers the whole run.
     pub fn create(dir: &Path, append: bool) -> Result<Metrics> {
         std::fs::create_dir_all(dir)
             .context(|| format!("cannot create output directory {}", dir.display()))?;
@@ -90,10 +93,11 @@ impl Metrics {
             }
             Ok(f)
         };
+        let (steps, epochs) = if append { read_history(dir)? } else { (vec![], vec![]) };
         Ok(Metrics {
             dir: dir.to_path_buf(),
-            steps: vec![],
-            epochs: vec![],
+            steps,
+            epochs,
             step_file: open("steps.csv", STEP_HEADER)?,
             epoch_file: open("epochs.csv", EPOCH_HEADER)?,
         })
@@ -114,7 +118,7 @@ impl Metrics {
     pub fn epoch(&mut self, r: EpochRow) -> Result<()> {
         writeln!(
             self.epoch_file,
-            "{},{},{},{:.6},{:.5},{:.4},{:.5},{:.4},{:.1},{:.4},{:.1},{:.1}",
+            "{},{},{},{:.6},{:.5},{:.4},{:.5},{:.4},{:.1},{:.4},{:.1},{:.1},{:.4}",
             r.epoch,
             r.step,
             r.batch,
@@ -126,7 +130,8 @@ impl Metrics {
             r.images_per_s,
             r.comm_fraction,
             r.epoch_s,
-            r.wall_s
+            r.wall_s,
+            r.epochs_done
         )?;
         self.epochs.push(r);
         Ok(())
@@ -138,6 +143,59 @@ impl Metrics {
         plot(&path, title, &self.steps, &self.epochs)?;
         Ok(path)
     }
+}
+
+/// Reads the rows of `dir/steps.csv` and `dir/epochs.csv` (missing files: no rows).
+pub fn read_history(dir: &Path) -> Result<(Vec<StepRow>, Vec<EpochRow>)> {
+    fn rows(path: &Path) -> Result<Vec<Vec<f64>>> {
+        let Ok(text) = std::fs::read_to_string(path) else { return Ok(vec![]) };
+        text.lines()
+            .skip(1)
+            .filter(|l| !l.trim().is_empty())
+            .enumerate()
+            .map(|(i, l)| {
+                l.split(',')
+                    .map(|f| f.trim().parse::<f64>())
+                    .collect::<std::result::Result<Vec<f64>, _>>()
+                    .context(|| format!("{}: malformed row {}", path.display(), i + 2))
+            })
+            .collect()
+    }
+    let steps = rows(&dir.join("steps.csv"))?
+        .into_iter()
+        .filter(|r| r.len() >= 8)
+        .map(|r| StepRow {
+            step: r[0] as u64,
+            epoch: r[1],
+            batch: r[2] as usize,
+            lr: r[3],
+            loss: r[4],
+            images_per_s: r[5],
+            step_s: r[6],
+            comm_s: r[7],
+        })
+        .collect();
+    let epochs = rows(&dir.join("epochs.csv"))?
+        .into_iter()
+        .filter(|r| r.len() >= 12)
+        .map(|r| EpochRow {
+            epoch: r[0] as u64,
+            step: r[1] as u64,
+            batch: r[2] as usize,
+            lr: r[3],
+            train_loss: r[4],
+            train_acc: r[5],
+            test_loss: r[6],
+            test_acc: r[7],
+            images_per_s: r[8],
+            comm_fraction: r[9],
+            epoch_s: r[10],
+            wall_s: r[11],
+            // Files from before this column: a whole epoch.
+            epochs_done: r.get(12).copied().unwrap_or(r[0] + 1.0),
+        })
+        .collect();
+    Ok((steps, epochs))
 }
 
 /// Fonts tried in order (plotters draws text with ab_glyph from a TTF file; Debian's
@@ -262,7 +320,7 @@ pub fn plot(path: &Path, title: &str, steps: &[StepRow], epochs: &[EpochRow]) ->
                     epochs
                         .iter()
                         .filter(|e| e.test_loss.is_finite())
-                        .map(|e| ((e.epoch + 1) as f64, e.test_loss))
+                        .map(|e| (e.epochs_done, e.test_loss))
                         .collect(),
                 ),
             ],
@@ -272,14 +330,14 @@ pub fn plot(path: &Path, title: &str, steps: &[StepRow], epochs: &[EpochRow]) ->
             "top-1 accuracy",
             "epoch",
             &[
-                ("train", blue, epochs.iter().map(|e| ((e.epoch + 1) as f64, e.train_acc)).collect()),
+                ("train", blue, epochs.iter().map(|e| (e.epochs_done, e.train_acc)).collect()),
                 (
                     "test",
                     orange,
                     epochs
                         .iter()
                         .filter(|e| e.test_acc.is_finite())
-                        .map(|e| ((e.epoch + 1) as f64, e.test_acc))
+                        .map(|e| (e.epochs_done, e.test_acc))
                         .collect(),
                 ),
             ],
@@ -346,6 +404,8 @@ mod tests {
         // Appending keeps the header single.
         drop(m);
         let mut m = Metrics::create(&dir, true).unwrap();
+        assert_eq!((m.steps.len(), m.epochs.len()), (20, 2));
+        assert_eq!(m.epochs[1].test_acc, 0.7);
         m.epoch(EpochRow { epoch: 2, ..Default::default() }).unwrap();
         let csv = std::fs::read_to_string(dir.join("epochs.csv")).unwrap();
         assert_eq!(csv.lines().count(), 4);

@@ -165,6 +165,18 @@ fn evaluate(
 
 /// Runs `toroid-train` with `args`.
 pub fn run(args: Args) -> Result<()> {
+    if let Some(dir) = &args.replot {
+        let (steps, epochs) = crate::metrics::read_history(dir)?;
+        if steps.is_empty() && epochs.is_empty() {
+            bail!("{}: no steps.csv or epochs.csv rows to plot", dir.display());
+        }
+        let path = dir.join("curves.png");
+        let title =
+            dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
+        crate::metrics::plot(&path, &title, &steps, &epochs)?;
+        println!("{}", path.display());
+        return Ok(());
+    }
     if args.print_params {
         let (c, k) = if args.data.is_some() {
             let (train, _) = open_data(&args)?;
@@ -475,6 +487,7 @@ pub fn run(args: Args) -> Result<()> {
             comm_fraction: if tot[3] > 0.0 { tot[4] / tot[3] } else { 0.0 },
             epoch_s,
             wall_s: start.elapsed().as_secs_f64(),
+            epochs_done: epoch as f64 + steps_done / steps as f64,
         };
         log(
             rank,
