@@ -62,45 +62,40 @@ fn out_dir(name: &str) -> PathBuf {
 }
 
 /// Common flags: tiny model, no augmentation (so the same example is the same tensor on any
-/// rank), constant LR, momentum and weight decay on, identity check every step.
+/// rank), constant LR, momentum and weight decay on, identity check every step. A flag given in
+/// `extra` replaces the default one.
 fn common(out: &Path, extra: &[&str]) -> Vec<String> {
-    let data = fashion_mnist();
-    let mut v: Vec<String> = [
-        "--model",
-        "resnet18",
-        "--width",
-        "0.125",
-        "--stem",
-        "small",
-        "--input-size",
-        "16",
-        "--crop-pad",
-        "0",
-        "--no-flip",
-        "--lr",
-        "0.2",
-        "--lr-ref-batch",
-        "12",
-        "--decay",
-        "none",
-        "--momentum",
-        "0.9",
-        "--weight-decay",
-        "1e-3",
-        "--check-every",
-        "1",
-        "--no-eval",
-        "--no-plot",
-        "--log-every",
-        "1",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    v.extend(["--data".into(), data.display().to_string(), "--out".into(), out.display().to_string()]);
-    for (flag, value) in [("--train-limit", "240"), ("--epochs", "1")] {
+    let data = fashion_mnist().display().to_string();
+    let out = out.display().to_string();
+    let defaults: [(&str, Option<&str>); 22] = [
+        ("--model", Some("resnet18")),
+        ("--width", Some("0.125")),
+        ("--stem", Some("small")),
+        ("--input-size", Some("16")),
+        ("--crop-pad", Some("0")),
+        ("--no-flip", None),
+        ("--train-limit", Some("240")),
+        ("--epochs", Some("1")),
+        ("--lr", Some("0.2")),
+        ("--lr-ref-batch", Some("12")),
+        ("--decay", Some("none")),
+        ("--momentum", Some("0.9")),
+        ("--weight-decay", Some("1e-3")),
+        ("--check-every", Some("1")),
+        ("--no-eval", None),
+        ("--no-plot", None),
+        ("--log-every", Some("1")),
+        ("--data", Some(&data)),
+        ("--out", Some(&out)),
+        ("--seed", Some("0")),
+        ("--workers", Some("1")),
+        ("--prefetch", Some("4")),
+    ];
+    let mut v: Vec<String> = vec![];
+    for (flag, value) in defaults {
         if !extra.contains(&flag) {
-            v.extend([flag.to_string(), value.to_string()]);
+            v.push(flag.to_string());
+            v.extend(value.map(str::to_string));
         }
     }
     v.extend(extra.iter().map(|s| s.to_string()));
@@ -285,4 +280,99 @@ fn print_params_and_clear_errors() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("truncated") && err.contains("train-images-idx3-ubyte"), "{err}");
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The batch-size schedule end to end: the global batch follows the schedule, per-rank batches
+/// and accumulation realise it, and the learning rate follows the batch (linear scaling). Also
+/// exercises LARS, Nesterov and label smoothing.
+#[test]
+fn batch_schedule_drives_batch_and_learning_rate() {
+    let out = out_dir("schedule");
+    let args = common(
+        &out,
+        &[
+            "--train-limit",
+            "96",
+            "--epochs",
+            "3",
+            "--batch-schedule",
+            "0:8,1:16,2:32",
+            "--max-micro-batch",
+            "8",
+            "--lr",
+            "0.05",
+            "--lr-ref-batch",
+            "8",
+            "--lars",
+            "--nesterov",
+            "--label-smoothing",
+            "0.1",
+        ],
+    );
+    run(2, &args);
+    let csv = std::fs::read_to_string(out.join("epochs.csv")).unwrap();
+    let rows: Vec<Vec<f64>> =
+        csv.lines().skip(1).map(|l| l.split(',').map(|f| f.parse().unwrap()).collect()).collect();
+    let batches: Vec<f64> = rows.iter().map(|r| r[2]).collect();
+    let lrs: Vec<f64> = rows.iter().map(|r| r[3]).collect();
+    let steps: Vec<f64> = rows.iter().map(|r| r[1]).collect();
+    assert_eq!(batches, vec![8.0, 16.0, 32.0]);
+    assert_eq!(lrs, vec![0.05, 0.1, 0.2]);
+    // 96 examples: 12, then 6, then 3 steps (batch 32 on 2 ranks = 2 passes of 8 per rank).
+    assert_eq!(steps, vec![12.0, 18.0, 21.0]);
+    assert!(rows.iter().all(|r| r[4].is_finite()));
+    let _ = std::fs::remove_dir_all(out);
+}
+
+/// An ImageFolder data set (RGB PNGs of two sizes, resized to the input size) trains and
+/// evaluates end to end on 2 ranks.
+#[test]
+fn image_folder_trains_end_to_end() {
+    let root = out_dir("folder-data");
+    for split in ["train", "val"] {
+        for (c, class) in ["circles", "squares"].iter().enumerate() {
+            let dir = root.join(split).join(class);
+            std::fs::create_dir_all(&dir).unwrap();
+            for i in 0..12u32 {
+                let side = if i % 2 == 0 { 20 } else { 24 };
+                let img = image::RgbImage::from_fn(side, side, |x, y| {
+                    let on = if c == 0 {
+                        (x as i32 - 10).pow(2) + (y as i32 - 10).pow(2) < 36
+                    } else {
+                        x > 5 && x < 15
+                    };
+                    image::Rgb(if on { [250, 200, (i * 10) as u8] } else { [10, 20, 30] })
+                });
+                img.save(dir.join(format!("{i}.png"))).unwrap();
+            }
+        }
+    }
+    let out = out_dir("folder-out");
+    let train = env!("CARGO_BIN_EXE_toroid-train");
+    let o = Command::new(toroid_run())
+        .args(["-n", "2", "--timeout", "300", "--"])
+        .arg(train)
+        .args([
+            "--data",
+            root.to_str().unwrap(),
+            "--model",
+            "resnet18",
+            "--width",
+            "0.125",
+            "--input-size",
+            "16",
+        ])
+        .args(["--batch", "8", "--epochs", "2", "--lr", "0.05", "--lr-ref-batch", "8", "--workers", "2"])
+        .args(["--shuffle-buffer", "8", "--out", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("24 images in 2 classes"), "{err}");
+    let csv = std::fs::read_to_string(out.join("epochs.csv")).unwrap();
+    let last: Vec<f64> = csv.lines().last().unwrap().split(',').map(|f| f.parse().unwrap()).collect();
+    assert!((0.0..=1.0).contains(&last[7]), "test accuracy {}", last[7]);
+    assert!(out.join("curves.png").exists() && out.join("checkpoint.safetensors").exists());
+    let _ = std::fs::remove_dir_all(root);
+    let _ = std::fs::remove_dir_all(out);
 }
