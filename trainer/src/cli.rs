@@ -1,0 +1,189 @@
+//! Command-line options of `toroid-train`.
+
+use std::path::PathBuf;
+
+use clap::{Parser, ValueEnum};
+
+use crate::model::{Arch, Stem};
+
+/// Learning-rate decay choices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DecayKind {
+    /// Constant after warm-up.
+    None,
+    /// Multiply by --lr-gamma at each of --lr-steps.
+    Step,
+    /// Half cosine to zero at the last epoch.
+    Cosine,
+}
+
+/// Data set formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Format {
+    /// Decide from the directory's contents.
+    Auto,
+    /// MNIST-style IDX files (train-*/t10k-* image and label files, gzip or not).
+    Idx,
+    /// Class-per-directory images under DATA/train and DATA/val (or DATA/test).
+    Folder,
+}
+
+const EXAMPLES: &str = "\
+Examples:
+  toroid-train --model resnet50 --print-params
+  toroid-run -n 2 -- target/release/toroid-train --model resnet18 --width 0.25 --stem small --epochs 4
+  toroid-run -n 2 -- target/release/toroid-train --model resnet50 --input-size 32 --max-steps 300 --batch 64
+  toroid-train --data /data/imagenet --format folder --input-size 224 --batch-schedule 0:256,5:512,20:1024";
+
+/// Synchronous data-parallel ResNet training on toroid (start ranks with toroid-run, torchrun,
+/// srun or mpirun; without a launcher it runs as one process).
+#[derive(Debug, Clone, Parser)]
+#[command(name = "toroid-train", version, after_help = EXAMPLES)]
+pub struct Args {
+    /// Architecture: resnet18, resnet34, resnet50.
+    #[arg(long, default_value = "resnet50")]
+    pub model: Arch,
+    /// Channel width multiplier (1.0 = the standard network).
+    #[arg(long, default_value_t = 1.0)]
+    pub width: f64,
+    /// Stem: imagenet (7x7/2 conv + 3x3/2 max pool) or small (3x3/1 conv, no pool).
+    #[arg(long, default_value = "imagenet")]
+    pub stem: Stem,
+    /// Side of the square model input; images are resized to it (default: the data's own size).
+    #[arg(long)]
+    pub input_size: Option<usize>,
+    /// Redraw DIR/curves.png from DIR/steps.csv and DIR/epochs.csv, then exit.
+    #[arg(long, value_name = "DIR")]
+    pub replot: Option<PathBuf>,
+    /// Print the parameter count (as the last line) and exit. Classes and channels default to
+    /// ImageNet's 1000 and 3 unless --data is given.
+    #[arg(long)]
+    pub print_params: bool,
+    /// Number of classes (default: from the data, 1000 for --print-params without data).
+    #[arg(long)]
+    pub num_classes: Option<usize>,
+    /// Keep the last BN gamma of each residual block at 1 instead of 0.
+    #[arg(long)]
+    pub no_zero_init_residual: bool,
+    /// Freeze batch norm: normalise with the running statistics (never updated), learn only
+    /// gamma and beta. Makes the gradient independent of how the batch is split over ranks.
+    #[arg(long)]
+    pub frozen_bn: bool,
+
+    /// Data directory (default: Fashion-MNIST from Debian's dataset-fashion-mnist).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Data format.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub format: Format,
+    /// Use only the first N training examples.
+    #[arg(long)]
+    pub train_limit: Option<usize>,
+    /// Use only the first N test examples.
+    #[arg(long)]
+    pub test_limit: Option<usize>,
+    /// Decode and augment threads per rank (each pool).
+    #[arg(long, default_value_t = 1)]
+    pub workers: usize,
+    /// Shuffle buffer in examples after decoding (0: none; the epoch permutation already shuffles).
+    #[arg(long, default_value_t = 0)]
+    pub shuffle_buffer: usize,
+    /// Batches prepared ahead of the trainer.
+    #[arg(long, default_value_t = 4)]
+    pub prefetch: usize,
+    /// Random-crop padding in pixels (default: input size / 8; 0 disables cropping).
+    #[arg(long)]
+    pub crop_pad: Option<usize>,
+    /// Disable random horizontal flips.
+    #[arg(long)]
+    pub no_flip: bool,
+
+    /// Epochs to train.
+    #[arg(long, default_value_t = 10)]
+    pub epochs: u64,
+    /// Stop after this many optimiser steps in total.
+    #[arg(long)]
+    pub max_steps: Option<u64>,
+    /// Global batch size (all ranks together).
+    #[arg(long, default_value_t = 256, conflicts_with = "batch_schedule")]
+    pub batch: usize,
+    /// Global batch size by epoch, e.g. 0:256,5:512,20:1024 (the LR follows the batch).
+    #[arg(long)]
+    pub batch_schedule: Option<String>,
+    /// Largest per-rank forward/backward pass; bigger per-rank batches accumulate gradients.
+    #[arg(long, default_value_t = 256)]
+    pub max_micro_batch: usize,
+
+    /// Learning rate for a global batch of --lr-ref-batch (scaled linearly with the batch).
+    #[arg(long, default_value_t = 0.1)]
+    pub lr: f64,
+    /// The batch --lr is quoted for.
+    #[arg(long, default_value_t = 256)]
+    pub lr_ref_batch: usize,
+    /// Gradual warm-up length in epochs (fractions allowed).
+    #[arg(long, default_value_t = 0.0)]
+    pub warmup_epochs: f64,
+    /// Decay after warm-up.
+    #[arg(long, value_enum, default_value = "cosine")]
+    pub decay: DecayKind,
+    /// Epochs at which step decay multiplies the rate by --lr-gamma.
+    #[arg(long, value_delimiter = ',', default_value = "30,60,80")]
+    pub lr_steps: Vec<f64>,
+    /// Step decay factor.
+    #[arg(long, default_value_t = 0.1)]
+    pub lr_gamma: f64,
+    /// Momentum.
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f64,
+    /// Nesterov momentum.
+    #[arg(long)]
+    pub nesterov: bool,
+    /// Weight decay on conv and linear weights (never on BN parameters or biases).
+    #[arg(long, default_value_t = 5e-5)]
+    pub weight_decay: f64,
+    /// Use LARS layer-wise rate scaling.
+    #[arg(long)]
+    pub lars: bool,
+    /// LARS trust coefficient.
+    #[arg(long, default_value_t = 0.001)]
+    pub lars_trust: f64,
+    /// Label smoothing epsilon.
+    #[arg(long, default_value_t = 0.0)]
+    pub label_smoothing: f64,
+
+    /// Gradient bucket size in MB.
+    #[arg(long, default_value_t = 25.0)]
+    pub bucket_mb: f64,
+    /// Issue all-reduces only after the whole backward pass (to measure what overlap buys).
+    #[arg(long)]
+    pub no_overlap: bool,
+    /// Check that all ranks hold identical parameters every N steps (0: only at epoch ends).
+    #[arg(long, default_value_t = 100)]
+    pub check_every: u64,
+    /// Random seed (weights, permutations, augmentation).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+
+    /// Compute threads per rank (default: the CPUs this rank may run on).
+    #[arg(long)]
+    pub threads: Option<usize>,
+
+    /// Output directory: metrics CSVs, curves.png, checkpoint.
+    #[arg(long, default_value = "toroid-train-out")]
+    pub out: PathBuf,
+    /// Write a checkpoint every N epochs (0: only at the end).
+    #[arg(long, default_value_t = 1)]
+    pub checkpoint_every: u64,
+    /// Resume from a checkpoint (its .json file or directory).
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Log a metrics row every N steps.
+    #[arg(long, default_value_t = 20)]
+    pub log_every: u64,
+    /// Skip evaluation on the test split.
+    #[arg(long)]
+    pub no_eval: bool,
+    /// Do not draw curves.png.
+    #[arg(long)]
+    pub no_plot: bool,
+}

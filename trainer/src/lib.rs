@@ -1,0 +1,28 @@
+//! toroid-train: a reference synchronous data-parallel ResNet trainer on toroid.
+//!
+//! ```text
+//!  main.rs / cli.rs     flags
+//!  train.rs             the loop: segmented backward, bucketed async all-reduce, optimiser
+//!  parallel.rs          the DDP contract: broadcast, buckets, averaging, identity checks
+//!  model.rs, pool.rs    ResNet-18/34/50 on candle; overlapping max pool with a correct backward
+//!  conv.rs              convolution as one GEMM over im2col columns, activations CNHW
+//!  optim.rs             SGD / Nesterov / LARS, LR warm-up and decay, batch-size schedule
+//!  data/                IDX and ImageFolder readers, sharding, threaded pipeline with echo seams
+//!  metrics.rs           CSV and PNG curves
+//!  checkpoint.rs        rank-0 checkpoints and resume
+//! ```
+
+pub mod checkpoint;
+pub mod cli;
+pub mod conv;
+pub mod data;
+pub mod error;
+pub mod metrics;
+pub mod model;
+pub mod optim;
+pub mod parallel;
+pub mod pool;
+pub mod rng;
+pub mod train;
+
+pub use error::{Error, Result};

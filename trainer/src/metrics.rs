@@ -1,0 +1,414 @@
+//! Metrics: CSV files (one row per logged step, one per epoch) and a PNG of the curves.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use plotters::prelude::*;
+
+use crate::error::{Context, Error, Result};
+
+/// One logged training step (averaged over the steps since the previous row).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StepRow {
+    /// Optimiser steps so far.
+    pub step: u64,
+    /// Fractional epoch.
+    pub epoch: f64,
+    /// Global batch.
+    pub batch: usize,
+    /// Learning rate.
+    pub lr: f64,
+    /// Mean training loss (over ranks and steps since the last row).
+    pub loss: f64,
+    /// Training images per second, all ranks together.
+    pub images_per_s: f64,
+    /// Mean step time in seconds.
+    pub step_s: f64,
+    /// Mean time per step blocked on gradient all-reduce, seconds.
+    pub comm_s: f64,
+}
+
+/// One finished epoch.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EpochRow {
+    /// Epoch number.
+    pub epoch: u64,
+    /// Optimiser steps so far.
+    pub step: u64,
+    /// Global batch.
+    pub batch: usize,
+    /// Learning rate at the end of the epoch.
+    pub lr: f64,
+    /// Mean training loss.
+    pub train_loss: f64,
+    /// Training top-1 accuracy (on augmented examples, as seen).
+    pub train_acc: f64,
+    /// Test loss.
+    pub test_loss: f64,
+    /// Test top-1 accuracy.
+    pub test_acc: f64,
+    /// Training images per second, all ranks.
+    pub images_per_s: f64,
+    /// Fraction of step time blocked on gradient all-reduce.
+    pub comm_fraction: f64,
+    /// Seconds spent in this epoch's training steps.
+    pub epoch_s: f64,
+    /// Seconds since the start of the run.
+    pub wall_s: f64,
+    /// Epochs completed, fractional when --max-steps ended the epoch early.
+    pub epochs_done: f64,
+}
+
+/// CSV writers and the history for plotting (rank 0 only).
+pub struct Metrics {
+    dir: PathBuf,
+    steps: Vec<StepRow>,
+    epochs: Vec<EpochRow>,
+    step_file: std::fs::File,
+    epoch_file: std::fs::File,
+}
+
+const STEP_HEADER: &str = "step,epoch,global_batch,lr,loss,images_per_s,step_s,allreduce_wait_s";
+const EPOCH_HEADER: &str = "epoch,step,global_batch,lr,train_loss,train_acc,test_loss,test_acc,images_per_s,allreduce_fraction,epoch_s,wall_s,epochs_done";
+
+impl Metrics {
+    /// Creates `dir` and the CSV files `steps.csv` and `epochs.csv` in it. With `append` (a
+    /// resumed run) existing files are kept and their rows become the start of the history, so
+    /// the plot covers the whole run.
+    pub fn create(dir: &Path, append: bool) -> Result<Metrics> {
+        std::fs::create_dir_all(dir)
+            .context(|| format!("cannot create output directory {}", dir.display()))?;
+        let open = |name: &str, header: &str| -> Result<std::fs::File> {
+            let path = dir.join(name);
+            let exists = append && path.exists();
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(exists)
+                .write(true)
+                .truncate(!exists)
+                .open(&path)
+                .context(|| format!("cannot write {}", path.display()))?;
+            if !exists {
+                writeln!(f, "{header}")?;
+            }
+            Ok(f)
+        };
+        let (steps, epochs) = if append { read_history(dir)? } else { (vec![], vec![]) };
+        Ok(Metrics {
+            dir: dir.to_path_buf(),
+            steps,
+            epochs,
+            step_file: open("steps.csv", STEP_HEADER)?,
+            epoch_file: open("epochs.csv", EPOCH_HEADER)?,
+        })
+    }
+
+    /// Records a step row.
+    pub fn step(&mut self, r: StepRow) -> Result<()> {
+        writeln!(
+            self.step_file,
+            "{},{:.4},{},{:.6},{:.5},{:.1},{:.4},{:.5}",
+            r.step, r.epoch, r.batch, r.lr, r.loss, r.images_per_s, r.step_s, r.comm_s
+        )?;
+        self.steps.push(r);
+        Ok(())
+    }
+
+    /// Records an epoch row.
+    pub fn epoch(&mut self, r: EpochRow) -> Result<()> {
+        writeln!(
+            self.epoch_file,
+            "{},{},{},{:.6},{:.5},{:.4},{:.5},{:.4},{:.1},{:.4},{:.1},{:.1},{:.4}",
+            r.epoch,
+            r.step,
+            r.batch,
+            r.lr,
+            r.train_loss,
+            r.train_acc,
+            r.test_loss,
+            r.test_acc,
+            r.images_per_s,
+            r.comm_fraction,
+            r.epoch_s,
+            r.wall_s,
+            r.epochs_done
+        )?;
+        self.epochs.push(r);
+        Ok(())
+    }
+
+    /// Draws `curves.png`: loss, accuracy, images/s and all-reduce share of step time.
+    pub fn plot(&self, title: &str) -> Result<PathBuf> {
+        let path = self.dir.join("curves.png");
+        plot(&path, title, &self.steps, &self.epochs)?;
+        Ok(path)
+    }
+}
+
+/// Reads the rows of `dir/steps.csv` and `dir/epochs.csv` (missing files: no rows).
+pub fn read_history(dir: &Path) -> Result<(Vec<StepRow>, Vec<EpochRow>)> {
+    fn rows(path: &Path) -> Result<Vec<Vec<f64>>> {
+        let Ok(text) = std::fs::read_to_string(path) else { return Ok(vec![]) };
+        text.lines()
+            .skip(1)
+            .filter(|l| !l.trim().is_empty())
+            .enumerate()
+            .map(|(i, l)| {
+                l.split(',')
+                    .map(|f| f.trim().parse::<f64>())
+                    .collect::<std::result::Result<Vec<f64>, _>>()
+                    .context(|| format!("{}: malformed row {}", path.display(), i + 2))
+            })
+            .collect()
+    }
+    let steps = rows(&dir.join("steps.csv"))?
+        .into_iter()
+        .filter(|r| r.len() >= 8)
+        .map(|r| StepRow {
+            step: r[0] as u64,
+            epoch: r[1],
+            batch: r[2] as usize,
+            lr: r[3],
+            loss: r[4],
+            images_per_s: r[5],
+            step_s: r[6],
+            comm_s: r[7],
+        })
+        .collect();
+    let epochs = rows(&dir.join("epochs.csv"))?
+        .into_iter()
+        .filter(|r| r.len() >= 12)
+        .map(|r| EpochRow {
+            epoch: r[0] as u64,
+            step: r[1] as u64,
+            batch: r[2] as usize,
+            lr: r[3],
+            train_loss: r[4],
+            train_acc: r[5],
+            test_loss: r[6],
+            test_acc: r[7],
+            images_per_s: r[8],
+            comm_fraction: r[9],
+            epoch_s: r[10],
+            wall_s: r[11],
+            // Files from before this column: a whole epoch.
+            epochs_done: r.get(12).copied().unwrap_or(r[0] + 1.0),
+        })
+        .collect();
+    Ok((steps, epochs))
+}
+
+/// Fonts tried in order (plotters draws text with ab_glyph from a TTF file; Debian's
+/// fonts-dejavu-core provides the first).
+const FONTS: [&str; 3] = [
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+];
+
+fn register_font() -> Result<()> {
+    static DONE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let ok = *DONE.get_or_init(|| {
+        FONTS.iter().any(|p| {
+            std::fs::read(p)
+                .ok()
+                .map(|bytes| {
+                    // plotters keeps the font for the life of the process.
+                    let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+                    plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok()
+                })
+                .unwrap_or(false)
+        })
+    });
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::msg(format!(
+            "no TrueType font for the plot labels (looked for {FONTS:?}; apt-get install fonts-dejavu-core)"
+        )))
+    }
+}
+
+fn pe<E: std::fmt::Debug>(e: E) -> Error {
+    Error::msg(format!("plot: {e:?}"))
+}
+
+/// A named, coloured line of (x, y) points.
+type Series<'a> = (&'a str, RGBColor, Vec<(f64, f64)>);
+
+/// A line chart of `series` (name, colour, points) in one panel.
+fn panel<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    caption: &str,
+    xlabel: &str,
+    series: &[Series],
+) -> Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    let pts = series.iter().flat_map(|s| s.2.iter());
+    let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
+    for &(x, y) in pts {
+        if x.is_finite() && y.is_finite() {
+            x0 = x0.min(x);
+            x1 = x1.max(x);
+            y0 = y0.min(y);
+            y1 = y1.max(y);
+        }
+    }
+    if x0 > x1 {
+        (x0, x1, y0, y1) = (0.0, 1.0, 0.0, 1.0);
+    }
+    if x1 - x0 < 1e-9 {
+        x1 = x0 + 1.0;
+    }
+    // A flat or single-point series still gets a readable axis.
+    let pad = ((y1 - y0) * 0.05).max(y1.abs().max(y0.abs()) * 0.01).max(1e-3);
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 20))
+        .margin(10)
+        .x_label_area_size(35)
+        .y_label_area_size(60)
+        .build_cartesian_2d(x0..x1, (y0 - pad)..(y1 + pad))
+        .map_err(pe)?;
+    chart.configure_mesh().x_desc(xlabel).label_style(("sans-serif", 13)).draw().map_err(pe)?;
+    for (name, colour, points) in series {
+        let c = *colour;
+        // Markers as well as lines: per-epoch series may have a single point.
+        chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, c.filled()))).map_err(pe)?;
+        chart
+            .draw_series(LineSeries::new(points.iter().copied(), c.stroke_width(2)))
+            .map_err(pe)?
+            .label(*name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
+    }
+    if series.len() > 1 {
+        chart
+            .configure_series_labels()
+            .border_style(BLACK)
+            .background_style(WHITE.mix(0.8))
+            .draw()
+            .map_err(pe)?;
+    }
+    Ok(())
+}
+
+/// Draws the four panels to `path`.
+pub fn plot(path: &Path, title: &str, steps: &[StepRow], epochs: &[EpochRow]) -> Result<()> {
+    register_font()?;
+    // Drawn into memory and encoded with the `image` crate the trainer already uses, rather than
+    // plotters' encoder (which would pull in a second, older `image`).
+    let (w, h) = (1400u32, 1000u32);
+    let mut pixels = vec![0u8; (w * h * 3) as usize];
+    {
+        let root = BitMapBackend::with_buffer(&mut pixels, (w, h)).into_drawing_area();
+        root.fill(&WHITE).map_err(pe)?;
+        let root = root.titled(title, ("sans-serif", 24)).map_err(pe)?;
+        let areas = root.split_evenly((2, 2));
+        let blue = RGBColor(31, 119, 180);
+        let orange = RGBColor(255, 127, 14);
+        let green = RGBColor(44, 160, 44);
+        panel(
+            &areas[0],
+            "training loss",
+            "epoch",
+            &[
+                ("per logged step", blue, steps.iter().map(|s| (s.epoch, s.loss)).collect()),
+                (
+                    "test (per epoch)",
+                    orange,
+                    epochs
+                        .iter()
+                        .filter(|e| e.test_loss.is_finite())
+                        .map(|e| (e.epochs_done, e.test_loss))
+                        .collect(),
+                ),
+            ],
+        )?;
+        panel(
+            &areas[1],
+            "top-1 accuracy",
+            "epoch",
+            &[
+                ("train", blue, epochs.iter().map(|e| (e.epochs_done, e.train_acc)).collect()),
+                (
+                    "test",
+                    orange,
+                    epochs
+                        .iter()
+                        .filter(|e| e.test_acc.is_finite())
+                        .map(|e| (e.epochs_done, e.test_acc))
+                        .collect(),
+                ),
+            ],
+        )?;
+        panel(
+            &areas[2],
+            "images/s (all ranks)",
+            "epoch",
+            &[("images/s", green, steps.iter().map(|s| (s.epoch, s.images_per_s)).collect())],
+        )?;
+        panel(
+            &areas[3],
+            "share of step time waiting on all-reduce",
+            "epoch",
+            &[(
+                "all-reduce wait / step",
+                RED,
+                steps
+                    .iter()
+                    .map(|s| (s.epoch, if s.step_s > 0.0 { s.comm_s / s.step_s } else { 0.0 }))
+                    .collect(),
+            )],
+        )?;
+        root.present().map_err(pe)?;
+    }
+    let img = image::RgbImage::from_raw(w, h, pixels).ok_or_else(|| Error::msg("plot: bad buffer size"))?;
+    img.save(path).map_err(|e| Error::msg(format!("cannot write {}: {e}", path.display())))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_csv_and_png() {
+        let dir = std::env::temp_dir().join(format!("toroid-metrics-{}", std::process::id()));
+        let mut m = Metrics::create(&dir, false).unwrap();
+        for i in 0..20 {
+            m.step(StepRow {
+                step: i,
+                epoch: i as f64 / 10.0,
+                batch: 64,
+                lr: 0.1,
+                loss: 2.0 / (1.0 + i as f64),
+                images_per_s: 500.0,
+                step_s: 0.1,
+                comm_s: 0.01,
+            })
+            .unwrap();
+        }
+        m.epoch(EpochRow { epoch: 0, test_acc: 0.5, train_acc: 0.4, test_loss: 1.0, ..Default::default() })
+            .unwrap();
+        m.epoch(EpochRow { epoch: 1, test_acc: 0.7, train_acc: 0.6, test_loss: 0.8, ..Default::default() })
+            .unwrap();
+        let csv = std::fs::read_to_string(dir.join("epochs.csv")).unwrap();
+        assert_eq!(csv.lines().count(), 3);
+        assert!(csv.starts_with("epoch,step"));
+        if register_font().is_ok() {
+            let png = m.plot("test").unwrap();
+            let img = image::open(&png).unwrap();
+            assert_eq!((img.width(), img.height()), (1400, 1000));
+        }
+        // Appending keeps the header single.
+        drop(m);
+        let mut m = Metrics::create(&dir, true).unwrap();
+        assert_eq!((m.steps.len(), m.epochs.len()), (20, 2));
+        assert_eq!(m.epochs[1].test_acc, 0.7);
+        m.epoch(EpochRow { epoch: 2, ..Default::default() }).unwrap();
+        let csv = std::fs::read_to_string(dir.join("epochs.csv")).unwrap();
+        assert_eq!(csv.lines().count(), 4);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
