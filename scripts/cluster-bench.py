@@ -36,7 +36,7 @@ def main():
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--sizes", default="4K,16M")
     p.add_argument("--factor", type=int, default=4)
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--reps", type=int, default=1, help="runs per algorithm; the median time is used")
     p.add_argument("--json", help="write all results here")

@@ -372,6 +372,7 @@ impl Communicator {
             rows_are_hosts: matches!(layout.grid.placement, crate::topology::Placement::Hosts(_)),
             cpu_share: 1.0,
             nics: 1,
+            segment: config.segment_size,
         };
         let explicit = CostModel::parse(config.cost_model.as_deref().unwrap_or(""))?;
         let core = Core {

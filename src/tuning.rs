@@ -185,13 +185,25 @@ pub struct Shape {
     /// Network interfaces per host: parallel streams leaving a host (the torus's columns,
     /// halving-doubling's pairs) use up to this many; one stream uses one.
     pub nics: usize,
+    /// Frame size on the wire (`TOROID_SEGMENT_SIZE`): a phase moving more than one frame
+    /// pays one frame's transfer to fill its pipeline.
+    pub segment: usize,
 }
 
 impl Shape {
     /// `n` ranks on `hosts` hosts of `per_host` ranks, grid `per_host x hosts`.
     pub fn uniform(n: usize, hosts: usize) -> Shape {
         let per_host = n.div_ceil(hosts.max(1));
-        Shape { n, hosts, per_host, grid: (per_host, hosts), rows_are_hosts: true, cpu_share: 1.0, nics: 1 }
+        Shape {
+            n,
+            hosts,
+            per_host,
+            grid: (per_host, hosts),
+            rows_are_hosts: true,
+            cpu_share: 1.0,
+            nics: 1,
+            segment: crate::config::DEFAULT_SEGMENT_SIZE,
+        }
     }
 }
 
@@ -271,9 +283,15 @@ impl CostModel {
         let mut t = 0.0;
         let mut steps = 0;
         let mut inter_bytes = 0.0;
-        // One phase: `s` steps on `link`, moving `bytes_per_link` through the busiest link.
+        // One phase: `s` steps on `link`, moving `bytes_on_link` through the busiest link. A
+        // phase of more than one frame also pays one frame's transfer before its pipeline is
+        // full: streamed algorithms pay it once per phase, round-based ones once per round
+        // (measured on the emulated cluster: halving-doubling's large rounds each lose about
+        // one frame time).
+        let seg = shape.segment as f64;
         let mut phase = |s: usize, link: LinkCost, bytes_on_link: f64, is_inter: bool| {
-            t += s as f64 * link.alpha + bytes_on_link * link.beta;
+            let fill = if s > 0 && bytes_on_link > seg { seg * link.beta } else { 0.0 };
+            t += s as f64 * link.alpha + bytes_on_link * link.beta + fill;
             steps += s;
             if is_inter {
                 inter_bytes += bytes_on_link;
@@ -341,8 +359,7 @@ impl CostModel {
             }
             Algorithm::Chain => {
                 // Pipelined: n - 1 frame latencies, then the whole message once.
-                let seg = b.min(crate::config::DEFAULT_SEGMENT_SIZE as f64);
-                phase(n - 1, worst, seg, cross);
+                phase(n - 1, worst, b.min(seg), cross);
                 phase(0, worst, b, cross);
             }
             Algorithm::Tree => {

@@ -259,17 +259,20 @@ fn quick_start_builds_with_pkg_config_and_runs() {
     assert!(flags.contains(&format!("-I{}", crate_dir().join("include").display())), "{flags}");
     assert!(flags.contains("-ltoroid"), "{flags}");
     let exe = out_dir().join("quickstart");
+    // `cargo test` alone leaves the fresh library only in `deps/` (the copy that toroid.pc
+    // names appears on `cargo build`), so that directory is searched first: the flags under
+    // test are still the ones pkg-config printed.
+    let lib = lib_dir();
     let out = Command::new("cc")
         .arg(crate_dir().join("ffi_tests/quickstart.c"))
         .arg("-o")
         .arg(&exe)
+        .arg(format!("-L{}", lib.display()))
         .args(flags.split_whitespace())
         .output()
         .expect("cc runs");
     check(&out, "compiling the quick start with pkg-config's flags");
-    // The library of this test build (cargo refreshes the copy that toroid.pc names on
-    // `cargo build`); LD_LIBRARY_PATH wins over the run path.
-    let lib = lib_dir();
+    // The library of this test build; LD_LIBRARY_PATH wins over the run path.
     let out = run_ranks(3, 60, &[("LD_LIBRARY_PATH", &lib.display().to_string())], &[exe.as_os_str()]);
     check(&out, "quickstart");
     every_rank_says(&out, 3, "sum of ranks = 3");
