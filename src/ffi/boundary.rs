@@ -31,7 +31,7 @@ use crate::error::{Error, Result};
 
 /// Runs an exported function's body, turning a panic into the return type's error value.
 ///
-/// ```ignore
+/// ```text
 /// ffi_boundary!("toroid_comm_rank", { ... body returning toroid_result ... })
 /// ```
 macro_rules! ffi_boundary {
