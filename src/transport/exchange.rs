@@ -1379,3 +1379,127 @@ impl Rx {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! Frames that fail validation, sent by a hand-driven peer over a real TCP connection.
+    use super::*;
+    use crate::transport::tcp::{Interface, connect_mesh, listen};
+    use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+
+    fn fingerprint(seq: u64, count: u64) -> Fingerprint {
+        Fingerprint {
+            seq,
+            kind: CollKind::AllReduce,
+            dtype: DataType::F32,
+            op: ReduceOp::Sum,
+            count,
+            root: -1,
+            algo: 1,
+        }
+    }
+
+    /// Rank 1 receives 64 bytes at step 3 of `fingerprint(5, 16)` while rank 0 writes `wire`
+    /// (raw bytes) and closes; returns what rank 1 received.
+    fn receive_after(wire: Vec<u8>) -> Result<Vec<u8>> {
+        let iface = Interface { name: "lo".into(), addr: IpAddr::V4(Ipv4Addr::LOCALHOST) };
+        let eps: Vec<_> = (0..2).map(|_| listen(&iface, 2).expect("listening on loopback")).collect();
+        let addrs: Vec<SocketAddr> = eps.iter().map(|e| e.addr).collect();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut handles: Vec<_> = eps
+            .into_iter()
+            .enumerate()
+            .map(|(r, ep)| {
+                let addrs = addrs.clone();
+                std::thread::spawn(move || connect_mesh(r, &addrs, &ep, 7, 0, deadline).expect("mesh"))
+            })
+            .collect();
+        let mut mesh1 = handles.pop().expect("two").join().expect("rank 1 connects");
+        let mut mesh0 = handles.pop().expect("two").join().expect("rank 0 connects");
+        let writer = std::thread::spawn(move || {
+            let t = mesh0[1].as_mut().expect("link to rank 1");
+            let mut at = 0;
+            while at < wire.len() {
+                match t.try_write(&[&wire[at..]]) {
+                    Ok(n) => at += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
+                    Err(e) => panic!("writing: {e}"),
+                }
+            }
+            drop(mesh0);
+        });
+        let spin = SpinPolicy { spin: Duration::from_micros(50), yield_between: true };
+        let mut peers = Peers::new(1, std::mem::take(&mut mesh1), AbortSignal::new()?.into(), spin, 1 << 16);
+        peers.begin_op();
+        let mut out = vec![0u8; 64];
+        let fp = fingerprint(5, 16);
+        let r = peers.exchange(&fp, 3, deadline, None, Some((0, Sink::Copy(&mut out))));
+        writer.join().expect("writer");
+        r.map(|()| out)
+    }
+
+    fn frame(fp: &Fingerprint, step: u16, payload: &[u8]) -> Vec<u8> {
+        let mut v = encode(KIND_DATA, fp, step, payload.len() as u32).to_vec();
+        v.extend_from_slice(payload);
+        v
+    }
+
+    fn message(r: Result<Vec<u8>>) -> String {
+        match r {
+            Ok(_) => panic!("a bad frame was accepted"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn a_well_formed_frame_is_received() {
+        let payload: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(37)).collect();
+        let got = receive_after(frame(&fingerprint(5, 16), 3, &payload)).expect("a valid frame");
+        assert_eq!(got, payload);
+    }
+
+    #[test]
+    fn bad_magic_is_a_bad_frame_error() {
+        let mut wire = frame(&fingerprint(5, 16), 3, &[7u8; 64]);
+        wire[0] ^= 0xff;
+        let m = message(receive_after(wire));
+        assert!(m.contains("bad frame") && m.contains("magic"), "{m}");
+    }
+
+    #[test]
+    fn unknown_kind_and_undecodable_fields_are_bad_frames() {
+        let mut wire = frame(&fingerprint(5, 16), 3, &[7u8; 64]);
+        wire[4] = 77;
+        let m = message(receive_after(wire));
+        assert!(m.contains("unknown frame kind 77"), "{m}");
+        let mut wire = frame(&fingerprint(5, 16), 3, &[7u8; 64]);
+        wire[6] = 200; // no such data type
+        let m = message(receive_after(wire));
+        assert!(m.contains("undecodable"), "{m}");
+    }
+
+    #[test]
+    fn another_collective_is_a_mismatch_naming_both() {
+        let m = message(receive_after(frame(&fingerprint(5, 17), 3, &[7u8; 68])));
+        assert!(m.contains("collective mismatch"), "{m}");
+        assert!(m.contains("rank 1 called all_reduce #5 (16 x float"), "{m}");
+        assert!(m.contains("rank 0 called all_reduce #5 (17 x float"), "{m}");
+    }
+
+    #[test]
+    fn wrong_step_or_length_is_out_of_step() {
+        let m = message(receive_after(frame(&fingerprint(5, 16), 4, &[7u8; 64])));
+        assert!(m.contains("out of step"), "{m}");
+        let m = message(receive_after(frame(&fingerprint(5, 16), 3, &[7u8; 32])));
+        assert!(m.contains("out of step"), "{m}");
+    }
+
+    #[test]
+    fn a_truncated_frame_then_close_is_a_remote_error() {
+        let mut wire = frame(&fingerprint(5, 16), 3, &[7u8; 64]);
+        wire.truncate(HEADER_LEN + 10);
+        let r = receive_after(wire);
+        assert!(matches!(r, Err(Error::Remote(_))), "{r:?}");
+        assert!(message(r).contains("closed its connection"));
+    }
+}
