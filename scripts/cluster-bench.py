@@ -17,7 +17,7 @@ ALGOS = ["ring", "hring", "torus2d", "hd", "rd"]
 
 def run(args, algo, out):
     cmd = [os.path.join(ROOT, "scripts/emulated-cluster.sh"), "-H", str(args.hosts), "-K", str(args.per_host),
-           "-r", args.rate, "-t", str(args.timeout), "--", os.path.join(ROOT, "target/release/toroid-bench"),
+           "-r", args.rate, "-b", args.burst, "-t", str(args.timeout), "--", os.path.join(ROOT, "target/release/toroid-bench"),
            "-b", args.sizes[0], "-e", args.sizes[-1], "-f", str(args.factor), "-n", str(args.iters),
            "-w", "2", "-c", "1", "-J", out]
     if algo != "auto":
@@ -34,6 +34,7 @@ def main():
     p.add_argument("--hosts", type=int, default=4)
     p.add_argument("--per-host", type=int, default=2)
     p.add_argument("--rate", default="1gbit")
+    p.add_argument("--burst", default="128kb", help="tc tbf bucket per host link")
     p.add_argument("--sizes", default="4K,16M")
     p.add_argument("--factor", type=int, default=4)
     p.add_argument("--iters", type=int, default=20)

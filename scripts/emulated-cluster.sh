@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Emulates a cluster of H hosts on this machine and runs K ranks of PROGRAM on each.
 #
-#   scripts/emulated-cluster.sh [-H hosts] [-K ranks-per-host] [-r rate] [-l queue] [-t secs] -- PROGRAM ARGS
+#   scripts/emulated-cluster.sh [-H hosts] [-K ranks-per-host] [-r rate] [-b burst] [-l queue] [-t secs] -- PROGRAM ARGS
 #
 # Each "host" is a network namespace with one interface (eth0, 10.77.0.<h+1>/24) joined to the
 # others through a bridge that lives in a switch namespace of its own. Every host link is shaped
 # with tc tbf in both directions (default 1gbit; -l sets the queue as a latency, default 100ms,
-# a deep buffer that keeps TCP at line rate), so traffic between hosts is network-bound
+# a deep buffer that keeps TCP at line rate; -b sets tbf's bucket, default 128kb: two 64 KB GSO
+# packets, the smallest that keeps TCP at the rate (64kb gave a third of it), and small enough
+# that an idle link does not pass a mid-size message faster than the rate, as 256kb did), so
+# traffic between hosts is network-bound
 # while ranks of one host talk over the host's own loopback. Rank r runs on host r / K with
 # TOROID_RANK, TOROID_WORLD_SIZE, TOROID_LOCAL_RANK/SIZE, TOROID_HOST_ID=host<h>,
 # TOROID_SOCKET_IFNAME=eth0 and TOROID_STORE_ADDR=10.77.0.1:<port> (rank 0 serves the store),
@@ -16,20 +19,21 @@
 # also on failure or Ctrl-C; every rank is bounded by -t seconds (default 600). Needs root.
 set -euo pipefail
 
-hosts=4 per=2 rate=1gbit queue=100ms limit=600
-while getopts "H:K:r:l:t:" opt; do
+hosts=4 per=2 rate=1gbit burst=128kb queue=100ms limit=600
+while getopts "H:K:r:b:l:t:" opt; do
   case $opt in
     H) hosts=$OPTARG ;;
     K) per=$OPTARG ;;
     r) rate=$OPTARG ;;
+    b) burst=$OPTARG ;;
     l) queue=$OPTARG ;;
     t) limit=$OPTARG ;;
-    *) sed -n '2,16p' "$0"; exit 2 ;;
+    *) sed -n '2,20p' "$0"; exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
 [ "${1:-}" = "--" ] && shift
-[ $# -ge 1 ] || { sed -n '2,16p' "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,20p' "$0"; exit 2; }
 [ "$(id -u)" = 0 ] || { echo "emulated-cluster: needs root (network namespaces)" >&2; exit 2; }
 
 tag="tc$$"
@@ -65,8 +69,8 @@ for ((h = 0; h < hosts; h++)); do
   ip -n "$ns_sw" link set "p$h" master br0
   ip -n "$ns_sw" link set "p$h" up
   # The host's link, both ways: its egress, and the switch port's egress towards it.
-  ip netns exec "$ns" tc qdisc add dev eth0 root tbf rate "$rate" burst 256kb latency "$queue"
-  ip netns exec "$ns_sw" tc qdisc add dev "p$h" root tbf rate "$rate" burst 256kb latency "$queue"
+  ip netns exec "$ns" tc qdisc add dev eth0 root tbf rate "$rate" burst "$burst" latency "$queue"
+  ip netns exec "$ns_sw" tc qdisc add dev "p$h" root tbf rate "$rate" burst "$burst" latency "$queue"
 done
 
 port=$((20000 + $$ % 20000))

@@ -285,12 +285,14 @@ impl CostModel {
         let mut inter_bytes = 0.0;
         // One phase: `s` steps on `link`, moving `bytes_on_link` through the busiest link. A
         // phase of more than one frame also pays one frame's transfer before its pipeline is
-        // full: streamed algorithms pay it once per phase, round-based ones once per round
-        // (measured on the emulated cluster: halving-doubling's large rounds each lose about
-        // one frame time).
+        // full, where a frame is the segment or one step's piece if that is smaller: streamed
+        // rings pay it once per phase, round-based algorithms once per round (measured on the
+        // emulated cluster: halving-doubling's large rounds each lose about one frame time,
+        // and rings of small pieces fill with a small frame).
         let seg = shape.segment as f64;
         let mut phase = |s: usize, link: LinkCost, bytes_on_link: f64, is_inter: bool| {
-            let fill = if s > 0 && bytes_on_link > seg { seg * link.beta } else { 0.0 };
+            let frame = seg.min(bytes_on_link / s.max(1) as f64);
+            let fill = if s > 0 && bytes_on_link > frame { frame * link.beta } else { 0.0 };
             t += s as f64 * link.alpha + bytes_on_link * link.beta + fill;
             steps += s;
             if is_inter {
@@ -358,8 +360,9 @@ impl CostModel {
                 reduced = (xf - 1.0) / xf * b + (yf - 1.0) / yf * b / xf;
             }
             Algorithm::Chain => {
-                // Pipelined: n - 1 frame latencies, then the whole message once.
-                phase(n - 1, worst, b.min(seg), cross);
+                // Pipelined: n - 1 frame latencies (the fill), then the whole message once.
+                phase(n - 2, worst, 0.0, cross);
+                phase(1, worst, b.min(seg), cross);
                 phase(0, worst, b, cross);
             }
             Algorithm::Tree => {
