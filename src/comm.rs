@@ -310,7 +310,15 @@ impl Communicator {
             hosts.push(h.to_string());
             machines.push(m.to_string());
         }
-        let transports = tcp::connect_mesh(rank, &addrs, &endpoint, id, cfg.socket_buffer, deadline)?;
+        let transports = tcp::connect_mesh(
+            rank,
+            &addrs,
+            &endpoint,
+            id,
+            cfg.socket_buffer,
+            cfg.auth_token.as_ref(),
+            deadline,
+        )?;
         let topology = Topology::from_ids(rank, &hosts, &machines);
         // shm: same-host links move to shared memory; one host gets the shared window
         let links = shm::connect(
@@ -687,6 +695,7 @@ impl Communicator {
             &endpoint,
             id,
             self.core.config.socket_buffer,
+            self.core.config.auth_token.as_ref(),
             deadline,
         )?;
         let t = &self.core.topology;

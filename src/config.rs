@@ -51,6 +51,7 @@ pub const TOROID_VARS: &[&str] = &[
     "TOROID_SOCKET_IFNAME",
     "TOROID_SOCKET_FAMILY",
     "TOROID_SOCKET_BUFFER",
+    "TOROID_AUTH_TOKEN",
     "TOROID_SPIN_US",
     "TOROID_SEGMENT_SIZE",
     "TOROID_ALGO",
@@ -78,6 +79,9 @@ pub struct Config {
     pub socket_family: Option<String>,
     /// SO_SNDBUF/SO_RCVBUF in bytes (`TOROID_SOCKET_BUFFER`); 0 keeps Linux autotuning.
     pub socket_buffer: usize,
+    /// Shared secret that authenticates every connection between ranks (`TOROID_AUTH_TOKEN`):
+    /// challenge and response at the handshake, the token itself never on the wire.
+    pub auth_token: Option<AuthToken>,
     /// Poll time before blocking (`TOROID_SPIN_US`); `None` picks from cores and local ranks.
     pub spin: Option<Duration>,
     /// Largest frame (segment) on the wire in bytes (`TOROID_SEGMENT_SIZE`).
@@ -120,6 +124,31 @@ pub const DEFAULT_SHM_CHUNK_SIZE: usize = 512 * 1024;
 /// at connection time, falling back to autotuning when the cap is lower.
 pub const DEFAULT_SOCKET_BUFFER: usize = 2 << 20;
 
+/// What logs and `Debug` show instead of a secret.
+const REDACTED: &str = "<redacted>";
+
+/// A shared secret (`TOROID_AUTH_TOKEN`). `Debug` never shows it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct AuthToken(Vec<u8>);
+
+impl AuthToken {
+    /// A token from its bytes (any length; HMAC-SHA256 keys accept all).
+    pub fn new(secret: &[u8]) -> AuthToken {
+        AuthToken(secret.to_vec())
+    }
+
+    /// The secret.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for AuthToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(REDACTED)
+    }
+}
+
 /// Default largest frame on the wire. Gloo uses segments of at most 1 MiB; smaller segments start
 /// the reduction earlier, larger ones pay fewer headers and system calls.
 pub const DEFAULT_SEGMENT_SIZE: usize = 512 * 1024;
@@ -131,6 +160,7 @@ impl Default for Config {
             socket_ifname: None,
             socket_family: None,
             socket_buffer: DEFAULT_SOCKET_BUFFER,
+            auth_token: None,
             spin: None,
             segment_size: DEFAULT_SEGMENT_SIZE,
             algo: None,
@@ -178,8 +208,15 @@ impl Config {
                 vars.insert(name.to_string(), v);
             }
         }
-        let get = |name: &str| vars.get(name).map(|s| s.trim()).filter(|s| !s.is_empty());
         let mut cfg = Config::default();
+        if let Some(v) = vars.get_mut("TOROID_AUTH_TOKEN") {
+            // The secret is kept exactly as given and never logged or printed.
+            if !v.is_empty() {
+                cfg.auth_token = Some(AuthToken::new(v.as_bytes()));
+            }
+            *v = REDACTED.to_string();
+        }
+        let get = |name: &str| vars.get(name).map(|s| s.trim()).filter(|s| !s.is_empty());
         if let Some(v) = get("TOROID_TIMEOUT") {
             cfg.timeout = parse_seconds("TOROID_TIMEOUT", v)?;
         }
@@ -342,6 +379,16 @@ mod tests {
         let map: BTreeMap<String, String> =
             pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         Config::from_lookup(|k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn the_auth_token_is_kept_exactly_and_never_shown() {
+        let c = cfg(&[("TOROID_AUTH_TOKEN", " pass phrase ")]).unwrap();
+        assert_eq!(c.auth_token.as_ref().map(AuthToken::as_bytes), Some(&b" pass phrase "[..]));
+        assert_eq!(c.var("TOROID_AUTH_TOKEN"), Some(REDACTED));
+        assert!(!format!("{c:?}").contains("pass phrase"));
+        assert!(cfg(&[("TOROID_AUTH_TOKEN", "")]).unwrap().auth_token.is_none());
+        assert!(cfg(&[]).unwrap().auth_token.is_none());
     }
 
     #[test]

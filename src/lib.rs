@@ -37,7 +37,7 @@ pub mod tuning;
 
 pub use algorithm::Algorithm;
 pub use comm::{CallOptions, Communicator, OpKind, OwnedBuffer, Work};
-pub use config::Config;
+pub use config::{AuthToken, Config};
 pub use dtype::{DataType, Element, ReduceOp};
 pub use error::{Error, Result};
 pub use topology::Topology;

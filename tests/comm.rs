@@ -255,3 +255,54 @@ fn reduce_accepts_no_output_on_non_roots() {
         }
     });
 }
+
+/// `TOROID_AUTH_TOKEN`: processes sharing a token connect (also their sub-communicators) and
+/// compute; every element of the result is checked.
+#[test]
+fn ranks_sharing_an_auth_token_work_in_processes() {
+    if util::is_child() {
+        let comm = Communicator::from_env().expect("authenticated communicator");
+        let (r, n) = (comm.rank() as i64, comm.size() as i64);
+        let mut v: Vec<i64> = (0..4099).map(|i| i * 31 + r * 1_000_003).collect();
+        comm.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+        for (i, x) in v.iter().enumerate() {
+            assert_eq!(*x, n * (i as i64 * 31) + 1_000_003 * n * (n - 1) / 2, "element {i}");
+        }
+        let sub = comm.split(Some((r % 2) as u32), r).unwrap().expect("member of a half");
+        let mut w = vec![r; 7];
+        sub.all_reduce(&mut w, ReduceOp::Max).unwrap();
+        let top = (0..n).filter(|x| x % 2 == r % 2).max().unwrap();
+        assert_eq!(w, vec![top; 7]);
+        return;
+    }
+    for tcp_only in ["0", "1"] {
+        let env = [
+            ("TOROID_AUTH_TOKEN", "shared secret"),
+            ("TOROID_SHM_DISABLE", tcp_only),
+            ("TOROID_TIMEOUT", "30"),
+        ];
+        let out = util::launch("ranks_sharing_an_auth_token_work_in_processes", 3, &env, 120);
+        util::assert_success(&out, &format!("3 ranks with a token (TOROID_SHM_DISABLE={tcp_only})"));
+    }
+}
+
+/// A rank with another token never joins: it gets an error naming TOROID_AUTH_TOKEN, the
+/// others time out waiting for it (and log the rejected connection), nobody hangs.
+#[test]
+fn a_rank_with_another_token_is_refused() {
+    let store: Arc<dyn Store> = Arc::new(toroid::rendezvous::MemStore::new());
+    let handles: Vec<_> = (0..3)
+        .map(|r| {
+            let store = store.clone();
+            let mut cfg = util::test_config(3.0);
+            cfg.auth_token = Some(toroid::AuthToken::new(if r == 2 { b"intruder" } else { b"team" }));
+            std::thread::spawn(move || Communicator::with_store(r, 3, store, &cfg).map(|_| ()))
+        })
+        .collect();
+    let results: Vec<_> = handles.into_iter().map(|h| h.join().expect("no panic")).collect();
+    let msg = |r: usize| results[r].as_ref().expect_err("must fail").to_string();
+    assert!(msg(2).contains("TOROID_AUTH_TOKEN"), "{}", msg(2));
+    for r in 0..2 {
+        assert!(msg(r).contains("never connected") || msg(r).contains("deadline"), "rank {r}: {}", msg(r));
+    }
+}

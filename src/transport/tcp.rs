@@ -4,7 +4,12 @@
 //! connects to every lower rank `i < j` and accepts from every higher one. The connecting side
 //! sends a hello (magic, protocol version, communicator id, its rank, the rank it expects); the
 //! accepting side checks all of it and answers with an ack carrying the same fields, which the
-//! connecting side checks in turn. Connections are `TCP_NODELAY`; socket buffers stay under
+//! connecting side checks in turn. With `TOROID_AUTH_TOKEN` set, both directions are
+//! authenticated by challenge and response (HMAC-SHA256 keyed by the token, which never goes on
+//! the wire): the hello carries the connector's fresh random nonce and a MAC over the hello
+//! (whose communicator id is fresh per communicator) and that nonce; the ack carries a MAC over
+//! the ack and the connector's nonce. A connection that fails is dropped with a WARN on the
+//! accepting side and an error on the connecting side. Connections are `TCP_NODELAY`; socket buffers stay under
 //! Linux autotuning (which grows them to `tcp_rmem`/`tcp_wmem` max, megabytes) unless
 //! `TOROID_SOCKET_BUFFER` pins them, because setting `SO_RCVBUF` turns autotuning off.
 //!
@@ -17,12 +22,24 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, T
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::{Duration, Instant};
 
+use hmac::{KeyInit, Mac};
+
 use super::Transport;
+use crate::config::AuthToken;
 use crate::error::{Error, Result};
 
+type HmacSha256 = hmac::Hmac<sha2::Sha256>;
+/// Bytes of the connector's challenge nonce.
+const NONCE_LEN: usize = 16;
+/// Bytes of an HMAC-SHA256 tag.
+const MAC_LEN: usize = 32;
+/// `hello[7]`: the sender authenticates (nonce and MAC follow the hello; a MAC follows the ack).
+const FLAG_AUTH: u8 = 1;
+
 /// Wire protocol version; bumped on any incompatible change of handshake or frames.
-/// (2: links between ranks of one host start with the shared-memory set-up of `shm`.)
-pub const PROTOCOL_VERSION: u16 = 2;
+/// (2: links between ranks of one host start with the shared-memory set-up of `shm`;
+/// 3: authenticated handshakes.)
+pub const PROTOCOL_VERSION: u16 = 3;
 const HELLO_MAGIC: u32 = u32::from_le_bytes(*b"TRDH");
 const HELLO_LEN: usize = 24;
 const KIND_HELLO: u8 = 1;
@@ -298,11 +315,12 @@ pub fn listen(iface: &Interface, backlog_hint: usize) -> Result<Endpoint> {
     Ok(Endpoint { listener, addr, ifname: iface.name.clone() })
 }
 
-fn hello(kind: u8, comm_id: u64, from: usize, to: usize) -> [u8; HELLO_LEN] {
+fn hello(kind: u8, comm_id: u64, from: usize, to: usize, auth: bool) -> [u8; HELLO_LEN] {
     let mut h = [0u8; HELLO_LEN];
     h[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
     h[4..6].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
     h[6] = kind;
+    h[7] = if auth { FLAG_AUTH } else { 0 };
     h[8..16].copy_from_slice(&comm_id.to_le_bytes());
     h[16..20].copy_from_slice(&(from as u32).to_le_bytes());
     h[20..24].copy_from_slice(&(to as u32).to_le_bytes());
@@ -341,6 +359,57 @@ fn check_hello(h: &[u8; HELLO_LEN], kind: u8, comm_id: u64, me: usize, size: usi
     Ok(from)
 }
 
+/// HMAC-SHA256 of `parts` under `token`, labelled so a hello's tag can never pass as an ack's.
+fn mac(token: &AuthToken, label: &[u8], parts: &[&[u8]]) -> HmacSha256 {
+    // HMAC takes keys of any length, so this cannot fail.
+    let mut m =
+        <HmacSha256 as KeyInit>::new_from_slice(token.as_bytes()).expect("HMAC accepts any key length");
+    m.update(label);
+    for p in parts {
+        m.update(p);
+    }
+    m
+}
+
+/// A fresh random nonce from the kernel.
+fn nonce() -> Result<[u8; NONCE_LEN]> {
+    let mut n = [0u8; NONCE_LEN];
+    let mut got = 0;
+    while got < NONCE_LEN {
+        // SAFETY: writes at most `NONCE_LEN - got` bytes into the live array `n` past `got`.
+        let r = unsafe { libc::getrandom(n[got..].as_mut_ptr().cast(), NONCE_LEN - got, 0) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(Error::system("getrandom", e));
+            }
+        } else {
+            got += r as usize;
+        }
+    }
+    Ok(n)
+}
+
+/// The accepting side's check of a connector's authentication (`extra`: what followed the
+/// hello when it announced authentication).
+fn check_hello_auth(h: &[u8; HELLO_LEN], extra: Option<&[u8]>, auth: Option<&AuthToken>) -> Result<()> {
+    match (auth, extra) {
+        (None, None) => Ok(()),
+        (Some(_), None) => Err(Error::Remote(
+            "handshake: peer did not authenticate (TOROID_AUTH_TOKEN is set here, not there)".into(),
+        )),
+        (None, Some(_)) => {
+            Err(Error::Remote("handshake: peer authenticates but TOROID_AUTH_TOKEN is not set here".into()))
+        }
+        (Some(t), Some(x)) => {
+            let (n, tag) = x.split_at(NONCE_LEN);
+            mac(t, b"toroid hello", &[h, n]).verify_slice(tag).map_err(|_| {
+                Error::Remote("handshake: authentication failed (a different TOROID_AUTH_TOKEN)".into())
+            })
+        }
+    }
+}
+
 fn remaining(deadline: Instant) -> Result<Duration> {
     let d = deadline.saturating_duration_since(Instant::now());
     if d.is_zero() {
@@ -350,15 +419,19 @@ fn remaining(deadline: Instant) -> Result<Duration> {
 }
 
 fn read_hello(s: &mut TcpStream, deadline: Instant, what: &str) -> Result<[u8; HELLO_LEN]> {
-    s.set_read_timeout(Some(remaining(deadline)?)).map_err(|e| Error::system("SO_RCVTIMEO", e))?;
     let mut h = [0u8; HELLO_LEN];
-    s.read_exact(&mut h).map_err(|e| match e.kind() {
+    read_exact_by(s, &mut h, deadline, what)?;
+    Ok(h)
+}
+
+fn read_exact_by(s: &mut TcpStream, buf: &mut [u8], deadline: Instant, what: &str) -> Result<()> {
+    s.set_read_timeout(Some(remaining(deadline)?)).map_err(|e| Error::system("SO_RCVTIMEO", e))?;
+    s.read_exact(buf).map_err(|e| match e.kind() {
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
             Error::Timeout(format!("{what}: no handshake before the deadline"))
         }
         _ => Error::Remote(format!("{what}: handshake failed: {e}")),
-    })?;
-    Ok(h)
+    })
 }
 
 /// Connects this rank to every other rank: connects to lower ranks, accepts higher ones, and
@@ -369,10 +442,13 @@ pub fn connect_mesh(
     endpoint: &Endpoint,
     comm_id: u64,
     socket_buffer: usize,
+    auth: Option<&AuthToken>,
     deadline: Instant,
 ) -> Result<Vec<Option<Box<dyn Transport>>>> {
     let size = addrs.len();
     let mut streams: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
+    // The nonce each connection to a lower rank sent, which that rank's ack must answer.
+    let mut nonces: Vec<[u8; NONCE_LEN]> = vec![[0; NONCE_LEN]; rank];
     // 1. Connect to every lower rank and say hello (the listener's backlog holds us until it
     //    accepts, so this never waits for the peer's code to run).
     for (peer, addr) in addrs.iter().enumerate().take(rank) {
@@ -403,7 +479,15 @@ pub fn connect_mesh(
             }
         };
         s.set_write_timeout(Some(remaining(deadline)?)).map_err(|e| Error::system("SO_SNDTIMEO", e))?;
-        s.write_all(&hello(KIND_HELLO, comm_id, rank, peer))
+        let h = hello(KIND_HELLO, comm_id, rank, peer, auth.is_some());
+        let mut msg = h.to_vec();
+        if let Some(t) = auth {
+            let n = nonce()?;
+            msg.extend_from_slice(&n);
+            msg.extend_from_slice(&mac(t, b"toroid hello", &[&h, &n]).finalize().into_bytes());
+            nonces[peer] = n;
+        }
+        s.write_all(&msg)
             .map_err(|e| Error::Remote(format!("rank {rank}: hello to rank {peer} at {addr} failed: {e}")))?;
         streams[peer] = Some(s);
     }
@@ -414,8 +498,17 @@ pub fn connect_mesh(
             Ok((mut s, from_addr)) => {
                 s.set_nonblocking(false).map_err(|e| Error::system("accepted socket", e))?;
                 let h = read_hello(&mut s, deadline, &format!("rank {rank}: connection from {from_addr}"))?;
-                let from = match check_hello(&h, KIND_HELLO, comm_id, rank, size) {
-                    Ok(f) => f,
+                let checked = check_hello(&h, KIND_HELLO, comm_id, rank, size).and_then(|f| {
+                    let mut extra = [0u8; NONCE_LEN + MAC_LEN];
+                    let announced = h[7] & FLAG_AUTH != 0;
+                    if announced {
+                        read_exact_by(&mut s, &mut extra, deadline, "the authentication after a hello")?;
+                    }
+                    check_hello_auth(&h, announced.then_some(&extra[..]), auth)?;
+                    Ok((f, extra))
+                });
+                let (from, extra) = match checked {
+                    Ok(x) => x,
                     Err(e) => {
                         // A foreign or stale connection must not kill the job: log and drop it.
                         tracing::warn!(target: "toroid::net", "rank {rank}: rejected connection from {from_addr}: {e}");
@@ -428,7 +521,13 @@ pub fn connect_mesh(
                 }
                 s.set_write_timeout(Some(remaining(deadline)?))
                     .map_err(|e| Error::system("SO_SNDTIMEO", e))?;
-                s.write_all(&hello(KIND_ACK, comm_id, rank, from))
+                let ack = hello(KIND_ACK, comm_id, rank, from, auth.is_some());
+                let mut msg = ack.to_vec();
+                if let Some(t) = auth {
+                    let n = &extra[..NONCE_LEN];
+                    msg.extend_from_slice(&mac(t, b"toroid ack", &[&ack, n]).finalize().into_bytes());
+                }
+                s.write_all(&msg)
                     .map_err(|e| Error::Remote(format!("rank {rank}: ack to rank {from} failed: {e}")))?;
                 streams[from] = Some(s);
                 pending -= 1;
@@ -453,8 +552,27 @@ pub fn connect_mesh(
     // 3. Read the acks of the lower ranks.
     for (peer, s) in streams.iter_mut().enumerate().take(rank) {
         let s = s.as_mut().ok_or_else(|| Error::Internal("missing stream".into()))?;
-        let h = read_hello(s, deadline, &format!("rank {rank}: waiting for rank {peer}'s ack"))?;
+        let what = format!("rank {rank}: waiting for rank {peer}'s ack");
+        let h = read_hello(s, deadline, &what).map_err(|e| match e {
+            // A peer that rejects our hello closes the connection without an ack.
+            Error::Remote(m) => Error::Remote(format!(
+                "{m} (rank {peer} drops connections whose TOROID_AUTH_TOKEN, communicator or protocol \
+                 version differ from its own; its log says which)"
+            )),
+            e => e,
+        })?;
         let from = check_hello(&h, KIND_ACK, comm_id, rank, size)?;
+        if let Some(t) = auth {
+            let mut tag = [0u8; MAC_LEN];
+            read_exact_by(s, &mut tag, deadline, &what)?;
+            if h[7] & FLAG_AUTH == 0
+                || mac(t, b"toroid ack", &[&h, &nonces[peer]]).verify_slice(&tag).is_err()
+            {
+                return Err(Error::Remote(format!(
+                    "rank {rank}: rank {peer} failed authentication (a different TOROID_AUTH_TOKEN?)"
+                )));
+            }
+        }
         if from != peer {
             return Err(Error::Remote(format!(
                 "rank {rank}: ack from rank {from} on the connection to rank {peer}"
@@ -513,7 +631,7 @@ mod tests {
 
     #[test]
     fn handshake_rejects_foreign_and_stale_peers() {
-        let h = hello(KIND_HELLO, 7, 3, 1);
+        let h = hello(KIND_HELLO, 7, 3, 1, false);
         assert_eq!(check_hello(&h, KIND_HELLO, 7, 1, 4).unwrap(), 3);
         assert!(check_hello(&h, KIND_HELLO, 8, 1, 4).unwrap_err().to_string().contains("communicator"));
         assert!(check_hello(&h, KIND_HELLO, 7, 2, 4).is_err());
@@ -536,7 +654,7 @@ mod tests {
             .enumerate()
             .map(|(r, ep)| {
                 let addrs = addrs.clone();
-                std::thread::spawn(move || connect_mesh(r, &addrs, &ep, 42, 0, deadline).unwrap())
+                std::thread::spawn(move || connect_mesh(r, &addrs, &ep, 42, 0, None, deadline).unwrap())
             })
             .collect();
         let mut meshes: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
@@ -559,5 +677,94 @@ mod tests {
             }
         }
         assert_eq!(&buf, msg);
+    }
+
+    type Mesh = Vec<Option<Box<dyn Transport>>>;
+
+    /// Connects `tokens.len()` ranks (threads) with those tokens; each rank's result.
+    fn mesh_with(tokens: &[Option<&str>], secs: u64) -> Vec<Result<Mesh>> {
+        let iface = Interface { name: "lo".into(), addr: IpAddr::V4(Ipv4Addr::LOCALHOST) };
+        let n = tokens.len();
+        let eps: Vec<Endpoint> = (0..n).map(|_| listen(&iface, n).expect("listen")).collect();
+        let addrs: Vec<SocketAddr> = eps.iter().map(|e| e.addr).collect();
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        let handles: Vec<_> = eps
+            .into_iter()
+            .zip(tokens)
+            .enumerate()
+            .map(|(r, (ep, t))| {
+                let addrs = addrs.clone();
+                let token = t.map(|t| AuthToken::new(t.as_bytes()));
+                std::thread::spawn(move || connect_mesh(r, &addrs, &ep, 99, 0, token.as_ref(), deadline))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    }
+
+    #[test]
+    fn ranks_sharing_a_token_connect_and_move_bytes() {
+        let mut meshes: Vec<_> =
+            mesh_with(&[Some("s3cret"); 3], 10).into_iter().map(|m| m.expect("authenticated mesh")).collect();
+        let msg = b"authenticated";
+        assert_eq!(meshes[1][2].as_mut().expect("link").try_write(&[msg]).expect("write"), msg.len());
+        let mut buf = [0u8; 13];
+        let mut got = 0;
+        let t = meshes[2][1].as_mut().expect("link");
+        while got < buf.len() {
+            match t.try_read(&mut [&mut buf[got..]]) {
+                Ok(n) => got += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert_eq!(&buf, msg);
+    }
+
+    /// Rank 1 connects to rank 0; both must fail, the connector with a hint and the acceptor
+    /// (which drops the connection and keeps waiting for a genuine peer) at its deadline.
+    fn refused(tokens: [Option<&str>; 2]) {
+        let r = mesh_with(&tokens, 2);
+        let connector = r[1].as_ref().map(|_| ()).expect_err("the connector must fail").to_string();
+        assert!(connector.contains("TOROID_AUTH_TOKEN"), "{tokens:?}: {connector}");
+        let acceptor = r[0].as_ref().map(|_| ()).expect_err("the acceptor must fail").to_string();
+        assert!(acceptor.contains("never connected"), "{tokens:?}: {acceptor}");
+    }
+
+    #[test]
+    fn a_different_token_is_refused() {
+        refused([Some("one"), Some("two")]);
+    }
+
+    #[test]
+    fn a_token_on_one_side_only_is_refused() {
+        refused([Some("one"), None]);
+        refused([None, Some("one")]);
+    }
+
+    #[test]
+    fn the_token_never_goes_on_the_wire_and_the_hello_carries_its_mac() {
+        let token = "a-long-and-recognisable-secret";
+        let iface = Interface { name: "lo".into(), addr: IpAddr::V4(Ipv4Addr::LOCALHOST) };
+        let raw = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let ep = listen(&iface, 2).expect("listen");
+        let addrs = vec![raw.local_addr().expect("addr"), ep.addr];
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let connector = std::thread::spawn(move || {
+            let t = AuthToken::new(token.as_bytes());
+            connect_mesh(1, &addrs, &ep, 5, 0, Some(&t), deadline).map(|_| ())
+        });
+        let (mut s, _) = raw.accept().expect("accept");
+        let mut sent = vec![0u8; HELLO_LEN + NONCE_LEN + MAC_LEN];
+        s.read_exact(&mut sent).expect("hello, nonce and MAC");
+        assert!(!sent.windows(token.len()).any(|w| w == token.as_bytes()));
+        let mut h = [0u8; HELLO_LEN];
+        h.copy_from_slice(&sent[..HELLO_LEN]);
+        assert_eq!(check_hello(&h, KIND_HELLO, 5, 0, 2).expect("a valid hello"), 1);
+        let extra = &sent[HELLO_LEN..];
+        check_hello_auth(&h, Some(extra), Some(&AuthToken::new(token.as_bytes())))
+            .expect("MAC under the token");
+        assert!(check_hello_auth(&h, Some(extra), Some(&AuthToken::new(b"other"))).is_err());
+        drop(s); // no ack: the connector fails
+        assert!(connector.join().expect("connector thread").is_err());
     }
 }
