@@ -349,14 +349,21 @@ impl CostModel {
             Algorithm::Torus2d => {
                 let (x, y) = shape.grid;
                 let (xf, yf) = (x as f64, y as f64);
-                let row = if shape.rows_are_hosts || !cross { intra } else { worst };
-                phase(x - 1, row, (xf - 1.0) / xf * b, false);
-                // The X column rings of a host share its link(s): X * 2(Y-1)/Y * b/X bytes,
-                // spread over up to `nics` interfaces.
-                let col_share = if shape.rows_are_hosts { xf / x.min(shape.nics.max(1)) as f64 } else { 1.0 };
+                // Rows are X consecutive ranks. A row stays inside a host when rows are hosts,
+                // or when hosts are equal blocks of consecutive ranks that X divides; otherwise
+                // its ring crosses host links (each one once, like a flat ring).
+                let aligned = n.is_multiple_of(k) && x <= k && k.is_multiple_of(x);
+                let row_crosses = cross && !shape.rows_are_hosts && !aligned;
+                let row = if row_crosses { worst } else { intra };
+                phase(x - 1, row, (xf - 1.0) / xf * b, row_crosses);
+                // The column rings through a host (one per column among its ranks: min(X, k))
+                // share its link(s): each carries 2(Y-1)/Y * b/X bytes, spread over up to
+                // `nics` interfaces.
+                let streams = x.min(k);
+                let col_share = streams as f64 / streams.min(shape.nics.max(1)) as f64;
                 let col = if cross { inter } else { intra };
                 phase(2 * (y - 1), col, col_share * 2.0 * (yf - 1.0) / yf * b / xf, cross);
-                phase(x - 1, row, (xf - 1.0) / xf * b, false);
+                phase(x - 1, row, (xf - 1.0) / xf * b, row_crosses);
                 reduced = (xf - 1.0) / xf * b + (yf - 1.0) / yf * b / xf;
             }
             Algorithm::Chain => {
@@ -583,6 +590,32 @@ mod tests {
         let t = m.predict(Algorithm::Torus2d, 1 << 20, &s);
         let h = m.predict(Algorithm::HierarchicalRing, 1 << 20, &s);
         assert!((t.inter_bytes - h.inter_bytes).abs() < 1.0);
+    }
+
+    #[test]
+    fn torus_grids_that_are_not_hosts_count_every_phase_crossing_a_host_link() {
+        let m = model();
+        let b = 1usize << 24;
+        let bf = b as f64;
+        // 16 ranks, 4 per host (hosts are blocks of consecutive ranks).
+        let shape = |grid: (usize, usize)| Shape { grid, rows_are_hosts: false, ..Shape::uniform(16, 4) };
+        let ring = m.predict(Algorithm::Ring, b, &Shape::uniform(16, 4));
+        // 1x16 and 16x1 are flat rings: the host link carries what the ring's does.
+        for grid in [(1, 16), (16, 1)] {
+            let t = m.predict(Algorithm::Torus2d, b, &shape(grid));
+            assert!((t.inter_bytes - ring.inter_bytes).abs() < 1.0, "{grid:?}: {t:?} vs {ring:?}");
+        }
+        // 2x8: rows inside hosts; two column rings per host share its link.
+        let t = m.predict(Algorithm::Torus2d, b, &shape((2, 8)));
+        assert!((t.inter_bytes - 2.0 * (2.0 * 7.0 / 8.0 * bf / 2.0)).abs() < 1.0, "{t:?}");
+        // 8x2: each row spans two hosts (its ring crosses each link once per phase), and four
+        // column rings per host share its link.
+        let t = m.predict(Algorithm::Torus2d, b, &shape((8, 2)));
+        let expected = 2.0 * 7.0 / 8.0 * bf + 4.0 * (2.0 * 0.5 * bf / 8.0);
+        assert!((t.inter_bytes - expected).abs() < 1.0, "{t:?}");
+        // Two interfaces per host carry the shared column traffic in parallel.
+        let two = Shape { nics: 2, ..shape((8, 2)) };
+        assert!(m.predict(Algorithm::Torus2d, b, &two).time < t.time);
     }
 
     #[test]
