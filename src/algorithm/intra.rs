@@ -173,7 +173,7 @@ fn reduce_slice(
                 if let Some(j) = peers.next() {
                     win.reduce_into_from(j, buf, off + at, d, &s[at..at + len], dtype, op);
                 } else {
-                    d.copy_from_slice(&s[at..at + len]);
+                    reduce::copy(d, &s[at..at + len]);
                 }
             }
             (None, None) => {}
@@ -366,7 +366,7 @@ pub fn all_gather(wire: &mut Wire<'_>, bufs: Bufs<'_>) -> Result<()> {
             Bufs::InPlace(b) => b,
             Bufs::OutOfPlace { send, recv } => {
                 let p = send.len();
-                recv[me * p..(me + 1) * p].copy_from_slice(send);
+                reduce::copy(&mut recv[me * p..(me + 1) * p], send);
                 recv
             }
         };
@@ -394,7 +394,7 @@ pub fn broadcast(wire: &mut Wire<'_>, bufs: Bufs<'_>, root: usize) -> Result<()>
             Bufs::InPlace(b) => b,
             Bufs::OutOfPlace { send, recv } => {
                 if me == root {
-                    recv.copy_from_slice(send);
+                    reduce::copy(recv, send);
                 }
                 recv
             }

@@ -419,7 +419,7 @@ impl Producer {
                 // the consumer does not read these bytes before `head` is published past them,
                 // and `free` says it has consumed what was there.
                 unsafe {
-                    std::ptr::copy_nonoverlapping(
+                    crate::reduce::copy_nonoverlapping(
                         b.as_ptr().add(off),
                         seg.as_ptr().add(self.at.data + pos),
                         n,
@@ -504,7 +504,7 @@ impl Consumer {
             // SAFETY: `pos + n <= cap` inside the live mapping; the producer published these
             // bytes (acquire load of head) and does not overwrite them before `tail` passes.
             unsafe {
-                std::ptr::copy_nonoverlapping(
+                crate::reduce::copy_nonoverlapping(
                     seg.as_ptr().add(self.at.data + pos),
                     dst[got..].as_mut_ptr(),
                     n,

@@ -270,7 +270,7 @@ impl Window {
 
     /// Copies `src` into my region `buf` at `off`.
     pub fn put(&self, buf: usize, off: usize, src: &[u8]) {
-        self.mine(buf, off, src.len()).copy_from_slice(src);
+        reduce::copy(self.mine(buf, off, src.len()), src);
     }
 
     /// Writes `src · factor` into my region `buf` at `off` (floating types).
@@ -280,13 +280,13 @@ impl Window {
 
     /// Copies member `m`'s region `buf` at `off` into `dst`.
     pub fn get(&self, m: usize, buf: usize, off: usize, dst: &mut [u8]) {
-        dst.copy_from_slice(self.theirs(m, buf, off, dst.len()));
+        reduce::copy(dst, self.theirs(m, buf, off, dst.len()));
     }
 
     /// As [`Window::get`], with non-temporal stores when `stream` (see [`copy_streaming`]).
     pub fn get_to(&self, m: usize, buf: usize, off: usize, dst: &mut [u8], stream: bool) {
         let src = self.theirs(m, buf, off, dst.len());
-        if stream { copy_streaming(dst, src) } else { dst.copy_from_slice(src) }
+        if stream { copy_streaming(dst, src) } else { reduce::copy(dst, src) }
     }
 
     /// `dst = dst ⊕ region(m, buf)[off..]`.
