@@ -8,6 +8,10 @@ toroid-bench on scripts/emulated-cluster.sh and prints, per size: measured time 
 out-of-place and in-place), the model's prediction, their ratio, which algorithm was fastest,
 what the automatic choice picked and how far it is from the fastest. Needs root (namespaces)
 and a release build (cargo build --release).
+
+The ranks inherit the environment: where the kernel's default congestion control is BBR, run
+with TOROID_TCP_CONGESTION=cubic (BBR stalls halving-doubling's bursts on the shaped links for
+tens of milliseconds now and then; see docs/ENV.md).
 """
 import argparse, json, os, subprocess, sys, tempfile
 

@@ -315,7 +315,7 @@ impl Communicator {
             &addrs,
             &endpoint,
             id,
-            cfg.socket_buffer,
+            &cfg.socket_options(),
             cfg.auth_token.as_ref(),
             deadline,
         )?;
@@ -694,7 +694,7 @@ impl Communicator {
             &member_addrs,
             &endpoint,
             id,
-            self.core.config.socket_buffer,
+            &self.core.config.socket_options(),
             self.core.config.auth_token.as_ref(),
             deadline,
         )?;

@@ -51,6 +51,7 @@ pub const TOROID_VARS: &[&str] = &[
     "TOROID_SOCKET_IFNAME",
     "TOROID_SOCKET_FAMILY",
     "TOROID_SOCKET_BUFFER",
+    "TOROID_TCP_CONGESTION",
     "TOROID_AUTH_TOKEN",
     "TOROID_SPIN_US",
     "TOROID_SEGMENT_SIZE",
@@ -79,6 +80,9 @@ pub struct Config {
     pub socket_family: Option<String>,
     /// SO_SNDBUF/SO_RCVBUF in bytes (`TOROID_SOCKET_BUFFER`); 0 keeps Linux autotuning.
     pub socket_buffer: usize,
+    /// TCP congestion control of every connection between ranks (`TOROID_TCP_CONGESTION`, e.g.
+    /// `cubic`); `None` keeps the system default (`net.ipv4.tcp_congestion_control`).
+    pub tcp_congestion: Option<String>,
     /// Shared secret that authenticates every connection between ranks (`TOROID_AUTH_TOKEN`):
     /// challenge and response at the handshake, the token itself never on the wire.
     pub auth_token: Option<AuthToken>,
@@ -160,6 +164,7 @@ impl Default for Config {
             socket_ifname: None,
             socket_family: None,
             socket_buffer: DEFAULT_SOCKET_BUFFER,
+            tcp_congestion: None,
             auth_token: None,
             spin: None,
             segment_size: DEFAULT_SEGMENT_SIZE,
@@ -225,6 +230,15 @@ impl Config {
         if let Some(v) = get("TOROID_SOCKET_BUFFER") {
             cfg.socket_buffer = parse_size("TOROID_SOCKET_BUFFER", v)?;
         }
+        if let Some(v) = get("TOROID_TCP_CONGESTION") {
+            // Linux's TCP_CA_NAME_MAX is 16 bytes with the terminating NUL.
+            if v.len() > 15 || !v.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') {
+                return Err(Error::InvalidArgument(format!(
+                    "TOROID_TCP_CONGESTION={v}: not a congestion control name (e.g. cubic, reno, bbr)"
+                )));
+            }
+            cfg.tcp_congestion = Some(v.to_string());
+        }
         if let Some(v) = get("TOROID_SPIN_US") {
             let us: u64 = parse_num("TOROID_SPIN_US", v)?;
             cfg.spin = Some(Duration::from_micros(us));
@@ -272,6 +286,14 @@ impl Config {
         // shm: END
         cfg.vars = vars;
         Ok(cfg)
+    }
+
+    /// How connections between ranks are set up.
+    pub fn socket_options(&self) -> crate::transport::tcp::SocketOptions {
+        crate::transport::tcp::SocketOptions {
+            buffer: self.socket_buffer,
+            congestion: self.tcp_congestion.clone(),
+        }
     }
 
     /// A launcher or `TOROID_*` variable as read (empty values count as unset).
@@ -414,6 +436,17 @@ mod tests {
     }
 
     // shm: BEGIN
+    #[test]
+    fn tcp_congestion_names_are_checked() {
+        assert_eq!(cfg(&[]).unwrap().tcp_congestion, None);
+        let c = cfg(&[("TOROID_TCP_CONGESTION", " cubic ")]).unwrap();
+        assert_eq!(c.socket_options().congestion.as_deref(), Some("cubic"));
+        for bad in ["cu bic", "a/b", "averyveryverylongname"] {
+            let e = cfg(&[("TOROID_TCP_CONGESTION", bad)]).unwrap_err().to_string();
+            assert!(e.contains("TOROID_TCP_CONGESTION"), "{bad}: {e}");
+        }
+    }
+
     #[test]
     fn shm_settings() {
         let c = cfg(&[]).unwrap();

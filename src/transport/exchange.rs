@@ -1411,7 +1411,9 @@ mod tests {
             .enumerate()
             .map(|(r, ep)| {
                 let addrs = addrs.clone();
-                std::thread::spawn(move || connect_mesh(r, &addrs, &ep, 7, 0, None, deadline).expect("mesh"))
+                std::thread::spawn(move || {
+                    connect_mesh(r, &addrs, &ep, 7, &Default::default(), None, deadline).expect("mesh")
+                })
             })
             .collect();
         let mut mesh1 = handles.pop().expect("two").join().expect("rank 1 connects");

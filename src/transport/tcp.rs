@@ -12,6 +12,9 @@
 //! accepting side and an error on the connecting side. Connections are `TCP_NODELAY`; socket buffers stay under
 //! Linux autotuning (which grows them to `tcp_rmem`/`tcp_wmem` max, megabytes) unless
 //! `TOROID_SOCKET_BUFFER` pins them, because setting `SO_RCVBUF` turns autotuning off.
+//! `TOROID_TCP_CONGESTION` picks the congestion control per connection (`TCP_CONGESTION`):
+//! collectives send bursts and then wait, which BBR handles badly on a shaped link (see
+//! docs/ENV.md).
 //!
 //! Data moves with `sendmsg`/`recvmsg` and `MSG_DONTWAIT | MSG_NOSIGNAL`: never blocking, and
 //! never raising `SIGPIPE` in a host process (Python, a C program) that did not ignore it.
@@ -54,6 +57,15 @@ macro_rules! syscall {
     }};
 }
 
+/// How connections between ranks are set up.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SocketOptions {
+    /// `SO_SNDBUF`/`SO_RCVBUF` in bytes; 0 keeps Linux autotuning.
+    pub buffer: usize,
+    /// Congestion control (`TCP_CONGESTION`), e.g. `cubic`; `None` keeps the system default.
+    pub congestion: Option<String>,
+}
+
 /// A connected TCP peer.
 #[derive(Debug)]
 pub struct TcpTransport {
@@ -61,9 +73,12 @@ pub struct TcpTransport {
 }
 
 impl TcpTransport {
-    fn new(stream: TcpStream, buffer: usize) -> Result<TcpTransport> {
+    fn new(stream: TcpStream, opts: &SocketOptions) -> Result<TcpTransport> {
         stream.set_nodelay(true).map_err(|e| Error::system("TCP_NODELAY", e))?;
-        let buffer = effective_buffer(buffer);
+        if let Some(name) = &opts.congestion {
+            set_congestion(stream.as_raw_fd(), name)?;
+        }
+        let buffer = effective_buffer(opts.buffer);
         if buffer > 0 {
             let fd = stream.as_raw_fd();
             let v = buffer.min(i32::MAX as usize) as libc::c_int;
@@ -82,6 +97,41 @@ impl TcpTransport {
         stream.set_nonblocking(true).map_err(|e| Error::system("O_NONBLOCK", e))?;
         Ok(TcpTransport { stream })
     }
+}
+
+/// Sets the connection's congestion control; an error names the variable and what the kernel
+/// offers when it refuses (unknown name, or not in `tcp_allowed_congestion_control` for an
+/// unprivileged process).
+fn set_congestion(fd: RawFd, name: &str) -> Result<()> {
+    // SAFETY: `name` lives across the call and its length is passed; the kernel copies it.
+    let r = syscall!(setsockopt(
+        fd,
+        libc::IPPROTO_TCP,
+        libc::TCP_CONGESTION,
+        name.as_ptr().cast(),
+        name.len() as libc::socklen_t
+    ));
+    r.map(drop).map_err(|e| {
+        let list = |f: &str| {
+            std::fs::read_to_string(format!("/proc/sys/net/ipv4/{f}")).map_or_else(|_| "?".into(), |s| s.trim().to_string())
+        };
+        Error::InvalidArgument(format!(
+            "TOROID_TCP_CONGESTION={name}: the kernel refused it ({e}); available: {}; allowed without privilege: {}",
+            list("tcp_available_congestion_control"),
+            list("tcp_allowed_congestion_control")
+        ))
+    })
+}
+
+/// The connection's congestion control as the kernel reports it.
+pub fn congestion_of(fd: RawFd) -> io::Result<String> {
+    let mut buf = [0u8; 16];
+    let mut len = buf.len() as libc::socklen_t;
+    // SAFETY: `buf` and `len` live across the call; `len` holds `buf`'s size.
+    syscall!(getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_CONGESTION, buf.as_mut_ptr().cast(), &mut len))?;
+    let name = &buf[..(len as usize).min(buf.len())];
+    let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
+    Ok(String::from_utf8_lossy(&name[..end]).into_owned())
 }
 
 /// The buffer size to set: the request, or 0 (keep autotuning) when the kernel would cap it
@@ -441,7 +491,7 @@ pub fn connect_mesh(
     addrs: &[SocketAddr],
     endpoint: &Endpoint,
     comm_id: u64,
-    socket_buffer: usize,
+    opts: &SocketOptions,
     auth: Option<&AuthToken>,
     deadline: Instant,
 ) -> Result<Vec<Option<Box<dyn Transport>>>> {
@@ -585,7 +635,7 @@ pub fn connect_mesh(
             Some(s) => {
                 s.set_read_timeout(None).map_err(|e| Error::system("SO_RCVTIMEO", e))?;
                 s.set_write_timeout(None).map_err(|e| Error::system("SO_SNDTIMEO", e))?;
-                Some(Box::new(TcpTransport::new(s, socket_buffer)?) as Box<dyn Transport>)
+                Some(Box::new(TcpTransport::new(s, opts)?) as Box<dyn Transport>)
             }
             None => None,
         });
@@ -654,7 +704,9 @@ mod tests {
             .enumerate()
             .map(|(r, ep)| {
                 let addrs = addrs.clone();
-                std::thread::spawn(move || connect_mesh(r, &addrs, &ep, 42, 0, None, deadline).unwrap())
+                std::thread::spawn(move || {
+                    connect_mesh(r, &addrs, &ep, 42, &SocketOptions::default(), None, deadline).unwrap()
+                })
             })
             .collect();
         let mut meshes: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
@@ -695,10 +747,62 @@ mod tests {
             .map(|(r, (ep, t))| {
                 let addrs = addrs.clone();
                 let token = t.map(|t| AuthToken::new(t.as_bytes()));
-                std::thread::spawn(move || connect_mesh(r, &addrs, &ep, 99, 0, token.as_ref(), deadline))
+                std::thread::spawn(move || {
+                    connect_mesh(r, &addrs, &ep, 99, &SocketOptions::default(), token.as_ref(), deadline)
+                })
             })
             .collect();
         handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    }
+
+    /// Connects `n` ranks (threads) with these socket options; each rank's result.
+    fn mesh_opts(n: usize, opts: &SocketOptions) -> Vec<Result<Mesh>> {
+        let iface = Interface { name: "lo".into(), addr: IpAddr::V4(Ipv4Addr::LOCALHOST) };
+        let eps: Vec<Endpoint> = (0..n).map(|_| listen(&iface, n).expect("listen")).collect();
+        let addrs: Vec<SocketAddr> = eps.iter().map(|e| e.addr).collect();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let handles: Vec<_> = eps
+            .into_iter()
+            .enumerate()
+            .map(|(r, ep)| {
+                let (addrs, opts) = (addrs.clone(), opts.clone());
+                std::thread::spawn(move || connect_mesh(r, &addrs, &ep, 5, &opts, None, deadline))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    }
+
+    #[test]
+    fn every_connection_gets_the_chosen_congestion_control() {
+        // reno is built into every Linux kernel and always allowed.
+        let opts = SocketOptions { buffer: 0, congestion: Some("reno".into()) };
+        let before = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control").unwrap_or_default();
+        for (r, m) in mesh_opts(3, &opts).into_iter().enumerate() {
+            let m = m.expect("mesh with reno");
+            for (p, t) in m.iter().enumerate() {
+                if let Some(t) = t {
+                    assert_eq!(congestion_of(t.pollable()).expect("getsockopt"), "reno", "rank {r} -> {p}");
+                }
+            }
+        }
+        // Without the option the system default stays.
+        let default = before.trim();
+        if !default.is_empty() {
+            for m in mesh_opts(2, &SocketOptions::default()) {
+                let m = m.expect("mesh");
+                let t = m.iter().flatten().next().expect("a link");
+                assert_eq!(congestion_of(t.pollable()).expect("getsockopt"), default);
+            }
+        }
+    }
+
+    #[test]
+    fn an_unknown_congestion_control_fails_every_rank_with_the_variable_named() {
+        let opts = SocketOptions { buffer: 0, congestion: Some("nosuchcc".into()) };
+        for (r, m) in mesh_opts(3, &opts).into_iter().enumerate() {
+            let e = m.err().unwrap_or_else(|| panic!("rank {r} connected")).to_string();
+            assert!(e.contains("TOROID_TCP_CONGESTION=nosuchcc") && e.contains("available"), "rank {r}: {e}");
+        }
     }
 
     #[test]
@@ -751,7 +855,7 @@ mod tests {
         let deadline = Instant::now() + Duration::from_secs(2);
         let connector = std::thread::spawn(move || {
             let t = AuthToken::new(token.as_bytes());
-            connect_mesh(1, &addrs, &ep, 5, 0, Some(&t), deadline).map(|_| ())
+            connect_mesh(1, &addrs, &ep, 5, &SocketOptions::default(), Some(&t), deadline).map(|_| ())
         });
         let (mut s, _) = raw.accept().expect("accept");
         let mut sent = vec![0u8; HELLO_LEN + NONCE_LEN + MAC_LEN];
