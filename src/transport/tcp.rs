@@ -735,6 +735,16 @@ mod tests {
 
     /// Connects `tokens.len()` ranks (threads) with those tokens; each rank's result.
     fn mesh_with(tokens: &[Option<&str>], secs: u64) -> Vec<Result<Mesh>> {
+        mesh_of(tokens, &SocketOptions::default(), secs)
+    }
+
+    /// Connects `n` ranks (threads) with these socket options; each rank's result.
+    fn mesh_opts(n: usize, opts: &SocketOptions) -> Vec<Result<Mesh>> {
+        mesh_of(&vec![None; n], opts, 10)
+    }
+
+    /// Connects `tokens.len()` ranks (threads) with those tokens and socket options.
+    fn mesh_of(tokens: &[Option<&str>], opts: &SocketOptions, secs: u64) -> Vec<Result<Mesh>> {
         let iface = Interface { name: "lo".into(), addr: IpAddr::V4(Ipv4Addr::LOCALHOST) };
         let n = tokens.len();
         let eps: Vec<Endpoint> = (0..n).map(|_| listen(&iface, n).expect("listen")).collect();
@@ -745,28 +755,9 @@ mod tests {
             .zip(tokens)
             .enumerate()
             .map(|(r, (ep, t))| {
-                let addrs = addrs.clone();
-                let token = t.map(|t| AuthToken::new(t.as_bytes()));
-                std::thread::spawn(move || {
-                    connect_mesh(r, &addrs, &ep, 99, &SocketOptions::default(), token.as_ref(), deadline)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
-    }
-
-    /// Connects `n` ranks (threads) with these socket options; each rank's result.
-    fn mesh_opts(n: usize, opts: &SocketOptions) -> Vec<Result<Mesh>> {
-        let iface = Interface { name: "lo".into(), addr: IpAddr::V4(Ipv4Addr::LOCALHOST) };
-        let eps: Vec<Endpoint> = (0..n).map(|_| listen(&iface, n).expect("listen")).collect();
-        let addrs: Vec<SocketAddr> = eps.iter().map(|e| e.addr).collect();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let handles: Vec<_> = eps
-            .into_iter()
-            .enumerate()
-            .map(|(r, ep)| {
                 let (addrs, opts) = (addrs.clone(), opts.clone());
-                std::thread::spawn(move || connect_mesh(r, &addrs, &ep, 5, &opts, None, deadline))
+                let token = t.map(|t| AuthToken::new(t.as_bytes()));
+                std::thread::spawn(move || connect_mesh(r, &addrs, &ep, 99, &opts, token.as_ref(), deadline))
             })
             .collect();
         handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
