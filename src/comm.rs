@@ -107,17 +107,6 @@ fn machine_identity() -> String {
     format!("{}/{}", read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id"))
 }
 
-/// A random 64-bit id (no dependency: std's per-process random hash keys, mixed with time).
-fn random_id() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()),
-    );
-    h.write_u32(std::process::id());
-    h.finish()
-}
-
 struct Engine {
     peers: Peers,
     scratch: Scratch,
@@ -275,7 +264,7 @@ impl Communicator {
         let prefix = format!("toroid/gen{generation}");
         let left = || deadline.saturating_duration_since(Instant::now());
         let id = if rank == 0 {
-            let id = random_id();
+            let id = crate::sys::random::id();
             store.set(&format!("{prefix}/id"), &id.to_le_bytes())?;
             id
         } else {
@@ -344,7 +333,7 @@ impl Communicator {
         store: Option<Arc<dyn Store>>,
     ) -> Result<Communicator> {
         let shm::ShmSetup { links: transports, window, shm_peers } = links; // shm
-        let cores = crate::topology::online_cpus();
+        let cores = crate::sys::cpu::online_cpus();
         let oversubscribed = topology.machine_ranks(rank) > cores;
         let spin = SpinPolicy {
             spin: config.spin.unwrap_or(if oversubscribed {

@@ -31,6 +31,7 @@ pub mod ffi;
 pub mod memory;
 pub mod reduce;
 pub mod rendezvous;
+pub mod sys;
 pub mod topology;
 pub mod transport;
 pub mod tuning;

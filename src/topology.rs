@@ -200,29 +200,6 @@ impl fmt::Display for Grid {
     }
 }
 
-/// Number of CPUs online on this machine (not the ones this process may use: launchers bind
-/// each rank to a few, and what matters for contention is how many ranks share the machine).
-pub fn online_cpus() -> usize {
-    let parse = |s: &str| -> Option<usize> {
-        let mut n = 0;
-        for part in s.trim().split(',') {
-            match part.split_once('-') {
-                Some((a, b)) => n += b.trim().parse::<usize>().ok()? - a.trim().parse::<usize>().ok()? + 1,
-                None => {
-                    part.trim().parse::<usize>().ok()?;
-                    n += 1;
-                }
-            }
-        }
-        Some(n)
-    };
-    std::fs::read_to_string("/sys/devices/system/cpu/online")
-        .ok()
-        .and_then(|s| parse(&s))
-        .filter(|n| *n > 0)
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-}
-
 /// Parses `XxY` (`TOROID_TORUS_SHAPE`).
 pub fn parse_shape(s: &str) -> Result<(usize, usize)> {
     let bad = || Error::InvalidArgument(format!("TOROID_TORUS_SHAPE={s}: expected XxY, e.g. 4x8"));

@@ -481,7 +481,7 @@ pub fn probe(
         best = best.min(t.elapsed().as_secs_f64());
     }
     out[4] = best / q as f64;
-    let cores = crate::topology::online_cpus();
+    let cores = crate::sys::cpu::online_cpus();
     out[5] = (topology.machine_ranks(me) as f64 / cores as f64).max(1.0);
     Ok(out)
 }

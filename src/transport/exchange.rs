@@ -31,7 +31,7 @@
 
 use std::fmt;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -285,19 +285,13 @@ impl fmt::Debug for RingPlan<'_> {
 pub struct AbortSignal {
     flag: AtomicBool,
     reason: Mutex<Option<Error>>,
-    event: OwnedFd,
+    event: crate::sys::eventfd::EventFd,
 }
 
 impl AbortSignal {
     /// A signal that has not fired.
     pub fn new() -> Result<AbortSignal> {
-        // SAFETY: eventfd has no memory-safety preconditions; the result is checked below.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if fd < 0 {
-            return Err(Error::system("eventfd", io::Error::last_os_error()));
-        }
-        // SAFETY: `fd` is a fresh descriptor that nothing else owns.
-        let event = unsafe { OwnedFd::from_raw_fd(fd) };
+        let event = crate::sys::eventfd::EventFd::new().map_err(|e| Error::system("eventfd", e))?;
         Ok(AbortSignal { flag: AtomicBool::new(false), reason: Mutex::new(None), event })
     }
 
@@ -310,12 +304,7 @@ impl AbortSignal {
             }
         }
         self.flag.store(true, Ordering::Release);
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a valid u64 to our own eventfd; a full counter (EAGAIN)
-        // still leaves the descriptor readable, which is all a waiter needs.
-        unsafe {
-            libc::write(self.event.as_raw_fd(), (&one as *const u64).cast(), 8);
-        }
+        self.event.signal();
     }
 
     /// True once fired.

@@ -640,7 +640,7 @@ impl ShmTransport {
     pub fn pair(dir: &Path, cap: usize) -> Result<(ShmTransport, ShmTransport)> {
         let cap = ring_capacity(cap);
         let len = pair_segment_len(cap);
-        let nonce = nonce();
+        let nonce = crate::sys::random::id();
         let mut seg =
             Segment::create(dir, &segment_name(nonce, "test"), len).map_err(|e| Error::System(e.0))?;
         let path = dir.join(segment_name(nonce, "test"));
@@ -810,17 +810,6 @@ impl Drop for ShmTransport {
 /// Rounds a requested ring size to the power of two used (at least [`MIN_RING`]).
 pub fn ring_capacity(requested: usize) -> usize {
     requested.max(MIN_RING).checked_next_power_of_two().unwrap_or(1 << 40)
-}
-
-/// A random 64-bit value (std's per-process random hash keys mixed with time and a counter).
-pub fn nonce() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
-    h.write_u32(std::process::id());
-    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-    h.finish()
 }
 
 /// A connected pair of non-blocking Unix stream sockets as transports (wake-up channels for
@@ -1081,7 +1070,7 @@ pub fn connect(
     //    offering to everyone before reading anything cannot deadlock).
     let mut offered: Vec<(usize, Segment)> = Vec::new();
     for &p in local.iter().filter(|&&p| p > rank) {
-        let nonce = nonce() ^ comm_id;
+        let nonce = crate::sys::random::id() ^ comm_id;
         let made = if opts.enabled {
             Segment::create(&opts.dir, &segment_name(nonce, &format!("p{rank}-{p}")), len).map_err(|e| e.0)
         } else {
@@ -1196,7 +1185,7 @@ fn window_setup(
     let region = opts.window_region.div_ceil(4096) * 4096;
     let len = window_len(size, region);
     if rank == 0 {
-        let nonce = nonce() ^ comm_id;
+        let nonce = crate::sys::random::id() ^ comm_id;
         let made = if opts.enabled {
             Segment::create(&opts.dir, &segment_name(nonce, "win"), len).map_err(|e| e.0)
         } else {
@@ -1477,7 +1466,7 @@ mod tests {
 
     #[test]
     fn sweep_removes_only_old_names_of_dead_processes() {
-        let dir = std::env::temp_dir().join(format!("toroid-sweep-test-{}", nonce()));
+        let dir = std::env::temp_dir().join(format!("toroid-sweep-test-{}", crate::sys::random::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let mut child = std::process::Command::new("true").spawn().unwrap();
         let dead = child.id();

@@ -198,7 +198,7 @@ impl Window {
             done_at: [0; 2],
             fp_checked: vec![false; members],
             colls: 0,
-            oversubscribed: members > online_cpus(),
+            oversubscribed: members > crate::sys::cpu::online_cpus(),
             stats: WaitStats::default(),
         }
     }
@@ -381,7 +381,7 @@ impl Window {
         fence(Ordering::SeqCst);
         let waiters = self.seg.u32_at(self.ctl(self.me) + WAITERS);
         if waiters.load(Ordering::Relaxed) != 0 {
-            futex_wake(word);
+            crate::sys::futex::wake(word);
         }
         self.stage
     }
@@ -548,7 +548,7 @@ impl Window {
             let now = Instant::now();
             if now.duration_since(last_probe) < SLICE && now < deadline {
                 naps += 1;
-                futex_wait(word, v, SLICE.min(deadline - now));
+                crate::sys::futex::wait(word, v, SLICE.min(deadline - now));
                 continue;
             }
             // A slice passed without the stage moving: is the member still there?
@@ -571,7 +571,7 @@ impl Window {
                 )));
             }
             naps += 1;
-            futex_wait(word, v, SLICE.min(deadline - now));
+            crate::sys::futex::wait(word, v, SLICE.min(deadline - now));
         })();
         waiters.fetch_sub(1, Ordering::SeqCst);
         self.stats.sleeps += 1;
@@ -599,17 +599,9 @@ impl Window {
     pub fn abort(&self) {
         self.seg.u32_at(HDR_ABORTED).store(1, Ordering::SeqCst);
         for m in 0..self.members {
-            futex_wake(self.stage_word(m));
+            crate::sys::futex::wake(self.stage_word(m));
         }
     }
-}
-
-/// CPUs online on this host (not this thread's affinity: ranks bound to one CPU each share the
-/// host's CPUs between them).
-fn online_cpus() -> usize {
-    // SAFETY: sysconf has no memory-safety preconditions.
-    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
-    if n > 0 { n as usize } else { 1 }
 }
 
 fn encode_fp(fp: &Fingerprint) -> [u64; 4] {
@@ -738,41 +730,6 @@ unsafe fn stream_sse2(dst: &mut [u8], src: &[u8]) {
     dst[i..].copy_from_slice(&src[i..]);
     // SAFETY: sfence has no preconditions.
     unsafe { _mm_sfence() };
-}
-
-fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
-    let ts = libc::timespec {
-        tv_sec: timeout.as_secs() as libc::time_t,
-        tv_nsec: timeout.subsec_nanos() as libc::c_long,
-    };
-    // SAFETY: FUTEX_WAIT on a live, aligned u32 in a shared mapping with a live timespec; it
-    // only reads the word. Spurious returns (EAGAIN, EINTR, ETIMEDOUT) are fine: callers loop.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAIT,
-            expected,
-            &ts as *const libc::timespec,
-            std::ptr::null::<u32>(),
-            0u32,
-        );
-    }
-}
-
-fn futex_wake(word: &AtomicU32) {
-    // SAFETY: FUTEX_WAKE on a live, aligned u32; no memory is written.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAKE,
-            i32::MAX,
-            std::ptr::null::<u32>(),
-            std::ptr::null::<u32>(),
-            0u32,
-        );
-    }
 }
 
 #[cfg(test)]

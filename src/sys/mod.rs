@@ -1,0 +1,29 @@
+//! The operating-system layer: every call into libc made by toroid lives below this module
+//! (as mio keeps its `sys/`). Each function here is a thin, safe wrapper that checks its
+//! arguments and turns `-1` into an [`std::io::Error`]; the layers above speak in these types
+//! and never name libc.
+//!
+//! | module | what |
+//! |---|---|
+//! | [`cpu`] | CPUs online |
+//! | [`eventfd`] | an event descriptor that wakes a thread sleeping in `poll(2)` |
+//! | [`futex`] | wait on and wake a shared 32-bit word |
+//! | [`poll`] | `poll(2)` over a set of descriptors |
+//! | [`random`] | random bytes and ids from the kernel |
+
+pub mod cpu;
+pub mod eventfd;
+pub mod futex;
+pub mod poll;
+pub mod random;
+
+/// Calls a libc function and turns `-1` into the `io::Error` of `errno` (mio's `syscall!`).
+/// Each call site states why its arguments are valid.
+macro_rules! syscall {
+    ($fn:ident ( $($arg:expr),* $(,)? )) => {{
+        // SAFETY: each call site passes pointers to live, correctly sized objects; see there.
+        let res = unsafe { libc::$fn($($arg),*) };
+        if res == -1 { Err(std::io::Error::last_os_error()) } else { Ok(res) }
+    }};
+}
+pub(crate) use syscall;
