@@ -19,7 +19,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::algorithm::{self, Algorithm, Bufs, Group, Scratch, Wire};
+use crate::algorithm::{self, Group, Scratch, Wire};
+use crate::collective::{Algorithm, Bufs, CallOptions, CollKind, Fingerprint, OpKind};
 use crate::config::Config;
 use crate::dtype::{DataType, Element, ReduceOp};
 use crate::error::{Error, Result};
@@ -27,61 +28,8 @@ use crate::memory::{RawBuf, RawBufMut, RawBufs};
 use crate::rendezvous::{self, Store};
 use crate::topology::{Layout, Topology};
 use crate::transport::exchange::{AbortSignal, SpinPolicy};
-use crate::transport::{CollKind, Fingerprint, Peers, shm, tcp};
+use crate::transport::{Peers, shm, tcp};
 use crate::tuning::{self, AlgoFilter, CostModel, Shape};
-
-/// Options of one call.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CallOptions {
-    /// Deadline of this call (default: the communicator's timeout).
-    pub timeout: Option<Duration>,
-    /// Force an algorithm (must be able to run the collective).
-    pub algorithm: Option<Algorithm>,
-}
-
-/// What an operation does (the internal form of every collective call).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OpKind {
-    /// all_reduce
-    AllReduce(ReduceOp),
-    /// reduce_scatter (output = this rank's piece)
-    ReduceScatter(ReduceOp),
-    /// all_gather
-    AllGather,
-    /// broadcast from root
-    Broadcast(usize),
-    /// reduce to root
-    Reduce(ReduceOp, usize),
-    /// all_to_all
-    AllToAll,
-    /// barrier
-    Barrier,
-    /// send to peer
-    Send(usize),
-    /// receive from peer
-    Recv(usize),
-    /// the all-gather inside `split`
-    SplitExchange,
-    /// the cost model's link measurements (output: the probe results as 6 f64)
-    Probe,
-}
-
-impl OpKind {
-    fn coll(self) -> CollKind {
-        match self {
-            OpKind::AllReduce(_) => CollKind::AllReduce,
-            OpKind::ReduceScatter(_) => CollKind::ReduceScatter,
-            OpKind::AllGather => CollKind::AllGather,
-            OpKind::Broadcast(_) => CollKind::Broadcast,
-            OpKind::Reduce(..) => CollKind::Reduce,
-            OpKind::AllToAll => CollKind::AllToAll,
-            OpKind::Barrier => CollKind::Barrier,
-            OpKind::Send(_) | OpKind::Recv(_) => CollKind::PointToPoint,
-            OpKind::SplitExchange => CollKind::Split,
-            OpKind::Probe => CollKind::Probe,
-        }
-    }
-}
 
 /// One operation with its buffers, ready to validate and run.
 #[derive(Debug, Clone, Copy)]

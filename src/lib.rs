@@ -23,6 +23,7 @@
 #![warn(missing_debug_implementations)]
 
 pub mod algorithm;
+pub mod collective;
 pub mod comm;
 pub mod config;
 pub mod dtype;
@@ -36,8 +37,8 @@ pub mod topology;
 pub mod transport;
 pub mod tuning;
 
-pub use algorithm::Algorithm;
-pub use comm::{CallOptions, Communicator, OpKind, OwnedBuffer, Work};
+pub use collective::{Algorithm, CallOptions, OpKind};
+pub use comm::{Communicator, OwnedBuffer, Work};
 pub use config::{AuthToken, Config};
 pub use dtype::{DataType, Element, ReduceOp};
 pub use error::{Error, Result};

@@ -6,7 +6,7 @@
 //! the work handle; C callers promise it in the contract). Turning descriptors back into slices
 //! is the one unsafe step, done once per operation just before it runs.
 
-use crate::algorithm::Bufs;
+use crate::collective::Bufs;
 use crate::error::{Error, Result};
 
 /// A read-only byte range.

@@ -17,9 +17,9 @@
 //! rank holds identically, so every rank makes the same one; a rank configured differently is
 //! caught by the fingerprint (which carries the algorithm), never silently mixed.
 
-use crate::algorithm::Algorithm;
+use crate::collective::{Algorithm, CollKind};
 use crate::error::{Error, Result};
-use crate::transport::{CollKind, Sink, Source};
+use crate::transport::{Sink, Source};
 
 /// The algorithms that can run `kind`.
 pub fn candidates(kind: CollKind) -> &'static [Algorithm] {

@@ -13,7 +13,8 @@
 //! edge agree on the step.
 
 use super::schedule::{absolute, binomial_children, binomial_parent, relative};
-use super::{Algorithm, Bufs, Scratch, Wire};
+use super::{Bufs, Scratch, Wire};
+use crate::collective::Algorithm;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::reduce;

@@ -45,7 +45,7 @@ use super::{Bufs, Wire};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::reduce;
-use crate::transport::Fingerprint;
+use crate::collective::Fingerprint;
 use crate::transport::exchange::{AbortSignal, Peers};
 use crate::transport::window::{WaitPolicy, Window, copy_streaming, last_level_cache};
 

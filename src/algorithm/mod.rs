@@ -20,9 +20,7 @@ pub mod broadcast;
 pub mod doubling;
 pub mod halving_doubling;
 pub mod hierarchical;
-// shm: BEGIN
 pub mod intra;
-// shm: END
 pub mod pairwise;
 pub mod ring;
 pub mod schedule;
@@ -34,94 +32,8 @@ use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::reduce;
 use crate::transport::exchange::RingPlan;
-use crate::transport::{Fingerprint, Peers, Sink, Source};
-
-/// An algorithm, as carried in frame headers and named in `TOROID_ALGO`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum Algorithm {
-    /// Ring: reduce-scatter then all-gather (all_reduce), or one of the two phases.
-    Ring = 1,
-    /// Recursive doubling with MPICH's fold for any rank count (small all_reduce).
-    Doubling = 2,
-    /// Pipelined chain (large broadcast and reduce).
-    Chain = 3,
-    /// Binomial tree (small broadcast and reduce).
-    Tree = 4,
-    /// Pairwise exchange (all_to_all).
-    Pairwise = 5,
-    /// Dissemination (barrier).
-    Dissemination = 6,
-    /// Direct point-to-point (send/recv).
-    Direct = 7,
-    /// Recursive halving-doubling, Rabenseifner (small and medium all_reduce).
-    HalvingDoubling = 8,
-    /// Hierarchical ring (Tencent): reduce per host, ring among hosts' roots, broadcast per host.
-    HierarchicalRing = 9,
-    /// 2D torus (Sony): reduce-scatter along rows, all-reduce along columns, all-gather along rows.
-    Torus2d = 10,
-    // shm: BEGIN
-    /// Direct loads and stores in a shared window (every rank on one host; see [`intra`]).
-    ShmDirect = 11,
-    // shm: END
-}
-
-impl Algorithm {
-    /// Every algorithm.
-    pub const ALL: [Algorithm; 11] = [
-        Algorithm::Ring,
-        Algorithm::Doubling,
-        Algorithm::Chain,
-        Algorithm::Tree,
-        Algorithm::Pairwise,
-        Algorithm::Dissemination,
-        Algorithm::Direct,
-        Algorithm::HalvingDoubling,
-        Algorithm::HierarchicalRing,
-        Algorithm::Torus2d,
-        Algorithm::ShmDirect, // shm
-    ];
-
-    /// The name used in `TOROID_ALGO`, logs and the benchmark.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Algorithm::Ring => "ring",
-            Algorithm::Doubling => "rd",
-            Algorithm::Chain => "chain",
-            Algorithm::Tree => "tree",
-            Algorithm::Pairwise => "pairwise",
-            Algorithm::Dissemination => "dissemination",
-            Algorithm::Direct => "direct",
-            Algorithm::HalvingDoubling => "hd",
-            Algorithm::HierarchicalRing => "hring",
-            Algorithm::Torus2d => "torus2d",
-            Algorithm::ShmDirect => "shm_direct", // shm
-        }
-    }
-
-    /// The name of the algorithm with wire id `id` (for messages about a peer's choice).
-    pub fn name_of(id: u8) -> &'static str {
-        Algorithm::ALL.iter().find(|a| **a as u8 == id).map_or("unknown", |a| a.name())
-    }
-
-    /// Parses a name (case-insensitive; `doubling` is accepted for `rd`).
-    pub fn parse(s: &str) -> Option<Algorithm> {
-        let s = s.trim().to_ascii_lowercase();
-        if s == "doubling" || s == "recursive_doubling" {
-            return Some(Algorithm::Doubling);
-        }
-        if s == "shm" || s == "shmdirect" || s == "shm-direct" {
-            return Some(Algorithm::ShmDirect); // shm
-        }
-        Algorithm::ALL.iter().copied().find(|a| a.name() == s)
-    }
-}
-
-impl std::fmt::Display for Algorithm {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
+use crate::collective::{Bufs, Fingerprint};
+use crate::transport::{Peers, Sink, Source};
 
 /// The peers, fingerprint and deadline of one running operation.
 #[derive(Debug)]
@@ -194,38 +106,6 @@ impl Scratch {
     /// Bytes held (for tests and logs).
     pub fn capacity(&self) -> usize {
         (self.a.len() + self.b.len() + self.c.len()) * 8
-    }
-}
-
-/// The buffers of a collective: in place (`sendbuf == recvbuf` in C) or not.
-#[derive(Debug)]
-pub enum Bufs<'a> {
-    /// One buffer is both input and output.
-    InPlace(&'a mut [u8]),
-    /// Separate input and output.
-    OutOfPlace {
-        /// Input.
-        send: &'a [u8],
-        /// Output.
-        recv: &'a mut [u8],
-    },
-}
-
-impl Bufs<'_> {
-    /// The input bytes.
-    pub fn input(&self) -> &[u8] {
-        match self {
-            Bufs::InPlace(b) => b,
-            Bufs::OutOfPlace { send, .. } => send,
-        }
-    }
-
-    /// The output bytes' length.
-    pub fn output_len(&self) -> usize {
-        match self {
-            Bufs::InPlace(b) => b.len(),
-            Bufs::OutOfPlace { recv, .. } => recv.len(),
-        }
     }
 }
 

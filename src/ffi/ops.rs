@@ -24,7 +24,8 @@ use crate::comm::{Hook, Hooks, RawOp};
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::memory::{RawBuf, RawBufMut, RawBufs};
-use crate::{CallOptions, Communicator, OpKind};
+use crate::Communicator;
+use crate::collective::{CallOptions, OpKind};
 
 /// A collective as named by the C call, with its unvalidated integer arguments.
 #[derive(Debug, Clone, Copy)]

@@ -12,8 +12,8 @@
 //! header (little-endian):
 //!
 //! ```text
-//! magic u32 | kind u8 | coll u8 | dtype u8 | op u8 | algo u8 | 0 u8 | step u16 | len u32
-//! seq u64 | count u64 | root i32 | 0 u32
+//! magic u32 | kind u8 | 0 u8 | step u16 | len u32 | fingerprint (28 bytes, see
+//! [`Fingerprint::encode`]: coll u8 | dtype u8 | op u8 | algo u8 | seq u64 | count u64 | root i32 | 0 u32)
 //! ```
 //!
 //! The receiver knows the frame layout from the schedule and checks every header against its own
@@ -37,6 +37,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::Transport;
+use crate::collective::{CollKind, FINGERPRINT_LEN, Fingerprint};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::reduce;
@@ -54,99 +55,6 @@ const ABORT_SEND_BUDGET: Duration = Duration::from_millis(200);
 /// Upper bound of one `poll(2)` sleep, so a lost wake-up can never stall past this.
 const MAX_SLEEP: Duration = Duration::from_millis(500);
 
-/// What kind of operation a frame belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum CollKind {
-    /// all_reduce
-    AllReduce = 1,
-    /// reduce_scatter
-    ReduceScatter = 2,
-    /// all_gather
-    AllGather = 3,
-    /// broadcast
-    Broadcast = 4,
-    /// reduce
-    Reduce = 5,
-    /// all_to_all
-    AllToAll = 6,
-    /// barrier
-    Barrier = 7,
-    /// send / recv between two ranks
-    PointToPoint = 8,
-    /// the internal exchange that creates sub-communicators
-    Split = 9,
-    /// the link measurements of the cost model
-    Probe = 10,
-}
-
-impl CollKind {
-    const ALL: [CollKind; 10] = [
-        CollKind::AllReduce,
-        CollKind::ReduceScatter,
-        CollKind::AllGather,
-        CollKind::Broadcast,
-        CollKind::Reduce,
-        CollKind::AllToAll,
-        CollKind::Barrier,
-        CollKind::PointToPoint,
-        CollKind::Split,
-        CollKind::Probe,
-    ];
-
-    /// The snake_case name used in logs and errors.
-    pub const fn name(self) -> &'static str {
-        match self {
-            CollKind::AllReduce => "all_reduce",
-            CollKind::ReduceScatter => "reduce_scatter",
-            CollKind::AllGather => "all_gather",
-            CollKind::Broadcast => "broadcast",
-            CollKind::Reduce => "reduce",
-            CollKind::AllToAll => "all_to_all",
-            CollKind::Barrier => "barrier",
-            CollKind::PointToPoint => "send/recv",
-            CollKind::Split => "split",
-            CollKind::Probe => "probe",
-        }
-    }
-
-    pub(crate) fn from_u8(v: u8) -> Option<CollKind> {
-        CollKind::ALL.iter().copied().find(|k| *k as u8 == v)
-    }
-}
-
-/// What every rank taking part in one operation must agree on. Carried in every frame header.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Fingerprint {
-    /// Sequence number: per communicator for collectives, per pair of ranks for send/recv.
-    pub seq: u64,
-    /// Which operation.
-    pub kind: CollKind,
-    /// Element type.
-    pub dtype: DataType,
-    /// Reduction (`Sum` where none applies).
-    pub op: ReduceOp,
-    /// Element count as the operation's signature defines it.
-    pub count: u64,
-    /// Root rank, or -1.
-    pub root: i32,
-    /// Algorithm id (ranks that picked different algorithms must not exchange data).
-    pub algo: u8,
-}
-
-impl fmt::Display for Fingerprint {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} #{} ({} x {}", self.kind.name(), self.seq, self.count, self.dtype)?;
-        if matches!(self.kind, CollKind::AllReduce | CollKind::ReduceScatter | CollKind::Reduce) {
-            write!(f, ", {}", self.op)?;
-        }
-        if self.root >= 0 {
-            write!(f, ", root {}", self.root)?;
-        }
-        write!(f, ", algorithm {})", crate::algorithm::Algorithm::name_of(self.algo))
-    }
-}
-
 /// A decoded frame header.
 #[derive(Debug, Clone)]
 struct Header {
@@ -156,49 +64,36 @@ struct Header {
     len: u32,
 }
 
+/// Where the fingerprint starts in a frame header.
+const FP_AT: usize = HEADER_LEN - FINGERPRINT_LEN;
+
 fn encode(kind: u8, fp: &Fingerprint, step: u16, len: u32) -> [u8; HEADER_LEN] {
     let mut h = [0u8; HEADER_LEN];
     h[0..4].copy_from_slice(&MAGIC.to_le_bytes());
     h[4] = kind;
-    h[5] = fp.kind as u8;
-    h[6] = fp.dtype as u8;
-    h[7] = fp.op as u8;
-    h[8] = fp.algo;
-    h[10..12].copy_from_slice(&step.to_le_bytes());
-    h[12..16].copy_from_slice(&len.to_le_bytes());
-    h[16..24].copy_from_slice(&fp.seq.to_le_bytes());
-    h[24..32].copy_from_slice(&fp.count.to_le_bytes());
-    h[32..36].copy_from_slice(&fp.root.to_le_bytes());
+    h[6..8].copy_from_slice(&step.to_le_bytes());
+    h[8..12].copy_from_slice(&len.to_le_bytes());
+    h[FP_AT..].copy_from_slice(&fp.encode());
     h
 }
 
 fn decode(h: &[u8; HEADER_LEN]) -> std::result::Result<Header, String> {
-    let u32_at = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
-    let u64_at = |i: usize| {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(&h[i..i + 8]);
-        u64::from_le_bytes(b)
-    };
-    if u32_at(0) != MAGIC {
-        return Err(format!("bad frame magic {:#010x}", u32_at(0)));
+    let magic = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);
+    if magic != MAGIC {
+        return Err(format!("bad frame magic {magic:#010x}"));
     }
     let kind = h[4];
     if kind != KIND_DATA && kind != KIND_ABORT {
         return Err(format!("unknown frame kind {kind}"));
     }
-    let fp = match (CollKind::from_u8(h[5]), DataType::from_u8(h[6]), ReduceOp::from_u8(h[7])) {
-        (Some(k), Some(d), Some(o)) => Ok(Fingerprint {
-            seq: u64_at(16),
-            kind: k,
-            dtype: d,
-            op: o,
-            count: u64_at(24),
-            root: u32_at(32) as i32,
-            algo: h[8],
-        }),
-        _ => Err(format!("undecodable fingerprint fields {:?}", &h[5..8])),
-    };
-    Ok(Header { kind, fp, step: u16::from_le_bytes([h[10], h[11]]), len: u32_at(12) })
+    let mut fp = [0u8; FINGERPRINT_LEN];
+    fp.copy_from_slice(&h[FP_AT..]);
+    Ok(Header {
+        kind,
+        fp: Fingerprint::decode(&fp),
+        step: u16::from_le_bytes([h[6], h[7]]),
+        len: u32::from_le_bytes([h[8], h[9], h[10], h[11]]),
+    })
 }
 
 /// Where the bytes of a send come from.
@@ -1464,7 +1359,7 @@ mod tests {
         let m = message(receive_after(wire));
         assert!(m.contains("unknown frame kind 77"), "{m}");
         let mut wire = frame(&fingerprint(5, 16), 3, &[7u8; 64]);
-        wire[6] = 200; // no such data type
+        wire[FP_AT + 1] = 200; // no such data type
         let m = message(receive_after(wire));
         assert!(m.contains("undecodable"), "{m}");
     }

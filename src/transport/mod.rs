@@ -36,7 +36,7 @@ pub mod tcp;
 use std::io;
 use std::os::fd::RawFd;
 
-pub use exchange::{CollKind, Fingerprint, Peers, Sink, Source};
+pub use exchange::{Peers, Sink, Source};
 
 /// One connected peer. See the module documentation for the contract.
 pub trait Transport: Send + std::fmt::Debug {

@@ -47,7 +47,8 @@ use std::io;
 use std::sync::atomic::{AtomicU32, Ordering, fence};
 use std::time::{Duration, Instant};
 
-use super::exchange::{AbortSignal, Fingerprint};
+use super::exchange::AbortSignal;
+use crate::collective::{FINGERPRINT_LEN, Fingerprint};
 use super::shm::Segment;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
@@ -339,7 +340,7 @@ impl Window {
     pub fn begin(&mut self, fp: &Fingerprint) {
         self.colls += 1;
         let slot = self.ctl(self.me) + FP_SLOTS + (self.colls % 4) as usize * FP_LEN;
-        for (i, w) in encode_fp(fp).iter().enumerate() {
+        for (i, w) in fp_words(fp).iter().enumerate() {
             self.seg.u64_at(slot + 8 * i).store(*w, Ordering::Relaxed);
         }
         self.fp_checked.iter_mut().for_each(|c| *c = false);
@@ -355,7 +356,7 @@ impl Window {
         for (i, x) in w.iter_mut().enumerate() {
             *x = self.seg.u64_at(slot + 8 * i).load(Ordering::Relaxed);
         }
-        if w != encode_fp(fp) {
+        if w != fp_words(fp) {
             return Err(Error::InvalidUsage(format!(
                 "collective mismatch: {fp} on local rank {} but local rank {m} called {} \
                  (every rank must issue the same collectives in the same order with the same \
@@ -604,24 +605,19 @@ impl Window {
     }
 }
 
-fn encode_fp(fp: &Fingerprint) -> [u64; 4] {
-    let w0 = fp.kind as u64 | (fp.dtype as u64) << 8 | (fp.op as u64) << 16 | (fp.algo as u64) << 24;
-    [fp.seq, fp.count, fp.root as u32 as u64, w0]
+/// A fingerprint as the four words of a window slot ([`Fingerprint::encode`], zero-padded).
+fn fp_words(fp: &Fingerprint) -> [u64; 4] {
+    let mut b = [0u8; 32];
+    b[..FINGERPRINT_LEN].copy_from_slice(&fp.encode());
+    std::array::from_fn(|i| u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().unwrap_or_default()))
 }
 
+/// What a slot's words say, for the mismatch message.
 fn describe_fp(w: &[u64; 4]) -> String {
-    use crate::dtype::{DataType, ReduceOp};
-    use crate::transport::CollKind;
-    let kind = CollKind::from_u8((w[3] & 0xff) as u8).map_or("an unknown collective", |k| k.name());
-    let dtype = DataType::from_u8((w[3] >> 8) as u8).map_or("?", |d| d.name());
-    let op = ReduceOp::from_u8((w[3] >> 16) as u8).map_or("?", |o| o.name());
-    format!(
-        "{kind} #{} ({} x {dtype}, {op}, root {}, algorithm {})",
-        w[0],
-        w[1],
-        w[2] as u32 as i32,
-        crate::algorithm::Algorithm::name_of((w[3] >> 24) as u8)
-    )
+    let mut b = [0u8; FINGERPRINT_LEN];
+    let bytes: Vec<u8> = w.iter().flat_map(|x| x.to_le_bytes()).collect();
+    b.copy_from_slice(&bytes[..FINGERPRINT_LEN]);
+    Fingerprint::decode(&b).map_or_else(|e| format!("an unknown collective ({e})"), |fp| fp.to_string())
 }
 
 /// Bytes of the last-level cache (for choosing streaming stores): the largest cache sysfs lists
