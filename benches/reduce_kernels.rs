@@ -12,7 +12,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use toroid::reduce::{reduce_inplace, reduce_into};
+use toroid::internals::reduce::{reduce_inplace, reduce_into};
 use toroid::{DataType, ReduceOp};
 
 const SIZES: [(usize, &str); 3] = [(64 << 10, "64KiB"), (1 << 20, "1MiB"), (64 << 20, "64MiB")];

@@ -20,8 +20,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use toroid::transport::Transport;
-use toroid::transport::shm::ShmTransport;
+use toroid::internals::transport::Transport;
+use toroid::internals::transport::shm::ShmTransport;
 use toroid::{DataType, ReduceOp};
 
 const SIZES: [(usize, &str); 4] =
@@ -31,8 +31,8 @@ const FRAME: usize = 512 << 10;
 fn ring() -> usize {
     std::env::var("TOROID_BENCH_RING")
         .ok()
-        .and_then(|v| toroid::config::parse_size("TOROID_BENCH_RING", &v).ok())
-        .unwrap_or(toroid::config::DEFAULT_SHM_RING_SIZE)
+        .and_then(|v| toroid::internals::config::parse_size("TOROID_BENCH_RING", &v).ok())
+        .unwrap_or(toroid::internals::config::DEFAULT_SHM_RING_SIZE)
 }
 
 fn wait(t: &mut dyn Transport, read: bool) {
@@ -83,7 +83,7 @@ fn recv_all(t: &mut ShmTransport, dst: &mut [u8], mode: &Mode) {
                 let end = dst.len();
                 t.read_with(end - got, &mut |s: &[u8]| {
                     let take = if at + s.len() == end { s.len() } else { s.len() - s.len() % 4 };
-                    toroid::reduce::reduce_inplace(
+                    toroid::internals::reduce::reduce_inplace(
                         DataType::F32,
                         ReduceOp::Sum,
                         &mut dst[at..at + take],
@@ -114,7 +114,7 @@ fn recv_all(t: &mut ShmTransport, dst: &mut [u8], mode: &Mode) {
 }
 
 fn bench(c: &mut Criterion) {
-    let dir = std::path::PathBuf::from(toroid::config::DEFAULT_SHM_DIR);
+    let dir = std::path::PathBuf::from(toroid::internals::config::DEFAULT_SHM_DIR);
     let mut g = c.benchmark_group("p2p");
     g.sample_size(10).warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(2));
     for &(size, label) in &SIZES {

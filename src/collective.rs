@@ -160,7 +160,6 @@ impl fmt::Display for Fingerprint {
     }
 }
 
-
 /// Bytes of an encoded [`Fingerprint`] (the last 28 bytes of every frame header; see
 /// `docs/ARCHITECTURE.md`, "Wire").
 pub const FINGERPRINT_LEN: usize = 28;
@@ -318,7 +317,6 @@ impl Bufs<'_> {
         }
     }
 }
-
 
 #[cfg(test)]
 mod tests {

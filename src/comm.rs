@@ -362,12 +362,7 @@ impl Communicator {
             None if self.size() == 1 => (CostModel::default(), shape),
             None => {
                 let mut r = [0f64; 6];
-                self.run(RawOp {
-                    kind: OpKind::Probe,
-                    dtype: DataType::F64,
-                    bufs: RawBufs::InPlace(RawBufMut::new(bytemuck::cast_slice_mut(&mut r))),
-                    opts: CallOptions::default(),
-                })?;
+                self.go(OpKind::Probe, DataType::F64, None, Some(bytemuck::cast_slice_mut(&mut r)))?;
                 self.all_reduce(&mut r, ReduceOp::Max)?;
                 (CostModel::from_probe(&r), Shape { cpu_share: r[5].max(1.0), ..shape })
             }
@@ -464,8 +459,12 @@ impl Communicator {
         self.core.choose(kind, bytes, opts)
     }
 
-    /// Validates `op` and runs it, blocking until it completes.
-    pub fn run(&self, op: RawOp) -> Result<()> {
+    /// Validates `op` and runs it, blocking until it completes (the typed API and the C ABI
+    /// end here).
+    ///
+    /// # Safety
+    /// The buffers of `op` must be valid as [`RawBufs::bufs`] requires until this returns.
+    pub(crate) unsafe fn run(&self, op: RawOp) -> Result<()> {
         let r = self.run_inner(op);
         if let Err(e) = &r {
             *lock(&self.core.last_error) = Some(e.to_string());
@@ -569,12 +568,7 @@ impl Communicator {
         let mine: [i64; 2] = [color.map_or(-1, i64::from), key];
         let mut all = vec![0i64; 2 * n];
         all[2 * self.rank()..2 * self.rank() + 2].copy_from_slice(&mine);
-        self.run(RawOp {
-            kind: OpKind::SplitExchange,
-            dtype: DataType::I64,
-            bufs: RawBufs::InPlace(RawBufMut::new(bytemuck::cast_slice_mut(&mut all))),
-            opts: CallOptions::default(),
-        })?;
+        self.go(OpKind::SplitExchange, DataType::I64, None, Some(bytemuck::cast_slice_mut(&mut all)))?;
         let mut members: Vec<(i64, usize)> = Vec::new();
         if let Some(c) = color {
             for r in 0..n {
@@ -597,12 +591,7 @@ impl Communicator {
             let rec = &mut addrs[REC * self.rank()..REC * (self.rank() + 1)];
             rec[..s.len()].copy_from_slice(s.as_bytes());
         }
-        self.run(RawOp {
-            kind: OpKind::SplitExchange,
-            dtype: DataType::U8,
-            bufs: RawBufs::InPlace(RawBufMut::new(&mut addrs)),
-            opts: CallOptions::default(),
-        })?;
+        self.go(OpKind::SplitExchange, DataType::U8, None, Some(&mut addrs))?;
         let (Some(new_rank), Some(endpoint)) = (new_rank, endpoint) else { return Ok(None) };
         let split_no = {
             let mut e = lock(&self.core.engine);
@@ -1163,70 +1152,54 @@ fn bytes_of_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
 /// The typed collectives. Each blocks until done (see [`Communicator::run`]); `*_into` forms
 /// are out of place, the others in place.
 impl Communicator {
-    fn go(&self, kind: OpKind, dtype: DataType, bufs: RawBufs) -> Result<()> {
-        self.run(RawOp { kind, dtype, bufs, opts: CallOptions::default() })
+    fn go(&self, kind: OpKind, dtype: DataType, send: Option<&[u8]>, recv: Option<&mut [u8]>) -> Result<()> {
+        self.run_bytes(kind, dtype, send, recv, CallOptions::default())
     }
 
     /// Reduces `buf` across all ranks in place: afterwards every rank holds the result.
     pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        self.go(OpKind::AllReduce(op), T::DTYPE, RawBufs::InPlace(RawBufMut::new(bytes_of_mut(buf))))
+        self.go(OpKind::AllReduce(op), T::DTYPE, None, Some(bytes_of_mut(buf)))
     }
 
     /// Reduces `send` across all ranks into `recv` (same length).
     pub fn all_reduce_into<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
-        self.go(
-            OpKind::AllReduce(op),
-            T::DTYPE,
-            RawBufs::OutOfPlace(RawBuf::new(bytes_of(send)), RawBufMut::new(bytes_of_mut(recv))),
-        )
+        self.go(OpKind::AllReduce(op), T::DTYPE, Some(bytes_of(send)), Some(bytes_of_mut(recv)))
     }
 
     /// Reduces `send` (`size` equal pieces) across ranks; rank `r` receives piece `r` in `recv`.
     pub fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
-        self.go(
-            OpKind::ReduceScatter(op),
-            T::DTYPE,
-            RawBufs::OutOfPlace(RawBuf::new(bytes_of(send)), RawBufMut::new(bytes_of_mut(recv))),
-        )
+        self.go(OpKind::ReduceScatter(op), T::DTYPE, Some(bytes_of(send)), Some(bytes_of_mut(recv)))
     }
 
     /// In-place reduce-scatter: `buf` holds `size` equal pieces; afterwards piece `rank` holds
     /// the reduction of everyone's piece `rank` (other pieces hold intermediate values).
     pub fn reduce_scatter_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        self.go(OpKind::ReduceScatter(op), T::DTYPE, RawBufs::InPlace(RawBufMut::new(bytes_of_mut(buf))))
+        self.go(OpKind::ReduceScatter(op), T::DTYPE, None, Some(bytes_of_mut(buf)))
     }
 
     /// Gathers every rank's `send` into `recv` (`size` pieces in rank order).
     pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
-        self.go(
-            OpKind::AllGather,
-            T::DTYPE,
-            RawBufs::OutOfPlace(RawBuf::new(bytes_of(send)), RawBufMut::new(bytes_of_mut(recv))),
-        )
+        self.go(OpKind::AllGather, T::DTYPE, Some(bytes_of(send)), Some(bytes_of_mut(recv)))
     }
 
     /// In-place all-gather: this rank's piece is already at position `rank` of `buf`.
     pub fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
-        self.go(OpKind::AllGather, T::DTYPE, RawBufs::InPlace(RawBufMut::new(bytes_of_mut(buf))))
+        self.go(OpKind::AllGather, T::DTYPE, None, Some(bytes_of_mut(buf)))
     }
 
     /// Broadcasts `root`'s `buf` to every rank's `buf`.
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        self.go(OpKind::Broadcast(root), T::DTYPE, RawBufs::InPlace(RawBufMut::new(bytes_of_mut(buf))))
+        self.go(OpKind::Broadcast(root), T::DTYPE, None, Some(bytes_of_mut(buf)))
     }
 
     /// Broadcasts `root`'s `send` into every rank's `recv` (`send` is read on the root only).
     pub fn broadcast_into<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
-        self.go(
-            OpKind::Broadcast(root),
-            T::DTYPE,
-            RawBufs::OutOfPlace(RawBuf::new(bytes_of(send)), RawBufMut::new(bytes_of_mut(recv))),
-        )
+        self.go(OpKind::Broadcast(root), T::DTYPE, Some(bytes_of(send)), Some(bytes_of_mut(recv)))
     }
 
     /// Reduces every rank's `buf` into `root`'s `buf`; other ranks' buffers are left untouched.
     pub fn reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
-        self.go(OpKind::Reduce(op, root), T::DTYPE, RawBufs::InPlace(RawBufMut::new(bytes_of_mut(buf))))
+        self.go(OpKind::Reduce(op, root), T::DTYPE, None, Some(bytes_of_mut(buf)))
     }
 
     /// Reduces every rank's `send` into `root`'s `recv` (`recv` is written on the root only).
@@ -1237,40 +1210,32 @@ impl Communicator {
         op: ReduceOp,
         root: usize,
     ) -> Result<()> {
-        self.go(
-            OpKind::Reduce(op, root),
-            T::DTYPE,
-            RawBufs::OutOfPlace(RawBuf::new(bytes_of(send)), RawBufMut::new(bytes_of_mut(recv))),
-        )
+        self.go(OpKind::Reduce(op, root), T::DTYPE, Some(bytes_of(send)), Some(bytes_of_mut(recv)))
     }
 
     /// All-to-all: block `j` of `send` goes to rank `j`, arriving as its block `rank`.
     pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
-        self.go(
-            OpKind::AllToAll,
-            T::DTYPE,
-            RawBufs::OutOfPlace(RawBuf::new(bytes_of(send)), RawBufMut::new(bytes_of_mut(recv))),
-        )
+        self.go(OpKind::AllToAll, T::DTYPE, Some(bytes_of(send)), Some(bytes_of_mut(recv)))
     }
 
     /// In-place all-to-all.
     pub fn all_to_all_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
-        self.go(OpKind::AllToAll, T::DTYPE, RawBufs::InPlace(RawBufMut::new(bytes_of_mut(buf))))
+        self.go(OpKind::AllToAll, T::DTYPE, None, Some(bytes_of_mut(buf)))
     }
 
     /// Returns once every rank has entered the barrier.
     pub fn barrier(&self) -> Result<()> {
-        self.go(OpKind::Barrier, DataType::U8, RawBufs::None)
+        self.go(OpKind::Barrier, DataType::U8, None, None)
     }
 
     /// Sends `buf` to `peer` (which must post a matching `recv`).
     pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
-        self.go(OpKind::Send(peer), T::DTYPE, RawBufs::Read(RawBuf::new(bytes_of(buf))))
+        self.go(OpKind::Send(peer), T::DTYPE, Some(bytes_of(buf)), None)
     }
 
     /// Receives `buf.len()` elements from `peer`.
     pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
-        self.go(OpKind::Recv(peer), T::DTYPE, RawBufs::InPlace(RawBufMut::new(bytes_of_mut(buf))))
+        self.go(OpKind::Recv(peer), T::DTYPE, None, Some(bytes_of_mut(buf)))
     }
 
     /// Any collective on untyped bytes with options (the form the benchmark and the C ABI use).
@@ -1288,7 +1253,9 @@ impl Communicator {
             (None, Some(r)) => RawBufs::InPlace(RawBufMut::new(r)),
             (Some(s), Some(r)) => RawBufs::OutOfPlace(RawBuf::new(s), RawBufMut::new(r)),
         };
-        self.run(RawOp { kind, dtype, bufs, opts })
+        // SAFETY: the buffers are borrowed for this blocking call, which returns only once the
+        // operation has stopped touching them; `&` and `&mut` borrows cannot overlap.
+        unsafe { self.run(RawOp { kind, dtype, bufs, opts }) }
     }
 
     /// Async in-place all-reduce of an owned buffer; `wait` gives it back.

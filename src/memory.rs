@@ -36,7 +36,11 @@ impl RawBuf {
     }
 
     /// Describes `len` bytes at `ptr` (C callers). A null pointer is allowed only for `len == 0`.
-    pub fn from_raw(ptr: *const u8, len: usize) -> Result<RawBuf> {
+    ///
+    /// # Safety
+    /// Unless `len == 0`, `ptr` must be valid for reads of `len` bytes, and not written by
+    /// anything else, until every operation given this descriptor has completed.
+    pub unsafe fn from_raw(ptr: *const u8, len: usize) -> Result<RawBuf> {
         if ptr.is_null() && len != 0 {
             return Err(Error::InvalidArgument("null buffer pointer".into()));
         }
@@ -78,7 +82,11 @@ impl RawBufMut {
     }
 
     /// Describes `len` bytes at `ptr` (C callers). A null pointer is allowed only for `len == 0`.
-    pub fn from_raw(ptr: *mut u8, len: usize) -> Result<RawBufMut> {
+    ///
+    /// # Safety
+    /// Unless `len == 0`, `ptr` must be valid for reads and writes of `len` bytes, and
+    /// accessed by nothing else, until every operation given this descriptor has completed.
+    pub unsafe fn from_raw(ptr: *mut u8, len: usize) -> Result<RawBufMut> {
         if ptr.is_null() && len != 0 {
             return Err(Error::InvalidArgument("null buffer pointer".into()));
         }
@@ -203,20 +211,29 @@ mod tests {
 
     #[test]
     fn pair_classification() {
+        // SAFETY (every from_raw below): `a` outlives the descriptors, which are only compared.
         let mut a = [0u8; 16];
         let p = a.as_mut_ptr();
-        let same = RawBufs::from_pair(RawBuf::from_raw(p, 16).unwrap(), RawBufMut::from_raw(p, 16).unwrap())
-            .unwrap();
+        let same = unsafe {
+            RawBufs::from_pair(RawBuf::from_raw(p, 16).unwrap(), RawBufMut::from_raw(p, 16).unwrap())
+        }
+        .unwrap();
         assert!(matches!(same, RawBufs::InPlace(_)));
         // SAFETY: offsets stay inside `a`.
         let q = unsafe { p.add(8) };
         assert!(
-            RawBufs::from_pair(RawBuf::from_raw(p, 16).unwrap(), RawBufMut::from_raw(q, 8).unwrap()).is_err()
+            unsafe {
+                RawBufs::from_pair(RawBuf::from_raw(p, 16).unwrap(), RawBufMut::from_raw(q, 8).unwrap())
+            }
+            .is_err()
         );
         assert!(
-            RawBufs::from_pair(RawBuf::from_raw(p, 8).unwrap(), RawBufMut::from_raw(q, 8).unwrap()).is_ok()
+            unsafe {
+                RawBufs::from_pair(RawBuf::from_raw(p, 8).unwrap(), RawBufMut::from_raw(q, 8).unwrap())
+            }
+            .is_ok()
         );
-        assert!(RawBuf::from_raw(std::ptr::null(), 4).is_err());
-        assert!(RawBuf::from_raw(std::ptr::null(), 0).is_ok());
+        assert!(unsafe { RawBuf::from_raw(std::ptr::null(), 4) }.is_err());
+        assert!(unsafe { RawBuf::from_raw(std::ptr::null(), 0) }.is_ok());
     }
 }

@@ -177,8 +177,8 @@ fn two_communicators_on_one_store_are_independent() {
 #[test]
 fn hooks_run_on_the_worker_in_issue_order_around_their_operation() {
     use std::sync::Mutex;
-    use toroid::comm::{Hooks, RawOp};
-    use toroid::memory::{RawBufMut, RawBufs};
+    use toroid::internals::comm::{Hooks, RawOp};
+    use toroid::internals::memory::{RawBufMut, RawBufs};
     use toroid::{CallOptions, DataType, OpKind};
     util::run_threads(2, &util::test_config(30.0), |comm| {
         let log = Arc::new(Mutex::new(Vec::new()));

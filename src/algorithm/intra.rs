@@ -42,10 +42,10 @@ use std::time::Instant;
 
 use super::schedule;
 use super::{Bufs, Wire};
+use crate::collective::Fingerprint;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::reduce;
-use crate::collective::Fingerprint;
 use crate::transport::exchange::{AbortSignal, Peers};
 use crate::transport::window::{WaitPolicy, Window, copy_streaming, last_level_cache};
 
@@ -127,7 +127,7 @@ fn chunks(count: usize, per: usize) -> impl Iterator<Item = (usize, usize)> {
 }
 
 /// `dst = src · 1/n` for avg, else a copy into the window.
-fn put_input(win: &Window, buf: usize, off: usize, src: &[u8], dtype: DataType, avg: Option<f64>) {
+fn put_input(win: &mut Window, buf: usize, off: usize, src: &[u8], dtype: DataType, avg: Option<f64>) {
     match avg {
         Some(f) => win.put_scaled(buf, off, src, dtype, f),
         None => win.put(buf, off, src),
@@ -140,7 +140,7 @@ fn put_input(win: &Window, buf: usize, off: usize, src: &[u8], dtype: DataType, 
 /// small buffer that stays in L1 and streamed to `dst` (see [`copy_streaming`]).
 #[allow(clippy::too_many_arguments)]
 fn reduce_slice(
-    win: &Window,
+    win: &mut Window,
     buf: usize,
     off: usize,
     dst: &mut [u8],

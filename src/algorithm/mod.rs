@@ -28,11 +28,11 @@ pub mod torus2d;
 
 use std::time::Instant;
 
+use crate::collective::{Bufs, Fingerprint};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::reduce;
 use crate::transport::exchange::RingPlan;
-use crate::collective::{Bufs, Fingerprint};
 use crate::transport::{Peers, Sink, Source};
 
 /// The peers, fingerprint and deadline of one running operation.

@@ -85,7 +85,7 @@ struct Cli {
 }
 
 fn size(s: &str) -> Result<usize, String> {
-    toroid::config::parse_size("size", s).map_err(|e| e.to_string())
+    toroid::internals::config::parse_size("size", s).map_err(|e| e.to_string())
 }
 
 /// Formats a number into `width` characters the way nccl-tests does: two decimals, then one,

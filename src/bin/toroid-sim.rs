@@ -12,7 +12,7 @@
 
 use clap::Parser;
 use toroid::Algorithm;
-use toroid::tuning::{CostModel, LinkCost, Shape};
+use toroid::internals::tuning::{CostModel, LinkCost, Shape};
 
 #[derive(Parser, Debug)]
 #[command(name = "toroid-sim", version, about = "Predict all-reduce time and steps with toroid's cost model")]
@@ -73,7 +73,7 @@ fn main() {
         let sizes: Vec<usize> = cli
             .sizes
             .iter()
-            .map(|s| toroid::config::parse_size("size", s).map_err(|e| e.to_string()))
+            .map(|s| toroid::internals::config::parse_size("size", s).map_err(|e| e.to_string()))
             .collect::<Result<_, _>>()?;
         println!("# toroid-sim: {model}");
         for (i, &n) in cli.ranks.iter().enumerate() {
@@ -84,7 +84,7 @@ fn main() {
             let mut shape = Shape::uniform(n, n / k);
             shape.nics = cli.nics;
             if let Some(g) = cli.grid.get(i) {
-                let (x, y) = toroid::topology::parse_shape(g).map_err(|e| e.to_string())?;
+                let (x, y) = toroid::internals::topology::parse_shape(g).map_err(|e| e.to_string())?;
                 if x * y != n {
                     return Err(format!("grid {g} does not have {n} ranks"));
                 }

@@ -20,12 +20,12 @@ use std::time::Duration;
 
 use super::boundary::{CommHandle, Handle, WorkHandle, check_out, non_negative, with_comm, write_out};
 use super::types::{RawDatatype, RawRedop, toroid_comm, toroid_result, toroid_work};
+use crate::Communicator;
+use crate::collective::{CallOptions, OpKind};
 use crate::comm::{Hook, Hooks, RawOp};
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::memory::{RawBuf, RawBufMut, RawBufs};
-use crate::Communicator;
-use crate::collective::{CallOptions, OpKind};
 
 /// A collective as named by the C call, with its unvalidated integer arguments.
 #[derive(Debug, Clone, Copy)]
@@ -83,14 +83,23 @@ fn byte_len(count: usize, per: usize, elem: usize) -> Result<usize> {
         })
 }
 
-fn send_buf(p: *const c_void, len: usize, what: &str) -> Result<RawBuf> {
+/// # Safety
+/// `p` must be valid for reads of `len` bytes until the operation completes (the C caller's
+/// promise, see the header).
+unsafe fn send_buf(p: *const c_void, len: usize, what: &str) -> Result<RawBuf> {
     check_range(p.addr(), len, what)?;
-    RawBuf::from_raw(p.cast(), len).map_err(|_| Error::InvalidArgument(format!("{what} is NULL")))
+    // SAFETY: forwarded from the caller.
+    unsafe { RawBuf::from_raw(p.cast(), len) }.map_err(|_| Error::InvalidArgument(format!("{what} is NULL")))
 }
 
-fn recv_buf(p: *mut c_void, len: usize, what: &str) -> Result<RawBufMut> {
+/// # Safety
+/// `p` must be valid for reads and writes of `len` bytes until the operation completes (the C
+/// caller's promise, see the header).
+unsafe fn recv_buf(p: *mut c_void, len: usize, what: &str) -> Result<RawBufMut> {
     check_range(p.addr(), len, what)?;
-    RawBufMut::from_raw(p.cast(), len).map_err(|_| Error::InvalidArgument(format!("{what} is NULL")))
+    // SAFETY: forwarded from the caller.
+    unsafe { RawBufMut::from_raw(p.cast(), len) }
+        .map_err(|_| Error::InvalidArgument(format!("{what} is NULL")))
 }
 
 /// A buffer must not wrap around the end of the address space.
@@ -132,99 +141,114 @@ fn mover(base: *mut u8, from: usize, to: usize, len: usize) -> Hook {
 }
 
 /// Builds the operation for `coll` on `comm` from the C arguments.
-pub(crate) fn prepare(comm: &Communicator, coll: Coll, a: Args) -> Result<Prepared> {
-    let n = comm.size();
-    let me = comm.rank();
-    let dtype = if matches!(coll, Coll::Barrier) { DataType::U8 } else { a.dtype.get()? };
-    let es = dtype.size();
-    let mut hooks = Hooks::default();
-    let (kind, bufs) = match coll {
-        Coll::AllReduce(op) => {
-            let op = op.get()?;
-            let b = byte_len(a.count, 1, es)?;
-            (
-                OpKind::AllReduce(op),
-                RawBufs::from_pair(send_buf(a.send, b, "sendbuf")?, recv_buf(a.recv, b, "recvbuf")?)?,
-            )
-        }
-        Coll::ReduceScatter(op) => {
-            let op = op.get()?;
-            let piece = byte_len(a.count, 1, es)?;
-            let total = byte_len(a.count, n, es)?;
-            let (s, d) = (a.send.addr(), a.recv.addr());
-            let bufs = if total > 0 && (d == s || Some(d) == s.checked_add(me * piece)) {
-                // In place: the whole send buffer is read and written.
-                let buf = recv_buf(a.send.cast_mut(), total, "sendbuf")?;
-                if d == s && me != 0 {
-                    hooks.after = Some(mover(a.send.cast_mut().cast(), me * piece, 0, piece));
-                }
-                RawBufs::InPlace(buf)
-            } else {
-                RawBufs::from_pair(send_buf(a.send, total, "sendbuf")?, recv_buf(a.recv, piece, "recvbuf")?)?
-            };
-            (OpKind::ReduceScatter(op), bufs)
-        }
-        Coll::AllGather => {
-            let piece = byte_len(a.count, 1, es)?;
-            let total = byte_len(a.count, n, es)?;
-            let (s, d) = (a.send.addr(), a.recv.addr());
-            let bufs = if total > 0 && (s == d || Some(s) == d.checked_add(me * piece)) {
-                let buf = recv_buf(a.recv, total, "recvbuf")?;
-                if s == d && me != 0 {
-                    hooks.before = Some(mover(a.recv.cast(), 0, me * piece, piece));
-                }
-                RawBufs::InPlace(buf)
-            } else {
-                RawBufs::from_pair(send_buf(a.send, piece, "sendbuf")?, recv_buf(a.recv, total, "recvbuf")?)?
-            };
-            (OpKind::AllGather, bufs)
-        }
-        Coll::Broadcast(root) => {
-            let root = rank_arg(root, n, "root")?;
-            let b = byte_len(a.count, 1, es)?;
-            let recv = recv_buf(a.recv, b, "recvbuf")?;
-            let bufs = if me == root {
-                RawBufs::from_pair(send_buf(a.send, b, "sendbuf")?, recv)?
-            } else {
-                // sendbuf is read at the root only.
-                RawBufs::InPlace(recv)
-            };
-            (OpKind::Broadcast(root), bufs)
-        }
-        Coll::Reduce(op, root) => {
-            let op = op.get()?;
-            let root = rank_arg(root, n, "root")?;
-            let b = byte_len(a.count, 1, es)?;
-            let send = send_buf(a.send, b, "sendbuf")?;
-            let bufs = if me == root {
-                RawBufs::from_pair(send, recv_buf(a.recv, b, "recvbuf")?)?
-            } else {
-                // recvbuf is written at the root only: a non-root passes an empty output (the
-                // communicator reads `send` and writes nothing).
-                RawBufs::OutOfPlace(send, RawBufMut::from_raw(std::ptr::null_mut(), 0)?)
-            };
-            (OpKind::Reduce(op, root), bufs)
-        }
-        Coll::AllToAll => {
-            let b = byte_len(a.count, n, es)?;
-            (
-                OpKind::AllToAll,
-                RawBufs::from_pair(send_buf(a.send, b, "sendbuf")?, recv_buf(a.recv, b, "recvbuf")?)?,
-            )
-        }
-        Coll::Barrier => (OpKind::Barrier, RawBufs::None),
-        Coll::Send(peer) => {
-            let peer = rank_arg(peer, n, "peer")?;
-            let b = byte_len(a.count, 1, es)?;
-            (OpKind::Send(peer), RawBufs::Read(send_buf(a.send, b, "buf")?))
-        }
-        Coll::Recv(peer) => {
-            let peer = rank_arg(peer, n, "peer")?;
-            let b = byte_len(a.count, 1, es)?;
-            (OpKind::Recv(peer), RawBufs::InPlace(recv_buf(a.recv, b, "buf")?))
-        }
-    };
-    Ok(Prepared { op: RawOp { kind, dtype, bufs, opts: CallOptions::default() }, hooks })
+///
+/// # Safety
+/// The buffers of `a` must be valid for the lengths the call implies (reads of the send
+/// buffer, reads and writes of the receive buffer) until the operation completes.
+pub(crate) unsafe fn prepare(comm: &Communicator, coll: Coll, a: Args) -> Result<Prepared> {
+    // SAFETY: every buffer descriptor built below comes from `a`'s pointers with the lengths
+    // the call implies, valid as the caller promises.
+    unsafe {
+        let n = comm.size();
+        let me = comm.rank();
+        let dtype = if matches!(coll, Coll::Barrier) { DataType::U8 } else { a.dtype.get()? };
+        let es = dtype.size();
+        let mut hooks = Hooks::default();
+        let (kind, bufs) = match coll {
+            Coll::AllReduce(op) => {
+                let op = op.get()?;
+                let b = byte_len(a.count, 1, es)?;
+                (
+                    OpKind::AllReduce(op),
+                    RawBufs::from_pair(send_buf(a.send, b, "sendbuf")?, recv_buf(a.recv, b, "recvbuf")?)?,
+                )
+            }
+            Coll::ReduceScatter(op) => {
+                let op = op.get()?;
+                let piece = byte_len(a.count, 1, es)?;
+                let total = byte_len(a.count, n, es)?;
+                let (s, d) = (a.send.addr(), a.recv.addr());
+                let bufs = if total > 0 && (d == s || Some(d) == s.checked_add(me * piece)) {
+                    // In place: the whole send buffer is read and written.
+                    let buf = recv_buf(a.send.cast_mut(), total, "sendbuf")?;
+                    if d == s && me != 0 {
+                        hooks.after = Some(mover(a.send.cast_mut().cast(), me * piece, 0, piece));
+                    }
+                    RawBufs::InPlace(buf)
+                } else {
+                    RawBufs::from_pair(
+                        send_buf(a.send, total, "sendbuf")?,
+                        recv_buf(a.recv, piece, "recvbuf")?,
+                    )?
+                };
+                (OpKind::ReduceScatter(op), bufs)
+            }
+            Coll::AllGather => {
+                let piece = byte_len(a.count, 1, es)?;
+                let total = byte_len(a.count, n, es)?;
+                let (s, d) = (a.send.addr(), a.recv.addr());
+                let bufs = if total > 0 && (s == d || Some(s) == d.checked_add(me * piece)) {
+                    let buf = recv_buf(a.recv, total, "recvbuf")?;
+                    if s == d && me != 0 {
+                        hooks.before = Some(mover(a.recv.cast(), 0, me * piece, piece));
+                    }
+                    RawBufs::InPlace(buf)
+                } else {
+                    RawBufs::from_pair(
+                        send_buf(a.send, piece, "sendbuf")?,
+                        recv_buf(a.recv, total, "recvbuf")?,
+                    )?
+                };
+                (OpKind::AllGather, bufs)
+            }
+            Coll::Broadcast(root) => {
+                let root = rank_arg(root, n, "root")?;
+                let b = byte_len(a.count, 1, es)?;
+                let recv = recv_buf(a.recv, b, "recvbuf")?;
+                let bufs = if me == root {
+                    RawBufs::from_pair(send_buf(a.send, b, "sendbuf")?, recv)?
+                } else {
+                    // sendbuf is read at the root only.
+                    RawBufs::InPlace(recv)
+                };
+                (OpKind::Broadcast(root), bufs)
+            }
+            Coll::Reduce(op, root) => {
+                let op = op.get()?;
+                let root = rank_arg(root, n, "root")?;
+                let b = byte_len(a.count, 1, es)?;
+                let send = send_buf(a.send, b, "sendbuf")?;
+                let bufs = if me == root {
+                    RawBufs::from_pair(send, recv_buf(a.recv, b, "recvbuf")?)?
+                } else {
+                    // recvbuf is written at the root only: a non-root passes an empty output (the
+                    // communicator reads `send` and writes nothing).
+                    // An empty descriptor points at nothing.
+                    RawBufs::OutOfPlace(send, RawBufMut::from_raw(std::ptr::null_mut(), 0)?)
+                };
+                (OpKind::Reduce(op, root), bufs)
+            }
+            Coll::AllToAll => {
+                let b = byte_len(a.count, n, es)?;
+                (
+                    OpKind::AllToAll,
+                    RawBufs::from_pair(send_buf(a.send, b, "sendbuf")?, recv_buf(a.recv, b, "recvbuf")?)?,
+                )
+            }
+            Coll::Barrier => (OpKind::Barrier, RawBufs::None),
+            Coll::Send(peer) => {
+                let peer = rank_arg(peer, n, "peer")?;
+                let b = byte_len(a.count, 1, es)?;
+                (OpKind::Send(peer), RawBufs::Read(send_buf(a.send, b, "buf")?))
+            }
+            Coll::Recv(peer) => {
+                let peer = rank_arg(peer, n, "peer")?;
+                let b = byte_len(a.count, 1, es)?;
+                (OpKind::Recv(peer), RawBufs::InPlace(recv_buf(a.recv, b, "buf")?))
+            }
+        };
+        Ok(Prepared { op: RawOp { kind, dtype, bufs, opts: CallOptions::default() }, hooks })
+    }
 }
 
 /// Runs `coll` and waits for it.
@@ -232,9 +256,11 @@ pub(crate) fn prepare(comm: &Communicator, coll: Coll, a: Args) -> Result<Prepar
 /// # Safety
 /// The buffers of `a` must be valid for the lengths the call implies until it returns.
 pub(crate) unsafe fn blocking(h: &Arc<CommHandle>, coll: Coll, a: Args) -> Result<()> {
-    let p = prepare(&h.comm, coll, a)?;
+    // SAFETY: forwarded from the caller.
+    let p = unsafe { prepare(&h.comm, coll, a)? };
     if p.hooks.before.is_none() && p.hooks.after.is_none() {
-        return h.comm.run(p.op);
+        // SAFETY: forwarded from the caller; this call returns after the operation.
+        return unsafe { h.comm.run(p.op) };
     }
     // Moves within the buffer must be ordered with queued async work: go through the queue.
     // SAFETY: the buffers stay valid until this function returns, after the wait.
@@ -247,7 +273,8 @@ pub(crate) unsafe fn blocking(h: &Arc<CommHandle>, coll: Coll, a: Args) -> Resul
 /// # Safety
 /// The buffers of `a` must stay valid, and untouched by anything else, until the work completes.
 pub(crate) unsafe fn submit(h: &Arc<CommHandle>, coll: Coll, a: Args) -> Result<*mut toroid_work> {
-    let p = prepare(&h.comm, coll, a)?;
+    // SAFETY: forwarded from the caller.
+    let p = unsafe { prepare(&h.comm, coll, a)? };
     // SAFETY: forwarded from the caller.
     let work = unsafe { h.comm.submit_raw_with_hooks(p.op, None, p.hooks)? };
     let handle = WorkHandle { work, comm: Arc::downgrade(h), timeout: h.comm.timeout() };
@@ -345,7 +372,9 @@ mod tests {
             let p = buf.as_mut_ptr();
             let at = |off: usize| p.wrapping_add(off);
             let kind = |coll, a| {
-                prepare(c, coll, a).map(|p| (p.op.bufs, p.hooks.before.is_some(), p.hooks.after.is_some()))
+                // SAFETY: `buf` outlives the descriptors, which are only classified, never run.
+                unsafe { prepare(c, coll, a) }
+                    .map(|p| (p.op.bufs, p.hooks.before.is_some(), p.hooks.after.is_some()))
             };
             // reduce_scatter: NCCL's in-place form, the front form (moved after), out of place,
             // and a partial overlap.

@@ -48,8 +48,8 @@ use std::sync::atomic::{AtomicU32, Ordering, fence};
 use std::time::{Duration, Instant};
 
 use super::exchange::AbortSignal;
-use crate::collective::{FINGERPRINT_LEN, Fingerprint};
 use super::shm::Segment;
+use crate::collective::{FINGERPRINT_LEN, Fingerprint};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::reduce;
@@ -259,23 +259,23 @@ impl Window {
     }
 
     /// Bytes of my own region `buf` at `off`, for writing (nobody reads them before I post).
-    #[allow(clippy::mut_from_ref)]
-    fn mine(&self, buf: usize, off: usize, len: usize) -> &mut [u8] {
+    fn mine(&mut self, buf: usize, off: usize, len: usize) -> &mut [u8] {
         let at = self.region_offset(self.me, buf, off, len);
         // SAFETY: in bounds of the live mapping (checked); only this member writes its region,
-        // one call at a time, and readers wait for a later post (see the module docs).
+        // through `&mut self`, so one slice at a time, and readers wait for a later post (see
+        // the module docs).
         unsafe { std::slice::from_raw_parts_mut(self.seg.as_ptr().add(at), len) }
     }
 
     // --- data -----------------------------------------------------------------------------
 
     /// Copies `src` into my region `buf` at `off`.
-    pub fn put(&self, buf: usize, off: usize, src: &[u8]) {
+    pub fn put(&mut self, buf: usize, off: usize, src: &[u8]) {
         reduce::copy(self.mine(buf, off, src.len()), src);
     }
 
     /// Writes `src · factor` into my region `buf` at `off` (floating types).
-    pub fn put_scaled(&self, buf: usize, off: usize, src: &[u8], dtype: DataType, factor: f64) {
+    pub fn put_scaled(&mut self, buf: usize, off: usize, src: &[u8], dtype: DataType, factor: f64) {
         reduce::scale_into(dtype, self.mine(buf, off, src.len()), src, factor);
     }
 
