@@ -87,8 +87,25 @@ def _dtype(t: torch.Tensor) -> DataType:
     return _TYPES[t.dtype]
 
 
+def _is_store_timeout(e: BaseException) -> bool:
+    """Whether a torch store's exception is its timeout (the key is still missing), as opposed
+    to a failure of the store. torch raises DistStoreError "wait timeout after 500ms, keys: ..."
+    (TCPStore) or "Wait timeout" (HashStore; FileStore as a plain RuntimeError); a lost or dead
+    server is a DistNetworkError ("Broken pipe", "Failed to recv, got 0 bytes", "Socket
+    Timeout"), which is never a missing key."""
+    network = getattr(dist, "DistNetworkError", None)
+    if network is not None and isinstance(e, network):
+        return False
+    if not isinstance(e, RuntimeError):
+        return False
+    text = str(e).lower()
+    return "timeout" in text or "timed out" in text
+
+
 class TorchStore:
-    """A torch.distributed Store as toroid's caller-supplied store (Comm.with_store)."""
+    """A torch.distributed Store as toroid's caller-supplied store (Comm.with_store): get
+    returns None only when torch's store times out; any other failure is raised (and fails
+    the communicator's set-up with that exception)."""
 
     def __init__(self, store: dist.Store):
         self.store = store
@@ -103,8 +120,10 @@ class TorchStore:
         else:
             try:
                 self.store.wait([key], datetime.timedelta(seconds=timeout))
-            except Exception:  # torch raises on timeout: toroid sees a missing key
-                return None
+            except RuntimeError as e:
+                if _is_store_timeout(e):
+                    return None  # still missing at the deadline
+                raise
         return bytes(self.store.get(key))
 
 
