@@ -5,6 +5,7 @@ small model trained with DistributedDataParallel on both."""
 import datetime
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -237,6 +238,45 @@ def ddp(rank, size):
         close(gathered[r], flat, f"DDP parameters of rank {r}")
 
 
+def wait_timeout(rank, size):
+    """Work.wait(timeout) on an all-reduce that the last rank joins late: it raises "timed out"
+    after about the timeout, like gloo's, and the operation still completes afterwards."""
+    signal = dist.new_group(backend="gloo")  # tells the late rank to join
+    late = size - 1
+    want = sum(rand((1000,), torch.float64, 8000 + r) for r in range(size))
+    for name, group in (("toroid", None), ("gloo", GLOO)):
+        x = rand((1000,), torch.float64, 8000 + rank)
+        if rank != late:
+            w = dist.all_reduce(x, group=group, async_op=True)
+            fut = w.get_future()
+            t = time.monotonic()
+            try:
+                w.wait(timeout=datetime.timedelta(seconds=1))
+                raise AssertionError(f"{name}: wait(1 s) returned though rank {late} had not joined")
+            except RuntimeError as e:
+                dt = time.monotonic() - t
+                assert "timed out" in str(e).lower(), f"{name}: {e!r}"
+                assert 0.95 <= dt <= 4.0, f"{name}: wait(1 s) raised after {dt:.2f} s"
+            assert not w.is_completed() and (name == "gloo" or not fut.done()), name
+            dist.barrier(group=signal)
+            w.wait()
+            assert w.is_completed(), name
+            if name == "toroid":
+                assert fut.done() and fut.wait()[0] is x
+        else:
+            dist.barrier(group=signal)
+            dist.all_reduce(x, group=group)
+        close(x, want, f"{name} all_reduce completed after a timed-out wait", rtol=1e-12, atol=1e-12)
+
+    # A timeout that does not pass: wait returns.
+    x = rand((1000,), torch.float64, 8000 + rank)
+    w = dist.all_reduce(x, async_op=True)
+    assert w.wait(timeout=datetime.timedelta(seconds=60))
+    close(x, want, "all_reduce waited with a timeout", rtol=1e-12, atol=1e-12)
+
+    dist.barrier(group=signal)
+
+
 if __name__ == "__main__":
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("toroid", init_method="env://", rank=rank, world_size=size,
@@ -244,7 +284,7 @@ if __name__ == "__main__":
     assert isinstance(dist.distributed_c10d._get_default_group(), toroid.torch.ProcessGroupToroid)
     assert dist.get_backend() == "toroid"
     GLOO = dist.new_group(backend="gloo")
-    {"compare": compare, "ddp": ddp}[SCENARIO](rank, size)
+    {"compare": compare, "ddp": ddp, "wait_timeout": wait_timeout}[SCENARIO](rank, size)
     dist.barrier()
     dist.destroy_process_group()
     print(f"rank {rank}: {SCENARIO} passed ({len(checks)} comparisons with gloo)")

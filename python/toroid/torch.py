@@ -140,6 +140,15 @@ class _Output:
             self.target.copy_(src)
 
 
+def _seconds(timeout) -> Optional[float]:
+    """A Work.wait timeout in seconds; None for none: None, or <= 0 (torch passes
+    timedelta(0), its kNoTimeout, when the caller gave none)."""
+    if timeout is None:
+        return None
+    s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    return s if s > 0 else None
+
+
 class ToroidWork(dist.Work):
     """A torch Work over toroid async works: wait() blocks until they are done, get_future()
     completes when they are (set by the group's completion thread, or by wait())."""
@@ -154,6 +163,8 @@ class ToroidWork(dist.Work):
         self._future = Future()
         self._lock = threading.Lock()
         self._done = False
+        self._completed = threading.Event()  # set once _done is
+        self._deferred = False  # a send/recv of a coalescing block, not issued yet
         self._exception: Optional[BaseException] = None
 
     def _complete(self) -> None:
@@ -170,13 +181,26 @@ class ToroidWork(dist.Work):
                 self._exception = e
             self._done = True
             self._works = []
+            self._completed.set()
         if self._exception is not None:
             self._future.set_exception(self._exception)
         else:
             self._future.set_result(self._result)
 
     def wait(self, timeout=None) -> bool:
-        self._complete()
+        """Waits for completion; raises the operation's error. With a timeout (seconds or a
+        timedelta; torch's timedelta(0) means none), raises RuntimeError "Operation timed
+        out!" (what gloo's collectives raise) once it passes; the operation stays queued, like
+        gloo's, and a later wait() can still complete it."""
+        if self._deferred:
+            raise RuntimeError(f"toroid {self._name}: waited on inside a coalescing block; "
+                               "its operation is issued when the block ends")
+        seconds = _seconds(timeout)
+        if seconds is None:
+            self._complete()
+        elif not self._completed.wait(seconds):  # the group's completion thread completes it
+            raise RuntimeError(f"Operation timed out! toroid {self._name} did not complete within {seconds:g} s "
+                               "(Work.wait timeout; the operation is still pending)")
         if self._exception is not None:
             raise self._exception
         return True
