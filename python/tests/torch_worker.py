@@ -4,7 +4,9 @@ small model trained with DistributedDataParallel on both."""
 
 import datetime
 import os
+import random
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -237,6 +239,208 @@ def ddp(rank, size):
         close(gathered[r], flat, f"DDP parameters of rank {r}")
 
 
+def obj(seed):
+    """A picklable object of a size that depends on the seed (for the *_object collectives)."""
+    g = random.Random(seed)
+    return {"seed": seed, "values": [g.random() for _ in range(g.randrange(1, 200))],
+            "name": "x" * g.randrange(0, 5000), "nested": (seed, [seed] * (seed % 7))}
+
+
+def entry_points(rank, size):
+    """torch.distributed functions that pick the group's backend by device, on toroid against
+    gloo and against references computed here from every rank's seed."""
+    pg = dist.distributed_c10d._get_default_group()
+    assert torch.device("cpu") in pg._device_types
+    assert isinstance(pg._get_backend(torch.device("cpu")), toroid.torch._CpuBackend)
+
+    def ran(name, before):
+        assert pg.stats[name] > before[name], f"{name} did not run on toroid: {dict(pg.stats)}"
+
+    # all_gather_coalesced: several inputs of different shapes, per dtype.
+    for dtype in [torch.float32, torch.int64]:
+        shapes = [(5,), (3, 4), (1,), (257,)]
+
+        def inputs(r):
+            return [rand(sh, dtype, 500 + 10 * r + i) for i, sh in enumerate(shapes)]
+
+        # outs[r][i] receives rank r's input i
+        outs = {g: [[torch.empty(sh, dtype=dtype) for sh in shapes] for _ in range(size)] for g in ("toroid", "gloo")}
+        before = pg.stats.copy()
+        dist.all_gather_coalesced(outs["toroid"], inputs(rank))
+        ran("allgather_coalesced", before)
+        dist.all_gather_coalesced(outs["gloo"], inputs(rank), group=GLOO)
+        close(outs["toroid"], outs["gloo"], f"all_gather_coalesced {dtype}")
+        close(outs["toroid"], [inputs(r) for r in range(size)], f"all_gather_coalesced {dtype} reference")
+
+    # all_reduce_coalesced: several tensors, SUM and MAX.
+    for op, fold in ((dist.ReduceOp.SUM, torch.add), (dist.ReduceOp.MAX, torch.maximum)):
+        shapes = [(7,), (2, 9), (1000,)]
+
+        def inputs(r):
+            return [rand(sh, torch.float64, 700 + 10 * r + i) for i, sh in enumerate(shapes)]
+
+        a, b = inputs(rank), inputs(rank)
+        before = pg.stats.copy()
+        dist.all_reduce_coalesced(a, op=op)
+        ran("allreduce_coalesced", before)
+        dist.all_reduce_coalesced(b, op=op, group=GLOO)
+        close(a, b, f"all_reduce_coalesced {op}", rtol=1e-12, atol=1e-12)
+        want = inputs(0)
+        for r in range(1, size):
+            want = [fold(w, x) for w, x in zip(want, inputs(r))]
+        close(a, want, f"all_reduce_coalesced {op} reference", rtol=1e-12, atol=1e-12)
+
+    # batch_isend_irecv: every rank sends 8 MB to every other rank and receives as much, all
+    # sends first (a cycle of sends: it deadlocks unless the backend orders the batch).
+    def message(src, dst):
+        return rand((1 << 21) + 7 * src + dst, torch.float32, 9000 + 100 * src + dst)
+
+    peers = [p for p in range(size) if p != rank]
+    got = {}
+    for name, group in (("toroid", None), ("gloo", GLOO)):
+        bufs = {p: torch.empty_like(message(p, rank)) for p in peers}
+        ops = [dist.P2POp(dist.isend, message(rank, p), p, group=group) for p in peers]
+        ops += [dist.P2POp(dist.irecv, bufs[p], p, group=group) for p in peers]
+        before = pg.stats.copy()
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        if name == "toroid":
+            ran("coalesced", before)
+        got[name] = bufs
+    for p in peers:
+        close(got["toroid"][p], got["gloo"][p], f"batch_isend_irecv from {p}")
+        close(got["toroid"][p], message(p, rank), f"batch_isend_irecv from {p} reference")
+
+    # monitored_barrier: the last rank comes 1 s late; nobody leaves before it arrives.
+    for name, group in (("toroid", None), ("gloo", GLOO)):
+        for wait_all in (False, True):
+            if rank == size - 1:
+                time.sleep(1.0)
+            before = pg.stats.copy()
+            t = time.monotonic()
+            dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=60), wait_all_ranks=wait_all)
+            dt = time.monotonic() - t
+            if name == "toroid":
+                ran("monitored_barrier", before)
+            if rank != size - 1:
+                assert dt >= 0.9, f"{name} monitored_barrier returned after {dt:.2f} s, before the last rank came"
+            checks.append(f"monitored_barrier {name}")
+
+    # The *_object collectives, every root.
+    for root in range(size):
+        lists = {}
+        for name, group in (("toroid", None), ("gloo", GLOO)):
+            items = [obj(100 * root + i) for i in range(3)] if rank == root else [None] * 3
+            dist.broadcast_object_list(items, src=root, group=group)
+            lists[name] = items
+        assert lists["toroid"] == lists["gloo"] == [obj(100 * root + i) for i in range(3)], f"broadcast_object_list root {root}"
+        checks.append(f"broadcast_object_list root {root}")
+
+        for name, group in (("toroid", None), ("gloo", GLOO)):
+            out = [None] * size if rank == root else None
+            dist.gather_object(obj(1000 + rank), out, dst=root, group=group)
+            lists[name] = out
+        if rank == root:
+            assert lists["toroid"] == lists["gloo"] == [obj(1000 + r) for r in range(size)], f"gather_object root {root}"
+        else:
+            assert lists["toroid"] is None
+        checks.append(f"gather_object root {root}")
+
+        for name, group in (("toroid", None), ("gloo", GLOO)):
+            out = [None]
+            dist.scatter_object_list(out, [obj(2000 + r) for r in range(size)] if rank == root else None, src=root, group=group)
+            lists[name] = out
+        assert lists["toroid"] == lists["gloo"] == [obj(2000 + rank)], f"scatter_object_list root {root}"
+        checks.append(f"scatter_object_list root {root}")
+
+    lists = {}
+    for name, group in (("toroid", None), ("gloo", GLOO)):
+        out = [None] * size
+        dist.all_gather_object(out, obj(3000 + rank), group=group)
+        lists[name] = out
+    assert lists["toroid"] == lists["gloo"] == [obj(3000 + r) for r in range(size)], "all_gather_object"
+    checks.append("all_gather_object")
+
+    # new_group over subsets: even ranks and odd ranks (sizes 1 and 1, or 2 and 1).
+    evens, odds = list(range(0, size, 2)), list(range(1, size, 2))
+    subs = {"toroid": [dist.new_group(evens), dist.new_group(odds)],
+            "gloo": [dist.new_group(evens, backend="gloo"), dist.new_group(odds, backend="gloo")]}
+    members = evens if rank % 2 == 0 else odds
+    mine = {name: subs[name][rank % 2] for name in subs}
+    assert dist.get_backend(mine["toroid"]) == "toroid"
+    assert isinstance(mine["toroid"], toroid.torch.ProcessGroupToroid) and mine["toroid"].comm.size == len(members)
+    assert isinstance(mine["toroid"]._get_backend(torch.device("cpu")), toroid.torch._CpuBackend)
+    results = {}
+    for name, g in mine.items():
+        x = rand((333,), torch.float64, 4000 + rank)
+        dist.all_reduce(x, group=g)
+        outs = [[torch.empty(5, dtype=torch.int64), torch.empty(2, dtype=torch.int64)] for _ in members]
+        dist.all_gather_coalesced(outs, [rand((5,), torch.int64, 5000 + rank), rand((2,), torch.int64, 5500 + rank)], group=g)
+        items = [obj(6000 + members[-1])] if rank == members[-1] else [None]
+        dist.broadcast_object_list(items, src=members[-1], group=g)
+        results[name] = (x, outs, items)
+    close(results["toroid"][0], results["gloo"][0], "subgroup all_reduce", rtol=1e-12, atol=1e-12)
+    close(results["toroid"][0], sum(rand((333,), torch.float64, 4000 + r) for r in members), "subgroup all_reduce reference",
+          rtol=1e-12, atol=1e-12)
+    close(results["toroid"][1], results["gloo"][1], "subgroup all_gather_coalesced")
+    close(results["toroid"][1], [[rand((5,), torch.int64, 5000 + r), rand((2,), torch.int64, 5500 + r)] for r in members],
+          "subgroup all_gather_coalesced reference")
+    assert results["toroid"][2] == results["gloo"][2] == [obj(6000 + members[-1])], "subgroup broadcast_object_list"
+    checks.append("subgroup broadcast_object_list")
+
+
+def wait_timeout(rank, size):
+    """Work.wait(timeout) on an all-reduce that the last rank joins late: it raises "timed out"
+    after about the timeout, like gloo's, and the operation still completes afterwards."""
+    signal = dist.new_group(backend="gloo")  # tells the late rank to join
+    late = size - 1
+    want = sum(rand((1000,), torch.float64, 8000 + r) for r in range(size))
+    for name, group in (("toroid", None), ("gloo", GLOO)):
+        x = rand((1000,), torch.float64, 8000 + rank)
+        if rank != late:
+            w = dist.all_reduce(x, group=group, async_op=True)
+            fut = w.get_future()
+            t = time.monotonic()
+            try:
+                w.wait(timeout=datetime.timedelta(seconds=1))
+                raise AssertionError(f"{name}: wait(1 s) returned though rank {late} had not joined")
+            except RuntimeError as e:
+                dt = time.monotonic() - t
+                assert "timed out" in str(e).lower(), f"{name}: {e!r}"
+                assert 0.95 <= dt <= 4.0, f"{name}: wait(1 s) raised after {dt:.2f} s"
+            assert not w.is_completed() and (name == "gloo" or not fut.done()), name
+            dist.barrier(group=signal)
+            w.wait()
+            assert w.is_completed(), name
+            if name == "toroid":
+                assert fut.done() and fut.wait()[0] is x
+        else:
+            dist.barrier(group=signal)
+            dist.all_reduce(x, group=group)
+        close(x, want, f"{name} all_reduce completed after a timed-out wait", rtol=1e-12, atol=1e-12)
+
+    # A timeout that does not pass: wait returns.
+    x = rand((1000,), torch.float64, 8000 + rank)
+    w = dist.all_reduce(x, async_op=True)
+    assert w.wait(timeout=datetime.timedelta(seconds=60))
+    close(x, want, "all_reduce waited with a timeout", rtol=1e-12, atol=1e-12)
+
+    # monitored_barrier that a rank never enters: the others fail in about its timeout (toroid
+    # aborts that group; it is a group of its own here).
+    sub = dist.new_group(backend="toroid")
+    if rank != late:
+        t = time.monotonic()
+        try:
+            dist.monitored_barrier(group=sub, timeout=datetime.timedelta(seconds=1))
+            raise AssertionError(f"monitored_barrier passed though rank {late} never entered")
+        except toroid.ToroidError as e:
+            dt = time.monotonic() - t
+            assert isinstance(e, (toroid.TimeoutError, toroid.AbortedError, toroid.RemoteError)), repr(e)
+            assert dt <= 5.0, f"monitored_barrier(1 s) failed after {dt:.2f} s"
+        checks.append("monitored_barrier timeout")
+    dist.barrier(group=signal)
+
+
 if __name__ == "__main__":
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("toroid", init_method="env://", rank=rank, world_size=size,
@@ -244,7 +448,7 @@ if __name__ == "__main__":
     assert isinstance(dist.distributed_c10d._get_default_group(), toroid.torch.ProcessGroupToroid)
     assert dist.get_backend() == "toroid"
     GLOO = dist.new_group(backend="gloo")
-    {"compare": compare, "ddp": ddp}[SCENARIO](rank, size)
+    {"compare": compare, "ddp": ddp, "entry_points": entry_points, "wait_timeout": wait_timeout}[SCENARIO](rank, size)
     dist.barrier()
     dist.destroy_process_group()
     print(f"rank {rank}: {SCENARIO} passed ({len(checks)} comparisons with gloo)")

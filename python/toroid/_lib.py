@@ -162,39 +162,63 @@ class Config(ctypes.Structure):
     ]
 
 
+# ---- The C ABI of include/toroid.h, as tables ------------------------------------------------
+# python/tests/test_header.py parses the header and fails on any difference from these tables:
+# a function, enum member, struct field, callback type or constant missing on either side, an
+# argument count or type, a return type or a value that differs. C types map to ctypes thus:
+#   an enum (toroid_result, toroid_datatype, ...) -> c_int; int -> c_int; size_t -> c_size_t;
+#   int64_t -> c_int64; void (result) -> None; char * -> c_char_p; void * -> c_void_p;
+#   a pointer to an opaque struct (a handle: toroid_comm *, toroid_work *) -> c_void_p;
+#   a pointer to a struct of STRUCTS -> POINTER(its class); a callback typedef -> its CFUNCTYPE;
+#   any other T * -> POINTER(T's ctype) (so toroid_comm ** -> POINTER(c_void_p)).
+# `const` does not change the ctype.
+
+# enum name -> IntEnum whose members are the C enumerators without the "TOROID_" prefix.
+ENUMS = {"toroid_result": Result, "toroid_datatype": DataType, "toroid_redop": ReduceOp}
+# #define name -> value.
+CONSTANTS = {"TOROID_SPLIT_NOCOLOR": SPLIT_NOCOLOR}
+# Opaque structs: only ever handled through pointers (c_void_p here).
+OPAQUE = ("toroid_comm", "toroid_work")
+# struct name -> ctypes.Structure with the same fields in the same order.
+STRUCTS = {"toroid_config": Config, "toroid_store_ops": StoreOps}
+# function-pointer typedef -> CFUNCTYPE.
+CALLBACKS = {"toroid_store_set_fn": STORE_SET, "toroid_store_get_fn": STORE_GET}
+
 _P = c_void_p  # opaque handles and buffers
-_PP = ctypes.POINTER(c_void_p)
-_SIGNATURES = {
-    "toroid_comm_init_env": (c_int, [_PP]),
-    "toroid_comm_init": (c_int, [_PP, ctypes.POINTER(Config)]),
-    "toroid_comm_init_with_store": (c_int, [_PP, c_int, c_int, ctypes.POINTER(StoreOps), _P]),
-    "toroid_comm_split": (c_int, [_P, c_int, c_int, _PP]),
-    "toroid_comm_rank": (c_int, [_P, ctypes.POINTER(c_int)]),
-    "toroid_comm_size": (c_int, [_P, ctypes.POINTER(c_int)]),
-    "toroid_comm_abort": (c_int, [_P]),
-    "toroid_comm_destroy": (c_int, [_P]),
-    "toroid_all_reduce": (c_int, [_P, _P, _P, c_size_t, c_int, c_int]),
-    "toroid_reduce_scatter": (c_int, [_P, _P, _P, c_size_t, c_int, c_int]),
-    "toroid_all_gather": (c_int, [_P, _P, _P, c_size_t, c_int]),
-    "toroid_broadcast": (c_int, [_P, _P, _P, c_size_t, c_int, c_int]),
-    "toroid_reduce": (c_int, [_P, _P, _P, c_size_t, c_int, c_int, c_int]),
-    "toroid_all_to_all": (c_int, [_P, _P, _P, c_size_t, c_int]),
-    "toroid_barrier": (c_int, [_P]),
-    "toroid_send": (c_int, [_P, _P, c_size_t, c_int, c_int]),
-    "toroid_recv": (c_int, [_P, _P, c_size_t, c_int, c_int]),
-    "toroid_all_reduce_async": (c_int, [_P, _P, _P, c_size_t, c_int, c_int, _PP]),
-    "toroid_reduce_scatter_async": (c_int, [_P, _P, _P, c_size_t, c_int, c_int, _PP]),
-    "toroid_all_gather_async": (c_int, [_P, _P, _P, c_size_t, c_int, _PP]),
-    "toroid_broadcast_async": (c_int, [_P, _P, _P, c_size_t, c_int, c_int, _PP]),
-    "toroid_reduce_async": (c_int, [_P, _P, _P, c_size_t, c_int, c_int, c_int, _PP]),
-    "toroid_all_to_all_async": (c_int, [_P, _P, _P, c_size_t, c_int, _PP]),
-    "toroid_barrier_async": (c_int, [_P, _PP]),
-    "toroid_send_async": (c_int, [_P, _P, c_size_t, c_int, c_int, _PP]),
-    "toroid_recv_async": (c_int, [_P, _P, c_size_t, c_int, c_int, _PP]),
-    "toroid_work_wait": (c_int, [_P, c_int64]),
-    "toroid_work_test": (c_int, [_P, ctypes.POINTER(c_int)]),
+_PP = ctypes.POINTER(c_void_p)  # where a handle is written
+_E = c_int  # an enum (toroid_result, toroid_datatype, toroid_redop)
+# function -> (restype, argtypes): every function of the header.
+SIGNATURES = {
+    "toroid_comm_init_env": (_E, [_PP]),
+    "toroid_comm_init": (_E, [_PP, ctypes.POINTER(Config)]),
+    "toroid_comm_init_with_store": (_E, [_PP, c_int, c_int, ctypes.POINTER(StoreOps), _P]),
+    "toroid_comm_split": (_E, [_P, c_int, c_int, _PP]),
+    "toroid_comm_rank": (_E, [_P, ctypes.POINTER(c_int)]),
+    "toroid_comm_size": (_E, [_P, ctypes.POINTER(c_int)]),
+    "toroid_comm_abort": (_E, [_P]),
+    "toroid_comm_destroy": (_E, [_P]),
+    "toroid_all_reduce": (_E, [_P, _P, _P, c_size_t, _E, _E]),
+    "toroid_reduce_scatter": (_E, [_P, _P, _P, c_size_t, _E, _E]),
+    "toroid_all_gather": (_E, [_P, _P, _P, c_size_t, _E]),
+    "toroid_broadcast": (_E, [_P, _P, _P, c_size_t, _E, c_int]),
+    "toroid_reduce": (_E, [_P, _P, _P, c_size_t, _E, _E, c_int]),
+    "toroid_all_to_all": (_E, [_P, _P, _P, c_size_t, _E]),
+    "toroid_barrier": (_E, [_P]),
+    "toroid_send": (_E, [_P, _P, c_size_t, _E, c_int]),
+    "toroid_recv": (_E, [_P, _P, c_size_t, _E, c_int]),
+    "toroid_all_reduce_async": (_E, [_P, _P, _P, c_size_t, _E, _E, _PP]),
+    "toroid_reduce_scatter_async": (_E, [_P, _P, _P, c_size_t, _E, _E, _PP]),
+    "toroid_all_gather_async": (_E, [_P, _P, _P, c_size_t, _E, _PP]),
+    "toroid_broadcast_async": (_E, [_P, _P, _P, c_size_t, _E, c_int, _PP]),
+    "toroid_reduce_async": (_E, [_P, _P, _P, c_size_t, _E, _E, c_int, _PP]),
+    "toroid_all_to_all_async": (_E, [_P, _P, _P, c_size_t, _E, _PP]),
+    "toroid_barrier_async": (_E, [_P, _PP]),
+    "toroid_send_async": (_E, [_P, _P, c_size_t, _E, c_int, _PP]),
+    "toroid_recv_async": (_E, [_P, _P, c_size_t, _E, c_int, _PP]),
+    "toroid_work_wait": (_E, [_P, c_int64]),
+    "toroid_work_test": (_E, [_P, ctypes.POINTER(c_int)]),
     "toroid_work_free": (None, [_P]),
-    "toroid_get_error_string": (c_char_p, [c_int]),
+    "toroid_get_error_string": (c_char_p, [_E]),
     "toroid_get_last_error": (c_char_p, [_P]),
     "toroid_version": (c_char_p, []),
 }
@@ -232,7 +256,7 @@ def lib() -> ctypes.CDLL:
                     "checkout, or set TOROID_LIBRARY=/path/to/libtoroid.so"
                 )
             loaded = ctypes.CDLL(str(candidates[0]))
-            for name, (restype, argtypes) in _SIGNATURES.items():
+            for name, (restype, argtypes) in SIGNATURES.items():
                 fn = getattr(loaded, name)
                 fn.restype = restype
                 fn.argtypes = argtypes

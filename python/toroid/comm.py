@@ -51,7 +51,9 @@ class Store(Protocol):
     def set(self, key: str, value: bytes) -> None: ...
 
     def get(self, key: str, timeout: float) -> Optional[bytes]:
-        """The value, waiting up to `timeout` seconds (0: do not wait); None when missing."""
+        """The value, waiting up to `timeout` seconds (0: do not wait); None when the key is
+        still missing then. Raise when the store itself fails (a lost connection, a dead
+        server): that is an error, not a missing key, and Comm.with_store raises it."""
         ...
 
 
@@ -154,10 +156,17 @@ class Comm:
 
     @classmethod
     def with_store(cls, rank: int, size: int, store: Store) -> "Comm":
-        """Meets the other ranks through `store` (set/get, see `Store`): no port of toroid's own."""
+        """Meets the other ranks through `store` (set/get, see `Store`): no port of toroid's own.
+
+        A store that raises (rather than reporting a missing key with None) fails the set-up at
+        once: the callbacks protocol has only "failed" to tell toroid, so after the first
+        exception every later callback fails without touching the store, toroid gives up, and
+        the store's own exception is raised here (with toroid's error as its context)."""
         errors: list[BaseException] = []
 
         def on_set(_ctx, key, value, length):
+            if errors:
+                return 1
             try:
                 store.set(key.decode(), ctypes.string_at(value, length) if length else b"")
                 return 0
@@ -166,10 +175,12 @@ class Comm:
                 return 1
 
         def on_get(_ctx, key, value, cap, length, timeout_ms):
+            if errors:
+                return 1
             try:
                 v = store.get(key.decode(), timeout_ms / 1000.0)
                 if v is None:
-                    return 1
+                    return 1  # missing at the deadline
                 v = bytes(v)
                 ctypes.memmove(value, v, min(len(v), cap))
                 length[0] = len(v)
@@ -183,9 +194,9 @@ class Comm:
         code = _lib.lib().toroid_comm_init_with_store(ctypes.byref(out), rank, size, ctypes.byref(ops), None)
         try:
             check("toroid_comm_init_with_store", code)
-        except _lib.ToroidError as e:
+        except _lib.ToroidError:
             if errors:
-                raise e from errors[-1]
+                raise errors[0]  # the store failed: its error, not toroid's "missing key"
             raise
         return cls(out.value)
 

@@ -4,22 +4,28 @@
     import toroid.torch                         # registers the backend
     dist.init_process_group("toroid")           # env:// (torchrun) or any init_method
 
-`ProcessGroupToroid` is a Python subclass of `dist.ProcessGroup` (the pattern of torch's
-test/distributed/test_c10d_pypg.py). It bootstraps through the store torch hands to every
-backend (toroid_comm_init_with_store with ctypes callbacks: no port of its own) and runs every
-collective as a toroid async call; the returned Work completes its torch Future when toroid's
-work completes, so DistributedDataParallel overlaps gradient all-reduce with backward.
+`ProcessGroupToroid` is a Python subclass of torch's c10d `Backend` (as ProcessGroupGloo is),
+registered for the "cpu" device: torch wraps it in a ProcessGroup, so every torch.distributed
+entry point that picks a backend by device (all_gather_coalesced, batch_isend_irecv,
+monitored_barrier, the *_object collectives, ...) finds it. It bootstraps through the store
+torch hands to every backend (toroid_comm_init_with_store with ctypes callbacks: no port of its
+own) and runs every collective as a toroid async call; the returned Work completes its torch
+Future when toroid's work completes, so DistributedDataParallel overlaps gradient all-reduce
+with backward. Work.wait(timeout) honours its timeout.
 
 Supported: all_reduce (SUM, PRODUCT, MIN, MAX, AVG; complex SUM/AVG as pairs of reals),
-broadcast, reduce, all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor,
-all_to_all_single (uneven splits too), all_to_all, gather, scatter, barrier, send/recv (tags are
-ignored: messages between two ranks match in issue order), the coalesced forms; CPU tensors of
-int8, uint8, int32, int64, uint32, uint64, float16, bfloat16, float32, float64.
-Not supported: BAND/BOR/BXOR/PREMUL_SUM, recv from any source, CUDA tensors.
+broadcast, reduce, all_gather, all_gather_into_tensor, all_gather_coalesced, reduce_scatter,
+reduce_scatter_tensor, all_to_all_single (uneven splits too), all_to_all, gather, scatter
+(gather by all-gather, scatter by broadcast), barrier, monitored_barrier (a barrier with a
+deadline; it names one missing rank), send/recv (tags are ignored: messages between two ranks
+match in issue order), batch_isend_irecv (ordered so that it cannot deadlock), the coalesced
+forms; CPU tensors of int8, uint8, int32, int64, uint32, uint64, float16, bfloat16, float32,
+float64. Not supported: BAND/BOR/BXOR/PREMUL_SUM, recv from any source, CUDA tensors.
 
 Like every toroid call, operations of one process group run in issue order on one queue: a
 send waits for its receiver, so pair sends and receives so that no cycle of ranks all sends
-first with large messages (for example even ranks send first, odd ranks receive first).
+first with large messages (for example even ranks send first, odd ranks receive first), or use
+batch_isend_irecv, which orders them itself.
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ import collections
 import datetime
 import queue
 import threading
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch.futures import Future
 
 from . import _lib
@@ -87,8 +95,25 @@ def _dtype(t: torch.Tensor) -> DataType:
     return _TYPES[t.dtype]
 
 
+def _is_store_timeout(e: BaseException) -> bool:
+    """Whether a torch store's exception is its timeout (the key is still missing), as opposed
+    to a failure of the store. torch raises DistStoreError "wait timeout after 500ms, keys: ..."
+    (TCPStore) or "Wait timeout" (HashStore; FileStore as a plain RuntimeError); a lost or dead
+    server is a DistNetworkError ("Broken pipe", "Failed to recv, got 0 bytes", "Socket
+    Timeout"), which is never a missing key."""
+    network = getattr(dist, "DistNetworkError", None)
+    if network is not None and isinstance(e, network):
+        return False
+    if not isinstance(e, RuntimeError):
+        return False
+    text = str(e).lower()
+    return "timeout" in text or "timed out" in text
+
+
 class TorchStore:
-    """A torch.distributed Store as toroid's caller-supplied store (Comm.with_store)."""
+    """A torch.distributed Store as toroid's caller-supplied store (Comm.with_store): get
+    returns None only when torch's store times out; any other failure is raised (and fails
+    the communicator's set-up with that exception)."""
 
     def __init__(self, store: dist.Store):
         self.store = store
@@ -103,8 +128,10 @@ class TorchStore:
         else:
             try:
                 self.store.wait([key], datetime.timedelta(seconds=timeout))
-            except Exception:  # torch raises on timeout: toroid sees a missing key
-                return None
+            except RuntimeError as e:
+                if _is_store_timeout(e):
+                    return None  # still missing at the deadline
+                raise
         return bytes(self.store.get(key))
 
 
@@ -121,6 +148,15 @@ class _Output:
             self.target.copy_(src)
 
 
+def _seconds(timeout) -> Optional[float]:
+    """A Work.wait timeout in seconds; None for none: None, or <= 0 (torch passes
+    timedelta(0), its kNoTimeout, when the caller gave none)."""
+    if timeout is None:
+        return None
+    s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    return s if s > 0 else None
+
+
 class ToroidWork(dist.Work):
     """A torch Work over toroid async works: wait() blocks until they are done, get_future()
     completes when they are (set by the group's completion thread, or by wait())."""
@@ -135,6 +171,8 @@ class ToroidWork(dist.Work):
         self._future = Future()
         self._lock = threading.Lock()
         self._done = False
+        self._completed = threading.Event()  # set once _done is
+        self._deferred = False  # a send/recv of a coalescing block, not issued yet
         self._exception: Optional[BaseException] = None
 
     def _complete(self) -> None:
@@ -151,13 +189,26 @@ class ToroidWork(dist.Work):
                 self._exception = e
             self._done = True
             self._works = []
+            self._completed.set()
         if self._exception is not None:
             self._future.set_exception(self._exception)
         else:
             self._future.set_result(self._result)
 
     def wait(self, timeout=None) -> bool:
-        self._complete()
+        """Waits for completion; raises the operation's error. With a timeout (seconds or a
+        timedelta; torch's timedelta(0) means none), raises RuntimeError "Operation timed
+        out!" (what gloo's collectives raise) once it passes; the operation stays queued, like
+        gloo's, and a later wait() can still complete it."""
+        if self._deferred:
+            raise RuntimeError(f"toroid {self._name}: waited on inside a coalescing block; "
+                               "its operation is issued when the block ends")
+        seconds = _seconds(timeout)
+        if seconds is None:
+            self._complete()
+        elif not self._completed.wait(seconds):  # the group's completion thread completes it
+            raise RuntimeError(f"Operation timed out! toroid {self._name} did not complete within {seconds:g} s "
+                               "(Work.wait timeout; the operation is still pending)")
         if self._exception is not None:
             raise self._exception
         return True
@@ -189,9 +240,14 @@ class ProcessGroupToroid(dist.ProcessGroup):
         self._timeout_s = timeout.total_seconds() if timeout else None
         self._comm = Comm.with_store(rank, size, TorchStore(store))
         self.stats: collections.Counter = collections.Counter()  # operations issued, by name
+        self._coalesced: Optional[list] = None  # send/recv recorded in a coalescing block
         self._queue: "queue.Queue[Optional[ToroidWork]]" = queue.Queue()
         self._thread = threading.Thread(target=self._completer, name=f"toroid-pg-r{rank}", daemon=True)
         self._thread.start()
+        # The group's backend for the CPU device, for the entry points that look one up.
+        kind = dist.Backend.backend_type_map.get(BACKEND, dist.ProcessGroup.BackendType.CUSTOM)
+        self._register_backend(torch.device("cpu"), kind, _CpuBackend(self, rank, size))
+        self._set_default_backend(kind)
 
     # The completion thread: toroid runs a group's operations in issue order, so completing the
     # works in FIFO order is what they finish in.
@@ -280,11 +336,14 @@ class ProcessGroupToroid(dist.ProcessGroup):
         w = self._comm.all_gather_ptr(src.data_ptr(), o.buf.data_ptr(), src.numel(), _dtype(src), True, (src, o.buf))
         return w, o
 
-    def allgather(self, output_tensors, input_tensors, opts=None):
+    def _allgather_lists(self, output_lists, input_tensors, name: str):
+        """all_gather of each input into its list of size outputs (one toroid all-gather each)."""
+        if len(output_lists) != len(input_tensors):
+            raise ValueError(f"{name}: {len(output_lists)} output lists for {len(input_tensors)} inputs")
         works, finishers = [], []
-        for outs, inp in zip(output_tensors, input_tensors):
+        for outs, inp in zip(output_lists, input_tensors):
             if len(outs) != self.size():
-                raise ValueError(f"all_gather needs {self.size()} output tensors, got {len(outs)}")
+                raise ValueError(f"{name} needs {self.size()} output tensors per input, got {len(outs)}")
             tmp = torch.empty((self.size(),) + tuple(inp.shape), dtype=inp.dtype)
             w, o = self._gather_into(tmp, inp)
             works.append(w)
@@ -294,7 +353,19 @@ class ProcessGroupToroid(dist.ProcessGroup):
                     out.copy_(tmp[r].view_as(out))
 
             finishers.append(finish)
-        return self._work(works, output_tensors, lambda: [f() for f in finishers], "allgather")
+        return self._work(works, output_lists, lambda: [f() for f in finishers], name)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        return self._allgather_lists(output_tensors, input_tensors, "allgather")
+
+    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        """output_lists[r][i] receives rank r's input i (gloo's layout: one list per rank)."""
+        if len(output_lists) != self.size():
+            raise ValueError(f"allgather_coalesced needs {self.size()} output lists (one per rank), got {len(output_lists)}")
+        if any(len(outs) != len(input_tensors) for outs in output_lists):
+            raise ValueError(f"allgather_coalesced: every output list needs {len(input_tensors)} tensors (one per input)")
+        per_input = [[outs[i] for outs in output_lists] for i in range(len(input_tensors))]
+        return self._allgather_lists(per_input, input_tensors, "allgather_coalesced")
 
     def all_gather_single(self, output, input, opts=None):
         w, o = self._gather_into(output, input)
@@ -432,23 +503,106 @@ class ProcessGroupToroid(dist.ProcessGroup):
     def barrier(self, opts=None):
         return self._work([self._comm.barrier(async_op=True)], None, None, "barrier")
 
-    def send(self, tensors, dstRank, tag=0):
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False) -> None:
+        """A toroid barrier waited on for `timeout` (a timedelta; None or unset: the group's
+        timeout). If a rank does not arrive in time, toroid aborts the group (as at every toroid
+        deadline) and raises toroid.TimeoutError naming the rank it waited for. Unlike gloo it
+        names one missing rank, not all of them, whatever wait_all_ranks says."""
+        seconds = _seconds(timeout)
+        self.stats["monitored_barrier"] += 1
+        self._comm.barrier(async_op=True).wait(seconds if seconds is not None else self._timeout_s)
+
+    def _send(self, tensors, dst: int) -> list:
         works = []
         for t in tensors:
             src = _flat(t.contiguous())
-            works.append(self._comm.send_ptr(src.data_ptr(), src.numel(), _dtype(src), dstRank, True, (src,)))
-        return self._work(works, tensors, None, "send")
+            works.append(self._comm.send_ptr(src.data_ptr(), src.numel(), _dtype(src), dst, True, (src,)))
+        return works
 
-    def recv(self, tensors, srcRank, tag=0):
+    def _recv(self, tensors, src: int):
         works, outs = [], []
         for t in tensors:
             o = _Output(t)
-            works.append(self._comm.recv_ptr(o.buf.data_ptr(), o.buf.numel(), _dtype(o.buf), srcRank, True, (o.buf,)))
+            works.append(self._comm.recv_ptr(o.buf.data_ptr(), o.buf.numel(), _dtype(o.buf), src, True, (o.buf,)))
             outs.append(o)
-        return self._work(works, tensors, lambda: [o.copy_back() for o in outs], "recv")
+        return works, lambda: [o.copy_back() for o in outs]
+
+    def send(self, tensors, dstRank, tag=0):
+        if self._coalesced is not None:
+            return self._defer("send", tensors, dstRank)
+        return self._work(self._send(tensors, dstRank), tensors, None, "send")
+
+    def recv(self, tensors, srcRank, tag=0):
+        if self._coalesced is not None:
+            return self._defer("recv", tensors, srcRank)
+        works, finish = self._recv(tensors, srcRank)
+        return self._work(works, tensors, finish, "recv")
 
     def recv_anysource(self, tensors, tag=0):
         raise ValueError("the toroid backend does not support recv from any source")
+
+    # ---- coalescing (batch_isend_irecv) ----------------------------------------------------
+    # Between start_coalescing and end_coalescing (torch's _coalescing_manager, which
+    # batch_isend_irecv uses when supports_coalescing is true), send and recv are recorded and
+    # issued at the end in an order every rank agrees on, so that a batch never deadlocks on
+    # toroid's one-operation-at-a-time queue (a send waits for its receiver): by peer pair
+    # (lower rank, higher rank) ascending, within a pair first the lower rank's messages to the
+    # higher, then the other way, each direction in issue order. At any moment the smallest
+    # pair left has both its ranks at it, so the batch always progresses. Collectives called
+    # inside a block are issued at once, not deferred.
+
+    def start_coalescing(self, device=None) -> None:  # (device: from ProcessGroup._start_coalescing)
+        if self._coalesced is not None:
+            raise RuntimeError("toroid: start_coalescing inside a coalescing block")
+        self._coalesced = []
+
+    def _defer(self, kind: str, tensors, peer: int) -> ToroidWork:
+        w = ToroidWork(self, [], tensors, None, kind)
+        w._deferred = True
+        self._coalesced.append((kind, list(tensors), peer, w))
+        return w
+
+    def end_coalescing(self, device=None):
+        ops, self._coalesced = self._coalesced, None
+        if ops is None:
+            raise RuntimeError("toroid: end_coalescing without start_coalescing")
+        if not ops:
+            return None
+        me = self.rank()
+
+        def order(item):
+            i, (kind, _, peer, _) = item
+            lo, hi = min(me, peer), max(me, peer)
+            return (lo, hi, 0 if (kind == "send") == (me == lo) else 1, i)
+
+        issued = []
+        try:
+            for _, (kind, tensors, peer, w) in sorted(enumerate(ops), key=order):
+                if kind == "send":
+                    works, finish = self._send(tensors, peer), None
+                else:
+                    works, finish = self._recv(tensors, peer)
+                w._works, w._finish, w._deferred = works, finish, False
+                issued.append(w)
+        finally:
+            for _, _, _, w in ops:  # (queued even if a later op failed to issue: they complete)
+                if w in issued:
+                    self.stats[w._name] += 1
+                    self._queue.put(w)
+                else:
+                    w._deferred = False
+                    w._exception = RuntimeError(f"toroid {w._name}: not issued (an earlier operation of its batch failed)")
+                    w._done = True
+                    w._completed.set()
+                    w._future.set_exception(w._exception)
+
+        def finish():
+            for w in issued:
+                w._complete()
+                if w._exception is not None:
+                    raise w._exception
+
+        return self._work([], [t for _, ts, _, _ in ops for t in ts], finish, "coalesced")
 
     # ---- life cycle --------------------------------------------------------------------------
 
@@ -468,6 +622,61 @@ class ProcessGroupToroid(dist.ProcessGroup):
             self.shutdown()
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
+
+
+class _CpuBackend(_C10dBackend):
+    """The c10d Backend that a ProcessGroupToroid registers for the "cpu" device: torch's C++
+    ProcessGroup looks a backend up by device for the entry points that a Python ProcessGroup
+    does not override (batch_isend_irecv's coalescing, monitored_barrier, ...). Every call goes
+    to the group's own method. The group itself stays what torch.distributed returns, so its
+    collectives hand back ToroidWork objects directly (torch's wrapper around a Python
+    backend's works forwards only wait() and get_future(): is_completed() would stay False)."""
+
+    def __init__(self, pg: ProcessGroupToroid, rank: int, size: int):
+        super().__init__(rank, size)
+        self._pg = weakref.ref(pg)  # (the group holds this backend: no cycle)
+
+    def _group(self) -> ProcessGroupToroid:
+        pg = self._pg()
+        if pg is None:
+            raise RuntimeError("the toroid process group of this backend was destroyed")
+        return pg
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    @property
+    def supports_coalescing(self) -> bool:
+        return True  # batch_isend_irecv records its send/recv and issues them in a safe order
+
+    def monitored_barrier(self, opts, wait_all_ranks=False) -> None:
+        timeout = getattr(opts, "timeout", None)
+        self._group().monitored_barrier(timeout, wait_all_ranks)
+
+    def abort(self) -> None:
+        pg = self._pg()
+        if pg is not None:
+            pg.abort()
+
+    def shutdown(self) -> None:
+        pg = self._pg()
+        if pg is not None:
+            pg.shutdown()
+
+
+def _forward(name: str):
+    def method(self, *args):
+        return getattr(self._group(), name)(*args)
+
+    method.__name__ = name
+    return method
+
+
+for _name in ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "all_gather_single",
+              "allgather_coalesced", "all_gather_single_coalesced", "gather", "scatter", "reduce_scatter",
+              "reduce_scatter_single", "reduce_scatter_single_coalesced", "all_to_all_single", "alltoall", "send",
+              "recv", "recv_anysource", "barrier", "start_coalescing", "end_coalescing"):
+    setattr(_CpuBackend, _name, _forward(_name))
 
 
 def _create(store, rank, size, timeout=None, *args, **kwargs) -> ProcessGroupToroid:
