@@ -17,6 +17,7 @@
 //! | all_reduce, reduce_scatter, all_gather, broadcast (one host) | `shm_direct` (loads and stores in a shared window) |
 
 pub mod broadcast;
+pub mod dispatch;
 pub mod doubling;
 pub mod halving_doubling;
 pub mod hierarchical;

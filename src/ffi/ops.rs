@@ -247,7 +247,10 @@ pub(crate) unsafe fn prepare(comm: &Communicator, coll: Coll, a: Args) -> Result
                 (OpKind::Recv(peer), RawBufs::InPlace(recv_buf(a.recv, b, "buf")?))
             }
         };
-        Ok(Prepared { op: RawOp { kind, dtype, bufs, opts: CallOptions::default() }, hooks })
+        let op = RawOp { kind, dtype, bufs, opts: CallOptions::default() };
+        // The same checks as every Rust call, so both report the same errors.
+        crate::comm::validate(&op, me, n, comm.has_shared_window())?;
+        Ok(Prepared { op, hooks })
     }
 }
 

@@ -1,0 +1,90 @@
+//! From an operation to the algorithm that runs it: the one place that maps an [`OpKind`] and
+//! a chosen [`Algorithm`] to an algorithm function. A new algorithm is added here, in its own
+//! file beside this one, and in `tuning.rs` (its cost and when to choose it).
+
+use super::{Group, Scratch, Wire};
+use crate::collective::{Algorithm, Bufs, OpKind};
+use crate::dtype::DataType;
+use crate::error::{Error, Result};
+use crate::topology::Layout;
+
+/// One validated operation, with its buffers as slices.
+#[derive(Debug)]
+pub struct Call<'a> {
+    /// What to do.
+    pub kind: OpKind,
+    /// Element type.
+    pub dtype: DataType,
+    /// The algorithm chosen for it (by the cost model, `TOROID_ALGO` or the caller).
+    pub algo: Algorithm,
+    /// Input and output (`None` for a barrier, a send, and a non-root's reduce without output).
+    pub bufs: Option<Bufs<'a>>,
+    /// The input alone (a send; a non-root's reduce without output).
+    pub input: Option<&'a [u8]>,
+}
+
+/// Runs `call` over `wire` (the probe is not an algorithm: the communicator runs it).
+pub fn run(wire: &mut Wire<'_>, scratch: &mut Scratch, layout: &Layout, call: Call<'_>) -> Result<()> {
+    let n = wire.size();
+    let me = wire.rank();
+    let Call { kind, dtype, algo, bufs, input } = call;
+    let need = || Error::Internal(format!("{kind:?} without the buffers it needs"));
+    if algo == Algorithm::ShmDirect {
+        let bufs = bufs.ok_or_else(need)?;
+        return match kind {
+            OpKind::AllReduce(rop) => super::intra::all_reduce(wire, bufs, dtype, rop),
+            OpKind::ReduceScatter(rop) => super::intra::reduce_scatter(wire, bufs, dtype, rop),
+            OpKind::AllGather | OpKind::SplitExchange => super::intra::all_gather(wire, bufs),
+            OpKind::Broadcast(root) => super::intra::broadcast(wire, bufs, root),
+            _ => Err(Error::Internal(format!("shm_direct cannot run {kind:?}"))),
+        };
+    }
+    match kind {
+        OpKind::AllReduce(rop) => {
+            let bufs = bufs.ok_or_else(need)?;
+            match algo {
+                Algorithm::Doubling => super::doubling::all_reduce(wire, scratch, bufs, dtype, rop),
+                Algorithm::HalvingDoubling => super::halving_doubling::all_reduce(wire, bufs, dtype, rop),
+                Algorithm::HierarchicalRing => {
+                    super::hierarchical::all_reduce(wire, layout, bufs, dtype, rop)
+                }
+                Algorithm::Torus2d => super::torus2d::all_reduce(wire, layout, bufs, dtype, rop),
+                _ => super::ring::all_reduce(wire, Group::World(n), me, bufs, dtype, rop, n),
+            }
+        }
+        OpKind::ReduceScatter(rop) => {
+            let bufs = bufs.ok_or_else(need)?;
+            super::ring::reduce_scatter(wire, scratch, Group::World(n), me, bufs, dtype, rop, n)
+        }
+        OpKind::AllGather | OpKind::SplitExchange => {
+            let buf = match bufs.ok_or_else(need)? {
+                Bufs::InPlace(b) => b,
+                Bufs::OutOfPlace { send, recv } => {
+                    let piece = send.len();
+                    recv[me * piece..(me + 1) * piece].copy_from_slice(send);
+                    recv
+                }
+            };
+            let count = buf.len() / dtype.size();
+            super::ring::all_gather_phase(wire, Group::World(n), me, count, dtype.size(), buf, 0)
+        }
+        OpKind::Broadcast(root) => super::broadcast::broadcast(wire, algo, bufs.ok_or_else(need)?, root),
+        OpKind::Reduce(rop, root) => {
+            let bufs = match (bufs, input) {
+                (Some(b), _) => b,
+                // A non-root may pass no output at all.
+                (None, Some(send)) => Bufs::OutOfPlace { send, recv: &mut [] },
+                (None, None) => return Err(need()),
+            };
+            super::broadcast::reduce(wire, scratch, algo, bufs, dtype, rop, root)
+        }
+        OpKind::AllToAll => super::pairwise::all_to_all(wire, scratch, bufs.ok_or_else(need)?),
+        OpKind::Barrier => super::pairwise::barrier(wire),
+        OpKind::Send(peer) => super::pairwise::send(wire, input.ok_or_else(need)?, peer),
+        OpKind::Recv(peer) => match bufs.ok_or_else(need)? {
+            Bufs::InPlace(b) => super::pairwise::recv(wire, b, peer),
+            Bufs::OutOfPlace { .. } => Err(need()),
+        },
+        OpKind::Probe => Err(Error::Internal("the probe is run by the communicator".into())),
+    }
+}

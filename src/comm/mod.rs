@@ -1,0 +1,319 @@
+//! The communicator: rank, size, connected peers, an ordered work queue, split and abort.
+//!
+//! Operations run in the order they are issued, as on a CUDA stream. A blocking call runs on
+//! the caller's thread when nothing is queued (no thread hop on the latency path); otherwise it
+//! queues behind the async work and waits. Async calls return a [`Work`] and run on the
+//! communicator's one worker thread, started on first use.
+//!
+//! Any failure while communicating (a peer that died, a deadline, a mismatched collective)
+//! aborts the communicator: abort frames tell every peer, every link is closed, queued work
+//! fails, and later calls fail fast with [`Error::Aborted`]. Argument errors found before any
+//! byte moves leave it usable.
+
+mod api;
+mod queue;
+mod setup;
+mod validate;
+
+pub use api::OwnedBuffer;
+pub use queue::{Hook, Hooks, Work};
+pub(crate) use validate::validate;
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::algorithm::{self, Scratch, Wire};
+use crate::collective::{Algorithm, Bufs, CallOptions, CollKind, Fingerprint, OpKind};
+use crate::config::Config;
+use crate::dtype::{DataType, ReduceOp};
+use crate::error::{Error, Result};
+use crate::memory::RawBufs;
+use crate::rendezvous::Store;
+use crate::topology::{Layout, Topology};
+use crate::transport::exchange::AbortSignal;
+use crate::transport::{Peers, tcp};
+use crate::tuning::{self, AlgoFilter, CostModel, Shape};
+use queue::Queue;
+
+/// One operation with its buffers, ready to validate and run.
+#[derive(Debug, Clone, Copy)]
+pub struct RawOp {
+    /// What to do.
+    pub kind: OpKind,
+    /// Element type.
+    pub dtype: DataType,
+    /// The buffers.
+    pub bufs: RawBufs,
+    /// Per-call options.
+    pub opts: CallOptions,
+}
+
+struct Engine {
+    peers: Peers,
+    scratch: Scratch,
+    /// Collective sequence number (every rank counts the same).
+    seq: u64,
+    /// Point-to-point sequence numbers, per peer and direction.
+    sent: Vec<u64>,
+    received: Vec<u64>,
+    splits: u64,
+}
+
+/// The shared state of a communicator (owned by the handle and its worker thread).
+struct Core {
+    rank: usize,
+    size: usize,
+    id: u64,
+    timeout: Duration,
+    filter: AlgoFilter,
+    config: Config,
+    topology: Topology,
+    layout: Layout,
+    /// The cost model and shape every choice uses: the untuned defaults until the probe (or
+    /// `TOROID_COST_MODEL`) sets them, identically on every rank.
+    tuning: std::sync::OnceLock<(CostModel, Shape)>,
+    untuned: (CostModel, Shape),
+    /// Sizes whose algorithm choice was already logged (log once per collective and size class).
+    logged: Mutex<std::collections::HashSet<(CollKind, u32, Algorithm)>>,
+    iface: tcp::Interface,
+    abort: Arc<AbortSignal>,
+    /// Every rank is on this host and maps the shared window (`shm_direct` can run).
+    has_window: bool,
+    engine: Mutex<Engine>,
+    queue: Mutex<Queue>,
+    queue_cv: Condvar,
+    last_error: Mutex<Option<String>>,
+    /// Rank 0 serves the TCP store; keep it alive while the communicator lives.
+    _store: Option<Arc<dyn Store>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section leaves its state consistent before anything can panic.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A group of ranks that run collectives together.
+///
+/// ```no_run
+/// use toroid::{Communicator, ReduceOp};
+/// let comm = Communicator::from_env()?;           // TOROID_* / torchrun / Slurm / MPI
+/// let mut grads = vec![1.0f32; 1 << 20];
+/// comm.all_reduce(&mut grads, ReduceOp::Avg)?;     // every rank now holds the mean
+/// # Ok::<(), toroid::Error>(())
+/// ```
+pub struct Communicator {
+    core: Arc<Core>,
+    worker: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Communicator")
+            .field("rank", &self.core.rank)
+            .field("size", &self.core.size)
+            .field("id", &format_args!("{:#018x}", self.core.id))
+            .field("aborted", &self.core.abort.is_fired())
+            .finish()
+    }
+}
+
+impl Communicator {
+    /// Seconds the cost model predicts for an all-reduce (broadcast and reduce for `chain` and
+    /// `tree`) of `bytes` with `algo`.
+    pub fn predict(&self, algo: Algorithm, bytes: usize) -> f64 {
+        let (m, s) = self.cost_model();
+        m.predict(algo, bytes, s).time
+    }
+
+    /// The cost model and shape the algorithm choice uses.
+    pub fn cost_model(&self) -> (&CostModel, &Shape) {
+        let (m, s) = self.core.tuning.get().unwrap_or(&self.core.untuned);
+        (m, s)
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.core.rank
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.core.size
+    }
+
+    /// The default deadline of every call.
+    pub fn timeout(&self) -> Duration {
+        self.core.timeout
+    }
+
+    /// Where the ranks live.
+    pub fn topology(&self) -> &Topology {
+        &self.core.topology
+    }
+
+    /// The communicator id (equal on all ranks; in logs and handshakes).
+    pub fn id(&self) -> u64 {
+        self.core.id
+    }
+
+    /// True once aborted (by [`Communicator::abort`] or a failure).
+    pub fn is_aborted(&self) -> bool {
+        self.core.abort.is_fired()
+    }
+
+    /// The message of the last failed call, if any (what `toroid_get_last_error` returns).
+    pub fn last_error(&self) -> Option<String> {
+        lock(&self.core.last_error).clone()
+    }
+
+    /// Records `message` as the last error (the C ABI's argument checks fail before any call
+    /// reaches the communicator, yet `toroid_get_last_error` must show them).
+    pub fn set_last_error(&self, message: impl Into<String>) {
+        *lock(&self.core.last_error) = Some(message.into());
+    }
+
+    /// Aborts: pending and later operations fail, peers are told, links close. Never blocks.
+    pub fn abort(&self) {
+        self.core.abort.fire(Error::Aborted(format!("rank {} aborted the communicator", self.core.rank)));
+        // Idle: close the links now. Busy: the running operation sees the signal and does it.
+        if let Ok(mut engine) = self.core.engine.try_lock()
+            && !engine.peers.is_closed()
+        {
+            engine.peers.poison(&format!("rank {} called abort", self.core.rank));
+        }
+        self.core.queue_cv.notify_all();
+    }
+
+    /// The transport linking this rank to `peer` (`"shm"` or `"tcp"`); `None` for this rank
+    /// itself and once the communicator is closed. Waits for a running operation to finish.
+    pub fn transport_to(&self, peer: usize) -> Option<&'static str> {
+        lock(&self.core.engine).peers.link_kind(peer)
+    }
+
+    /// True when every rank is on this host and maps the shared window, so that `shm_direct`
+    /// can run.
+    pub fn has_shared_window(&self) -> bool {
+        self.core.has_window
+    }
+
+    /// The algorithm that a call of `kind` moving `bytes` would use (what the benchmark shows).
+    pub fn algorithm_for(&self, kind: OpKind, bytes: usize, opts: &CallOptions) -> Algorithm {
+        self.core.choose(kind, bytes, opts)
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        lock(&self.core.queue).shutdown = true;
+        self.core.queue_cv.notify_all();
+        if let Some(h) = lock(&self.worker).take() {
+            let _ = h.join();
+        }
+        // Links close when the core (and its engine) goes away right after this.
+    }
+}
+
+impl Core {
+    fn choose(&self, kind: OpKind, bytes: usize, opts: &CallOptions) -> Algorithm {
+        let coll = kind.coll();
+        if let Some(a) = opts.algorithm {
+            return a;
+        }
+        // Every rank on this host with the shared window: see tuning::choose_intra.
+        if self.has_window
+            && let Some(a) = self.filter.choose_intra(coll, bytes, self.size)
+        {
+            return a;
+        }
+        let (model, shape) = self.tuning.get().unwrap_or(&self.untuned);
+        let algo = tuning::choose(&self.filter, model, shape, coll, bytes);
+        if tracing::enabled!(target: "toroid::tuning", tracing::Level::INFO)
+            && tuning::candidates(coll).len() > 1
+        {
+            let class = usize::BITS - bytes.leading_zeros();
+            if lock(&self.logged).insert((coll, class, algo)) {
+                let t = model.predict(algo, bytes, shape).time;
+                tracing::info!(target: "toroid::tuning",
+                    "rank {}: {} of {bytes} bytes on {} ranks: {algo} (predicted {:.1} us)",
+                    self.rank, coll.name(), self.size, t * 1e6);
+            }
+        }
+        algo
+    }
+
+    /// Runs a validated operation (callers guarantee one at a time, in issue order).
+    fn execute(&self, op: &RawOp) -> Result<()> {
+        self.abort.check()?;
+        let mut engine = lock(&self.engine);
+        let engine = &mut *engine;
+        let es = op.dtype.size();
+        let n = self.size;
+        let (count, root, rop, bytes) = match op.kind {
+            OpKind::AllReduce(o) => (op.bufs.output_len() / es, -1, o, op.bufs.output_len()),
+            OpKind::ReduceScatter(o) => (op.bufs.input_len() / es / n, -1, o, op.bufs.input_len()),
+            OpKind::AllGather | OpKind::SplitExchange => {
+                (op.bufs.output_len() / es / n, -1, ReduceOp::Sum, op.bufs.output_len())
+            }
+            OpKind::Broadcast(r) => {
+                (op.bufs.output_len() / es, r as i32, ReduceOp::Sum, op.bufs.output_len())
+            }
+            OpKind::Reduce(o, r) => (op.bufs.input_len() / es, r as i32, o, op.bufs.input_len()),
+            OpKind::AllToAll => (op.bufs.output_len() / es / n, -1, ReduceOp::Sum, op.bufs.output_len()),
+            OpKind::Barrier | OpKind::Probe => (0, -1, ReduceOp::Sum, 0),
+            OpKind::Send(_) => (op.bufs.input_len() / es, -1, ReduceOp::Sum, op.bufs.input_len()),
+            OpKind::Recv(_) => (op.bufs.output_len() / es, -1, ReduceOp::Sum, op.bufs.output_len()),
+        };
+        let algo = self.choose(op.kind, bytes, &op.opts);
+        let seq = match op.kind {
+            OpKind::Send(p) => {
+                engine.sent[p] += 1;
+                engine.sent[p]
+            }
+            OpKind::Recv(p) => {
+                engine.received[p] += 1;
+                engine.received[p]
+            }
+            _ => {
+                engine.seq += 1;
+                engine.seq
+            }
+        };
+        let fp = Fingerprint {
+            seq,
+            kind: op.kind.coll(),
+            dtype: op.dtype,
+            op: rop,
+            count: count as u64,
+            root,
+            algo: algo as u8,
+        };
+        let timeout = op.opts.timeout.unwrap_or(self.timeout);
+        tracing::debug!(target: "toroid::coll", "rank {}: {fp} ({bytes} bytes)", self.rank);
+        engine.peers.begin_op();
+        let mut wire = Wire { peers: &mut engine.peers, fp, deadline: Instant::now() + timeout };
+        let scratch = &mut engine.scratch;
+        // SAFETY: validated buffers; blocking callers hold their borrows until we return, async
+        // callers keep them alive in the work handle (see `memory`). One operation runs at a time.
+        let (bufs, input) = unsafe { (op.bufs.bufs(), op.bufs.read()) };
+        let result = match (op.kind, bufs) {
+            (OpKind::Probe, Some(Bufs::InPlace(out))) => {
+                tuning::probe(&mut wire, &self.topology, scratch.one(tuning::PROBE_BYTES))
+                    .map(|r| out.copy_from_slice(bytemuck::cast_slice(&r)))
+            }
+            (OpKind::Probe, _) => Err(Error::Internal("probe output must be one buffer".into())),
+            (kind, bufs) => {
+                let call = algorithm::dispatch::Call { kind, dtype: op.dtype, algo, bufs, input };
+                algorithm::dispatch::run(&mut wire, scratch, &self.layout, call)
+            }
+        };
+        if let Err(e) = &result {
+            tracing::warn!(target: "toroid::coll", "rank {}: {e}", self.rank);
+            if !engine.peers.is_closed() {
+                engine.peers.poison(&format!("rank {}: {e}", self.rank));
+            }
+            self.abort.fire(e.clone());
+        }
+        result
+    }
+}

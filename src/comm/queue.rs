@@ -1,0 +1,307 @@
+//! The ordered work queue: blocking calls run on the caller's thread when nothing is queued,
+//! async calls run on the communicator's one worker thread in issue order, and each returns a
+//! [`Work`] that completes when its operation has run.
+
+use std::any::Any;
+use std::collections::VecDeque;
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use super::{Communicator, Core, RawOp, lock};
+use crate::error::{Error, Result};
+use crate::transport::exchange::AbortSignal;
+
+/// The queue of operations not yet run.
+#[derive(Default)]
+pub(super) struct Queue {
+    pub(super) jobs: VecDeque<Job>,
+    pub(super) running: bool,
+    pub(super) shutdown: bool,
+}
+
+/// One queued operation and its completion.
+pub(super) struct Job {
+    op: RawOp,
+    done: Arc<Completion>,
+    hooks: Hooks,
+}
+
+/// A step run on the worker thread next to an operation, in issue order (see
+/// [`Communicator::submit_raw_with_hooks`]).
+pub type Hook = Box<dyn FnOnce() + Send>;
+
+/// Steps around one queued operation.
+#[derive(Default)]
+pub struct Hooks {
+    /// Runs right before the operation starts.
+    pub before: Option<Hook>,
+    /// Runs right after the operation succeeded, before its work handle reports completion.
+    pub after: Option<Hook>,
+}
+
+impl std::fmt::Debug for Hooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hooks")
+            .field("before", &self.before.is_some())
+            .field("after", &self.after.is_some())
+            .finish()
+    }
+}
+
+impl Communicator {
+    /// Validates `op` and runs it, blocking until it completes (the typed API and the C ABI
+    /// end here).
+    ///
+    /// # Safety
+    /// The buffers of `op` must be valid as [`RawBufs::bufs`] requires until this returns.
+    pub(crate) unsafe fn run(&self, op: RawOp) -> Result<()> {
+        let r = self.run_inner(op);
+        if let Err(e) = &r {
+            *lock(&self.core.last_error) = Some(e.to_string());
+        }
+        r
+    }
+
+    fn run_inner(&self, op: RawOp) -> Result<()> {
+        super::validate(&op, self.core.rank, self.core.size, self.core.has_window)?;
+        self.core.abort.check()?;
+        {
+            let mut q = lock(&self.core.queue);
+            if q.jobs.is_empty() && !q.running {
+                q.running = true;
+                drop(q);
+                let r = self.core.execute(&op);
+                lock(&self.core.queue).running = false;
+                self.core.queue_cv.notify_all();
+                return r;
+            }
+        }
+        // Queued behind async work: wait for it. The caller's borrows outlive this wait.
+        let done = self.enqueue(op, None, Hooks::default())?;
+        done.wait_done(&self.core.abort, self.core.timeout)
+    }
+
+    /// Validates `op` and queues it; the returned handle completes when it has run.
+    ///
+    /// # Safety
+    /// The buffers of `op` must stay valid (and, for outputs, untouched by anything else) until
+    /// the work completes, and `keep` (if any) must own them or otherwise keep them alive.
+    pub unsafe fn submit_raw(&self, op: RawOp, keep: Option<Box<dyn Any + Send>>) -> Result<Work<()>> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.submit_raw_with_hooks(op, keep, Hooks::default()) }
+    }
+
+    /// As [`Communicator::submit_raw`], with steps run on the worker thread right before the
+    /// operation and right after it succeeded, in issue order. The C ABI uses them to move a
+    /// piece within the caller's buffer for NCCL's in-place layouts of reduce_scatter and
+    /// all_gather, which must happen after earlier queued operations and before later ones.
+    ///
+    /// # Safety
+    /// As [`Communicator::submit_raw`]; the hooks may touch only the operation's buffers.
+    pub unsafe fn submit_raw_with_hooks(
+        &self,
+        op: RawOp,
+        keep: Option<Box<dyn Any + Send>>,
+        hooks: Hooks,
+    ) -> Result<Work<()>> {
+        let r = super::validate(&op, self.core.rank, self.core.size, self.core.has_window)
+            .and_then(|_| self.core.abort.check())
+            .and_then(|_| self.enqueue(op, keep, hooks));
+        match r {
+            Ok(done) => Ok(Work {
+                done,
+                abort: self.core.abort.clone(),
+                timeout: self.core.timeout,
+                _buf: PhantomData,
+            }),
+            Err(e) => {
+                *lock(&self.core.last_error) = Some(e.to_string());
+                Err(e)
+            }
+        }
+    }
+
+    fn enqueue(&self, op: RawOp, keep: Option<Box<dyn Any + Send>>, hooks: Hooks) -> Result<Arc<Completion>> {
+        self.ensure_worker()?;
+        let done = Arc::new(Completion::new(keep));
+        let mut q = lock(&self.core.queue);
+        if q.shutdown {
+            return Err(Error::Aborted("communicator is shutting down".into()));
+        }
+        q.jobs.push_back(Job { op, done: done.clone(), hooks });
+        drop(q);
+        self.core.queue_cv.notify_all();
+        Ok(done)
+    }
+
+    fn ensure_worker(&self) -> Result<()> {
+        let mut w = lock(&self.worker);
+        if w.is_none() {
+            let core = self.core.clone();
+            let h = std::thread::Builder::new()
+                .name(format!("toroid-r{}", self.core.rank))
+                .spawn(move || core.worker_loop())
+                .map_err(|e| Error::system("spawning the worker thread", e))?;
+            *w = Some(h);
+        }
+        Ok(())
+    }
+}
+
+impl Core {
+    fn worker_loop(self: Arc<Core>) {
+        loop {
+            let job = {
+                let mut q = lock(&self.queue);
+                loop {
+                    if !q.running {
+                        if let Some(j) = q.jobs.pop_front() {
+                            q.running = true;
+                            break j;
+                        }
+                        if q.shutdown {
+                            return;
+                        }
+                    }
+                    q = self.queue_cv.wait(q).unwrap_or_else(|e| e.into_inner());
+                }
+            };
+            let mut job = job;
+            if let Some(before) = job.hooks.before.take() {
+                before();
+            }
+            let r = self.execute(&job.op);
+            if r.is_ok()
+                && let Some(after) = job.hooks.after.take()
+            {
+                after();
+            }
+            if let Err(e) = &r {
+                *lock(&self.last_error) = Some(e.to_string());
+            }
+            job.done.complete(r);
+            lock(&self.queue).running = false;
+            self.queue_cv.notify_all();
+        }
+    }
+}
+
+/// Completion state of one queued operation.
+pub(crate) struct Completion {
+    result: Mutex<Option<Result<()>>>,
+    cv: Condvar,
+    done: AtomicBool,
+    keep: Mutex<Option<Box<dyn Any + Send>>>,
+}
+
+impl Completion {
+    fn new(keep: Option<Box<dyn Any + Send>>) -> Completion {
+        Completion {
+            result: Mutex::new(None),
+            cv: Condvar::new(),
+            done: AtomicBool::new(false),
+            keep: Mutex::new(keep),
+        }
+    }
+
+    fn complete(&self, r: Result<()>) {
+        *lock(&self.result) = Some(r);
+        self.done.store(true, Ordering::Release);
+        self.cv.notify_all();
+    }
+
+    fn is_done(&self) -> bool {
+        self.done.load(Ordering::Acquire)
+    }
+
+    /// Waits for completion. Past `timeout` the communicator is aborted (so the operation
+    /// fails fast) and the wait continues until it has actually stopped: a caller's buffers are
+    /// never released while the operation may still touch them.
+    fn wait_done(&self, abort: &AbortSignal, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        // Poll briefly first: waking a sleeping thread costs tens of microseconds.
+        let spin_until = Instant::now() + Duration::from_micros(20);
+        while !self.is_done() && Instant::now() < spin_until {
+            std::hint::spin_loop();
+        }
+        let mut r = lock(&self.result);
+        let mut timed_out = false;
+        while r.is_none() {
+            let now = Instant::now();
+            if !timed_out && now >= deadline {
+                timed_out = true;
+                abort.fire(Error::Timeout(format!("work not completed within {timeout:?}")));
+            }
+            let wait = if timed_out { Duration::from_millis(50) } else { deadline - now };
+            r = self.cv.wait_timeout(r, wait).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        let res = r.clone().unwrap_or(Ok(()));
+        match res {
+            // The operation stopped because this wait's deadline aborted the communicator.
+            Err(Error::Aborted(_)) if timed_out => {
+                Err(Error::Timeout(format!("work not completed within {timeout:?} (communicator aborted)")))
+            }
+            other => other,
+        }
+    }
+}
+
+/// A handle to an operation issued asynchronously.
+///
+/// The operation runs on the communicator's worker thread in issue order. Dropping the handle
+/// does not cancel it; owned buffers stay alive until it has run.
+pub struct Work<B = ()> {
+    pub(super) done: Arc<Completion>,
+    pub(super) abort: Arc<AbortSignal>,
+    pub(super) timeout: Duration,
+    pub(super) _buf: PhantomData<fn() -> B>,
+}
+
+impl<B> std::fmt::Debug for Work<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Work").field("done", &self.done.is_done()).finish()
+    }
+}
+
+impl<B: 'static> Work<B> {
+    /// True once the operation has finished (successfully or not). Never blocks.
+    pub fn test(&self) -> bool {
+        self.done.is_done()
+    }
+
+    /// The error, once finished with one.
+    pub fn error(&self) -> Option<Error> {
+        if !self.test() {
+            return None;
+        }
+        lock(&self.done.result).clone().and_then(Result::err)
+    }
+
+    /// Waits up to `timeout`. Past it the communicator is aborted (this and every pending
+    /// operation fail) and `Err(Timeout)` is returned once the operation has stopped.
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
+        let r = self.done.wait_done(&self.abort, timeout);
+        if r.is_ok() && !self.test() {
+            return Err(Error::Timeout(format!("work not completed within {timeout:?}")));
+        }
+        r
+    }
+
+    /// Waits (with the communicator's timeout) and returns the buffer the operation owned.
+    pub fn wait(self) -> Result<B> {
+        self.done.wait_done(&self.abort, self.timeout)?;
+        let keep = lock(&self.done.keep).take();
+        match keep.map(|b| b.downcast::<B>()) {
+            Some(Ok(b)) => Ok(*b),
+            _ => {
+                // `B = ()` for raw submissions.
+                let unit: Box<dyn Any> = Box::new(());
+                unit.downcast::<B>()
+                    .map(|b| *b)
+                    .map_err(|_| Error::Internal("work buffer already taken".into()))
+            }
+        }
+    }
+}

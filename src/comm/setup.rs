@@ -1,0 +1,333 @@
+//! Creating communicators: joining a job through a store, and splitting one. Both end in the
+//! same connect sequence ([`Communicator::connect`]): a TCP mesh, the topology, same-host links
+//! moved to shared memory, the communicator, and its cost model (probed or given).
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
+
+use super::{Communicator, Core, Engine, Queue, lock};
+use crate::algorithm::Scratch;
+use crate::collective::OpKind;
+use crate::config::Config;
+use crate::dtype::{DataType, ReduceOp};
+use crate::error::{Error, Result};
+use crate::rendezvous::{self, Store};
+use crate::topology::{Layout, Topology};
+use crate::transport::exchange::{AbortSignal, SpinPolicy};
+use crate::transport::{Peers, shm, tcp};
+use crate::tuning::{AlgoFilter, CostModel, Shape};
+
+/// The members of a communicator being connected, in rank order, and where each listens.
+struct Members<'a> {
+    /// This rank in the new communicator.
+    rank: usize,
+    /// Every member's listening address.
+    addrs: &'a [SocketAddr],
+    /// Every member's logical host (what the algorithms group by).
+    hosts: &'a [String],
+    /// Every member's physical machine (whose cores ranks share).
+    machines: &'a [String],
+}
+
+/// This machine's identity: `TOROID_HOST_ID`, else hostname plus boot id.
+fn host_identity(cfg: &Config) -> String {
+    cfg.host_id.clone().unwrap_or_else(machine_identity)
+}
+
+/// The physical machine: hostname plus boot id (ranks of emulated hosts share it).
+fn machine_identity() -> String {
+    let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
+    format!("{}/{}", read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id"))
+}
+
+impl Communicator {
+    /// Joins the job described by the environment (`TOROID_*`, torchrun, Slurm or MPI
+    /// variables; see `docs/ENV.md`). Rank 0 serves the rendezvous store.
+    pub fn from_env() -> Result<Communicator> {
+        crate::config::init_logging();
+        let cfg = Config::global()?;
+        let launch = rendezvous::env::detect(cfg)?;
+        Communicator::from_launch(&launch, cfg)
+    }
+
+    /// Joins the job described by `launch` (rank, size, store address) with settings `cfg`:
+    /// rank 0 serves a TCP store (or everyone opens the file store) and the ranks connect.
+    pub fn from_launch(launch: &rendezvous::env::Launch, cfg: &Config) -> Result<Communicator> {
+        crate::config::init_logging();
+        let store = rendezvous::env::open_store(launch, cfg.timeout)?;
+        let store_host = match &launch.store {
+            rendezvous::env::StoreAddr::Tcp { host, .. } => Some(host.clone()),
+            rendezvous::env::StoreAddr::File(_) => None,
+        };
+        Communicator::build(launch.rank, launch.size, store, cfg, store_host.as_deref())
+    }
+
+    /// Joins a job of `size` ranks as `rank`, meeting the others through `store`.
+    ///
+    /// Every rank must call this the same number of times on the same store (each call creates
+    /// a new communicator; keys are kept apart per generation).
+    pub fn with_store(
+        rank: usize,
+        size: usize,
+        store: Arc<dyn Store>,
+        config: &Config,
+    ) -> Result<Communicator> {
+        crate::config::init_logging();
+        Communicator::build(rank, size, store, config, None)
+    }
+
+    fn build(
+        rank: usize,
+        size: usize,
+        store: Arc<dyn Store>,
+        cfg: &Config,
+        store_host: Option<&str>,
+    ) -> Result<Communicator> {
+        if size == 0 || rank >= size {
+            return Err(Error::InvalidArgument(format!("rank {rank} is not in a world of {size}")));
+        }
+        let deadline = Instant::now() + cfg.timeout;
+        // Reject a malformed TOROID_ALGO before touching the store.
+        AlgoFilter::parse(cfg.algo.as_deref().unwrap_or(""))?;
+        let generation = store.add(&format!("toroid/rank{rank}/generation"), 1)?;
+        let prefix = format!("toroid/gen{generation}");
+        let left = || deadline.saturating_duration_since(Instant::now());
+        let id = if rank == 0 {
+            let id = crate::sys::random::id();
+            store.set(&format!("{prefix}/id"), &id.to_le_bytes())?;
+            id
+        } else {
+            let v = store.get(&format!("{prefix}/id"), left())?;
+            let b: [u8; 8] = v
+                .as_slice()
+                .try_into()
+                .map_err(|_| Error::Internal("bad communicator id in store".into()))?;
+            u64::from_le_bytes(b)
+        };
+        let iface =
+            tcp::choose_address(cfg.socket_ifname.as_deref(), cfg.socket_family.as_deref(), store_host)?;
+        let endpoint = tcp::listen(&iface, size)?;
+        tracing::info!(target: "toroid::init", "rank {rank}/{size}: listening on {} ({}), communicator {id:#x}",
+            endpoint.addr, if iface.name.is_empty() { "route to store" } else { &iface.name });
+        // Logical host (what the algorithms group by) and physical machine (whose cores ranks
+        // share), one per line.
+        let host = format!("{}\n{}", host_identity(cfg), machine_identity());
+        store.set(&format!("{prefix}/addr/{rank}"), endpoint.addr.to_string().as_bytes())?;
+        store.set(&format!("{prefix}/host/{rank}"), host.as_bytes())?;
+        let mut addrs = Vec::with_capacity(size);
+        let (mut hosts, mut machines) = (Vec::with_capacity(size), Vec::with_capacity(size));
+        for r in 0..size {
+            let a = store.get(&format!("{prefix}/addr/{r}"), left())?;
+            let a = String::from_utf8_lossy(&a)
+                .parse::<SocketAddr>()
+                .map_err(|e| Error::Remote(format!("rank {r} published a bad address: {e}")))?;
+            addrs.push(a);
+            let ids =
+                String::from_utf8_lossy(&store.get(&format!("{prefix}/host/{r}"), left())?).into_owned();
+            let (h, m) = ids.split_once('\n').unwrap_or((&ids, &ids));
+            hosts.push(h.to_string());
+            machines.push(m.to_string());
+        }
+        let members = Members { rank, addrs: &addrs, hosts: &hosts, machines: &machines };
+        Communicator::connect(members, &endpoint, id, cfg, iface, Some(store), deadline)
+    }
+
+    /// The connect sequence that creation and `split` share: a full TCP mesh between the
+    /// members, their topology, same-host links moved to shared memory (and the window when
+    /// every member is on one host), then the communicator around them and its cost model.
+    fn connect(
+        members: Members<'_>,
+        endpoint: &tcp::Endpoint,
+        id: u64,
+        cfg: &Config,
+        iface: tcp::Interface,
+        store: Option<Arc<dyn Store>>,
+        deadline: Instant,
+    ) -> Result<Communicator> {
+        let Members { rank, addrs, hosts, machines } = members;
+        let size = addrs.len();
+        let transports = tcp::connect_mesh(
+            rank,
+            addrs,
+            endpoint,
+            id,
+            &cfg.socket_options(),
+            cfg.auth_token.as_ref(),
+            deadline,
+        )?;
+        let topology = Topology::from_ids(rank, hosts, machines);
+        let links = shm::connect(
+            rank,
+            &topology.host_of,
+            transports,
+            &shm::ShmOptions::from_config(cfg),
+            id,
+            deadline,
+        )?;
+        let config = cfg.clone();
+        let shm::ShmSetup { links: transports, window, shm_peers } = links;
+        let cores = crate::sys::cpu::online_cpus();
+        let oversubscribed = topology.machine_ranks(rank) > cores;
+        let spin = SpinPolicy {
+            spin: config.spin.unwrap_or(if oversubscribed {
+                crate::config::DEFAULT_SPIN * 4
+            } else {
+                crate::config::DEFAULT_SPIN
+            }),
+            yield_between: true,
+        };
+        let abort = Arc::new(AbortSignal::new()?);
+        let mut peers = Peers::new(rank, transports, abort.clone(), spin, config.segment_size);
+        let has_window = window.is_some();
+        peers.set_window(window);
+        tracing::info!(target: "toroid::init",
+            "rank {rank}/{size}: connected; host {} of {}, local rank {}/{}, spin {:?}{}; shared memory with {shm_peers} peers{}",
+            topology.host_of[rank], topology.hosts, topology.local_rank, topology.local_size,
+            spin.spin, if oversubscribed { " (more ranks than cores: yielding)" } else { "" },
+            if has_window { ", shared window" } else { "" });
+        let filter = AlgoFilter::parse(config.algo.as_deref().unwrap_or(""))?;
+        let layout = Layout::new(&topology, rank, config.torus_shape)?;
+        if let Some(note) = &layout.grid.note
+            && rank == 0
+        {
+            tracing::info!(target: "toroid::init", "torus grid: {note}");
+        }
+        let shape = Shape {
+            n: size,
+            hosts: topology.hosts,
+            per_host: layout.max_local,
+            grid: (layout.grid.x, layout.grid.y),
+            rows_are_hosts: matches!(layout.grid.placement, crate::topology::Placement::Hosts(_)),
+            cpu_share: 1.0,
+            nics: 1,
+            segment: config.segment_size,
+        };
+        let explicit = CostModel::parse(config.cost_model.as_deref().unwrap_or(""))?;
+        let core = Core {
+            rank,
+            size,
+            id,
+            timeout: config.timeout,
+            filter,
+            config,
+            topology,
+            layout,
+            tuning: std::sync::OnceLock::new(),
+            untuned: (CostModel::default(), shape),
+            logged: Mutex::new(std::collections::HashSet::new()),
+            iface,
+            abort,
+            has_window,
+            engine: Mutex::new(Engine {
+                peers,
+                scratch: Scratch::default(),
+                seq: 0,
+                sent: vec![0; size],
+                received: vec![0; size],
+                splits: 0,
+            }),
+            queue: Mutex::new(Queue::default()),
+            queue_cv: Condvar::new(),
+            last_error: Mutex::new(None),
+            _store: store,
+        };
+        let comm = Communicator { core: Arc::new(core), worker: Mutex::new(None) };
+        comm.calibrate(explicit)?;
+        Ok(comm)
+    }
+
+    /// Sets the cost model: `explicit` when given, else the probe's measurements agreed by an
+    /// all-reduce of maxima (a collective: every rank runs it at creation).
+    fn calibrate(&self, explicit: Option<CostModel>) -> Result<()> {
+        let shape = self.core.untuned.1.clone();
+        let model = match explicit {
+            Some(m) => (m, shape),
+            None if self.size() == 1 => (CostModel::default(), shape),
+            None => {
+                let mut r = [0f64; 6];
+                self.go(OpKind::Probe, DataType::F64, None, Some(bytemuck::cast_slice_mut(&mut r)))?;
+                self.all_reduce(&mut r, ReduceOp::Max)?;
+                (CostModel::from_probe(&r), Shape { cpu_share: r[5].max(1.0), ..shape })
+            }
+        };
+        if self.rank() == 0 {
+            tracing::info!(target: "toroid::tuning", "cost model: {} (cpu share {:.1})", model.0, model.1.cpu_share);
+        }
+        let _ = self.core.tuning.set(model);
+        Ok(())
+    }
+
+    /// Splits into sub-communicators: ranks passing the same `color` form one, ordered by
+    /// `key` (ties by current rank). Ranks passing `None` take part but get `None` back.
+    /// Every rank must call it (it is a collective).
+    pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
+        let n = self.size();
+        // 1. Everyone learns everyone's color and key.
+        let mine: [i64; 2] = [color.map_or(-1, i64::from), key];
+        let mut all = vec![0i64; 2 * n];
+        all[2 * self.rank()..2 * self.rank() + 2].copy_from_slice(&mine);
+        self.go(OpKind::SplitExchange, DataType::I64, None, Some(bytemuck::cast_slice_mut(&mut all)))?;
+        let mut members: Vec<(i64, usize)> = Vec::new();
+        if let Some(c) = color {
+            for r in 0..n {
+                if all[2 * r] == i64::from(c) {
+                    members.push((all[2 * r + 1], r));
+                }
+            }
+            members.sort();
+        }
+        let new_rank = members.iter().position(|(_, r)| *r == self.rank());
+        // 2. Members listen on a fresh port; everyone exchanges addresses over this communicator.
+        let endpoint = match new_rank {
+            Some(_) => Some(tcp::listen(&self.core.iface, members.len())?),
+            None => None,
+        };
+        const REC: usize = 64;
+        let mut addrs = vec![0u8; REC * n];
+        if let Some(ep) = &endpoint {
+            let s = ep.addr.to_string();
+            let rec = &mut addrs[REC * self.rank()..REC * (self.rank() + 1)];
+            rec[..s.len()].copy_from_slice(s.as_bytes());
+        }
+        self.go(OpKind::SplitExchange, DataType::U8, None, Some(&mut addrs))?;
+        let (Some(new_rank), Some(endpoint)) = (new_rank, endpoint) else { return Ok(None) };
+        let split_no = {
+            let mut e = lock(&self.core.engine);
+            e.splits += 1;
+            e.splits
+        };
+        let mut member_addrs = Vec::with_capacity(members.len());
+        for (_, r) in &members {
+            let rec = &addrs[REC * r..REC * (r + 1)];
+            let end = rec.iter().position(|b| *b == 0).unwrap_or(REC);
+            let a = std::str::from_utf8(&rec[..end])
+                .ok()
+                .and_then(|s| s.parse::<SocketAddr>().ok())
+                .ok_or_else(|| Error::Remote(format!("rank {r} sent a bad address in split")))?;
+            member_addrs.push(a);
+        }
+        let id = {
+            use std::hash::{DefaultHasher, Hash, Hasher};
+            let mut h = DefaultHasher::new();
+            (self.core.id, split_no, color).hash(&mut h);
+            h.finish()
+        };
+        let deadline = Instant::now() + self.core.timeout;
+        let t = &self.core.topology;
+        let hosts: Vec<String> = members.iter().map(|(_, r)| t.host_of[*r].to_string()).collect();
+        let machines: Vec<String> = members.iter().map(|(_, r)| t.machine_of[*r].to_string()).collect();
+        tracing::info!(target: "toroid::init", "rank {} split (color {color:?}, key {key}) into rank {new_rank} of {}", self.rank(), members.len());
+        let members = Members { rank: new_rank, addrs: &member_addrs, hosts: &hosts, machines: &machines };
+        Communicator::connect(
+            members,
+            &endpoint,
+            id,
+            &self.core.config,
+            self.core.iface.clone(),
+            None,
+            deadline,
+        )
+        .map(Some)
+    }
+}

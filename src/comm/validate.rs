@@ -1,0 +1,196 @@
+//! Argument checks: a pure function of the operation, the rank and the size, so it is tested
+//! here without sockets, and the C ABI uses it for its own argument checks.
+
+use super::RawOp;
+use crate::collective::{Algorithm, OpKind};
+use crate::error::{Error, Result};
+use crate::memory::RawBufs;
+use crate::tuning;
+
+/// Checks everything about `op` that can be checked locally, before any byte moves, for
+/// `rank` of a communicator of `size` ranks (`has_window`: `shm_direct` can run). The C ABI
+/// checks its arguments with this too, so both report the same errors.
+pub(crate) fn validate(op: &RawOp, rank: usize, size: usize, has_window: bool) -> Result<()> {
+    let n = size;
+    let es = op.dtype.size();
+    let (inp, out) = (op.bufs.input_len(), op.bufs.output_len());
+    let whole = |what: &str, len: usize| -> Result<usize> {
+        if !len.is_multiple_of(es) {
+            return Err(Error::InvalidArgument(format!(
+                "{what} of {len} bytes is not a whole number of {} elements",
+                op.dtype
+            )));
+        }
+        Ok(len / es)
+    };
+    let in_place = matches!(op.bufs, RawBufs::InPlace(_));
+    let rank_ok = |what: &str, r: usize| -> Result<()> {
+        if r >= n {
+            return Err(Error::InvalidArgument(format!(
+                "{what} {r} is not a rank of this communicator (size {n})"
+            )));
+        }
+        Ok(())
+    };
+    match op.kind {
+        OpKind::AllReduce(rop) | OpKind::Reduce(rop, _) => {
+            rop.check(op.dtype)?;
+            whole("buffer", out.max(inp))?;
+            if inp != out && !(matches!(op.kind, OpKind::Reduce(..)) && out == 0) {
+                return Err(Error::InvalidArgument(format!("input is {inp} bytes but output is {out}")));
+            }
+            if let OpKind::Reduce(_, root) = op.kind {
+                rank_ok("root", root)?;
+            }
+        }
+        OpKind::ReduceScatter(rop) => {
+            rop.check(op.dtype)?;
+            let c = whole("input", inp)?;
+            if c % n != 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "reduce_scatter input of {c} elements does not split into {n} equal pieces"
+                )));
+            }
+            if !in_place && out * n != inp {
+                return Err(Error::InvalidArgument(format!(
+                    "reduce_scatter output is {out} bytes; expected input/size = {}",
+                    inp / n
+                )));
+            }
+        }
+        OpKind::AllGather | OpKind::SplitExchange => {
+            let c = whole("output", out)?;
+            if c % n != 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "all_gather output of {c} elements does not split into {n} equal pieces"
+                )));
+            }
+            if !in_place && inp * n != out {
+                return Err(Error::InvalidArgument(format!(
+                    "all_gather output is {out} bytes; expected size x input = {}",
+                    inp * n
+                )));
+            }
+        }
+        OpKind::Broadcast(root) => {
+            rank_ok("root", root)?;
+            whole("buffer", out)?;
+            if !in_place && inp != out && (rank == root || inp != 0) {
+                return Err(Error::InvalidArgument(format!("input is {inp} bytes but output is {out}")));
+            }
+        }
+        OpKind::AllToAll => {
+            let c = whole("buffer", out)?;
+            if c % n != 0 || inp != out {
+                return Err(Error::InvalidArgument(format!(
+                    "all_to_all buffers must be equal and split into {n} blocks (input {inp}, output {out} bytes)"
+                )));
+            }
+        }
+        OpKind::Barrier => {}
+        OpKind::Probe => {
+            if out != 6 * 8 {
+                return Err(Error::Internal("probe output must be 6 f64".into()));
+            }
+        }
+        OpKind::Send(peer) | OpKind::Recv(peer) => {
+            rank_ok("peer", peer)?;
+            if peer == rank {
+                return Err(Error::InvalidArgument(format!(
+                    "rank {peer} cannot send to or receive from itself"
+                )));
+            }
+            whole("buffer", inp.max(out))?;
+        }
+    }
+    if let Some(a) = op.opts.algorithm {
+        tuning::check_forced(op.kind.coll(), a)?;
+        if a == Algorithm::ShmDirect && !has_window {
+            return Err(Error::InvalidArgument(
+                "algorithm shm_direct needs every rank on one host with a shared-memory window \
+                 (not available on this communicator: see TOROID_SHM_DISABLE and the WARN lines at set-up)"
+                    .into(),
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::collective::CallOptions;
+    use crate::dtype::{DataType, ReduceOp};
+    use crate::memory::{RawBuf, RawBufMut};
+
+    /// An operation on `inp` input and `out` output bytes (descriptors only: never run).
+    fn op(kind: OpKind, dtype: DataType, inp: &[u8], out: &mut [u8]) -> RawOp {
+        let bufs = if inp.is_empty() && out.is_empty() {
+            RawBufs::None
+        } else if inp.is_empty() {
+            RawBufs::InPlace(RawBufMut::new(out))
+        } else if out.is_empty() {
+            RawBufs::Read(RawBuf::new(inp))
+        } else {
+            RawBufs::OutOfPlace(RawBuf::new(inp), RawBufMut::new(out))
+        };
+        RawOp { kind, dtype, bufs, opts: CallOptions::default() }
+    }
+
+    fn message(r: Result<()>) -> String {
+        r.expect_err("an invalid operation passed validation").to_string()
+    }
+
+    #[test]
+    fn reductions_need_equal_whole_buffers_and_a_valid_op() {
+        let (a, mut b) = (vec![0u8; 16], vec![0u8; 16]);
+        let sum = OpKind::AllReduce(ReduceOp::Sum);
+        assert!(validate(&op(sum, DataType::F32, &a, &mut b), 0, 3, false).is_ok());
+        let m = message(validate(&op(sum, DataType::F32, &a, &mut b[..12]), 0, 3, false));
+        assert!(m.contains("input is 16 bytes but output is 12"), "{m}");
+        let m = message(validate(&op(sum, DataType::F64, &a[..12], &mut b[..12]), 0, 3, false));
+        assert!(m.contains("not a whole number of"), "{m}");
+        let avg = OpKind::AllReduce(ReduceOp::Avg);
+        assert!(validate(&op(avg, DataType::I32, &a, &mut b), 0, 3, false).is_err());
+        let reduce = OpKind::Reduce(ReduceOp::Sum, 3);
+        let m = message(validate(&op(reduce, DataType::F32, &a, &mut b), 0, 3, false));
+        assert!(m.contains("root 3 is not a rank"), "{m}");
+        // A non-root's reduce may pass no output.
+        let reduce = OpKind::Reduce(ReduceOp::Sum, 2);
+        assert!(validate(&op(reduce, DataType::F32, &a, &mut []), 0, 3, false).is_ok());
+    }
+
+    #[test]
+    fn reduce_scatter_and_all_gather_follow_the_size_convention() {
+        let (a, mut b) = (vec![0u8; 24], vec![0u8; 8]);
+        let rs = OpKind::ReduceScatter(ReduceOp::Max);
+        assert!(validate(&op(rs, DataType::I32, &a, &mut b), 1, 3, false).is_ok());
+        let m = message(validate(&op(rs, DataType::I32, &a, &mut b[..4]), 1, 3, false));
+        assert!(m.contains("expected input/size = 8"), "{m}");
+        let m = message(validate(&op(rs, DataType::I32, &a[..20], &mut b[..4]), 1, 3, false));
+        assert!(m.contains("does not split into 3 equal pieces"), "{m}");
+        let (a, mut b) = (vec![0u8; 8], vec![0u8; 24]);
+        assert!(validate(&op(OpKind::AllGather, DataType::I32, &a, &mut b), 2, 3, false).is_ok());
+        let m = message(validate(&op(OpKind::AllGather, DataType::I32, &a[..4], &mut b), 2, 3, false));
+        assert!(m.contains("expected size x input = 12"), "{m}");
+    }
+
+    #[test]
+    fn peers_roots_and_forced_algorithms_are_checked() {
+        let mut b = vec![0u8; 8];
+        let m = message(validate(&op(OpKind::Send(1), DataType::U8, &b.clone(), &mut []), 1, 2, false));
+        assert!(m.contains("cannot send to or receive from itself"), "{m}");
+        assert!(validate(&op(OpKind::Recv(0), DataType::U8, &[], &mut b), 1, 2, false).is_ok());
+        assert!(validate(&op(OpKind::Broadcast(5), DataType::U8, &[], &mut b), 1, 2, false).is_err());
+        let mut forced = op(OpKind::AllReduce(ReduceOp::Sum), DataType::U8, &[], &mut b);
+        forced.opts.algorithm = Some(Algorithm::ShmDirect);
+        assert!(message(validate(&forced, 0, 2, false)).contains("shm_direct needs every rank"));
+        assert!(validate(&forced, 0, 2, true).is_ok());
+        forced.opts.algorithm = Some(Algorithm::Pairwise);
+        assert!(validate(&forced, 0, 2, true).is_err());
+        let mut a2a = vec![0u8; 9];
+        let m = message(validate(&op(OpKind::AllToAll, DataType::U8, &[], &mut a2a), 0, 2, false));
+        assert!(m.contains("split into 2 blocks"), "{m}");
+        assert!(validate(&op(OpKind::Barrier, DataType::U8, &[], &mut []), 0, 2, false).is_ok());
+    }
+}
