@@ -64,7 +64,7 @@ pub fn one_shot_max(n: usize) -> usize {
 
 /// True when `op` can run on the window with this communicator.
 pub fn available(wire: &mut Wire<'_>) -> bool {
-    wire.peers.window_mut().is_some()
+    wire.window.is_some()
 }
 
 /// The synchronisation context of one collective on the window.
@@ -99,10 +99,9 @@ impl Sync<'_> {
     }
 }
 
-/// Runs `f` with the window taken out of the peers (so that waits can probe the links), and
-/// puts it back whatever happens.
+/// Runs `f` on the window the engine lent this operation, while its waits probe the links.
 fn with_window(wire: &mut Wire<'_>, f: impl FnOnce(&mut Window, &mut Sync<'_>) -> Result<()>) -> Result<()> {
-    let Some(mut win) = wire.peers.take_window() else {
+    let Some(win) = wire.window.as_deref_mut() else {
         return Err(Error::InvalidArgument(
             "algorithm shm_direct needs every rank on one host with a shared-memory window \
              (see TOROID_SHM_DISABLE, TOROID_SHM_CHUNK_SIZE and the WARN lines at set-up)"
@@ -114,9 +113,7 @@ fn with_window(wire: &mut Wire<'_>, f: impl FnOnce(&mut Window, &mut Sync<'_>) -
     let abort = wire.peers.abort_signal().clone();
     win.begin(&wire.fp);
     let mut sync = Sync { peers: &mut *wire.peers, fp: wire.fp, deadline: wire.deadline, policy, abort };
-    let r = f(&mut win, &mut sync);
-    wire.peers.set_window(Some(win));
-    r
+    f(win, &mut sync)
 }
 
 /// Element ranges of chunk `c` of `count` elements in chunks of `per` elements.

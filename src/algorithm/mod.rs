@@ -34,6 +34,7 @@ use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::reduce;
 use crate::transport::exchange::RingPlan;
+use crate::transport::window::Window;
 use crate::transport::{Peers, Sink, Source};
 
 /// The peers, fingerprint and deadline of one running operation.
@@ -41,6 +42,8 @@ use crate::transport::{Peers, Sink, Source};
 pub struct Wire<'p> {
     /// The connected peers.
     pub peers: &'p mut Peers,
+    /// The shared window of a one-host communicator (lent by its engine), for `shm_direct`.
+    pub window: Option<&'p mut Window>,
     /// What every frame of this operation carries.
     pub fp: Fingerprint,
     /// When the whole operation must be done.

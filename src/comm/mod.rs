@@ -32,6 +32,7 @@ use crate::memory::RawBufs;
 use crate::rendezvous::Store;
 use crate::topology::{Layout, Topology};
 use crate::transport::exchange::AbortSignal;
+use crate::transport::window::Window;
 use crate::transport::{Peers, tcp};
 use crate::tuning::{self, AlgoFilter, CostModel, Shape};
 use queue::Queue;
@@ -49,8 +50,13 @@ pub struct RawOp {
     pub opts: CallOptions,
 }
 
+/// What one running operation uses: the links, the shared window, scratch space, sequence
+/// numbers. Locked by the operation that runs.
 struct Engine {
     peers: Peers,
+    /// The shared window when every rank is on this host (lent to `shm_direct` through the
+    /// operation's [`Wire`]).
+    window: Option<Window>,
     scratch: Scratch,
     /// Collective sequence number (every rank counts the same).
     seq: u64,
@@ -58,6 +64,19 @@ struct Engine {
     sent: Vec<u64>,
     received: Vec<u64>,
     splits: u64,
+}
+
+impl Engine {
+    /// After a failure: tells every peer (abort frames), closes every link and flags the shared
+    /// window aborted, so every rank learns of it at once.
+    fn fail(&mut self, reason: &str) {
+        if !self.peers.is_closed() {
+            self.peers.poison(reason);
+        }
+        if let Some(w) = self.window.take() {
+            w.abort();
+        }
+    }
 }
 
 /// The shared state of a communicator (owned by the handle and its worker thread).
@@ -177,10 +196,8 @@ impl Communicator {
     pub fn abort(&self) {
         self.core.abort.fire(Error::Aborted(format!("rank {} aborted the communicator", self.core.rank)));
         // Idle: close the links now. Busy: the running operation sees the signal and does it.
-        if let Ok(mut engine) = self.core.engine.try_lock()
-            && !engine.peers.is_closed()
-        {
-            engine.peers.poison(&format!("rank {} called abort", self.core.rank));
+        if let Ok(mut engine) = self.core.engine.try_lock() {
+            engine.fail(&format!("rank {} called abort", self.core.rank));
         }
         self.core.queue_cv.notify_all();
     }
@@ -291,7 +308,8 @@ impl Core {
         let timeout = op.opts.timeout.unwrap_or(self.timeout);
         tracing::debug!(target: "toroid::coll", "rank {}: {fp} ({bytes} bytes)", self.rank);
         engine.peers.begin_op();
-        let mut wire = Wire { peers: &mut engine.peers, fp, deadline: Instant::now() + timeout };
+        let deadline = Instant::now() + timeout;
+        let mut wire = Wire { peers: &mut engine.peers, window: engine.window.as_mut(), fp, deadline };
         let scratch = &mut engine.scratch;
         // SAFETY: validated buffers; blocking callers hold their borrows until we return, async
         // callers keep them alive in the work handle (see `memory`). One operation runs at a time.
@@ -309,9 +327,7 @@ impl Core {
         };
         if let Err(e) = &result {
             tracing::warn!(target: "toroid::coll", "rank {}: {e}", self.rank);
-            if !engine.peers.is_closed() {
-                engine.peers.poison(&format!("rank {}: {e}", self.rank));
-            }
+            engine.fail(&format!("rank {}: {e}", self.rank));
             self.abort.fire(e.clone());
         }
         result

@@ -180,7 +180,6 @@ impl Communicator {
         let abort = Arc::new(AbortSignal::new()?);
         let mut peers = Peers::new(rank, transports, abort.clone(), spin, config.segment_size);
         let has_window = window.is_some();
-        peers.set_window(window);
         tracing::info!(target: "toroid::init",
             "rank {rank}/{size}: connected; host {} of {}, local rank {}/{}, spin {:?}{}; shared memory with {shm_peers} peers{}",
             topology.host_of[rank], topology.hosts, topology.local_rank, topology.local_size,
@@ -221,6 +220,7 @@ impl Communicator {
             has_window,
             engine: Mutex::new(Engine {
                 peers,
+                window,
                 scratch: Scratch::default(),
                 seq: 0,
                 sent: vec![0; size],

@@ -262,8 +262,6 @@ pub struct Peers {
     poll_ranks: Vec<usize>,
     token: u64,
     // shm: BEGIN
-    /// The shared window of all ranks (every rank on one host), when set up.
-    window: Option<super::window::Window>,
     // shm: END
 }
 
@@ -310,27 +308,10 @@ impl Peers {
             pollfds: Vec::new(),
             poll_ranks: Vec::new(),
             token: 0,
-            window: None,
         }
     }
 
     // shm: BEGIN
-    /// Installs the shared window (see [`super::window`]).
-    pub fn set_window(&mut self, window: Option<super::window::Window>) {
-        self.window = window;
-    }
-
-    /// The shared window, if any.
-    pub fn window_mut(&mut self) -> Option<&mut super::window::Window> {
-        self.window.as_mut()
-    }
-
-    /// Takes the shared window out (a collective on it gives it back with
-    /// [`Peers::set_window`]; meanwhile its waits can borrow the peers to probe the links).
-    pub fn take_window(&mut self) -> Option<super::window::Window> {
-        self.window.take()
-    }
-
     /// How waiting ranks spend their time before sleeping.
     pub fn spin_policy(&self) -> SpinPolicy {
         self.spin
@@ -815,11 +796,6 @@ impl Peers {
         for l in self.links.iter_mut() {
             *l = None;
         }
-        // shm: BEGIN
-        if let Some(w) = self.window.take() {
-            w.abort();
-        }
-        // shm: END
     }
 
     /// True when every link is gone (after [`Peers::poison`]).
