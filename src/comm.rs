@@ -304,7 +304,7 @@ impl Communicator {
             &addrs,
             &endpoint,
             id,
-            &cfg.socket_options(),
+            &tcp::SocketOptions::from_config(cfg),
             cfg.auth_token.as_ref(),
             deadline,
         )?;
@@ -683,7 +683,7 @@ impl Communicator {
             &member_addrs,
             &endpoint,
             id,
-            &self.core.config.socket_options(),
+            &tcp::SocketOptions::from_config(&self.core.config),
             self.core.config.auth_token.as_ref(),
             deadline,
         )?;

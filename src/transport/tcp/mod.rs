@@ -31,6 +31,7 @@ use std::net::TcpStream;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 
 use super::Transport;
+use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::sys::socket;
 
@@ -49,6 +50,13 @@ pub struct SocketOptions {
     pub buffer: usize,
     /// Congestion control (`TCP_CONGESTION`), e.g. `cubic`; `None` keeps the system default.
     pub congestion: Option<String>,
+}
+
+impl SocketOptions {
+    /// The options `cfg` asks for (`TOROID_SOCKET_BUFFER`, `TOROID_TCP_CONGESTION`).
+    pub fn from_config(cfg: &Config) -> SocketOptions {
+        SocketOptions { buffer: cfg.socket_buffer, congestion: cfg.tcp_congestion.clone() }
+    }
 }
 
 /// A connected TCP peer.
@@ -163,6 +171,17 @@ impl Transport for TcpTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn options_come_from_the_config() {
+        let vars = [("TOROID_TCP_CONGESTION", " cubic "), ("TOROID_SOCKET_BUFFER", "4M")];
+        let c = Config::from_lookup(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string()));
+        let opts = SocketOptions::from_config(&c.unwrap());
+        assert_eq!(opts, SocketOptions { buffer: 4 << 20, congestion: Some("cubic".into()) });
+        let none = SocketOptions::from_config(&Config::from_lookup(|_| None).unwrap());
+        let default = crate::config::DEFAULT_SOCKET_BUFFER;
+        assert_eq!(none, SocketOptions { buffer: default, congestion: None });
+    }
 
     #[test]
     fn vectored_calls_skip_empty_buffers() {
