@@ -288,14 +288,6 @@ impl Config {
         Ok(cfg)
     }
 
-    /// How connections between ranks are set up.
-    pub fn socket_options(&self) -> crate::transport::tcp::SocketOptions {
-        crate::transport::tcp::SocketOptions {
-            buffer: self.socket_buffer,
-            congestion: self.tcp_congestion.clone(),
-        }
-    }
-
     /// A launcher or `TOROID_*` variable as read (empty values count as unset).
     pub fn var(&self, name: &str) -> Option<&str> {
         self.vars.get(name).map(|s| s.trim()).filter(|s| !s.is_empty())
@@ -440,7 +432,7 @@ mod tests {
     fn tcp_congestion_names_are_checked() {
         assert_eq!(cfg(&[]).unwrap().tcp_congestion, None);
         let c = cfg(&[("TOROID_TCP_CONGESTION", " cubic ")]).unwrap();
-        assert_eq!(c.socket_options().congestion.as_deref(), Some("cubic"));
+        assert_eq!(c.tcp_congestion.as_deref(), Some("cubic"));
         for bad in ["cu bic", "a/b", "averyveryverylongname"] {
             let e = cfg(&[("TOROID_TCP_CONGESTION", bad)]).unwrap_err().to_string();
             assert!(e.contains("TOROID_TCP_CONGESTION"), "{bad}: {e}");

@@ -9,12 +9,12 @@ use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError, Sender};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use clap::{CommandFactory, Parser, error::ErrorKind};
+use toroid::internals::sys::process::{self, CpuSet, SIGHUP, SIGINT, SIGKILL, SIGTERM, Signal};
 
 const ABOUT: &str = "Start N ranks of a program on this host (a small torchrun for toroid)";
 
@@ -111,13 +111,7 @@ enum Bind {
 
 /// The CPUs this process may run on, in order.
 fn allowed_cpus() -> Vec<usize> {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity fills it.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `set` is a live cpu_set_t and its size is passed.
-    let ok = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } == 0;
-    let max = 8 * std::mem::size_of::<libc::cpu_set_t>();
-    // SAFETY: CPU_ISSET reads the set for an index below its capacity.
-    let cpus: Vec<usize> = (0..max).filter(|&c| ok && unsafe { libc::CPU_ISSET(c, &set) }).collect();
+    let cpus = CpuSet::allowed().map(|s| s.cpus()).unwrap_or_default();
     if cpus.is_empty() { (0..thread::available_parallelism().map_or(1, |n| n.get())).collect() } else { cpus }
 }
 
@@ -179,38 +173,12 @@ fn layout(n: usize, hosts: usize) -> Vec<Place> {
         .collect()
 }
 
-/// The last SIGINT/SIGTERM/SIGHUP received (0: none); set by the handler, read by the main loop.
-static SIGNAL: AtomicI32 = AtomicI32::new(0);
-
-extern "C" fn on_signal(sig: libc::c_int) {
-    SIGNAL.store(sig, Ordering::SeqCst);
-}
-
-fn install_signal_handlers() -> io::Result<()> {
-    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
-        // SAFETY: the handler only stores to an atomic (async-signal-safe); `sa` is zeroed and
-        // then fully set up; sigaction reads it and writes no old action (null).
-        let rc = unsafe {
-            let mut sa: libc::sigaction = std::mem::zeroed();
-            sa.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
-            sa.sa_flags = libc::SA_RESTART;
-            libc::sigemptyset(&mut sa.sa_mask);
-            libc::sigaction(sig, &sa, std::ptr::null_mut())
-        };
-        if rc != 0 {
-            return Err(io::Error::last_os_error());
-        }
-    }
-    Ok(())
-}
-
 /// Sends `sig` to the process group of a rank (its pid: see `spawn`), so that a rank's own
 /// children (`sh -c 'prog'`, worker processes) are reached too. ESRCH (group gone) is fine.
 /// A reaped rank's pid is not handed out again while its group still has members, so this
 /// never hits a stranger's group in practice.
-fn signal_group(pid: u32, sig: libc::c_int) {
-    // SAFETY: kill has no memory-safety preconditions.
-    unsafe { libc::kill(-(pid as libc::pid_t), sig) };
+fn signal_group(pid: u32, sig: Signal) {
+    let _ = process::kill_group(pid, sig);
 }
 
 /// Starts one rank with its stdout and stderr piped.
@@ -230,38 +198,12 @@ fn spawn(cli: &Cli, env: &[(&str, String)], cpus: Option<&[usize]>) -> io::Resul
     // ranks are not in the terminal's foreground group, so stdin is /dev/null (a read of the
     // terminal would stop them with SIGTTIN), and Ctrl-Z stops only the launcher.
     cmd.process_group(0);
-    // SAFETY: spawn runs this in the forked child before exec, where only async-signal-safe
-    // calls are allowed: prctl, getppid and building an io::Error from errno (no allocation).
-    // PR_SET_PDEATHSIG fires when the *thread* that forked the child exits; we spawn from the
-    // main thread, which lives until the launcher exits. If the launcher died between fork and
-    // prctl the signal would never come, so check that our parent is still the launcher.
-    // (The signal survives exec but not fork: a rank's own children are not covered.)
-    let launcher = std::process::id() as libc::pid_t;
-    let kill = libc::SIGKILL as libc::c_ulong;
+    // Ranks get SIGKILL when the thread that forked them exits: we spawn from the main thread,
+    // which lives until the launcher exits.
+    process::kill_child_with_parent(&mut cmd);
     // The CPU set is built here, before the fork, so the child only makes the system call.
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes indices below capacity.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    let max = 8 * std::mem::size_of::<libc::cpu_set_t>();
-    for &c in cpus.unwrap_or(&[]).iter().filter(|&&c| c < max) {
-        // SAFETY: as above.
-        unsafe { libc::CPU_SET(c, &mut set) };
-    }
-    let bind = cpus.is_some_and(|c| !c.is_empty());
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, kill, 0, 0, 0) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            // sched_setaffinity is a plain system call (async-signal-safe). A failure (a CPU
-            // taken away meanwhile) only loses the binding, so it is not fatal.
-            if bind {
-                libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-            }
-            if libc::getppid() != launcher {
-                return Err(io::Error::from_raw_os_error(libc::ESRCH));
-            }
-            Ok(())
-        });
+    if let Some(cpus) = cpus.filter(|c| !c.is_empty()) {
+        process::bind_child(&mut cmd, CpuSet::new(cpus));
     }
     cmd.spawn()
 }
@@ -323,11 +265,11 @@ fn describe(st: ExitStatus) -> String {
     }
 }
 
-fn signal_name(sig: libc::c_int) -> String {
+fn signal_name(sig: Signal) -> String {
     match sig {
-        libc::SIGINT => "SIGINT".into(),
-        libc::SIGTERM => "SIGTERM".into(),
-        libc::SIGHUP => "SIGHUP".into(),
+        SIGINT => "SIGINT".into(),
+        SIGTERM => "SIGTERM".into(),
+        SIGHUP => "SIGHUP".into(),
         _ => format!("signal {sig}"),
     }
 }
@@ -366,21 +308,21 @@ fn running(ranks: &[Rank]) -> usize {
 
 /// Sends `first` to every rank, waits up to `grace` for them (a second signal to the launcher
 /// cuts it short), then SIGKILLs what is left, including the ranks' leftover children.
-fn shutdown(ranks: &mut [Rank], first: libc::c_int, grace: Duration) {
+fn shutdown(ranks: &mut [Rank], first: Signal, grace: Duration) {
     for rank in ranks.iter() {
         signal_group(rank.pid, first);
     }
-    SIGNAL.store(0, Ordering::SeqCst);
+    process::clear_caught_signal();
     let deadline = Instant::now() + grace;
-    while running(ranks) > 0 && Instant::now() < deadline && SIGNAL.load(Ordering::SeqCst) == 0 {
+    while running(ranks) > 0 && Instant::now() < deadline && process::caught_signal().is_none() {
         poll(ranks);
         thread::sleep(POLL);
     }
     for rank in ranks.iter_mut() {
-        signal_group(rank.pid, libc::SIGKILL);
+        signal_group(rank.pid, SIGKILL);
         if rank.status.is_none() {
             let st = rank.child.wait();
-            rank.status = Some(st.unwrap_or(ExitStatus::from_raw(libc::SIGKILL)));
+            rank.status = Some(st.unwrap_or(ExitStatus::from_raw(SIGKILL)));
         }
     }
 }
@@ -407,7 +349,8 @@ fn main() {
             Err(e) => fail(1, format!("cannot find a free port: {e}")),
         },
     };
-    if let Err(e) = install_signal_handlers() {
+    // The last SIGINT/SIGTERM/SIGHUP received is recorded, for the main loop to act on.
+    if let Err(e) = process::catch_signals(&[SIGINT, SIGTERM, SIGHUP]) {
         fail(1, format!("cannot install signal handlers: {e}"));
     }
 
@@ -432,7 +375,7 @@ fn main() {
                 let msg = e.to_string();
                 let msg = msg.split(" (os error").next().unwrap_or_default();
                 eprintln!("toroid-run: cannot start '{program}': {msg}");
-                shutdown(&mut job, libc::SIGTERM, cli.grace);
+                shutdown(&mut job, SIGTERM, cli.grace);
                 let not_found = e.kind() == io::ErrorKind::NotFound;
                 std::process::exit(if not_found { 127 } else { 126 });
             }
@@ -450,23 +393,23 @@ fn main() {
     let start = Instant::now();
     let mut code = 0;
     while running(&job) > 0 {
-        let sig = SIGNAL.load(Ordering::SeqCst);
+        let sig = process::caught_signal();
         let (first, why) = if let Some(r) = poll(&mut job) {
             let st = job[r].status.unwrap_or_default();
             code = exit_code(st);
             let why = format!("rank {r} (pid {}) {}", job[r].pid, describe(st));
             match running(&job) {
-                0 => (libc::SIGTERM, why),
-                k => (libc::SIGTERM, format!("{why}; stopping the other {}", ranks(k))),
+                0 => (SIGTERM, why),
+                k => (SIGTERM, format!("{why}; stopping the other {}", ranks(k))),
             }
-        } else if sig != 0 {
+        } else if let Some(sig) = sig {
             code = 128 + sig;
             let k = ranks(running(&job));
             (sig, format!("received {}; forwarding it to {k}", signal_name(sig)))
         } else if let Some(t) = cli.timeout.filter(|&t| start.elapsed() >= t) {
             code = 124;
             let k = ranks(running(&job));
-            (libc::SIGTERM, format!("timeout after {} s; stopping {k}", t.as_secs_f64()))
+            (SIGTERM, format!("timeout after {} s; stopping {k}", t.as_secs_f64()))
         } else {
             thread::sleep(POLL);
             continue;

@@ -152,7 +152,7 @@ impl Communicator {
             addrs,
             endpoint,
             id,
-            &cfg.socket_options(),
+            &tcp::SocketOptions::from_config(cfg),
             cfg.auth_token.as_ref(),
             deadline,
         )?;
@@ -178,7 +178,7 @@ impl Communicator {
             yield_between: true,
         };
         let abort = Arc::new(AbortSignal::new()?);
-        let mut peers = Peers::new(rank, transports, abort.clone(), spin, config.segment_size);
+        let peers = Peers::new(rank, transports, abort.clone(), spin, config.segment_size);
         let has_window = window.is_some();
         tracing::info!(target: "toroid::init",
             "rank {rank}/{size}: connected; host {} of {}, local rank {}/{}, spin {:?}{}; shared memory with {shm_peers} peers{}",

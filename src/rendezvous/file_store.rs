@@ -9,9 +9,8 @@
 //! server arbitrates). `delete` unlinks. On a network file system a new file may take a moment
 //! (the attribute cache) to show on other hosts; the polling covers that.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File, OpenOptions, TryLockError};
 use std::io::{self, Write};
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
@@ -143,18 +142,14 @@ fn file_name(key: &str) -> String {
     name
 }
 
-/// Tries to take an exclusive `flock` on `file` without blocking.
+/// Tries to take an exclusive lock on `file` without blocking (std's `File::try_lock`: an
+/// exclusive, non-blocking `flock` on Linux).
 fn try_lock(file: &File) -> io::Result<bool> {
-    // SAFETY: the descriptor belongs to `file`, which stays open for the whole call; flock reads
-    // no memory of ours.
-    let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    if r == 0 {
-        return Ok(true);
-    }
-    let e = io::Error::last_os_error();
-    match e.kind() {
-        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted => Ok(false),
-        _ => Err(e),
+    match file.try_lock() {
+        Ok(()) => Ok(true),
+        Err(TryLockError::WouldBlock) => Ok(false),
+        Err(TryLockError::Error(e)) if e.kind() == io::ErrorKind::Interrupted => Ok(false),
+        Err(TryLockError::Error(e)) => Err(e),
     }
 }
 
@@ -347,6 +342,17 @@ mod tests {
         assert!(matches!(&err, Error::Timeout(m) if m.contains(r#"for keys ["absent"]"#)), "{err}");
         assert!(took >= Duration::from_millis(190) && took < Duration::from_secs(2), "{took:?}");
         s.wait(&["present"], Duration::ZERO).unwrap();
+    }
+
+    #[test]
+    fn the_lock_excludes_a_second_open_until_the_first_closes() {
+        let dir = TempDir::new("flock");
+        let open = || OpenOptions::new().write(true).create(true).truncate(false).open(dir.0.join(LOCK_FILE));
+        let (first, second) = (open().unwrap(), open().unwrap());
+        assert!(try_lock(&first).unwrap());
+        assert!(!try_lock(&second).unwrap());
+        drop(first);
+        assert!(try_lock(&second).unwrap());
     }
 
     #[test]

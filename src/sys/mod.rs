@@ -8,14 +8,20 @@
 //! | [`cpu`] | CPUs online |
 //! | [`eventfd`] | an event descriptor that wakes a thread sleeping in `poll(2)` |
 //! | [`futex`] | wait on and wake a shared 32-bit word |
+//! | [`net_if`] | the addresses of the network interfaces that are up |
 //! | [`poll`] | `poll(2)` over a set of descriptors |
+//! | [`process`] | CPU affinity, children that die with their launcher, signals |
 //! | [`random`] | random bytes and ids from the kernel |
+//! | [`socket`] | TCP socket options and non-blocking vectored I/O without `SIGPIPE` |
 
 pub mod cpu;
 pub mod eventfd;
 pub mod futex;
+pub mod net_if;
 pub mod poll;
+pub mod process;
 pub mod random;
+pub mod socket;
 
 /// Calls a libc function and turns `-1` into the `io::Error` of `errno` (mio's `syscall!`).
 /// Each call site states why its arguments are valid.

@@ -1,0 +1,211 @@
+//! The store's client side: one connection, a hello, then one request and one answer at a time.
+
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::deadline;
+use super::protocol::{Enc, MAX_FRAME, ST_BAD_REQUEST, ST_INVALID_USAGE, ST_OK, ST_TIMEOUT};
+use crate::error::{Error, Result};
+
+/// Added to a call's own timeout for the socket deadline, so that the server's answer "timed
+/// out" arrives before the client gives up on the socket.
+const IO_MARGIN: Duration = Duration::from_secs(2);
+
+/// A connection to the server.
+pub(super) struct Client {
+    /// The address as given, for messages.
+    pub(super) addr: String,
+    /// The deadline of calls without one of their own.
+    pub(super) timeout: Duration,
+    conn: Mutex<ClientConn>,
+}
+
+struct ClientConn {
+    stream: TcpStream,
+    /// Why the connection cannot be used any more, after an I/O error left it out of step.
+    broken: Option<String>,
+}
+
+/// Why a connection attempt failed.
+pub(super) enum Retry {
+    /// Nothing answered (yet): worth another attempt.
+    Again(String),
+    /// Something answered wrongly, or the attempt cannot succeed.
+    Fatal(Error),
+}
+
+fn retriable(e: &io::Error) -> bool {
+    use io::ErrorKind::*;
+    matches!(
+        e.kind(),
+        ConnectionRefused
+            | ConnectionReset
+            | ConnectionAborted
+            | TimedOut
+            | HostUnreachable
+            | NetworkUnreachable
+            | AddrNotAvailable
+            | Interrupted
+    )
+}
+
+impl Client {
+    /// One connection attempt to any of `addrs` within `attempt`, then the hello. `timeout` is
+    /// the client's deadline for calls without one of their own.
+    pub(super) fn connect(
+        addr: &str,
+        addrs: &[SocketAddr],
+        attempt: Duration,
+        timeout: Duration,
+    ) -> std::result::Result<Client, Retry> {
+        let deadline = deadline(attempt);
+        let mut last = if addrs.is_empty() {
+            format!("'{addr}' resolves to no address")
+        } else {
+            "no time left for an attempt".to_string()
+        };
+        for a in addrs {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                break;
+            }
+            let stream = match TcpStream::connect_timeout(a, remaining) {
+                Ok(s) => s,
+                Err(e) if retriable(&e) => {
+                    last = format!("{a}: {e}");
+                    continue;
+                }
+                Err(e) => {
+                    return Err(Retry::Fatal(Error::system(format!("store: connect to {addr} ({a})"), e)));
+                }
+            };
+            // Setup traffic is small request/response pairs: do not let Nagle delay them.
+            let _ = stream.set_nodelay(true);
+            let client = Client {
+                addr: addr.to_string(),
+                timeout,
+                conn: Mutex::new(ClientConn { stream, broken: None }),
+            };
+            let io_timeout = deadline.saturating_duration_since(Instant::now());
+            let answer = client.exchange(Enc::hello(), io_timeout).map_err(Retry::Fatal)?;
+            return match answer.split_first() {
+                Some((&ST_OK, _)) => {
+                    tracing::info!(target: "toroid::store", "connected to store at {addr} ({a})");
+                    Ok(client)
+                }
+                Some((_, msg)) => Err(Retry::Fatal(Error::Remote(format!(
+                    "store at {addr} refused the hello: {}",
+                    String::from_utf8_lossy(msg)
+                )))),
+                None => {
+                    Err(Retry::Fatal(Error::Remote(format!("store at {addr}: empty answer to the hello"))))
+                }
+            };
+        }
+        Err(Retry::Again(last))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, ClientConn> {
+        // The guarded state is a socket and a flag, both valid after a panic elsewhere.
+        self.conn.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Sends one frame and reads one back, with `timeout` plus a margin on each socket call.
+    fn exchange(&self, frame: Enc, timeout: Duration) -> Result<Vec<u8>> {
+        let frame = frame.finish()?;
+        let mut c = self.lock();
+        if let Some(why) = &c.broken {
+            return Err(Error::Remote(format!(
+                "store {}: connection unusable after an earlier error: {why}",
+                self.addr
+            )));
+        }
+        let io_timeout = Some(timeout.saturating_add(IO_MARGIN));
+        let res = (|| {
+            c.stream.set_write_timeout(io_timeout)?;
+            c.stream.set_read_timeout(io_timeout)?;
+            c.stream.write_all(&frame)?;
+            let mut len = [0; 4];
+            c.stream.read_exact(&mut len)?;
+            let len = u32::from_le_bytes(len) as usize;
+            if len > MAX_FRAME {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("server sent a frame of {len} bytes, above the limit of {MAX_FRAME}"),
+                ));
+            }
+            let mut body = vec![0; len];
+            c.stream.read_exact(&mut body)?;
+            Ok(body)
+        })();
+        res.map_err(|e| {
+            c.broken = Some(e.to_string());
+            self.io_error(e, timeout)
+        })
+    }
+
+    fn io_error(&self, e: io::Error, timeout: Duration) -> Error {
+        use io::ErrorKind::*;
+        let addr = &self.addr;
+        match e.kind() {
+            WouldBlock | TimedOut => {
+                Error::Timeout(format!("store {addr}: no answer within {timeout:?} + {IO_MARGIN:?}"))
+            }
+            UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe => {
+                Error::Remote(format!("store {addr}: server closed the connection ({e})"))
+            }
+            InvalidData => Error::Remote(format!("store {addr}: {e}")),
+            _ => Error::system(format!("store {addr}"), e),
+        }
+    }
+
+    /// One request: returns the body of an OK answer, or the server's error.
+    pub(super) fn call(&self, req: Enc, timeout: Duration, what: impl Fn() -> String) -> Result<Vec<u8>> {
+        let mut answer = self.exchange(req, timeout).map_err(|e| match e {
+            Error::InvalidArgument(m) => Error::InvalidArgument(format!("{}: {m}", what())),
+            e => e,
+        })?;
+        let Some(&status) = answer.first() else {
+            return Err(self.bad_answer(&what(), "empty answer"));
+        };
+        answer.remove(0);
+        let msg = || format!("store {}: {}: {}", self.addr, what(), String::from_utf8_lossy(&answer));
+        match status {
+            ST_OK => Ok(answer),
+            ST_TIMEOUT => Err(Error::Timeout(msg())),
+            ST_INVALID_USAGE => Err(Error::InvalidUsage(msg())),
+            ST_BAD_REQUEST => Err(Error::Remote(format!("{} (request rejected)", msg()))),
+            s => Err(self.bad_answer(&what(), &format!("unknown status {s}"))),
+        }
+    }
+
+    pub(super) fn bad_answer(&self, what: &str, why: &str) -> Error {
+        Error::Remote(format!("store {}: {what}: malformed answer: {why}", self.addr))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::TcpStore;
+    use super::super::tests::{T, raw_read};
+    use super::*;
+    use std::net::TcpListener;
+
+    #[test]
+    fn client_rejects_oversized_answers_without_allocating() {
+        // A fake server that answers the hello with a 4 GiB-ish header.
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let fake = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            s.set_read_timeout(Some(T)).unwrap();
+            let _ = raw_read(&mut s);
+            s.write_all(&u32::MAX.to_le_bytes()).unwrap();
+        });
+        let err = TcpStore::connect(&addr, T).unwrap_err();
+        assert!(matches!(&err, Error::Remote(m) if m.contains("limit")), "{err}");
+        fake.join().unwrap();
+    }
+}

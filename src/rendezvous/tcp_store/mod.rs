@@ -1,0 +1,453 @@
+//! TCP store: a key-value server run by rank 0; every rank (rank 0 included) is a client.
+//!
+//! # Wire protocol
+//!
+//! Integers are little-endian. Every message is a frame: `len: u32` then `len` bytes of payload,
+//! with `len <= MAX_FRAME`; a larger header is answered with an error and the connection closed,
+//! without allocating. The first frame a client sends is a hello (`b"TRDV"`, `version: u32`); the
+//! server answers OK or, for another magic or version, an error and closes. Then every request
+//! gets exactly one response, in order. `bytes` is `len: u32` then the bytes.
+//!
+//! ```text
+//! request   op: u8, then
+//!   SET     key: bytes, value: bytes
+//!   GET     timeout_ms: u64, key: bytes            the server waits for the key
+//!   ADD     delta: i64, key: bytes                 counter kept as decimal text
+//!   WAIT    timeout_ms: u64, n: u32, key: bytes * n
+//!   DELETE  key: bytes
+//! response  status: u8, then for OK: the value (GET), new: i64 (ADD), existed: u8 (DELETE),
+//!           nothing (SET, WAIT); otherwise a UTF-8 message
+//! ```
+//!
+//! # Server
+//!
+//! One thread runs a `poll(2)` loop over non-blocking sockets. A GET or WAIT whose keys are
+//! missing parks its connection (later requests on it stay buffered) until a SET or ADD supplies
+//! them or its deadline passes, so clients never poll. Dropping the [`TcpStore`] that owns the
+//! server closes one end of a socket pair the loop watches; the thread then drops every
+//! connection and is joined, and clients blocked on it see the connection close.
+//!
+//! | part | what |
+//! |---|---|
+//! | `protocol` | constants, frame encoder and decoder |
+//! | `client` | one connection: hello, then a request and its answer at a time |
+//! | `server` | the `poll(2)` loop, parked requests |
+//! | this file | [`TcpStore`]: addresses, serving, connecting with backoff, the [`Store`] calls |
+
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use super::Store;
+use crate::error::{Error, Result};
+
+mod client;
+mod protocol;
+mod server;
+
+use client::{Client, Retry};
+pub use protocol::MAX_FRAME;
+use protocol::{Dec, Enc, OP_ADD, OP_DELETE, OP_GET, OP_SET, OP_WAIT};
+use server::ServerHandle;
+
+const BACKOFF_START: Duration = Duration::from_millis(10);
+const BACKOFF_CAP: Duration = Duration::from_secs(1);
+
+/// A client of the TCP store; the one created by [`TcpStore::serve`] also owns the server.
+///
+/// Calls from several threads are serialised on the one connection. After an I/O error the
+/// connection is out of step with the server, so every later call fails fast with
+/// [`Error::Remote`].
+pub struct TcpStore {
+    client: Client,
+    // Declared after `client`, so dropped after it: the server outlives its own client.
+    server: Option<ServerHandle>,
+}
+
+impl std::fmt::Debug for TcpStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpStore")
+            .field("addr", &self.client.addr)
+            .field("server", &self.server_addr())
+            .finish_non_exhaustive()
+    }
+}
+
+impl TcpStore {
+    /// Starts the server on `addr` (`host:port`, port 0 picks a free one) and connects to it.
+    ///
+    /// `host` may be a name, an IPv4 address, an IPv6 address in brackets or `0.0.0.0`/`[::]`
+    /// (every interface). `timeout` becomes the deadline of `set`, `add` and `delete` on the
+    /// returned client. The server stops, closing every client's connection, when the returned
+    /// handle is dropped.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a malformed address, [`Error::System`] when it cannot be
+    /// bound.
+    pub fn serve(addr: &str, timeout: Duration) -> Result<TcpStore> {
+        let (host, port) = split_host_port(addr)?;
+        let candidates =
+            resolve(&host, port).map_err(|e| Error::system(format!("store: resolve '{addr}'"), e))?;
+        let mut last = None;
+        let mut listener = None;
+        for a in candidates {
+            match TcpListener::bind(a) {
+                Ok(l) => {
+                    listener = Some(l);
+                    break;
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        let listener = match (listener, last) {
+            (Some(l), _) => l,
+            (None, Some(e)) => return Err(Error::system(format!("store: bind {addr}"), e)),
+            (None, None) => {
+                return Err(Error::InvalidArgument(format!("store: '{addr}' resolves to no address")));
+            }
+        };
+        let bound = listener.local_addr().map_err(|e| Error::system("store: local address", e))?;
+        let handle = server::start(listener, bound)?;
+
+        // An unspecified bind address is not something to connect to: use loopback.
+        let local = match bound.ip() {
+            IpAddr::V4(ip) if ip.is_unspecified() => {
+                SocketAddr::new(Ipv4Addr::LOCALHOST.into(), bound.port())
+            }
+            IpAddr::V6(ip) if ip.is_unspecified() => {
+                SocketAddr::new(Ipv6Addr::LOCALHOST.into(), bound.port())
+            }
+            _ => bound,
+        };
+        // On failure `handle` drops here, which stops and joins the server.
+        let client =
+            Client::connect(&local.to_string(), &[local], timeout, timeout).map_err(|r| match r {
+                Retry::Again(e) => {
+                    Error::System(format!("store: cannot reach its own server at {local}: {e}"))
+                }
+                Retry::Fatal(e) => e,
+            })?;
+        Ok(TcpStore { client, server: Some(handle) })
+    }
+
+    /// Connects to the server at `addr`, retrying with backoff until `timeout`.
+    ///
+    /// Refused and unreachable connections (the server not up yet) and failed name look-ups are
+    /// retried with exponential backoff from 10 ms up to 1 s. `timeout` is also the deadline of
+    /// `set`, `add` and `delete` on the returned client.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] naming `addr` when no server answered in time; [`Error::Remote`] when
+    /// something answered that is not a toroid store of this version.
+    pub fn connect(addr: &str, timeout: Duration) -> Result<TcpStore> {
+        let (host, port) = split_host_port(addr)?;
+        if port == 0 {
+            return Err(Error::InvalidArgument(format!("store: cannot connect to port 0 ('{addr}')")));
+        }
+        let deadline = deadline(timeout);
+        let mut backoff = BACKOFF_START;
+        loop {
+            let last = match resolve(&host, port) {
+                Ok(addrs) => match Client::connect(
+                    addr,
+                    &addrs,
+                    deadline.saturating_duration_since(Instant::now()),
+                    timeout,
+                ) {
+                    Ok(client) => {
+                        return Ok(TcpStore { client, server: None });
+                    }
+                    Err(Retry::Fatal(e)) => return Err(e),
+                    Err(Retry::Again(e)) => e,
+                },
+                Err(e) => format!("cannot resolve '{host}': {e}"),
+            };
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                return Err(Error::Timeout(format!(
+                    "store: no server answered at {addr} within {timeout:?} (last error: {last})"
+                )));
+            }
+            tracing::debug!(target: "toroid::store", "store {addr} not reachable yet ({last}); retrying in {backoff:?}");
+            std::thread::sleep(backoff.min(remaining));
+            backoff = (backoff * 2).min(BACKOFF_CAP);
+        }
+    }
+
+    /// The address the server listens on (for `serve` with port 0), if this handle owns it.
+    pub fn server_addr(&self) -> Option<SocketAddr> {
+        self.server.as_ref().map(|s| s.addr)
+    }
+}
+
+impl Store for TcpStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        let mut req = Enc::new(OP_SET);
+        req.bytes(key.as_bytes());
+        req.bytes(value);
+        self.client.call(req, self.client.timeout, || format!("set '{key}'"))?;
+        Ok(())
+    }
+
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        let mut req = Enc::new(OP_GET);
+        req.u64(millis(timeout));
+        req.bytes(key.as_bytes());
+        self.client.call(req, timeout, || format!("get '{key}'"))
+    }
+
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        let mut req = Enc::new(OP_ADD);
+        req.i64(delta);
+        req.bytes(key.as_bytes());
+        let what = || format!("add '{key}'");
+        let body = self.client.call(req, self.client.timeout, what)?;
+        let mut d = Dec(&body);
+        let v = d.i64().and_then(|v| d.end().map(|()| v));
+        v.map_err(|e| self.client.bad_answer(&what(), &e))
+    }
+
+    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
+        let mut req = Enc::new(OP_WAIT);
+        req.u64(millis(timeout));
+        req.u32(
+            u32::try_from(keys.len()).map_err(|_| Error::InvalidArgument("store: too many keys".into()))?,
+        );
+        for k in keys {
+            req.bytes(k.as_bytes());
+        }
+        self.client.call(req, timeout, || format!("wait {keys:?}"))?;
+        Ok(())
+    }
+
+    fn delete(&self, key: &str) -> Result<bool> {
+        let mut req = Enc::new(OP_DELETE);
+        req.bytes(key.as_bytes());
+        let what = || format!("delete '{key}'");
+        let body = self.client.call(req, self.client.timeout, what)?;
+        match body.as_slice() {
+            [b] => Ok(*b != 0),
+            _ => Err(self.client.bad_answer(&what(), "expected one byte")),
+        }
+    }
+}
+
+/// Splits `host:port` or `[v6]:port` into host (brackets removed) and port.
+pub(crate) fn split_host_port(addr: &str) -> Result<(String, u16)> {
+    let bad = |why: &str| {
+        Error::InvalidArgument(format!("store address '{addr}': {why} (expected host:port or [v6]:port)"))
+    };
+    let (host, port) = addr.rsplit_once(':').ok_or_else(|| bad("no port"))?;
+    let host = match host.strip_prefix('[') {
+        Some(h) => h.strip_suffix(']').ok_or_else(|| bad("unclosed '['"))?,
+        // A bare IPv6 address ("::1:80") is ambiguous: insist on brackets.
+        None if host.contains(':') => return Err(bad("IPv6 addresses need brackets")),
+        None => host,
+    };
+    if host.is_empty() {
+        return Err(bad("empty host"));
+    }
+    let port = port.parse().map_err(|_| bad("port is not a number in 0..=65535"))?;
+    Ok((host.to_string(), port))
+}
+
+fn resolve(host: &str, port: u16) -> io::Result<Vec<SocketAddr>> {
+    Ok((host, port).to_socket_addrs()?.collect())
+}
+
+/// `timeout` from now; a timeout too long for `Instant` becomes a year (no set-up lasts that long).
+fn deadline(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout).unwrap_or(now + Duration::from_secs(365 * 24 * 3600))
+}
+
+/// Milliseconds, rounded up so that a short timeout is not cut to zero.
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    use std::sync::Arc;
+
+    pub(super) const T: Duration = Duration::from_secs(5);
+
+    pub(super) fn server() -> TcpStore {
+        TcpStore::serve("127.0.0.1:0", T).unwrap()
+    }
+
+    fn addr_of(s: &TcpStore) -> String {
+        s.server_addr().unwrap().to_string()
+    }
+
+    /// A port that was free a moment ago.
+    fn free_port() -> u16 {
+        TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    }
+
+    #[test]
+    fn set_get_add_delete_roundtrip() {
+        let s = server();
+        s.set("a", b"xyz").unwrap();
+        assert_eq!(s.get("a", T).unwrap(), b"xyz");
+        s.set("a", b"").unwrap();
+        assert_eq!(s.get("a", T).unwrap(), b"");
+        // Arbitrary UTF-8 keys and binary values.
+        s.set("ключ/🔑 with spaces", &[0, 255, 10]).unwrap();
+        assert_eq!(s.get("ключ/🔑 with spaces", T).unwrap(), [0, 255, 10]);
+        assert_eq!(s.add("n", 5).unwrap(), 5);
+        assert_eq!(s.add("n", -7).unwrap(), -2);
+        assert_eq!(s.get("n", T).unwrap(), b"-2");
+        s.set("bad", b"x").unwrap();
+        assert!(matches!(s.add("bad", 1), Err(Error::InvalidUsage(_))));
+        assert!(s.delete("a").unwrap());
+        assert!(!s.delete("a").unwrap());
+        s.wait(&[], T).unwrap();
+        // The connection stays usable after server-side errors.
+        assert!(matches!(s.get("a", Duration::ZERO), Err(Error::Timeout(_))));
+        assert_eq!(s.add("n", 2).unwrap(), 0);
+    }
+
+    #[test]
+    fn concurrent_adds_from_many_clients_are_exact() {
+        let s = Arc::new(server());
+        let addr = addr_of(&s);
+        let threads: Vec<_> = (0..8)
+            .map(|i| {
+                let shared = s.clone();
+                let addr = addr.clone();
+                std::thread::spawn(move || {
+                    // Half the threads share the serving handle, half have their own connection.
+                    let own = (i % 2 == 0).then(|| TcpStore::connect(&addr, T).unwrap());
+                    let store: &TcpStore = own.as_ref().unwrap_or(&shared);
+                    for _ in 0..100 {
+                        store.add("count", 1).unwrap();
+                    }
+                    store.set(&format!("done/{i}"), b"1").unwrap();
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let keys: Vec<String> = (0..8).map(|i| format!("done/{i}")).collect();
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        s.wait(&keys, T).unwrap();
+        assert_eq!(s.add("count", 0).unwrap(), 800);
+    }
+
+    #[test]
+    fn get_blocks_until_another_client_sets() {
+        let s = server();
+        let addr = addr_of(&s);
+        let t = std::thread::spawn(move || {
+            let c = TcpStore::connect(&addr, T).unwrap();
+            std::thread::sleep(Duration::from_millis(150));
+            c.set("late", b"here").unwrap();
+        });
+        let start = Instant::now();
+        assert_eq!(s.get("late", T).unwrap(), b"here");
+        assert!(start.elapsed() >= Duration::from_millis(100), "{:?}", start.elapsed());
+        t.join().unwrap();
+    }
+
+    #[test]
+    fn wait_times_out_in_bounded_time_naming_the_missing_key() {
+        let s = server();
+        s.set("present", b"1").unwrap();
+        let start = Instant::now();
+        let err = s.wait(&["present", "absent"], Duration::from_millis(200)).unwrap_err();
+        let took = start.elapsed();
+        assert!(matches!(&err, Error::Timeout(m) if m.contains(r#"for keys ["absent"]"#)), "{err}");
+        assert!(took >= Duration::from_millis(190) && took < Duration::from_secs(2), "{took:?}");
+    }
+
+    #[test]
+    fn connect_retries_until_a_late_server_starts() {
+        let port = free_port();
+        let addr = format!("127.0.0.1:{port}");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let server = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            let s = TcpStore::serve(&format!("127.0.0.1:{port}"), T).unwrap();
+            // Keep the server up until the client is done.
+            rx.recv_timeout(T).unwrap();
+            drop(s);
+        });
+        let start = Instant::now();
+        let c = TcpStore::connect(&addr, T).unwrap();
+        assert!(start.elapsed() >= Duration::from_millis(150));
+        c.set("k", b"v").unwrap();
+        assert_eq!(c.get("k", T).unwrap(), b"v");
+        tx.send(()).unwrap();
+        server.join().unwrap();
+    }
+
+    #[test]
+    fn connect_to_nothing_times_out_naming_the_address() {
+        let addr = format!("127.0.0.1:{}", free_port());
+        let start = Instant::now();
+        let err = TcpStore::connect(&addr, Duration::from_millis(300)).unwrap_err();
+        assert!(matches!(&err, Error::Timeout(m) if m.contains(&addr)), "{err}");
+        assert!(start.elapsed() < Duration::from_secs(3));
+    }
+
+    #[test]
+    fn dropping_the_server_fails_a_blocked_client_quickly() {
+        let s = server();
+        let addr = addr_of(&s);
+        let c = TcpStore::connect(&addr, T).unwrap();
+        let t = std::thread::spawn(move || {
+            let start = Instant::now();
+            let r = c.get("never", Duration::from_secs(30));
+            (r, start.elapsed(), c)
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        drop(s);
+        let (r, took, c) = t.join().unwrap();
+        assert!(matches!(r, Err(Error::Remote(_) | Error::System(_))), "{r:?}");
+        assert!(took < Duration::from_secs(5), "{took:?}");
+        // Later calls fail fast too.
+        assert!(matches!(c.set("x", b"y"), Err(Error::Remote(_))));
+    }
+
+    pub(super) fn raw_frame(s: &mut TcpStream, payload: &[u8]) {
+        s.write_all(&(payload.len() as u32).to_le_bytes()).unwrap();
+        s.write_all(payload).unwrap();
+    }
+
+    pub(super) fn raw_read(s: &mut TcpStream) -> Vec<u8> {
+        let mut len = [0; 4];
+        s.read_exact(&mut len).unwrap();
+        let mut body = vec![0; u32::from_le_bytes(len) as usize];
+        s.read_exact(&mut body).unwrap();
+        body
+    }
+
+    #[test]
+    fn addresses_parse() {
+        assert_eq!(split_host_port("h:1").unwrap(), ("h".into(), 1));
+        assert_eq!(split_host_port("[::1]:29500").unwrap(), ("::1".into(), 29500));
+        assert_eq!(split_host_port("0.0.0.0:0").unwrap(), ("0.0.0.0".into(), 0));
+        for bad in ["h", ":1", "h:x", "h:65536", "::1:80", "[::1:80", "[]:1"] {
+            assert!(matches!(split_host_port(bad), Err(Error::InvalidArgument(_))), "{bad}");
+        }
+        assert!(matches!(TcpStore::connect("127.0.0.1:0", T), Err(Error::InvalidArgument(_))));
+    }
+
+    #[test]
+    fn serves_on_ipv6_loopback_and_all_interfaces() {
+        if let Ok(s) = TcpStore::serve("[::1]:0", T) {
+            let c = TcpStore::connect(&format!("[::1]:{}", s.server_addr().unwrap().port()), T).unwrap();
+            c.set("v6", b"ok").unwrap();
+            assert_eq!(s.get("v6", T).unwrap(), b"ok");
+        } // else: no IPv6 on this machine
+        let s = TcpStore::serve("0.0.0.0:0", T).unwrap();
+        let c = TcpStore::connect(&format!("localhost:{}", s.server_addr().unwrap().port()), T).unwrap();
+        c.set("any", b"ok").unwrap();
+        assert_eq!(s.get("any", T).unwrap(), b"ok");
+    }
+}
