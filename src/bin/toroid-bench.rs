@@ -10,6 +10,13 @@
 //! toroid-run -n 4 -- toroid-bench -b 4K -e 64M -f 4
 //! ```
 //!
+//! Sizes follow nccl-tests: for reduce_scatter the size (`-b`/`-e`, and the `size` column) is
+//! the whole input of a rank (each rank gets size/nranks bytes); for all_gather it is the whole
+//! output (each rank gives size/nranks bytes); both are rounded down to a multiple of nranks
+//! elements. The `count` column is the count passed to the collective, as in nccl-tests: the
+//! elements per rank for reduce_scatter and all_gather (and per peer for all_to_all). algbw is
+//! size / time and busbw is algbw x (n-1)/n for all three.
+//!
 //! Exits non-zero when any checked value is wrong.
 
 use std::io::Write;
@@ -149,6 +156,17 @@ impl Bench {
         }
     }
 
+    /// The `count` column: the count argument of the collective in nccl-tests (its
+    /// `paramcount`), per rank for reduce_scatter and all_gather, per peer for all_to_all.
+    fn param_count(&self, total: usize) -> usize {
+        match self.cli.collective {
+            Collective::AllReduce | Collective::Broadcast | Collective::Reduce => total,
+            Collective::ReduceScatter | Collective::AllGather | Collective::AllToAll => {
+                total / self.comm.size()
+            }
+        }
+    }
+
     /// The test value of element `i` of `rank`: small integers, so every type and op gives an
     /// exactly representable result (products stay powers of two).
     fn value(&self, rank: usize, i: usize) -> f64 {
@@ -212,18 +230,11 @@ impl Bench {
         wrong
     }
 
+    /// One call; `recv` is exactly the output buffer (in place: the whole buffer, which for
+    /// reduce_scatter is the input and gets this rank's piece).
     fn run_once(&self, send: &[u8], recv: &mut [u8], in_place: bool) -> toroid::Result<()> {
-        let kind = self.kind();
-        if in_place {
-            if self.cli.collective == Collective::ReduceScatter {
-                // In place: the whole input is the buffer, the result lands in this rank's piece.
-                self.comm.run_bytes(kind, self.dtype, None, Some(&mut recv[..send.len()]), self.opts)
-            } else {
-                self.comm.run_bytes(kind, self.dtype, None, Some(recv), self.opts)
-            }
-        } else {
-            self.comm.run_bytes(kind, self.dtype, Some(send), Some(recv), self.opts)
-        }
+        let send = if in_place { None } else { Some(send) };
+        self.comm.run_bytes(self.kind(), self.dtype, send, Some(recv), self.opts)
     }
 
     fn measure(&self, bytes: usize) -> toroid::Result<Option<Row>> {
@@ -236,13 +247,21 @@ impl Bench {
         ) {
             total -= total % n;
         }
+        if total == 0 {
+            // Fewer elements than ranks: nothing to move (nccl-tests skips these sizes too).
+            return Ok(None);
+        }
         let (cin, cout) = self.counts(total);
         let mut send = vec![0u8; cin * s];
-        let mut recv = vec![0u8; cin.max(cout) * s];
+        let mut buf = vec![0u8; cin.max(cout) * s];
         let mut results = [(0.0, 0.0, 0.0, 0u64); 2];
         for (slot, in_place) in [false, true].into_iter().enumerate() {
+            // Out of place the output is `cout` elements; in place the buffer holds the larger of
+            // input and output (the whole input of reduce_scatter, the whole output of all_gather).
+            let out_len = if in_place { cin.max(cout) } else { cout };
+            let recv = &mut buf[..out_len * s];
             let me = self.comm.rank();
-            let prepare = |send: &mut Vec<u8>, recv: &mut Vec<u8>| {
+            let prepare = |send: &mut [u8], recv: &mut [u8]| {
                 self.fill(send, me, 0);
                 recv.fill(0);
                 if in_place {
@@ -255,24 +274,22 @@ impl Bench {
                     }
                 }
             };
-            prepare(&mut send, &mut recv);
+            prepare(&mut send, recv);
             for _ in 0..self.cli.warmup {
-                self.run_once(&send, &mut recv, in_place)?;
+                self.run_once(&send, recv, in_place)?;
             }
             self.comm.barrier()?;
             let t = Instant::now();
             for _ in 0..self.cli.iters {
-                self.run_once(&send, &mut recv, in_place)?;
+                self.run_once(&send, recv, in_place)?;
             }
             let mut secs = [t.elapsed().as_secs_f64() / self.cli.iters.max(1) as f64];
             self.comm.all_reduce(&mut secs, ReduceOp::Avg)?;
             let mut wrong = [0u64];
             if self.cli.check != 0 {
-                prepare(&mut send, &mut recv);
-                self.run_once(&send, &mut recv, in_place)?;
-                let out_len =
-                    if in_place && self.cli.collective == Collective::ReduceScatter { cin } else { cout };
-                wrong[0] = self.wrong(&recv[..out_len * s], in_place, cin);
+                prepare(&mut send, recv);
+                self.run_once(&send, recv, in_place)?;
+                wrong[0] = self.wrong(recv, in_place, cin);
                 self.comm.all_reduce(&mut wrong, ReduceOp::Sum)?;
             }
             let size_bytes = total * s;
@@ -281,7 +298,7 @@ impl Bench {
             results[slot] = (secs[0] * 1e6, algbw, busbw, wrong[0]);
         }
         let algorithm = self.comm.algorithm_for(self.kind(), total * s, &self.opts);
-        Ok(Some(Row { bytes: total * s, count: total, algorithm, results }))
+        Ok(Some(Row { bytes: total * s, count: self.param_count(total), algorithm, results }))
     }
 }
 

@@ -17,12 +17,27 @@
 //! the first node of the job's node list and, without `MASTER_PORT`, the port is
 //! [`SLURM_PORT_BASE`] + `SLURM_JOB_ID % 1000` (29600..=30599: clear of torch's default 29500 and
 //! of Linux's ephemeral ports, and different for most pairs of jobs that share a node).
+//!
+//! A job of Open MPI, Slurm or a PMIx launcher whose ranks all run on one host (the launcher says
+//! so: `OMPI_COMM_WORLD_LOCAL_SIZE == OMPI_COMM_WORLD_SIZE`, `SLURM_STEP_NUM_NODES == 1`,
+//! `MPI_LOCALNRANKS == PMI_SIZE`) needs no address at all when none is given: its ranks meet in a
+//! file store in a private directory of this user, [`private_base`]`/job-<launcher>-<key>`, where
+//! `<key>` hashes the launcher's job identity ([`JOB_VARS`]: job id and step, plus the random
+//! ports of the launcher's own sockets, so a later job never meets an earlier job's keys). Each
+//! communicator created from it uses a fresh subdirectory `c<N>`, removed by the last rank to drop
+//! it; the job directory goes with the last one.
 
+use std::collections::HashMap;
 use std::fmt;
+use std::fs;
+use std::io;
 use std::net::ToSocketAddrs;
-use std::path::PathBuf;
-use std::sync::Arc;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use sha2::{Digest, Sha256};
 
 use super::tcp_store::split_host_port;
 use super::{FileStore, Store, TcpStore};
@@ -34,6 +49,36 @@ pub const SLURM_PORT_BASE: u16 = 29600;
 const SLURM_PORT_SPAN: u64 = 1000;
 /// More hosts than any job has: a longer expansion is a typo such as `node[1-99999999]`.
 const MAX_HOSTS: usize = 1 << 20;
+
+/// Launcher variables that identify a job (and tell whether it runs on one host), read besides
+/// `config::LAUNCHER_VARS`: from the [`Config`] when it captured them, else from the process
+/// environment (`Config` keeps only the names it lists).
+pub const JOB_VARS: &[&str] = &[
+    // Open MPI 4 (ORTE): job id, mpirun's URI (its random ports) and its session directory.
+    "OMPI_MCA_ess_base_jobid",
+    "OMPI_MCA_orte_hnp_uri",
+    "OMPI_MCA_orte_jobfam_session_dir",
+    // PMIx (Open MPI 4 and 5, srun --mpi=pmix, Intel MPI over PMIx): namespace and server URIs.
+    "PMIX_NAMESPACE",
+    "PMIX_SERVER_URI2",
+    "PMIX_SERVER_URI21",
+    "PMIX_SERVER_URI3",
+    "PMIX_SERVER_URI4",
+    "PMIX_SERVER_URI41",
+    // Slurm: step id, nodes of the step, srun's random port, cluster.
+    "SLURM_STEP_ID",
+    "SLURM_STEP_NUM_NODES",
+    "SLURM_SRUN_COMM_PORT",
+    "SLURM_CLUSTER_NAME",
+];
+/// Of [`JOB_VARS`] (and `SLURM_JOB_ID`), the ones that must be set to name a job, per launcher.
+const OMPI_JOB_IDS: &[&str] = &["OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE"];
+const SLURM_JOB_IDS: &[&str] = &["SLURM_JOB_ID", "SLURM_STEP_ID"];
+const PMIX_JOB_IDS: &[&str] = &["PMIX_NAMESPACE"];
+/// Prefix of the job directories under [`private_base`].
+const JOB_DIR_PREFIX: &str = "job-";
+/// Store key counting the ranks that dropped a job store.
+const LEFT_KEY: &str = "toroid/left";
 
 /// Where the rendezvous store is.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -278,8 +323,9 @@ fn from_source(cfg: &Config, src: &Source) -> Result<Launch> {
 }
 
 /// The store address from the environment alone (`TOROID_STORE_ADDR`, then `MASTER_ADDR` and
-/// `MASTER_PORT`+1, then Slurm's node list when `launcher` is Slurm), for callers that know rank
-/// and size some other way (the C ABI's `toroid_comm_init` with a NULL `store_addr`).
+/// `MASTER_PORT`+1, then a private file store for a job of Open MPI, Slurm or PMIx on one host,
+/// then Slurm's node list when `launcher` is Slurm), for callers that know rank and size some
+/// other way (the C ABI's `toroid_comm_init` with a NULL `store_addr`).
 ///
 /// # Errors
 /// As [`detect`] for the store part.
@@ -287,6 +333,31 @@ pub fn store_addr(cfg: &Config, launcher: Launcher) -> Result<StoreAddr> {
     if let Some(v) = cfg.var("TOROID_STORE_ADDR") {
         return StoreAddr::parse(v)
             .map_err(|e| Error::InvalidArgument(format!("TOROID_STORE_ADDR: {}", e.detail())));
+    }
+    if cfg.var("MASTER_ADDR").is_none() && cfg.var("MASTER_PORT").is_none() {
+        match one_host_job(cfg, launcher) {
+            OneHost::Job(dir) => {
+                tracing::info!(target: "toroid::env", "{launcher:?} job on one host: file store in {}", dir.display());
+                return Ok(StoreAddr::File(dir));
+            }
+            OneHost::NoJobId(ids) if launcher != Launcher::Slurm => {
+                return Err(Error::InvalidUsage(format!(
+                    "{launcher:?} gives rank and size and every rank is on this host, but neither a \
+                     store address nor a job id ({}) to name a private store: set TOROID_STORE_ADDR \
+                     (host:port that rank 0 can listen on, or file:///fresh/dir)",
+                    ids.join(" or ")
+                )));
+            }
+            OneHost::Several(why) if launcher != Launcher::Slurm => {
+                return Err(Error::InvalidUsage(format!(
+                    "{launcher:?} gives rank and size but no store address, and the job spans \
+                     several hosts ({why}): set TOROID_STORE_ADDR (host:port that rank 0 can listen \
+                     on, or file:///shared/dir) or MASTER_ADDR and MASTER_PORT (the store then \
+                     listens on MASTER_PORT+1)"
+                )));
+            }
+            _ => {}
+        }
     }
     let slurm = launcher == Launcher::Slurm;
     let host = match cfg.var("MASTER_ADDR") {
@@ -343,6 +414,201 @@ fn slurm_port(cfg: &Config) -> Result<u16> {
     let job: u64 = num(cfg, "SLURM_JOB_ID")?.unwrap_or(0);
     // Below 1000, so the sum stays far below u16::MAX.
     Ok(SLURM_PORT_BASE + (job % SLURM_PORT_SPAN) as u16)
+}
+
+/// A launcher variable as [`Config::var`] reads it; the [`JOB_VARS`] that `Config` did not
+/// capture come from the process environment (never in unit tests, which pass every variable).
+fn launcher_var(cfg: &Config, name: &str) -> Option<String> {
+    if let Some(v) = cfg.var(name) {
+        return Some(v.to_string());
+    }
+    if cfg!(test) || !JOB_VARS.contains(&name) {
+        return None;
+    }
+    std::env::var(name).ok().map(|v| v.trim().to_string()).filter(|v| !v.is_empty())
+}
+
+/// Whether a job runs on one host, and which private store it then uses.
+#[derive(Debug, PartialEq, Eq)]
+enum OneHost {
+    /// Every rank is on this host; the job's private store directory.
+    Job(PathBuf),
+    /// Every rank is on this host but none of these variables names the job.
+    NoJobId(&'static [&'static str]),
+    /// The launcher says the job spans several hosts (why).
+    Several(String),
+    /// The launcher does not say (or is not one that can).
+    Unknown,
+}
+
+fn one_host_job(cfg: &Config, launcher: Launcher) -> OneHost {
+    let var = |n: &str| launcher_var(cfg, n);
+    let count = |n: &str| var(n).and_then(|v| v.parse::<usize>().ok());
+    // (job id variables, whether the launcher says the job is on one host)
+    let (ids, one_host) = match launcher {
+        Launcher::OpenMpi => {
+            let (ls, s) = ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE");
+            (OMPI_JOB_IDS, count(ls).zip(count(s)).map(|(l, n)| (l == n, format!("{ls}={l} < {s}={n}"))))
+        }
+        Launcher::Pmi => {
+            let (ls, s) = ("MPI_LOCALNRANKS", "PMI_SIZE");
+            (PMIX_JOB_IDS, count(ls).zip(count(s)).map(|(l, n)| (l == n, format!("{ls}={l} < {s}={n}"))))
+        }
+        Launcher::Slurm => {
+            let nodes = count("SLURM_STEP_NUM_NODES").or_else(|| {
+                let list = var("SLURM_JOB_NODELIST").or_else(|| var("SLURM_NODELIST"))?;
+                expand_hostlist(&list).ok().map(|h| h.len())
+            });
+            (SLURM_JOB_IDS, nodes.map(|n| (n == 1, format!("{n} nodes"))))
+        }
+        Launcher::Toroid | Launcher::Torchrun => return OneHost::Unknown,
+    };
+    match one_host {
+        None => OneHost::Unknown,
+        Some((false, why)) => OneHost::Several(why),
+        Some((true, _)) => {
+            let present = |n: &&str| var(n).is_some();
+            let named =
+                if launcher == Launcher::Slurm { ids.iter().all(present) } else { ids.iter().any(present) };
+            if !named {
+                return OneHost::NoJobId(ids);
+            }
+            // Everything that tells this job from another, in a fixed order; identical on every
+            // rank of the job (no rank-specific variable is among them).
+            let mut h = Sha256::new();
+            h.update(format!("{launcher:?}").as_bytes());
+            for name in std::iter::once(&"SLURM_JOB_ID").chain(JOB_VARS) {
+                if let Some(v) = var(name) {
+                    h.update([0]);
+                    h.update(name.as_bytes());
+                    h.update([b'=']);
+                    h.update(v.as_bytes());
+                }
+            }
+            let key: String = h.finalize()[..8].iter().map(|b| format!("{b:02x}")).collect();
+            let tag = match launcher {
+                Launcher::OpenMpi => "ompi",
+                Launcher::Slurm => "slurm",
+                _ => "pmi",
+            };
+            OneHost::Job(private_base().join(format!("{JOB_DIR_PREFIX}{tag}-{key}")))
+        }
+    }
+}
+
+/// This user's private directory for single-host job stores: `/tmp/toroid-<uid>`, mode 0700.
+///
+/// `/tmp` itself (not `TMPDIR`): every rank of a job must name the same directory.
+pub fn private_base() -> PathBuf {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    PathBuf::from(format!("/tmp/toroid-{uid}"))
+}
+
+/// Creates `dir` with mode 0700 if it is missing, then checks that it is a directory (not a
+/// link) owned by this user that no one else may enter.
+fn ensure_private_dir(dir: &Path) -> Result<()> {
+    match fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(Error::system(format!("file store: create {}", dir.display()), e)),
+    }
+    let meta = fs::symlink_metadata(dir)
+        .map_err(|e| Error::system(format!("file store: stat {}", dir.display()), e))?;
+    // SAFETY: as in private_base.
+    let uid = unsafe { libc::geteuid() };
+    if !meta.is_dir() || meta.uid() != uid || meta.mode() & 0o077 != 0 {
+        return Err(Error::InvalidUsage(format!(
+            "{} is not a private directory of this user (a {}owned by uid {} with mode {:o}; \
+             wanted a directory of uid {uid} with mode 700): remove it, or set TOROID_STORE_ADDR",
+            dir.display(),
+            if meta.is_dir() {
+                "directory "
+            } else if meta.file_type().is_symlink() {
+                "link "
+            } else {
+                "file "
+            },
+            meta.uid(),
+            meta.mode() & 0o7777
+        )));
+    }
+    Ok(())
+}
+
+/// A single-host job's store for one communicator: the file store `job/c<N>`; the last rank to
+/// drop it removes it (and the job directory once empty).
+struct JobStore {
+    inner: FileStore,
+    job_dir: PathBuf,
+    size: usize,
+}
+
+impl Store for JobStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.inner.set(key, value)
+    }
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        self.inner.get(key, timeout)
+    }
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        self.inner.add(key, delta)
+    }
+    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
+        self.inner.wait(keys, timeout)
+    }
+    fn delete(&self, key: &str) -> Result<bool> {
+        self.inner.delete(key)
+    }
+}
+
+impl Drop for JobStore {
+    fn drop(&mut self) {
+        match self.inner.add(LEFT_KEY, 1) {
+            Ok(n) if usize::try_from(n).is_ok_and(|n| n >= self.size) => {
+                if let Err(e) = fs::remove_dir_all(self.inner.path()) {
+                    tracing::warn!(target: "toroid::store", "removing {}: {e}", self.inner.path().display());
+                }
+                // Only when empty: another communicator of the job may have started already.
+                let _ = fs::remove_dir(&self.job_dir);
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(target: "toroid::store", "leaving {}: {e}", self.inner.path().display()),
+        }
+    }
+}
+
+/// Opens the store of communicator number N (counted per job directory and rank in this process:
+/// every rank creates its communicators in the same order) of a single-host job.
+fn open_job_store(job_dir: &Path, launch: &Launch, timeout: Duration) -> Result<Arc<dyn Store>> {
+    static OPENED: Mutex<Option<HashMap<(PathBuf, usize), u64>>> = Mutex::new(None);
+    if let Some(base) = job_dir.parent() {
+        ensure_private_dir(base)?;
+    }
+    let n = {
+        let mut map = OPENED.lock().unwrap_or_else(|e| e.into_inner());
+        let c = map.get_or_insert_with(HashMap::new).entry((job_dir.to_path_buf(), launch.rank)).or_insert(0);
+        *c += 1;
+        *c
+    };
+    let dir = job_dir.join(format!("c{n}"));
+    // The last rank of the previous communicator may remove the (then empty) job directory
+    // while this one creates it: try again.
+    let mut tries = 0;
+    let inner = loop {
+        match FileStore::new(&dir) {
+            Ok(s) => break s.with_timeout(timeout),
+            Err(_) if tries < 3 => tries += 1,
+            Err(e) => return Err(e),
+        }
+    };
+    Ok(Arc::new(JobStore { inner, job_dir: job_dir.to_path_buf(), size: launch.size }))
+}
+
+/// Whether `dir` is a single-host job directory that [`store_addr`] chose.
+fn is_job_dir(dir: &Path) -> bool {
+    dir.parent() == Some(private_base().as_path())
+        && dir.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(JOB_DIR_PREFIX))
 }
 
 /// Expands a Slurm host list such as `node[01-04,07],gpu5` into host names, in order.
@@ -432,7 +698,9 @@ fn expand_item_or_empty(item: &str, out: &mut Vec<String>) -> std::result::Resul
     }
 }
 
-/// Opens the store of `launch`: rank 0 serves a TCP store, the others connect.
+/// Opens the store of `launch`: rank 0 serves a TCP store, the others connect; or everyone opens
+/// the file store (for a single-host job's private directory, a fresh subdirectory per
+/// communicator, removed by the last rank to drop it).
 ///
 /// Rank 0 binds the loopback address when the store host is a loopback name or address (a
 /// single-host job), and every interface (`0.0.0.0`, or `[::]` for an IPv6-only host) otherwise,
@@ -443,6 +711,7 @@ fn expand_item_or_empty(item: &str, out: &mut Vec<String>) -> std::result::Resul
 /// As [`TcpStore::serve`], [`TcpStore::connect`] and [`FileStore::new`].
 pub fn open_store(launch: &Launch, timeout: Duration) -> Result<Arc<dyn Store>> {
     match &launch.store {
+        StoreAddr::File(dir) if is_job_dir(dir) => open_job_store(dir, launch, timeout),
         StoreAddr::File(dir) => Ok(Arc::new(FileStore::new(dir)?.with_timeout(timeout))),
         StoreAddr::Tcp { host, port } if launch.rank == 0 => {
             let bind = bind_addr(host, *port);
@@ -475,7 +744,12 @@ mod tests {
     fn detect_with(pairs: &[(&str, &str)]) -> Result<Launch> {
         let map: BTreeMap<String, String> =
             pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        detect(&Config::from_lookup(|k| map.get(k).cloned()).unwrap())
+        let mut cfg = Config::from_lookup(|k| map.get(k).cloned()).unwrap();
+        // What Config does not capture (JOB_VARS) is read the way the process environment would be.
+        for (k, v) in map {
+            cfg.vars.entry(k).or_insert(v);
+        }
+        detect(&cfg)
     }
 
     fn tcp(host: &str, port: u16) -> StoreAddr {
@@ -763,5 +1037,215 @@ mod tests {
         fs.set("k", b"v").unwrap();
         assert_eq!(fs.get("k", t).unwrap(), b"v");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Variables of rank `rank` of a 2-rank `mpirun` on one host (Open MPI 4.1, as printed by
+    /// `env` in each rank), with mpirun's port `port`.
+    fn ompi(rank: &'static str, port: &str) -> Vec<(&'static str, String)> {
+        let uri = format!("1105920000.0;tcp://192.0.2.2:{port}");
+        vec![
+            ("OMPI_COMM_WORLD_RANK", rank.into()),
+            ("OMPI_COMM_WORLD_SIZE", "2".into()),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", rank.into()),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2".into()),
+            ("OMPI_MCA_ess_base_jobid", "1105920001".into()),
+            ("OMPI_MCA_ess_base_vpid", rank.into()),
+            ("OMPI_MCA_orte_hnp_uri", uri),
+            ("OMPI_MCA_orte_jobfam_session_dir", "/tmp/ompi.vm.0/pid.11541".into()),
+            ("PMIX_NAMESPACE", "1105920001".into()),
+            ("PMIX_RANK", rank.into()),
+            ("PMIX_SERVER_URI2", "1105920000.0;tcp4://127.0.0.1:45215".into()),
+        ]
+    }
+
+    fn detect_owned(pairs: &[(&'static str, String)]) -> Result<Launch> {
+        let v: Vec<(&str, &str)> = pairs.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        detect_with(&v)
+    }
+
+    /// The job directory of a single-host launch, checked to be `private_base()/job-<tag>-<hex16>`.
+    fn job_dir(l: &Launch, tag: &str) -> PathBuf {
+        let StoreAddr::File(dir) = &l.store else { panic!("expected a file store, got {}", l.store) };
+        assert_eq!(dir.parent(), Some(private_base().as_path()), "{}", dir.display());
+        let name = dir.file_name().unwrap().to_str().unwrap();
+        let key = name.strip_prefix(&format!("job-{tag}-")).unwrap_or_else(|| panic!("{name}"));
+        assert!(key.len() == 16 && key.bytes().all(|b| b.is_ascii_hexdigit()), "{name}");
+        assert!(is_job_dir(dir));
+        dir.clone()
+    }
+
+    /// Removes a directory tree on drop, so that a failing test leaves nothing behind.
+    struct RemoveOnDrop(PathBuf);
+
+    impl Drop for RemoveOnDrop {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn without(pairs: &[(&'static str, String)], names: &[&str]) -> Vec<(&'static str, String)> {
+        pairs.iter().filter(|(k, _)| !names.contains(k)).cloned().collect()
+    }
+
+    #[test]
+    fn single_host_open_mpi_job_uses_a_private_file_store() {
+        let (r0, r1) =
+            (detect_owned(&ompi("0", "39003")).unwrap(), detect_owned(&ompi("1", "39003")).unwrap());
+        assert_eq!((r1.launcher, r1.rank, r1.size, r1.local_size), (Launcher::OpenMpi, 1, 2, Some(2)));
+        // Every rank names the same directory (rank-specific variables are not part of the key)...
+        assert_eq!(job_dir(&r0, "ompi"), job_dir(&r1, "ompi"));
+        // ...and another mpirun (its own random port) another one.
+        assert_ne!(job_dir(&r0, "ompi"), job_dir(&detect_owned(&ompi("0", "39004")).unwrap(), "ompi"));
+        // PMIX_NAMESPACE alone (Open MPI 5) names the job too.
+        let v = without(&ompi("0", "1"), &["OMPI_MCA_ess_base_jobid"]);
+        job_dir(&detect_owned(&v).unwrap(), "ompi");
+
+        // Ranks on several hosts: no way to agree on a directory, so ask for an address.
+        let mut v = ompi("1", "1");
+        // (Rank 1 alone on the second host.)
+        v.retain(|(k, _)| !k.starts_with("OMPI_COMM_WORLD_LOCAL_"));
+        v.push(("OMPI_COMM_WORLD_LOCAL_SIZE", "1".into()));
+        v.push(("OMPI_COMM_WORLD_LOCAL_RANK", "0".into()));
+        match detect_owned(&v) {
+            Err(Error::InvalidUsage(m)) => assert!(
+                m.contains("several hosts")
+                    && m.contains("OMPI_COMM_WORLD_LOCAL_SIZE=1 < OMPI_COMM_WORLD_SIZE=2")
+                    && m.contains("TOROID_STORE_ADDR")
+                    && m.contains("MASTER_ADDR"),
+                "{m}"
+            ),
+            other => panic!("{other:?}"),
+        }
+        // One host but nothing that names the job.
+        let v = without(&ompi("0", "1"), &["OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE"]);
+        match detect_owned(&v) {
+            Err(Error::InvalidUsage(m)) => assert!(
+                m.contains("OMPI_MCA_ess_base_jobid or PMIX_NAMESPACE") && m.contains("TOROID_STORE_ADDR"),
+                "{m}"
+            ),
+            other => panic!("{other:?}"),
+        }
+        // An explicit address wins.
+        let mut v = ompi("0", "1");
+        v.push(("TOROID_STORE_ADDR", "h:7".into()));
+        assert_eq!(detect_owned(&v).unwrap().store, tcp("h", 7));
+        let mut v = ompi("0", "1");
+        v.push(("MASTER_ADDR", "h".into()));
+        v.push(("MASTER_PORT", "7".into()));
+        assert_eq!(detect_owned(&v).unwrap().store, tcp("h", 8));
+    }
+
+    #[test]
+    fn single_host_slurm_step_uses_a_private_file_store() {
+        // As srun -N1 -n 2 sets them (Slurm 22.05), less the per-task ones.
+        let step = |id: &str, nodes: &str| -> Vec<(&'static str, String)> {
+            vec![
+                ("SLURM_PROCID", "1".into()),
+                ("SLURM_NTASKS", "2".into()),
+                ("SLURM_LOCALID", "1".into()),
+                ("SLURM_JOB_ID", "77".into()),
+                ("SLURM_STEP_ID", id.into()),
+                ("SLURM_STEP_NUM_NODES", nodes.into()),
+                ("SLURM_JOB_NODELIST", "n[1-2]".into()),
+                ("SLURM_SRUN_COMM_PORT", "42423".into()),
+                ("SLURM_CLUSTER_NAME", "c".into()),
+            ]
+        };
+        let a = job_dir(&detect_owned(&step("0", "1")).unwrap(), "slurm");
+        assert_ne!(a, job_dir(&detect_owned(&step("1", "1")).unwrap(), "slurm"));
+        // A step on two nodes keeps the TCP store on the first node.
+        assert_eq!(detect_owned(&step("0", "2")).unwrap().store, tcp("n1", SLURM_PORT_BASE + 77));
+        // Without SLURM_STEP_NUM_NODES, a job list of one node means one host.
+        let mut v = without(&step("0", "1"), &["SLURM_STEP_NUM_NODES", "SLURM_JOB_NODELIST"]);
+        v.push(("SLURM_JOB_NODELIST", "n1".into()));
+        job_dir(&detect_owned(&v).unwrap(), "slurm");
+        // Without a step id: the TCP store, as before.
+        let v = without(&v, &["SLURM_STEP_ID"]);
+        assert_eq!(detect_owned(&v).unwrap().store, tcp("n1", SLURM_PORT_BASE + 77));
+        // MASTER_PORT wins.
+        let mut v = step("0", "1");
+        v.push(("MASTER_PORT", "40000".into()));
+        assert_eq!(detect_owned(&v).unwrap().store, tcp("n1", 40001));
+    }
+
+    #[test]
+    fn single_host_pmix_job_uses_a_private_file_store() {
+        let base: Vec<(&'static str, String)> = vec![
+            ("PMI_RANK", "0".into()),
+            ("PMI_SIZE", "2".into()),
+            ("MPI_LOCALRANKID", "0".into()),
+            ("MPI_LOCALNRANKS", "2".into()),
+        ];
+        match detect_owned(&base) {
+            Err(Error::InvalidUsage(m)) => assert!(m.contains("PMIX_NAMESPACE"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        let mut v = base.clone();
+        v.push(("PMIX_NAMESPACE", "slurm.pmix.5.0".into()));
+        job_dir(&detect_owned(&v).unwrap(), "pmi");
+    }
+
+    #[test]
+    fn job_store_is_private_and_removed_by_the_last_rank() {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+        let mut vars = ompi("0", &format!("{}{nanos}", std::process::id()));
+        let dir = job_dir(&detect_owned(&vars).unwrap(), "ompi");
+        let _cleanup = RemoveOnDrop(dir.clone());
+        let t = Duration::from_secs(5);
+        for round in 1..=2 {
+            let peer = {
+                vars.retain(|(k, _)| *k != "OMPI_COMM_WORLD_RANK");
+                vars.push(("OMPI_COMM_WORLD_RANK", "1".into()));
+                let l1 = detect_owned(&vars).unwrap();
+                std::thread::spawn(move || {
+                    let s = open_store(&l1, t).unwrap();
+                    s.set("from1", b"hi").unwrap();
+                    let got = s.get("from0", t).unwrap();
+                    s.wait(&["done0"], t).unwrap();
+                    got
+                })
+            };
+            vars.retain(|(k, _)| *k != "OMPI_COMM_WORLD_RANK");
+            vars.push(("OMPI_COMM_WORLD_RANK", "0".into()));
+            let s0 = open_store(&detect_owned(&vars).unwrap(), t).unwrap();
+            let sub = dir.join(format!("c{round}"));
+            assert!(sub.is_dir(), "{} for communicator {round}", sub.display());
+            let meta = fs::metadata(private_base()).unwrap();
+            assert_eq!(meta.mode() & 0o777, 0o700);
+            s0.set("from0", b"yo").unwrap();
+            assert_eq!(s0.get("from1", t).unwrap(), b"hi");
+            s0.set("done0", b"").unwrap();
+            assert_eq!(peer.join().unwrap(), b"yo");
+            // Rank 1 has dropped its store; the directory stays until rank 0 drops too.
+            assert!(sub.is_dir());
+            drop(s0);
+            assert!(!dir.exists(), "{} left behind", dir.display());
+        }
+    }
+
+    #[test]
+    fn private_dir_is_created_0700_and_checked() {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+        let root = std::env::temp_dir().join(format!("toroid-env-private-{}-{nanos}", std::process::id()));
+        fs::create_dir(&root).unwrap();
+        let _cleanup = RemoveOnDrop(root.clone());
+        let d = root.join("base");
+        ensure_private_dir(&d).unwrap();
+        assert_eq!(fs::metadata(&d).unwrap().mode() & 0o777, 0o700);
+        ensure_private_dir(&d).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(&d, fs::Permissions::from_mode(0o755)).unwrap();
+        match ensure_private_dir(&d) {
+            Err(Error::InvalidUsage(m)) => {
+                assert!(m.contains("mode 755") && m.contains("TOROID_STORE_ADDR"), "{m}")
+            }
+            other => panic!("{other:?}"),
+        }
+        let link = root.join("link");
+        std::os::unix::fs::symlink(&d, &link).unwrap();
+        match ensure_private_dir(&link) {
+            Err(Error::InvalidUsage(m)) => assert!(m.contains("a link"), "{m}"),
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Installs what the test suite needs on Debian (or Ubuntu), and only what is missing: it checks
+# `dpkg -s` and Python imports first, runs `apt-get update` once when a package must be installed,
+# and does nothing at all on a machine that has everything. Called by scripts/test.sh.
+#
+#   scripts/setup.sh            Debian packages, then Python packages
+#   scripts/setup.sh --apt      Debian packages only
+#   scripts/setup.sh --python   Python packages only (numpy, pytest, torch)
+#
+# Installing Debian packages needs root or password-less sudo. A Rust toolchain (1.89 or newer)
+# is not installed here: see the README.
+set -euo pipefail
+
+# Debian packages, and who needs them.
+apt_packages=(
+  build-essential pkg-config # a C compiler and linker, pkg-config: the C ABI tests (and linking)
+  valgrind                   # leak check of the C ABI
+  iproute2                   # emulated hosts (network namespaces, tc)
+  dataset-fashion-mnist      # the trainer's tests (Fashion-MNIST under /usr/share)
+  fonts-dejavu-core          # the trainer's plots
+  openmpi-bin                # tests/launchers.rs: mpirun
+  slurm-wlm munge            # tests/launchers.rs: srun on a one-node cluster the test starts
+  python3 python3-pip        # the Python binding and torch tests, torchrun
+)
+# Python packages (import name = pip name). torch from PyPI is the CUDA build, about 3 GB; it
+# runs on the CPU, and pip reuses its cache between runs.
+py_packages=(numpy pytest torch)
+PYTHON=${PYTHON:-python3}
+
+say() { echo "setup.sh: $*" >&2; }
+die() { say "$*"; exit 1; }
+
+# Runs a command as root: directly, or through sudo without a password.
+as_root() {
+  if [ "$(id -u)" -eq 0 ]; then
+    "$@"
+  elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+    sudo -n "$@"
+  else
+    return 126
+  fi
+}
+
+setup_apt() {
+  local missing=() p
+  if ! command -v dpkg >/dev/null 2>&1; then
+    # Not Debian: say what is needed and let the tests name what is missing.
+    say "no dpkg: not a Debian system; install the equivalents of: ${apt_packages[*]}"
+    return 0
+  fi
+  for p in "${apt_packages[@]}"; do
+    # Debian's python3 and its pip only when PYTHON (default python3) or its pip is missing:
+    # an interpreter of pyenv or a virtual environment does as well.
+    if [ "$p" = python3 ] && command -v "$PYTHON" >/dev/null 2>&1; then continue; fi
+    if [ "$p" = python3-pip ] && "$PYTHON" -m pip --version >/dev/null 2>&1; then continue; fi
+    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  say "installing Debian packages: ${missing[*]}"
+  if ! as_root true; then
+    die "installing ${missing[*]} needs root or password-less sudo, and this is neither;" \
+      "run as root: apt-get update && apt-get install -y ${missing[*]}"
+  fi
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
+setup_python() {
+  command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found (install python3, or set PYTHON)"
+  local missing=() p all
+  all=$(IFS=,; echo "${py_packages[*]}")
+  # One interpreter for the common case (importing torch takes seconds), then one per package.
+  "$PYTHON" -c "import $all" 2>/dev/null && return 0
+  for p in "${py_packages[@]}"; do
+    "$PYTHON" -c "import $p" 2>/dev/null || missing+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  "$PYTHON" -m pip --version >/dev/null 2>&1 \
+    || die "$PYTHON has no pip: install python3-pip (scripts/setup.sh --apt does)"
+  local args=(--quiet)
+  # Debian's own python3 refuses pip outside a virtual environment (PEP 668): these packages go
+  # beside Debian's then, which is what a test machine wants (in a venv nothing changes).
+  if "$PYTHON" - <<'EOF'
+import os, sys, sysconfig
+in_venv = sys.prefix != sys.base_prefix
+marker = os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")
+sys.exit(0 if os.path.exists(marker) and not in_venv else 1)
+EOF
+  then
+    args+=(--break-system-packages)
+    [ "$(id -u)" -eq 0 ] || args+=(--user)
+  fi
+  say "installing Python packages with pip: ${missing[*]}"
+  "$PYTHON" -m pip install "${args[@]}" "${missing[@]}"
+  local modules
+  modules=$(IFS=,; echo "${missing[*]}")
+  "$PYTHON" -c "import $modules" || die "pip installed ${missing[*]} but $PYTHON cannot import them"
+}
+
+case "${1:-all}" in
+  all)
+    setup_apt
+    setup_python
+    command -v cargo >/dev/null 2>&1 \
+      || die "no cargo: install Rust 1.89 or newer (rustup, or Rust's standalone installer; see the README)"
+    ;;
+  --apt) setup_apt ;;
+  --python) setup_python ;;
+  *) die "usage: $0 [--apt|--python]" ;;
+esac
