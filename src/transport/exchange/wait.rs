@@ -1,0 +1,171 @@
+//! Waiting: sleeping in `poll(2)` on the active links, the abort event and every idle link
+//! (so a peer that closes, aborts or runs another collective is noticed at once), and
+//! looking at an idle link without consuming what a later step needs.
+
+use std::io;
+use std::os::fd::AsRawFd;
+use std::time::Instant;
+
+use super::frame::{HEADER_LEN, KIND_ABORT, decode, read_abort};
+use super::{MAX_SLEEP, Peers, mismatch};
+use crate::collective::{CollKind, Fingerprint};
+use crate::error::{Error, Result};
+use crate::sys::poll::{Events, PollFd, poll};
+
+impl Peers {
+    /// Checks, without blocking, every link for what an idle link can show (an abort frame, a
+    /// frame of a mismatched collective, a closed connection) while this rank waits outside the
+    /// engine (in the shared window). Returns true when the link to `watch` is closed.
+    pub fn poll_idle_links(&mut self, fp: &Fingerprint, watch: usize) -> Result<bool> {
+        self.abort.check()?;
+        self.pollfds.clear();
+        self.poll_ranks.clear();
+        for (r, link) in self.links.iter_mut().enumerate() {
+            let Some(link) = link else { continue };
+            if link.hup_token == self.token {
+                continue;
+            }
+            let mut events = PollFd::RDHUP;
+            if link.quiet_token != self.token {
+                match link.transport.arm(true, false) {
+                    Some(ev) => events |= ev,
+                    None => events |= PollFd::IN | PollFd::PRI,
+                }
+            }
+            self.pollfds.push(PollFd::new(link.transport.pollable(), events));
+            self.poll_ranks.push(r);
+        }
+        let n = poll(&mut self.pollfds, 0).map_err(|e| Error::system("poll", e))?;
+        if n > 0 {
+            for i in 0..self.pollfds.len() {
+                let (r, ev, want) = (self.poll_ranks[i], self.pollfds[i].revents(), self.pollfds[i].events());
+                // POLLPRI marks "arm said data is there now": inspect without an event.
+                let ev = if want & PollFd::PRI != 0 { ev | PollFd::IN } else { ev };
+                if ev != 0 {
+                    self.inspect_idle(r, fp, ev)?;
+                }
+            }
+        } else {
+            for i in 0..self.pollfds.len() {
+                if self.pollfds[i].events() & PollFd::PRI != 0 {
+                    self.inspect_idle(self.poll_ranks[i], fp, PollFd::IN)?;
+                }
+            }
+        }
+        Ok(match self.links.get(watch).and_then(Option::as_ref) {
+            None => true,
+            Some(l) => l.hup_token == self.token,
+        })
+    }
+
+    /// Sleeps in poll(2) until an active link can progress, an idle link shows something, the
+    /// abort event fires, or the deadline (capped) passes.
+    pub(super) fn sleep(
+        &mut self,
+        fp: &Fingerprint,
+        want_write: Option<usize>,
+        want_read: Option<usize>,
+        deadline: Instant,
+    ) -> Result<()> {
+        self.pollfds.clear();
+        self.poll_ranks.clear();
+        self.pollfds.push(PollFd::new(self.abort.event.as_raw_fd(), PollFd::IN));
+        self.poll_ranks.push(usize::MAX);
+        // Transports say what to poll for (`Transport::arm`).
+        let mut ready_idle: Option<usize> = None;
+        let mut can_progress = false;
+        for (r, link) in self.links.iter_mut().enumerate() {
+            let Some(link) = link else { continue };
+            let active = Some(r) == want_write || Some(r) == want_read;
+            let mut events: Events = 0;
+            if active {
+                match link.transport.arm(Some(r) == want_read, Some(r) == want_write) {
+                    Some(ev) => events |= ev,
+                    // It can progress now: do not sleep (after arming the others, which is
+                    // also where they notice a peer that is gone).
+                    None => can_progress = true,
+                }
+            } else {
+                if link.hup_token == self.token {
+                    continue;
+                }
+                events |= PollFd::RDHUP;
+                if link.quiet_token != self.token {
+                    match link.transport.arm(true, false) {
+                        Some(ev) => events |= ev,
+                        None => {
+                            ready_idle.get_or_insert(r);
+                        }
+                    }
+                }
+            }
+            self.pollfds.push(PollFd::new(link.transport.pollable(), events));
+            self.poll_ranks.push(r);
+        }
+        if let Some(r) = ready_idle {
+            // Something arrived on an idle link already: look at it instead of sleeping.
+            return self.inspect_idle(r, fp, PollFd::IN);
+        }
+        if can_progress {
+            return Ok(());
+        }
+        let wait = deadline.saturating_duration_since(Instant::now()).min(MAX_SLEEP);
+        let ms = wait.as_millis().clamp(1, i32::MAX as u128) as i32;
+        // An interrupted sleep returns no events: the caller loops and re-checks.
+        poll(&mut self.pollfds, ms).map_err(|e| Error::system("poll", e))?;
+        self.abort.check()?;
+        for i in 1..self.pollfds.len() {
+            let r = self.poll_ranks[i];
+            let revents = self.pollfds[i].revents();
+            if revents == 0 || Some(r) == want_write || Some(r) == want_read {
+                continue;
+            }
+            self.inspect_idle(r, fp, revents)?;
+        }
+        Ok(())
+    }
+
+    /// Something showed on a link this step does not use: find out what without consuming data
+    /// that a later step needs.
+    fn inspect_idle(&mut self, r: usize, fp: &Fingerprint, revents: Events) -> Result<()> {
+        let token = self.token;
+        let rank = self.rank;
+        let Some(link) = self.links[r].as_mut() else { return Ok(()) };
+        let mut h = [0u8; HEADER_LEN];
+        let n = match link.transport.peek(&mut h) {
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
+            Err(e) => return Err(Error::Remote(format!("connection to rank {r} failed: {e}"))),
+        };
+        let hup = revents & (PollFd::RDHUP | PollFd::HUP | PollFd::ERR) != 0;
+        // A peer that closed without an abort frame may simply have finished its last
+        // operation and exited; that is an error only if this rank still needs data from it,
+        // which the active read then reports. Stop watching it for this operation.
+        if n < HEADER_LEN {
+            link.quiet_token = token;
+            if hup {
+                link.hup_token = token;
+            }
+            return Ok(());
+        }
+        let header = decode(&h).map_err(|e| Error::Remote(format!("rank {r} sent a bad frame: {e}")))?;
+        if header.kind == KIND_ABORT {
+            return Err(read_abort(link, r, false, &[], header.len as usize));
+        }
+        let theirs = header.fp.map_err(|e| Error::Remote(format!("rank {r} sent a bad frame: {e}")))?;
+        // Collectives share one sequence; send/recv count per pair, so only collective frames
+        // can be compared. A frame of a later collective is a peer running ahead: fine.
+        let collective = |k: CollKind| k != CollKind::PointToPoint;
+        let conflicting = collective(theirs.kind)
+            && collective(fp.kind)
+            && (theirs.seq < fp.seq || (theirs.seq == fp.seq && theirs != *fp));
+        if conflicting {
+            return Err(mismatch(rank, r, fp, &theirs));
+        }
+        link.quiet_token = token;
+        if hup {
+            link.hup_token = token;
+        }
+        Ok(())
+    }
+}
