@@ -20,6 +20,10 @@ use crate::model::{BnMode, ModelConfig, ResNet, SEGMENTS};
 use crate::optim::{BatchSchedule, Decay, LrSchedule, OptConfig, Rule, plan_batch};
 use crate::parallel::Replicas;
 
+pub mod stats;
+
+use stats::{EpochStats, ExampleSums, Window};
+
 /// The model description for `args` given the data's channels and classes.
 pub fn model_config(args: &Args, in_channels: usize, num_classes: usize) -> ModelConfig {
     ModelConfig {
@@ -147,20 +151,18 @@ fn evaluate(
         augment: augment.clone(),
         seams: Seams::default(),
     };
-    let mut sums = [0f64; 3]; // loss * n, correct, n
+    let mut sums = ExampleSums::default();
     for b in pipeline::start(data.clone(), idx, cfg) {
         let b = b?;
         let logits = model.forward(&to_tensor(&b, &Device::Cpu)?, false)?;
         let (loss, correct) = loss_and_correct(&logits, &b.labels, 0.0)?;
-        sums[0] += loss.to_scalar::<f32>()? as f64 * b.len() as f64;
-        sums[1] += correct as f64;
-        sums[2] += b.len() as f64;
+        sums.add_batch(loss.to_scalar::<f32>()? as f64, correct, b.len());
     }
-    rep.sum_f64(&mut sums)?;
-    if sums[2] == 0.0 {
+    let sums = sums.sum_over_ranks(rep)?;
+    if sums.count == 0.0 {
         return Ok((f64::NAN, f64::NAN));
     }
-    Ok((sums[0] / sums[2], sums[1] / sums[2]))
+    Ok((sums.mean_loss(), sums.accuracy()))
 }
 
 /// Runs `toroid-train` with `args`.
@@ -342,10 +344,8 @@ pub fn run(args: Args) -> Result<()> {
         );
         bar.set_prefix(format!("{}/{}", epoch + 1, args.epochs));
         let epoch_start = Instant::now();
-        // Epoch totals (this rank): loss*n, correct, n, step seconds, wait seconds.
-        let mut tot = [0f64; 5];
-        // Since the last logged row: loss*n, n, steps, step seconds, wait seconds.
-        let mut win = [0f64; 5];
+        let mut tot = EpochStats::default();
+        let mut win = Window::default();
         let mut win_start = Instant::now();
         let mut rate = lr.at(epoch as f64, global);
         for s in 0..steps {
@@ -379,9 +379,7 @@ pub fn run(args: Args) -> Result<()> {
                     bail!("loss is {lv} at step {step} (epoch {epoch}): lower --lr or add --warmup-epochs");
                 }
                 step_loss += lv / plan.accum as f64;
-                tot[0] += lv * b.len() as f64;
-                tot[1] += correct as f64;
-                tot[2] += b.len() as f64;
+                tot.train.add_batch(lv, correct, b.len());
                 let mut upstream: Option<Tensor> = None;
                 for seg in (0..SEGMENTS).rev() {
                     let grads = match &upstream {
@@ -415,13 +413,8 @@ pub fn run(args: Args) -> Result<()> {
             step += 1;
             let dt = t_step.elapsed().as_secs_f64();
             let wait = comm.wait.as_secs_f64();
-            tot[3] += dt;
-            tot[4] += wait;
-            win[0] += step_loss;
-            win[1] += 1.0;
-            win[2] += (plan.micro * plan.accum * world) as f64;
-            win[3] += dt;
-            win[4] += wait;
+            tot.add_step_time(dt, wait);
+            win.add_step(step_loss, plan.micro * plan.accum * world, dt, wait);
             bar.set_message(format!(
                 "loss {step_loss:.4} | {:.0} img/s | lr {rate:.4}",
                 (plan.micro * plan.accum * world) as f64 / dt
@@ -435,8 +428,7 @@ pub fn run(args: Args) -> Result<()> {
             }
             let at_max = args.max_steps.is_some_and(|m| step >= m);
             if step.is_multiple_of(args.log_every.max(1)) || at_max || s + 1 == steps {
-                let mut w = [win[0], win[1], win[3], win[4]];
-                rep.sum_f64(&mut w)?;
+                let w = win.sum_over_ranks(&rep)?;
                 let elapsed = win_start.elapsed().as_secs_f64();
                 if let Some(m) = metrics.as_mut() {
                     m.step(StepRow {
@@ -444,13 +436,13 @@ pub fn run(args: Args) -> Result<()> {
                         epoch: epoch as f64 + (s + 1) as f64 / steps as f64,
                         batch: global,
                         lr: rate,
-                        loss: w[0] / w[1],
-                        images_per_s: win[2] / elapsed,
-                        step_s: w[2] / w[1],
-                        comm_s: w[3] / w[1],
+                        loss: w.mean_loss(),
+                        images_per_s: w.images_per_s(elapsed),
+                        step_s: w.mean_step_s(),
+                        comm_s: w.mean_wait_s(),
                     })?;
                 }
-                win = [0.0; 5];
+                win = Window::default();
                 win_start = Instant::now();
             }
             if at_max {
@@ -472,19 +464,19 @@ pub fn run(args: Args) -> Result<()> {
             Some(t) => evaluate(&model, t, &rep, &args, &augment, plan.micro.max(64))?,
             None => (f64::NAN, f64::NAN),
         };
-        rep.sum_f64(&mut tot)?;
-        let steps_done = tot[2] / (plan.micro * plan.accum * world) as f64;
+        let tot = tot.sum_over_ranks(&rep)?;
+        let steps_done = tot.train.count / (plan.micro * plan.accum * world) as f64;
         let row = EpochRow {
             epoch,
             step,
             batch: global,
             lr: rate,
-            train_loss: tot[0] / tot[2],
-            train_acc: tot[1] / tot[2],
+            train_loss: tot.train.mean_loss(),
+            train_acc: tot.train.accuracy(),
             test_loss,
             test_acc,
-            images_per_s: tot[2] / epoch_s,
-            comm_fraction: if tot[3] > 0.0 { tot[4] / tot[3] } else { 0.0 },
+            images_per_s: tot.train.count / epoch_s,
+            comm_fraction: tot.comm_fraction(),
             epoch_s,
             wall_s: start.elapsed().as_secs_f64(),
             epochs_done: epoch as f64 + steps_done / steps as f64,
