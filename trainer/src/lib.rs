@@ -2,7 +2,8 @@
 //!
 //! ```text
 //!  main.rs / cli.rs     flags
-//!  train.rs             the loop: segmented backward, bucketed async all-reduce, optimiser
+//!  train/               the loop by phase: set-up, epoch, step (segmented backward, bucketed
+//!                       async all-reduce, optimiser), evaluation, reports, statistics
 //!  parallel.rs          the DDP contract: broadcast, buckets, averaging, identity checks
 //!  model.rs, pool.rs    ResNet-18/34/50 on candle; overlapping max pool with a correct backward
 //!  conv.rs              convolution as one GEMM over im2col columns, activations CNHW

@@ -1,0 +1,119 @@
+//! The training loop: data, model, replicas, optimiser, metrics, checkpoints.
+//!
+//! [`run`] handles the early exits (`--replot`, `--print-params`), then sets up a [`Trainer`],
+//! runs its epochs and finishes. The phases live in their own files:
+//!
+//! ```text
+//!  setup.rs   connect, data, augmentation, model, replicas, optimiser, checkpoint resume
+//!  epoch.rs   one epoch: input pipeline, progress bar, the steps, --check-every, --max-steps
+//!  step.rs    one optimiser step: segmented forward/backward, gradient all-reduce, update
+//!  eval.rs    test-set evaluation
+//!  report.rs  steps.csv / epochs.csv rows, log lines, plots, checkpoints, the final hash
+//!  stats.rs   the statistics the steps accumulate and the reports sum over ranks
+//! ```
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::Device;
+
+use crate::cli::Args;
+use crate::data::Dataset;
+use crate::data::pipeline::Augment;
+use crate::error::Result;
+use crate::metrics::Metrics;
+use crate::model::ResNet;
+use crate::optim::{BatchSchedule, LrSchedule, OptConfig};
+use crate::parallel::Replicas;
+
+mod epoch;
+mod eval;
+mod report;
+mod setup;
+pub mod stats;
+mod step;
+
+pub use setup::{TestSet, model_config, open_data};
+pub use step::loss_and_correct;
+
+/// Runs `toroid-train` with `args`.
+pub fn run(args: Args) -> Result<()> {
+    if let Some(dir) = &args.replot {
+        return report::replot(dir);
+    }
+    if args.print_params {
+        return setup::print_params(&args);
+    }
+    let mut trainer = Trainer::new(args)?;
+    trainer.train()?;
+    trainer.finish()
+}
+
+/// What the phases of a run share: set up once by [`Trainer::new`], then advanced by the epochs.
+struct Trainer {
+    args: Args,
+    /// When the run started (for `wall_s` and the last log line).
+    start: Instant,
+    rank: usize,
+    world: usize,
+    train: Arc<dyn Dataset>,
+    /// None with `--no-eval`, or for an image folder without `val/` or `test/`.
+    test: Option<TestSet>,
+    augment: Augment,
+    dev: Device,
+    model: ResNet,
+    rep: Replicas,
+    /// The optimiser's copy of each parameter, in `model.params` order.
+    host: Vec<HostParam>,
+    schedule: BatchSchedule,
+    lr: LrSchedule,
+    opt: OptConfig,
+    /// The CSV and plot writer: rank 0 only.
+    metrics: Option<Metrics>,
+    /// Title of the plots.
+    title: String,
+    /// The first epoch to train (after a resume, the checkpoint's next epoch).
+    start_epoch: u64,
+    /// Optimiser steps taken so far, a resumed run's included.
+    step: u64,
+}
+
+/// Host copy of one parameter: the master value the optimiser updates, and its momentum.
+struct HostParam {
+    data: Vec<f32>,
+    momentum: Vec<f32>,
+}
+
+impl Trainer {
+    /// The epoch loop: train, report, and checkpoint each epoch until `--epochs` or
+    /// `--max-steps`.
+    fn train(&mut self) -> Result<()> {
+        let mut epoch = self.start_epoch;
+        let mut stopped = false;
+        while epoch < self.args.epochs && !stopped {
+            let done = self.train_epoch(epoch)?;
+            stopped = done.stopped;
+            self.end_epoch(epoch, &done)?;
+            epoch += 1;
+            let last = epoch >= self.args.epochs || stopped;
+            let every = self.args.checkpoint_every;
+            if self.rank == 0 && (last || (every > 0 && epoch.is_multiple_of(every))) {
+                // A run stopped by --max-steps mid-epoch resumes at the next epoch.
+                self.save_checkpoint(epoch)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The parameters' host values, for identity checks and the final hash.
+    fn host_values(&self) -> Vec<&[f32]> {
+        self.host.iter().map(|h| h.data.as_slice()).collect()
+    }
+}
+
+/// Prints `msg` to stderr on rank 0.
+fn log(rank: usize, msg: &str) {
+    if rank == 0 {
+        eprintln!("{msg}");
+    }
+}

@@ -1,0 +1,161 @@
+//! Reporting: the end of an epoch (BN averaging, identity check, evaluation), `steps.csv` and
+//! `epochs.csv` rows, log lines, plots, checkpoints, and the finish.
+
+use std::path::Path;
+use std::time::Instant;
+
+use super::epoch::EpochRun;
+use super::eval::evaluate;
+use super::stats::{EpochStats, Window};
+use super::{Trainer, log};
+use crate::bail;
+use crate::checkpoint::{self, Meta};
+use crate::error::Result;
+use crate::metrics::{self, EpochRow, StepRow};
+use crate::parallel::{Replicas, hash};
+
+/// `--replot DIR`: redraws `DIR/curves.png` from its CSV files.
+pub(super) fn replot(dir: &Path) -> Result<()> {
+    let (steps, epochs) = metrics::read_history(dir)?;
+    if steps.is_empty() && epochs.is_empty() {
+        bail!("{}: no steps.csv or epochs.csv rows to plot", dir.display());
+    }
+    let path = dir.join("curves.png");
+    let title =
+        dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
+    metrics::plot(&path, &title, &steps, &epochs)?;
+    println!("{}", path.display());
+    Ok(())
+}
+
+impl Trainer {
+    /// Writes the `steps.csv` row of the steps in `window` (this rank's, begun at `since`),
+    /// ending at fractional epoch `epoch` with global batch `batch` and learning rate `lr`.
+    pub(super) fn log_step(
+        &mut self,
+        window: &Window,
+        since: Instant,
+        epoch: f64,
+        batch: usize,
+        lr: f64,
+    ) -> Result<()> {
+        let w = window.sum_over_ranks(&self.rep)?;
+        let elapsed = since.elapsed().as_secs_f64();
+        if let Some(m) = self.metrics.as_mut() {
+            m.step(StepRow {
+                step: self.step,
+                epoch,
+                batch,
+                lr,
+                loss: w.mean_loss(),
+                images_per_s: w.images_per_s(elapsed),
+                step_s: w.mean_step_s(),
+                comm_s: w.mean_wait_s(),
+            })?;
+        }
+        Ok(())
+    }
+
+    /// After training epoch `epoch`: makes the replicas one model again, evaluates it, and
+    /// reports the epoch (log line, `epochs.csv` row, plot).
+    pub(super) fn end_epoch(&mut self, epoch: u64, run: &EpochRun) -> Result<()> {
+        // BN running statistics differ per rank (each saw its own examples): average them so
+        // evaluation and checkpoints see one model, identical on every rank.
+        self.rep.average_vars(&Replicas::buffer_vars(&self.model.buffers))?;
+        let what = format!("parameters at the end of epoch {epoch}");
+        self.rep.check_identical(&self.host_values(), &what)?;
+        let (test_loss, test_acc) = match &self.test {
+            Some(t) => {
+                evaluate(&self.model, t, &self.rep, &self.args, &self.augment, run.plan.micro.max(64))?
+            }
+            None => (f64::NAN, f64::NAN),
+        };
+        let totals = run.stats.sum_over_ranks(&self.rep)?;
+        let steps_done = totals.train.count / (run.plan.micro * run.plan.accum * self.world) as f64;
+        let row = self.epoch_row(epoch, run, &totals, steps_done, (test_loss, test_acc));
+        log(self.rank, &self.epoch_line(&row, steps_done));
+        if let Some(m) = self.metrics.as_mut() {
+            m.epoch(row)?;
+            if !self.args.no_plot
+                && let Err(e) = m.plot(&self.title)
+            {
+                eprintln!("toroid-train: warning: {e}");
+            }
+        }
+        Ok(())
+    }
+
+    /// The `epochs.csv` row of `epoch` from the `totals` over ranks and the `test` loss and
+    /// accuracy.
+    fn epoch_row(
+        &self,
+        epoch: u64,
+        run: &EpochRun,
+        totals: &EpochStats,
+        steps_done: f64,
+        test: (f64, f64),
+    ) -> EpochRow {
+        EpochRow {
+            epoch,
+            step: self.step,
+            batch: run.global,
+            lr: run.rate,
+            train_loss: totals.train.mean_loss(),
+            train_acc: totals.train.accuracy(),
+            test_loss: test.0,
+            test_acc: test.1,
+            images_per_s: totals.train.count / run.epoch_s,
+            comm_fraction: totals.comm_fraction(),
+            epoch_s: run.epoch_s,
+            wall_s: self.start.elapsed().as_secs_f64(),
+            epochs_done: epoch as f64 + steps_done / run.steps as f64,
+        }
+    }
+
+    /// The log line of an epoch.
+    fn epoch_line(&self, row: &EpochRow, steps_done: f64) -> String {
+        format!(
+            "epoch {}/{} steps {:.0} batch {} lr {:.4} | loss {:.4} train {:.2}% | test loss {:.4} top-1 {:.2}% | {:.0} img/s, all-reduce wait {:.1}% of step | {:.1}s (total {:.1}s)",
+            row.epoch + 1,
+            self.args.epochs,
+            steps_done,
+            row.batch,
+            row.lr,
+            row.train_loss,
+            100.0 * row.train_acc,
+            row.test_loss,
+            100.0 * row.test_acc,
+            row.images_per_s,
+            100.0 * row.comm_fraction,
+            row.epoch_s,
+            row.wall_s
+        )
+    }
+
+    /// Saves a checkpoint (rank 0) that resumes at epoch `next_epoch`.
+    pub(super) fn save_checkpoint(&self, next_epoch: u64) -> Result<()> {
+        let momentum: Vec<Vec<f32>> = self.host.iter().map(|h| h.momentum.clone()).collect();
+        let meta = Meta {
+            next_epoch,
+            step: self.step,
+            model: format!("{:?}", self.model.config),
+            num_params: self.model.num_params(),
+        };
+        let path = checkpoint::save(&self.args.out, &self.model, &momentum, &meta)?;
+        log(self.rank, &format!("toroid-train: checkpoint {}", path.display()));
+        Ok(())
+    }
+
+    /// The end of a run: every rank's parameter hash, a barrier, and the last log line.
+    pub(super) fn finish(self) -> Result<()> {
+        // Every rank reports its parameter hash (the tests compare them across ranks).
+        let h = hash(&self.host_values());
+        eprintln!("toroid-train: rank {} parameter hash {h:#018x}", self.rank);
+        if let Some(comm) = self.rep.comm() {
+            comm.barrier()?;
+        }
+        let secs = self.start.elapsed().as_secs_f64();
+        log(self.rank, &format!("toroid-train: done, {} steps in {secs:.1}s", self.step));
+        Ok(())
+    }
+}
