@@ -40,6 +40,12 @@ pub(super) fn encode(kind: u8, fp: &Fingerprint, step: u16, len: u32) -> [u8; HE
     h
 }
 
+/// Sets the payload length of an encoded header (one header is reused for every frame of a
+/// step).
+pub(super) fn set_len(h: &mut [u8; HEADER_LEN], len: u32) {
+    h[8..12].copy_from_slice(&len.to_le_bytes());
+}
+
 /// Decodes a frame header; the error says what is wrong with it.
 pub(super) fn decode(h: &[u8; HEADER_LEN]) -> std::result::Result<Header, String> {
     let magic = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);

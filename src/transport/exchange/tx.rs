@@ -1,6 +1,6 @@
 //! The sending half of an exchange: frames cut from the source as it becomes available.
 
-use super::frame::{HEADER_LEN, frame_len};
+use super::frame::{HEADER_LEN, frame_len, set_len};
 use super::{Link, Source};
 use std::io;
 
@@ -63,7 +63,7 @@ impl<'a> Tx<'a> {
         while !self.done {
             let len = frame_len(self.total, self.frame_start, self.segment);
             if !self.frame_open {
-                self.header[12..16].copy_from_slice(&(len as u32).to_le_bytes());
+                set_len(&mut self.header, len as u32);
                 self.hdr_sent = 0;
                 self.frame_sent = 0;
                 self.frame_open = true;
