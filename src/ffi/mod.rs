@@ -1,9 +1,9 @@
 //! The C ABI: every exported function, and nothing else (`include/toroid.h` is generated from
 //! this module by cbindgen; see `build.rs`).
 //!
-//! Conventions (DESIGN §4, §5): opaque handles; `toroid_<noun>_<verb>` names; every function
-//! returns a `toroid_result` and writes its outputs only on success; every pointer and handle is
-//! checked; every body runs inside a panic boundary. Helpers live in the sibling modules:
+//! Conventions (`docs/ARCHITECTURE.md`, "The C ABI contract"): opaque handles;
+//! `toroid_<noun>_<verb>` names; every function returns a `toroid_result` and writes its outputs
+//! only on success; every pointer and handle is checked; every body runs inside a panic boundary. Helpers live in the sibling modules:
 //! [`types`] (the C types), `boundary.rs` (panics, errors, handles), `ops.rs` (arguments to
 //! operations), `init.rs` and `store.rs` (set-up).
 //!
