@@ -2,9 +2,10 @@
 //! a chosen [`Algorithm`] to an algorithm function. A new algorithm is added here, in its own
 //! file beside this one, and in `tuning.rs` (its cost and when to choose it).
 
+use super::ring::{self, Phase};
 use super::{Group, Scratch, Wire};
 use crate::collective::{Algorithm, Bufs, OpKind};
-use crate::dtype::DataType;
+use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::topology::Layout;
 
@@ -49,12 +50,12 @@ pub fn run(wire: &mut Wire<'_>, scratch: &mut Scratch, layout: &Layout, call: Ca
                     super::hierarchical::all_reduce(wire, layout, bufs, dtype, rop)
                 }
                 Algorithm::Torus2d => super::torus2d::all_reduce(wire, layout, bufs, dtype, rop),
-                _ => super::ring::all_reduce(wire, Group::World(n), me, bufs, dtype, rop, n),
+                _ => ring::all_reduce(wire, Phase::new(Group::World(n), me, dtype, rop), bufs, n),
             }
         }
         OpKind::ReduceScatter(rop) => {
             let bufs = bufs.ok_or_else(need)?;
-            super::ring::reduce_scatter(wire, scratch, Group::World(n), me, bufs, dtype, rop, n)
+            ring::reduce_scatter(wire, scratch, Phase::new(Group::World(n), me, dtype, rop), bufs, n)
         }
         OpKind::AllGather | OpKind::SplitExchange => {
             let buf = match bufs.ok_or_else(need)? {
@@ -66,7 +67,8 @@ pub fn run(wire: &mut Wire<'_>, scratch: &mut Scratch, layout: &Layout, call: Ca
                 }
             };
             let count = buf.len() / dtype.size();
-            super::ring::all_gather_phase(wire, Group::World(n), me, count, dtype.size(), buf, 0)
+            let phase = Phase::new(Group::World(n), me, dtype, ReduceOp::Sum);
+            ring::all_gather_phase(wire, phase, count, buf)
         }
         OpKind::Broadcast(root) => super::broadcast::broadcast(wire, algo, bufs.ok_or_else(need)?, root),
         OpKind::Reduce(rop, root) => {

@@ -13,7 +13,7 @@
 //! moves the full buffer through one rank per host. Hosts of different sizes work (each uses
 //! its own `k`); step numbers use the largest `k` so that every link agrees on them.
 
-use super::ring::{self, RsBufs};
+use super::ring::{self, Phase, RsBufs};
 use super::schedule;
 use super::{Bufs, Group, Wire, work_and_input};
 use crate::dtype::{DataType, ReduceOp};
@@ -45,7 +45,7 @@ pub fn all_reduce(
         Some(src) => RsBufs::Full { src, dst: &mut *buf },
         None => RsBufs::InPlace(&mut *buf),
     };
-    ring::reduce_scatter_phase(wire, local, me, count, rs, dtype, op, 0)?;
+    ring::reduce_scatter_phase(wire, Phase::new(local, me, dtype, op), count, rs)?;
     if me == 0 {
         for i in 1..k {
             wire.exchange(big_k + i, None, Some((layout.local[i], Sink::Copy(&mut buf[piece(i)]))))?;
@@ -55,7 +55,8 @@ pub fn all_reduce(
     }
     // 2. All-reduce among the roots.
     if let Some(pos) = layout.root_pos {
-        ring::all_reduce_phase(wire, Group::Ranks(&layout.roots), pos, buf, None, dtype, op, 2 * big_k + 1)?;
+        let roots = Phase::new(Group::Ranks(&layout.roots), pos, dtype, op).at_step(2 * big_k + 1);
+        ring::all_reduce_phase(wire, roots, buf, None)?;
     }
     // 3. Broadcast from the local root: scatter, then all-gather.
     let base = 2 * big_k + 2 * m + 1;
@@ -66,5 +67,5 @@ pub fn all_reduce(
     } else {
         wire.exchange(base + me, None, Some((root, Sink::Copy(&mut buf[piece(me)]))))?;
     }
-    ring::all_gather_phase(wire, local, me, count, es, buf, base + big_k + 1)
+    ring::all_gather_phase(wire, Phase::new(local, me, dtype, op).at_step(base + big_k + 1), count, buf)
 }

@@ -39,6 +39,35 @@ pub enum RsBufs<'a> {
     },
 }
 
+/// Where and how one ring phase runs: the ordered members, this rank's position among them,
+/// the element type and reduction, and the step number of its first frame (phases of one
+/// collective number their steps one after another).
+#[derive(Debug, Clone, Copy)]
+pub struct Phase<'g> {
+    /// The members, in ring order.
+    pub group: Group<'g>,
+    /// This rank's position in `group`.
+    pub me: usize,
+    /// Element type.
+    pub dtype: DataType,
+    /// Reduction (`Avg` only in the public entry points, which pre-scale).
+    pub op: ReduceOp,
+    /// Step number of the phase's first step on the wire.
+    pub step0: usize,
+}
+
+impl<'g> Phase<'g> {
+    /// A phase over `group` at position `me` starting at step 0.
+    pub fn new(group: Group<'g>, me: usize, dtype: DataType, op: ReduceOp) -> Phase<'g> {
+        Phase { group, me, dtype, op, step0: 0 }
+    }
+
+    /// The same phase starting at step `step0`.
+    pub fn at_step(self, step0: usize) -> Phase<'g> {
+        Phase { step0, ..self }
+    }
+}
+
 /// A ring plan over `group` for position `me`: the caller fills in the schedule.
 struct Ring<'g> {
     group: Group<'g>,
@@ -71,19 +100,15 @@ impl Ring<'_> {
     }
 }
 
-/// Ring reduce-scatter over `group` on `count` elements; `me` is this rank's position.
-/// Uses steps `step0 .. step0 + n - 1`.
-#[allow(clippy::too_many_arguments)]
+/// Ring reduce-scatter of `count` elements over the phase's group. Uses steps
+/// `step0 .. step0 + n - 1`.
 pub fn reduce_scatter_phase(
     wire: &mut Wire<'_>,
-    group: Group<'_>,
-    me: usize,
+    phase: Phase<'_>,
     count: usize,
     bufs: RsBufs<'_>,
-    dtype: DataType,
-    op: ReduceOp,
-    step0: usize,
 ) -> Result<()> {
+    let Phase { group, me, dtype, op, step0 } = phase;
     let n = group.len();
     let es = dtype.size();
     let p = |i: usize| piece(count, n, es, i);
@@ -114,17 +139,14 @@ pub fn reduce_scatter_phase(
 /// Ring reduce-scatter where only this position's piece is wanted, in `out` (the public
 /// out-of-place form): partial sums alternate between the scratch pieces `a` and `b`, one step
 /// at a time (receive into one while the other is sent).
-#[allow(clippy::too_many_arguments)]
 fn reduce_scatter_own(
     wire: &mut Wire<'_>,
-    group: Group<'_>,
-    me: usize,
+    phase: Phase<'_>,
     src: &[u8],
     out: &mut [u8],
     (a, b): (&mut [u8], &mut [u8]),
-    dtype: DataType,
-    op: ReduceOp,
 ) -> Result<()> {
+    let Phase { group, me, dtype, op, step0 } = phase;
     let n = group.len();
     if n == 1 {
         out.copy_from_slice(src);
@@ -140,24 +162,21 @@ fn reduce_scatter_own(
         let send: &[u8] = if s == 0 { &src[p(ps)] } else { &prev[..p(ps).len()] };
         let target: &mut [u8] = if s == n - 2 { &mut *out } else { &mut cur[..p(pr).len()] };
         let sink = Sink::Reduce { dst: target, other: Some(&src[p(pr)]), dtype, op };
-        wire.exchange(s, Some((right, Source::Bytes(send))), Some((left, sink)))?;
+        wire.exchange(step0 + s, Some((right, Source::Bytes(send))), Some((left, sink)))?;
     }
     Ok(())
 }
 
 /// The public reduce-scatter over `group`: in place, the result lands in this position's piece
 /// of the buffer; out of place, `recv` gets it. `avg` pre-scales the inputs by `1/scale_n`.
-#[allow(clippy::too_many_arguments)]
 pub fn reduce_scatter(
     wire: &mut Wire<'_>,
     scratch: &mut Scratch,
-    group: Group<'_>,
-    me: usize,
+    phase: Phase<'_>,
     bufs: Bufs<'_>,
-    dtype: DataType,
-    op: ReduceOp,
     scale_n: usize,
 ) -> Result<()> {
+    let Phase { dtype, op, .. } = phase;
     let factor = 1.0 / scale_n as f64;
     let sum_op = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
     match bufs {
@@ -166,7 +185,7 @@ pub fn reduce_scatter(
                 reduce::scale_inplace(dtype, buf, factor);
             }
             let count = buf.len() / dtype.size();
-            reduce_scatter_phase(wire, group, me, count, RsBufs::InPlace(buf), dtype, sum_op, 0)
+            reduce_scatter_phase(wire, Phase { op: sum_op, ..phase }, count, RsBufs::InPlace(buf))
         }
         Bufs::OutOfPlace { send, recv } => {
             let Scratch { a, b, c } = scratch;
@@ -180,22 +199,17 @@ pub fn reduce_scatter(
             } else {
                 send
             };
-            reduce_scatter_own(wire, group, me, src, recv, tmp, dtype, sum_op)
+            reduce_scatter_own(wire, Phase { op: sum_op, ..phase }, src, recv, tmp)
         }
     }
 }
 
-/// Ring all-gather over `group` on `count` elements held in `buf`, where this position's piece
-/// is already in place. Uses steps `step0 .. step0 + n - 1`.
-pub fn all_gather_phase(
-    wire: &mut Wire<'_>,
-    group: Group<'_>,
-    me: usize,
-    count: usize,
-    esize: usize,
-    buf: &mut [u8],
-    step0: usize,
-) -> Result<()> {
+/// Ring all-gather over the phase's group on `count` elements held in `buf`, where this
+/// position's piece is already in place. Uses steps `step0 .. step0 + n - 1`. Copies only: the
+/// phase's reduction is not used.
+pub fn all_gather_phase(wire: &mut Wire<'_>, phase: Phase<'_>, count: usize, buf: &mut [u8]) -> Result<()> {
+    let Phase { group, me, dtype, step0, .. } = phase;
+    let esize = dtype.size();
     let n = group.len();
     if n == 1 {
         return Ok(());
@@ -209,33 +223,20 @@ pub fn all_gather_phase(
 /// Ring all-reduce over `group`: reduce-scatter then all-gather, `2 (n - 1)` steps run as one
 /// stream (the piece finished last in the reduce-scatter is the first one all-gathered).
 /// `avg` pre-scales the inputs by `1/scale_n`.
-#[allow(clippy::too_many_arguments)]
-pub fn all_reduce(
-    wire: &mut Wire<'_>,
-    group: Group<'_>,
-    me: usize,
-    bufs: Bufs<'_>,
-    dtype: DataType,
-    op: ReduceOp,
-    scale_n: usize,
-) -> Result<()> {
-    let (work, src, op) = work_and_input(bufs, dtype, op, scale_n);
-    all_reduce_phase(wire, group, me, work, src, dtype, op, 0)
+pub fn all_reduce(wire: &mut Wire<'_>, phase: Phase<'_>, bufs: Bufs<'_>, scale_n: usize) -> Result<()> {
+    let (work, src, op) = work_and_input(bufs, phase.dtype, phase.op, scale_n);
+    all_reduce_phase(wire, Phase { op, ..phase }, work, src)
 }
 
 /// The all-reduce phase over `group` on `work` (the result), reading inputs from `src` when
 /// given (else from `work`); steps `step0 .. step0 + 2 (n - 1)`. `op` is never `Avg` here.
-#[allow(clippy::too_many_arguments)]
 pub fn all_reduce_phase(
     wire: &mut Wire<'_>,
-    group: Group<'_>,
-    me: usize,
+    phase: Phase<'_>,
     work: &mut [u8],
     src: Option<&[u8]>,
-    dtype: DataType,
-    op: ReduceOp,
-    step0: usize,
 ) -> Result<()> {
+    let Phase { group, me, dtype, op, step0 } = phase;
     let n = group.len();
     let es = dtype.size();
     let count = work.len() / es;

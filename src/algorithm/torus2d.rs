@@ -12,7 +12,7 @@
 //! `2 (X - 1) + 2 (Y - 1)` steps instead of the flat ring's `2 (XY - 1)`, with the same bytes
 //! per rank as the flat ring.
 
-use super::ring::{self, RsBufs};
+use super::ring::{self, Phase, RsBufs};
 use super::schedule;
 use super::{Bufs, Group, Wire, work_and_input};
 use crate::dtype::{DataType, ReduceOp};
@@ -38,8 +38,9 @@ pub fn all_reduce(
         Some(src) => RsBufs::Full { src, dst: &mut *buf },
         None => RsBufs::InPlace(&mut *buf),
     };
-    ring::reduce_scatter_phase(wire, row, x, count, rs, dtype, op, 0)?;
+    ring::reduce_scatter_phase(wire, Phase::new(row, x, dtype, op), count, rs)?;
     let mine = schedule::bytes(schedule::piece(count, nx, x), es);
-    ring::all_reduce_phase(wire, Group::Ranks(&layout.column), y, &mut buf[mine], None, dtype, op, nx)?;
-    ring::all_gather_phase(wire, row, x, count, es, buf, nx + 2 * ny)
+    let column = Phase::new(Group::Ranks(&layout.column), y, dtype, op).at_step(nx);
+    ring::all_reduce_phase(wire, column, &mut buf[mine], None)?;
+    ring::all_gather_phase(wire, Phase::new(row, x, dtype, op).at_step(nx + 2 * ny), count, buf)
 }

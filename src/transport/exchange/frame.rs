@@ -180,6 +180,16 @@ mod tests {
     }
 
     #[test]
+    fn headers_round_trip_with_their_length_step_and_fingerprint() {
+        let fp = fingerprint(9, 1 << 33);
+        let mut h = encode(KIND_DATA, &fp, 513, 0);
+        set_len(&mut h, 524_288);
+        let d = decode(&h).expect("a valid header");
+        assert_eq!((d.kind, d.step, d.len), (KIND_DATA, 513, 524_288));
+        assert_eq!(d.fp, Ok(fp));
+    }
+
+    #[test]
     fn a_well_formed_frame_is_received() {
         let payload: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(37)).collect();
         let got = receive_after(frame(&fingerprint(5, 16), 3, &payload)).expect("a valid frame");
