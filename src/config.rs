@@ -233,9 +233,12 @@ impl Config {
         if let Some(v) = get("TOROID_TCP_CONGESTION") {
             // Linux's TCP_CA_NAME_MAX is 16 bytes with the terminating NUL.
             if v.len() > 15 || !v.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') {
-                return Err(Error::InvalidArgument(format!(
-                    "TOROID_TCP_CONGESTION={v}: not a congestion control name (e.g. cubic, reno, bbr)"
-                )));
+                return Err(Error::InvalidArgument(
+                    format!(
+                        "TOROID_TCP_CONGESTION={v}: not a congestion control name (e.g. cubic, reno, bbr)"
+                    )
+                    .into(),
+                ));
             }
             cfg.tcp_congestion = Some(v.to_string());
         }
@@ -246,9 +249,9 @@ impl Config {
         if let Some(v) = get("TOROID_SEGMENT_SIZE") {
             let s = parse_size("TOROID_SEGMENT_SIZE", v)?;
             if s < 4096 {
-                return Err(Error::InvalidArgument(format!(
-                    "TOROID_SEGMENT_SIZE={v}: must be at least 4096 bytes"
-                )));
+                return Err(Error::InvalidArgument(
+                    format!("TOROID_SEGMENT_SIZE={v}: must be at least 4096 bytes").into(),
+                ));
             }
             cfg.segment_size = s;
         }
@@ -268,18 +271,18 @@ impl Config {
         if let Some(v) = get("TOROID_SHM_RING_SIZE") {
             let s = parse_size("TOROID_SHM_RING_SIZE", v)?;
             if !(4096..=1 << 30).contains(&s) {
-                return Err(Error::InvalidArgument(format!(
-                    "TOROID_SHM_RING_SIZE={v}: must be between 4K and 1G"
-                )));
+                return Err(Error::InvalidArgument(
+                    format!("TOROID_SHM_RING_SIZE={v}: must be between 4K and 1G").into(),
+                ));
             }
             cfg.shm_ring_size = s;
         }
         if let Some(v) = get("TOROID_SHM_CHUNK_SIZE") {
             let s = parse_size("TOROID_SHM_CHUNK_SIZE", v)?;
             if s != 0 && !(4096..=1 << 30).contains(&s) {
-                return Err(Error::InvalidArgument(format!(
-                    "TOROID_SHM_CHUNK_SIZE={v}: must be 0 (no window) or between 4K and 1G"
-                )));
+                return Err(Error::InvalidArgument(
+                    format!("TOROID_SHM_CHUNK_SIZE={v}: must be 0 (no window) or between 4K and 1G").into(),
+                ));
             }
             cfg.shm_chunk_size = s;
         }
@@ -303,7 +306,7 @@ impl Config {
 }
 
 fn parse_num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
-    v.parse().map_err(|_| Error::InvalidArgument(format!("{name}={v}: not a number")))
+    v.parse().map_err(|_| Error::InvalidArgument(format!("{name}={v}: not a number").into()))
 }
 
 // shm: BEGIN
@@ -312,7 +315,7 @@ fn parse_bool(name: &str, v: &str) -> Result<bool> {
     match v.to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" | "on" => Ok(true),
         "0" | "false" | "no" | "off" => Ok(false),
-        _ => Err(Error::InvalidArgument(format!("{name}={v}: expected 1 or 0"))),
+        _ => Err(Error::InvalidArgument(format!("{name}={v}: expected 1 or 0").into())),
     }
 }
 // shm: END
@@ -321,7 +324,9 @@ fn parse_bool(name: &str, v: &str) -> Result<bool> {
 fn parse_seconds(name: &str, v: &str) -> Result<Duration> {
     let secs: f64 = parse_num(name, v)?;
     if !(secs > 0.0 && secs.is_finite()) {
-        return Err(Error::InvalidArgument(format!("{name}={v}: must be a positive number of seconds")));
+        return Err(Error::InvalidArgument(
+            format!("{name}={v}: must be a positive number of seconds").into(),
+        ));
     }
     Ok(Duration::from_secs_f64(secs))
 }
@@ -343,7 +348,8 @@ pub fn parse_size(name: &str, v: &str) -> Result<usize> {
         _ => (v, 0),
     };
     let n: usize = parse_num(name, digits)?;
-    n.checked_mul(1usize << shift).ok_or_else(|| Error::InvalidArgument(format!("{name}={v}: too large")))
+    n.checked_mul(1usize << shift)
+        .ok_or_else(|| Error::InvalidArgument(format!("{name}={v}: too large").into()))
 }
 
 /// Sets up logging from `TOROID_DEBUG` (`WARN` default, `INFO`, `TRACE`, ...) and

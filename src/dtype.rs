@@ -87,10 +87,9 @@ impl DataType {
     /// Number of whole elements in `bytes`, or an error when `bytes` is not a multiple.
     pub fn count_of(self, bytes: usize) -> Result<usize> {
         if !bytes.is_multiple_of(self.size()) {
-            return Err(Error::InvalidArgument(format!(
-                "buffer of {bytes} bytes is not a whole number of {} elements",
-                self.name()
-            )));
+            return Err(Error::InvalidArgument(
+                format!("buffer of {bytes} bytes is not a whole number of {} elements", self.name()).into(),
+            ));
         }
         Ok(bytes / self.size())
     }
@@ -117,7 +116,7 @@ impl FromStr for DataType {
             "bfloat16" | "bf16" => DataType::BF16,
             "float" | "f32" | "float32" => DataType::F32,
             "double" | "f64" | "float64" => DataType::F64,
-            _ => return Err(Error::InvalidArgument(format!("unknown data type '{s}'"))),
+            _ => return Err(Error::InvalidArgument(format!("unknown data type '{s}'").into())),
         })
     }
 }
@@ -162,9 +161,9 @@ impl ReduceOp {
     /// Checks that this operation is defined on `dtype`.
     pub fn check(self, dtype: DataType) -> Result<()> {
         if self == ReduceOp::Avg && !dtype.is_float() {
-            return Err(Error::Unsupported(format!(
-                "avg is defined for floating types only, not {dtype} (use sum and divide)"
-            )));
+            return Err(Error::Unsupported(
+                format!("avg is defined for floating types only, not {dtype} (use sum and divide)").into(),
+            ));
         }
         Ok(())
     }
@@ -186,7 +185,7 @@ impl FromStr for ReduceOp {
             "max" => ReduceOp::Max,
             "avg" | "mean" => ReduceOp::Avg,
             _ => {
-                return Err(Error::InvalidArgument(format!("unknown reduction op '{s}'")));
+                return Err(Error::InvalidArgument(format!("unknown reduction op '{s}'").into()));
             }
         })
     }

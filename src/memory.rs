@@ -141,11 +141,14 @@ impl RawBufs {
     pub fn from_pair(send: RawBuf, recv: RawBufMut) -> Result<RawBufs> {
         if send.addr() == recv.addr() && !send.is_empty() {
             if send.len() != recv.len() {
-                return Err(Error::InvalidArgument(format!(
-                    "in-place call (send == recv) with different lengths {} and {}",
-                    send.len(),
-                    recv.len()
-                )));
+                return Err(Error::InvalidArgument(
+                    format!(
+                        "in-place call (send == recv) with different lengths {} and {}",
+                        send.len(),
+                        recv.len()
+                    )
+                    .into(),
+                ));
             }
             return Ok(RawBufs::InPlace(recv));
         }

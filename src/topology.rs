@@ -89,9 +89,9 @@ impl Topology {
         let n = self.size();
         if let Some((x, y)) = shape {
             if x * y != n || x == 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "TOROID_TORUS_SHAPE={x}x{y} does not have {n} ranks"
-                )));
+                return Err(Error::InvalidArgument(
+                    format!("TOROID_TORUS_SHAPE={x}x{y} does not have {n} ranks").into(),
+                ));
             }
             return Ok(Grid { x, y, placement: Placement::RankOrder, note: None });
         }
@@ -202,7 +202,7 @@ impl fmt::Display for Grid {
 
 /// Parses `XxY` (`TOROID_TORUS_SHAPE`).
 pub fn parse_shape(s: &str) -> Result<(usize, usize)> {
-    let bad = || Error::InvalidArgument(format!("TOROID_TORUS_SHAPE={s}: expected XxY, e.g. 4x8"));
+    let bad = || Error::InvalidArgument(format!("TOROID_TORUS_SHAPE={s}: expected XxY, e.g. 4x8").into());
     let (a, b) = s
         .trim()
         .to_ascii_lowercase()

@@ -83,7 +83,9 @@ impl AlgoFilter {
             let (kind, list) = match section.split_once(':') {
                 Some((k, l)) => {
                     let kind = kind_by_name(k).ok_or_else(|| {
-                        Error::InvalidArgument(format!("TOROID_ALGO: unknown collective '{k}' in '{spec}'"))
+                        Error::InvalidArgument(
+                            format!("TOROID_ALGO: unknown collective '{k}' in '{spec}'").into(),
+                        )
                     })?;
                     (Some(kind), l)
                 }
@@ -96,10 +98,13 @@ impl AlgoFilter {
             let mut algos = Vec::new();
             for name in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
                 algos.push(Algorithm::parse(name).ok_or_else(|| {
-                    Error::InvalidArgument(format!(
-                        "TOROID_ALGO: unknown algorithm '{name}' (known: {})",
-                        Algorithm::ALL.iter().map(|a| a.name()).collect::<Vec<_>>().join(", ")
-                    ))
+                    Error::InvalidArgument(
+                        format!(
+                            "TOROID_ALGO: unknown algorithm '{name}' (known: {})",
+                            Algorithm::ALL.iter().map(|a| a.name()).collect::<Vec<_>>().join(", ")
+                        )
+                        .into(),
+                    )
                 })?);
             }
             let rule = Rule { exclude, algos };
@@ -244,7 +249,7 @@ impl CostModel {
         let bad = || {
             Error::InvalidArgument(format!(
                 "TOROID_COST_MODEL={spec}: expected probe, default or intra=US/GBPS,inter=US/GBPS,reduce=GBPS"
-            ))
+            ).into())
         };
         let num =
             |s: &str| s.trim().parse::<f64>().ok().filter(|v| *v > 0.0 && v.is_finite()).ok_or_else(bad);
@@ -524,11 +529,14 @@ pub fn check_forced(kind: CollKind, algo: Algorithm) -> Result<()> {
     if candidates(kind).contains(&algo) || intra_candidates(kind).contains(&algo) {
         Ok(())
     } else {
-        Err(Error::InvalidArgument(format!(
-            "algorithm {algo} cannot run {} (candidates: {})",
-            kind.name(),
-            candidates(kind).iter().map(|a| a.name()).collect::<Vec<_>>().join(", ")
-        )))
+        Err(Error::InvalidArgument(
+            format!(
+                "algorithm {algo} cannot run {} (candidates: {})",
+                kind.name(),
+                candidates(kind).iter().map(|a| a.name()).collect::<Vec<_>>().join(", ")
+            )
+            .into(),
+        ))
     }
 }
 

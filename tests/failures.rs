@@ -96,6 +96,10 @@ fn mismatched_count_is_an_error_naming_the_mismatch_on_both_ranks() {
             "rank {}: {msg}",
             comm.rank()
         );
+        // The structured facts: which collective failed and which peer disagreed.
+        let seq = e.seq().expect("the failed collective's sequence number");
+        assert!(msg.contains(&format!("all_reduce #{seq}")), "rank {}: seq {seq} not in {msg}", comm.rank());
+        assert_eq!(e.peer(), Some(1 - comm.rank()), "rank {}: {msg}", comm.rank());
         assert!(comm.is_aborted());
     });
 }

@@ -29,7 +29,7 @@ pub fn run(wire: &mut Wire<'_>, scratch: &mut Scratch, layout: &Layout, call: Ca
     let n = wire.size();
     let me = wire.rank();
     let Call { kind, dtype, algo, bufs, input } = call;
-    let need = || Error::Internal(format!("{kind:?} without the buffers it needs"));
+    let need = || Error::Internal(format!("{kind:?} without the buffers it needs").into());
     if algo == Algorithm::ShmDirect {
         let bufs = bufs.ok_or_else(need)?;
         return match kind {
@@ -37,7 +37,7 @@ pub fn run(wire: &mut Wire<'_>, scratch: &mut Scratch, layout: &Layout, call: Ca
             OpKind::ReduceScatter(rop) => super::intra::reduce_scatter(wire, bufs, dtype, rop),
             OpKind::AllGather | OpKind::SplitExchange => super::intra::all_gather(wire, bufs),
             OpKind::Broadcast(root) => super::intra::broadcast(wire, bufs, root),
-            _ => Err(Error::Internal(format!("shm_direct cannot run {kind:?}"))),
+            _ => Err(Error::Internal(format!("shm_direct cannot run {kind:?}").into())),
         };
     }
     match kind {

@@ -362,7 +362,7 @@ fn run(cli: Cli) -> toroid::Result<u64> {
     let algorithm = match &cli.algorithm {
         Some(a) => Some(
             Algorithm::parse(a)
-                .ok_or_else(|| toroid::Error::InvalidArgument(format!("unknown algorithm '{a}'")))?,
+                .ok_or_else(|| toroid::Error::InvalidArgument(format!("unknown algorithm '{a}'").into()))?,
         ),
         None => None,
     };

@@ -194,7 +194,9 @@ impl Communicator {
 
     /// Aborts: pending and later operations fail, peers are told, links close. Never blocks.
     pub fn abort(&self) {
-        self.core.abort.fire(Error::Aborted(format!("rank {} aborted the communicator", self.core.rank)));
+        self.core
+            .abort
+            .fire(Error::Aborted(format!("rank {} aborted the communicator", self.core.rank).into()));
         // Idle: close the links now. Busy: the running operation sees the signal and does it.
         if let Ok(mut engine) = self.core.engine.try_lock() {
             engine.fail(&format!("rank {} called abort", self.core.rank));
@@ -325,6 +327,7 @@ impl Core {
                 algorithm::dispatch::run(&mut wire, scratch, &self.layout, call)
             }
         };
+        let result = result.map_err(|e| e.with_seq(fp.seq));
         if let Err(e) = &result {
             tracing::warn!(target: "toroid::coll", "rank {}: {e}", self.rank);
             engine.fail(&format!("rank {}: {e}", self.rank));

@@ -232,7 +232,7 @@ impl Completion {
             let now = Instant::now();
             if !timed_out && now >= deadline {
                 timed_out = true;
-                abort.fire(Error::Timeout(format!("work not completed within {timeout:?}")));
+                abort.fire(Error::Timeout(format!("work not completed within {timeout:?}").into()));
             }
             let wait = if timed_out { Duration::from_millis(50) } else { deadline - now };
             r = self.cv.wait_timeout(r, wait).unwrap_or_else(|e| e.into_inner()).0;
@@ -240,9 +240,9 @@ impl Completion {
         let res = r.clone().unwrap_or(Ok(()));
         match res {
             // The operation stopped because this wait's deadline aborted the communicator.
-            Err(Error::Aborted(_)) if timed_out => {
-                Err(Error::Timeout(format!("work not completed within {timeout:?} (communicator aborted)")))
-            }
+            Err(Error::Aborted(_)) if timed_out => Err(Error::Timeout(
+                format!("work not completed within {timeout:?} (communicator aborted)").into(),
+            )),
             other => other,
         }
     }
@@ -284,7 +284,7 @@ impl<B: 'static> Work<B> {
     pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
         let r = self.done.wait_done(&self.abort, timeout);
         if r.is_ok() && !self.test() {
-            return Err(Error::Timeout(format!("work not completed within {timeout:?}")));
+            return Err(Error::Timeout(format!("work not completed within {timeout:?}").into()));
         }
         r
     }

@@ -85,7 +85,7 @@ impl Communicator {
         store_host: Option<&str>,
     ) -> Result<Communicator> {
         if size == 0 || rank >= size {
-            return Err(Error::InvalidArgument(format!("rank {rank} is not in a world of {size}")));
+            return Err(Error::InvalidArgument(format!("rank {rank} is not in a world of {size}").into()));
         }
         let deadline = Instant::now() + cfg.timeout;
         // Reject a malformed TOROID_ALGO before touching the store.
@@ -121,7 +121,7 @@ impl Communicator {
             let a = store.get(&format!("{prefix}/addr/{r}"), left())?;
             let a = String::from_utf8_lossy(&a)
                 .parse::<SocketAddr>()
-                .map_err(|e| Error::Remote(format!("rank {r} published a bad address: {e}")))?;
+                .map_err(|e| Error::Remote(format!("rank {r} published a bad address: {e}").into()))?;
             addrs.push(a);
             let ids =
                 String::from_utf8_lossy(&store.get(&format!("{prefix}/host/{r}"), left())?).into_owned();
@@ -304,7 +304,7 @@ impl Communicator {
             let a = std::str::from_utf8(&rec[..end])
                 .ok()
                 .and_then(|s| s.parse::<SocketAddr>().ok())
-                .ok_or_else(|| Error::Remote(format!("rank {r} sent a bad address in split")))?;
+                .ok_or_else(|| Error::Remote(format!("rank {r} sent a bad address in split").into()))?;
             member_addrs.push(a);
         }
         let id = {

@@ -16,19 +16,18 @@ pub(crate) fn validate(op: &RawOp, rank: usize, size: usize, has_window: bool) -
     let (inp, out) = (op.bufs.input_len(), op.bufs.output_len());
     let whole = |what: &str, len: usize| -> Result<usize> {
         if !len.is_multiple_of(es) {
-            return Err(Error::InvalidArgument(format!(
-                "{what} of {len} bytes is not a whole number of {} elements",
-                op.dtype
-            )));
+            return Err(Error::InvalidArgument(
+                format!("{what} of {len} bytes is not a whole number of {} elements", op.dtype).into(),
+            ));
         }
         Ok(len / es)
     };
     let in_place = matches!(op.bufs, RawBufs::InPlace(_));
     let rank_ok = |what: &str, r: usize| -> Result<()> {
         if r >= n {
-            return Err(Error::InvalidArgument(format!(
-                "{what} {r} is not a rank of this communicator (size {n})"
-            )));
+            return Err(Error::InvalidArgument(
+                format!("{what} {r} is not a rank of this communicator (size {n})").into(),
+            ));
         }
         Ok(())
     };
@@ -37,7 +36,9 @@ pub(crate) fn validate(op: &RawOp, rank: usize, size: usize, has_window: bool) -
             rop.check(op.dtype)?;
             whole("buffer", out.max(inp))?;
             if inp != out && !(matches!(op.kind, OpKind::Reduce(..)) && out == 0) {
-                return Err(Error::InvalidArgument(format!("input is {inp} bytes but output is {out}")));
+                return Err(Error::InvalidArgument(
+                    format!("input is {inp} bytes but output is {out}").into(),
+                ));
             }
             if let OpKind::Reduce(_, root) = op.kind {
                 rank_ok("root", root)?;
@@ -47,36 +48,37 @@ pub(crate) fn validate(op: &RawOp, rank: usize, size: usize, has_window: bool) -
             rop.check(op.dtype)?;
             let c = whole("input", inp)?;
             if c % n != 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "reduce_scatter input of {c} elements does not split into {n} equal pieces"
-                )));
+                return Err(Error::InvalidArgument(
+                    format!("reduce_scatter input of {c} elements does not split into {n} equal pieces")
+                        .into(),
+                ));
             }
             if !in_place && out * n != inp {
-                return Err(Error::InvalidArgument(format!(
-                    "reduce_scatter output is {out} bytes; expected input/size = {}",
-                    inp / n
-                )));
+                return Err(Error::InvalidArgument(
+                    format!("reduce_scatter output is {out} bytes; expected input/size = {}", inp / n).into(),
+                ));
             }
         }
         OpKind::AllGather | OpKind::SplitExchange => {
             let c = whole("output", out)?;
             if c % n != 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "all_gather output of {c} elements does not split into {n} equal pieces"
-                )));
+                return Err(Error::InvalidArgument(
+                    format!("all_gather output of {c} elements does not split into {n} equal pieces").into(),
+                ));
             }
             if !in_place && inp * n != out {
-                return Err(Error::InvalidArgument(format!(
-                    "all_gather output is {out} bytes; expected size x input = {}",
-                    inp * n
-                )));
+                return Err(Error::InvalidArgument(
+                    format!("all_gather output is {out} bytes; expected size x input = {}", inp * n).into(),
+                ));
             }
         }
         OpKind::Broadcast(root) => {
             rank_ok("root", root)?;
             whole("buffer", out)?;
             if !in_place && inp != out && (rank == root || inp != 0) {
-                return Err(Error::InvalidArgument(format!("input is {inp} bytes but output is {out}")));
+                return Err(Error::InvalidArgument(
+                    format!("input is {inp} bytes but output is {out}").into(),
+                ));
             }
         }
         OpKind::AllToAll => {
@@ -84,7 +86,7 @@ pub(crate) fn validate(op: &RawOp, rank: usize, size: usize, has_window: bool) -
             if c % n != 0 || inp != out {
                 return Err(Error::InvalidArgument(format!(
                     "all_to_all buffers must be equal and split into {n} blocks (input {inp}, output {out} bytes)"
-                )));
+                ).into()));
             }
         }
         OpKind::Barrier => {}
@@ -96,9 +98,9 @@ pub(crate) fn validate(op: &RawOp, rank: usize, size: usize, has_window: bool) -
         OpKind::Send(peer) | OpKind::Recv(peer) => {
             rank_ok("peer", peer)?;
             if peer == rank {
-                return Err(Error::InvalidArgument(format!(
-                    "rank {peer} cannot send to or receive from itself"
-                )));
+                return Err(Error::InvalidArgument(
+                    format!("rank {peer} cannot send to or receive from itself").into(),
+                ));
             }
             whole("buffer", inp.max(out))?;
         }

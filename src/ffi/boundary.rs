@@ -60,14 +60,14 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 
 impl PanicDefault for toroid_result {
     fn on_panic(name: &'static str, payload: Box<dyn std::any::Any + Send>) -> Self {
-        let e = Error::Internal(format!("panic: {}", panic_message(&*payload)));
+        let e = Error::Internal(format!("panic: {}", panic_message(&*payload)).into());
         fail(name, None, &e)
     }
 }
 
 impl PanicDefault for *const c_char {
     fn on_panic(name: &'static str, payload: Box<dyn std::any::Any + Send>) -> Self {
-        let e = Error::Internal(format!("panic: {}", panic_message(&*payload)));
+        let e = Error::Internal(format!("panic: {}", panic_message(&*payload)).into());
         let _ = fail(name, None, &e);
         c"internal error: toroid panicked (see toroid_get_last_error(NULL))".as_ptr()
     }
@@ -75,7 +75,7 @@ impl PanicDefault for *const c_char {
 
 impl PanicDefault for () {
     fn on_panic(name: &'static str, payload: Box<dyn std::any::Any + Send>) -> Self {
-        let e = Error::Internal(format!("panic: {}", panic_message(&*payload)));
+        let e = Error::Internal(format!("panic: {}", panic_message(&*payload)).into());
         let _ = fail(name, None, &e);
     }
 }
@@ -183,17 +183,17 @@ pub(crate) trait Handle: Sized + Send + Sync + 'static {
     #[doc(hidden)]
     fn check_null(h: *const Self::C) -> Result<()> {
         if h.is_null() {
-            return Err(Error::InvalidArgument(format!("{} handle is NULL", Self::NAME)));
+            return Err(Error::InvalidArgument(format!("{} handle is NULL", Self::NAME).into()));
         }
         Ok(())
     }
 
     #[doc(hidden)]
     fn unknown(h: *const Self::C) -> Error {
-        Error::InvalidUsage(format!(
-            "{} handle {h:p} is not live: it was destroyed, or never created by toroid",
-            Self::NAME
-        ))
+        Error::InvalidUsage(
+            format!("{} handle {h:p} is not live: it was destroyed, or never created by toroid", Self::NAME)
+                .into(),
+        )
     }
 }
 
@@ -261,7 +261,7 @@ pub(crate) fn with_comm(
 /// only on success).
 pub(crate) fn check_out<T>(p: *mut T, what: &str) -> Result<()> {
     if p.is_null() {
-        return Err(Error::InvalidArgument(format!("output pointer {what} is NULL")));
+        return Err(Error::InvalidArgument(format!("output pointer {what} is NULL").into()));
     }
     Ok(())
 }
@@ -287,12 +287,12 @@ pub(crate) unsafe fn opt_str(p: *const c_char, what: &str) -> Result<Option<Stri
     let s = unsafe { CStr::from_ptr(p) };
     s.to_str()
         .map(|s| Some(s.to_string()))
-        .map_err(|_| Error::InvalidArgument(format!("{what} is not valid UTF-8")))
+        .map_err(|_| Error::InvalidArgument(format!("{what} is not valid UTF-8").into()))
 }
 
 /// A C `int` that must be a rank-like number (`>= 0`).
 pub(crate) fn non_negative(v: std::ffi::c_int, what: &str) -> Result<usize> {
-    usize::try_from(v).map_err(|_| Error::InvalidArgument(format!("{what} {v} is negative")))
+    usize::try_from(v).map_err(|_| Error::InvalidArgument(format!("{what} {v} is negative").into()))
 }
 
 /// The library version as C text.

@@ -17,7 +17,7 @@ fn world(rank: c_int, size: c_int) -> Result<(usize, usize)> {
     let rank = non_negative(rank, "rank")?;
     let size = non_negative(size, "size")?;
     if size == 0 || rank >= size {
-        return Err(Error::InvalidArgument(format!("rank {rank} is not in a world of {size}")));
+        return Err(Error::InvalidArgument(format!("rank {rank} is not in a world of {size}").into()));
     }
     Ok((rank, size))
 }
@@ -88,10 +88,13 @@ pub(crate) unsafe fn with_store(
 /// A versioned struct must be at least as large as its first version.
 fn check_struct_size(size: usize, v1: usize, name: &str) -> Result<()> {
     if size < v1 {
-        return Err(Error::InvalidArgument(format!(
-            "{name}.struct_size is {size}, less than the {v1} bytes of its first version (set it to \
+        return Err(Error::InvalidArgument(
+            format!(
+                "{name}.struct_size is {size}, less than the {v1} bytes of its first version (set it to \
              sizeof({name}))"
-        )));
+            )
+            .into(),
+        ));
     }
     Ok(())
 }

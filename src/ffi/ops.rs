@@ -77,9 +77,9 @@ fn byte_len(count: usize, per: usize, elem: usize) -> Result<usize> {
         .filter(|b| isize::try_from(*b).is_ok())
         .ok_or_else(|| {
             let what = if per == 1 { String::new() } else { format!(" x {per} ranks") };
-            Error::InvalidArgument(format!(
-                "count {count}{what} x {elem}-byte elements overflows the address space"
-            ))
+            Error::InvalidArgument(
+                format!("count {count}{what} x {elem}-byte elements overflows the address space").into(),
+            )
         })
 }
 
@@ -89,7 +89,8 @@ fn byte_len(count: usize, per: usize, elem: usize) -> Result<usize> {
 unsafe fn send_buf(p: *const c_void, len: usize, what: &str) -> Result<RawBuf> {
     check_range(p.addr(), len, what)?;
     // SAFETY: forwarded from the caller.
-    unsafe { RawBuf::from_raw(p.cast(), len) }.map_err(|_| Error::InvalidArgument(format!("{what} is NULL")))
+    unsafe { RawBuf::from_raw(p.cast(), len) }
+        .map_err(|_| Error::InvalidArgument(format!("{what} is NULL").into()))
 }
 
 /// # Safety
@@ -99,13 +100,13 @@ unsafe fn recv_buf(p: *mut c_void, len: usize, what: &str) -> Result<RawBufMut> 
     check_range(p.addr(), len, what)?;
     // SAFETY: forwarded from the caller.
     unsafe { RawBufMut::from_raw(p.cast(), len) }
-        .map_err(|_| Error::InvalidArgument(format!("{what} is NULL")))
+        .map_err(|_| Error::InvalidArgument(format!("{what} is NULL").into()))
 }
 
 /// A buffer must not wrap around the end of the address space.
 fn check_range(addr: usize, len: usize, what: &str) -> Result<()> {
     if addr.checked_add(len).is_none() {
-        return Err(Error::InvalidArgument(format!("{what} at {addr:#x} + {len} bytes wraps around")));
+        return Err(Error::InvalidArgument(format!("{what} at {addr:#x} + {len} bytes wraps around").into()));
     }
     Ok(())
 }
@@ -114,9 +115,9 @@ fn check_range(addr: usize, len: usize, what: &str) -> Result<()> {
 fn rank_arg(v: c_int, n: usize, what: &str) -> Result<usize> {
     let r = non_negative(v, what)?;
     if r >= n {
-        return Err(Error::InvalidArgument(format!(
-            "{what} {r} is not a rank of this communicator (size {n})"
-        )));
+        return Err(Error::InvalidArgument(
+            format!("{what} {r} is not a rank of this communicator (size {n})").into(),
+        ));
     }
     Ok(r)
 }

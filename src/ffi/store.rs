@@ -73,7 +73,8 @@ impl CallbackStore {
     }
 
     fn key(key: &str) -> Result<CString> {
-        CString::new(key).map_err(|_| Error::InvalidArgument(format!("store key {key:?} contains NUL")))
+        CString::new(key)
+            .map_err(|_| Error::InvalidArgument(format!("store key {key:?} contains NUL").into()))
     }
 
     fn ctx(&self) -> *mut c_void {
@@ -104,7 +105,9 @@ impl CallbackStore {
                 return Ok(Some(buf));
             }
             if len > MAX_VALUE {
-                return Err(Error::InvalidUsage(format!("store value of '{key}' is {len} bytes: too large")));
+                return Err(Error::InvalidUsage(
+                    format!("store value of '{key}' is {len} bytes: too large").into(),
+                ));
             }
             buf.resize(len, 0);
         }
@@ -118,16 +121,18 @@ impl Store for CallbackStore {
         // SAFETY: as in `try_get`; `value` is readable for its length.
         let rc = unsafe { (self.set)(self.ctx(), k.as_ptr(), value.as_ptr().cast(), value.len()) };
         if rc != 0 {
-            return Err(Error::System(format!("store set of '{key}' failed (callback returned {rc})")));
+            return Err(Error::System(
+                format!("store set of '{key}' failed (callback returned {rc})").into(),
+            ));
         }
         Ok(())
     }
 
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         self.try_get(key, timeout)?.ok_or_else(|| {
-            Error::Timeout(format!(
-                "store get of '{key}' failed: missing after {timeout:?}, or the store failed"
-            ))
+            Error::Timeout(
+                format!("store get of '{key}' failed: missing after {timeout:?}, or the store failed").into(),
+            )
         })
     }
 
@@ -151,7 +156,7 @@ impl Store for CallbackStore {
     }
 
     fn delete(&self, key: &str) -> Result<bool> {
-        Err(Error::Unsupported(format!("the caller-supplied store cannot delete ('{key}')")))
+        Err(Error::Unsupported(format!("the caller-supplied store cannot delete ('{key}')").into()))
     }
 }
 

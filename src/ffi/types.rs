@@ -133,10 +133,10 @@ impl RawDatatype {
     /// The data type, or `InvalidArgument` for a value that is not one.
     pub fn get(self) -> Result<DataType, Error> {
         u8::try_from(self.0).ok().and_then(DataType::from_u8).ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "{} is not a toroid_datatype (TOROID_INT8 = 0 ... TOROID_FLOAT64 = 9)",
-                self.0
-            ))
+            Error::InvalidArgument(
+                format!("{} is not a toroid_datatype (TOROID_INT8 = 0 ... TOROID_FLOAT64 = 9)", self.0)
+                    .into(),
+            )
         })
     }
 }
@@ -145,10 +145,9 @@ impl RawRedop {
     /// The reduction op, or `InvalidArgument` for a value that is not one.
     pub fn get(self) -> Result<ReduceOp, Error> {
         u8::try_from(self.0).ok().and_then(ReduceOp::from_u8).ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "{} is not a toroid_redop (TOROID_SUM = 0 ... TOROID_AVG = 4)",
-                self.0
-            ))
+            Error::InvalidArgument(
+                format!("{} is not a toroid_redop (TOROID_SUM = 0 ... TOROID_AVG = 4)", self.0).into(),
+            )
         })
     }
 }

@@ -122,24 +122,29 @@ impl StoreAddr {
         let s = s.trim();
         if let Some(path) = s.strip_prefix("file://") {
             if !path.starts_with('/') {
-                return Err(Error::InvalidArgument(format!(
-                    "store address '{s}': a file store needs an absolute path, e.g. file:///shared/rdv"
-                )));
+                return Err(Error::InvalidArgument(
+                    format!(
+                        "store address '{s}': a file store needs an absolute path, e.g. file:///shared/rdv"
+                    )
+                    .into(),
+                ));
             }
             return Ok(StoreAddr::File(PathBuf::from(path)));
         }
         let hostport = match s.split_once("://") {
             Some(("tcp", rest)) => rest,
             Some((scheme, _)) => {
-                return Err(Error::InvalidArgument(format!(
-                    "store address '{s}': unknown scheme '{scheme}' (use tcp:// or file://)"
-                )));
+                return Err(Error::InvalidArgument(
+                    format!("store address '{s}': unknown scheme '{scheme}' (use tcp:// or file://)").into(),
+                ));
             }
             None => s,
         };
         let (host, port) = split_host_port(hostport)?;
         if port == 0 {
-            return Err(Error::InvalidArgument(format!("store address '{s}': port 0 cannot be agreed on")));
+            return Err(Error::InvalidArgument(
+                format!("store address '{s}': port 0 cannot be agreed on").into(),
+            ));
         }
         Ok(StoreAddr::Tcp { host, port })
     }
@@ -232,7 +237,8 @@ const SOURCES: [Source; 5] = [
 fn num<T: std::str::FromStr>(cfg: &Config, name: &str) -> Result<Option<T>> {
     cfg.var(name)
         .map(|v| {
-            v.parse().map_err(|_| Error::InvalidArgument(format!("{name}={v}: not a non-negative integer")))
+            v.parse()
+                .map_err(|_| Error::InvalidArgument(format!("{name}={v}: not a non-negative integer").into()))
         })
         .transpose()
 }
@@ -281,17 +287,21 @@ pub fn detect(cfg: &Config) -> Result<Launch> {
     if !partial.is_empty() {
         msg.push_str(&format!("; incomplete: {}", partial.join(", ")));
     }
-    Err(Error::InvalidUsage(msg))
+    Err(Error::InvalidUsage(msg.into()))
 }
 
 fn from_source(cfg: &Config, src: &Source) -> Result<Launch> {
     let rank: usize = num(cfg, src.rank)?.unwrap_or_default();
     let size: usize = num(cfg, src.size)?.unwrap_or_default();
     if size == 0 {
-        return Err(Error::InvalidArgument(format!("{}=0: the world needs at least one rank", src.size)));
+        return Err(Error::InvalidArgument(
+            format!("{}=0: the world needs at least one rank", src.size).into(),
+        ));
     }
     if rank >= size {
-        return Err(Error::InvalidArgument(format!("{}={rank} is not below {}={size}", src.rank, src.size)));
+        return Err(Error::InvalidArgument(
+            format!("{}={rank} is not below {}={size}", src.rank, src.size).into(),
+        ));
     }
     let local_rank: Option<usize> = num(cfg, src.local_rank)?;
     let local_size: Option<usize> = if src.launcher == Launcher::Slurm {
@@ -302,15 +312,14 @@ fn from_source(cfg: &Config, src: &Source) -> Result<Launch> {
         num(cfg, src.local_size)?
     };
     if local_size == Some(0) {
-        return Err(Error::InvalidArgument(format!("{}=0: must be at least 1", src.local_size)));
+        return Err(Error::InvalidArgument(format!("{}=0: must be at least 1", src.local_size).into()));
     }
     if let (Some(lr), Some(ls)) = (local_rank, local_size)
         && lr >= ls
     {
-        return Err(Error::InvalidArgument(format!(
-            "{}={lr} is not below {}={ls}",
-            src.local_rank, src.local_size
-        )));
+        return Err(Error::InvalidArgument(
+            format!("{}={lr} is not below {}={ls}", src.local_rank, src.local_size).into(),
+        ));
     }
     Ok(Launch {
         rank,
@@ -332,7 +341,7 @@ fn from_source(cfg: &Config, src: &Source) -> Result<Launch> {
 pub fn store_addr(cfg: &Config, launcher: Launcher) -> Result<StoreAddr> {
     if let Some(v) = cfg.var("TOROID_STORE_ADDR") {
         return StoreAddr::parse(v)
-            .map_err(|e| Error::InvalidArgument(format!("TOROID_STORE_ADDR: {}", e.detail())));
+            .map_err(|e| Error::InvalidArgument(format!("TOROID_STORE_ADDR: {}", e.detail()).into()));
     }
     if cfg.var("MASTER_ADDR").is_none() && cfg.var("MASTER_PORT").is_none() {
         match one_host_job(cfg, launcher) {
@@ -341,20 +350,26 @@ pub fn store_addr(cfg: &Config, launcher: Launcher) -> Result<StoreAddr> {
                 return Ok(StoreAddr::File(dir));
             }
             OneHost::NoJobId(ids) if launcher != Launcher::Slurm => {
-                return Err(Error::InvalidUsage(format!(
-                    "{launcher:?} gives rank and size and every rank is on this host, but neither a \
+                return Err(Error::InvalidUsage(
+                    format!(
+                        "{launcher:?} gives rank and size and every rank is on this host, but neither a \
                      store address nor a job id ({}) to name a private store: set TOROID_STORE_ADDR \
                      (host:port that rank 0 can listen on, or file:///fresh/dir)",
-                    ids.join(" or ")
-                )));
+                        ids.join(" or ")
+                    )
+                    .into(),
+                ));
             }
             OneHost::Several(why) if launcher != Launcher::Slurm => {
-                return Err(Error::InvalidUsage(format!(
-                    "{launcher:?} gives rank and size but no store address, and the job spans \
+                return Err(Error::InvalidUsage(
+                    format!(
+                        "{launcher:?} gives rank and size but no store address, and the job spans \
                      several hosts ({why}): set TOROID_STORE_ADDR (host:port that rank 0 can listen \
                      on, or file:///shared/dir) or MASTER_ADDR and MASTER_PORT (the store then \
                      listens on MASTER_PORT+1)"
-                )));
+                    )
+                    .into(),
+                ));
             }
             _ => {}
         }
@@ -370,11 +385,11 @@ pub fn store_addr(cfg: &Config, launcher: Launcher) -> Result<StoreAddr> {
         Some(v) => {
             let p: u16 = v
                 .parse()
-                .map_err(|_| Error::InvalidArgument(format!("MASTER_PORT={v}: not a port number")))?;
+                .map_err(|_| Error::InvalidArgument(format!("MASTER_PORT={v}: not a port number").into()))?;
             Some(p.checked_add(1).filter(|_| p != 0).ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "MASTER_PORT={v}: must be in 1..=65534 (the store uses MASTER_PORT+1)"
-                ))
+                Error::InvalidArgument(
+                    format!("MASTER_PORT={v}: must be in 1..=65534 (the store uses MASTER_PORT+1)").into(),
+                )
             })?)
         }
         None if slurm => Some(slurm_port(cfg)?),
@@ -390,11 +405,14 @@ pub fn store_addr(cfg: &Config, launcher: Launcher) -> Result<StoreAddr> {
         (None, Some(_)) if slurm => Err(Error::InvalidUsage(
             "no store host: set MASTER_ADDR or TOROID_STORE_ADDR (SLURM_JOB_NODELIST is not set)".into(),
         )),
-        (None, _) => Err(Error::InvalidUsage(format!(
-            "{launcher:?} gives rank and size but no store address: set TOROID_STORE_ADDR \
+        (None, _) => Err(Error::InvalidUsage(
+            format!(
+                "{launcher:?} gives rank and size but no store address: set TOROID_STORE_ADDR \
              (host:port that rank 0 can listen on, or file:///shared/dir) or MASTER_ADDR and \
              MASTER_PORT (the store then listens on MASTER_PORT+1)"
-        ))),
+            )
+            .into(),
+        )),
     }
 }
 
@@ -405,8 +423,8 @@ fn slurm_first_host(cfg: &Config) -> Result<Option<String>> {
     else {
         return Ok(None);
     };
-    let hosts =
-        expand_hostlist(list).map_err(|e| Error::InvalidArgument(format!("{name}: {}", e.detail())))?;
+    let hosts = expand_hostlist(list)
+        .map_err(|e| Error::InvalidArgument(format!("{name}: {}", e.detail()).into()))?;
     Ok(hosts.into_iter().next())
 }
 
@@ -518,20 +536,23 @@ fn ensure_private_dir(dir: &Path) -> Result<()> {
     // SAFETY: as in private_base.
     let uid = unsafe { libc::geteuid() };
     if !meta.is_dir() || meta.uid() != uid || meta.mode() & 0o077 != 0 {
-        return Err(Error::InvalidUsage(format!(
-            "{} is not a private directory of this user (a {}owned by uid {} with mode {:o}; \
+        return Err(Error::InvalidUsage(
+            format!(
+                "{} is not a private directory of this user (a {}owned by uid {} with mode {:o}; \
              wanted a directory of uid {uid} with mode 700): remove it, or set TOROID_STORE_ADDR",
-            dir.display(),
-            if meta.is_dir() {
-                "directory "
-            } else if meta.file_type().is_symlink() {
-                "link "
-            } else {
-                "file "
-            },
-            meta.uid(),
-            meta.mode() & 0o7777
-        )));
+                dir.display(),
+                if meta.is_dir() {
+                    "directory "
+                } else if meta.file_type().is_symlink() {
+                    "link "
+                } else {
+                    "file "
+                },
+                meta.uid(),
+                meta.mode() & 0o7777
+            )
+            .into(),
+        ));
     }
     Ok(())
 }
@@ -625,7 +646,7 @@ fn is_job_dir(dir: &Path) -> bool {
 /// [`Error::InvalidArgument`] for unbalanced brackets, ranges that are not numbers or run
 /// backwards, and lists longer than a million hosts.
 pub fn expand_hostlist(list: &str) -> Result<Vec<String>> {
-    let bad = |why: String| Error::InvalidArgument(format!("host list '{list}': {why}"));
+    let bad = |why: String| Error::InvalidArgument(format!("host list '{list}': {why}").into());
     let mut hosts = Vec::new();
     let mut depth = 0usize;
     let mut start = 0;

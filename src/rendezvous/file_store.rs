@@ -61,10 +61,13 @@ impl FileStore {
     fn key_path(&self, key: &str) -> Result<PathBuf> {
         let name = file_name(key);
         if name.len() > NAME_MAX {
-            return Err(Error::InvalidArgument(format!(
-                "file store: key of {} bytes is too long (encoded file name above {NAME_MAX} bytes)",
-                key.len()
-            )));
+            return Err(Error::InvalidArgument(
+                format!(
+                    "file store: key of {} bytes is too long (encoded file name above {NAME_MAX} bytes)",
+                    key.len()
+                )
+                .into(),
+            ));
         }
         Ok(self.dir.join(name))
     }
@@ -112,7 +115,9 @@ impl FileStore {
             }
             let remaining = deadline.map_or(POLL_CAP, |d| d.saturating_duration_since(Instant::now()));
             if remaining.is_zero() {
-                return Err(Error::Timeout(format!("file store {}: {}", self.dir.display(), expired())));
+                return Err(Error::Timeout(
+                    format!("file store {}: {}", self.dir.display(), expired()).into(),
+                ));
             }
             std::thread::sleep(backoff.min(remaining));
             backoff = (backoff * 2).min(POLL_CAP);

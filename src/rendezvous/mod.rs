@@ -142,7 +142,10 @@ impl Store for MemStore {
 
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         self.wait(&[key], timeout)?;
-        self.lock().get(key).cloned().ok_or_else(|| Error::Internal(format!("store key '{key}' vanished")))
+        self.lock()
+            .get(key)
+            .cloned()
+            .ok_or_else(|| Error::Internal(format!("store key '{key}' vanished").into()))
     }
 
     fn add(&self, key: &str, delta: i64) -> Result<i64> {
@@ -168,7 +171,7 @@ impl Store for MemStore {
             let now = Instant::now();
             if now >= deadline {
                 let missing: Vec<&str> = keys.iter().filter(|k| !map.contains_key(**k)).copied().collect();
-                return Err(Error::Timeout(format!("store: waited {timeout:?} for keys {missing:?}")));
+                return Err(Error::Timeout(format!("store: waited {timeout:?} for keys {missing:?}").into()));
             }
             map = self.changed.wait_timeout(map, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
         }
@@ -184,7 +187,7 @@ pub(crate) fn parse_counter(key: &str, v: &[u8]) -> Result<i64> {
     std::str::from_utf8(v)
         .ok()
         .and_then(|s| s.trim().parse().ok())
-        .ok_or_else(|| Error::InvalidUsage(format!("store key '{key}' does not hold an integer")))
+        .ok_or_else(|| Error::InvalidUsage(format!("store key '{key}' does not hold an integer").into()))
 }
 
 #[cfg(test)]

@@ -642,7 +642,7 @@ impl ShmTransport {
         let len = pair_segment_len(cap);
         let nonce = crate::sys::random::id();
         let mut seg =
-            Segment::create(dir, &segment_name(nonce, "test"), len).map_err(|e| Error::System(e.0))?;
+            Segment::create(dir, &segment_name(nonce, "test"), len).map_err(|e| Error::System(e.0.into()))?;
         let path = dir.join(segment_name(nonce, "test"));
         let other = Segment::open(&path, len).map_err(|e| Error::system("opening the segment", e))?;
         seg.unlink();
@@ -1003,9 +1003,9 @@ fn recv_msg(t: &mut dyn Transport, peer: usize, deadline: Instant) -> Result<Msg
     while got < MSG_LEN {
         match t.try_read(&mut [&mut m[got..]]) {
             Ok(0) => {
-                return Err(Error::Remote(format!(
-                    "rank {peer} closed its connection during shared-memory set-up"
-                )));
+                return Err(Error::Remote(
+                    format!("rank {peer} closed its connection during shared-memory set-up").into(),
+                ));
             }
             Ok(n) => got += n,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -1019,9 +1019,9 @@ fn recv_msg(t: &mut dyn Transport, peer: usize, deadline: Instant) -> Result<Msg
 
 fn setup_error(peer: usize, e: io::Error) -> Error {
     if e.kind() == io::ErrorKind::TimedOut {
-        Error::Timeout(format!("shared-memory set-up with rank {peer}: deadline passed"))
+        Error::Timeout(format!("shared-memory set-up with rank {peer}: deadline passed").into())
     } else {
-        Error::Remote(format!("shared-memory set-up with rank {peer} failed: {e}"))
+        Error::Remote(format!("shared-memory set-up with rank {peer} failed: {e}").into())
     }
 }
 
@@ -1033,7 +1033,7 @@ const PAIR_CAP: usize = 16;
 fn link_mut(links: &mut [Option<Box<dyn Transport>>], peer: usize) -> Result<&mut dyn Transport> {
     match links.get_mut(peer).and_then(Option::as_mut) {
         Some(t) => Ok(t.as_mut()),
-        None => Err(Error::Internal(format!("no connection to rank {peer} for shared-memory set-up"))),
+        None => Err(Error::Internal(format!("no connection to rank {peer} for shared-memory set-up").into())),
     }
 }
 
@@ -1124,7 +1124,11 @@ pub fn connect(
                 }
             }
             DECLINE => failures.push(format!("rank {p}: {}", m.text)),
-            k => return Err(Error::Remote(format!("shared-memory set-up: rank {p} sent message kind {k}"))),
+            k => {
+                return Err(Error::Remote(
+                    format!("shared-memory set-up: rank {p} sent message kind {k}").into(),
+                ));
+            }
         }
     }
     // 3. Collect the answers to our offers.
@@ -1134,7 +1138,11 @@ pub fn connect(
         match m.kind {
             ACCEPT => accepted.push((p, seg, cap)),
             REFUSE => failures.push(format!("rank {p}: {}", m.text)),
-            k => return Err(Error::Remote(format!("shared-memory set-up: rank {p} sent message kind {k}"))),
+            k => {
+                return Err(Error::Remote(
+                    format!("shared-memory set-up: rank {p} sent message kind {k}").into(),
+                ));
+            }
         }
     }
     let shm_peers = accepted.len();
@@ -1215,7 +1223,11 @@ fn window_setup(
                 WIN_FAIL => {
                     refusal.get_or_insert(format!("rank {p}: {}", m.text));
                 }
-                k => return Err(Error::Remote(format!("window set-up: rank {p} sent message kind {k}"))),
+                k => {
+                    return Err(Error::Remote(
+                        format!("window set-up: rank {p} sent message kind {k}").into(),
+                    ));
+                }
             }
         }
         w.unlink();
@@ -1240,7 +1252,7 @@ fn window_setup(
                 return Ok(None);
             }
             WIN_OFFER => {}
-            k => return Err(Error::Remote(format!("window set-up: rank 0 sent message kind {k}"))),
+            k => return Err(Error::Remote(format!("window set-up: rank 0 sent message kind {k}").into())),
         }
         let path = PathBuf::from(&m.text);
         let attached = if !opts.enabled {
@@ -1275,7 +1287,7 @@ fn window_setup(
                 tracing::info!(target: "toroid::net", "rank {rank}: no shared-memory window: {}", v.text);
                 Ok(None)
             }
-            k => Err(Error::Remote(format!("window set-up: rank 0 sent message kind {k}"))),
+            k => Err(Error::Remote(format!("window set-up: rank 0 sent message kind {k}").into())),
         }
     }
 }

@@ -357,13 +357,16 @@ impl Window {
             *x = self.seg.u64_at(slot + 8 * i).load(Ordering::Relaxed);
         }
         if w != fp_words(fp) {
-            return Err(Error::InvalidUsage(format!(
-                "collective mismatch: {fp} on local rank {} but local rank {m} called {} \
+            return Err(Error::InvalidUsage(
+                format!(
+                    "collective mismatch: {fp} on local rank {} but local rank {m} called {} \
                  (every rank must issue the same collectives in the same order with the same \
                  type, count, op, root and algorithm)",
-                self.me,
-                describe_fp(&w)
-            )));
+                    self.me,
+                    describe_fp(&w)
+                )
+                .into(),
+            ));
         }
         self.fp_checked[m] = true;
         Ok(())
@@ -560,16 +563,22 @@ impl Window {
                 if reached(v, target) {
                     return Ok(v);
                 }
-                return Err(Error::Remote(format!(
-                    "local rank {m} closed its connection during {fp} (it exited, crashed or aborted)"
-                )));
+                return Err(Error::Remote(
+                    format!(
+                        "local rank {m} closed its connection during {fp} (it exited, crashed or aborted)"
+                    )
+                    .into(),
+                ));
             }
             if now >= deadline {
-                return Err(Error::Timeout(format!(
-                    "local rank {} in {fp}: deadline passed waiting for local rank {m} \
+                return Err(Error::Timeout(
+                    format!(
+                        "local rank {} in {fp}: deadline passed waiting for local rank {m} \
                      (shared-memory stage {v}, waiting for {target})",
-                    self.me
-                )));
+                        self.me
+                    )
+                    .into(),
+                ));
             }
             naps += 1;
             crate::sys::futex::wait(word, v, SLICE.min(deadline - now));
@@ -593,7 +602,7 @@ impl Window {
                 Ok(false) => std::thread::sleep(Duration::from_millis(1)),
             }
         }
-        Error::Remote(format!("another rank aborted {fp} (its reason did not arrive)"))
+        Error::Remote(format!("another rank aborted {fp} (its reason did not arrive)").into())
     }
 
     /// Flags the window aborted and wakes every sleeping member (after a failure on this rank).

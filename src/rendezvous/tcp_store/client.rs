@@ -95,13 +95,12 @@ impl Client {
                     tracing::info!(target: "toroid::store", "connected to store at {addr} ({a})");
                     Ok(client)
                 }
-                Some((_, msg)) => Err(Retry::Fatal(Error::Remote(format!(
-                    "store at {addr} refused the hello: {}",
-                    String::from_utf8_lossy(msg)
-                )))),
-                None => {
-                    Err(Retry::Fatal(Error::Remote(format!("store at {addr}: empty answer to the hello"))))
-                }
+                Some((_, msg)) => Err(Retry::Fatal(Error::Remote(
+                    format!("store at {addr} refused the hello: {}", String::from_utf8_lossy(msg)).into(),
+                ))),
+                None => Err(Retry::Fatal(Error::Remote(
+                    format!("store at {addr}: empty answer to the hello").into(),
+                ))),
             };
         }
         Err(Retry::Again(last))
@@ -117,10 +116,9 @@ impl Client {
         let frame = frame.finish()?;
         let mut c = self.lock();
         if let Some(why) = &c.broken {
-            return Err(Error::Remote(format!(
-                "store {}: connection unusable after an earlier error: {why}",
-                self.addr
-            )));
+            return Err(Error::Remote(
+                format!("store {}: connection unusable after an earlier error: {why}", self.addr).into(),
+            ));
         }
         let io_timeout = Some(timeout.saturating_add(IO_MARGIN));
         let res = (|| {
@@ -151,12 +149,12 @@ impl Client {
         let addr = &self.addr;
         match e.kind() {
             WouldBlock | TimedOut => {
-                Error::Timeout(format!("store {addr}: no answer within {timeout:?} + {IO_MARGIN:?}"))
+                Error::Timeout(format!("store {addr}: no answer within {timeout:?} + {IO_MARGIN:?}").into())
             }
             UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe => {
-                Error::Remote(format!("store {addr}: server closed the connection ({e})"))
+                Error::Remote(format!("store {addr}: server closed the connection ({e})").into())
             }
-            InvalidData => Error::Remote(format!("store {addr}: {e}")),
+            InvalidData => Error::Remote(format!("store {addr}: {e}").into()),
             _ => Error::system(format!("store {addr}"), e),
         }
     }
@@ -164,7 +162,7 @@ impl Client {
     /// One request: returns the body of an OK answer, or the server's error.
     pub(super) fn call(&self, req: Enc, timeout: Duration, what: impl Fn() -> String) -> Result<Vec<u8>> {
         let mut answer = self.exchange(req, timeout).map_err(|e| match e {
-            Error::InvalidArgument(m) => Error::InvalidArgument(format!("{}: {m}", what())),
+            Error::InvalidArgument(m) => Error::InvalidArgument(format!("{}: {m}", what()).into()),
             e => e,
         })?;
         let Some(&status) = answer.first() else {
@@ -174,15 +172,15 @@ impl Client {
         let msg = || format!("store {}: {}: {}", self.addr, what(), String::from_utf8_lossy(&answer));
         match status {
             ST_OK => Ok(answer),
-            ST_TIMEOUT => Err(Error::Timeout(msg())),
-            ST_INVALID_USAGE => Err(Error::InvalidUsage(msg())),
-            ST_BAD_REQUEST => Err(Error::Remote(format!("{} (request rejected)", msg()))),
+            ST_TIMEOUT => Err(Error::Timeout(msg().into())),
+            ST_INVALID_USAGE => Err(Error::InvalidUsage(msg().into())),
+            ST_BAD_REQUEST => Err(Error::Remote(format!("{} (request rejected)", msg()).into())),
             s => Err(self.bad_answer(&what(), &format!("unknown status {s}"))),
         }
     }
 
     pub(super) fn bad_answer(&self, what: &str, why: &str) -> Error {
-        Error::Remote(format!("store {}: {what}: malformed answer: {why}", self.addr))
+        Error::Remote(format!("store {}: {what}: malformed answer: {why}", self.addr).into())
     }
 }
 

@@ -103,7 +103,7 @@ impl TcpStore {
             (Some(l), _) => l,
             (None, Some(e)) => return Err(Error::system(format!("store: bind {addr}"), e)),
             (None, None) => {
-                return Err(Error::InvalidArgument(format!("store: '{addr}' resolves to no address")));
+                return Err(Error::InvalidArgument(format!("store: '{addr}' resolves to no address").into()));
             }
         };
         let bound = listener.local_addr().map_err(|e| Error::system("store: local address", e))?;
@@ -123,7 +123,7 @@ impl TcpStore {
         let client =
             Client::connect(&local.to_string(), &[local], timeout, timeout).map_err(|r| match r {
                 Retry::Again(e) => {
-                    Error::System(format!("store: cannot reach its own server at {local}: {e}"))
+                    Error::System(format!("store: cannot reach its own server at {local}: {e}").into())
                 }
                 Retry::Fatal(e) => e,
             })?;
@@ -142,7 +142,7 @@ impl TcpStore {
     pub fn connect(addr: &str, timeout: Duration) -> Result<TcpStore> {
         let (host, port) = split_host_port(addr)?;
         if port == 0 {
-            return Err(Error::InvalidArgument(format!("store: cannot connect to port 0 ('{addr}')")));
+            return Err(Error::InvalidArgument(format!("store: cannot connect to port 0 ('{addr}')").into()));
         }
         let deadline = deadline(timeout);
         let mut backoff = BACKOFF_START;
@@ -164,9 +164,10 @@ impl TcpStore {
             };
             let remaining = deadline.saturating_duration_since(Instant::now());
             if remaining.is_zero() {
-                return Err(Error::Timeout(format!(
-                    "store: no server answered at {addr} within {timeout:?} (last error: {last})"
-                )));
+                return Err(Error::Timeout(
+                    format!("store: no server answered at {addr} within {timeout:?} (last error: {last})")
+                        .into(),
+                ));
             }
             tracing::debug!(target: "toroid::store", "store {addr} not reachable yet ({last}); retrying in {backoff:?}");
             std::thread::sleep(backoff.min(remaining));
@@ -235,7 +236,9 @@ impl Store for TcpStore {
 /// Splits `host:port` or `[v6]:port` into host (brackets removed) and port.
 pub(crate) fn split_host_port(addr: &str) -> Result<(String, u16)> {
     let bad = |why: &str| {
-        Error::InvalidArgument(format!("store address '{addr}': {why} (expected host:port or [v6]:port)"))
+        Error::InvalidArgument(
+            format!("store address '{addr}': {why} (expected host:port or [v6]:port)").into(),
+        )
     };
     let (host, port) = addr.rsplit_once(':').ok_or_else(|| bad("no port"))?;
     let host = match host.strip_prefix('[') {

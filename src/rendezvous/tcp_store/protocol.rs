@@ -39,9 +39,9 @@ impl Enc {
     pub(super) fn finish(mut self) -> Result<Vec<u8>> {
         let len = self.0.len() - 4;
         if len > MAX_FRAME {
-            return Err(Error::InvalidArgument(format!(
-                "store: message of {len} bytes exceeds the limit of {MAX_FRAME} bytes"
-            )));
+            return Err(Error::InvalidArgument(
+                format!("store: message of {len} bytes exceeds the limit of {MAX_FRAME} bytes").into(),
+            ));
         }
         // MAX_FRAME < u32::MAX, so the cast is exact.
         self.0[..4].copy_from_slice(&(len as u32).to_le_bytes());

@@ -93,9 +93,10 @@ pub(super) fn read_abort(
     }
     if got == buf.len() {
         reason.extend_from_slice(&buf[skip..]);
-        Error::Remote(format!("rank {peer} aborted: {}", String::from_utf8_lossy(&reason)))
+        Error::Remote(format!("rank {peer} aborted: {}", String::from_utf8_lossy(&reason)).into())
+            .with_peer(peer)
     } else {
-        Error::Remote(format!("rank {peer} aborted (its reason did not arrive)"))
+        Error::Remote(format!("rank {peer} aborted (its reason did not arrive)").into()).with_peer(peer)
     }
 }
 

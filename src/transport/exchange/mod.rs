@@ -286,6 +286,10 @@ impl Peers {
 /// A send failed because the peer closed: if what it sent last is an abort frame, report its
 /// reason instead (it says why).
 fn explain_send_failure(link: &mut Link, peer: usize, err: Error) -> Error {
+    explain(link, peer, err).with_peer(peer)
+}
+
+fn explain(link: &mut Link, peer: usize, err: Error) -> Error {
     let mut h = [0u8; HEADER_LEN];
     match link.transport.peek(&mut h) {
         Ok(HEADER_LEN) => match decode(&h) {
@@ -299,18 +303,21 @@ fn explain_send_failure(link: &mut Link, peer: usize, err: Error) -> Error {
 }
 
 fn live_link(links: &mut [Option<Link>], peer: usize) -> Result<&mut Link> {
-    links
-        .get_mut(peer)
-        .and_then(Option::as_mut)
-        .ok_or_else(|| Error::Aborted(format!("no connection to rank {peer} (communicator closed)")))
+    links.get_mut(peer).and_then(Option::as_mut).ok_or_else(|| {
+        Error::Aborted(format!("no connection to rank {peer} (communicator closed)").into()).with_peer(peer)
+    })
 }
 
 fn mismatch(rank: usize, peer: usize, mine: &Fingerprint, theirs: &Fingerprint) -> Error {
-    Error::InvalidUsage(format!(
-        "collective mismatch: rank {rank} called {mine} but rank {peer} called {theirs}; \
+    Error::InvalidUsage(
+        format!(
+            "collective mismatch: rank {rank} called {mine} but rank {peer} called {theirs}; \
          every rank must issue the same collectives in the same order with the same \
          type, count, op, root and algorithm"
-    ))
+        )
+        .into(),
+    )
+    .with_peer(peer)
 }
 
 /// Writes every byte of `bufs` or gives up at `deadline` (best effort, for abort frames).

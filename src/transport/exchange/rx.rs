@@ -106,10 +106,13 @@ impl Rx {
                 };
                 match link.transport.read_with(fl - fg, &mut consume) {
                     Ok(0) => {
-                        return Err(Error::Remote(format!(
-                            "rank {} closed its connection during {fp} (it exited, crashed or aborted)",
-                            self.peer
-                        )));
+                        return Err(Error::Remote(
+                            format!(
+                                "rank {} closed its connection during {fp} (it exited, crashed or aborted)",
+                                self.peer
+                            )
+                            .into(),
+                        ));
                     }
                     Ok(n) => {
                         progressed = true;
@@ -126,10 +129,9 @@ impl Rx {
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                     Err(e) => {
-                        return Err(Error::Remote(format!(
-                            "receiving from rank {} failed during {fp}: {e}",
-                            self.peer
-                        )));
+                        return Err(Error::Remote(
+                            format!("receiving from rank {} failed during {fp}: {e}", self.peer).into(),
+                        ));
                     }
                 }
             }
@@ -153,18 +155,20 @@ impl Rx {
             };
             let n = match res {
                 Ok(0) => {
-                    return Err(Error::Remote(format!(
-                        "rank {} closed its connection during {fp} (it exited, crashed or aborted)",
-                        self.peer
-                    )));
+                    return Err(Error::Remote(
+                        format!(
+                            "rank {} closed its connection during {fp} (it exited, crashed or aborted)",
+                            self.peer
+                        )
+                        .into(),
+                    ));
                 }
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) => {
-                    return Err(Error::Remote(format!(
-                        "receiving from rank {} failed during {fp}: {e}",
-                        self.peer
-                    )));
+                    return Err(Error::Remote(
+                        format!("receiving from rank {} failed during {fp}: {e}", self.peer).into(),
+                    ));
                 }
             };
             let n = if n == usize::MAX { 0 } else { n };
@@ -205,8 +209,9 @@ impl Rx {
         step: u16,
         scratch: &[u8],
     ) -> Result<()> {
-        let header = decode(&self.header)
-            .map_err(|e| Error::Remote(format!("rank {} sent a bad frame during {fp}: {e}", self.peer)))?;
+        let header = decode(&self.header).map_err(|e| {
+            Error::Remote(format!("rank {} sent a bad frame during {fp}: {e}", self.peer).into())
+        })?;
         if header.kind == KIND_ABORT {
             let already: &[u8] = match sink {
                 Sink::Copy(d) => &d[self.frame_start..self.frame_start + self.frame_got],
@@ -215,9 +220,9 @@ impl Rx {
             let already = already.to_vec();
             return Err(read_abort(link, self.peer, true, &already, header.len as usize));
         }
-        let theirs = header
-            .fp
-            .map_err(|e| Error::Remote(format!("rank {} sent a bad frame during {fp}: {e}", self.peer)))?;
+        let theirs = header.fp.map_err(|e| {
+            Error::Remote(format!("rank {} sent a bad frame during {fp}: {e}", self.peer).into())
+        })?;
         if theirs != *fp {
             return Err(mismatch(rank, self.peer, fp, &theirs));
         }
@@ -226,7 +231,7 @@ impl Rx {
                 "rank {} sent step {} frame of {} bytes during {fp}, expected step {step} frame of {} bytes \
                  (streams out of step: ranks disagree on the schedule)",
                 self.peer, header.step, header.len, self.frame_len
-            )));
+            ).into()));
         }
         Ok(())
     }

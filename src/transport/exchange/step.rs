@@ -72,7 +72,9 @@ impl Peers {
             {
                 let link = live_link(&mut self.links, r.peer)?;
                 let scratch = bytemuck::cast_slice_mut::<u64, u8>(&mut self.scratch);
-                progressed |= r.pump(sink, self.rank, link, fp, step, scratch)?;
+                let peer = r.peer;
+                progressed |=
+                    r.pump(sink, self.rank, link, fp, step, scratch).map_err(|e| e.with_peer(peer))?;
             }
             let mut forward_avail = usize::MAX; // shm
             if forwarding {
@@ -184,7 +186,9 @@ impl Peers {
                 let link = live_link(&mut self.links, plan.left)?;
                 let scratch = bytemuck::cast_slice_mut::<u64, u8>(&mut self.scratch);
                 let step = (plan.first_step + rs) as u16;
-                progressed |= rx.pump(&mut sink, self.rank, link, fp, step, scratch)?;
+                let peer = rx.peer;
+                progressed |=
+                    rx.pump(&mut sink, self.rank, link, fp, step, scratch).map_err(|e| e.with_peer(peer))?;
                 if rx.done {
                     rs += 1;
                     if rs < plan.steps {
@@ -235,7 +239,9 @@ impl Peers {
 
     fn check_peer(&self, peer: usize) -> Result<()> {
         if peer == self.rank || peer >= self.links.len() {
-            return Err(Error::Internal(format!("rank {} cannot exchange with rank {peer}", self.rank)));
+            return Err(Error::Internal(
+                format!("rank {} cannot exchange with rank {peer}", self.rank).into(),
+            ));
         }
         Ok(())
     }
@@ -258,10 +264,18 @@ impl Peers {
                 t.total
             ));
         }
-        Error::Timeout(format!(
-            "rank {} in {fp}, step {step}: deadline passed waiting for {}",
-            self.rank,
-            waits.join(" and ")
-        ))
+        let awaited = rx.filter(|r| !r.done).map(|r| r.peer).or(tx.filter(|t| !t.done).map(|t| t.peer));
+        let e = Error::Timeout(
+            format!(
+                "rank {} in {fp}, step {step}: deadline passed waiting for {}",
+                self.rank,
+                waits.join(" and ")
+            )
+            .into(),
+        );
+        match awaited {
+            Some(p) => e.with_peer(p),
+            None => e,
+        }
     }
 }

@@ -85,10 +85,13 @@ impl<'a> Tx<'a> {
                     Ok(n) => n,
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                     Err(e) => {
-                        return Err(Error::Remote(format!(
-                            "sending to rank {} failed: {e} (rank {} exited, crashed or aborted)",
-                            self.peer, self.peer
-                        )));
+                        return Err(Error::Remote(
+                            format!(
+                                "sending to rank {} failed: {e} (rank {} exited, crashed or aborted)",
+                                self.peer, self.peer
+                            )
+                            .into(),
+                        ));
                     }
                 }
             };

@@ -42,13 +42,14 @@ impl Peers {
                 // POLLPRI marks "arm said data is there now": inspect without an event.
                 let ev = if want & PollFd::PRI != 0 { ev | PollFd::IN } else { ev };
                 if ev != 0 {
-                    self.inspect_idle(r, fp, ev)?;
+                    self.inspect_idle(r, fp, ev).map_err(|e| e.with_peer(r))?;
                 }
             }
         } else {
             for i in 0..self.pollfds.len() {
                 if self.pollfds[i].events() & PollFd::PRI != 0 {
-                    self.inspect_idle(self.poll_ranks[i], fp, PollFd::IN)?;
+                    self.inspect_idle(self.poll_ranks[i], fp, PollFd::IN)
+                        .map_err(|e| e.with_peer(self.poll_ranks[i]))?;
                 }
             }
         }
@@ -104,7 +105,7 @@ impl Peers {
         }
         if let Some(r) = ready_idle {
             // Something arrived on an idle link already: look at it instead of sleeping.
-            return self.inspect_idle(r, fp, PollFd::IN);
+            return self.inspect_idle(r, fp, PollFd::IN).map_err(|e| e.with_peer(r));
         }
         if can_progress {
             return Ok(());
@@ -120,7 +121,7 @@ impl Peers {
             if revents == 0 || Some(r) == want_write || Some(r) == want_read {
                 continue;
             }
-            self.inspect_idle(r, fp, revents)?;
+            self.inspect_idle(r, fp, revents).map_err(|e| e.with_peer(r))?;
         }
         Ok(())
     }
@@ -135,7 +136,7 @@ impl Peers {
         let n = match link.transport.peek(&mut h) {
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
-            Err(e) => return Err(Error::Remote(format!("connection to rank {r} failed: {e}"))),
+            Err(e) => return Err(Error::Remote(format!("connection to rank {r} failed: {e}").into())),
         };
         let hup = revents & (PollFd::RDHUP | PollFd::HUP | PollFd::ERR) != 0;
         // A peer that closed without an abort frame may simply have finished its last
@@ -148,11 +149,13 @@ impl Peers {
             }
             return Ok(());
         }
-        let header = decode(&h).map_err(|e| Error::Remote(format!("rank {r} sent a bad frame: {e}")))?;
+        let header =
+            decode(&h).map_err(|e| Error::Remote(format!("rank {r} sent a bad frame: {e}").into()))?;
         if header.kind == KIND_ABORT {
             return Err(read_abort(link, r, false, &[], header.len as usize));
         }
-        let theirs = header.fp.map_err(|e| Error::Remote(format!("rank {r} sent a bad frame: {e}")))?;
+        let theirs =
+            header.fp.map_err(|e| Error::Remote(format!("rank {r} sent a bad frame: {e}").into()))?;
         // Collectives share one sequence; send/recv count per pair, so only collective frames
         // can be compared. A frame of a later collective is a peer running ahead: fine.
         let collective = |k: CollKind| k != CollKind::PointToPoint;

@@ -99,24 +99,28 @@ pub(super) fn check_hello(h: &Hello, kind: u8, comm_id: u64, me: usize, size: us
     if version != PROTOCOL_VERSION {
         return Err(Error::Remote(format!(
             "handshake: peer speaks protocol version {version}, this build speaks {PROTOCOL_VERSION} (mixed toroid versions?)"
-        )));
+        ).into()));
     }
     if h[6] != kind {
-        return Err(Error::Remote(format!("handshake: expected message kind {kind}, got {}", h[6])));
+        return Err(Error::Remote(format!("handshake: expected message kind {kind}, got {}", h[6]).into()));
     }
     let mut idb = [0u8; 8];
     idb.copy_from_slice(&h[8..16]);
     let id = u64::from_le_bytes(idb);
     if id != comm_id {
-        return Err(Error::Remote(format!(
-            "handshake: peer belongs to communicator {id:#x}, not {comm_id:#x} (a stale or foreign job?)"
-        )));
+        return Err(Error::Remote(
+            format!(
+                "handshake: peer belongs to communicator {id:#x}, not {comm_id:#x} (a stale or foreign job?)"
+            )
+            .into(),
+        ));
     }
     let (from, to) = (u32_at(16) as usize, u32_at(20) as usize);
     if to != me || from >= size || from == me {
-        return Err(Error::Remote(format!(
-            "handshake: peer claims rank {from} calling rank {to}; this is rank {me} of {size}"
-        )));
+        return Err(Error::Remote(
+            format!("handshake: peer claims rank {from} calling rank {to}; this is rank {me} of {size}")
+                .into(),
+        ));
     }
     Ok(from)
 }

@@ -66,10 +66,13 @@ pub fn choose_address(
         chosen.sort_by_key(|i| !family_ok(i));
         chosen.retain(|i| !is_link_local(i));
         return chosen.into_iter().next().ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "TOROID_SOCKET_IFNAME={spec} matches no interface that is up; available: {}",
-                listing()
-            ))
+            Error::InvalidArgument(
+                format!(
+                    "TOROID_SOCKET_IFNAME={spec} matches no interface that is up; available: {}",
+                    listing()
+                )
+                .into(),
+            )
         });
     }
     if let Some(host) = store_host

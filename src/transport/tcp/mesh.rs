@@ -57,9 +57,9 @@ fn read_exact_by(s: &mut TcpStream, buf: &mut [u8], deadline: Instant, what: &st
     s.set_read_timeout(Some(remaining(deadline)?)).map_err(|e| Error::system("SO_RCVTIMEO", e))?;
     s.read_exact(buf).map_err(|e| match e.kind() {
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
-            Error::Timeout(format!("{what}: no handshake before the deadline"))
+            Error::Timeout(format!("{what}: no handshake before the deadline").into())
         }
-        _ => Error::Remote(format!("{what}: handshake failed: {e}")),
+        _ => Error::Remote(format!("{what}: handshake failed: {e}").into()),
     })
 }
 
@@ -86,8 +86,9 @@ pub fn connect_mesh(
         s.set_write_timeout(Some(remaining(deadline)?)).map_err(|e| Error::system("SO_SNDTIMEO", e))?;
         let (msg, n) = handshake::hello_message(comm_id, rank, peer, auth)?;
         nonces[peer] = n;
-        s.write_all(&msg)
-            .map_err(|e| Error::Remote(format!("rank {rank}: hello to rank {peer} at {addr} failed: {e}")))?;
+        s.write_all(&msg).map_err(|e| {
+            Error::Remote(format!("rank {rank}: hello to rank {peer} at {addr} failed: {e}").into())
+        })?;
         streams[peer] = Some(s);
     }
     // 2. Accept every higher rank, check its hello, ack it.
@@ -136,9 +137,9 @@ impl Setup<'_> {
                     ) =>
                 {
                     if remaining(deadline).is_err() {
-                        return Err(Error::Timeout(format!(
-                            "rank {rank}: could not connect to rank {peer} at {addr}: {e}"
-                        )));
+                        return Err(Error::Timeout(
+                            format!("rank {rank}: could not connect to rank {peer} at {addr}: {e}").into(),
+                        ));
                     }
                     std::thread::sleep(Duration::from_millis(10));
                 }
@@ -187,8 +188,9 @@ impl Setup<'_> {
                     s.set_write_timeout(Some(remaining(deadline)?))
                         .map_err(|e| Error::system("SO_SNDTIMEO", e))?;
                     let msg = handshake::ack_message(comm_id, rank, from, auth, &extra);
-                    s.write_all(&msg)
-                        .map_err(|e| Error::Remote(format!("rank {rank}: ack to rank {from} failed: {e}")))?;
+                    s.write_all(&msg).map_err(|e| {
+                        Error::Remote(format!("rank {rank}: ack to rank {from} failed: {e}").into())
+                    })?;
                     streams[from] = Some(s);
                     pending -= 1;
                 }
@@ -196,9 +198,10 @@ impl Setup<'_> {
                     let left = remaining(deadline).map_err(|_| {
                         let missing: Vec<usize> =
                             (rank + 1..size).filter(|r| streams[*r].is_none()).collect();
-                        Error::Timeout(format!(
-                            "rank {rank}: ranks {missing:?} never connected before the deadline"
-                        ))
+                        Error::Timeout(
+                            format!("rank {rank}: ranks {missing:?} never connected before the deadline")
+                                .into(),
+                        )
                     })?;
                     let mut fds = [PollFd::new(listener.as_raw_fd(), PollFd::IN)];
                     let _ = poll(&mut fds, left.as_millis().clamp(1, 1000) as i32);
@@ -216,10 +219,13 @@ impl Setup<'_> {
         let what = format!("rank {rank}: waiting for rank {peer}'s ack");
         let h = read_hello(s, self.deadline, &what).map_err(|e| match e {
             // A peer that rejects our hello closes the connection without an ack.
-            Error::Remote(m) => Error::Remote(format!(
-                "{m} (rank {peer} drops connections whose TOROID_AUTH_TOKEN, communicator or protocol \
+            Error::Remote(m) => Error::Remote(
+                format!(
+                    "{m} (rank {peer} drops connections whose TOROID_AUTH_TOKEN, communicator or protocol \
                  version differ from its own; its log says which)"
-            )),
+                )
+                .into(),
+            ),
             e => e,
         })?;
         let from = handshake::check_hello(&h, KIND_ACK, self.comm_id, rank, self.size)?;
@@ -227,15 +233,18 @@ impl Setup<'_> {
             let mut tag = [0u8; MAC_LEN];
             read_exact_by(s, &mut tag, self.deadline, &what)?;
             if !handshake::ack_is_authentic(&h, &tag, nonce, t) {
-                return Err(Error::Remote(format!(
-                    "rank {rank}: rank {peer} failed authentication (a different TOROID_AUTH_TOKEN?)"
-                )));
+                return Err(Error::Remote(
+                    format!(
+                        "rank {rank}: rank {peer} failed authentication (a different TOROID_AUTH_TOKEN?)"
+                    )
+                    .into(),
+                ));
             }
         }
         if from != peer {
-            return Err(Error::Remote(format!(
-                "rank {rank}: ack from rank {from} on the connection to rank {peer}"
-            )));
+            return Err(Error::Remote(
+                format!("rank {rank}: ack from rank {from} on the connection to rank {peer}").into(),
+            ));
         }
         Ok(())
     }

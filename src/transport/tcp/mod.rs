@@ -93,7 +93,7 @@ fn set_congestion(fd: BorrowedFd<'_>, name: &str) -> Result<()> {
             "TOROID_TCP_CONGESTION={name}: the kernel refused it ({e}); available: {}; allowed without privilege: {}",
             list("tcp_available_congestion_control"),
             list("tcp_allowed_congestion_control")
-        ))
+        ).into())
     })
 }
 
