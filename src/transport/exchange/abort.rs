@@ -50,7 +50,7 @@ impl AbortSignal {
     pub fn error(&self) -> Error {
         let r = self.reason.lock().unwrap_or_else(|e| e.into_inner());
         match &*r {
-            Some(Error::Aborted(s)) => Error::Aborted(s.clone().into()),
+            Some(Error::Aborted(s)) => Error::Aborted(s.clone()),
             Some(e) => e.facts_into(Error::Aborted(
                 format!("communicator aborted after an earlier error: {e}").into(),
             )),
