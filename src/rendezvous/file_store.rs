@@ -235,6 +235,7 @@ impl Store for FileStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::rendezvous::check_store_contract;
     use std::sync::Arc;
 
     const T: Duration = Duration::from_secs(5);
@@ -258,23 +259,11 @@ mod tests {
     }
 
     #[test]
-    fn set_get_add_delete_roundtrip() {
+    fn keeps_the_store_contract_in_a_new_directory() {
         let dir = TempDir::new("roundtrip");
         // A directory that does not exist yet is created.
         let s = FileStore::new(dir.0.join("sub/store")).unwrap();
-        s.set("a", b"xyz").unwrap();
-        assert_eq!(s.get("a", T).unwrap(), b"xyz");
-        s.set("a", b"new").unwrap();
-        assert_eq!(s.get("a", T).unwrap(), b"new");
-        assert_eq!(s.add("n", 5).unwrap(), 5);
-        assert_eq!(s.add("n", -7).unwrap(), -2);
-        assert_eq!(s.get("n", T).unwrap(), b"-2");
-        s.set("bad", b"x").unwrap();
-        assert!(matches!(s.add("bad", 1), Err(Error::InvalidUsage(_))));
-        assert!(s.delete("a").unwrap());
-        assert!(!s.delete("a").unwrap());
-        assert!(matches!(s.get("a", Duration::ZERO), Err(Error::Timeout(_))));
-        s.wait(&[], Duration::ZERO).unwrap();
+        check_store_contract(&s);
         // No temporary files are left behind.
         let names: Vec<String> =
             fs::read_dir(s.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
@@ -334,19 +323,6 @@ mod tests {
         assert_eq!(s.get("late", T).unwrap(), b"here");
         assert!(start.elapsed() >= Duration::from_millis(100));
         t.join().unwrap();
-    }
-
-    #[test]
-    fn wait_times_out_in_bounded_time_naming_the_missing_key() {
-        let dir = TempDir::new("wait");
-        let s = FileStore::new(&dir.0).unwrap();
-        s.set("present", b"1").unwrap();
-        let start = Instant::now();
-        let err = s.wait(&["present", "absent"], Duration::from_millis(200)).unwrap_err();
-        let took = start.elapsed();
-        assert!(matches!(&err, Error::Timeout(m) if m.contains(r#"for keys ["absent"]"#)), "{err}");
-        assert!(took >= Duration::from_millis(190) && took < Duration::from_secs(2), "{took:?}");
-        s.wait(&["present"], Duration::ZERO).unwrap();
     }
 
     #[test]

@@ -190,27 +190,47 @@ pub(crate) fn parse_counter(key: &str, v: &[u8]) -> Result<i64> {
         .ok_or_else(|| Error::InvalidUsage(format!("store key '{key}' does not hold an integer").into()))
 }
 
+/// Checks, on an empty `store`, what every [`Store`] promises: `set` replaces, `get` returns the
+/// bytes set (any UTF-8 key, any value), `add` counts from 0 in decimal text and refuses a value
+/// that is not a counter, `delete` says whether the key existed, and `get` and `wait` time out in
+/// bounded time naming the missing keys; the store stays usable after each error.
+#[cfg(test)]
+pub(crate) fn check_store_contract(store: &dyn Store) {
+    const T: Duration = Duration::from_secs(5);
+    let s = store;
+    s.set("a", b"xyz").unwrap();
+    assert_eq!(s.get("a", T).unwrap(), b"xyz");
+    s.set("a", b"").unwrap();
+    assert_eq!(s.get("a", T).unwrap(), b"");
+    // Arbitrary UTF-8 keys and binary values.
+    s.set("ключ/🔑 with spaces", &[0, 255, 10]).unwrap();
+    assert_eq!(s.get("ключ/🔑 with spaces", T).unwrap(), [0, 255, 10]);
+    assert_eq!(s.add("n", 5).unwrap(), 5);
+    assert_eq!(s.add("n", -7).unwrap(), -2);
+    assert_eq!(s.get("n", T).unwrap(), b"-2");
+    s.set("bad", b"x").unwrap();
+    assert!(matches!(s.add("bad", 1), Err(Error::InvalidUsage(_))));
+    assert!(s.delete("a").unwrap());
+    assert!(!s.delete("a").unwrap());
+    assert!(matches!(s.get("a", Duration::ZERO), Err(Error::Timeout(_))));
+    s.wait(&[], Duration::ZERO).unwrap();
+    s.wait(&["n", "bad"], Duration::ZERO).unwrap();
+    let start = Instant::now();
+    let err = s.wait(&["n", "absent"], Duration::from_millis(200)).unwrap_err();
+    let took = start.elapsed();
+    assert!(matches!(&err, Error::Timeout(m) if m.contains(r#"for keys ["absent"]"#)), "{err}");
+    assert!(took >= Duration::from_millis(190) && took < Duration::from_secs(2), "{took:?}");
+    // Still usable after the errors (a TCP client keeps its connection).
+    assert_eq!(s.add("n", 2).unwrap(), 0);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn mem_store_set_get_add_delete() {
-        let s = MemStore::new();
-        s.set("a", b"xyz").unwrap();
-        assert_eq!(s.get("a", Duration::from_millis(10)).unwrap(), b"xyz");
-        assert_eq!(s.add("n", 5).unwrap(), 5);
-        assert_eq!(s.add("n", -2).unwrap(), 3);
-        assert!(s.delete("a").unwrap());
-        assert!(!s.delete("a").unwrap());
-        assert!(matches!(s.get("a", Duration::from_millis(10)), Err(Error::Timeout(_))));
-        assert!(matches!(
-            s.add("bad", 1).and_then(|_| {
-                s.set("bad", b"x")?;
-                s.add("bad", 1)
-            }),
-            Err(Error::InvalidUsage(_))
-        ));
+    fn mem_store_keeps_the_store_contract() {
+        check_store_contract(&MemStore::new());
     }
 
     #[test]

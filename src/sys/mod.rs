@@ -13,6 +13,7 @@
 //! | [`process`] | CPU affinity, children that die with their launcher, signals |
 //! | [`random`] | random bytes and ids from the kernel |
 //! | [`socket`] | TCP socket options and non-blocking vectored I/O without `SIGPIPE` |
+//! | [`user`] | the user this process runs as |
 
 pub mod cpu;
 pub mod eventfd;
@@ -22,6 +23,7 @@ pub mod poll;
 pub mod process;
 pub mod random;
 pub mod socket;
+pub mod user;
 
 /// Calls a libc function and turns `-1` into the `io::Error` of `errno` (mio's `syscall!`).
 /// Each call site states why its arguments are valid.

@@ -1,0 +1,214 @@
+//! Opening the store: rank 0 serves the TCP store and the others connect, or every rank opens
+//! the file store; a single-host job's store is a fresh subdirectory per communicator, removed by
+//! the last rank to drop it.
+
+use std::collections::HashMap;
+use std::fs;
+use std::net::ToSocketAddrs;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::job_dir::{ensure_private_dir, is_job_dir};
+use super::{Launch, StoreAddr, join_host_port};
+use crate::error::Result;
+use crate::rendezvous::{FileStore, Store, TcpStore};
+
+/// Store key counting the ranks that dropped a job store.
+const LEFT_KEY: &str = "toroid/left";
+
+/// Opens the store of `launch`: rank 0 serves a TCP store, the others connect; or everyone opens
+/// the file store (for a single-host job's private directory, a fresh subdirectory per
+/// communicator, removed by the last rank to drop it).
+///
+/// Rank 0 binds the loopback address when the store host is a loopback name or address (a
+/// single-host job), and every interface (`0.0.0.0`, or `[::]` for an IPv6-only host) otherwise,
+/// because the name the other ranks use for rank 0's host need not be an address rank 0 can
+/// bind. `timeout` bounds connecting and every store call without its own timeout.
+///
+/// # Errors
+/// As [`TcpStore::serve`], [`TcpStore::connect`] and [`FileStore::new`].
+pub fn open_store(launch: &Launch, timeout: Duration) -> Result<Arc<dyn Store>> {
+    match &launch.store {
+        StoreAddr::File(dir) if is_job_dir(dir) => open_job_store(dir, launch, timeout),
+        StoreAddr::File(dir) => Ok(Arc::new(FileStore::new(dir)?.with_timeout(timeout))),
+        StoreAddr::Tcp { host, port } if launch.rank == 0 => {
+            let bind = bind_addr(host, *port);
+            tracing::info!(target: "toroid::store", "rank 0 serves the store on {bind} for {}", launch.store);
+            Ok(Arc::new(TcpStore::serve(&bind, timeout)?))
+        }
+        StoreAddr::Tcp { host, port } => {
+            Ok(Arc::new(TcpStore::connect(&join_host_port(host, *port), timeout)?))
+        }
+    }
+}
+
+/// The address rank 0 listens on for a store that the others reach at `host:port`.
+fn bind_addr(host: &str, port: u16) -> String {
+    let ips: Vec<_> = (host, port).to_socket_addrs().map(|a| a.map(|a| a.ip()).collect()).unwrap_or_default();
+    if host.eq_ignore_ascii_case("localhost") || (!ips.is_empty() && ips.iter().all(|ip| ip.is_loopback())) {
+        join_host_port(host, port)
+    } else if !ips.is_empty() && ips.iter().all(|ip| ip.is_ipv6()) {
+        format!("[::]:{port}")
+    } else {
+        format!("0.0.0.0:{port}")
+    }
+}
+
+/// A single-host job's store for one communicator: the file store `job/c<N>`; the last rank to
+/// drop it removes it (and the job directory once empty).
+struct JobStore {
+    inner: FileStore,
+    job_dir: PathBuf,
+    size: usize,
+}
+
+impl Store for JobStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.inner.set(key, value)
+    }
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        self.inner.get(key, timeout)
+    }
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        self.inner.add(key, delta)
+    }
+    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
+        self.inner.wait(keys, timeout)
+    }
+    fn delete(&self, key: &str) -> Result<bool> {
+        self.inner.delete(key)
+    }
+}
+
+impl Drop for JobStore {
+    fn drop(&mut self) {
+        match self.inner.add(LEFT_KEY, 1) {
+            Ok(n) if usize::try_from(n).is_ok_and(|n| n >= self.size) => {
+                if let Err(e) = fs::remove_dir_all(self.inner.path()) {
+                    tracing::warn!(target: "toroid::store", "removing {}: {e}", self.inner.path().display());
+                }
+                // Only when empty: another communicator of the job may have started already.
+                let _ = fs::remove_dir(&self.job_dir);
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(target: "toroid::store", "leaving {}: {e}", self.inner.path().display()),
+        }
+    }
+}
+
+/// Opens the store of communicator number N (counted per job directory and rank in this process:
+/// every rank creates its communicators in the same order) of a single-host job.
+fn open_job_store(job_dir: &Path, launch: &Launch, timeout: Duration) -> Result<Arc<dyn Store>> {
+    static OPENED: Mutex<Option<HashMap<(PathBuf, usize), u64>>> = Mutex::new(None);
+    if let Some(base) = job_dir.parent() {
+        ensure_private_dir(base)?;
+    }
+    let n = {
+        let mut map = OPENED.lock().unwrap_or_else(|e| e.into_inner());
+        let c = map.get_or_insert_with(HashMap::new).entry((job_dir.to_path_buf(), launch.rank)).or_insert(0);
+        *c += 1;
+        *c
+    };
+    let dir = job_dir.join(format!("c{n}"));
+    // The last rank of the previous communicator may remove the (then empty) job directory
+    // while this one creates it: try again.
+    let mut tries = 0;
+    let inner = loop {
+        match FileStore::new(&dir) {
+            Ok(s) => break s.with_timeout(timeout),
+            Err(_) if tries < 3 => tries += 1,
+            Err(e) => return Err(e),
+        }
+    };
+    Ok(Arc::new(JobStore { inner, job_dir: job_dir.to_path_buf(), size: launch.size }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Launcher;
+    use super::super::job_dir::private_base;
+    use super::super::tests::{RemoveOnDrop, detect_owned, job_dir, ompi, tcp};
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    #[test]
+    fn bind_addresses() {
+        assert_eq!(bind_addr("127.0.0.1", 5), "127.0.0.1:5");
+        assert_eq!(bind_addr("localhost", 5), "localhost:5");
+        assert_eq!(bind_addr("::1", 5), "[::1]:5");
+        assert_eq!(bind_addr("10.1.2.3", 5), "0.0.0.0:5");
+        assert_eq!(bind_addr("fe80::1", 5), "[::]:5");
+    }
+
+    #[test]
+    fn open_store_serves_on_rank_0_and_connects_the_others() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let launch = move |rank| Launch {
+            rank,
+            size: 2,
+            local_rank: None,
+            local_size: None,
+            store: tcp("127.0.0.1", port),
+            launcher: Launcher::Toroid,
+        };
+        let t = Duration::from_secs(5);
+        let peer = std::thread::spawn(move || {
+            // Rank 1 may start first: connect retries until rank 0 serves.
+            let s = open_store(&launch(1), t).unwrap();
+            s.set("from1", b"hi").unwrap();
+            s.get("from0", t).unwrap()
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        let s0 = open_store(&launch(0), t).unwrap();
+        s0.set("from0", b"yo").unwrap();
+        assert_eq!(s0.get("from1", t).unwrap(), b"hi");
+        assert_eq!(peer.join().unwrap(), b"yo");
+
+        let dir = std::env::temp_dir().join(format!("toroid-env-open-{}", std::process::id()));
+        let mut l = launch(1);
+        l.store = StoreAddr::File(dir.clone());
+        let fs = open_store(&l, t).unwrap();
+        fs.set("k", b"v").unwrap();
+        assert_eq!(fs.get("k", t).unwrap(), b"v");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn job_store_is_private_and_removed_by_the_last_rank() {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+        let mut vars = ompi("0", &format!("{}{nanos}", std::process::id()));
+        let dir = job_dir(&detect_owned(&vars).unwrap(), "ompi");
+        let _cleanup = RemoveOnDrop(dir.clone());
+        let t = Duration::from_secs(5);
+        for round in 1..=2 {
+            let peer = {
+                vars.retain(|(k, _)| *k != "OMPI_COMM_WORLD_RANK");
+                vars.push(("OMPI_COMM_WORLD_RANK", "1".into()));
+                let l1 = detect_owned(&vars).unwrap();
+                std::thread::spawn(move || {
+                    let s = open_store(&l1, t).unwrap();
+                    s.set("from1", b"hi").unwrap();
+                    let got = s.get("from0", t).unwrap();
+                    s.wait(&["done0"], t).unwrap();
+                    got
+                })
+            };
+            vars.retain(|(k, _)| *k != "OMPI_COMM_WORLD_RANK");
+            vars.push(("OMPI_COMM_WORLD_RANK", "0".into()));
+            let s0 = open_store(&detect_owned(&vars).unwrap(), t).unwrap();
+            let sub = dir.join(format!("c{round}"));
+            assert!(sub.is_dir(), "{} for communicator {round}", sub.display());
+            let meta = fs::metadata(private_base()).unwrap();
+            assert_eq!(meta.mode() & 0o777, 0o700);
+            s0.set("from0", b"yo").unwrap();
+            assert_eq!(s0.get("from1", t).unwrap(), b"hi");
+            s0.set("done0", b"").unwrap();
+            assert_eq!(peer.join().unwrap(), b"yo");
+            // Rank 1 has dropped its store; the directory stays until rank 0 drops too.
+            assert!(sub.is_dir());
+            drop(s0);
+            assert!(!dir.exists(), "{} left behind", dir.display());
+        }
+    }
+}
