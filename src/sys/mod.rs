@@ -8,14 +8,20 @@
 //! | [`cpu`] | CPUs online |
 //! | [`eventfd`] | an event descriptor that wakes a thread sleeping in `poll(2)` |
 //! | [`futex`] | wait on and wake a shared 32-bit word |
+//! | [`pid`] | whether a process exists |
 //! | [`poll`] | `poll(2)` over a set of descriptors |
 //! | [`random`] | random bytes and ids from the kernel |
+//! | [`shm_file`] | shared-memory files: exclusive creation, reserved pages, shared mappings |
+//! | [`socketpair`] | a connected pair of Unix stream sockets, non-blocking sends and receives |
 
 pub mod cpu;
 pub mod eventfd;
 pub mod futex;
+pub mod pid;
 pub mod poll;
 pub mod random;
+pub mod shm_file;
+pub mod socketpair;
 
 /// Calls a libc function and turns `-1` into the `io::Error` of `errno` (mio's `syscall!`).
 /// Each call site states why its arguments are valid.
