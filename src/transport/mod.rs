@@ -29,7 +29,9 @@
 pub mod exchange;
 pub mod shm;
 pub mod tcp;
-pub mod window;
+
+/// The shared window lives beside the shared-memory transport; this is its path for callers.
+pub use shm::window;
 
 use std::io;
 use std::os::fd::RawFd;
