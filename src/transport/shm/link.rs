@@ -2,7 +2,7 @@
 //! connection (see the [module documentation](super)).
 
 use std::io;
-use std::os::fd::RawFd;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::path::Path;
 use std::sync::atomic::{Ordering, fence};
 use std::time::Instant;
@@ -12,7 +12,8 @@ use super::ring::{
 };
 use super::{Segment, segment_name};
 use crate::error::{Error, Result};
-use crate::sys::syscall;
+use crate::sys::poll::{Events, PollFd, poll};
+use crate::sys::socketpair;
 use crate::transport::Transport;
 
 /// A peer on the same host: two rings in a shared segment, and the peer's TCP connection as the
@@ -152,7 +153,7 @@ impl Transport for ShmTransport {
         self.wake.shutdown();
     }
 
-    fn arm(&mut self, read: bool, write: bool) -> Option<libc::c_short> {
+    fn arm(&mut self, read: bool, write: bool) -> Option<Events> {
         self.drain_doorbell();
 
         if self.peer_gone {
@@ -176,7 +177,7 @@ impl Transport for ShmTransport {
                 return None;
             }
         }
-        Some(libc::POLLIN)
+        Some(PollFd::IN)
     }
 
     fn zero_copy(&self) -> bool {
@@ -217,28 +218,13 @@ impl Drop for ShmTransport {
 /// A connected pair of non-blocking Unix stream sockets as transports (wake-up channels for
 /// in-process pairs).
 fn socket_pair() -> Result<(UnixWake, UnixWake)> {
-    let mut fds = [0 as libc::c_int; 2];
-    // SAFETY: `fds` is a live array of two ints.
-    syscall!(socketpair(
-        libc::AF_UNIX,
-        libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-        0,
-        fds.as_mut_ptr()
-    ))
-    .map_err(|e| Error::system("socketpair", e))?;
-    Ok((UnixWake(fds[0]), UnixWake(fds[1])))
+    let (a, b) = socketpair::stream_pair().map_err(|e| Error::system("socketpair", e))?;
+    Ok((UnixWake(a), UnixWake(b)))
 }
 
 /// One end of a socket pair used only to wake the other end.
 #[derive(Debug)]
-struct UnixWake(RawFd);
-
-impl Drop for UnixWake {
-    fn drop(&mut self) {
-        // SAFETY: we own the descriptor.
-        unsafe { libc::close(self.0) };
-    }
-}
+struct UnixWake(OwnedFd);
 
 impl Transport for UnixWake {
     fn kind(&self) -> &'static str {
@@ -247,34 +233,26 @@ impl Transport for UnixWake {
 
     fn try_write(&mut self, bufs: &[&[u8]]) -> io::Result<usize> {
         let b = bufs.iter().find(|b| !b.is_empty()).map_or(&[][..], |b| *b);
-        // SAFETY: `b` is a live buffer of `b.len()` bytes.
-        let r = syscall!(send(self.0, b.as_ptr().cast(), b.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL))?;
-        Ok(r as usize)
+        socketpair::send(self.0.as_fd(), b)
     }
 
     fn try_read(&mut self, bufs: &mut [&mut [u8]]) -> io::Result<usize> {
         let Some(b) = bufs.iter_mut().find(|b| !b.is_empty()) else {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty read"));
         };
-        // SAFETY: `b` is a live exclusive buffer of `b.len()` bytes.
-        let r = syscall!(recv(self.0, b.as_mut_ptr().cast(), b.len(), libc::MSG_DONTWAIT))?;
-        Ok(r as usize)
+        socketpair::recv(self.0.as_fd(), b)
     }
 
     fn peek(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        // SAFETY: `buf` is a live exclusive buffer.
-        let r =
-            syscall!(recv(self.0, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT | libc::MSG_PEEK))?;
-        Ok(r as usize)
+        socketpair::peek(self.0.as_fd(), buf)
     }
 
     fn pollable(&self) -> RawFd {
-        self.0
+        self.0.as_raw_fd()
     }
 
     fn shutdown(&mut self) {
-        // SAFETY: plain call on our descriptor.
-        unsafe { libc::shutdown(self.0, libc::SHUT_WR) };
+        let _ = socketpair::shutdown_write(self.0.as_fd());
     }
 }
 
@@ -291,14 +269,9 @@ pub(crate) fn wait_ready(
     if left.is_zero() {
         return Err(io::ErrorKind::TimedOut.into());
     }
-    let mut pfd = libc::pollfd { fd: t.pollable(), events, revents: 0 };
-    let ms = left.as_millis().clamp(1, 100) as libc::c_int;
-    // SAFETY: one live pollfd.
-    match syscall!(poll(&mut pfd, 1, ms)) {
-        Ok(_) => Ok(()),
-        Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(()),
-        Err(e) => Err(e),
-    }
+    let ms = left.as_millis().clamp(1, 100) as i32;
+    // An interrupted sleep is `Ok(0)`: the caller re-checks, as after a timeout.
+    poll(&mut [PollFd::new(t.pollable(), events)], ms).map(drop)
 }
 
 #[cfg(test)]
@@ -444,16 +417,14 @@ mod tests {
     #[test]
     fn arm_sleeps_only_when_nothing_can_move_and_a_write_wakes_the_sleeper() {
         let (mut a, mut b) = ShmTransport::pair(&dir(), MIN_RING).unwrap();
-        assert_eq!(b.arm(true, false), Some(libc::POLLIN));
+        assert_eq!(b.arm(true, false), Some(PollFd::IN));
         assert!(a.arm(false, true).is_none(), "an empty ring has room");
         let t = thread::spawn(move || {
             thread::sleep(Duration::from_millis(50));
             a.try_write(&[b"wake"]).unwrap();
             a
         });
-        let mut pfd = libc::pollfd { fd: b.pollable(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one live pollfd.
-        let n = unsafe { libc::poll(&mut pfd, 1, 5000) };
+        let n = poll(&mut [PollFd::new(b.pollable(), PollFd::IN)], 5000).unwrap();
         assert_eq!(n, 1, "the writer's doorbell wakes poll");
         let mut buf = [0u8; 8];
         assert_eq!(b.try_read(&mut [&mut buf]).unwrap(), 4);
@@ -461,12 +432,10 @@ mod tests {
         // A full ring: the writer arms, the reader's release wakes it.
         let fill = vec![7u8; MIN_RING];
         assert_eq!(a.try_write(&[&fill]).unwrap(), MIN_RING);
-        assert_eq!(a.arm(false, true), Some(libc::POLLIN));
+        assert_eq!(a.arm(false, true), Some(PollFd::IN));
         let mut big = vec![0u8; 100];
         b.try_read(&mut [&mut big]).unwrap();
-        let mut pfd = libc::pollfd { fd: a.pollable(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one live pollfd.
-        assert_eq!(unsafe { libc::poll(&mut pfd, 1, 5000) }, 1);
+        assert_eq!(poll(&mut [PollFd::new(a.pollable(), PollFd::IN)], 5000).unwrap(), 1);
         assert!(a.arm(false, true).is_none());
     }
 }

@@ -1,16 +1,13 @@
 //! Shared-memory segments: files in a tmpfs directory mapped into this process, and the sweep
 //! of names left behind (see the [module documentation](super)).
 
-use std::ffi::CString;
 use std::io;
-use std::os::fd::RawFd;
-use std::os::unix::ffi::OsStrExt;
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
-use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::time::{Duration, SystemTime};
 
-use crate::sys::syscall;
+use crate::sys::shm_file::{self, Mapping};
 
 /// Prefix of every segment name toroid creates.
 pub const NAME_PREFIX: &str = "toroid-";
@@ -24,18 +21,10 @@ const STALE_AGE: Duration = Duration::from_secs(30);
 /// still holds the name, removes it.
 #[derive(Debug)]
 pub struct Segment {
-    ptr: NonNull<u8>,
-    len: usize,
+    map: Mapping,
     /// The path while this process is responsible for removing it.
-    pub(super) path: Option<PathBuf>,
+    path: Option<PathBuf>,
 }
-
-// SAFETY: the mapping is plain shared memory; every access goes through atomics or through the
-// protocols documented where the memory is used (rings, window), never through `&mut` aliases
-// that outlive a call.
-unsafe impl Send for Segment {}
-// SAFETY: as above.
-unsafe impl Sync for Segment {}
 
 /// Why a segment could not be created.
 #[derive(Debug, Clone)]
@@ -45,22 +34,6 @@ impl std::fmt::Display for SegmentError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.0)
     }
-}
-
-fn cpath(p: &Path) -> io::Result<CString> {
-    CString::new(p.as_os_str().as_bytes())
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in path"))
-}
-
-/// Free and total bytes of the file system holding `dir`.
-fn space(dir: &Path) -> Option<(u64, u64)> {
-    let c = cpath(dir).ok()?;
-    // SAFETY: zeroed statvfs is a valid output buffer.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is a NUL-terminated path, `st` a live output struct.
-    syscall!(statvfs(c.as_ptr(), &mut st)).ok()?;
-    let f = st.f_frsize as u64;
-    Some((st.f_bavail as u64 * f, st.f_blocks as u64 * f))
 }
 
 fn mib(b: u64) -> String {
@@ -78,8 +51,10 @@ impl Segment {
                 mib(len as u64),
                 path.display()
             );
-            if matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EFBIG) | Some(libc::ENOMEM)) {
-                if let Some((free, total)) = space(dir) {
+            // ENOSPC, EFBIG, ENOMEM: the file system (or its memory) is too small.
+            use io::ErrorKind::{FileTooLarge, OutOfMemory, StorageFull};
+            if matches!(e.kind(), StorageFull | FileTooLarge | OutOfMemory) {
+                if let Ok((free, total)) = shm_file::free_space(dir) {
                     msg.push_str(&format!(" ({} has {} free of {})", dir.display(), mib(free), mib(total)));
                 }
                 msg.push_str(
@@ -89,97 +64,67 @@ impl Segment {
             }
             SegmentError(msg)
         };
-        let c = cpath(&path).map_err(|e| fail("path", e))?;
-        // SAFETY: NUL-terminated path; flags and mode are plain integers.
-        let fd = syscall!(open(
-            c.as_ptr(),
-            libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC | libc::O_NOFOLLOW,
-            0o600 as libc::c_uint
-        ))
-        .map_err(|e| fail("open", e))?;
-        let fd = Fd(fd);
-        let unlink = || {
-            // SAFETY: NUL-terminated path.
-            unsafe { libc::unlink(c.as_ptr()) };
-        };
-        // SAFETY: `fd` is open; `len` fits off_t on 64-bit Linux.
-        if let Err(e) = syscall!(ftruncate(fd.0, len as libc::off_t)) {
-            unlink();
-            return Err(fail("ftruncate", e));
-        }
-        // Reserve every page now: on tmpfs a later first touch beyond the size limit is SIGBUS.
-        // SAFETY: `fd` is open; plain integers.
-        let r = unsafe { libc::fallocate(fd.0, 0, 0, len as libc::off_t) };
-        if r != 0 {
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::EOPNOTSUPP) {
-                // SAFETY: as above; posix_fallocate returns the error number instead of -1.
-                let r = unsafe { libc::posix_fallocate(fd.0, 0, len as libc::off_t) };
-                if r != 0 {
-                    unlink();
-                    return Err(fail("posix_fallocate", io::Error::from_raw_os_error(r)));
-                }
-            } else {
-                unlink();
-                return Err(fail("fallocate", e));
-            }
-        }
-        match map(fd.0, len) {
-            Ok(ptr) => Ok(Segment { ptr, len, path: Some(path) }),
+        let file = shm_file::create(&path).map_err(|e| fail("open", e))?;
+        let mapped = file
+            .set_len(len as u64)
+            .map_err(|e| fail("ftruncate", e))
+            // Reserve every page now: on tmpfs a later first touch beyond the size limit is
+            // SIGBUS.
+            .and_then(|()| shm_file::allocate(&file, len as u64).map_err(|e| fail("fallocate", e)))
+            .and_then(|()| Mapping::shared(file.as_fd(), len).map_err(|e| fail("mmap", e)));
+        match mapped {
+            Ok(map) => Ok(Segment { map, path: Some(path) }),
             Err(e) => {
-                unlink();
-                Err(fail("mmap", e))
+                let _ = std::fs::remove_file(&path);
+                Err(e)
             }
         }
     }
 
     /// Opens and maps an existing segment of exactly `len` bytes. The caller unlinks it.
     pub fn open(path: &Path, len: usize) -> io::Result<Segment> {
-        let c = cpath(path)?;
-        // SAFETY: NUL-terminated path.
-        let fd = Fd(syscall!(open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC | libc::O_NOFOLLOW))?);
-        // SAFETY: zeroed stat is a valid output buffer.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: `fd` is open, `st` a live output struct.
-        syscall!(fstat(fd.0, &mut st))?;
-        if st.st_size as u64 != len as u64 {
+        let file = shm_file::open(path)?;
+        let size = file.metadata()?.len();
+        if size != len as u64 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
-                format!("segment is {} bytes, expected {len}", st.st_size),
+                format!("segment is {size} bytes, expected {len}"),
             ));
         }
-        let ptr = map(fd.0, len)?;
-        Ok(Segment { ptr, len, path: Some(path.to_path_buf()) })
+        let map = Mapping::shared(file.as_fd(), len)?;
+        Ok(Segment { map, path: Some(path.to_path_buf()) })
     }
 
     /// Removes the name (idempotent; a name already removed by the peer is fine).
     pub fn unlink(&mut self) {
-        if let Some(p) = self.path.take()
-            && let Ok(c) = cpath(&p)
-        {
-            // SAFETY: NUL-terminated path.
-            unsafe { libc::unlink(c.as_ptr()) };
+        if let Some(p) = self.path.take() {
+            let _ = std::fs::remove_file(p);
         }
+    }
+
+    /// The name while this process is responsible for removing it (until [`Segment::unlink`]).
+    pub(super) fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
     }
 
     /// Start of the mapping (page aligned).
     pub fn as_ptr(&self) -> *mut u8 {
-        self.ptr.as_ptr()
+        self.map.as_ptr().as_ptr()
     }
 
     /// Length of the mapping.
     pub fn len(&self) -> usize {
-        self.len
+        self.map.len()
     }
 
     /// True for an empty mapping (never: segments have a header).
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.map.is_empty()
     }
 
     /// The 64-bit word at byte `offset` (8-aligned, inside the mapping) as an atomic.
     pub(crate) fn u64_at(&self, offset: usize) -> &AtomicU64 {
-        assert!(offset.is_multiple_of(8) && offset + 8 <= self.len);
+        assert!(offset.is_multiple_of(8) && offset + 8 <= self.len());
         // SAFETY: in bounds and aligned (checked); the mapping lives as long as `self`, and all
         // processes access this word only atomically.
         unsafe { AtomicU64::from_ptr(self.as_ptr().add(offset).cast()) }
@@ -187,7 +132,7 @@ impl Segment {
 
     /// The 32-bit word at byte `offset` (4-aligned, inside the mapping) as an atomic.
     pub(crate) fn u32_at(&self, offset: usize) -> &AtomicU32 {
-        assert!(offset.is_multiple_of(4) && offset + 4 <= self.len);
+        assert!(offset.is_multiple_of(4) && offset + 4 <= self.len());
         // SAFETY: as in `u64_at`.
         unsafe { AtomicU32::from_ptr(self.as_ptr().add(offset).cast()) }
     }
@@ -195,30 +140,9 @@ impl Segment {
 
 impl Drop for Segment {
     fn drop(&mut self) {
+        // The name goes first; the mapping is unmapped when `map` drops after this.
         self.unlink();
-        // SAFETY: `ptr`/`len` describe a mapping made by `map` and not unmapped before.
-        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
     }
-}
-
-struct Fd(RawFd);
-
-impl Drop for Fd {
-    fn drop(&mut self) {
-        // SAFETY: we own the descriptor. A mapping survives the close.
-        unsafe { libc::close(self.0) };
-    }
-}
-
-fn map(fd: RawFd, len: usize) -> io::Result<NonNull<u8>> {
-    // SAFETY: a fresh shared mapping of an open descriptor; no existing memory is affected.
-    let p = unsafe {
-        libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
-    };
-    if p == libc::MAP_FAILED {
-        return Err(io::Error::last_os_error());
-    }
-    NonNull::new(p.cast()).ok_or_else(|| io::Error::other("mmap returned null"))
 }
 
 /// A segment name for this process: `toroid-<pid>-<nonce>-<what>`.
@@ -235,13 +159,11 @@ pub fn sweep_stale(dir: &Path) -> Vec<String> {
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         let Some(rest) = name.strip_prefix(NAME_PREFIX) else { continue };
-        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<libc::pid_t>().ok()) else { continue };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<i32>().ok()) else { continue };
         if pid <= 0 {
             continue;
         }
-        // SAFETY: kill with signal 0 only checks for existence.
-        let gone = unsafe { libc::kill(pid, 0) } == -1
-            && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        let gone = !crate::sys::pid::exists(pid as u32);
         let old = e
             .metadata()
             .and_then(|m| m.modified())
@@ -263,6 +185,32 @@ mod tests {
     fn creating_in_a_missing_directory_is_a_clear_error() {
         let e = Segment::create(Path::new("/nonexistent-toroid-dir"), "toroid-x", 8192).unwrap_err();
         assert!(e.0.contains("/nonexistent-toroid-dir/toroid-x") && e.0.contains("open"), "{e}");
+    }
+
+    #[test]
+    fn create_open_share_and_unlink() {
+        let dir = std::env::temp_dir().join(format!("toroid-segment-test-{}", crate::sys::random::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut a = Segment::create(&dir, "toroid-t", 8192).unwrap();
+        let path = a.path().unwrap().to_path_buf();
+        assert_eq!(path, dir.join("toroid-t"));
+        let e = Segment::create(&dir, "toroid-t", 8192).unwrap_err();
+        assert!(e.0.contains("open") && !e.0.contains("--shm-size"), "{e}");
+        let wrong = Segment::open(&path, 4096).unwrap_err();
+        assert_eq!(wrong.kind(), io::ErrorKind::InvalidData, "{wrong}");
+        let mut b = Segment::open(&path, 8192).unwrap();
+        assert_eq!((b.len(), b.as_ptr() as usize % 4096), (8192, 0));
+        a.u64_at(8184).store(7, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(b.u64_at(8184).load(std::sync::atomic::Ordering::Relaxed), 7);
+        b.unlink();
+        assert!(!path.exists() && b.path().is_none());
+        a.unlink(); // already gone: fine
+        drop(a);
+        assert_eq!(b.u32_at(8188).load(std::sync::atomic::Ordering::Relaxed), 0);
+        let c = Segment::create(&dir, "toroid-u", 4096).unwrap();
+        drop(c);
+        assert!(!dir.join("toroid-u").exists(), "drop removes a name still held");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -195,7 +195,7 @@ pub fn connect(
                 seg.u64_at(PAIR_NONCE).store(nonce, Ordering::Relaxed);
                 seg.u64_at(PAIR_CAP).store(cap as u64, Ordering::Relaxed);
                 seg.u64_at(PAIR_MAGIC).store(SEG_MAGIC ^ SEG_VERSION, Ordering::Release);
-                let path = seg.path.as_ref().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
+                let path = seg.path().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
                 let msg = if path.len() <= MSG_TEXT {
                     encode_msg(OFFER, nonce, len as u64, &path)
                 } else {
@@ -307,7 +307,7 @@ fn window_setup(
         };
         let (mut win, offer) = match made {
             Ok(seg) => {
-                let path = seg.path.as_ref().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
+                let path = seg.path().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
                 let w = Window::init(seg, size, 0, region, nonce)?;
                 (Some(w), encode_msg(WIN_OFFER, nonce, len as u64, &path))
             }
