@@ -4,12 +4,9 @@
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::path::Path;
-use std::sync::atomic::{Ordering, fence};
 use std::time::Instant;
 
-use super::ring::{
-    Consumer, GONE, Producer, READER_WAITING, WRITER_WAITING, pair_segment_len, ring_capacity, rings,
-};
+use super::ring::{Consumer, Producer, pair_segment_len, ring_capacity, rings};
 use super::{Segment, segment_name};
 use crate::error::{Error, Result};
 use crate::sys::poll::{Events, PollFd, poll};
@@ -34,13 +31,7 @@ impl ShmTransport {
     pub(super) fn new(seg: Segment, cap: usize, lower: bool, wake: Box<dyn Transport>) -> ShmTransport {
         let [a, b] = rings(cap);
         let (txa, rxa) = if lower { (a, b) } else { (b, a) };
-        ShmTransport {
-            seg,
-            tx: Producer { at: txa, head: 0, published: 0, tail_cache: 0 },
-            rx: Consumer { at: rxa, tail: 0, released: 0, head_cache: 0 },
-            wake,
-            peer_gone: false,
-        }
+        ShmTransport { seg, tx: Producer::new(txa), rx: Consumer::new(rxa), wake, peer_gone: false }
     }
 
     /// A connected pair in this process (tests and benchmarks): two transports over one segment
@@ -103,10 +94,10 @@ impl Transport for ShmTransport {
     }
 
     fn try_write(&mut self, bufs: &[&[u8]]) -> io::Result<usize> {
-        if self.peer_gone || self.tx.reader_gone(&self.seg) {
+        if self.peer_gone || self.tx.reader_gone(self.seg.mem()) {
             return Err(self.broken_pipe());
         }
-        let (n, wake) = self.tx.write(&self.seg, bufs);
+        let (n, wake) = self.tx.write(self.seg.mem(), bufs);
         if wake {
             self.ring_doorbell();
         }
@@ -120,14 +111,14 @@ impl Transport for ShmTransport {
         if bufs.iter().all(|b| b.is_empty()) {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty read"));
         }
-        let (n, wake) = self.rx.read(&self.seg, bufs);
+        let (n, wake) = self.rx.read(self.seg.mem(), bufs);
         if wake {
             self.ring_doorbell();
         }
         if n > 0 {
             return Ok(n);
         }
-        if self.rx.at_end(&self.seg) || (self.peer_gone && self.rx.available(&self.seg) == 0) {
+        if self.rx.at_end(self.seg.mem()) || (self.peer_gone && self.rx.available(self.seg.mem()) == 0) {
             return Ok(0);
         }
         Err(io::ErrorKind::WouldBlock.into())
@@ -135,8 +126,8 @@ impl Transport for ShmTransport {
 
     fn peek(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         self.drain_doorbell();
-        let n = self.rx.peek(&self.seg, buf);
-        if n == 0 && !self.rx.at_end(&self.seg) && !self.peer_gone {
+        let n = self.rx.peek(self.seg.mem(), buf);
+        if n == 0 && !self.rx.at_end(self.seg.mem()) && !self.peer_gone {
             return Err(io::ErrorKind::WouldBlock.into());
         }
         Ok(n)
@@ -147,7 +138,7 @@ impl Transport for ShmTransport {
     }
 
     fn shutdown(&mut self) {
-        if self.tx.close(&self.seg) {
+        if self.tx.close(self.seg.mem()) {
             self.ring_doorbell();
         }
         self.wake.shutdown();
@@ -159,23 +150,11 @@ impl Transport for ShmTransport {
         if self.peer_gone {
             return None;
         }
-        if read {
-            let flag = self.seg.u32_at(self.rx.at.ctl + READER_WAITING);
-            flag.store(1, Ordering::SeqCst);
-            fence(Ordering::SeqCst);
-            if self.rx.available(&self.seg) > 0 || self.rx.at_end(&self.seg) {
-                flag.store(0, Ordering::Relaxed);
-                return None;
-            }
+        if read && !self.rx.arm(self.seg.mem()) {
+            return None;
         }
-        if write {
-            let flag = self.seg.u32_at(self.tx.at.ctl + WRITER_WAITING);
-            flag.store(1, Ordering::SeqCst);
-            fence(Ordering::SeqCst);
-            if self.tx.free(&self.seg) > 0 || self.tx.reader_gone(&self.seg) {
-                flag.store(0, Ordering::Relaxed);
-                return None;
-            }
+        if write && !self.tx.arm(self.seg.mem()) {
+            return None;
         }
         Some(PollFd::IN)
     }
@@ -185,7 +164,7 @@ impl Transport for ShmTransport {
     }
 
     fn read_with(&mut self, max: usize, f: &mut dyn FnMut(&[u8]) -> usize) -> io::Result<usize> {
-        let (n, wake) = self.rx.read_with(&self.seg, max, f);
+        let (n, wake) = self.rx.read_with(self.seg.mem(), max, f);
         if wake {
             self.ring_doorbell();
         }
@@ -195,8 +174,8 @@ impl Transport for ShmTransport {
         // Nothing taken: either nothing is there, or only part of an element. Once the writer
         // has closed or died, look once more (it may have published just before) and then it is
         // the end of the stream: a partial element will never be completed.
-        if self.rx.writer_done(&self.seg) || self.peer_gone {
-            let (n, wake) = self.rx.read_with(&self.seg, max, f);
+        if self.rx.writer_done(self.seg.mem()) || self.peer_gone {
+            let (n, wake) = self.rx.read_with(self.seg.mem(), max, f);
             if wake {
                 self.ring_doorbell();
             }
@@ -209,8 +188,8 @@ impl Transport for ShmTransport {
 impl Drop for ShmTransport {
     fn drop(&mut self) {
         // Writes to us fail from now on, and the peer reads end of stream after our data.
-        self.seg.u32_at(self.rx.at.ctl + GONE).store(1, Ordering::Release);
-        let _ = self.tx.close(&self.seg);
+        self.rx.leave(self.seg.mem());
+        let _ = self.tx.close(self.seg.mem());
         // The wake-up connection closes with `wake`, which wakes a sleeping peer.
     }
 }

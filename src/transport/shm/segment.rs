@@ -2,8 +2,10 @@
 //! of names left behind (see the [module documentation](super)).
 
 use std::io;
+use std::marker::PhantomData;
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::time::{Duration, SystemTime};
 
@@ -122,19 +124,22 @@ impl Segment {
         self.map.is_empty()
     }
 
+    /// The mapping as shared memory, for as long as `self` is borrowed.
+    pub(crate) fn mem(&self) -> SharedMem<'_> {
+        // SAFETY: the mapping is page aligned and stays mapped while `self` lives; processes
+        // that map it access its words only atomically and its other bytes under the protocols
+        // of the rings and the window (see their modules).
+        unsafe { SharedMem::new(self.map.as_ptr(), self.map.len()) }
+    }
+
     /// The 64-bit word at byte `offset` (8-aligned, inside the mapping) as an atomic.
     pub(crate) fn u64_at(&self, offset: usize) -> &AtomicU64 {
-        assert!(offset.is_multiple_of(8) && offset + 8 <= self.len());
-        // SAFETY: in bounds and aligned (checked); the mapping lives as long as `self`, and all
-        // processes access this word only atomically.
-        unsafe { AtomicU64::from_ptr(self.as_ptr().add(offset).cast()) }
+        self.mem().u64_at(offset)
     }
 
     /// The 32-bit word at byte `offset` (4-aligned, inside the mapping) as an atomic.
     pub(crate) fn u32_at(&self, offset: usize) -> &AtomicU32 {
-        assert!(offset.is_multiple_of(4) && offset + 4 <= self.len());
-        // SAFETY: as in `u64_at`.
-        unsafe { AtomicU32::from_ptr(self.as_ptr().add(offset).cast()) }
+        self.mem().u32_at(offset)
     }
 }
 
@@ -142,6 +147,63 @@ impl Drop for Segment {
     fn drop(&mut self) {
         // The name goes first; the mapping is unmapped when `map` drops after this.
         self.unlink();
+    }
+}
+
+/// A borrowed view of memory shared with other threads or processes: `len` bytes at an 8-byte
+/// aligned address, valid for `'a`. Words are accessed as atomics ([`SharedMem::u64_at`],
+/// [`SharedMem::u32_at`]); other bytes through the raw pointers of [`SharedMem::ptr_at`], under
+/// a protocol that keeps a writer of some bytes apart from every other access to them (the
+/// rings', the window's). A [`Segment`] gives one ([`Segment::mem`]), and so does a heap buffer
+/// of atomic words (the rings' tests).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SharedMem<'a> {
+    ptr: NonNull<u8>,
+    len: usize,
+    _borrow: PhantomData<&'a [AtomicU64]>,
+}
+
+impl<'a> SharedMem<'a> {
+    /// A view of `len` bytes at `ptr`.
+    ///
+    /// # Safety
+    ///
+    /// `ptr` is 8-byte aligned, the `len` bytes from it stay allocated and writable for `'a`,
+    /// and whoever accesses them during `'a` (in any process) does so atomically or under a
+    /// protocol that excludes data races.
+    pub(crate) unsafe fn new(ptr: NonNull<u8>, len: usize) -> SharedMem<'a> {
+        SharedMem { ptr, len, _borrow: PhantomData }
+    }
+
+    /// A view of heap words.
+    #[cfg(test)]
+    pub(crate) fn from_words(words: &'a [AtomicU64]) -> SharedMem<'a> {
+        // SAFETY: atomics are 8-byte aligned, live for `'a`, and allow writes through shared
+        // references (they are `UnsafeCell`s); their other users access them atomically.
+        unsafe { SharedMem::new(NonNull::from(words).cast(), std::mem::size_of_val(words)) }
+    }
+
+    /// The 64-bit word at byte `offset` (8-aligned, inside the memory) as an atomic.
+    pub(crate) fn u64_at(self, offset: usize) -> &'a AtomicU64 {
+        assert!(offset.is_multiple_of(8) && offset + 8 <= self.len, "word at {offset} of {}", self.len);
+        // SAFETY: in bounds and aligned (checked, the base is 8-aligned); the memory lives for
+        // `'a`, and everyone accesses this word only atomically.
+        unsafe { AtomicU64::from_ptr(self.ptr.as_ptr().add(offset).cast()) }
+    }
+
+    /// The 32-bit word at byte `offset` (4-aligned, inside the memory) as an atomic.
+    pub(crate) fn u32_at(self, offset: usize) -> &'a AtomicU32 {
+        assert!(offset.is_multiple_of(4) && offset + 4 <= self.len, "word at {offset} of {}", self.len);
+        // SAFETY: as in `u64_at`.
+        unsafe { AtomicU32::from_ptr(self.ptr.as_ptr().add(offset).cast()) }
+    }
+
+    /// A pointer to the `len` bytes at `offset`, checked to lie inside the memory. Reading or
+    /// writing through it is the caller's `unsafe`, under the protocol of those bytes.
+    pub(crate) fn ptr_at(self, offset: usize, len: usize) -> *mut u8 {
+        assert!(offset <= self.len && len <= self.len - offset, "bytes {offset}+{len} of {}", self.len);
+        // SAFETY: `offset <= len` (checked): the result is inside the allocation or one past it.
+        unsafe { self.ptr.as_ptr().add(offset) }
     }
 }
 
