@@ -36,7 +36,7 @@
 //! ## Waking and liveness
 //!
 //! The TCP connection of the pair stays open as the wake-up and liveness channel: the progress
-//! engine keeps sleeping in `poll(2)` on it (see [`Transport::arm`](super::Transport::arm)). Before sleeping, a reader
+//! engine keeps sleeping in `poll(2)` on it (see [`Transport::arm`]). Before sleeping, a reader
 //! sets `reader_waiting` and re-checks the ring (a sequentially consistent fence on both sides:
 //! either the reader sees the data or the writer sees the flag); a writer that publishes and
 //! finds the flag set clears it and sends one byte on the socket. Writers waiting for space do
@@ -46,8 +46,23 @@
 //!
 //! ## Zero copy
 //!
-//! [`Transport::read_with`](super::Transport::read_with) hands the reader's reduction the bytes straight out of the ring:
+//! [`Transport::read_with`] hands the reader's reduction the bytes straight out of the ring:
 //! `dst = dst ⊕ ring` without first copying into a scratch buffer.
+//!
+//! ## Files
+//!
+//! | module | what |
+//! |---|---|
+//! | `segment` | [`Segment`]: create, open, map and unlink a segment; [`sweep_stale`] |
+//! | `ring` | the producer and consumer ends of a ring, over any shared memory (tested on the heap) |
+//! | `link` | [`ShmTransport`], and the Unix socket pair that wakes in-process pairs |
+//! | `setup` | [`connect`]: upgrading same-host links and setting up the window |
+//! | [`window`] | the window: one segment mapped by every rank of a host |
+//!
+//! The operating-system calls (files, mappings, sockets, `poll`, futexes) are in [`crate::sys`].
+//!
+//! [`Transport::arm`]: super::Transport::arm
+//! [`Transport::read_with`]: super::Transport::read_with
 
 mod link;
 mod ring;
