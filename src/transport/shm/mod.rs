@@ -59,7 +59,7 @@
 //! | `setup` | [`connect`]: upgrading same-host links and setting up the window |
 //! | [`window`] | the window: one segment mapped by every rank of a host |
 //!
-//! The operating-system calls (files, mappings, sockets, `poll`, futexes) are in [`crate::sys`].
+//! The operating-system calls (files, mappings, sockets, `poll`, futexes) are in `crate::sys`.
 //!
 //! [`Transport::arm`]: super::Transport::arm
 //! [`Transport::read_with`]: super::Transport::read_with
