@@ -9,20 +9,26 @@
 //! | [`eventfd`] | an event descriptor that wakes a thread sleeping in `poll(2)` |
 //! | [`futex`] | wait on and wake a shared 32-bit word |
 //! | [`net_if`] | the addresses of the network interfaces that are up |
+//! | [`pid`] | whether a process exists |
 //! | [`poll`] | `poll(2)` over a set of descriptors |
 //! | [`process`] | CPU affinity, children that die with their launcher, signals |
 //! | [`random`] | random bytes and ids from the kernel |
 //! | [`socket`] | TCP socket options and non-blocking vectored I/O without `SIGPIPE` |
+//! | [`shm_file`] | shared-memory files: exclusive creation, reserved pages, shared mappings |
+//! | [`socketpair`] | a connected pair of Unix stream sockets, non-blocking sends and receives |
 //! | [`user`] | the user this process runs as |
 
 pub mod cpu;
 pub mod eventfd;
 pub mod futex;
 pub mod net_if;
+pub mod pid;
 pub mod poll;
 pub mod process;
 pub mod random;
+pub mod shm_file;
 pub mod socket;
+pub mod socketpair;
 pub mod user;
 
 /// Calls a libc function and turns `-1` into the `io::Error` of `errno` (mio's `syscall!`).

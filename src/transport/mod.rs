@@ -27,14 +27,16 @@
 //!   [`Transport::zero_copy`] is true.
 
 pub mod exchange;
-// shm: BEGIN
 pub mod shm;
-pub mod window;
-// shm: END
 pub mod tcp;
+
+/// The shared window lives beside the shared-memory transport; this is its path for callers.
+pub use shm::window;
 
 use std::io;
 use std::os::fd::RawFd;
+
+use crate::sys::poll::{Events, PollFd};
 
 pub use exchange::{Peers, Sink, Source};
 
@@ -53,17 +55,16 @@ pub trait Transport: Send + std::fmt::Debug {
     /// Ends the sending direction; the peer reads end of stream after the data already sent.
     fn shutdown(&mut self);
 
-    // shm: BEGIN
     /// Prepares to sleep until `try_read` (`read`) or `try_write` (`write`) can progress:
     /// returns the `poll(2)` events to wait for on [`Transport::pollable`], or `None` when
     /// progress is possible now (do not sleep). Sockets wait for their own readiness.
-    fn arm(&mut self, read: bool, write: bool) -> Option<libc::c_short> {
+    fn arm(&mut self, read: bool, write: bool) -> Option<Events> {
         let mut events = 0;
         if read {
-            events |= libc::POLLIN;
+            events |= PollFd::IN;
         }
         if write {
-            events |= libc::POLLOUT;
+            events |= PollFd::OUT;
         }
         Some(events)
     }
@@ -82,5 +83,4 @@ pub trait Transport: Send + std::fmt::Debug {
         let _ = (max, f);
         Err(io::Error::new(io::ErrorKind::Unsupported, "this transport cannot lend received bytes"))
     }
-    // shm: END
 }

@@ -47,12 +47,12 @@ use std::io;
 use std::sync::atomic::{AtomicU32, Ordering, fence};
 use std::time::{Duration, Instant};
 
-use super::exchange::AbortSignal;
-use super::shm::Segment;
+use super::Segment;
 use crate::collective::{FINGERPRINT_LEN, Fingerprint};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::reduce;
+use crate::transport::exchange::AbortSignal;
 
 const WIN_MAGIC: u64 = u64::from_le_bytes(*b"TRSHMWIN");
 const WIN_VERSION: u64 = 1;
@@ -366,7 +366,9 @@ impl Window {
                     describe_fp(&w)
                 )
                 .into(),
-            ));
+            )
+            // Members are the communicator's ranks (the window exists when all are on this host).
+            .with_peer(m));
         }
         self.fp_checked[m] = true;
         Ok(())
