@@ -74,12 +74,10 @@ pub const TOROID_VARS: &[&str] = &[
     "TOROID_HOST_ID",
     "TOROID_TORUS_SHAPE",
     "TOROID_COST_MODEL",
-    // shm: BEGIN
     "TOROID_SHM_DISABLE",
     "TOROID_SHM_DIR",
     "TOROID_SHM_RING_SIZE",
     "TOROID_SHM_CHUNK_SIZE",
-    // shm: END
 ];
 
 /// Settings of the library, from the environment or built by hand.
@@ -111,7 +109,6 @@ pub struct Config {
     pub torus_shape: Option<(usize, usize)>,
     /// Cost model source (`TOROID_COST_MODEL`): `probe` (default), `default`, or explicit values.
     pub cost_model: Option<String>,
-    // shm: BEGIN
     /// Keep TCP between ranks of one host (`TOROID_SHM_DISABLE=1`).
     pub shm_disable: bool,
     /// Directory of shared-memory segments (`TOROID_SHM_DIR`, a tmpfs).
@@ -121,19 +118,16 @@ pub struct Config {
     /// Bytes each rank contributes per chunk to the shared window (`TOROID_SHM_CHUNK_SIZE`;
     /// 0: no window).
     pub shm_chunk_size: usize,
-    // shm: END
     /// Every variable read, by name (for `rendezvous::env` and the one-time log).
     pub vars: BTreeMap<String, String>,
 }
 
-// shm: BEGIN
 /// Default directory of shared-memory segments.
 pub const DEFAULT_SHM_DIR: &str = "/dev/shm";
 /// Default point-to-point ring size (per direction; a pair of ranks maps twice this).
 pub const DEFAULT_SHM_RING_SIZE: usize = 512 * 1024;
 /// Default window chunk per rank (the window holds two per rank).
 pub const DEFAULT_SHM_CHUNK_SIZE: usize = 512 * 1024;
-// shm: END
 
 /// Default socket buffer request. Measured on loopback: autotuning keeps buffers small after a
 /// run of small messages and large transfers then stall on them (1 MiB all-reduce at 1.6 instead
@@ -185,12 +179,10 @@ impl Default for Config {
             host_id: None,
             torus_shape: None,
             cost_model: None,
-            // shm: BEGIN
             shm_disable: false,
             shm_dir: DEFAULT_SHM_DIR.into(),
             shm_ring_size: DEFAULT_SHM_RING_SIZE,
             shm_chunk_size: DEFAULT_SHM_CHUNK_SIZE,
-            // shm: END
             vars: BTreeMap::new(),
         }
     }
@@ -274,7 +266,6 @@ impl Config {
             cfg.torus_shape = Some(crate::topology::parse_shape(v)?);
         }
         cfg.cost_model = get("TOROID_COST_MODEL").map(str::to_string);
-        // shm: BEGIN
         if let Some(v) = get("TOROID_SHM_DISABLE") {
             cfg.shm_disable = parse_bool("TOROID_SHM_DISABLE", v)?;
         }
@@ -299,7 +290,6 @@ impl Config {
             }
             cfg.shm_chunk_size = s;
         }
-        // shm: END
         cfg.vars = vars;
         Ok(cfg)
     }
@@ -322,7 +312,6 @@ fn parse_num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
     v.parse().map_err(|_| Error::InvalidArgument(format!("{name}={v}: not a number").into()))
 }
 
-// shm: BEGIN
 /// `1`/`0`, `true`/`false`, `yes`/`no`, `on`/`off`.
 fn parse_bool(name: &str, v: &str) -> Result<bool> {
     match v.to_ascii_lowercase().as_str() {
@@ -331,7 +320,6 @@ fn parse_bool(name: &str, v: &str) -> Result<bool> {
         _ => Err(Error::InvalidArgument(format!("{name}={v}: expected 1 or 0").into())),
     }
 }
-// shm: END
 
 /// Seconds, possibly fractional (`0.5`).
 fn parse_seconds(name: &str, v: &str) -> Result<Duration> {
@@ -446,7 +434,6 @@ mod tests {
         assert_eq!(cfg(&[("TOROID_TIMEOUT", "")]).unwrap().timeout, DEFAULT_TIMEOUT);
     }
 
-    // shm: BEGIN
     #[test]
     fn tcp_congestion_names_are_checked() {
         assert_eq!(cfg(&[]).unwrap().tcp_congestion, None);
@@ -475,7 +462,6 @@ mod tests {
         assert!(cfg(&[("TOROID_SHM_DISABLE", "maybe")]).is_err());
         assert!(cfg(&[("TOROID_SHM_RING_SIZE", "100")]).is_err());
     }
-    // shm: END
 
     #[test]
     fn size_suffixes() {

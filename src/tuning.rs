@@ -124,7 +124,6 @@ impl AlgoFilter {
         candidates(kind).iter().copied().filter(move |a| !any || rule.is_none_or(|r| r.allows(*a)))
     }
 
-    // shm: BEGIN
     /// The shared-window choice for `kind` when every rank is on one host and the window
     /// exists: [`intra_default`] when the filter allows it, else `None` (the other algorithms).
     pub fn choose_intra(&self, kind: CollKind, bytes: usize, n: usize) -> Option<Algorithm> {
@@ -135,7 +134,6 @@ impl AlgoFilter {
             _ => Some(a),
         }
     }
-    // shm: END
 }
 
 /// Latency and inverse bandwidth of one class of link.
@@ -540,7 +538,6 @@ pub fn check_forced(kind: CollKind, algo: Algorithm) -> Result<()> {
     }
 }
 
-// shm: BEGIN
 /// The collectives the shared window can run when every rank is on one host.
 pub fn intra_candidates(kind: CollKind) -> &'static [Algorithm] {
     match kind {
@@ -565,7 +562,6 @@ pub fn intra_default(kind: CollKind, bytes: usize, n: usize) -> Option<Algorithm
     let _ = bytes;
     (n >= 2).then(|| intra_candidates(kind).first().copied()).flatten()
 }
-// shm: END
 
 #[cfg(test)]
 mod tests {
@@ -657,7 +653,6 @@ mod tests {
         assert_eq!(AlgoFilter::parse("").unwrap(), AlgoFilter::default());
     }
 
-    // shm: BEGIN
     #[test]
     fn intra_choice_follows_the_filter() {
         let none = AlgoFilter::default();
@@ -679,7 +674,6 @@ mod tests {
         assert!(check_forced(CollKind::AllGather, Algorithm::ShmDirect).is_ok());
         assert!(check_forced(CollKind::Reduce, Algorithm::ShmDirect).is_err());
     }
-    // shm: END
 
     #[test]
     fn cost_model_syntax() {

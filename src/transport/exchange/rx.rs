@@ -76,7 +76,7 @@ impl Rx {
                 self.frame_open = true;
             }
             let (fs, fl, fg) = (self.frame_start, self.frame_len, self.frame_got);
-            // shm: BEGIN (zero copy: reduce straight out of the transport's memory)
+            // Zero copy: reduce straight out of the transport's memory.
             if link.zero_copy
                 && self.hdr_got == HEADER_LEN
                 && fg < fl
@@ -136,7 +136,6 @@ impl Rx {
                 }
             }
             let zero_copy_header = link.zero_copy && matches!(sink, Sink::Reduce { .. });
-            // shm: END
             let payload: &mut [u8] = match sink {
                 Sink::Copy(d) => &mut d[fs + fg..fs + fl],
                 Sink::Reduce { .. } => &mut scratch[fg..fl],

@@ -76,14 +76,14 @@ impl Peers {
                 progressed |=
                     r.pump(sink, self.rank, link, fp, step, scratch).map_err(|e| e.with_peer(peer))?;
             }
-            let mut forward_avail = usize::MAX; // shm
+            let mut forward_avail = usize::MAX;
             if forwarding {
                 let out = match (rx.as_ref(), sink.as_ref()) {
                     (Some(r), Some(Sink::Copy(d))) => Some(&d[..r.final_len(false)]),
                     (Some(r), Some(Sink::Reduce { dst, .. })) => Some(&dst[..r.final_len(true)]),
                     _ => None,
                 };
-                forward_avail = out.map_or(0, <[u8]>::len); // shm
+                forward_avail = out.map_or(0, <[u8]>::len);
                 progressed |= self.pump_tx(tx.as_mut(), out)?;
             }
             let tx_done = tx.as_ref().is_none_or(|t| t.done);
@@ -146,7 +146,7 @@ impl Peers {
         loop {
             self.abort.check()?;
             let mut progressed = false;
-            let mut tx_avail = usize::MAX; // shm
+            let mut tx_avail = usize::MAX;
             // Send: step 0 reads its piece; step k > 0 forwards what step k - 1 received.
             if ts < plan.steps {
                 let data: &[u8] = if ts == 0 {
@@ -159,7 +159,7 @@ impl Peers {
                     let ready = if rs > ts - 1 { p.len() } else { rx.final_len(ts - 1 < plan.reduce_steps) };
                     &work[p.start..p.start + ready]
                 };
-                tx_avail = data.len(); // shm
+                tx_avail = data.len();
                 let link = live_link(&mut self.links, plan.right)?;
                 progressed |=
                     tx.pump(link, Some(data)).map_err(|e| explain_send_failure(link, plan.right, e))?;

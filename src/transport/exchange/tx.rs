@@ -45,13 +45,11 @@ impl<'a> Tx<'a> {
         }
     }
 
-    // shm: BEGIN
     /// True when the send cannot progress for want of bytes to forward (everything `avail`
     /// holds is sent): only the receive that produces them can unblock it.
     pub(super) fn starved(&self, avail: usize) -> bool {
         !self.done && self.frame_open && self.hdr_sent == HEADER_LEN && self.sent_payload() >= avail
     }
-    // shm: END
 
     pub(super) fn sent_payload(&self) -> usize {
         self.frame_start + self.frame_sent
