@@ -78,7 +78,8 @@ pub(crate) unsafe fn with_store(
     // SAFETY: struct_size covers the first version.
     let ops = unsafe { ops.read() };
     let (rank, size) = world(rank, size)?;
-    let store = Arc::new(CallbackStore::new(&ops, ctx)?);
+    // SAFETY: the C caller promises its callbacks accept `ctx` for the duration of this call.
+    let store = Arc::new(unsafe { CallbackStore::new(&ops, ctx)? });
     let cfg = Config::global()?;
     let r = Communicator::with_store(rank, size, store.clone() as Arc<dyn Store>, cfg);
     store.close();

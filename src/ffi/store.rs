@@ -51,7 +51,11 @@ unsafe impl Sync for Ctx {}
 
 impl CallbackStore {
     /// Checks and copies the callbacks out of `ops` (the struct itself is not kept).
-    pub(crate) fn new(ops: &toroid_store_ops, ctx: *mut c_void) -> Result<CallbackStore> {
+    ///
+    /// # Safety
+    /// `ops`'s callbacks must be safe to call with `ctx` and the arguments the header documents
+    /// until the store is closed (the contract of `toroid_comm_init_with_store`).
+    pub(crate) unsafe fn new(ops: &toroid_store_ops, ctx: *mut c_void) -> Result<CallbackStore> {
         let (set, get): (toroid_store_set_fn, toroid_store_get_fn) = (ops.set, ops.get);
         let set = set.ok_or_else(|| Error::InvalidArgument("toroid_store_ops.set is NULL".into()))?;
         let get = get.ok_or_else(|| Error::InvalidArgument("toroid_store_ops.get is NULL".into()))?;
@@ -223,7 +227,8 @@ mod tests {
             set: Some(set),
             get: Some(get),
         };
-        let s = CallbackStore::new(&ops, ctx).unwrap();
+        // SAFETY: the test's callbacks accept its context.
+        let s = unsafe { CallbackStore::new(&ops, ctx) }.unwrap();
         s.set("a", b"xyz").unwrap();
         assert_eq!(s.get("a", Duration::ZERO).unwrap(), b"xyz");
         // A value longer than the first buffer is asked for again with the right size.
@@ -244,6 +249,7 @@ mod tests {
         assert!(s.get("a", Duration::ZERO).is_err());
         assert_eq!(*m.calls.lock().unwrap(), calls, "a closed store calls nothing");
         let no_get = toroid_store_ops { get: None, ..ops };
-        assert!(matches!(CallbackStore::new(&no_get, ctx), Err(Error::InvalidArgument(_))));
+        // SAFETY: rejected before any callback could be called.
+        assert!(matches!(unsafe { CallbackStore::new(&no_get, ctx) }, Err(Error::InvalidArgument(_))));
     }
 }
