@@ -308,7 +308,15 @@ impl Consumer {
                 f(s).min(n)
             };
             if took == 0 {
-                break;
+                // Only part of an element is here as far as `head_cache` knows: the writer may
+                // have published the rest since it was read (without this re-read the same
+                // partial element would be offered until the deadline).
+                let head = mem.u64_at(self.at.ctl + HEAD).load(Ordering::Acquire);
+                if head == self.head_cache {
+                    break;
+                }
+                self.head_cache = head;
+                continue;
             }
             self.tail += took as u64;
             total += took;
@@ -475,6 +483,24 @@ mod tests {
         assert_eq!(c.read(h.mem(), &mut [&mut b]).0, 11);
         assert_eq!(&b[..11], &data[69..80]);
         assert_eq!(c.read(h.mem(), &mut [&mut b]).0, 0, "empty");
+    }
+
+    #[test]
+    fn a_partial_element_is_taken_once_the_writer_publishes_the_rest() {
+        let h = Heap::new(256);
+        let (mut p, mut c) = h.ends();
+        let whole = |s: &[u8]| s.len() - s.len() % 4;
+        p.write(h.mem(), &[&[7u8; 3]]);
+        // 3 bytes of a 4-byte element: nothing can be taken yet.
+        assert_eq!(c.read_with(h.mem(), usize::MAX, &mut |s| whole(s)).0, 0);
+        p.write(h.mem(), &[&[9u8; 5]]);
+        // The rest was published after the reader cached the head: it is seen at once.
+        let mut got = Vec::new();
+        let n = c.read_with(h.mem(), usize::MAX, &mut |s| {
+            got.extend_from_slice(&s[..whole(s)]);
+            whole(s)
+        });
+        assert_eq!((n.0, got), (8, [[7u8; 3].as_slice(), &[9u8; 5]].concat()));
     }
 
     #[test]
