@@ -335,9 +335,9 @@ fn parse_seconds(name: &str, v: &str) -> Result<Duration> {
 /// A byte size with an optional K/M/G suffix (powers of 1024, as nccl-tests reads sizes).
 ///
 /// ```
-/// assert_eq!(toroid::config::parse_size("x", "4K").unwrap(), 4096);
-/// assert_eq!(toroid::config::parse_size("x", "64M").unwrap(), 64 << 20);
-/// assert_eq!(toroid::config::parse_size("x", "100").unwrap(), 100);
+/// assert_eq!(toroid::internals::config::parse_size("x", "4K").unwrap(), 4096);
+/// assert_eq!(toroid::internals::config::parse_size("x", "64M").unwrap(), 64 << 20);
+/// assert_eq!(toroid::internals::config::parse_size("x", "100").unwrap(), 100);
 /// ```
 pub fn parse_size(name: &str, v: &str) -> Result<usize> {
     let v = v.trim();

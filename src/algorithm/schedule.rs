@@ -9,7 +9,7 @@ use std::ops::Range;
 /// The element range of piece `i` when `count` elements are cut into `parts` balanced pieces.
 ///
 /// ```
-/// use toroid::algorithm::schedule::piece;
+/// use toroid::internals::algorithm::schedule::piece;
 /// assert_eq!(piece(10, 3, 0), 0..4);
 /// assert_eq!(piece(10, 3, 1), 4..7);
 /// assert_eq!(piece(10, 3, 2), 7..10);
