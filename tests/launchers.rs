@@ -47,15 +47,13 @@ fn expect(collective: &str, n: usize) -> Expect<'static> {
 }
 
 fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
+    toroid::internals::sys::user::euid() == 0
 }
 
-/// The single-host job stores of launcher `tag` under /tmp/toroid-<uid> (`job-<tag>-<key>`):
-/// the same before and after a test means nothing was left behind.
+/// The single-host job stores of launcher `tag` under toroid's private base directory
+/// (`job-<tag>-<key>`): the same before and after a test means nothing was left behind.
 fn job_dirs(tag: &str) -> Vec<PathBuf> {
-    // SAFETY: as in is_root.
-    let base = PathBuf::from(format!("/tmp/toroid-{}", unsafe { libc::geteuid() }));
+    let base = toroid::rendezvous::env::private_base();
     let prefix = format!("job-{tag}-");
     let mut v: Vec<PathBuf> =
         fs::read_dir(&base).map(|d| d.filter_map(|e| e.ok()).map(|e| e.path()).collect()).unwrap_or_default();

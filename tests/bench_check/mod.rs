@@ -9,6 +9,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use toroid::internals::sys::process;
 
 pub const BENCH: &str = env!("CARGO_BIN_EXE_toroid-bench");
 pub const TOROID_RUN: &str = env!("CARGO_BIN_EXE_toroid-run");
@@ -39,12 +40,10 @@ impl Drop for TempDir {
     }
 }
 
-/// Sends `sig` to process group `pgid` (ESRCH, no such group, is fine).
-pub fn kill_group(pgid: u32, sig: i32) {
-    // SAFETY: kill(2) with a negative pid signals a process group; it touches no memory of ours.
-    unsafe {
-        libc::kill(-(pgid as i32), sig);
-    }
+/// Sends `sig` to process group `pgid` (ESRCH, no such group, is fine; the project's own
+/// `sys::process::kill_group` refuses group 0, which would be the test's own group).
+pub fn kill_group(pgid: u32, sig: process::Signal) {
+    let _ = process::kill_group(pgid, sig);
 }
 
 /// A child started in its own process group. Dropping it stops the group: SIGTERM (launchers
@@ -74,7 +73,7 @@ impl Group {
         if s.is_some() {
             self.reaped = true;
             // Whatever it left in its group goes with it.
-            kill_group(self.child.id(), libc::SIGKILL);
+            kill_group(self.child.id(), process::SIGKILL);
         }
         s
     }
@@ -97,9 +96,9 @@ impl Group {
         if self.reaped {
             return;
         }
-        kill_group(self.child.id(), libc::SIGTERM);
+        kill_group(self.child.id(), process::SIGTERM);
         if self.wait_until(Instant::now() + self.grace).is_none() {
-            kill_group(self.child.id(), libc::SIGKILL);
+            kill_group(self.child.id(), process::SIGKILL);
             let _ = self.child.kill();
             let _ = self.child.wait();
             self.reaped = true;
