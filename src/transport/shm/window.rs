@@ -620,13 +620,22 @@ impl Window {
 fn fp_words(fp: &Fingerprint) -> [u64; 4] {
     let mut b = [0u8; 32];
     b[..FINGERPRINT_LEN].copy_from_slice(&fp.encode());
-    std::array::from_fn(|i| u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().unwrap_or_default()))
+    let mut w = [0u64; 4];
+    for (word, chunk) in w.iter_mut().zip(b.chunks_exact(8)) {
+        *word = u64::from_le_bytes([
+            chunk[0], chunk[1], chunk[2], chunk[3], chunk[4], chunk[5], chunk[6], chunk[7],
+        ]);
+    }
+    w
 }
 
 /// What a slot's words say, for the mismatch message.
 fn describe_fp(w: &[u64; 4]) -> String {
+    let mut bytes = [0u8; 32];
+    for (chunk, word) in bytes.chunks_exact_mut(8).zip(w) {
+        chunk.copy_from_slice(&word.to_le_bytes());
+    }
     let mut b = [0u8; FINGERPRINT_LEN];
-    let bytes: Vec<u8> = w.iter().flat_map(|x| x.to_le_bytes()).collect();
     b.copy_from_slice(&bytes[..FINGERPRINT_LEN]);
     Fingerprint::decode(&b).map_or_else(|e| format!("an unknown collective ({e})"), |fp| fp.to_string())
 }
@@ -742,6 +751,22 @@ unsafe fn stream_sse2(dst: &mut [u8], src: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn slot_words_describe_the_fingerprint_they_hold() {
+        use crate::collective::{Algorithm, CollKind};
+        let fp = Fingerprint {
+            seq: 812,
+            kind: CollKind::AllReduce,
+            dtype: DataType::F32,
+            op: ReduceOp::Max,
+            count: 4096,
+            root: -1,
+            algo: Algorithm::ShmDirect as u8,
+        };
+        assert_eq!(describe_fp(&fp_words(&fp)), fp.to_string());
+        assert!(describe_fp(&[0; 4]).starts_with("an unknown collective"));
+    }
 
     #[test]
     fn streaming_copy_is_a_copy_at_any_alignment_and_length() {
