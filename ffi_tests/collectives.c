@@ -366,6 +366,48 @@ static void test_send_recv(toroid_comm *comm, size_t count) {
   free_inputs(in);
 }
 
+/* Receive from any source: every other rank sends rank 0 its input; rank 0 takes them in
+ * arrival order (blocking, then async with toroid_work_source) and checks each sender once per
+ * round and every byte. */
+static void test_recv_any(toroid_comm *comm, size_t count) {
+  size_t bytes = count * 4;
+  unsigned char **in = inputs(TOROID_INT32, TOROID_SUM, g_tid++, count);
+  for (int round = 0; round < 2; round++) {
+    if (g_rank == 0) {
+      int seen[64] = {0};
+      unsigned char *got = malloc(bytes + 1);
+      for (int k = 1; k < g_size; k++) {
+        int src = -1;
+        if (round == 0) {
+          CHECK(toroid_recv_any(comm, got, count, TOROID_INT32, &src));
+        } else {
+          toroid_work *w;
+          CHECK(toroid_recv_any_async(comm, got, count, TOROID_INT32, &w));
+          CHECK(toroid_work_wait(w, -1));
+          CHECK(toroid_work_source(w, &src));
+          EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_work_source(w, NULL));
+          toroid_work_free(w);
+        }
+        if (src <= 0 || src >= g_size || src >= 64 || seen[src]) FAIL("recv_any: sender %d (round %d)", src, round);
+        seen[src] = 1;
+        verify_bytes("recv_any", got, in[src], bytes);
+      }
+      free(got);
+    } else {
+      CHECK(toroid_send(comm, in[g_rank], count, TOROID_INT32, 0));
+    }
+    /* A work that is not a receive from any source has no sender. */
+    toroid_work *bw;
+    int src = -7;
+    CHECK(toroid_barrier_async(comm, &bw));
+    CHECK(toroid_work_wait(bw, -1));
+    EXPECT_CODE(TOROID_INVALID_USAGE, toroid_work_source(bw, &src));
+    EXPECT(src == -7);
+    toroid_work_free(bw);
+  }
+  free_inputs(in);
+}
+
 /* Several async operations in flight, including the in-place forms that move data. */
 static void test_async(toroid_comm *comm) {
   const size_t count = 3001;
@@ -497,7 +539,7 @@ static void test_split(toroid_comm *comm) {
 }
 
 int main(int argc, char **argv) {
-  if (argc < 2) FAIL("usage: collectives env|config|store [DIR]");
+  if (argc < 2) FAIL("usage: collectives env|config|store|store_config [DIR]");
   setvbuf(stdout, NULL, _IOLBF, 0);
   toroid_comm *comm = init_comm(argv[1], argc > 2 ? argv[2] : NULL);
   CHECK(toroid_comm_rank(comm, &g_rank));
@@ -551,6 +593,8 @@ int main(int argc, char **argv) {
     test_send_recv(comm, COUNTS[c]);
   }
   test_send_recv(comm, 200003);
+  for (size_t c = 0; c < NCOUNTS; c++) test_recv_any(comm, COUNTS[c]);
+  test_recv_any(comm, 100001);
   CHECK(toroid_barrier(comm));
 
   test_async(comm);

@@ -7,14 +7,16 @@
 #include <dlfcn.h>
 
 static const char *const ENTRY_POINTS[] = {
-    "toroid_comm_init_env", "toroid_comm_init", "toroid_comm_init_with_store", "toroid_comm_split",
+    "toroid_comm_init_env", "toroid_comm_init", "toroid_comm_init_with_store",
+    "toroid_comm_init_with_store_config", "toroid_comm_split",
     "toroid_comm_rank", "toroid_comm_size", "toroid_comm_abort", "toroid_comm_destroy",
     "toroid_all_reduce", "toroid_reduce_scatter", "toroid_all_gather", "toroid_broadcast",
     "toroid_reduce", "toroid_all_to_all", "toroid_barrier", "toroid_send", "toroid_recv",
+    "toroid_recv_any",
     "toroid_all_reduce_async", "toroid_reduce_scatter_async", "toroid_all_gather_async",
     "toroid_broadcast_async", "toroid_reduce_async", "toroid_all_to_all_async",
-    "toroid_barrier_async", "toroid_send_async", "toroid_recv_async", "toroid_work_wait",
-    "toroid_work_test", "toroid_work_free", "toroid_get_error_string", "toroid_get_last_error",
+    "toroid_barrier_async", "toroid_send_async", "toroid_recv_async", "toroid_recv_any_async",
+    "toroid_work_wait", "toroid_work_test", "toroid_work_source", "toroid_work_free", "toroid_get_error_string", "toroid_get_last_error",
     "toroid_version",
 };
 

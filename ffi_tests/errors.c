@@ -70,6 +70,20 @@ static void init_errors(void) {
   toroid_store_ops short_ops = {sizeof(size_t), counting_set, failing_get};
   EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_comm_init_with_store(&c, 0, 2, &short_ops, NULL));
   EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_comm_init_with_store(&c, 3, 2, &ops, NULL));
+  /* The same with a config: its store_addr must be NULL (the store is the caller's). */
+  toroid_config scfg;
+  memset(&scfg, 0, sizeof scfg);
+  scfg.struct_size = sizeof scfg;
+  scfg.rank = 0, scfg.size = 2;
+  EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_comm_init_with_store_config(&c, NULL, &ops, NULL));
+  EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_comm_init_with_store_config(&c, &scfg, NULL, NULL));
+  EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_comm_init_with_store_config(NULL, &scfg, &ops, NULL));
+  scfg.store_addr = "127.0.0.1:1";
+  EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_comm_init_with_store_config(&c, &scfg, &ops, NULL));
+  EXPECT_LAST(NULL, "store_addr");
+  scfg.store_addr = NULL;
+  scfg.rank = 2;
+  EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_comm_init_with_store_config(&c, &scfg, &ops, NULL));
   EXPECT(store_calls == 0); /* argument errors are found before the store is touched */
   /* A store whose get always fails: rank 1 cannot find rank 0's communicator id. */
   EXPECT_CODE(TOROID_TIMEOUT, toroid_comm_init_with_store(&c, 1, 2, &ops, NULL));
@@ -145,6 +159,9 @@ static void argument_errors(toroid_comm *comm) {
   EXPECT_LAST(comm, "itself");
   EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_send(comm, a, 4, TOROID_FLOAT32, 7));
   EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_recv(comm, b, 4, TOROID_FLOAT32, -1));
+  EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_recv_any(comm, b, 4, TOROID_FLOAT32, NULL));
+  EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_recv_any(comm, NULL, 4, TOROID_FLOAT32, &(int){0}));
+  EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_work_source(NULL, &(int){0}));
 
   /* Async: a NULL work pointer queues nothing (the ranks stay in step below). */
   toroid_work *w = SENTINEL_WORK;

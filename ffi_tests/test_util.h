@@ -176,7 +176,8 @@ static inline int file_store_get(void *ctx, const char *key, void *value, size_t
 
 /* Creates the communicator of this rank (rank and size from toroid-run's variables):
  * mode "env": toroid_comm_init_env; "config": toroid_comm_init with store_addr NULL (taken
- * from TOROID_STORE_ADDR); "store": toroid_comm_init_with_store over files in `dir`. */
+ * from TOROID_STORE_ADDR); "store": toroid_comm_init_with_store over files in `dir`;
+ * "store_config": the same through toroid_comm_init_with_store_config with a 60 s timeout. */
 static inline toroid_comm *init_comm(const char *mode, const char *dir) {
   toroid_comm *comm = NULL;
   if (strcmp(mode, "env") == 0) {
@@ -198,6 +199,19 @@ static inline toroid_comm *init_comm(const char *mode, const char *dir) {
     if (dir == NULL) FAIL("mode store needs a directory");
     CHECK(toroid_comm_init_with_store(&comm, env_int("TOROID_RANK"), env_int("TOROID_WORLD_SIZE"),
                                       &ops, (void *)dir));
+  } else if (strcmp(mode, "store_config") == 0) {
+    static toroid_store_ops ops;
+    ops.struct_size = sizeof ops;
+    ops.set = file_store_set;
+    ops.get = file_store_get;
+    if (dir == NULL) FAIL("mode store_config needs a directory");
+    toroid_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.struct_size = sizeof cfg;
+    cfg.rank = env_int("TOROID_RANK");
+    cfg.size = env_int("TOROID_WORLD_SIZE");
+    cfg.timeout_ms = 60000;
+    CHECK(toroid_comm_init_with_store_config(&comm, &cfg, &ops, (void *)dir));
   } else {
     FAIL("unknown init mode %s", mode);
   }

@@ -275,6 +275,16 @@ enum toroid_result toroid_comm_init_with_store(struct toroid_comm **out,
                                                void *store_ctx);
 
 /**
+ * toroid_comm_init_with_store with explicit settings: `config` gives the rank, size, timeout
+ * (of set-up and of every later call) and interface; its `store_addr` must be NULL (the store
+ * is the caller's). How a framework passes its process group's timeout.
+ */
+enum toroid_result toroid_comm_init_with_store_config(struct toroid_comm **out,
+                                                      const struct toroid_config *config,
+                                                      const struct toroid_store_ops *ops,
+                                                      void *store_ctx);
+
+/**
  * Splits `comm` into sub-communicators: ranks passing the same `color` form one, ordered by
  * `key` (ties by rank in `comm`). A rank passing a negative color (TOROID_SPLIT_NOCOLOR)
  * takes part but joins none: *out is set to NULL. A collective: every rank of `comm` calls it.
@@ -405,6 +415,17 @@ enum toroid_result toroid_recv(struct toroid_comm *comm,
                                int peer);
 
 /**
+ * Receives `count` elements into `buf` from whichever rank sends first (MPI_ANY_SOURCE) and
+ * sets *source to that rank. The sender's count must match. Among ranks that have sent, the
+ * lowest-numbered is taken first; messages from one rank arrive in order.
+ */
+enum toroid_result toroid_recv_any(struct toroid_comm *comm,
+                                   void *buf,
+                                   size_t count,
+                                   toroid_datatype dtype,
+                                   int *source);
+
+/**
  * toroid_all_reduce, queued; *work is set on success (wait on it, then free it).
  */
 enum toroid_result toroid_all_reduce_async(struct toroid_comm *comm,
@@ -495,12 +516,28 @@ enum toroid_result toroid_recv_async(struct toroid_comm *comm,
                                      struct toroid_work **work);
 
 /**
+ * toroid_recv_any, queued; toroid_work_source gives the sender once the work has completed.
+ */
+enum toroid_result toroid_recv_any_async(struct toroid_comm *comm,
+                                         void *buf,
+                                         size_t count,
+                                         toroid_datatype dtype,
+                                         struct toroid_work **work);
+
+/**
  * Waits for `work` and returns its result (TOROID_SUCCESS or the operation's error; again on
  * every later call). timeout_ms < 0: the communicator's timeout. If the work has not completed
  * within the timeout, the communicator is aborted (as at every toroid deadline), the work fails
  * and TOROID_TIMEOUT is returned once it has stopped: use toroid_work_test to poll instead.
  */
 enum toroid_result toroid_work_wait(struct toroid_work *work, int64_t timeout_ms);
+
+/**
+ * Sets *source to the rank a receive from any source (toroid_recv_any_async) took its message
+ * from. TOROID_INVALID_USAGE while the work has not finished, when it failed, and for works of
+ * other operations.
+ */
+enum toroid_result toroid_work_source(struct toroid_work *work, int *source);
 
 /**
  * Sets *done to 1 if `work` has finished (successfully or not; toroid_work_wait then returns

@@ -42,6 +42,8 @@ pub enum OpKind {
     Send(usize),
     /// receive from peer
     Recv(usize),
+    /// receive from whichever peer sends first (the rank is reported back)
+    RecvAny,
     /// the all-gather inside `split`
     SplitExchange,
     /// the cost model's link measurements (output: the probe results as 6 f64)
@@ -59,7 +61,7 @@ impl OpKind {
             OpKind::Reduce(..) => CollKind::Reduce,
             OpKind::AllToAll => CollKind::AllToAll,
             OpKind::Barrier => CollKind::Barrier,
-            OpKind::Send(_) | OpKind::Recv(_) => CollKind::PointToPoint,
+            OpKind::Send(_) | OpKind::Recv(_) | OpKind::RecvAny => CollKind::PointToPoint,
             OpKind::SplitExchange => CollKind::Split,
             OpKind::Probe => CollKind::Probe,
         }

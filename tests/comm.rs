@@ -127,6 +127,72 @@ fn send_recv_pairs_in_a_ring_and_back_to_back() {
     });
 }
 
+/// Every other rank sends rank 0 one message, joins an all-reduce, then sends two more; rank 0
+/// receives each round from any source: every rank shows up once in the first round and twice
+/// in the second, its messages in the order it sent them, every element as sent. Senders start
+/// at staggered times, so arrival order is not rank order; a sender that is already in the
+/// all-reduce has that collective's frame at the head of its link, which must not be taken for
+/// a send.
+fn recv_any_case(n: usize, shm: bool) {
+    let cfg = toroid::Config { shm_disable: !shm, ..util::test_config(30.0) };
+    util::run_threads(n, &cfg, move |comm| {
+        const LEN: usize = 3000;
+        let msg = |from: usize, k: usize| -> Vec<u64> {
+            (0..LEN).map(|i| util::data::mix((from * 1_000_003 + k * 7919 + i) as u64)).collect()
+        };
+        let r = comm.rank();
+        let mut v = [1u32];
+        if r == 0 {
+            let mut seen = vec![0usize; n];
+            let mut buf = vec![0u64; LEN];
+            for round in [1, 3] {
+                while seen[1..].iter().any(|s| *s < round) {
+                    let from = comm.recv_any(&mut buf).unwrap();
+                    assert!(from > 0 && from < n, "sender {from}");
+                    assert!(seen[from] < round, "rank {from} sent more than {round} messages so far");
+                    assert_eq!(buf, msg(from, seen[from]), "message {} from rank {from}", seen[from]);
+                    seen[from] += 1;
+                }
+                if round == 1 {
+                    comm.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+                }
+            }
+        } else {
+            std::thread::sleep(Duration::from_millis(util::data::mix(r as u64) % 30));
+            comm.send(&msg(r, 0), 0).unwrap();
+            comm.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+            comm.send(&msg(r, 1), 0).unwrap();
+            comm.send(&msg(r, 2), 0).unwrap();
+        }
+        assert_eq!(v[0], n as u32);
+        comm.barrier().unwrap();
+    });
+}
+
+#[test]
+fn recv_from_any_source_takes_every_sender_once_in_order() {
+    for n in [2, 3, 5] {
+        recv_any_case(n, true);
+        recv_any_case(n, false);
+    }
+}
+
+#[test]
+fn recv_from_any_source_times_out_naming_the_wait() {
+    util::run_threads(3, &util::test_config(1.0), |comm| {
+        if comm.rank() == 0 {
+            let t = std::time::Instant::now();
+            let e = comm.recv_any(&mut [0u8; 4]).unwrap_err();
+            assert!(matches!(e, toroid::Error::Timeout(_)), "{e}");
+            assert!(e.to_string().contains("any source"), "{e}");
+            assert!(t.elapsed() >= Duration::from_millis(900), "{:?}", t.elapsed());
+        } else {
+            // Nobody sends; the others learn of rank 0's failure at their next call.
+            assert!(comm.barrier().is_err());
+        }
+    });
+}
+
 #[test]
 fn send_recv_size_mismatch_is_an_error() {
     util::run_threads(2, &util::test_config(10.0), |comm| {
@@ -202,6 +268,7 @@ fn hooks_run_on_the_worker_in_issue_order_around_their_operation() {
             dtype: DataType::U32,
             bufs: RawBufs::InPlace(RawBufMut::new(bytemuck::cast_slice_mut(&mut buf))),
             opts: CallOptions::default(),
+            source: None,
         };
         // SAFETY: `buf` stays alive and untouched until the wait returns.
         let w = unsafe { comm.submit_raw_with_hooks(op, None, hooks) }.unwrap();

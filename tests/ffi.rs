@@ -140,6 +140,11 @@ fn c_collectives_on_4_ranks_through_a_caller_supplied_store() {
 }
 
 #[test]
+fn c_collectives_on_2_ranks_through_a_store_with_a_config() {
+    collectives(2, "store_config");
+}
+
+#[test]
 fn c_collectives_on_5_ranks_from_the_environment() {
     collectives(5, "env");
 }
@@ -156,9 +161,28 @@ fn c_error_paths() {
 fn c_dlopen_resolves_every_entry_point() {
     let exe = build("dlopen");
     let so = lib_dir().join("libtoroid.so");
+    // Every function the header declares is in dlopen.c's list.
+    let header =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("include/toroid.h")).unwrap();
+    let source =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("ffi_tests/dlopen.c")).unwrap();
+    let declared: Vec<&str> = header
+        .lines()
+        .filter(|l| l.starts_with(|c: char| c.is_ascii_lowercase()) && l.contains('('))
+        .filter_map(|l| Some(l.split('(').next()?.split_whitespace().last()?.trim_start_matches('*')))
+        .filter(|name| name.starts_with("toroid_"))
+        .collect();
+    assert!(declared.len() > 30, "found only {declared:?} in the header");
+    for name in &declared {
+        assert!(source.contains(&format!("\"{name}\"")), "dlopen.c does not resolve {name}");
+    }
     let out = run_ranks(3, 120, &[], &[exe.as_os_str(), so.as_os_str()]);
     check(&out, "dlopen.c");
-    every_rank_says(&out, 3, "resolved 32 entry points with dlsym; collectives passed");
+    every_rank_says(
+        &out,
+        3,
+        &format!("resolved {} entry points with dlsym; collectives passed", declared.len()),
+    );
 }
 
 /// Runs lifecycle.c for `iters` iterations on 2 ranks under valgrind; returns each rank's

@@ -5,6 +5,7 @@ small model trained with DistributedDataParallel on both."""
 import datetime
 import os
 import random
+import re
 import sys
 import time
 
@@ -425,21 +426,235 @@ def wait_timeout(rank, size):
     assert w.wait(timeout=datetime.timedelta(seconds=60))
     close(x, want, "all_reduce waited with a timeout", rtol=1e-12, atol=1e-12)
 
-    # monitored_barrier that a rank never enters: the others fail in about its timeout (toroid
-    # aborts that group; it is a group of its own here).
+    # monitored_barrier that the last rank never enters: rank 0 names it within about the
+    # timeout; the other ranks that came learn it from rank 0 at once (gloo's wording).
     sub = dist.new_group(backend="toroid")
     if rank != late:
         t = time.monotonic()
         try:
             dist.monitored_barrier(group=sub, timeout=datetime.timedelta(seconds=1))
             raise AssertionError(f"monitored_barrier passed though rank {late} never entered")
-        except toroid.ToroidError as e:
+        except dist.DistBackendError as e:
             dt = time.monotonic() - t
-            assert isinstance(e, (toroid.TimeoutError, toroid.AbortedError, toroid.RemoteError)), repr(e)
+            want = (f"[Rank 0]: Rank {late} failed to pass monitoredBarrier in 1000 ms" if rank == 0 else
+                    f"Rank {rank} successfully reached monitoredBarrier, but received errors while waiting for "
+                    "send/recv from rank 0")
+            assert want in str(e), repr(e)
             assert dt <= 5.0, f"monitored_barrier(1 s) failed after {dt:.2f} s"
         checks.append("monitored_barrier timeout")
     dist.barrier(group=signal)
+    # The group is still usable: the monitored barrier went through the store.
+    x = torch.ones(10)
+    dist.all_reduce(x, group=sub)
+    assert torch.equal(x, torch.full((10,), float(size))), x
 
+
+def sparse(shape, nnz, seed):
+    """A random sparse COO tensor (indices may repeat: uncoalesced)."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randint(0, d, (nnz,), generator=g) for d in shape[:2]])
+    vals = torch.randn((nnz,) + tuple(shape[2:]), generator=g, dtype=torch.float64)
+    return torch.sparse_coo_tensor(idx, vals, shape)
+
+
+def resources():
+    """This process's threads and socket descriptors, and toroid's shared-memory files."""
+    socks = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            socks += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    shm = len([f for f in os.listdir("/dev/shm") if "toroid" in f]) if os.path.isdir("/dev/shm") else 0
+    return len(os.listdir("/proc/self/task")), socks, shm
+
+
+def conformance(rank, size):
+    """The rest of torch.distributed's CPU surface on toroid against gloo: split_group, the
+    coalescing manager, sparse all_reduce, receive from any source, a barrier's own timeout,
+    and groups that leave nothing behind when destroyed or aborted."""
+    # split_group: the parent's ranks in reverse order, split in two (or one split of both).
+    splits = [list(range(size - 1, -1, -2)), list(range(size - 2, -1, -2))] if size > 2 else [[1, 0]]
+    mine = next(sp for sp in splits if rank in sp)
+    results = {}
+    for name, parent in (("toroid", None), ("gloo", GLOO)):
+        child = dist.split_group(parent_pg=parent, split_ranks=splits)
+        assert dist.get_world_size(child) == len(mine) and dist.get_rank(child) == mine.index(rank), name
+        if name == "toroid":
+            assert isinstance(child, toroid.torch.ProcessGroupToroid) and child.comm.rank == mine.index(rank)
+        x = rand((1001,), torch.float64, 11000 + rank)
+        dist.all_reduce(x, group=child)
+        outs = [torch.empty(7, dtype=torch.int32) for _ in mine]
+        dist.all_gather(outs, rand((7,), torch.int32, 12000 + rank), group=child)
+        results[name] = (x, outs)
+        dist.destroy_process_group(child)
+    close(results["toroid"], results["gloo"], "split_group collectives", rtol=1e-12, atol=1e-12)
+    close(results["toroid"][0], sum(rand((1001,), torch.float64, 11000 + r) for r in mine), "split_group all_reduce reference",
+          rtol=1e-12, atol=1e-12)
+    close(results["toroid"][1], [rand((7,), torch.int32, 12000 + r) for r in mine], "split_group all_gather reference")
+
+    # The coalescing manager: several all-reduces issued as one block, waited on together.
+    for name, group in (("toroid", None), ("gloo", GLOO)):
+        ts = [rand((n,), torch.float32, 13000 + 10 * rank + i) for i, n in enumerate((3, 1000, 17))]
+        with dist._coalescing_manager(group=group, async_ops=True) as cm:
+            for t in ts:
+                dist.all_reduce(t, group=group)
+        cm.wait()
+        results[name] = ts
+    close(results["toroid"], results["gloo"], "coalescing manager all_reduce")
+    close(results["toroid"], [sum(rand((n,), torch.float32, 13000 + 10 * r + i) for r in range(size))
+                              for i, n in enumerate((3, 1000, 17))], "coalescing manager reference")
+
+    # Sparse all_reduce (SUM), 2 sparse dims x 1 dense dim, different nnz on every rank.
+    shape = (50, 40, 3)
+    for name, group in (("toroid", None), ("gloo", GLOO)):
+        t = sparse(shape, 20 + 15 * rank, 14000 + rank)
+        dist.all_reduce(t, group=group)
+        assert t.is_sparse, name
+        results[name] = t
+    close(results["toroid"].to_dense(), results["gloo"].to_dense(), "sparse all_reduce", rtol=1e-12, atol=1e-12)
+    close(results["toroid"].to_dense(), sum(sparse(shape, 20 + 15 * r, 14000 + r).to_dense() for r in range(size)),
+          "sparse all_reduce reference", rtol=1e-12, atol=1e-12)
+    assert results["toroid"].is_coalesced(), "toroid's sparse all_reduce result is coalesced (as gloo's)"
+    try:
+        dist.all_reduce(sparse(shape, 5, 1), op=dist.ReduceOp.MAX)
+        raise AssertionError("sparse MAX all_reduce passed")
+    except ValueError as e:
+        assert "SUM only" in str(e), e
+    checks.append("sparse all_reduce MAX refused")
+
+    # Receive from any source: rank 0 receives from every other rank twice, in whatever order
+    # they send (blocking recv(src=None), then irecv without a source); the senders are
+    # staggered so the arrival order differs from rank order.
+    for name, group in (("toroid", None), ("gloo", GLOO)):
+        if rank == 0:
+            got = {}
+            for k in range(2 * (size - 1)):
+                t = torch.empty(333, dtype=torch.float64)
+                if k % 2 == 0:
+                    src = dist.recv(t, src=None, group=group)
+                else:
+                    w = dist.irecv(t, src=None, group=group)
+                    w.wait()
+                    src = w._source_rank()
+                got.setdefault(src, []).append(t)
+            assert sorted(got) == list(range(1, size)), f"{name}: senders {sorted(got)}"
+            for src, ts in got.items():
+                for j, t in enumerate(ts):
+                    close(t, rand((333,), torch.float64, 15000 + 10 * src + j), f"{name} recv any source from {src}")
+        else:
+            time.sleep(0.05 * (size - rank))
+            for j in range(2):
+                dist.send(rand((333,), torch.float64, 15000 + 10 * rank + j), 0, group=group)
+        dist.barrier(group=GLOO)
+
+    # A barrier's own timeout, shorter than its group's (rank 0 alone enters).
+    late = dist.new_group(backend="toroid", timeout=datetime.timedelta(seconds=300))
+    if rank == 0:
+        t = time.monotonic()
+        try:
+            dist.barrier(group=late, timeout=datetime.timedelta(seconds=0.5))
+            raise AssertionError("a barrier that only rank 0 entered passed")
+        except dist.DistBackendError as e:
+            dt = time.monotonic() - t
+            assert "Timed out waiting 500ms for barrier" in str(e), repr(e)
+            assert 0.45 <= dt <= 4.0, f"barrier(timeout=0.5 s) raised after {dt:.2f} s"
+        checks.append("barrier timeout argument")
+    dist.barrier(group=GLOO)
+
+    # Destroyed and aborted groups leave no thread, socket or shared-memory file behind.
+    time.sleep(0.2)
+    before = resources()
+    for how in ("destroy", "abort"):
+        g = dist.new_group(backend="toroid")
+        x = torch.ones(100000)
+        dist.all_reduce(x, group=g)
+        during = resources()
+        assert during[0] > before[0] and during[1] > before[1], f"a live group shows threads and sockets: {during}"
+        if how == "abort":
+            g.abort()
+        dist.destroy_process_group(g)
+        dist.barrier(group=GLOO)
+        deadline = time.monotonic() + 5
+        while resources() != before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert resources() == before, f"after {how}: (threads, sockets, shm files) {resources()} != before {before}"
+        checks.append(f"{how} leaves nothing behind")
+
+
+def errors(rank, size):
+    """Failures raise what torch raises for gloo: a timed-out barrier and a monitored barrier
+    that ranks miss, on toroid and on gloo, compared by type and wording."""
+    # A barrier that only rank 0 enters times out after the group's timeout.
+    for name in ("toroid", "gloo"):
+        g = dist.new_group(backend=name, timeout=datetime.timedelta(seconds=1))
+        if rank == 0:
+            t = time.monotonic()
+            try:
+                dist.barrier(group=g)
+                raise AssertionError(f"{name}: a barrier that only rank 0 entered passed")
+            except RuntimeError as e:
+                dt = time.monotonic() - t
+                assert re.search(" (Timed out|closed|timeout) ", str(e)), f"{name}: {e!r}"
+                assert "Timed out waiting 1000ms" in str(e), f"{name}: {e!r}"
+                if name == "toroid":
+                    assert isinstance(e, dist.DistBackendError), repr(e)
+                assert 0.9 <= dt <= 5.0, f"{name}: the 1 s barrier raised after {dt:.2f} s"
+            checks.append(f"{name} barrier timeout")
+        dist.barrier(group=GLOO)
+
+    # monitored_barrier that ranks 1.. never enter: rank 0's message is gloo's, word for word,
+    # naming every missing rank with wait_all_ranks and the first without.
+    messages = {}
+    for wait_all in (True, False):
+        for name in ("toroid", "gloo"):
+            g = dist.new_group(backend=name)
+            if rank == 0:
+                try:
+                    dist.monitored_barrier(group=g, timeout=datetime.timedelta(seconds=1), wait_all_ranks=wait_all)
+                    raise AssertionError(f"{name}: monitored_barrier passed without ranks 1..{size - 1}")
+                except RuntimeError as e:
+                    messages[name] = str(e).splitlines()[0]
+            dist.barrier(group=GLOO)
+        if rank == 0:
+            missing = ", ".join(map(str, range(1, size))) if wait_all else "1"
+            which = "Ranks" if wait_all else "Rank"
+            want = f"[Rank 0]: {which} {missing} failed to pass monitoredBarrier in 1000 ms"
+            assert messages["toroid"] == messages["gloo"] == want, messages
+            checks.append(f"monitored_barrier wait_all_ranks={wait_all} message")
+
+
+def peer_death(rank, size):
+    """The last rank dies: the others' next operation raises within seconds, on toroid as on
+    gloo, as a RuntimeError (toroid: DistBackendError) that says a peer failed; then the
+    survivors destroy everything without hanging."""
+    dying = size - 1
+    g = dist.new_group(backend="toroid", timeout=datetime.timedelta(seconds=30))
+    dist.barrier(group=GLOO)
+    if rank == dying:
+        print(f"rank {rank}: peer_death passed (dies now)", flush=True)
+        os._exit(0)
+    time.sleep(0.5)
+    for name, group in (("toroid", g), ("gloo", GLOO)):
+        t = time.monotonic()
+        try:
+            x = torch.ones(1000)
+            dist.all_reduce(x, group=group)
+            raise AssertionError(f"{name}: all_reduce with a dead rank passed")
+        except RuntimeError as e:
+            dt = time.monotonic() - t
+            assert dt < 10, f"{name}: the error came after {dt:.1f} s"
+            if name == "toroid":
+                assert isinstance(e, dist.DistBackendError), repr(e)
+                assert "a peer failed" in str(e) and "closed" in str(e), repr(e)
+            else:
+                assert "Connection closed by peer" in str(e) or "closed" in str(e), repr(e)
+            checks.append(f"{name} peer death")
+    t = time.monotonic()
+    dist.destroy_process_group()
+    assert time.monotonic() - t < 10, "destroy_process_group hung"
+    print(f"rank {rank}: peer_death passed ({len(checks)} checks)", flush=True)
+    os._exit(0)
 
 if __name__ == "__main__":
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -448,7 +663,8 @@ if __name__ == "__main__":
     assert isinstance(dist.distributed_c10d._get_default_group(), toroid.torch.ProcessGroupToroid)
     assert dist.get_backend() == "toroid"
     GLOO = dist.new_group(backend="gloo")
-    {"compare": compare, "ddp": ddp, "entry_points": entry_points, "wait_timeout": wait_timeout}[SCENARIO](rank, size)
+    {"compare": compare, "ddp": ddp, "entry_points": entry_points, "wait_timeout": wait_timeout,
+     "conformance": conformance, "errors": errors, "peer_death": peer_death}[SCENARIO](rank, size)
     dist.barrier()
     dist.destroy_process_group()
     print(f"rank {rank}: {SCENARIO} passed ({len(checks)} comparisons with gloo)")

@@ -60,13 +60,14 @@ class Store(Protocol):
 class Work:
     """An operation issued with ``async_op=True``. It keeps its buffers alive until done."""
 
-    def __init__(self, comm: "Comm", handle: int, refs: tuple, result: Any, name: str):
+    def __init__(self, comm: "Comm", handle: int, refs: tuple, result: Any, name: str, any_source: bool = False):
         self._comm = comm
         self._handle = handle
         self._refs = refs
         self._result = result
         self._name = name
         self._done = False
+        self._any_source = any_source  # wait() returns the sender
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Waits for completion and returns the output (raises ToroidError on failure).
@@ -77,7 +78,13 @@ class Work:
         code = _lib.lib().toroid_work_wait(self._handle, ms)
         self._finished()
         check(f"{self._name} (wait)", code, self._comm._handle_or_none())
-        return self._result
+        return self.source() if self._any_source else self._result
+
+    def source(self) -> int:
+        """The rank a finished receive from any source took its message from."""
+        src = ctypes.c_int(-1)
+        check("toroid_work_source", _lib.lib().toroid_work_source(self._handle, ctypes.byref(src)))
+        return src.value
 
     def test(self) -> bool:
         """True once the operation has finished (successfully or not). Never blocks."""
@@ -155,8 +162,16 @@ class Comm:
         return cls(out.value)
 
     @classmethod
-    def with_store(cls, rank: int, size: int, store: Store) -> "Comm":
+    def with_store(
+        cls,
+        rank: int,
+        size: int,
+        store: Store,
+        timeout: Optional[float] = None,
+        socket_ifname: Optional[str] = None,
+    ) -> "Comm":
         """Meets the other ranks through `store` (set/get, see `Store`): no port of toroid's own.
+        `timeout` in seconds bounds set-up and every later call (None: TOROID_TIMEOUT or 300 s).
 
         A store that raises (rather than reporting a missing key with None) fails the set-up at
         once: the callbacks protocol has only "failed" to tell toroid, so after the first
@@ -190,10 +205,16 @@ class Comm:
                 return 1
 
         ops = _lib.StoreOps(ctypes.sizeof(_lib.StoreOps), _lib.STORE_SET(on_set), _lib.STORE_GET(on_get))
+        cfg = _lib.Config()
+        cfg.struct_size = ctypes.sizeof(_lib.Config)
+        cfg.rank, cfg.size = rank, size
+        cfg.store_addr = None
+        cfg.timeout_ms = max(1, int(timeout * 1000)) if timeout else 0
+        cfg.socket_ifname = socket_ifname.encode() if socket_ifname else None
         out = ctypes.c_void_p()
-        code = _lib.lib().toroid_comm_init_with_store(ctypes.byref(out), rank, size, ctypes.byref(ops), None)
+        code = _lib.lib().toroid_comm_init_with_store_config(ctypes.byref(out), ctypes.byref(cfg), ctypes.byref(ops), None)
         try:
-            check("toroid_comm_init_with_store", code)
+            check("toroid_comm_init_with_store_config", code)
         except _lib.ToroidError:
             if errors:
                 raise errors[0]  # the store failed: its error, not toroid's "missing key"
@@ -315,6 +336,24 @@ class Comm:
     def recv_ptr(self, buf: int, count: int, dtype, peer: int, async_op=False, _refs=(), _result=None):
         return self._call("toroid_recv", (buf, count, DataType.of(dtype), peer), async_op, _refs, _result)
 
+    def recv_any_ptr(self, buf: int, count: int, dtype, async_op=False, _refs=()):
+        """Receives from whichever rank sends first. Blocking: returns that rank; async: a Work
+        whose wait() returns it (and whose source() gives it once done)."""
+        handle = self._live()
+        f = _lib.lib()
+        args = (buf, count, DataType.of(dtype))
+        if not async_op:
+            src = ctypes.c_int(-1)
+            check("toroid_recv_any", f.toroid_recv_any(handle, *args, ctypes.byref(src)), handle)
+            return src.value
+        self._prune()
+        work = ctypes.c_void_p()
+        check("toroid_recv_any_async", f.toroid_recv_any_async(handle, *args, ctypes.byref(work)), handle)
+        w = Work(self, work.value, _refs, None, "toroid_recv_any_async", any_source=True)
+        with self._lock:
+            self._inflight.append(w)
+        return w
+
     def barrier(self, async_op: bool = False):
         """Returns once every rank has entered the barrier."""
         return self._call("toroid_barrier", (), async_op, (), None)
@@ -387,6 +426,11 @@ class Comm:
     def send(self, buf, peer: int, async_op: bool = False):
         """Sends `buf` to `peer` (which calls recv with an array of the same size and type)."""
         return self.send_ptr(_buffer(buf, False), buf.size, numpy_dtype(buf), peer, async_op, (buf,), None)
+
+    def recv_any(self, buf, async_op: bool = False):
+        """Receives into `buf` from whichever rank sends first; returns that rank (or a Work
+        whose wait() returns it)."""
+        return self.recv_any_ptr(_buffer(buf, True), buf.size, numpy_dtype(buf), async_op, (buf,))
 
     def recv(self, buf, peer: int, async_op: bool = False):
         """Receives into `buf` from `peer`."""

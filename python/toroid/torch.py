@@ -16,11 +16,16 @@ with backward. Work.wait(timeout) honours its timeout.
 Supported: all_reduce (SUM, PRODUCT, MIN, MAX, AVG; complex SUM/AVG as pairs of reals),
 broadcast, reduce, all_gather, all_gather_into_tensor, all_gather_coalesced, reduce_scatter,
 reduce_scatter_tensor, all_to_all_single (uneven splits too), all_to_all, gather, scatter
-(gather by all-gather, scatter by broadcast), barrier, monitored_barrier (a barrier with a
-deadline; it names one missing rank), send/recv (tags are ignored: messages between two ranks
-match in issue order), batch_isend_irecv (ordered so that it cannot deadlock), the coalesced
-forms; CPU tensors of int8, uint8, int32, int64, uint32, uint64, float16, bfloat16, float32,
-float64. Not supported: BAND/BOR/BXOR/PREMUL_SUM, recv from any source, CUDA tensors.
+(gather by all-gather, scatter by broadcast), barrier (with its timeout), monitored_barrier
+(gloo's, through the store: names the ranks that did not arrive), send/recv (tags are ignored:
+messages between two ranks match in issue order), recv from any source, batch_isend_irecv
+(ordered so that it cannot deadlock), the coalesced forms, all_reduce of sparse COO tensors
+(SUM, as gloo); CPU tensors of int8, uint8, int32, int64, uint32, uint64, float16, bfloat16,
+float32, float64. Not supported: BAND/BOR/BXOR/PREMUL_SUM (ValueError naming the op), CUDA
+tensors (ValueError). The group's timeout (init_process_group's `timeout`) bounds set-up and
+every operation; a failure raises torch.distributed.DistBackendError (a RuntimeError, as gloo's
+are) whose text starts with gloo's wording ("Timed out waiting Nms for ...") and ends with
+toroid's detail (which rank, which operation, where it stood).
 
 Like every toroid call, operations of one process group run in issue order on one queue: a
 send waits for its receiver, so pair sends and receives so that no cycle of ranks all sends
@@ -157,13 +162,58 @@ def _seconds(timeout) -> Optional[float]:
     return s if s > 0 else None
 
 
+def _opt_timeout(opts) -> Optional[float]:
+    """A per-call timeout from torch's options (seconds), or None when unset."""
+    return _seconds(getattr(opts, "timeout", None)) if opts is not None else None
+
+
+_BACKEND_ERROR = getattr(dist, "DistBackendError", RuntimeError)
+
+
+def _torch_error(e: BaseException, name: str, rank: int, timeout_s: Optional[float]) -> BaseException:
+    """A toroid failure as torch reports a backend's: DistBackendError (a RuntimeError, the type
+    gloo's failures also are) with gloo's wording first and toroid's detail after it. Argument
+    errors (ValueError) and anything not from toroid pass through unchanged."""
+    if not isinstance(e, _lib.ToroidError) or isinstance(e, ValueError):
+        return e
+    if isinstance(e, _lib.TimeoutError):
+        ms = f"{timeout_s * 1000:.0f}ms" if timeout_s else "the timeout"
+        text = f"[Rank {rank}]: Timed out waiting {ms} for {name} to complete. toroid: {e}"
+    elif isinstance(e, _lib.RemoteError):
+        text = f"[Rank {rank}]: {name} failed: a peer failed (connection closed by peer, or it aborted). toroid: {e}"
+    elif isinstance(e, _lib.AbortedError):
+        text = f"[Rank {rank}]: {name} failed: the group was aborted (an earlier operation failed, or abort was called). toroid: {e}"
+    else:
+        text = f"[Rank {rank}]: {name} failed. toroid: {e}"
+    err = _BACKEND_ERROR(text)
+    err.__cause__ = e
+    return err
+
+
+def _torch_errors(method):
+    """Raises toroid's errors from issuing an operation as torch's (see _torch_error)."""
+
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except _lib.ToroidError as e:
+            raise _torch_error(e, method.__name__, self.rank(), self._timeout_s) from e
+
+    wrapper.__name__ = method.__name__
+    wrapper.__doc__ = method.__doc__
+    return wrapper
+
+
 class ToroidWork(dist.Work):
     """A torch Work over toroid async works: wait() blocks until they are done, get_future()
     completes when they are (set by the group's completion thread, or by wait())."""
 
-    def __init__(self, pg: "ProcessGroupToroid", works: list, result: Any, finish: Optional[Callable[[], None]], name: str):
+    def __init__(self, pg: "ProcessGroupToroid", works: list, result: Any, finish: Optional[Callable[[], None]], name: str,
+                 timeout: Optional[float] = None):
         super().__init__()
         self._pg = pg
+        self._timeout_s = timeout if timeout is not None else pg._timeout_s
+        self._source: Optional[int] = None  # the sender, for a receive from any source
         self._works = works
         self._result = result
         self._finish = finish
@@ -182,11 +232,13 @@ class ToroidWork(dist.Work):
                 return
             try:
                 for w in self._works:
-                    w.wait(self._pg._timeout_s)
+                    got = w.wait(self._timeout_s)
+                    if getattr(w, "_any_source", False):
+                        self._source = got
                 if self._finish is not None:
                     self._finish()
             except BaseException as e:  # noqa: BLE001 - handed to the future and to wait()
-                self._exception = e
+                self._exception = _torch_error(e, self._name, self._pg.rank(), self._timeout_s)
             self._done = True
             self._works = []
             self._completed.set()
@@ -228,6 +280,12 @@ class ToroidWork(dist.Work):
     def result(self):
         return self._result
 
+    def _source_rank(self) -> int:
+        """The sender of a finished receive from any source (what dist.recv returns)."""
+        if self._source is None:
+            raise RuntimeError(f"toroid {self._name}: no source rank (not a finished receive from any source)")
+        return self._source
+
     def __repr__(self) -> str:
         return f"ToroidWork({self._name}, done={self._done})"
 
@@ -235,10 +293,15 @@ class ToroidWork(dist.Work):
 class ProcessGroupToroid(dist.ProcessGroup):
     """A torch.distributed process group whose collectives run on a toroid communicator."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, timeout: Optional[datetime.timedelta] = None):
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: Optional[datetime.timedelta] = None,
+                 comm: Optional[Comm] = None):
+        """A group of `size` ranks meeting through `store`, or over `comm` when given (a split
+        of a parent's communicator; `store` then serves monitored_barrier only)."""
         super().__init__(rank, size)
         self._timeout_s = timeout.total_seconds() if timeout else None
-        self._comm = Comm.with_store(rank, size, TorchStore(store))
+        self._store = store  # (monitored_barrier meets through it)
+        self._monitored = 0  # monitored barriers so far (every rank counts the same)
+        self._comm = comm if comm is not None else Comm.with_store(rank, size, TorchStore(store), timeout=self._timeout_s)
         self.stats: collections.Counter = collections.Counter()  # operations issued, by name
         self._coalesced: Optional[list] = None  # send/recv recorded in a coalescing block
         self._queue: "queue.Queue[Optional[ToroidWork]]" = queue.Queue()
@@ -258,8 +321,9 @@ class ProcessGroupToroid(dist.ProcessGroup):
                 return
             w._complete()
 
-    def _work(self, works: list, result: Any, finish: Optional[Callable[[], None]] = None, name: str = "") -> ToroidWork:
-        w = ToroidWork(self, works, result, finish, name)
+    def _work(self, works: list, result: Any, finish: Optional[Callable[[], None]] = None, name: str = "",
+              timeout: Optional[float] = None) -> ToroidWork:
+        w = ToroidWork(self, works, result, finish, name, timeout)
         self.stats[name] += 1
         self._queue.put(w)
         return w
@@ -278,6 +342,8 @@ class ProcessGroupToroid(dist.ProcessGroup):
     # ---- collectives -----------------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
+        if any(t.layout != torch.strided for t in tensors):
+            return self._sparse_allreduce(tensors, opts)
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         works, outs = [], []
         for t in tensors:
@@ -285,7 +351,44 @@ class ProcessGroupToroid(dist.ProcessGroup):
             p = o.buf.data_ptr()
             works.append(self._comm.all_reduce_ptr(p, p, o.buf.numel(), _dtype(o.buf), op, True, (o.buf,)))
             outs.append(o)
-        return self._work(works, tensors, lambda: [o.copy_back() for o in outs], "allreduce")
+        return self._work(works, tensors, lambda: [o.copy_back() for o in outs], "allreduce", _opt_timeout(opts))
+
+    def _sparse_allreduce(self, tensors, opts):
+        """Sum of sparse COO tensors as gloo computes it: every rank's (coalesced) indices and
+        values are all-gathered (padded to the largest count), concatenated and coalesced, and
+        the input is replaced by the result. Runs before this call returns."""
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        if op != dist.ReduceOp.SUM:
+            raise ValueError(f"the toroid backend reduces sparse tensors with SUM only (as gloo), not {op}")
+        for t in tensors:
+            if t.layout != torch.sparse_coo:
+                raise ValueError(f"the toroid backend all-reduces dense and sparse COO tensors, not {t.layout}")
+            if t.device.type != "cpu":
+                raise ValueError(f"the toroid backend works on CPU tensors, not {t.device}")
+        n = self.size()
+        for t in tensors:
+            c = t.coalesce()
+            indices, values = c.indices().contiguous(), c.values().contiguous()
+            nnz = torch.tensor([indices.shape[1]], dtype=torch.int64)
+            counts = torch.empty(n, dtype=torch.int64)
+            self._comm.all_gather_ptr(nnz.data_ptr(), counts.data_ptr(), 1, DataType.INT64)
+            width = int(counts.max().item())
+            pad_i = torch.zeros((indices.shape[0], width), dtype=torch.int64)
+            pad_i[:, :indices.shape[1]] = indices
+            pad_v = torch.zeros((width,) + tuple(values.shape[1:]), dtype=values.dtype)
+            pad_v[:values.shape[0]] = values
+            all_i = torch.empty((n,) + tuple(pad_i.shape), dtype=torch.int64)
+            self._comm.all_gather_ptr(pad_i.data_ptr(), all_i.data_ptr(), pad_i.numel(), DataType.INT64)
+            fv = _flat(pad_v)
+            all_v = torch.empty((n,) + tuple(fv.shape), dtype=fv.dtype)
+            self._comm.all_gather_ptr(fv.data_ptr(), all_v.data_ptr(), fv.numel(), _dtype(fv))
+            if values.is_complex():
+                all_v = torch.view_as_complex(all_v)
+            k = [int(x) for x in counts]
+            idx = torch.cat([all_i[r][:, :k[r]] for r in range(n)], dim=1)
+            val = torch.cat([all_v[r][:k[r]] for r in range(n)], dim=0)
+            t.copy_(torch.sparse_coo_tensor(idx, val, t.shape).coalesce())
+        return self._work([], tensors, None, "allreduce_sparse")
 
     def allreduce_coalesced(self, tensors, opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
@@ -501,16 +604,73 @@ class ProcessGroupToroid(dist.ProcessGroup):
         return self._work([w], output_tensors, lambda: out.copy_(buf[self.rank()]), "scatter")
 
     def barrier(self, opts=None):
-        return self._work([self._comm.barrier(async_op=True)], None, None, "barrier")
+        return self._work([self._comm.barrier(async_op=True)], None, None, "barrier", _opt_timeout(opts))
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False) -> None:
-        """A toroid barrier waited on for `timeout` (a timedelta; None or unset: the group's
-        timeout). If a rank does not arrive in time, toroid aborts the group (as at every toroid
-        deadline) and raises toroid.TimeoutError naming the rank it waited for. Unlike gloo it
-        names one missing rank, not all of them, whatever wait_all_ranks says."""
-        seconds = _seconds(timeout)
+        """gloo's monitored barrier, through the group's store (it leaves the toroid
+        communicator untouched, so the group stays usable after a failure): every rank but 0
+        checks in, rank 0 waits for each within `timeout` (a timedelta or seconds; None: the
+        group's) and raises "[Rank 0]: Rank(s) ... failed to pass monitoredBarrier in N ms",
+        naming every missing rank with wait_all_ranks, else the first. Rank 0 then releases the
+        others, or tells them it failed so that they raise at once (gloo's wording) instead of
+        at their own timeout."""
+        if timeout is None:
+            seconds = self._timeout_s or 1800.0
+        else:
+            seconds = max(0.0, timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout))
+        ms = int(seconds * 1000)
+        me, n = self.rank(), self.size()
+        self._monitored += 1
         self.stats["monitored_barrier"] += 1
-        self._comm.barrier(async_op=True).wait(seconds if seconds is not None else self._timeout_s)
+        key = f"toroid/monitored_barrier/{self._monitored}"
+        store = self._store
+        if me != 0:
+            store.set(f"{key}/in/{me}", b"1")
+            lost = (f"Rank {me} successfully reached monitoredBarrier, but received errors while waiting for send/recv "
+                    f"from rank 0. Please check rank 0 logs for faulty rank.")
+            try:
+                # Rank 0 answers within its timeout; the group's bounds the wait for a lost rank 0.
+                store.wait([f"{key}/out"], datetime.timedelta(seconds=max(seconds, self._timeout_s or seconds)))
+                verdict = bytes(store.get(f"{key}/out"))
+            except RuntimeError as e:
+                raise _BACKEND_ERROR(f"{lost}\n Original exception: \n{e}") from e
+            if verdict != b"ok":
+                raise _BACKEND_ERROR(f"{lost}\n Rank 0 reported: {verdict.decode(errors='replace')}")
+            return
+        start = datetime.datetime.now()
+        missing, passed = [], []
+        for r in range(1, n):
+            left = seconds - (datetime.datetime.now() - start).total_seconds()
+            if left <= 0 and not wait_all_ranks and not store.check([f"{key}/in/{r}"]):
+                elapsed = int((datetime.datetime.now() - start).total_seconds() * 1000)
+                done = (f" Successfully processed ranks: {', '.join(map(str, passed))}" if passed
+                        else " No ranks successfully processed in monitoredBarrier.")
+                self._fail_monitored(key, f"Rank 0 timed out in monitoredBarrier after {elapsed} ms.{done}")
+            try:
+                if left > 0:
+                    store.wait([f"{key}/in/{r}"], datetime.timedelta(seconds=left))
+                elif not store.check([f"{key}/in/{r}"]):
+                    raise RuntimeError("wait timeout")
+                passed.append(r)
+            except RuntimeError as e:
+                if not _is_store_timeout(e):
+                    raise
+                missing.append(r)
+                if not wait_all_ranks:
+                    break
+        if missing:
+            which = f"Ranks {', '.join(map(str, missing))}" if wait_all_ranks else f"Rank {missing[0]}"
+            self._fail_monitored(key, f"[Rank 0]: {which} failed to pass monitoredBarrier in {ms} ms")
+        store.set(f"{key}/out", b"ok")
+        for r in range(1, n):  # the check-ins are read: drop them (the verdict stays, small)
+            try:
+                store.delete_key(f"{key}/in/{r}")
+            except Exception:  # noqa: BLE001 - a store without delete keeps them
+                pass
+
+    def _fail_monitored(self, key: str, error: str) -> None:
+        self._store.set(f"{key}/out", error.encode())
+        raise _BACKEND_ERROR(error)
 
     def _send(self, tensors, dst: int) -> list:
         works = []
@@ -539,7 +699,16 @@ class ProcessGroupToroid(dist.ProcessGroup):
         return self._work(works, tensors, finish, "recv")
 
     def recv_anysource(self, tensors, tag=0):
-        raise ValueError("the toroid backend does not support recv from any source")
+        """Receive from whichever rank sends first; the work's _source_rank() names it (what
+        dist.recv(src=None) returns). One tensor (as gloo)."""
+        if len(tensors) != 1:
+            raise ValueError(f"recv from any source takes one tensor, got {len(tensors)}")
+        if self._coalesced is not None:
+            raise ValueError("the toroid backend cannot receive from any source inside a coalescing block "
+                             "(batch_isend_irecv needs a source for every irecv)")
+        o = _Output(tensors[0])
+        w = self._comm.recv_any_ptr(o.buf.data_ptr(), o.buf.numel(), _dtype(o.buf), True, (o.buf,))
+        return self._work([w], tensors, o.copy_back, "recv_anysource")
 
     # ---- coalescing (batch_isend_irecv) ----------------------------------------------------
     # Between start_coalescing and end_coalescing (torch's _coalescing_manager, which
@@ -604,6 +773,30 @@ class ProcessGroupToroid(dist.ProcessGroup):
 
         return self._work([], [t for _, ts, _, _ in ops for t in ts], finish, "coalesced")
 
+    # ---- splitting (torch.distributed.split_group) ----------------------------------------
+
+    def split_group(self, ranks, timeout=None, opts=None, group_name=None, group_desc=None, device_types=None):
+        """One rank's part of torch's split_group: every rank of this group calls it with the
+        split it belongs to (`ranks`, group ranks; a rank in none passes a split without it).
+        The toroid communicator is split (ranks of one split share the color min(ranks), and
+        keep their order in `ranks`); the child meets through a prefix of this group's store.
+        Returns None on a rank outside `ranks`. The child's operations are bounded by `timeout`
+        (default: this group's)."""
+        me = self.rank()
+        member = me in ranks
+        sub = self._comm.split(min(ranks) if member else None, ranks.index(me) if member else 0)
+        if sub is None:
+            return None
+        timeout = timeout if timeout is not None else (
+            datetime.timedelta(seconds=self._timeout_s) if self._timeout_s else None)
+        store = dist.PrefixStore(f"toroid/split/{group_name or min(ranks)}/", self._store)
+        child = ProcessGroupToroid(store, sub.rank, sub.size, timeout, comm=sub)
+        if group_name is not None:
+            child._set_group_name(group_name)
+        if group_desc is not None:
+            child._set_group_desc(group_desc)
+        return child
+
     # ---- life cycle --------------------------------------------------------------------------
 
     def abort(self) -> None:
@@ -622,6 +815,15 @@ class ProcessGroupToroid(dist.ProcessGroup):
             self.shutdown()
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
+
+
+# Every operation raises toroid's failures as torch's (DistBackendError with gloo's wording).
+for _name in ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "allgather_coalesced",
+              "all_gather_single", "_allgather_base", "all_gather_single_coalesced", "allgather_into_tensor_coalesced",
+              "reduce_scatter", "reduce_scatter_single", "_reduce_scatter_base", "reduce_scatter_single_coalesced",
+              "reduce_scatter_tensor_coalesced", "all_to_all_single", "alltoall_base", "alltoall", "gather", "scatter",
+              "barrier", "send", "recv", "recv_anysource", "end_coalescing"):
+    setattr(ProcessGroupToroid, _name, _torch_errors(getattr(ProcessGroupToroid, _name)))
 
 
 class _CpuBackend(_C10dBackend):
@@ -648,6 +850,10 @@ class _CpuBackend(_C10dBackend):
     @property
     def supports_coalescing(self) -> bool:
         return True  # batch_isend_irecv records its send/recv and issues them in a safe order
+
+    @property
+    def supports_splitting(self) -> bool:
+        return True  # split_group splits the toroid communicator (ProcessGroupToroid.split_group)
 
     def monitored_barrier(self, opts, wait_all_ranks=False) -> None:
         timeout = getattr(opts, "timeout", None)

@@ -88,5 +88,8 @@ pub fn run(wire: &mut Wire<'_>, scratch: &mut Scratch, layout: &Layout, call: Ca
             Bufs::OutOfPlace { .. } => Err(need()),
         },
         OpKind::Probe => Err(Error::Internal("the probe is run by the communicator".into())),
+        OpKind::RecvAny => {
+            Err(Error::Internal("the communicator resolves the source of a receive first".into()))
+        }
     }
 }

@@ -1,6 +1,8 @@
 //! The typed API: collectives on slices of [`Element`]s, blocking and async.
 
 use std::marker::PhantomData;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::{Communicator, RawOp, Work};
 use crate::collective::{CallOptions, OpKind};
@@ -129,6 +131,24 @@ impl Communicator {
         self.go(OpKind::Recv(peer), T::DTYPE, None, Some(bytes_of_mut(buf)))
     }
 
+    /// Receives `buf.len()` elements from whichever rank sends first (MPI's `MPI_ANY_SOURCE`)
+    /// and returns that rank. The sender's length must match. Among ranks whose messages have
+    /// arrived, the lowest-numbered is taken first; messages from one rank arrive in order.
+    pub fn recv_any<T: Element>(&self, buf: &mut [T]) -> Result<usize> {
+        let slot = Arc::new(AtomicUsize::new(usize::MAX));
+        let op = RawOp {
+            kind: OpKind::RecvAny,
+            dtype: T::DTYPE,
+            bufs: RawBufs::InPlace(RawBufMut::new(bytes_of_mut(buf))),
+            opts: CallOptions::default(),
+            source: Some(slot.clone()),
+        };
+        // SAFETY: `buf` is borrowed for this blocking call, which returns only once the
+        // operation has stopped touching it.
+        unsafe { self.run(op)? };
+        Ok(slot.load(Ordering::Acquire))
+    }
+
     /// Any collective on untyped bytes with options (the form the benchmark and the C ABI use).
     pub fn run_bytes(
         &self,
@@ -146,7 +166,7 @@ impl Communicator {
         };
         // SAFETY: the buffers are borrowed for this blocking call, which returns only once the
         // operation has stopped touching them; `&` and `&mut` borrows cannot overlap.
-        unsafe { self.run(RawOp { kind, dtype, bufs, opts }) }
+        unsafe { self.run(RawOp { kind, dtype, bufs, opts, source: None }) }
     }
 
     /// Async in-place all-reduce of an owned buffer; `wait` gives it back.
@@ -191,6 +211,7 @@ impl Communicator {
                     dtype: DataType::U8,
                     bufs: RawBufs::None,
                     opts: CallOptions::default(),
+                    source: None,
                 },
                 None,
             )
@@ -203,7 +224,7 @@ impl Communicator {
         make: impl FnOnce(&mut [u8]) -> (OpKind, RawBufs),
     ) -> Result<Work<B>> {
         let (kind, bufs) = make(bytes_of_mut(buf.as_mut_elems()));
-        let op = RawOp { kind, dtype: T::DTYPE, bufs, opts: CallOptions::default() };
+        let op = RawOp { kind, dtype: T::DTYPE, bufs, opts: CallOptions::default(), source: None };
         // SAFETY: the work keeps `buf` alive until the operation completes, and its heap data
         // does not move when `buf` is moved into the box (OwnedBuffer's promise).
         let w = unsafe { self.submit_raw(op, Some(Box::new(buf)))? };

@@ -19,6 +19,7 @@ pub use api::OwnedBuffer;
 pub use queue::{Hook, Hooks, Work};
 pub(crate) use validate::validate;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -38,7 +39,7 @@ use crate::tuning::{self, AlgoFilter, CostModel, Shape};
 use queue::Queue;
 
 /// One operation with its buffers, ready to validate and run.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct RawOp {
     /// What to do.
     pub kind: OpKind,
@@ -48,6 +49,9 @@ pub struct RawOp {
     pub bufs: RawBufs,
     /// Per-call options.
     pub opts: CallOptions,
+    /// Where a receive from any source ([`OpKind::RecvAny`]) records the rank its message came
+    /// from, once it has one (`None`: not needed).
+    pub source: Option<Arc<AtomicUsize>>,
 }
 
 /// What one running operation uses: the links, the shared window, scratch space, sequence
@@ -268,7 +272,22 @@ impl Core {
         let engine = &mut *engine;
         let es = op.dtype.size();
         let n = self.size;
-        let (count, root, rop, bytes) = match op.kind {
+        let timeout = op.opts.timeout.unwrap_or(self.timeout);
+        let deadline = Instant::now() + timeout;
+        engine.peers.begin_op();
+        let kind = match op.kind {
+            OpKind::RecvAny => match engine.peers.wait_any_send(&engine.received, deadline) {
+                Ok(p) => {
+                    if let Some(slot) = &op.source {
+                        slot.store(p, Ordering::Release);
+                    }
+                    OpKind::Recv(p)
+                }
+                Err(e) => return Err(self.failed(engine, e)),
+            },
+            k => k,
+        };
+        let (count, root, rop, bytes) = match kind {
             OpKind::AllReduce(o) => (op.bufs.output_len() / es, -1, o, op.bufs.output_len()),
             OpKind::ReduceScatter(o) => (op.bufs.input_len() / es / n, -1, o, op.bufs.input_len()),
             OpKind::AllGather | OpKind::SplitExchange => {
@@ -282,9 +301,10 @@ impl Core {
             OpKind::Barrier | OpKind::Probe => (0, -1, ReduceOp::Sum, 0),
             OpKind::Send(_) => (op.bufs.input_len() / es, -1, ReduceOp::Sum, op.bufs.input_len()),
             OpKind::Recv(_) => (op.bufs.output_len() / es, -1, ReduceOp::Sum, op.bufs.output_len()),
+            OpKind::RecvAny => return Err(Error::Internal("receive from any source left unresolved".into())),
         };
-        let algo = self.choose(op.kind, bytes, &op.opts);
-        let seq = match op.kind {
+        let algo = self.choose(kind, bytes, &op.opts);
+        let seq = match kind {
             OpKind::Send(p) => {
                 engine.sent[p] += 1;
                 engine.sent[p]
@@ -300,23 +320,20 @@ impl Core {
         };
         let fp = Fingerprint {
             seq,
-            kind: op.kind.coll(),
+            kind: kind.coll(),
             dtype: op.dtype,
             op: rop,
             count: count as u64,
             root,
             algo: algo as u8,
         };
-        let timeout = op.opts.timeout.unwrap_or(self.timeout);
         tracing::debug!(target: "toroid::coll", "rank {}: {fp} ({bytes} bytes)", self.rank);
-        engine.peers.begin_op();
-        let deadline = Instant::now() + timeout;
         let mut wire = Wire { peers: &mut engine.peers, window: engine.window.as_mut(), fp, deadline };
         let scratch = &mut engine.scratch;
         // SAFETY: validated buffers; blocking callers hold their borrows until we return, async
         // callers keep them alive in the work handle (see `memory`). One operation runs at a time.
         let (bufs, input) = unsafe { (op.bufs.bufs(), op.bufs.read()) };
-        let result = match (op.kind, bufs) {
+        let result = match (kind, bufs) {
             (OpKind::Probe, Some(Bufs::InPlace(out))) => {
                 tuning::probe(&mut wire, &self.topology, scratch.one(tuning::PROBE_BYTES))
                     .map(|r| out.copy_from_slice(bytemuck::cast_slice(&r)))
@@ -327,12 +344,14 @@ impl Core {
                 algorithm::dispatch::run(&mut wire, scratch, &self.layout, call)
             }
         };
-        let result = result.map_err(|e| e.with_seq(fp.seq));
-        if let Err(e) = &result {
-            tracing::warn!(target: "toroid::coll", "rank {}: {e}", self.rank);
-            engine.fail(&format!("rank {}: {e}", self.rank));
-            self.abort.fire(e.clone());
-        }
-        result
+        result.map_err(|e| self.failed(engine, e.with_seq(fp.seq)))
+    }
+
+    /// An operation failed: every link closes (peers learn why) and the communicator aborts.
+    fn failed(&self, engine: &mut Engine, e: Error) -> Error {
+        tracing::warn!(target: "toroid::coll", "rank {}: {e}", self.rank);
+        engine.fail(&format!("rank {}: {e}", self.rank));
+        self.abort.fire(e.clone());
+        e
     }
 }

@@ -104,6 +104,14 @@ pub(crate) fn validate(op: &RawOp, rank: usize, size: usize, has_window: bool) -
             }
             whole("buffer", inp.max(out))?;
         }
+        OpKind::RecvAny => {
+            if size < 2 {
+                return Err(Error::InvalidUsage(
+                    "receive from any source on a communicator of one rank: no rank can send".into(),
+                ));
+            }
+            whole("buffer", out)?;
+        }
     }
     if let Some(a) = op.opts.algorithm {
         tuning::check_forced(op.kind.coll(), a)?;
@@ -136,7 +144,7 @@ mod tests {
         } else {
             RawBufs::OutOfPlace(RawBuf::new(inp), RawBufMut::new(out))
         };
-        RawOp { kind, dtype, bufs, opts: CallOptions::default() }
+        RawOp { kind, dtype, bufs, opts: CallOptions::default(), source: None }
     }
 
     fn message(r: Result<()>) -> String {

@@ -233,6 +233,8 @@ pub(crate) struct WorkHandle {
     pub(crate) comm: Weak<CommHandle>,
     /// The communicator's timeout (for `timeout_ms < 0`).
     pub(crate) timeout: Duration,
+    /// Where a receive from any source records its sender (see toroid_work_source).
+    pub(crate) source: Option<Arc<AtomicUsize>>,
 }
 
 static WORKS: Registry<WorkHandle> = Registry::new();

@@ -28,6 +28,26 @@ fn world(rank: c_int, size: c_int) -> Result<(usize, usize)> {
 /// `p` must point to a `toroid_config` (or a later, longer version of it) whose `struct_size`
 /// says how many bytes are readable; string fields NULL or NUL-terminated.
 pub(crate) unsafe fn from_config(p: *const toroid_config) -> Result<Communicator> {
+    // SAFETY: the caller's promise, passed on.
+    let (rank, size, cfg, store_addr) = unsafe { read_config(p)? };
+    let store = match store_addr {
+        Some(addr) => StoreAddr::parse(&addr)?,
+        None => {
+            // A Slurm job finds its store host in Slurm's variables.
+            let launcher = env::detect(&cfg).map_or(Launcher::Toroid, |l| l.launcher);
+            env::store_addr(&cfg, launcher)?
+        }
+    };
+    let launch = Launch { rank, size, local_rank: None, local_size: None, store, launcher: Launcher::Toroid };
+    Communicator::from_launch(&launch, &cfg)
+}
+
+/// The rank, size, settings (the global ones with the config's overrides) and store address of
+/// a caller's `toroid_config`.
+///
+/// # Safety
+/// As [`from_config`].
+unsafe fn read_config(p: *const toroid_config) -> Result<(usize, usize, Config, Option<String>)> {
     if p.is_null() {
         return Err(Error::InvalidArgument("config is NULL".into()));
     }
@@ -46,16 +66,8 @@ pub(crate) unsafe fn from_config(p: *const toroid_config) -> Result<Communicator
         cfg.socket_ifname = Some(ifname);
     }
     // SAFETY: as above.
-    let store = match unsafe { opt_str(c.store_addr, "store_addr")? } {
-        Some(addr) => StoreAddr::parse(&addr)?,
-        None => {
-            // A Slurm job finds its store host in Slurm's variables.
-            let launcher = env::detect(&cfg).map_or(Launcher::Toroid, |l| l.launcher);
-            env::store_addr(&cfg, launcher)?
-        }
-    };
-    let launch = Launch { rank, size, local_rank: None, local_size: None, store, launcher: Launcher::Toroid };
-    Communicator::from_launch(&launch, &cfg)
+    let store_addr = unsafe { opt_str(c.store_addr, "store_addr")? };
+    Ok((rank, size, cfg, store_addr))
 }
 
 /// Joins through the caller's store.
@@ -69,6 +81,41 @@ pub(crate) unsafe fn with_store(
     ops: *const toroid_store_ops,
     ctx: *mut c_void,
 ) -> Result<Communicator> {
+    let (rank, size) = world(rank, size)?;
+    // SAFETY: the caller's promise, passed on.
+    unsafe { join_store(rank, size, Config::global()?, ops, ctx) }
+}
+
+/// Joins through the caller's store with the rank, size, timeout and interface of a
+/// `toroid_config` (whose `store_addr` must be NULL: the store is the caller's).
+///
+/// # Safety
+/// `config` as for [`from_config`]; `ops` and `ctx` as for [`with_store`].
+pub(crate) unsafe fn with_store_config(
+    config: *const toroid_config,
+    ops: *const toroid_store_ops,
+    ctx: *mut c_void,
+) -> Result<Communicator> {
+    // SAFETY: the caller's promise, passed on.
+    let (rank, size, cfg, store_addr) = unsafe { read_config(config)? };
+    if let Some(addr) = store_addr {
+        return Err(Error::InvalidArgument(
+            format!("config->store_addr is {addr:?}, but the store is the caller's (set it to NULL)").into(),
+        ));
+    }
+    // SAFETY: the caller's promise, passed on.
+    unsafe { join_store(rank, size, &cfg, ops, ctx) }
+}
+
+/// # Safety
+/// As [`with_store`].
+unsafe fn join_store(
+    rank: usize,
+    size: usize,
+    cfg: &Config,
+    ops: *const toroid_store_ops,
+    ctx: *mut c_void,
+) -> Result<Communicator> {
     if ops.is_null() {
         return Err(Error::InvalidArgument("store ops is NULL".into()));
     }
@@ -77,10 +124,8 @@ pub(crate) unsafe fn with_store(
     check_struct_size(struct_size, std::mem::size_of::<toroid_store_ops>(), "toroid_store_ops")?;
     // SAFETY: struct_size covers the first version.
     let ops = unsafe { ops.read() };
-    let (rank, size) = world(rank, size)?;
     // SAFETY: the C caller promises its callbacks accept `ctx` for the duration of this call.
     let store = Arc::new(unsafe { CallbackStore::new(&ops, ctx)? });
-    let cfg = Config::global()?;
     let r = Communicator::with_store(rank, size, store.clone() as Arc<dyn Store>, cfg);
     store.close();
     r

@@ -91,6 +91,30 @@ pub unsafe extern "C" fn toroid_comm_init_with_store(
     })
 }
 
+/// toroid_comm_init_with_store with explicit settings: `config` gives the rank, size, timeout
+/// (of set-up and of every later call) and interface; its `store_addr` must be NULL (the store
+/// is the caller's). How a framework passes its process group's timeout.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn toroid_comm_init_with_store_config(
+    out: *mut *mut toroid_comm,
+    config: *const toroid_config,
+    ops: *const toroid_store_ops,
+    store_ctx: *mut c_void,
+) -> toroid_result {
+    const NAME: &str = "toroid_comm_init_with_store_config";
+    ffi_boundary!(NAME, {
+        // SAFETY: the caller passes NULL or a valid config, and NULL or valid ops whose
+        // callbacks accept `store_ctx`.
+        let r =
+            check_out(out, "out").and_then(|_| unsafe { init::with_store_config(config, ops, store_ctx) });
+        let r = r.map(|comm| {
+            // SAFETY: `out` is non-NULL (checked) and valid (the caller's promise).
+            unsafe { write_out(out, CommHandle::into_handle(CommHandle::new(comm))) }
+        });
+        code(NAME, None, r)
+    })
+}
+
 /// Splits `comm` into sub-communicators: ranks passing the same `color` form one, ordered by
 /// `key` (ties by rank in `comm`). A rank passing a negative color (TOROID_SPLIT_NOCOLOR)
 /// takes part but joins none: *out is set to NULL. A collective: every rank of `comm` calls it.
@@ -324,6 +348,31 @@ pub unsafe extern "C" fn toroid_recv(
     ffi_boundary!(NAME, { unsafe { ops::call(NAME, comm, Coll::Recv(peer), a) } })
 }
 
+/// Receives `count` elements into `buf` from whichever rank sends first (MPI_ANY_SOURCE) and
+/// sets *source to that rank. The sender's count must match. Among ranks that have sent, the
+/// lowest-numbered is taken first; messages from one rank arrive in order.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn toroid_recv_any(
+    comm: *mut toroid_comm,
+    buf: *mut c_void,
+    count: usize,
+    dtype: RawDatatype,
+    source: *mut c_int,
+) -> toroid_result {
+    const NAME: &str = "toroid_recv_any";
+    let a = Args { send: std::ptr::null(), recv: buf, count, dtype };
+    ffi_boundary!(NAME, {
+        with_comm(NAME, comm, |h| {
+            check_out(source, "source")?;
+            // SAFETY: the C contract: buffers valid for the call's lengths until it returns.
+            let from = unsafe { ops::recv_any(h, a)? };
+            // SAFETY: `source` is non-NULL (checked) and valid (the caller's promise).
+            unsafe { write_out(source, from) };
+            Ok(())
+        })
+    })
+}
+
 // ---------------------------------------------------------------------------------------------
 // Collectives, async: same arguments plus `work` last; the buffers must stay valid, and
 // untouched, until the work completes. Operations of one communicator run in issue order.
@@ -474,6 +523,21 @@ pub unsafe extern "C" fn toroid_recv_async(
     ffi_boundary!(NAME, { unsafe { ops::call_async(NAME, comm, Coll::Recv(peer), a, work) } })
 }
 
+/// toroid_recv_any, queued; toroid_work_source gives the sender once the work has completed.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn toroid_recv_any_async(
+    comm: *mut toroid_comm,
+    buf: *mut c_void,
+    count: usize,
+    dtype: RawDatatype,
+    work: *mut *mut toroid_work,
+) -> toroid_result {
+    const NAME: &str = "toroid_recv_any_async";
+    let a = Args { send: std::ptr::null(), recv: buf, count, dtype };
+    // SAFETY: the C contract: buffers valid until the work completes.
+    ffi_boundary!(NAME, { unsafe { ops::call_async(NAME, comm, Coll::RecvAny, a, work) } })
+}
+
 /// Waits for `work` and returns its result (TOROID_SUCCESS or the operation's error; again on
 /// every later call). timeout_ms < 0: the communicator's timeout. If the work has not completed
 /// within the timeout, the communicator is aborted (as at every toroid deadline), the work fails
@@ -486,6 +550,24 @@ pub unsafe extern "C" fn toroid_work_wait(work: *mut toroid_work, timeout_ms: i6
             Ok(w) => code(NAME, w.comm.upgrade().as_deref(), ops::wait(&w, timeout_ms)),
             Err(e) => fail(NAME, None, &e),
         }
+    })
+}
+
+/// Sets *source to the rank a receive from any source (toroid_recv_any_async) took its message
+/// from. TOROID_INVALID_USAGE while the work has not finished, when it failed, and for works of
+/// other operations.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn toroid_work_source(work: *mut toroid_work, source: *mut c_int) -> toroid_result {
+    const NAME: &str = "toroid_work_source";
+    ffi_boundary!(NAME, {
+        let r = WorkHandle::get(work).and_then(|w| {
+            check_out(source, "source")?;
+            let from = ops::work_source(&w)?;
+            // SAFETY: non-NULL (checked) and valid (the caller's promise).
+            unsafe { write_out(source, from) };
+            Ok(())
+        });
+        code(NAME, None, r)
     })
 }
 

@@ -16,6 +16,7 @@
 
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use super::boundary::{CommHandle, Handle, WorkHandle, check_out, non_negative, with_comm, write_out};
@@ -39,6 +40,7 @@ pub(crate) enum Coll {
     Barrier,
     Send(c_int),
     Recv(c_int),
+    RecvAny,
 }
 
 /// The buffer arguments of a C call.
@@ -247,21 +249,36 @@ pub(crate) unsafe fn prepare(comm: &Communicator, coll: Coll, a: Args) -> Result
                 let b = byte_len(a.count, 1, es)?;
                 (OpKind::Recv(peer), RawBufs::InPlace(recv_buf(a.recv, b, "buf")?))
             }
+            Coll::RecvAny => {
+                let b = byte_len(a.count, 1, es)?;
+                (OpKind::RecvAny, RawBufs::InPlace(recv_buf(a.recv, b, "buf")?))
+            }
         };
-        let op = RawOp { kind, dtype, bufs, opts: CallOptions::default() };
+        // A receive from any source reports its sender here (usize::MAX until it has one).
+        let source = matches!(kind, OpKind::RecvAny).then(|| Arc::new(AtomicUsize::new(usize::MAX)));
+        let op = RawOp { kind, dtype, bufs, opts: CallOptions::default(), source };
         // The same checks as every Rust call, so both report the same errors.
         crate::comm::validate(&op, me, n, comm.has_shared_window())?;
         Ok(Prepared { op, hooks })
     }
 }
 
-/// Runs `coll` and waits for it.
+/// Runs `coll` and waits for it; returns the sender of a receive from any source.
 ///
 /// # Safety
 /// The buffers of `a` must be valid for the lengths the call implies until it returns.
-pub(crate) unsafe fn blocking(h: &Arc<CommHandle>, coll: Coll, a: Args) -> Result<()> {
+pub(crate) unsafe fn blocking(h: &Arc<CommHandle>, coll: Coll, a: Args) -> Result<Option<usize>> {
     // SAFETY: forwarded from the caller.
     let p = unsafe { prepare(&h.comm, coll, a)? };
+    let source = p.op.source.clone();
+    // SAFETY: forwarded from the caller.
+    unsafe { run_prepared(h, p)? };
+    Ok(source.map(|s| s.load(Ordering::Acquire)))
+}
+
+/// # Safety
+/// As [`blocking`].
+unsafe fn run_prepared(h: &Arc<CommHandle>, p: Prepared) -> Result<()> {
     if p.hooks.before.is_none() && p.hooks.after.is_none() {
         // SAFETY: forwarded from the caller; this call returns after the operation.
         return unsafe { h.comm.run(p.op) };
@@ -272,6 +289,33 @@ pub(crate) unsafe fn blocking(h: &Arc<CommHandle>, coll: Coll, a: Args) -> Resul
     w.wait_timeout(h.comm.timeout())
 }
 
+/// Runs a receive from any source and returns its sender.
+///
+/// # Safety
+/// As [`blocking`].
+pub(crate) unsafe fn recv_any(h: &Arc<CommHandle>, a: Args) -> Result<c_int> {
+    // SAFETY: forwarded from the caller.
+    let from = unsafe { blocking(h, Coll::RecvAny, a)? };
+    from.and_then(|r| c_int::try_from(r).ok())
+        .ok_or_else(|| Error::Internal("a receive from any source completed without a sender".into()))
+}
+
+/// The sender of a finished, successful receive from any source.
+pub(crate) fn work_source(w: &WorkHandle) -> Result<c_int> {
+    let slot = w
+        .source
+        .as_ref()
+        .ok_or_else(|| Error::InvalidUsage("the work is not a receive from any source".into()))?;
+    if !w.work.test() {
+        return Err(Error::InvalidUsage("the receive has not finished (wait on the work first)".into()));
+    }
+    if let Some(e) = w.work.error() {
+        return Err(Error::InvalidUsage(format!("the receive failed, so it has no sender: {e}").into()));
+    }
+    c_int::try_from(slot.load(Ordering::Acquire))
+        .map_err(|_| Error::Internal("a receive from any source completed without a sender".into()))
+}
+
 /// Queues `coll` and returns its work handle.
 ///
 /// # Safety
@@ -280,8 +324,10 @@ pub(crate) unsafe fn submit(h: &Arc<CommHandle>, coll: Coll, a: Args) -> Result<
     // SAFETY: forwarded from the caller.
     let p = unsafe { prepare(&h.comm, coll, a)? };
     // SAFETY: forwarded from the caller.
+    let source = p.op.source.clone();
+    // SAFETY: forwarded from the caller.
     let work = unsafe { h.comm.submit_raw_with_hooks(p.op, None, p.hooks)? };
-    let handle = WorkHandle { work, comm: Arc::downgrade(h), timeout: h.comm.timeout() };
+    let handle = WorkHandle { work, comm: Arc::downgrade(h), timeout: h.comm.timeout(), source };
     Ok(WorkHandle::into_handle(Arc::new(handle)))
 }
 
@@ -302,7 +348,7 @@ pub(crate) unsafe fn call(
     a: Args,
 ) -> toroid_result {
     // SAFETY: forwarded from the caller.
-    with_comm(name, comm, |h| unsafe { blocking(h, coll, a) })
+    with_comm(name, comm, |h| unsafe { blocking(h, coll, a) }.map(|_| ()))
 }
 
 /// An async collective call from C, as a result code; `*out` is written on success only.

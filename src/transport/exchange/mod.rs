@@ -30,6 +30,7 @@
 //! Every wait ends at the collective's deadline with [`Error::Timeout`] naming the awaited rank.
 
 mod abort;
+mod any;
 mod frame;
 mod rx;
 mod step;
@@ -166,6 +167,8 @@ pub struct Peers {
     scratch: Vec<u64>,
     pollfds: Vec<PollFd>,
     poll_ranks: Vec<usize>,
+    /// Per-link state of a receive from any source (kept to reuse its allocation).
+    heads: Vec<any::Head>,
     token: u64,
 }
 
@@ -211,6 +214,7 @@ impl Peers {
             scratch: Vec::new(),
             pollfds: Vec::new(),
             poll_ranks: Vec::new(),
+            heads: Vec::new(),
             token: 0,
         }
     }
