@@ -109,6 +109,21 @@ def collectives(comm: toroid.Comm):
         comm.send(mine, nxt)
     same(got, data(99, prv, 100_003, "float32"), "send/recv")
     comm.barrier()
+    # receive from any source: the last rank collects everyone's message, blocking then async
+    if SIZE > 1:
+        last = SIZE - 1
+        for round_ in range(2):
+            if RANK == last:
+                senders = []
+                for _ in range(SIZE - 1):
+                    got = np.empty(5_003, np.int64)
+                    src = comm.recv_any(got) if round_ == 0 else comm.recv_any(got, async_op=True).wait()
+                    same(got, data(98 + round_, src, 5_003, "int64"), f"recv_any from {src}")
+                    senders.append(src)
+                assert sorted(senders) == list(range(SIZE - 1)), senders
+            else:
+                comm.send(data(98 + round_, RANK, 5_003, "int64"), last)
+            comm.barrier()  # (a sender's next round must not overtake this one)
 
 
 def async_and_pointers(comm: toroid.Comm):
