@@ -473,6 +473,27 @@ def conformance(rank, size):
     """The rest of torch.distributed's CPU surface on toroid against gloo: split_group, the
     coalescing manager, sparse all_reduce, receive from any source, a barrier's own timeout,
     and groups that leave nothing behind when destroyed or aborted."""
+    # Destroyed and aborted groups leave no thread, socket or shared-memory file behind.
+    time.sleep(0.2)
+    before = resources()
+    for how in ("destroy", "abort"):
+        g = dist.new_group(backend="toroid")
+        x = torch.ones(100000)
+        dist.all_reduce(x, group=g)
+        during = resources()
+        assert during[0] > before[0] and during[1] > before[1], f"a live group shows threads and sockets: {during}"
+        if how == "abort":
+            g.abort()
+        dist.destroy_process_group(g)
+        dist.barrier(group=GLOO)
+        deadline = time.monotonic() + 5
+        while any(a > b for a, b in zip(resources(), before)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        after = resources()
+        # (No more than before: a socket of an earlier group may close in the meantime.)
+        assert all(a <= b for a, b in zip(after, before)), f"after {how}: (threads, sockets, shm files) {after} > before {before}"
+        checks.append(f"{how} leaves nothing behind")
+
     # split_group: the parent's ranks in reverse order, split in two (or one split of both).
     splits = [list(range(size - 1, -1, -2)), list(range(size - 2, -1, -2))] if size > 2 else [[1, 0]]
     mine = next(sp for sp in splits if rank in sp)
@@ -492,6 +513,29 @@ def conformance(rank, size):
     close(results["toroid"][0], sum(rand((1001,), torch.float64, 11000 + r) for r in mine), "split_group all_reduce reference",
           rtol=1e-12, atol=1e-12)
     close(results["toroid"][1], [rand((7,), torch.int32, 12000 + r) for r in mine], "split_group all_gather reference")
+
+    # Bitwise all_reduce (all-gather and fold on toroid), integer and bool tensors.
+    for dtype in (torch.int64, torch.uint8, torch.int32, torch.bool):
+        for op in (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR):
+            def bits(r):
+                x = rand((257,), torch.int64, 16000 + r)
+                return (x % 2 == 0) if dtype == torch.bool else x.to(dtype)
+            for name, group in (("toroid", None), ("gloo", GLOO)):
+                t = bits(rank)
+                dist.all_reduce(t, op=op, group=group)
+                results[name] = t
+            fold = {dist.ReduceOp.BAND: torch.bitwise_and, dist.ReduceOp.BOR: torch.bitwise_or,
+                    dist.ReduceOp.BXOR: torch.bitwise_xor}[op]
+            want = bits(0)
+            for r in range(1, size):
+                want = fold(want, bits(r))
+            close(results["toroid"], results["gloo"], f"all_reduce {op} {dtype}")
+            close(results["toroid"], want, f"all_reduce {op} {dtype} reference")
+    try:
+        dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND)
+        raise AssertionError("BAND on floats passed")
+    except ValueError as e:
+        assert "integer and bool" in str(e), e
 
     # The coalescing manager: several all-reduces issued as one block, waited on together.
     for name, group in (("toroid", None), ("gloo", GLOO)):
@@ -562,24 +606,6 @@ def conformance(rank, size):
         checks.append("barrier timeout argument")
     dist.barrier(group=GLOO)
 
-    # Destroyed and aborted groups leave no thread, socket or shared-memory file behind.
-    time.sleep(0.2)
-    before = resources()
-    for how in ("destroy", "abort"):
-        g = dist.new_group(backend="toroid")
-        x = torch.ones(100000)
-        dist.all_reduce(x, group=g)
-        during = resources()
-        assert during[0] > before[0] and during[1] > before[1], f"a live group shows threads and sockets: {during}"
-        if how == "abort":
-            g.abort()
-        dist.destroy_process_group(g)
-        dist.barrier(group=GLOO)
-        deadline = time.monotonic() + 5
-        while resources() != before and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert resources() == before, f"after {how}: (threads, sockets, shm files) {resources()} != before {before}"
-        checks.append(f"{how} leaves nothing behind")
 
 
 def errors(rank, size):

@@ -21,8 +21,8 @@ reduce_scatter_tensor, all_to_all_single (uneven splits too), all_to_all, gather
 messages between two ranks match in issue order), recv from any source, batch_isend_irecv
 (ordered so that it cannot deadlock), the coalesced forms, all_reduce of sparse COO tensors
 (SUM, as gloo); CPU tensors of int8, uint8, int32, int64, uint32, uint64, float16, bfloat16,
-float32, float64. Not supported: BAND/BOR/BXOR/PREMUL_SUM (ValueError naming the op), CUDA
-tensors (ValueError). The group's timeout (init_process_group's `timeout`) bounds set-up and
+float32, float64; BAND/BOR/BXOR in all_reduce on integer and bool tensors (all-gather and a
+local fold). Not supported: PREMUL_SUM (gloo has it neither), CUDA tensors (ValueError). The group's timeout (init_process_group's `timeout`) bounds set-up and
 every operation; a failure raises torch.distributed.DistBackendError (a RuntimeError, as gloo's
 are) whose text starts with gloo's wording ("Timed out waiting Nms for ...") and ends with
 toroid's detail (which rank, which operation, where it stood).
@@ -76,11 +76,16 @@ _OPS = [
 ]
 
 
+# Bitwise reductions: computed by all-gather and a local fold (see _bitwise_allreduce).
+_BITWISE = [("BAND", torch.bitwise_and), ("BOR", torch.bitwise_or), ("BXOR", torch.bitwise_xor)]
+
+
 def _op(torch_op) -> ReduceOp:
     for t, o in _OPS:
         if torch_op == t:
             return o
-    raise ValueError(f"toroid does not support the reduction {torch_op} (it has SUM, PRODUCT, MIN, MAX, AVG)")
+    raise ValueError(f"toroid does not support the reduction {torch_op} here (it has SUM, PRODUCT, MIN, MAX, AVG; "
+                     "BAND, BOR and BXOR in all_reduce only)")
 
 
 def _flat(t: torch.Tensor, op: Optional[ReduceOp] = None) -> torch.Tensor:
@@ -344,7 +349,11 @@ class ProcessGroupToroid(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         if any(t.layout != torch.strided for t in tensors):
             return self._sparse_allreduce(tensors, opts)
-        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        torch_op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        for name, fold in _BITWISE:
+            if torch_op == getattr(dist.ReduceOp, name):
+                return self._bitwise_allreduce(tensors, name, fold, opts)
+        op = _op(torch_op)
         works, outs = [], []
         for t in tensors:
             o = _Output(t, op)
@@ -352,6 +361,31 @@ class ProcessGroupToroid(dist.ProcessGroup):
             works.append(self._comm.all_reduce_ptr(p, p, o.buf.numel(), _dtype(o.buf), op, True, (o.buf,)))
             outs.append(o)
         return self._work(works, tensors, lambda: [o.copy_back() for o in outs], "allreduce", _opt_timeout(opts))
+
+    def _bitwise_allreduce(self, tensors, name: str, fold, opts):
+        """BAND / BOR / BXOR (integer and bool tensors, as gloo): toroid's reductions are
+        arithmetic, so every rank's tensor is all-gathered and folded here. That moves n times
+        the bytes of a ring all-reduce; these reductions are used on flags and masks."""
+        works, finishers = [], []
+        for t in tensors:
+            if t.is_floating_point() or t.is_complex():
+                raise ValueError(f"the toroid backend computes {name} on integer and bool tensors only, not {t.dtype}")
+            src = t.contiguous()
+            src = src.view(torch.uint8) if src.dtype == torch.bool else src
+            _flat(src)  # (checks the device and type)
+            gathered = torch.empty((self.size(),) + tuple(src.shape), dtype=src.dtype)
+            w, _ = self._gather_into(gathered, src)
+            works.append(w)
+
+            def finish(t=t, gathered=gathered):
+                out = gathered[0].clone()
+                for r in range(1, self.size()):
+                    out = fold(out, gathered[r])
+                t.copy_(out.view(torch.bool) if t.dtype == torch.bool else out)
+
+            finishers.append(finish)
+        return self._work(works, tensors, lambda: [f() for f in finishers], f"allreduce_{name.lower()}",
+                          _opt_timeout(opts))
 
     def _sparse_allreduce(self, tensors, opts):
         """Sum of sparse COO tensors as gloo computes it: every rank's (coalesced) indices and
