@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the Python tests (numpy binding, torch.distributed backend) against the libtoroid.so built
-# from this checkout. Installs numpy, pytest and torch with pip when they are missing (torch from
+# from this checkout (and torch's own distributed suite on gloo and toroid, test_torch_suite.py).
+# Installs numpy, pytest and torch (expecttest, hypothesis for torch's suite) with pip when missing (torch from
 # PyPI is the CUDA build, about 3 GB; it runs on CPU, and pip reuses its cache).
 #
 #   python/run_tests.sh [pytest arguments...]
@@ -8,9 +9,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
-if ! "$PYTHON" -c "import numpy, pytest, torch" 2>/dev/null; then
-  echo "run_tests.sh: installing numpy, pytest and torch with pip" >&2
-  "$PYTHON" -m pip install --quiet numpy pytest torch
+if ! "$PYTHON" -c "import numpy, pytest, torch, expecttest, hypothesis" 2>/dev/null; then
+  echo "run_tests.sh: installing numpy, pytest, torch, expecttest and hypothesis with pip" >&2
+  "$PYTHON" -m pip install --quiet numpy pytest torch expecttest hypothesis
 fi
 
 cargo build --lib --quiet

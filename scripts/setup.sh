@@ -23,8 +23,9 @@ apt_packages=(
   python3 python3-pip        # the Python binding and torch tests, torchrun
 )
 # Python packages (import name = pip name). torch from PyPI is the CUDA build, about 3 GB; it
-# runs on the CPU, and pip reuses its cache between runs.
-py_packages=(numpy pytest torch)
+# runs on the CPU, and pip reuses its cache between runs. expecttest and hypothesis: torch's own
+# distributed test suite imports them (python/torch_suite/).
+py_packages=(numpy pytest torch expecttest hypothesis)
 PYTHON=${PYTHON:-python3}
 
 say() { echo "setup.sh: $*" >&2; }

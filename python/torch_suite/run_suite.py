@@ -3,6 +3,11 @@ shipped in the wheel as torch.testing._internal.distributed.distributed_test) ag
 
     python3 python/torch_suite/run_suite.py --backend gloo   [-k PATTERN] [--world-size 3]
     python3 python/torch_suite/run_suite.py --backend toroid [-k PATTERN] [--world-size 3]
+    python3 python/torch_suite/run_suite.py --compare [--world-size 3]
+
+--compare runs the suite on gloo, then on toroid, and fails (exit 1) when a test that passes on
+gloo does not pass on toroid (such tests are run once more first, alone, to tell a flaky timing
+test from a real difference).
 
 The suite decides at import time which tests a backend may run (decorators that compare the
 backend's name with "gloo", "nccl", ...). With `--backend toroid` the decorators see "gloo", so
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import subprocess
 import sys
 import tempfile
 import time
@@ -131,7 +137,10 @@ def main() -> int:
     ap.add_argument("-k", action="append", default=[], help="run only tests whose name contains this")
     ap.add_argument("--world-size", type=int, default=int(os.environ["WORLD_SIZE"]))
     ap.add_argument("--list", action="store_true", help="list the selected tests and exit")
+    ap.add_argument("--compare", action="store_true", help="run on gloo and on toroid; fail if toroid passes less")
     args = ap.parse_args()
+    if args.compare:
+        return compare(args)
     if args.backend != RUN_AS or str(args.world_size) != os.environ["WORLD_SIZE"]:
         # The backend and world size shape the module at import time: start again with them.
         env = dict(os.environ, TOROID_SUITE_BACKEND=args.backend, WORLD_SIZE=str(args.world_size))
@@ -154,6 +163,38 @@ def main() -> int:
           f"{len(result.expectedFailures)} expected failures, {len(result.unexpectedSuccesses)} unexpected successes "
           f"in {time.monotonic() - start:.0f} s", flush=True)
     return 0
+
+
+def _run(backend: str, world_size: int, ks: list) -> dict:
+    """Runs the suite in a child process; returns {test: PASS|SKIP|FAIL|ERROR}."""
+    cmd = [sys.executable, __file__, "--backend", backend, "--world-size", str(world_size)]
+    for k in ks:
+        cmd += ["-k", k]
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, check=False).stdout
+    results = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] in ("PASS", "SKIP", "FAIL", "ERROR", "XFAIL", "XPASS"):
+            results[parts[1]] = parts[0]
+        if line.startswith(f"backend {backend}:"):
+            print(line, flush=True)
+    return results
+
+
+def compare(args) -> int:
+    gloo = _run("gloo", args.world_size, args.k)
+    toroid = _run("toroid", args.world_size, args.k)
+    behind = sorted(t for t, r in gloo.items() if r == "PASS" and toroid.get(t) != "PASS")
+    if behind:
+        print(f"again, alone: {' '.join(behind)}", flush=True)
+        again = _run("toroid", args.world_size, behind)
+        behind = [t for t in behind if again.get(t) != "PASS"]
+    ahead = sorted(t for t, r in toroid.items() if r == "PASS" and gloo.get(t) != "PASS")
+    print(f"world size {args.world_size}: gloo {sum(r == 'PASS' for r in gloo.values())} passed, "
+          f"toroid {sum(r == 'PASS' for r in toroid.values())} passed of {len(gloo)} tests; "
+          f"passing on gloo but not on toroid: {behind or 'none'}; on toroid but not on gloo: {ahead or 'none'}",
+          flush=True)
+    return 1 if behind or not gloo else 0
 
 
 if __name__ == "__main__":
