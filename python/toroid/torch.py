@@ -177,9 +177,11 @@ _BACKEND_ERROR = getattr(dist, "DistBackendError", RuntimeError)
 
 def _torch_error(e: BaseException, name: str, rank: int, timeout_s: Optional[float]) -> BaseException:
     """A toroid failure as torch reports a backend's: DistBackendError (a RuntimeError, the type
-    gloo's failures also are) with gloo's wording first and toroid's detail after it. Argument
-    errors (ValueError) and anything not from toroid pass through unchanged."""
-    if not isinstance(e, _lib.ToroidError) or isinstance(e, ValueError):
+    gloo's failures also are) with gloo's wording first and toroid's detail after it. Refusals
+    of the request itself, which leave the group usable (argument errors, a ValueError;
+    toroid.UnsupportedError, e.g. AVG on integers), and anything not from toroid pass through
+    unchanged."""
+    if not isinstance(e, _lib.ToroidError) or isinstance(e, (ValueError, _lib.UnsupportedError)):
         return e
     if isinstance(e, _lib.TimeoutError):
         ms = f"{timeout_s * 1000:.0f}ms" if timeout_s else "the timeout"
@@ -226,7 +228,8 @@ class ToroidWork(dist.Work):
         self._future = Future()
         self._lock = threading.Lock()
         self._done = False
-        self._completed = threading.Event()  # set once _done is
+        self._completed = threading.Event()  # set once done and the future is completed
+        self._settler: Optional[int] = None  # the thread that completes the future
         self._deferred = False  # a send/recv of a coalescing block, not issued yet
         self._exception: Optional[BaseException] = None
 
@@ -246,24 +249,34 @@ class ToroidWork(dist.Work):
                 self._exception = _torch_error(e, self._name, self._pg.rank(), self._timeout_s)
             self._done = True
             self._works = []
-            self._completed.set()
+            self._settler = threading.get_ident()
+        # The future's callbacks run here, outside the lock (they may wait on other works).
         if self._exception is not None:
             self._future.set_exception(self._exception)
         else:
             self._future.set_result(self._result)
+        self._completed.set()
+
+    def _settled(self, seconds: Optional[float]) -> bool:
+        """Waits until the future is completed too (a callback of that future, running on the
+        completing thread, does not wait for itself)."""
+        if self._settler == threading.get_ident():
+            return True
+        return self._completed.wait(seconds)
 
     def wait(self, timeout=None) -> bool:
-        """Waits for completion; raises the operation's error. With a timeout (seconds or a
-        timedelta; torch's timedelta(0) means none), raises RuntimeError "Operation timed
-        out!" (what gloo's collectives raise) once it passes; the operation stays queued, like
-        gloo's, and a later wait() can still complete it."""
+        """Waits for completion (the future too); raises the operation's error. With a timeout
+        (seconds or a timedelta; torch's timedelta(0) means none), raises RuntimeError
+        "Operation timed out!" (what gloo's collectives raise) once it passes; the operation
+        stays queued, like gloo's, and a later wait() can still complete it."""
         if self._deferred:
             raise RuntimeError(f"toroid {self._name}: waited on inside a coalescing block; "
                                "its operation is issued when the block ends")
         seconds = _seconds(timeout)
         if seconds is None:
             self._complete()
-        elif not self._completed.wait(seconds):  # the group's completion thread completes it
+            self._settled(None)
+        elif not self._settled(seconds):  # the group's completion thread completes it
             raise RuntimeError(f"Operation timed out! toroid {self._name} did not complete within {seconds:g} s "
                                "(Work.wait timeout; the operation is still pending)")
         if self._exception is not None:
@@ -274,10 +287,10 @@ class ToroidWork(dist.Work):
         return self._future
 
     def is_completed(self) -> bool:
-        return self._done
+        return self._completed.is_set()
 
     def is_success(self) -> bool:
-        return self._done and self._exception is None
+        return self.is_completed() and self._exception is None
 
     def exception(self):
         return self._exception
@@ -796,8 +809,8 @@ class ProcessGroupToroid(dist.ProcessGroup):
                     w._deferred = False
                     w._exception = RuntimeError(f"toroid {w._name}: not issued (an earlier operation of its batch failed)")
                     w._done = True
-                    w._completed.set()
                     w._future.set_exception(w._exception)
+                    w._completed.set()
 
         def finish():
             for w in issued:
