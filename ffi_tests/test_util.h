@@ -180,37 +180,28 @@ static inline int file_store_get(void *ctx, const char *key, void *value, size_t
  * "store_config": the same through toroid_comm_init_with_store_config with a 60 s timeout. */
 static inline toroid_comm *init_comm(const char *mode, const char *dir) {
   toroid_comm *comm = NULL;
+  /* This rank's settings, from toroid-run's variables, with a 60 s timeout. */
+  toroid_config cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.struct_size = sizeof cfg;
+  cfg.rank = env_int("TOROID_RANK");
+  cfg.size = env_int("TOROID_WORLD_SIZE");
+  cfg.store_addr = NULL;
+  cfg.timeout_ms = 60000;
+  /* The file store over `dir`, for the two "store" modes. */
+  static toroid_store_ops ops;
+  ops.struct_size = sizeof ops;
+  ops.set = file_store_set;
+  ops.get = file_store_get;
+  int with_store = strcmp(mode, "store") == 0 || strcmp(mode, "store_config") == 0;
+  if (with_store && dir == NULL) FAIL("mode %s needs a directory", mode);
   if (strcmp(mode, "env") == 0) {
     CHECK(toroid_comm_init_env(&comm));
   } else if (strcmp(mode, "config") == 0) {
-    toroid_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.struct_size = sizeof cfg;
-    cfg.rank = env_int("TOROID_RANK");
-    cfg.size = env_int("TOROID_WORLD_SIZE");
-    cfg.store_addr = NULL;
-    cfg.timeout_ms = 60000;
     CHECK(toroid_comm_init(&comm, &cfg));
   } else if (strcmp(mode, "store") == 0) {
-    static toroid_store_ops ops;
-    ops.struct_size = sizeof ops;
-    ops.set = file_store_set;
-    ops.get = file_store_get;
-    if (dir == NULL) FAIL("mode store needs a directory");
-    CHECK(toroid_comm_init_with_store(&comm, env_int("TOROID_RANK"), env_int("TOROID_WORLD_SIZE"),
-                                      &ops, (void *)dir));
+    CHECK(toroid_comm_init_with_store(&comm, cfg.rank, cfg.size, &ops, (void *)dir));
   } else if (strcmp(mode, "store_config") == 0) {
-    static toroid_store_ops ops;
-    ops.struct_size = sizeof ops;
-    ops.set = file_store_set;
-    ops.get = file_store_get;
-    if (dir == NULL) FAIL("mode store_config needs a directory");
-    toroid_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.struct_size = sizeof cfg;
-    cfg.rank = env_int("TOROID_RANK");
-    cfg.size = env_int("TOROID_WORLD_SIZE");
-    cfg.timeout_ms = 60000;
     CHECK(toroid_comm_init_with_store_config(&comm, &cfg, &ops, (void *)dir));
   } else {
     FAIL("unknown init mode %s", mode);
