@@ -8,11 +8,15 @@
 //!  model.rs, pool.rs    ResNet-18/34/50 on candle; overlapping max pool with a correct backward
 //!  conv.rs              convolution as one GEMM over im2col columns, activations CNHW
 //!  optim.rs             SGD / Nesterov / LARS, LR warm-up and decay, batch-size schedule
+//!  adam.rs              Adam (the local optimiser of BMUF-Adam)
+//!  bmuf.rs              BMUF and BMUF-Adam block synchronisation
 //!  data/                IDX and ImageFolder readers, sharding, threaded pipeline with echo seams
 //!  metrics.rs           CSV and PNG curves
 //!  checkpoint.rs        rank-0 checkpoints and resume
 //! ```
 
+pub mod adam;
+pub mod bmuf;
 pub mod checkpoint;
 pub mod cli;
 pub mod conv;
