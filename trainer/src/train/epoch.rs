@@ -108,6 +108,9 @@ impl Trainer {
             rank: self.rank,
             augment: self.augment.clone(),
             seams: Seams::default(),
+            augment_shuffle: 0,
+            batch_shuffle: 0,
+            clock: None,
         }
     }
 
