@@ -10,8 +10,10 @@
 //!  optim.rs             SGD / Nesterov / LARS, LR warm-up and decay, batch-size schedule
 //!  adam.rs              Adam (the local optimiser of BMUF-Adam)
 //!  bmuf.rs              BMUF and BMUF-Adam block synchronisation
-//!  data/                IDX and ImageFolder readers, sharding, threaded pipeline with echo seams
+//!  data/                IDX and ImageFolder readers, sharding, threaded pipeline, data echoing,
+//!                       a slow-decode knob
 //!  metrics.rs           CSV and PNG curves
+//!  compare.rs           --compare: one PNG comparing several runs' evals.csv
 //!  checkpoint.rs        rank-0 checkpoints and resume
 //! ```
 
@@ -19,6 +21,7 @@ pub mod adam;
 pub mod bmuf;
 pub mod checkpoint;
 pub mod cli;
+pub mod compare;
 pub mod conv;
 pub mod data;
 pub mod error;
