@@ -20,9 +20,10 @@ pub struct Run {
     pub dir: PathBuf,
 }
 
-/// Parses `LABEL=DIR` (or just `DIR`, labelled by its last component).
+/// Parses `LABEL=DIR` (split at the last `=`, so labels may hold one) or just `DIR`, labelled
+/// by its last component.
 pub fn parse_run(s: &str) -> Run {
-    match s.split_once('=') {
+    match s.rsplit_once('=') {
         Some((l, d)) => Run { label: l.to_string(), dir: PathBuf::from(d) },
         None => {
             let dir = PathBuf::from(s);
@@ -133,6 +134,7 @@ mod tests {
             runs.push(parse_run(&format!("{name}={}", dir.display())));
         }
         assert_eq!(parse_run("/x/y").label, "y");
+        assert_eq!(parse_run("E=2=/x/y"), Run { label: "E=2".into(), dir: PathBuf::from("/x/y") });
         let out = base.join("cmp.png");
         let (xs, ys) = (vec!["fresh".to_string(), "bytes".to_string()], vec!["test_acc".to_string()]);
         if register_font().is_ok() {

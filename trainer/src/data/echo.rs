@@ -22,7 +22,7 @@
 //! target is proportional to the fresh examples read. `--echo auto` therefore picks
 //! e = floor(R), at least 1 and at most [`AUTO_MAX`].
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use super::pipeline::Stage;
@@ -175,12 +175,17 @@ impl<T> ShuffleBuffer<T> {
 /// Busy time of the pipeline's worker pools, shared by their threads: what t_up is measured
 /// from. Decode counts one item per example read (fresh by definition); augment counts every
 /// example it augments (with echoing before augmentation, the repeats too).
+///
+/// Stopping the clock also holds the pools before their next item: the trainer does so while it
+/// evaluates, otherwise a slow pipeline would fill its queues during the evaluation and the
+/// time left out of the training time would hide upstream work.
 #[derive(Debug, Default)]
 pub struct StageClock {
     decode_ns: AtomicU64,
     decoded: AtomicU64,
     augment_ns: AtomicU64,
     augmented: AtomicU64,
+    stopped: AtomicBool,
 }
 
 /// A reading of a [`StageClock`].
@@ -207,6 +212,18 @@ impl StageClock {
     pub fn add_augment(&self, d: Duration) {
         self.augment_ns.fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
         self.augmented.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Stops (`true`) or restarts the clock and the pools that use it.
+    pub fn stop(&self, stopped: bool) {
+        self.stopped.store(stopped, Ordering::Release);
+    }
+
+    /// Waits while the clock is stopped (called by a pool thread before each item).
+    pub fn wait_while_stopped(&self) {
+        while self.stopped.load(Ordering::Acquire) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// The totals so far.
@@ -349,5 +366,17 @@ mod tests {
         };
         let d = later.since(&r);
         assert!((d.decode_s - 0.05).abs() < 1e-9 && d.decoded == 1.0 && d.augmented == 0.0);
+        // A stopped clock holds a pool thread until it restarts.
+        let c = std::sync::Arc::new(StageClock::default());
+        c.stop(true);
+        let t = std::time::Instant::now();
+        let worker = {
+            let c = c.clone();
+            std::thread::spawn(move || c.wait_while_stopped())
+        };
+        std::thread::sleep(Duration::from_millis(30));
+        c.stop(false);
+        worker.join().unwrap();
+        assert!(t.elapsed() >= Duration::from_millis(30));
     }
 }

@@ -24,7 +24,7 @@
 //! repeats. Samples and batches carry that mark ([`Sample::fresh`], [`Batch::fresh`]), so the
 //! trainer counts exactly the fresh examples it consumed, however the buffers reorder them.
 //! Each pool also adds its busy time to an optional [`StageClock`], from which the trainer
-//! measures the upstream time per batch.
+//! measures the upstream time per batch (and which holds the pools while it is stopped).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -312,6 +312,9 @@ pub fn start(data: Arc<dyn Dataset>, indices: Vec<usize>, cfg: PipelineConfig) -
             format!("decode-{w}"),
             Box::new(move || {
                 for (seq, i) in rx.iter() {
+                    if let Some(c) = &clock {
+                        c.wait_while_stopped();
+                    }
                     let t = std::time::Instant::now();
                     let ex = data.get(i);
                     if let Some(c) = &clock {
@@ -339,6 +342,9 @@ pub fn start(data: Arc<dyn Dataset>, indices: Vec<usize>, cfg: PipelineConfig) -
             Box::new(move || {
                 let aug = if cfg.train { cfg.augment.clone() } else { cfg.augment.deterministic() };
                 for (seq, ex) in rx.iter() {
+                    if let Some(c) = &cfg.clock {
+                        c.wait_while_stopped();
+                    }
                     let t = std::time::Instant::now();
                     let mut rng = Rng::derive(cfg.seed, &[0x0041_5547, cfg.epoch, cfg.rank as u64, seq]);
                     let s = ex.and_then(|(ex, fresh)| {

@@ -103,8 +103,11 @@ impl Trainer {
         let t = Instant::now();
         self.finish_block()?;
         self.rep.average_vars(&Replicas::buffer_vars(&self.model.buffers))?;
-        let (test_loss, test_acc) =
-            evaluate(&self.model, &test, &self.rep, &self.args, &self.augment, micro.max(64))?;
+        // The training pipeline waits too, so no upstream work hides in the evaluation's time.
+        self.clock.stop(true);
+        let result = evaluate(&self.model, &test, &self.rep, &self.args, &self.augment, micro.max(64));
+        self.clock.stop(false);
+        let (test_loss, test_acc) = result?;
         let [examples, fresh, bytes, ..] = self.progress_over_ranks([])?;
         let wall_s = self.start.elapsed().as_secs_f64();
         let train_s = wall_s - (t.elapsed().as_secs_f64() + self.progress.eval_s);
