@@ -11,8 +11,8 @@ evaluated every --eval-examples examples. Runs:
   adam-corr     BMUF-Adam, moments corrected as Chen, Ding and Huo (ICASSP 2020)
 and the single-worker baselines (N = 1, batch b): sgd, adam.
 
-Writes OUT/summary.csv, OUT/table.md, OUT/bmuf-N<n>.png (test accuracy and loss against examples
-and against bytes all-reduced per rank); each run's CSVs are in OUT/<run>/.
+Writes OUT/summary.csv, OUT/table.md, OUT/bmuf-N<n>.png (test accuracy and training loss against
+examples and against MB all-reduced per rank); each run's CSVs are in OUT/<run>/.
 """
 
 import argparse
@@ -26,9 +26,10 @@ def main():
     p.add_argument("--out", default=os.path.join(TRAINER_DIR, "experiments", "results", "bmuf"))
     p.add_argument("--ranks", default="2,4")
     p.add_argument("--tau", type=int, default=8)
+    p.add_argument("--nesterov", default="true", choices=["true", "false"], help="Nesterov block momentum")
     p.add_argument("--batch", type=int, default=32, help="per-rank batch b")
-    p.add_argument("--examples", type=int, default=30720, help="training examples per run, all ranks")
-    p.add_argument("--eval-examples", type=int, default=3072)
+    p.add_argument("--examples", type=int, default=61440, help="training examples per run, all ranks")
+    p.add_argument("--eval-examples", type=int, default=6144)
     p.add_argument("--sgd-lr", type=float, default=0.1, help="SGD LR for batch b")
     p.add_argument("--adam-lr", type=float, default=1e-3)
     p.add_argument("--width", type=float, default=0.25)
@@ -37,6 +38,9 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--runs", default="sync-sgd,bmuf-sgd,adam-naive,adam-corr")
     p.add_argument("--baselines", default="sgd,adam")
+    p.add_argument("--reuse", action="store_true", help="keep completed runs already in --out")
+    p.add_argument("--reference", default="", help="more runs for the figures, LABEL=DIR,...; "
+                   "a label ending in -n<k> goes only into the figure for N = k")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     b, tau = a.batch, a.tau
@@ -49,7 +53,7 @@ def main():
             "--batch", n * b, "--lr", lr, "--lr-ref-batch", b, "--decay", "none",
             "--weight-decay", 5e-5, "--seed", a.seed, "--epochs", 50, "--max-steps", steps,
             "--test-limit", a.test_limit, "--eval-every", every, "--threads", 1,
-            "--log-every", 10, "--checkpoint-every", 0, "--check-every", 1,
+            "--log-every", 10, "--checkpoint-every", 0, "--no-plot", "--check-every", 1,
         ]
 
     results = []
@@ -66,7 +70,7 @@ def main():
         steps, args = common(1, lr)
         args += ["--optimizer", base]
         out = os.path.join(a.out, f"single-{base}")
-        train(out, args, log=print)
+        train(out, args, log=print, reuse=a.reuse)
         record(f"single-{base}", 1, base, out, steps, 0)
 
     for n in [int(x) for x in a.ranks.split(",")]:
@@ -78,11 +82,11 @@ def main():
                 adam = kind.startswith("adam")
                 steps, args = common(n, a.adam_lr if adam else a.sgd_lr)
                 moments = "naive" if kind == "adam-naive" else "corrected"
-                args += ["--bmuf", f"tau={tau},eta=auto,zeta=1,nesterov=true,moments={moments}"]
+                args += ["--bmuf", f"tau={tau},eta=auto,zeta=1,nesterov={a.nesterov},moments={moments}"]
                 args += ["--optimizer", "adam" if adam else "sgd"]
                 syncs = -(-steps // tau)
             out = os.path.join(a.out, f"{kind}-n{n}")
-            train(out, args, ranks=n, log=print)
+            train(out, args, ranks=n, log=print, reuse=a.reuse)
             record(f"{kind}-n{n}", n, kind, out, steps, syncs)
 
     header = ["run", "N", "steps per rank", "all-reduce rounds", "MB all-reduced per rank",
@@ -90,7 +94,7 @@ def main():
     body = [[r["run"], r["N"], r["steps"], r["syncs"], f"{r['bytes'] / 1e6:.1f}", f"{r['examples']:.0f}",
              f"{100 * r['final_acc']:.2f}%", f"{100 * r['best_acc']:.2f}%", f"{r['final_loss']:.4f}"]
             for r in results]
-    print(f"\nFashion-MNIST, ResNet-18 width {a.width}, per-rank batch {b}, tau {tau}, "
+    print(f"\nFashion-MNIST, ResNet-18 width {a.width}, per-rank batch {b}, tau {tau}, nesterov {a.nesterov}, "
           f"{a.examples} examples per run, test on {a.test_limit} images")
     text = table(header, body)
     with open(os.path.join(a.out, "table.md"), "w") as f:
@@ -101,11 +105,14 @@ def main():
         for r in results:
             f.write(",".join(str(r[k]) for k in keys) + "\n")
     singles = [(r["run"], r["dir"]) for r in results if r["N"] == 1]
+    refs = [tuple(x.rsplit("=", 1)) for x in a.reference.split(",") if "=" in x]
     for n in sorted({r["N"] for r in results if r["N"] > 1}):
+        mine = [(label, d) for label, d in refs if "-n" not in label or label.endswith(f"-n{n}")]
         png = os.path.join(a.out, f"bmuf-N{n}.png")
-        compare_png(png, f"BMUF vs synchronous SGD, N = {n}, tau = {tau}",
-                    singles + [(r["run"], r["dir"]) for r in results if r["N"] == n],
-                    ["examples", "bytes"], ["test_acc", "test_loss"])
+        bm = "Nesterov" if a.nesterov == "true" else "classical"
+        compare_png(png, f"BMUF ({bm} block momentum) vs synchronous SGD, N = {n}, tau = {tau}",
+                    singles + mine + [(r["run"], r["dir"]) for r in results if r["N"] == n],
+                    ["examples", "mb"], ["test_acc", "train_loss"])
         print(png)
 
 

@@ -23,9 +23,23 @@ def binary(name):
     return path
 
 
-def train(out, args, ranks=1, log=None):
+def finished(out):
+    """True when OUT holds a completed run (its log ends with the trainer's last line)."""
+    try:
+        with open(os.path.join(out, "log.txt")) as f:
+            return "toroid-train: done," in f.read()
+    except OSError:
+        return False
+
+
+def train(out, args, ranks=1, log=None, reuse=False):
     """Runs toroid-train with ARGS (under toroid-run when RANKS > 1) writing to OUT; returns
-    the seconds it took. The log goes to OUT/log.txt."""
+    the seconds it took. The log goes to OUT/log.txt. With REUSE, a completed run already in OUT
+    is kept (to add seeds or runs to an experiment)."""
+    if reuse and finished(out):
+        if log:
+            log(f"  {os.path.basename(out)}: kept")
+        return 0.0
     if os.path.exists(out):
         shutil.rmtree(out)
     os.makedirs(out)
@@ -40,6 +54,10 @@ def train(out, args, ranks=1, log=None):
     if r.returncode != 0:
         sys.exit(f"run failed ({r.returncode}): see {out}/log.txt")
     secs = time.time() - t
+    # Keep the results small: the CSVs and the log are what the experiments read and show.
+    for name in ["checkpoint.safetensors", "checkpoint.json"]:
+        if os.path.exists(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
     if log:
         log(f"  {os.path.basename(out)}: {secs:.0f} s")
     return secs

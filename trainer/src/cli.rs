@@ -45,7 +45,7 @@ Examples:
   toroid-run -n 2 -- target/release/toroid-train --model resnet50 --input-size 32 --max-steps 300 --batch 64
   toroid-train --data /data/imagenet --format folder --input-size 224 --batch-schedule 0:256,5:512,20:1024
   toroid-train --echo example-before-aug:2 --echo-shuffle 1024 --decode-cost-us 2000 --eval-every 50
-  toroid-run -n 4 -- target/release/toroid-train --optimizer adam --bmuf tau=8,eta=auto,zeta=1,nesterov=true";
+  toroid-run -n 4 -- target/release/toroid-train --optimizer adam --bmuf tau=8,eta=auto,zeta=1,nesterov=false";
 
 /// Synchronous data-parallel ResNet training on toroid (start ranks with toroid-run, torchrun,
 /// srun or mpirun; without a launcher it runs as one process).
@@ -71,7 +71,7 @@ pub struct Args {
     #[arg(long, value_delimiter = ',', value_name = "LABEL=DIR")]
     pub compare_runs: Vec<String>,
     /// X axes for --compare (evals.csv columns: step, epoch, examples, fresh, bytes, wall_s,
-    /// train_s).
+    /// train_s; and mb, bytes in millions).
     #[arg(long, value_delimiter = ',', default_value = "examples")]
     pub compare_x: Vec<String>,
     /// Y axes for --compare (test_acc, test_loss, train_loss).

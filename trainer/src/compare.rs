@@ -33,7 +33,7 @@ pub fn parse_run(s: &str) -> Run {
     }
 }
 
-/// The columns of `dir/evals.csv` by name.
+/// The columns of `dir/evals.csv` by name, plus `mb` (bytes / 1e6) for readable axes.
 fn read_evals(dir: &Path) -> Result<(Vec<String>, Vec<Vec<f64>>)> {
     let path = dir.join("evals.csv");
     let text = std::fs::read_to_string(&path).context(|| format!("cannot read {}", path.display()))?;
@@ -47,7 +47,16 @@ fn read_evals(dir: &Path) -> Result<(Vec<String>, Vec<Vec<f64>>)> {
                 .collect::<std::result::Result<Vec<f64>, _>>()
                 .context(|| format!("{}: malformed row {}", path.display(), i + 2))
         })
-        .collect::<Result<Vec<_>>>()?;
+        .collect::<Result<Vec<Vec<f64>>>>()?;
+    let mut header = header;
+    let mut rows = rows;
+    if let Some(b) = header.iter().position(|h| h == "bytes") {
+        header.push("mb".into());
+        for r in &mut rows {
+            let mb = r.get(b).map_or(f64::NAN, |x| x / 1e6);
+            r.push(mb);
+        }
+    }
     Ok((header, rows))
 }
 
@@ -136,7 +145,7 @@ mod tests {
         assert_eq!(parse_run("/x/y").label, "y");
         assert_eq!(parse_run("E=2=/x/y"), Run { label: "E=2".into(), dir: PathBuf::from("/x/y") });
         let out = base.join("cmp.png");
-        let (xs, ys) = (vec!["fresh".to_string(), "bytes".to_string()], vec!["test_acc".to_string()]);
+        let (xs, ys) = (vec!["fresh".to_string(), "mb".to_string()], vec!["test_acc".to_string()]);
         if register_font().is_ok() {
             compare(&out, "t", &runs, &xs, &ys).unwrap();
             let img = image::open(&out).unwrap();

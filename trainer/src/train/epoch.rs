@@ -86,9 +86,11 @@ impl Trainer {
             window.add_step(done.loss, images, dt, done.wait_s);
             window.add_compute(dt - input_wait);
             bar.set_message(format!(
-                "loss {:.4} | {:.0} img/s | lr {rate:.4}",
+                "loss {:.4} | {:.0} img/s | lr {rate:.4} | R = t_up/t_down {:.2} | echo {}",
                 done.loss,
-                images as f64 / dt
+                images as f64 / dt,
+                self.progress.last_r,
+                self.echo_factor
             ));
             bar.inc(1);
             // Under BMUF the replicas differ inside a block; each block end is checked instead.

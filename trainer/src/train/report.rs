@@ -130,8 +130,10 @@ impl Trainer {
         log(
             self.rank,
             &format!(
-                "toroid-train: eval at step {} ({fresh} fresh of {examples} examples, {:.1} MB all-reduced per rank): test top-1 {:.2}%",
+                "toroid-train: eval at step {} ({fresh} fresh of {examples} examples, echo {}, R = t_up/t_down {:.2}, {:.1} MB all-reduced per rank): test top-1 {:.2}%",
                 self.step,
+                self.echo_factor,
+                self.progress.last_r,
                 bytes / 1e6,
                 100.0 * test_acc
             ),
