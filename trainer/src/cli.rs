@@ -4,7 +4,17 @@ use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
 
+use crate::data::slow::CostKind;
 use crate::model::{Arch, Stem};
+
+/// The local optimiser.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OptimizerKind {
+    /// SGD with momentum (or LARS with --lars).
+    Sgd,
+    /// Adam (Kingma and Ba); --lr is its step size.
+    Adam,
+}
 
 /// Learning-rate decay choices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -33,7 +43,9 @@ Examples:
   toroid-train --model resnet50 --print-params
   toroid-run -n 2 -- target/release/toroid-train --model resnet18 --width 0.25 --stem small --epochs 4
   toroid-run -n 2 -- target/release/toroid-train --model resnet50 --input-size 32 --max-steps 300 --batch 64
-  toroid-train --data /data/imagenet --format folder --input-size 224 --batch-schedule 0:256,5:512,20:1024";
+  toroid-train --data /data/imagenet --format folder --input-size 224 --batch-schedule 0:256,5:512,20:1024
+  toroid-train --echo example-before-aug:2 --echo-shuffle 1024 --decode-cost-us 2000 --eval-every 50
+  toroid-run -n 4 -- target/release/toroid-train --optimizer adam --bmuf tau=8,eta=auto,zeta=1,nesterov=false";
 
 /// Synchronous data-parallel ResNet training on toroid (start ranks with toroid-run, torchrun,
 /// srun or mpirun; without a launcher it runs as one process).
@@ -52,6 +64,22 @@ pub struct Args {
     /// Side of the square model input; images are resized to it (default: the data's own size).
     #[arg(long)]
     pub input_size: Option<usize>,
+    /// Draw a figure comparing runs (their evals.csv) to this PNG, then exit.
+    #[arg(long, value_name = "PNG")]
+    pub compare: Option<PathBuf>,
+    /// Runs for --compare: LABEL=DIR, comma separated.
+    #[arg(long, value_delimiter = ',', value_name = "LABEL=DIR")]
+    pub compare_runs: Vec<String>,
+    /// X axes for --compare (evals.csv columns: step, epoch, examples, fresh, bytes, wall_s,
+    /// train_s; and mb, bytes in millions).
+    #[arg(long, value_delimiter = ',', default_value = "examples")]
+    pub compare_x: Vec<String>,
+    /// Y axes for --compare (test_acc, test_loss, train_loss).
+    #[arg(long, value_delimiter = ',', default_value = "test_acc")]
+    pub compare_y: Vec<String>,
+    /// Title of the --compare figure.
+    #[arg(long, default_value = "")]
+    pub compare_title: String,
     /// Redraw DIR/curves.png from DIR/steps.csv and DIR/epochs.csv, then exit.
     #[arg(long, value_name = "DIR")]
     pub replot: Option<PathBuf>,
@@ -97,6 +125,22 @@ pub struct Args {
     /// Disable random horizontal flips.
     #[arg(long)]
     pub no_flip: bool,
+    /// Data echoing (Choi et al.): example-before-aug:E, example-after-aug:E, batch:E (E a
+    /// whole number or auto), or auto (before augmentation, E = floor(R) from the previous
+    /// epoch's measured R = t_up / t_down, at most 8).
+    #[arg(long, value_name = "POINT:E|auto")]
+    pub echo: Option<String>,
+    /// Shuffle buffer after the echo stage: examples for example echoing, batches for batch
+    /// echoing (default: 4 micro-batches of examples; no buffer for batch echoing).
+    #[arg(long, value_name = "N")]
+    pub echo_shuffle: Option<usize>,
+    /// Add this many microseconds to every example read (to make the input pipeline the
+    /// bottleneck on purpose, for echoing experiments).
+    #[arg(long, default_value_t = 0, value_name = "US")]
+    pub decode_cost_us: u64,
+    /// How --decode-cost-us is spent: spin (CPU work) or sleep (waiting, like slow storage).
+    #[arg(long, value_enum, default_value = "spin")]
+    pub decode_cost: CostKind,
 
     /// Epochs to train.
     #[arg(long, default_value_t = 10)]
@@ -132,6 +176,25 @@ pub struct Args {
     /// Step decay factor.
     #[arg(long, default_value_t = 0.1)]
     pub lr_gamma: f64,
+    /// Local optimiser.
+    #[arg(long, value_enum, default_value = "sgd")]
+    pub optimizer: OptimizerKind,
+    /// Adam's beta1.
+    #[arg(long, default_value_t = 0.9)]
+    pub adam_beta1: f64,
+    /// Adam's beta2.
+    #[arg(long, default_value_t = 0.999)]
+    pub adam_beta2: f64,
+    /// Adam's epsilon.
+    #[arg(long, default_value_t = 1e-8)]
+    pub adam_eps: f64,
+    /// BMUF (Chen and Huo): tau=T,eta=auto|x,zeta=x,nesterov=bool[,moments=corrected|naive].
+    /// Each rank runs T local steps on its own data, then the models are averaged with one
+    /// all-reduce and filtered with block momentum eta (auto: 1 - 1/N) and block learning rate
+    /// zeta. With --optimizer adam: BMUF-Adam (Chen, Ding and Huo), moments corrected or naively
+    /// averaged. The LR follows the per-rank batch, as for one worker.
+    #[arg(long, value_name = "SPEC")]
+    pub bmuf: Option<String>,
     /// Momentum.
     #[arg(long, default_value_t = 0.9)]
     pub momentum: f64,
@@ -183,6 +246,12 @@ pub struct Args {
     /// Skip evaluation on the test split.
     #[arg(long)]
     pub no_eval: bool,
+    /// Also evaluate every N optimiser steps (rows in evals.csv; 0: at epoch ends only).
+    #[arg(long, default_value_t = 0)]
+    pub eval_every: u64,
+    /// Stop once the test top-1 accuracy reaches this fraction (e.g. 0.85).
+    #[arg(long)]
+    pub target_acc: Option<f64>,
     /// Do not draw curves.png.
     #[arg(long)]
     pub no_plot: bool,

@@ -8,13 +8,20 @@
 //!  model.rs, pool.rs    ResNet-18/34/50 on candle; overlapping max pool with a correct backward
 //!  conv.rs              convolution as one GEMM over im2col columns, activations CNHW
 //!  optim.rs             SGD / Nesterov / LARS, LR warm-up and decay, batch-size schedule
-//!  data/                IDX and ImageFolder readers, sharding, threaded pipeline with echo seams
+//!  adam.rs              Adam (the local optimiser of BMUF-Adam)
+//!  bmuf.rs              BMUF and BMUF-Adam block synchronisation
+//!  data/                IDX and ImageFolder readers, sharding, threaded pipeline, data echoing,
+//!                       a slow-decode knob
 //!  metrics.rs           CSV and PNG curves
+//!  compare.rs           --compare: one PNG comparing several runs' evals.csv
 //!  checkpoint.rs        rank-0 checkpoints and resume
 //! ```
 
+pub mod adam;
+pub mod bmuf;
 pub mod checkpoint;
 pub mod cli;
+pub mod compare;
 pub mod conv;
 pub mod data;
 pub mod error;

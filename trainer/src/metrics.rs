@@ -1,4 +1,5 @@
-//! Metrics: CSV files (one row per logged step, one per epoch) and a PNG of the curves.
+//! Metrics: CSV files (one row per logged step, one per epoch, one per evaluation) and a PNG of
+//! the curves.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -26,6 +27,45 @@ pub struct StepRow {
     pub step_s: f64,
     /// Mean time per step blocked on gradient all-reduce, seconds.
     pub comm_s: f64,
+    /// Examples consumed so far, all ranks (echoes included).
+    pub examples: f64,
+    /// Fresh examples consumed so far, all ranks.
+    pub fresh: f64,
+    /// Training payload bytes all-reduced so far, per rank.
+    pub bytes: f64,
+    /// Echo factor in force.
+    pub echo: usize,
+    /// Upstream seconds per fresh per-rank batch (t_up).
+    pub t_up_s: f64,
+    /// Downstream seconds per step: the step less its wait for input (t_down).
+    pub t_down_s: f64,
+    /// R = t_up / t_down.
+    pub r: f64,
+}
+
+/// One evaluation on the test set (every `--eval-every` steps and at epoch ends).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EvalRow {
+    /// Optimiser steps so far.
+    pub step: u64,
+    /// Fractional epoch.
+    pub epoch: f64,
+    /// Examples consumed so far, all ranks (echoes included).
+    pub examples: f64,
+    /// Fresh examples consumed so far, all ranks.
+    pub fresh: f64,
+    /// Training payload bytes all-reduced so far, per rank.
+    pub bytes: f64,
+    /// Seconds since the start of the run.
+    pub wall_s: f64,
+    /// Seconds since the start, less the time spent evaluating.
+    pub train_s: f64,
+    /// Mean training loss over the steps since the previous evaluation (all ranks).
+    pub train_loss: f64,
+    /// Test loss.
+    pub test_loss: f64,
+    /// Test top-1 accuracy.
+    pub test_acc: f64,
 }
 
 /// One finished epoch.
@@ -66,9 +106,12 @@ pub struct Metrics {
     epochs: Vec<EpochRow>,
     step_file: std::fs::File,
     epoch_file: std::fs::File,
+    eval_file: std::fs::File,
 }
 
-const STEP_HEADER: &str = "step,epoch,global_batch,lr,loss,images_per_s,step_s,allreduce_wait_s";
+const STEP_HEADER: &str = "step,epoch,global_batch,lr,loss,images_per_s,step_s,allreduce_wait_s,examples,fresh,bytes,echo,t_up_s,t_down_s,r";
+/// The columns of `evals.csv`.
+pub const EVAL_HEADER: &str = "step,epoch,examples,fresh,bytes,wall_s,train_s,train_loss,test_loss,test_acc";
 const EPOCH_HEADER: &str = "epoch,step,global_batch,lr,train_loss,train_acc,test_loss,test_acc,images_per_s,allreduce_fraction,epoch_s,wall_s,epochs_done";
 
 impl Metrics {
@@ -100,6 +143,7 @@ impl Metrics {
             epochs,
             step_file: open("steps.csv", STEP_HEADER)?,
             epoch_file: open("epochs.csv", EPOCH_HEADER)?,
+            eval_file: open("evals.csv", EVAL_HEADER)?,
         })
     }
 
@@ -107,10 +151,48 @@ impl Metrics {
     pub fn step(&mut self, r: StepRow) -> Result<()> {
         writeln!(
             self.step_file,
-            "{},{:.4},{},{:.6},{:.5},{:.1},{:.4},{:.5}",
-            r.step, r.epoch, r.batch, r.lr, r.loss, r.images_per_s, r.step_s, r.comm_s
+            "{},{:.4},{},{:.6},{:.5},{:.1},{:.4},{:.5},{},{},{},{},{:.5},{:.5},{:.3}",
+            r.step,
+            r.epoch,
+            r.batch,
+            r.lr,
+            r.loss,
+            r.images_per_s,
+            r.step_s,
+            r.comm_s,
+            r.examples,
+            r.fresh,
+            r.bytes,
+            r.echo,
+            r.t_up_s,
+            r.t_down_s,
+            r.r
         )?;
         self.steps.push(r);
+        Ok(())
+    }
+
+    /// The training loss of the last `steps.csv` row (NaN before the first).
+    pub fn last_loss(&self) -> f64 {
+        self.steps.last().map_or(f64::NAN, |s| s.loss)
+    }
+
+    /// Records an evaluation row.
+    pub fn eval(&mut self, r: EvalRow) -> Result<()> {
+        writeln!(
+            self.eval_file,
+            "{},{:.4},{},{},{},{:.2},{:.2},{:.5},{:.5},{:.4}",
+            r.step,
+            r.epoch,
+            r.examples,
+            r.fresh,
+            r.bytes,
+            r.wall_s,
+            r.train_s,
+            r.train_loss,
+            r.test_loss,
+            r.test_acc
+        )?;
         Ok(())
     }
 
@@ -173,6 +255,14 @@ pub fn read_history(dir: &Path) -> Result<(Vec<StepRow>, Vec<EpochRow>)> {
             images_per_s: r[5],
             step_s: r[6],
             comm_s: r[7],
+            // Files from before these columns: unknown.
+            examples: r.get(8).copied().unwrap_or(f64::NAN),
+            fresh: r.get(9).copied().unwrap_or(f64::NAN),
+            bytes: r.get(10).copied().unwrap_or(f64::NAN),
+            echo: r.get(11).map_or(1, |&e| e as usize),
+            t_up_s: r.get(12).copied().unwrap_or(f64::NAN),
+            t_down_s: r.get(13).copied().unwrap_or(f64::NAN),
+            r: r.get(14).copied().unwrap_or(f64::NAN),
         })
         .collect();
     let epochs = rows(&dir.join("epochs.csv"))?
@@ -206,7 +296,7 @@ const FONTS: [&str; 3] = [
     "/usr/share/fonts/TTF/DejaVuSans.ttf",
 ];
 
-fn register_font() -> Result<()> {
+pub(crate) fn register_font() -> Result<()> {
     static DONE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let ok = *DONE.get_or_init(|| {
         FONTS.iter().any(|p| {
@@ -229,15 +319,15 @@ fn register_font() -> Result<()> {
     }
 }
 
-fn pe<E: std::fmt::Debug>(e: E) -> Error {
+pub(crate) fn pe<E: std::fmt::Debug>(e: E) -> Error {
     Error::msg(format!("plot: {e:?}"))
 }
 
 /// A named, coloured line of (x, y) points.
-type Series<'a> = (&'a str, RGBColor, Vec<(f64, f64)>);
+pub(crate) type Series<'a> = (&'a str, RGBColor, Vec<(f64, f64)>);
 
 /// A line chart of `series` (name, colour, points) in one panel.
-fn panel<DB: DrawingBackend>(
+pub(crate) fn panel<DB: DrawingBackend>(
     area: &DrawingArea<DB, plotters::coord::Shift>,
     caption: &str,
     xlabel: &str,
@@ -386,6 +476,7 @@ mod tests {
                 images_per_s: 500.0,
                 step_s: 0.1,
                 comm_s: 0.01,
+                ..Default::default()
             })
             .unwrap();
         }

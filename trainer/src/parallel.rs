@@ -116,6 +116,9 @@ pub struct Replicas {
     /// When false, all-reduces are issued only after the whole backward pass and waited for at
     /// once (to measure what the overlap buys).
     pub overlap: bool,
+    /// When false (BMUF's local steps), gradients are not all-reduced: each rank applies its
+    /// own.
+    pub sync_grads: bool,
     launched: usize,
 }
 
@@ -130,7 +133,7 @@ impl Replicas {
                 place[p] = (bi, o);
             }
         }
-        Replicas { comm, buckets, place, overlap, launched: 0 }
+        Replicas { comm, buckets, place, overlap, sync_grads: true, launched: 0 }
     }
 
     /// This rank.
@@ -230,7 +233,7 @@ impl Replicas {
         }
         while self.launched < self.buckets.len() && self.buckets[self.launched].min_segment >= segment {
             let b = &mut self.buckets[self.launched];
-            if let Some(comm) = &self.comm {
+            if let Some(comm) = self.comm.as_ref().filter(|_| self.sync_grads) {
                 let Some(buf) = b.buf.take() else { bail!("bucket launched twice") };
                 b.work = Some(comm.all_reduce_async(buf, ReduceOp::Avg)?);
             }

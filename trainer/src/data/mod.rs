@@ -1,9 +1,11 @@
 //! Data: data sets (IDX files, class-per-directory image folders), per-rank sharding of each
 //! epoch's permutation, and the threaded input pipeline.
 
+pub mod echo;
 pub mod folder;
 pub mod idx;
 pub mod pipeline;
+pub mod slow;
 
 use crate::error::Result;
 

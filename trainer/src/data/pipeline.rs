@@ -5,7 +5,8 @@
 //!    -> decode pool (W threads: read + decode)
 //!    -> sequencer: restore order | SEAM after_decode | shuffle buffer
 //!    -> augment pool (W threads: resize, random crop with padding, flip, normalise)
-//!    -> batcher: restore order | SEAM after_augment | batch | SEAM after_batch
+//!    -> batcher: restore order | SEAM after_augment | shuffle buffer | batch
+//!                | SEAM after_batch | shuffle buffer of batches
 //!    -> bounded queue of ready batches (prefetch) -> trainer
 //! ```
 //!
@@ -18,6 +19,12 @@
 //! any number of times. Example echoing before augmentation uses `after_decode` (the shuffle
 //! buffer right after it keeps repeats apart), after augmentation `after_augment`, batch echoing
 //! `after_batch`. A stage must be deterministic for the same reason as above.
+//!
+//! The first item a seam emits for an input is that input's fresh use; any further ones are
+//! repeats. Samples and batches carry that mark ([`Sample::fresh`], [`Batch::fresh`]), so the
+//! trainer counts exactly the fresh examples it consumed, however the buffers reorder them.
+//! Each pool also adds its busy time to an optional [`StageClock`], from which the trainer
+//! measures the upstream time per batch (and which holds the pools while it is stopped).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -25,6 +32,7 @@ use std::thread::JoinHandle;
 
 use crossbeam::channel::{Receiver, Sender, bounded, unbounded};
 
+use super::echo::{ShuffleBuffer, StageClock};
 use super::{Dataset, Example, Image};
 use crate::error::{Error, Result};
 use crate::rng::Rng;
@@ -36,6 +44,8 @@ pub struct Sample {
     pub pixels: Vec<f32>,
     /// Class.
     pub label: u32,
+    /// True for the example's first use in the epoch, false for an echo of it.
+    pub fresh: bool,
 }
 
 /// A batch ready for the model.
@@ -49,6 +59,8 @@ pub struct Batch {
     pub channels: usize,
     /// Side of the square images.
     pub size: usize,
+    /// Examples used for the first time (the rest are echoes; 0 for a repeated batch).
+    pub fresh: usize,
 }
 
 impl Batch {
@@ -199,8 +211,12 @@ pub struct PipelineConfig {
     pub batch_size: usize,
     /// Threads in each of the decode and augment pools (at least 1).
     pub workers: usize,
-    /// Shuffle buffer capacity in examples (0 or 1: no shuffle buffer).
+    /// Shuffle buffer capacity in examples after the after-decode seam (0 or 1: none).
     pub shuffle_buffer: usize,
+    /// Shuffle buffer capacity in examples after the after-augment seam (0 or 1: none).
+    pub augment_shuffle: usize,
+    /// Shuffle buffer capacity in batches after the after-batch seam (0 or 1: none).
+    pub batch_shuffle: usize,
     /// Random augmentation (training) or deterministic (evaluation).
     pub train: bool,
     /// Keep a last partial batch (evaluation) or drop it (training, so ranks step together).
@@ -217,6 +233,8 @@ pub struct PipelineConfig {
     pub augment: Augment,
     /// Stages at the seams.
     pub seams: Seams,
+    /// Where the pools add their busy time (None: not measured).
+    pub clock: Option<Arc<StageClock>>,
 }
 
 /// A running epoch: an iterator of batches. Dropping it stops the threads.
@@ -275,7 +293,7 @@ pub fn start(data: Arc<dyn Dataset>, indices: Vec<usize>, cfg: PipelineConfig) -
     }
     drop(job_tx);
     let (dec_tx, dec_rx) = bounded::<(u64, Result<Example>)>(depth);
-    let (aug_in_tx, aug_in_rx) = bounded::<(u64, Result<Example>)>(depth);
+    let (aug_in_tx, aug_in_rx) = bounded::<(u64, Result<(Example, bool)>)>(depth);
     let (aug_out_tx, aug_out_rx) = bounded::<(u64, Result<Sample>)>(depth);
     let (out_tx, out_rx) = bounded::<Result<Batch>>(cfg.prefetch.max(1));
     let mut threads = vec![];
@@ -288,13 +306,21 @@ pub fn start(data: Arc<dyn Dataset>, indices: Vec<usize>, cfg: PipelineConfig) -
     };
 
     for w in 0..workers {
-        let (rx, tx, data) = (job_rx.clone(), dec_tx.clone(), data.clone());
+        let (rx, tx, data, clock) = (job_rx.clone(), dec_tx.clone(), data.clone(), cfg.clock.clone());
         spawn(
             &mut threads,
             format!("decode-{w}"),
             Box::new(move || {
                 for (seq, i) in rx.iter() {
-                    if tx.send((seq, data.get(i))).is_err() {
+                    if let Some(c) = &clock {
+                        c.wait_while_stopped();
+                    }
+                    let t = std::time::Instant::now();
+                    let ex = data.get(i);
+                    if let Some(c) = &clock {
+                        c.add_decode(t.elapsed());
+                    }
+                    if tx.send((seq, ex)).is_err() {
                         return;
                     }
                 }
@@ -316,10 +342,17 @@ pub fn start(data: Arc<dyn Dataset>, indices: Vec<usize>, cfg: PipelineConfig) -
             Box::new(move || {
                 let aug = if cfg.train { cfg.augment.clone() } else { cfg.augment.deterministic() };
                 for (seq, ex) in rx.iter() {
+                    if let Some(c) = &cfg.clock {
+                        c.wait_while_stopped();
+                    }
+                    let t = std::time::Instant::now();
                     let mut rng = Rng::derive(cfg.seed, &[0x0041_5547, cfg.epoch, cfg.rank as u64, seq]);
-                    let s = ex.and_then(|ex| {
-                        Ok(Sample { pixels: aug.apply(&ex.image, &mut rng)?, label: ex.label })
+                    let s = ex.and_then(|(ex, fresh)| {
+                        Ok(Sample { pixels: aug.apply(&ex.image, &mut rng)?, label: ex.label, fresh })
                     });
+                    if let Some(c) = &cfg.clock {
+                        c.add_augment(t.elapsed());
+                    }
                     if tx.send((seq, s)).is_err() {
                         return;
                     }
@@ -333,12 +366,17 @@ pub fn start(data: Arc<dyn Dataset>, indices: Vec<usize>, cfg: PipelineConfig) -
     Pipeline { rx: Some(out_rx), threads }
 }
 
-/// Restores decode order, runs the after-decode seam, then the shuffle buffer.
-fn sequencer(rx: Receiver<(u64, Result<Example>)>, tx: Sender<(u64, Result<Example>)>, cfg: &PipelineConfig) {
-    let mut rng = Rng::derive(cfg.seed, &[0x5348_5546, cfg.epoch, cfg.rank as u64]);
-    let mut buffer: Vec<Example> = Vec::with_capacity(cfg.shuffle_buffer);
+/// Restores decode order, runs the after-decode seam (marking each input's first emission
+/// fresh), then the shuffle buffer.
+fn sequencer(
+    rx: Receiver<(u64, Result<Example>)>,
+    tx: Sender<(u64, Result<(Example, bool)>)>,
+    cfg: &PipelineConfig,
+) {
+    let rng = Rng::derive(cfg.seed, &[0x5348_5546, cfg.epoch, cfg.rank as u64]);
+    let mut buffer = ShuffleBuffer::new(cfg.shuffle_buffer, rng);
     let mut out_seq = 0u64;
-    let mut send = |item: Result<Example>| {
+    let mut send = |item: Result<(Example, bool)>| {
         let ok = tx.send((out_seq, item)).is_ok();
         out_seq += 1;
         ok
@@ -353,41 +391,24 @@ fn sequencer(rx: Receiver<(u64, Result<Example>)>, tx: Sender<(u64, Result<Examp
             Ok(ex) => {
                 let mut staged = Vec::with_capacity(1);
                 match &cfg.seams.after_decode {
-                    Some(stage) => stage.process(ex, &mut |e| staged.push(e)),
-                    None => staged.push(ex),
+                    Some(stage) => stage.process(ex, &mut |e| {
+                        let fresh = staged.is_empty();
+                        staged.push((e, fresh))
+                    }),
+                    None => staged.push((ex, true)),
                 }
-                for ex in staged {
-                    if cfg.shuffle_buffer <= 1 {
-                        if !send(Ok(ex)) {
-                            return false;
-                        }
-                    } else if buffer.len() < cfg.shuffle_buffer {
-                        buffer.push(ex);
-                    } else {
-                        // Emit a random resident, keep the newcomer (tf.data's shuffle).
-                        let j = rng.below(buffer.len());
-                        let out = std::mem::replace(&mut buffer[j], ex);
-                        if !send(Ok(out)) {
-                            return false;
-                        }
-                    }
-                }
-                true
+                staged.into_iter().all(|ex| buffer.push(ex, &mut |ex| send(Ok(ex))))
             }
         });
         if !alive {
             return;
         }
     }
-    while !buffer.is_empty() {
-        let j = rng.below(buffer.len());
-        if !send(Ok(buffer.swap_remove(j))) {
-            return;
-        }
-    }
+    buffer.drain(&mut |ex| send(Ok(ex)));
 }
 
-/// Restores augmentation order, runs the after-augment seam, batches, runs the after-batch seam.
+/// Restores augmentation order, runs the after-augment seam and its shuffle buffer, batches,
+/// runs the after-batch seam and its shuffle buffer of batches.
 fn batcher(rx: Receiver<(u64, Result<Sample>)>, tx: Sender<Result<Batch>>, cfg: &PipelineConfig) {
     let (c, s) = (cfg.augment.mean.len(), cfg.augment.size);
     let b = cfg.batch_size.max(1);
@@ -396,15 +417,32 @@ fn batcher(rx: Receiver<(u64, Result<Sample>)>, tx: Sender<Result<Batch>>, cfg: 
         labels: Vec::with_capacity(b),
         channels: c,
         size: s,
+        fresh: 0,
     };
     let mut batch = new_batch();
-    let emit_batch = |batch: Batch| -> bool {
-        let mut ok = true;
+    let part = |tag: u64| Rng::derive(cfg.seed, &[tag, cfg.epoch, cfg.rank as u64]);
+    let mut samples = ShuffleBuffer::new(cfg.augment_shuffle, part(0x4543_4853));
+    let mut batches = ShuffleBuffer::new(cfg.batch_shuffle, part(0x4543_4842));
+    // Runs the after-batch seam (the first emission keeps the fresh count, repeats have none),
+    // then the batch shuffle buffer.
+    let mut emit_batch = |batch: Batch| -> bool {
+        let mut staged = Vec::with_capacity(1);
         match &cfg.seams.after_batch {
-            Some(stage) => stage.process(batch, &mut |b| ok &= tx.send(Ok(b)).is_ok()),
-            None => ok = tx.send(Ok(batch)).is_ok(),
+            Some(stage) => stage.process(batch, &mut |mut x| {
+                if !staged.is_empty() {
+                    x.fresh = 0;
+                }
+                staged.push(x)
+            }),
+            None => staged.push(batch),
         }
-        ok
+        staged.into_iter().all(|x| batches.push(x, &mut |x| tx.send(Ok(x)).is_ok()))
+    };
+    let add = |sample: Sample, batch: &mut Batch, emit_batch: &mut dyn FnMut(Batch) -> bool| -> bool {
+        batch.images.extend_from_slice(&sample.pixels);
+        batch.labels.push(sample.label);
+        batch.fresh += sample.fresh as usize;
+        batch.len() < b || emit_batch(std::mem::replace(batch, new_batch()))
     };
     let mut reorder = Reorder::new();
     for (seq, item) in rx.iter() {
@@ -416,26 +454,28 @@ fn batcher(rx: Receiver<(u64, Result<Sample>)>, tx: Sender<Result<Batch>>, cfg: 
             Ok(sample) => {
                 let mut staged = Vec::with_capacity(1);
                 match &cfg.seams.after_augment {
-                    Some(stage) => stage.process(sample, &mut |x| staged.push(x)),
+                    Some(stage) => stage.process(sample, &mut |mut x| {
+                        if !staged.is_empty() {
+                            x.fresh = false;
+                        }
+                        staged.push(x)
+                    }),
                     None => staged.push(sample),
                 }
-                for sample in staged {
-                    batch.images.extend_from_slice(&sample.pixels);
-                    batch.labels.push(sample.label);
-                    if batch.len() == b && !emit_batch(std::mem::replace(&mut batch, new_batch())) {
-                        return false;
-                    }
-                }
-                true
+                staged.into_iter().all(|x| samples.push(x, &mut |x| add(x, &mut batch, &mut emit_batch)))
             }
         });
         if !alive {
             return;
         }
     }
-    if cfg.keep_partial && !batch.is_empty() {
-        emit_batch(batch);
+    if !samples.drain(&mut |x| add(x, &mut batch, &mut emit_batch)) {
+        return;
     }
+    if cfg.keep_partial && !batch.is_empty() && !emit_batch(batch) {
+        return;
+    }
+    batches.drain(&mut |x| tx.send(Ok(x)).is_ok());
 }
 
 #[cfg(test)]
@@ -481,6 +521,9 @@ mod tests {
             rank: 0,
             augment: Augment { size: 4, crop_pad: 1, flip: true, mean: vec![0.0], std: vec![1.0 / 255.0] },
             seams: Seams::default(),
+            augment_shuffle: 0,
+            batch_shuffle: 0,
+            clock: None,
         }
     }
 
@@ -547,6 +590,83 @@ mod tests {
         let b = ids(start(data, (0..20).collect(), c));
         assert_eq!(b.len(), 32);
         assert_eq!(b[0], b[1]);
+    }
+
+    /// Each example's id, per batch, and how many examples are fresh in each.
+    fn ids_and_fresh(p: Pipeline) -> (Vec<Vec<u32>>, Vec<usize>) {
+        let batches: Vec<Batch> = p.map(|b| b.unwrap()).collect();
+        let ids = batches.iter().map(|b| (0..b.len()).map(|i| b.images[i * 16 + 5].round() as u32).collect());
+        (ids.collect(), batches.iter().map(|b| b.fresh).collect())
+    }
+
+    #[test]
+    fn echo_at_each_seam_repeats_exactly_and_counts_fresh_examples() {
+        use crate::data::echo::Echo;
+        let data: Arc<dyn Dataset> = Arc::new(Synthetic(40, usize::MAX));
+        let idx: Vec<usize> = (0..40).collect();
+        for e in 1..=3 {
+            for point in 0..3 {
+                let mut c = cfg(2, 0, false);
+                let echo = Echo { factor: e };
+                match point {
+                    0 => {
+                        c.seams.after_decode = Some(Arc::new(echo));
+                        c.shuffle_buffer = 16;
+                    }
+                    1 => {
+                        c.seams.after_augment = Some(Arc::new(echo));
+                        c.augment_shuffle = 16;
+                    }
+                    _ => {
+                        c.seams.after_batch = Some(Arc::new(echo));
+                        c.batch_shuffle = 4;
+                    }
+                }
+                let clock = Arc::new(StageClock::default());
+                c.clock = Some(clock.clone());
+                let (ids, fresh) = ids_and_fresh(start(data.clone(), idx.clone(), c.clone()));
+                assert_eq!(ids.len(), 8 * e, "e {e} point {point}");
+                let flat = ids.concat();
+                for i in 0..40 {
+                    assert_eq!(
+                        flat.iter().filter(|&&x| x == i).count(),
+                        e,
+                        "example {i}, e {e}, point {point}"
+                    );
+                }
+                // Every example is fresh exactly once, whatever the buffers did to the order.
+                assert_eq!(fresh.iter().sum::<usize>(), 40);
+                if point == 2 {
+                    assert_eq!(fresh.iter().filter(|&&f| f == 5).count(), 8);
+                }
+                // The clock saw every read; the same run again is the same stream.
+                let r = clock.read();
+                assert_eq!(r.decoded, 40.0);
+                assert_eq!(r.augmented, if point == 0 { 40.0 * e as f64 } else { 40.0 });
+                assert_eq!(ids_and_fresh(start(data.clone(), idx.clone(), c)).0, ids);
+            }
+        }
+    }
+
+    #[test]
+    fn a_shuffle_buffer_after_the_echo_stage_separates_repeats() {
+        use crate::data::echo::Echo;
+        let data: Arc<dyn Dataset> = Arc::new(Synthetic(200, usize::MAX));
+        // Batches holding the same example twice.
+        let dup = |buffer: usize| {
+            let mut c = cfg(1, buffer, false);
+            c.seams.after_decode = Some(Arc::new(Echo { factor: 2 }));
+            let (ids, _) = ids_and_fresh(start(data.clone(), (0..200).collect(), c));
+            ids.iter()
+                .filter(|b| {
+                    let mut s = (*b).clone();
+                    s.sort_unstable();
+                    s.windows(2).any(|w| w[0] == w[1])
+                })
+                .count()
+        };
+        assert_eq!(dup(0), 80); // every batch of 5 holds two or three pairs
+        assert!(dup(64) < 20, "{}", dup(64));
     }
 
     #[test]

@@ -1,13 +1,16 @@
-//! One epoch of training: the input pipeline, the progress bar, the steps, periodic identity
-//! checks and `steps.csv` rows, and `--max-steps`.
+//! One epoch of training: the input pipeline (with the epoch's echo factor), the progress bar,
+//! the steps (and BMUF's block synchronisations), periodic identity checks, `steps.csv` rows,
+//! `--eval-every`, `--target-acc` and `--max-steps`.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
 
-use super::Trainer;
 use super::stats::{EpochStats, Window};
+use super::{Trainer, log};
 use crate::bail;
+use crate::data::echo::{AUTO_MAX, Echo, EchoFactor, EchoPoint, auto_factor, steps_per_epoch};
 use crate::data::pipeline::{self, PipelineConfig, Seams};
 use crate::data::shard;
 use crate::error::{Error, Result};
@@ -27,7 +30,7 @@ pub(super) struct EpochRun {
     pub stats: EpochStats,
     /// Seconds the epoch's training took.
     pub epoch_s: f64,
-    /// True when `--max-steps` ended the run in this epoch.
+    /// True when `--max-steps` or `--target-acc` ended the run in this epoch.
     pub stopped: bool,
 }
 
@@ -37,7 +40,8 @@ impl Trainer {
         let global = self.schedule.at(epoch);
         let plan = plan_batch(global, self.world, self.args.max_micro_batch)?;
         let indices = shard(self.train.len(), epoch, self.args.seed, self.rank, self.world, true, true);
-        let steps = indices.len() / (plan.micro * plan.accum);
+        self.choose_echo_factor(epoch);
+        let steps = steps_per_epoch(self.echo.point, self.echo_factor, indices.len(), plan.micro, plan.accum);
         if steps == 0 {
             bail!(
                 "epoch {epoch}: {} examples per rank cannot fill one step of {} x {}",
@@ -52,27 +56,48 @@ impl Trainer {
         let images = plan.micro * plan.accum * self.world;
         let (mut stats, mut window) = (EpochStats::default(), Window::default());
         let mut window_start = Instant::now();
-        let mut rate = self.lr.at(epoch as f64, global);
+        // Under BMUF each rank is one worker of batch global / N, so the LR follows that batch.
+        let lr_batch = if self.bmuf.is_some() { global / self.world } else { global };
+        let mut rate = self.lr.at(epoch as f64, lr_batch);
         let mut stopped = false;
         for s in 0..steps {
             let t_step = Instant::now();
-            rate = self.lr.at(epoch as f64 + s as f64 / steps as f64, global);
-            let mut next_batch = || match batches.next() {
-                Some(b) => b,
-                None => bail!("input pipeline ended after {s} of {steps} steps in epoch {epoch}"),
+            rate = self.lr.at(epoch as f64 + s as f64 / steps as f64, lr_batch);
+            let (mut input_wait, mut fresh, mut examples) = (0f64, 0usize, 0usize);
+            let mut next_batch = || {
+                let t = Instant::now();
+                let b = match batches.next() {
+                    Some(b) => b,
+                    None => bail!("input pipeline ended after {s} of {steps} steps in epoch {epoch}"),
+                };
+                input_wait += t.elapsed().as_secs_f64();
+                if let Ok(b) = &b {
+                    (fresh, examples) = (fresh + b.fresh, examples + b.len());
+                }
+                b
             };
             let done = self.train_step(&plan, rate, epoch, &mut next_batch, &mut stats.train)?;
             self.step += 1;
+            self.progress.fresh += fresh as f64;
+            self.progress.examples += examples as f64;
+            self.after_local_step()?;
             let dt = t_step.elapsed().as_secs_f64();
             stats.add_step_time(dt, done.wait_s);
             window.add_step(done.loss, images, dt, done.wait_s);
+            window.add_compute(dt - input_wait);
             bar.set_message(format!(
-                "loss {:.4} | {:.0} img/s | lr {rate:.4}",
+                "loss {:.4} | {:.0} img/s | lr {rate:.4} | R = t_up/t_down {:.2} | echo {}",
                 done.loss,
-                images as f64 / dt
+                images as f64 / dt,
+                self.progress.last_r,
+                self.echo_factor
             ));
             bar.inc(1);
-            if self.args.check_every > 0 && self.step.is_multiple_of(self.args.check_every) {
+            // Under BMUF the replicas differ inside a block; each block end is checked instead.
+            if self.args.check_every > 0
+                && self.bmuf.is_none()
+                && self.step.is_multiple_of(self.args.check_every)
+            {
                 let what = format!("parameters after step {}", self.step);
                 self.rep.check_identical(&self.host_values(), &what)?;
             }
@@ -83,6 +108,14 @@ impl Trainer {
                 window = Window::default();
                 window_start = Instant::now();
             }
+            let every = self.args.eval_every;
+            if every > 0 && self.step.is_multiple_of(every) && s + 1 < steps {
+                let at = epoch as f64 + (s + 1) as f64 / steps as f64;
+                if self.evaluate_and_record(at, plan.micro)?.is_some_and(|(_, acc)| self.reached(acc)) {
+                    stopped = true;
+                    break;
+                }
+            }
             if at_max {
                 stopped = true;
                 break;
@@ -90,16 +123,37 @@ impl Trainer {
         }
         bar.finish_and_clear();
         drop(batches);
+        self.finish_block()?;
         let epoch_s = epoch_start.elapsed().as_secs_f64();
         Ok(EpochRun { global, plan, steps, rate, stats, epoch_s, stopped })
     }
 
-    /// The training input pipeline of `epoch`: shuffled, augmented, full micro-batches.
+    /// `--echo auto`: from the second epoch on, E = floor(R) of the last measurement (the same
+    /// on every rank, since R comes from sums over ranks).
+    fn choose_echo_factor(&mut self, epoch: u64) {
+        if self.echo.factor != EchoFactor::Auto || epoch == self.start_epoch {
+            return;
+        }
+        let e = auto_factor(self.progress.last_r, AUTO_MAX);
+        if e != self.echo_factor {
+            let r = self.progress.last_r;
+            log(
+                self.rank,
+                &format!("toroid-train: echo auto: R = {r:.2}, echo factor {} -> {e}", self.echo_factor),
+            );
+        }
+        self.echo_factor = e;
+    }
+
+    /// The training input pipeline of `epoch`: shuffled, augmented, full micro-batches, with the
+    /// echo stage and the shuffle buffer after it.
     fn pipeline_config(&self, epoch: u64, plan: &BatchPlan) -> PipelineConfig {
-        PipelineConfig {
+        let mut cfg = PipelineConfig {
             batch_size: plan.micro,
             workers: self.args.workers,
             shuffle_buffer: self.args.shuffle_buffer,
+            augment_shuffle: 0,
+            batch_shuffle: 0,
             train: true,
             keep_partial: false,
             prefetch: self.args.prefetch,
@@ -108,7 +162,30 @@ impl Trainer {
             rank: self.rank,
             augment: self.augment.clone(),
             seams: Seams::default(),
+            clock: Some(self.clock.clone()),
+        };
+        let e = self.echo_factor;
+        if e > 1 {
+            let echo = Echo { factor: e };
+            let point = self.echo.point;
+            let buffer =
+                self.args.echo_shuffle.unwrap_or(if point == EchoPoint::Batch { 0 } else { 4 * plan.micro });
+            match point {
+                EchoPoint::BeforeAugment => {
+                    cfg.seams.after_decode = Some(Arc::new(echo));
+                    cfg.shuffle_buffer = cfg.shuffle_buffer.max(buffer);
+                }
+                EchoPoint::AfterAugment => {
+                    cfg.seams.after_augment = Some(Arc::new(echo));
+                    cfg.augment_shuffle = buffer;
+                }
+                EchoPoint::Batch => {
+                    cfg.seams.after_batch = Some(Arc::new(echo));
+                    cfg.batch_shuffle = buffer;
+                }
+            }
         }
+        cfg
     }
 
     /// The epoch's progress bar (hidden except on rank 0).

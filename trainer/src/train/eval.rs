@@ -36,6 +36,9 @@ pub(super) fn evaluate(
         rank: rep.rank(),
         augment: augment.clone(),
         seams: Seams::default(),
+        augment_shuffle: 0,
+        batch_shuffle: 0,
+        clock: None,
     };
     let mut sums = ExampleSums::default();
     for b in pipeline::start(data.clone(), idx, cfg) {

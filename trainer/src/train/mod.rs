@@ -7,6 +7,7 @@
 //!  setup.rs   connect, data, augmentation, model, replicas, optimiser, checkpoint resume
 //!  epoch.rs   one epoch: input pipeline, progress bar, the steps, --check-every, --max-steps
 //!  step.rs    one optimiser step: segmented forward/backward, gradient all-reduce, update
+//!  block.rs   BMUF: the block synchronisation between local steps, host <-> model copies
 //!  eval.rs    test-set evaluation
 //!  report.rs  steps.csv / epochs.csv rows, log lines, plots, checkpoints, the final hash
 //!  stats.rs   the statistics the steps accumulate and the reports sum over ranks
@@ -17,8 +18,11 @@ use std::time::Instant;
 
 use candle_core::Device;
 
+use crate::adam::AdamConfig;
+use crate::bmuf::Bmuf;
 use crate::cli::Args;
 use crate::data::Dataset;
+use crate::data::echo::{ClockReading, EchoSpec, StageClock};
 use crate::data::pipeline::Augment;
 use crate::error::Result;
 use crate::metrics::Metrics;
@@ -26,6 +30,7 @@ use crate::model::ResNet;
 use crate::optim::{BatchSchedule, LrSchedule, OptConfig};
 use crate::parallel::Replicas;
 
+mod block;
 mod epoch;
 mod eval;
 mod report;
@@ -40,6 +45,12 @@ pub use step::loss_and_correct;
 pub fn run(args: Args) -> Result<()> {
     if let Some(dir) = &args.replot {
         return report::replot(dir);
+    }
+    if let Some(out) = &args.compare {
+        let runs: Vec<_> = args.compare_runs.iter().map(|r| crate::compare::parse_run(r)).collect();
+        crate::compare::compare(out, &args.compare_title, &runs, &args.compare_x, &args.compare_y)?;
+        println!("{}", out.display());
+        return Ok(());
     }
     if args.print_params {
         return setup::print_params(&args);
@@ -68,6 +79,20 @@ struct Trainer {
     schedule: BatchSchedule,
     lr: LrSchedule,
     opt: OptConfig,
+    /// Adam, when it is the local optimiser (else SGD/LARS with `opt`).
+    adam: Option<AdamConfig>,
+    /// Adam's step counter (advanced by BMUF-Adam's eta * rho_n after each block).
+    adam_t: f64,
+    /// BMUF state, when training with `--bmuf`.
+    bmuf: Option<Bmuf>,
+    /// Data echoing: insertion point and factor (no echoing: factor 1).
+    echo: EchoSpec,
+    /// The echo factor of the current epoch (the same on every rank).
+    echo_factor: usize,
+    /// The input pipeline's busy time, across epochs.
+    clock: Arc<StageClock>,
+    /// Counters behind the upstream and progress reports.
+    progress: Progress,
     /// The CSV and plot writer: rank 0 only.
     metrics: Option<Metrics>,
     /// Title of the plots.
@@ -78,10 +103,31 @@ struct Trainer {
     step: u64,
 }
 
-/// Host copy of one parameter: the master value the optimiser updates, and its momentum.
+/// Host copy of one parameter: the master value the optimiser updates, its momentum (Adam's
+/// first moment) and Adam's second moment (empty for SGD).
 struct HostParam {
     data: Vec<f32>,
     momentum: Vec<f32>,
+    second: Vec<f32>,
+}
+
+/// What this rank has consumed and sent, and the measurements behind R = t_up / t_down.
+#[derive(Debug, Default, Clone)]
+struct Progress {
+    /// Examples consumed by optimiser steps (echoes included).
+    examples: f64,
+    /// Fresh examples among them (first uses).
+    fresh: f64,
+    /// Training payload bytes this rank all-reduced (gradients, or BMUF's model and moments).
+    bytes: f64,
+    /// Seconds spent evaluating (left out of `train_s`).
+    eval_s: f64,
+    /// The clock at the last `steps.csv` row.
+    clock_mark: ClockReading,
+    /// R from the last `steps.csv` row (NaN before the first); all ranks hold the same value.
+    last_r: f64,
+    /// The last evaluation: (step, test loss, test accuracy).
+    last_eval: Option<(u64, f64, f64)>,
 }
 
 impl Trainer {
@@ -93,7 +139,7 @@ impl Trainer {
         while epoch < self.args.epochs && !stopped {
             let done = self.train_epoch(epoch)?;
             stopped = done.stopped;
-            self.end_epoch(epoch, &done)?;
+            stopped |= self.end_epoch(epoch, &done)?;
             epoch += 1;
             let last = epoch >= self.args.epochs || stopped;
             let every = self.args.checkpoint_every;

@@ -6,14 +6,18 @@ use std::time::Instant;
 
 use candle_core::{Device, Var};
 
-use super::{HostParam, Trainer, log};
+use super::{HostParam, Progress, Trainer, log};
+use crate::adam::AdamConfig;
 use crate::bail;
+use crate::bmuf::{Bmuf, BmufSpec};
 use crate::checkpoint;
-use crate::cli::{Args, DecayKind, Format};
+use crate::cli::{Args, DecayKind, Format, OptimizerKind};
 use crate::data::Dataset;
+use crate::data::echo::{EchoFactor, EchoSpec};
 use crate::data::folder::FolderDataset;
 use crate::data::idx::{FASHION_MNIST_DIR, IdxDataset, Split};
 use crate::data::pipeline::Augment;
+use crate::data::slow::SlowDataset;
 use crate::error::Result;
 use crate::metrics::Metrics;
 use crate::model::{BnMode, ModelConfig, ResNet};
@@ -131,7 +135,24 @@ impl Trainer {
         let comm = connect()?;
         let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.size()));
         let (train, test) = open_data(&args)?;
+        let train: Arc<dyn Dataset> = match args.decode_cost_us {
+            0 => train,
+            us => Arc::new(SlowDataset::new(train, std::time::Duration::from_micros(us), args.decode_cost)),
+        };
         let test = if args.no_eval { None } else { test };
+        let echo = match &args.echo {
+            Some(s) => EchoSpec::parse(s)?,
+            None => EchoSpec::OFF,
+        };
+        let bmuf_spec = args.bmuf.as_deref().map(BmufSpec::parse).transpose()?;
+        if args.resume.is_some() && (bmuf_spec.is_some() || args.optimizer == OptimizerKind::Adam) {
+            bail!(
+                "--resume is supported for SGD without --bmuf only (checkpoints hold no Adam or BMUF state)"
+            );
+        }
+        if args.lars && args.optimizer == OptimizerKind::Adam {
+            bail!("--lars and --optimizer adam exclude each other");
+        }
         log(rank, &format!("toroid-train: {world} rank(s); train {}", train.describe()));
         if let Some(t) = &test {
             log(rank, &format!("toroid-train: test {}", t.describe()));
@@ -146,8 +167,13 @@ impl Trainer {
         let what = format!("{:?}, {} parameters", model.config, model.num_params());
         log(rank, &format!("toroid-train: {what}, input {channels}x{size}x{size}"));
         let bucket_bytes = (args.bucket_mb * 1024.0 * 1024.0) as usize;
-        let rep = Replicas::new(comm, &model.params, bucket_bytes.max(4), !args.no_overlap);
-        log(rank, &format!("toroid-train: {} gradient buckets, overlap {}", rep.buckets.len(), rep.overlap));
+        let mut rep = Replicas::new(comm, &model.params, bucket_bytes.max(4), !args.no_overlap);
+        if bmuf_spec.is_none() {
+            log(
+                rank,
+                &format!("toroid-train: {} gradient buckets, overlap {}", rep.buckets.len(), rep.overlap),
+            );
+        }
         // Same starting point everywhere: rank 0's weights and BN buffers.
         rep.broadcast_vars(&all_vars(&model))?;
         let mut host = host_params(&model)?;
@@ -156,6 +182,35 @@ impl Trainer {
             None => (0, 0),
         };
         let (schedule, lr, opt) = optimiser(&args)?;
+        let adam = (args.optimizer == OptimizerKind::Adam).then_some(AdamConfig {
+            beta1: args.adam_beta1,
+            beta2: args.adam_beta2,
+            eps: args.adam_eps,
+            weight_decay: args.weight_decay,
+        });
+        if adam.is_some() {
+            for h in &mut host {
+                h.second = vec![0.0; h.data.len()];
+            }
+        }
+        let bmuf = bmuf_spec.map(|spec| {
+            let cfg = spec.resolve(world);
+            rep.sync_grads = false;
+            log(
+                rank,
+                &format!(
+                    "toroid-train: BMUF {cfg:?} (no gradient all-reduce; one model all-reduce per block)"
+                ),
+            );
+            Bmuf::new(cfg, host.iter().flat_map(|h| h.data.iter().copied()).collect())
+        });
+        if echo != EchoSpec::OFF {
+            log(rank, &format!("toroid-train: data echoing {echo:?}"));
+        }
+        let echo_factor = match echo.factor {
+            EchoFactor::Fixed(e) => e,
+            EchoFactor::Auto => 1,
+        };
         let metrics = if rank == 0 { Some(Metrics::create(&args.out, args.resume.is_some())?) } else { None };
         let data = train.describe().split(':').next().unwrap_or("data").to_string();
         let title = format!("{:?} x{} on {} rank(s), {}", args.model, args.width, world, data);
@@ -174,6 +229,13 @@ impl Trainer {
             schedule,
             lr,
             opt,
+            adam,
+            adam_t: 0.0,
+            bmuf,
+            echo,
+            echo_factor,
+            clock: Arc::default(),
+            progress: Progress { last_r: f64::NAN, ..Progress::default() },
             metrics,
             title,
             start_epoch,
@@ -191,6 +253,7 @@ fn host_params(model: &ResNet) -> Result<Vec<HostParam>> {
             Ok(HostParam {
                 data: p.var.as_tensor().flatten_all()?.to_vec1()?,
                 momentum: vec![0.0; p.var.elem_count()],
+                second: vec![],
             })
         })
         .collect()

@@ -126,6 +126,8 @@ pub struct Window {
     pub step_s: f64,
     /// Seconds of those spent blocked on gradient all-reduces.
     pub wait_s: f64,
+    /// Seconds of those not spent waiting for the input pipeline: the downstream time.
+    pub compute_s: f64,
 }
 
 impl Window {
@@ -139,6 +141,11 @@ impl Window {
         self.wait_s += wait_s;
     }
 
+    /// Adds `secs` of downstream time (a step's time less its wait for input).
+    pub fn add_compute(&mut self, secs: f64) {
+        self.compute_s += secs;
+    }
+
     /// Adds another window's steps to this one.
     pub fn merge(&mut self, other: &Window) {
         self.loss_sum += other.loss_sum;
@@ -146,6 +153,12 @@ impl Window {
         self.images += other.images;
         self.step_s += other.step_s;
         self.wait_s += other.wait_s;
+        self.compute_s += other.compute_s;
+    }
+
+    /// Mean downstream seconds per step (t_down of the echoing timing model).
+    pub fn mean_compute_s(&self) -> f64 {
+        self.compute_s / self.steps
     }
 
     /// Mean loss per step.
@@ -174,13 +187,13 @@ impl Window {
         Ok(self.with_array(sum_over_ranks(rep, self.to_array())?))
     }
 
-    /// The wire form: `[loss_sum, steps, step_s, wait_s]` (not `images`).
-    fn to_array(self) -> [f64; 4] {
-        [self.loss_sum, self.steps, self.step_s, self.wait_s]
+    /// The wire form: `[loss_sum, steps, step_s, wait_s, compute_s]` (not `images`).
+    fn to_array(self) -> [f64; 5] {
+        [self.loss_sum, self.steps, self.step_s, self.wait_s, self.compute_s]
     }
 
-    fn with_array(self, [loss_sum, steps, step_s, wait_s]: [f64; 4]) -> Window {
-        Window { loss_sum, steps, step_s, wait_s, ..self }
+    fn with_array(self, [loss_sum, steps, step_s, wait_s, compute_s]: [f64; 5]) -> Window {
+        Window { loss_sum, steps, step_s, wait_s, compute_s, ..self }
     }
 }
 
@@ -249,15 +262,22 @@ mod tests {
         let mut w = Window::default();
         w.add_step(2.0, 64, 0.25, 0.0625);
         w.add_step(1.0, 64, 0.75, 0.1875);
-        assert_eq!(w, Window { loss_sum: 3.0, steps: 2.0, images: 128.0, step_s: 1.0, wait_s: 0.25 });
+        w.add_compute(0.5);
+        let want =
+            Window { loss_sum: 3.0, steps: 2.0, images: 128.0, step_s: 1.0, wait_s: 0.25, compute_s: 0.5 };
+        assert_eq!(w, want);
+        assert_eq!(w.mean_compute_s(), 0.25);
         assert_eq!(w.mean_loss(), 1.5);
         assert_eq!(w.mean_step_s(), 0.5);
         assert_eq!(w.mean_wait_s(), 0.125);
         assert_eq!(w.images_per_s(0.5), 256.0);
         // A second rank's window over the same steps: the images are the same global count.
-        let other = Window { loss_sum: 1.0, steps: 2.0, images: 128.0, step_s: 1.0, wait_s: 0.75 };
+        let other =
+            Window { loss_sum: 1.0, steps: 2.0, images: 128.0, step_s: 1.0, wait_s: 0.75, compute_s: 1.0 };
         let reduced = w.with_array(add(w.to_array(), other.to_array()));
-        assert_eq!(reduced, Window { loss_sum: 4.0, steps: 4.0, images: 128.0, step_s: 2.0, wait_s: 1.0 });
+        let want =
+            Window { loss_sum: 4.0, steps: 4.0, images: 128.0, step_s: 2.0, wait_s: 1.0, compute_s: 1.5 };
+        assert_eq!(reduced, want);
         assert_eq!(reduced.mean_loss(), 1.0);
         assert_eq!(reduced.mean_wait_s(), 0.25);
         let mut m = w;
@@ -272,7 +292,7 @@ mod tests {
         assert_eq!(s.sum_over_ranks(&rep).unwrap(), s);
         let e = EpochStats { train: s, step_s: 4.0, wait_s: 5.0 };
         assert_eq!(e.sum_over_ranks(&rep).unwrap(), e);
-        let w = Window { loss_sum: 1.0, steps: 2.0, images: 3.0, step_s: 4.0, wait_s: 5.0 };
+        let w = Window { loss_sum: 1.0, steps: 2.0, images: 3.0, step_s: 4.0, wait_s: 5.0, compute_s: 6.0 };
         assert_eq!(w.sum_over_ranks(&rep).unwrap(), w);
     }
 }

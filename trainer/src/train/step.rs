@@ -82,6 +82,7 @@ impl Trainer {
             self.backward(&l, &seg, plan, last)?;
         }
         let comm = self.update(rate)?;
+        self.progress.bytes += comm.bytes as f64;
         Ok(StepOutcome { loss, wait_s: comm.wait.as_secs_f64() })
     }
 
@@ -128,16 +129,22 @@ impl Trainer {
         Ok(())
     }
 
-    /// Waits for the averaged gradients bucket by bucket and applies the optimiser at `rate` to
-    /// the host copies, then to the model.
+    /// Waits for the averaged gradients bucket by bucket (under BMUF: this rank's own) and
+    /// applies the optimiser at `rate` to the host copies, then to the model.
     fn update(&mut self, rate: f64) -> Result<CommTime> {
         let (model, host, opt, dev) = (&self.model, &mut self.host, &self.opt, &self.dev);
+        self.adam_t += 1.0; // Adam's step counter, counted from 1
+        let (adam, t) = (self.adam, self.adam_t);
         self.rep.finish(|params, offsets, grads| {
             for (&pi, &off) in params.iter().zip(offsets) {
                 let p = &model.params[pi];
                 let h = &mut host[pi];
                 let n = h.data.len();
-                opt.update(rate, &mut h.data, &grads[off..off + n], &mut h.momentum, p.decay);
+                let g = &grads[off..off + n];
+                match &adam {
+                    Some(a) => a.update(rate, t, &mut h.data, g, &mut h.momentum, &mut h.second, p.decay),
+                    None => opt.update(rate, &mut h.data, g, &mut h.momentum, p.decay),
+                }
                 p.var.set(&Tensor::from_slice(&h.data, p.var.shape(), dev)?)?;
             }
             Ok(())
