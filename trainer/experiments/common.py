@@ -48,7 +48,8 @@ def train(out, args, ranks=1, log=None, reuse=False):
         cmd = [binary("toroid-run"), "-n", str(ranks), "--timeout", "600", "--"] + cmd
     t = time.time()
     with open(os.path.join(out, "log.txt"), "w") as f:
-        f.write(" ".join(cmd) + "\n")
+        # The command as it reads from the workspace root (no machine-specific paths in results).
+        f.write(" ".join(os.path.relpath(c, WORKSPACE) if os.path.isabs(c) else c for c in cmd) + "\n")
         f.flush()
         r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
     if r.returncode != 0:
