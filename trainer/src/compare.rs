@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use plotters::prelude::*;
 
 use crate::bail;
-use crate::error::{Context, Error, Result};
-use crate::metrics::{EVAL_HEADER, Series, panel, pe, register_font};
+use crate::error::{Context, Result};
+use crate::metrics::{EVAL_HEADER, Series, draw_png, panel};
 
 /// A run to draw: its label and its output directory.
 #[derive(Debug, Clone, PartialEq)]
@@ -92,14 +92,9 @@ pub fn compare(out: &Path, title: &str, runs: &[Run], xs: &[String], ys: &[Strin
         let cols: Vec<usize> = xs.iter().chain(ys).map(|c| col(c)).collect::<Result<_>>()?;
         data.push((r.label.as_str(), rows, cols));
     }
-    register_font()?;
     let (pw, ph) = (700u32, 450u32);
-    let (w, h) = (pw * xs.len() as u32, ph * ys.len() as u32 + 40);
-    let mut pixels = vec![0u8; (w * h * 3) as usize];
-    {
-        let root = BitMapBackend::with_buffer(&mut pixels, (w, h)).into_drawing_area();
-        root.fill(&WHITE).map_err(pe)?;
-        let root = root.titled(title, ("sans-serif", 24)).map_err(pe)?;
+    let size = (pw * xs.len() as u32, ph * ys.len() as u32 + 40);
+    draw_png(out, size, title, |root| {
         let areas = root.split_evenly((ys.len(), xs.len()));
         for (yi, y) in ys.iter().enumerate() {
             for (xi, x) in xs.iter().enumerate() {
@@ -115,16 +110,14 @@ pub fn compare(out: &Path, title: &str, runs: &[Run], xs: &[String], ys: &[Strin
                 panel(&areas[yi * xs.len() + xi], &format!("{y} vs {x}"), x, &series)?;
             }
         }
-        root.present().map_err(pe)?;
-    }
-    let img = image::RgbImage::from_raw(w, h, pixels).ok_or_else(|| Error::msg("plot: bad buffer size"))?;
-    img.save(out).map_err(|e| Error::msg(format!("cannot write {}: {e}", out.display())))?;
-    Ok(())
+        Ok(())
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::metrics::register_font;
 
     #[test]
     fn draws_runs_from_their_evals_csv() {

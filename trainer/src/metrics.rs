@@ -385,15 +385,7 @@ where
 
 /// Draws the four panels to `path`.
 pub fn plot(path: &Path, title: &str, steps: &[StepRow], epochs: &[EpochRow]) -> Result<()> {
-    register_font()?;
-    // Drawn into memory and encoded with the `image` crate the trainer already uses, rather than
-    // plotters' encoder (which would pull in a second, older `image`).
-    let (w, h) = (1400u32, 1000u32);
-    let mut pixels = vec![0u8; (w * h * 3) as usize];
-    {
-        let root = BitMapBackend::with_buffer(&mut pixels, (w, h)).into_drawing_area();
-        root.fill(&WHITE).map_err(pe)?;
-        let root = root.titled(title, ("sans-serif", 24)).map_err(pe)?;
+    draw_png(path, (1400, 1000), title, |root| {
         let areas = root.split_evenly((2, 2));
         let blue = RGBColor(31, 119, 180);
         let orange = RGBColor(255, 127, 14);
@@ -451,6 +443,26 @@ pub fn plot(path: &Path, title: &str, steps: &[StepRow], epochs: &[EpochRow]) ->
                     .collect(),
             )],
         )?;
+        Ok(())
+    })
+}
+
+/// Draws a `w x h` titled figure with `draw` and writes it as a PNG at `path`. Drawn into memory
+/// and encoded with the `image` crate the trainer already uses, rather than plotters' encoder
+/// (which would pull in a second, older `image`).
+pub fn draw_png(
+    path: &Path,
+    (w, h): (u32, u32),
+    title: &str,
+    draw: impl FnOnce(&DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>) -> Result<()>,
+) -> Result<()> {
+    register_font()?;
+    let mut pixels = vec![0u8; (w * h * 3) as usize];
+    {
+        let root = BitMapBackend::with_buffer(&mut pixels, (w, h)).into_drawing_area();
+        root.fill(&WHITE).map_err(pe)?;
+        let titled = root.titled(title, ("sans-serif", 24)).map_err(pe)?;
+        draw(&titled)?;
         root.present().map_err(pe)?;
     }
     let img = image::RgbImage::from_raw(w, h, pixels).ok_or_else(|| Error::msg("plot: bad buffer size"))?;
