@@ -29,8 +29,10 @@ counts are (comparing two backends is the point), 2 when the suite cannot be loa
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,7 +44,14 @@ sys.path.insert(0, str(HERE.parent))  # the toroid package of this checkout
 
 RUN_AS = os.environ.get("TOROID_SUITE_BACKEND", "gloo")
 os.environ.setdefault("WORLD_SIZE", "3")
-os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="toroid-suite-"))
+if "TEMP_DIR" not in os.environ:
+    # The suite's scratch directory: made here, removed when this process exits (forked ranks
+    # leave through os._exit and do not remove it).
+    _OWN_TEMP = tempfile.mkdtemp(prefix="toroid-suite-")
+    os.environ["TEMP_DIR"] = _OWN_TEMP
+    atexit.register(shutil.rmtree, _OWN_TEMP, ignore_errors=True)
+else:
+    _OWN_TEMP = None
 # The decorators must see a backend the suite knows; toroid is judged by gloo's list.
 os.environ["BACKEND"] = "gloo"
 
@@ -144,6 +153,9 @@ def main() -> int:
     if args.backend != RUN_AS or str(args.world_size) != os.environ["WORLD_SIZE"]:
         # The backend and world size shape the module at import time: start again with them.
         env = dict(os.environ, TOROID_SUITE_BACKEND=args.backend, WORLD_SIZE=str(args.world_size))
+        if _OWN_TEMP is not None:  # (exec skips atexit: the new process makes its own)
+            shutil.rmtree(_OWN_TEMP, ignore_errors=True)
+            del env["TEMP_DIR"]
         os.execve(sys.executable, [sys.executable, __file__] + sys.argv[1:], env)
 
     loader = unittest.TestLoader()
