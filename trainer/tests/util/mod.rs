@@ -45,10 +45,33 @@ pub fn toroid_run() -> PathBuf {
     bin
 }
 
-pub fn out_dir(name: &str) -> PathBuf {
+pub fn out_dir(name: &str) -> OutDir {
     let d = std::env::temp_dir().join(format!("toroid-train-test-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
-    d
+    OutDir(d)
+}
+
+/// A test's output directory, removed when dropped (also when the test panics).
+#[derive(Debug)]
+pub struct OutDir(PathBuf);
+
+impl std::ops::Deref for OutDir {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::path::Path> for OutDir {
+    fn as_ref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for OutDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// Common flags: tiny model, no augmentation (so the same example is the same tensor on any
