@@ -314,7 +314,11 @@ enum toroid_result toroid_comm_abort(struct toroid_comm *comm);
 /**
  * Releases `comm`, after its queued operations have finished (call toroid_comm_abort first to
  * make them fail fast). NULL is a no-op returning TOROID_SUCCESS; a handle that was already
- * destroyed gives TOROID_INVALID_USAGE. Work handles of `comm` stay valid until freed.
+ * destroyed gives TOROID_INVALID_USAGE. Work handles of `comm` stay valid until freed. When
+ * operations still queued or running fail meanwhile, the handle is released all the same and
+ * the first failure's code is returned; toroid_get_last_error(NULL) says how many failed. In a
+ * process forked after `comm` was created, it releases the handle and returns
+ * TOROID_INVALID_USAGE (the child never owned the connections).
  */
 enum toroid_result toroid_comm_destroy(struct toroid_comm *comm);
 

@@ -14,6 +14,19 @@ use crate::error::{Error, Result};
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Default time a waiting rank polls before it blocks in the kernel.
 pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
+/// The longest deadline toroid accepts (30 days): `TOROID_TIMEOUT` above it is an error, and
+/// longer timeouts passed through the APIs (a `Duration::MAX` meant as "forever") are cut to it,
+/// so no deadline arithmetic can overflow.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(30 * 24 * 3600);
+/// The longest time a waiting rank may poll before it blocks (`TOROID_SPIN_US`): 1 s.
+pub const MAX_SPIN: Duration = Duration::from_secs(1);
+
+/// The instant `timeout` from now, with the timeout cut to [`MAX_TIMEOUT`]: never overflows.
+pub fn deadline_in(timeout: Duration) -> std::time::Instant {
+    let now = std::time::Instant::now();
+    // CLOCK_MONOTONIC counts from boot in a 64-bit timespec: 30 days more always fits.
+    now.checked_add(timeout.min(MAX_TIMEOUT)).unwrap_or(now)
+}
 
 /// Launcher variables read besides the `TOROID_*` ones (see `rendezvous::env`).
 pub const LAUNCHER_VARS: &[&str] = &[
@@ -249,7 +262,13 @@ impl Config {
         }
         if let Some(v) = get("TOROID_SPIN_US") {
             let us: u64 = parse_num("TOROID_SPIN_US", v)?;
-            cfg.spin = Some(Duration::from_micros(us));
+            let spin = Duration::from_micros(us);
+            if spin > MAX_SPIN {
+                return Err(Error::InvalidArgument(
+                    format!("TOROID_SPIN_US={v}: above the maximum of {} us", MAX_SPIN.as_micros()).into(),
+                ));
+            }
+            cfg.spin = Some(spin);
         }
         if let Some(v) = get("TOROID_SEGMENT_SIZE") {
             let s = parse_size("TOROID_SEGMENT_SIZE", v)?;
@@ -327,6 +346,11 @@ fn parse_seconds(name: &str, v: &str) -> Result<Duration> {
     if !(secs > 0.0 && secs.is_finite()) {
         return Err(Error::InvalidArgument(
             format!("{name}={v}: must be a positive number of seconds").into(),
+        ));
+    }
+    if secs > MAX_TIMEOUT.as_secs_f64() {
+        return Err(Error::InvalidArgument(
+            format!("{name}={v}: above the maximum of {} s (30 days)", MAX_TIMEOUT.as_secs()).into(),
         ));
     }
     Ok(Duration::from_secs_f64(secs))
@@ -430,6 +454,15 @@ mod tests {
         assert!(cfg(&[("TOROID_TIMEOUT", "soon")]).is_err());
         assert!(cfg(&[("TOROID_TIMEOUT", "-1")]).is_err());
         assert!(cfg(&[("TOROID_SEGMENT_SIZE", "12")]).is_err());
+        // Durations are capped, so no deadline can overflow (1e19 s once panicked).
+        for big in ["1e19", "2592001", "inf"] {
+            let e = cfg(&[("TOROID_TIMEOUT", big)]).unwrap_err().to_string();
+            assert!(e.contains("TOROID_TIMEOUT"), "{big}: {e}");
+        }
+        assert_eq!(cfg(&[("TOROID_TIMEOUT", "2592000")]).unwrap().timeout, MAX_TIMEOUT);
+        assert!(cfg(&[("TOROID_SPIN_US", "18446744073709551615")]).is_err());
+        let far = deadline_in(Duration::MAX);
+        assert!(far > std::time::Instant::now() + MAX_TIMEOUT - Duration::from_secs(60));
         // Empty counts as unset.
         assert_eq!(cfg(&[("TOROID_TIMEOUT", "")]).unwrap().timeout, DEFAULT_TIMEOUT);
     }

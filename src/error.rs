@@ -163,6 +163,14 @@ impl Error {
         self
     }
 
+    /// The same error with `context` put before its message (`context: message`); the
+    /// category and the facts stay.
+    pub fn context(mut self, context: &str) -> Error {
+        let d = self.parts_mut();
+        d.message = format!("{context}: {}", d.message);
+        self
+    }
+
     /// This error's facts (peer, sequence number, I/O kind) carried over to `other`, for an
     /// error reported in place of this one (an abort after it).
     pub fn facts_into(&self, mut other: Error) -> Error {
@@ -192,5 +200,11 @@ mod tests {
         let aborted = e.facts_into(Error::Aborted("communicator aborted after an earlier error".into()));
         assert_eq!((aborted.peer(), aborted.seq()), (Some(3), Some(812)));
         assert!(matches!(&aborted, Error::Aborted(d) if d.contains("earlier error")));
+        let c = aborted.context("2 operations failed");
+        assert_eq!(
+            c.to_string(),
+            "aborted: 2 operations failed: communicator aborted after an earlier error"
+        );
+        assert_eq!((c.peer(), c.seq()), (Some(3), Some(812)));
     }
 }

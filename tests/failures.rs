@@ -226,3 +226,167 @@ fn bad_arguments_fail_locally_and_leave_the_communicator_usable() {
         assert_eq!(comm.last_error().map(|s| s.contains("avg")), Some(true));
     });
 }
+
+#[test]
+fn a_mismatched_frame_never_lands_in_the_receive_buffer() {
+    // Small frames are staged with their header, large ones have the header read alone: in
+    // neither case may a byte of a frame that fails its check reach the caller's buffer. Over
+    // shared memory (ranks as threads of one host) and over TCP.
+    for shm_disable in [false, true] {
+        for n in [100usize, 300_000] {
+            let cfg = toroid::Config { shm_disable, ..util::test_config(20.0) };
+            util::run_threads(2, &cfg, move |comm| {
+                if comm.rank() == 0 {
+                    let mut buf = vec![7.0f32; n];
+                    let e = comm.recv(&mut buf, 1).unwrap_err();
+                    assert!(e.to_string().contains("mismatch"), "{e}");
+                    let touched = buf.iter().filter(|x| **x != 7.0).count();
+                    assert_eq!(touched, 0, "{touched} of {n} elements overwritten (shm off: {shm_disable})");
+                } else {
+                    // One element more: the fingerprint differs. The send may complete; the
+                    // error then reaches this rank at its next call.
+                    let e = match comm.send(&vec![9.0f32; n + 1], 0) {
+                        Err(e) => e,
+                        Ok(()) => comm.barrier().unwrap_err(),
+                    };
+                    assert!(
+                        matches!(e, Error::Remote(_) | Error::Aborted(_) | Error::InvalidUsage(_)),
+                        "{e}"
+                    );
+                }
+            });
+        }
+    }
+}
+
+#[test]
+fn a_panic_inside_an_operation_aborts_the_communicator_which_stays_destroyable() {
+    use toroid::internals::comm::{Hooks, RawOp};
+    use toroid::internals::memory::RawBufs;
+    util::run_threads(2, &util::test_config(20.0), |comm| {
+        if comm.rank() == 0 {
+            let op = RawOp {
+                kind: OpKind::Barrier,
+                dtype: DataType::U8,
+                bufs: RawBufs::None,
+                opts: CallOptions::default(),
+                source: None,
+            };
+            let hooks = Hooks { before: Some(Box::new(|| panic!("injected fault"))), after: None };
+            // SAFETY: a barrier has no buffers.
+            let work = unsafe { comm.submit_raw_with_hooks(op, None, hooks) }.unwrap();
+            let t = Instant::now();
+            let e = work.wait().unwrap_err();
+            assert!(
+                matches!(&e, Error::Internal(m) if m.contains("panic") && m.contains("injected fault")),
+                "{e}"
+            );
+            assert!(comm.is_aborted());
+            assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+            // Later calls fail fast instead of queueing behind a "running" operation forever.
+            assert!(matches!(comm.barrier(), Err(Error::Aborted(_))));
+            assert!(matches!(comm.barrier_async().map(|_| ()), Err(Error::Aborted(_))));
+            comm.destroy().unwrap();
+        } else {
+            // The peer's links closed with a reason: this rank learns of it at once.
+            let t = Instant::now();
+            let e = comm.barrier().unwrap_err();
+            assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+            assert!(matches!(e, Error::Remote(_) | Error::Aborted(_)), "{e}");
+        }
+    });
+}
+
+#[test]
+fn destroy_reports_how_many_queued_operations_failed() {
+    let gate = std::sync::Arc::new(std::sync::Barrier::new(2));
+    util::run_threads(2, &util::test_config(20.0), move |comm| {
+        if comm.rank() == 0 {
+            let works: Vec<_> =
+                (0..3).map(|_| comm.all_reduce_async(vec![1u32; 1000], ReduceOp::Sum).unwrap()).collect();
+            drop(works);
+            let destroyer = std::thread::spawn(move || comm.destroy());
+            // Rank 1 leaves once destroy has had time to begin: all three fail meanwhile.
+            std::thread::sleep(Duration::from_millis(200));
+            gate.wait();
+            let e = destroyer.join().unwrap().unwrap_err();
+            assert!(e.to_string().contains("3 operations still queued"), "{e}");
+        } else {
+            gate.wait();
+            drop(comm);
+        }
+    });
+}
+
+#[test]
+fn a_forked_child_cannot_use_the_communicator_and_does_not_hide_its_parents_death() {
+    const CHILD_HOLDS_S: u64 = 6;
+    if util::is_child() {
+        let comm = Communicator::from_env().unwrap();
+        let mut buf = vec![1i32; 1 << 16];
+        comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+        if comm.rank() == 1 {
+            // SAFETY: the child runs only the code below and leaves with _exit.
+            let pid = unsafe { libc::fork() };
+            assert!(pid >= 0);
+            if pid == 0 {
+                let e = comm.barrier().unwrap_err();
+                println!("CHILD {} {}", kind(&e), std::process::id());
+                let w = comm.all_reduce_async(vec![0u8; 4], ReduceOp::Sum).map(|_| ());
+                println!("CHILD-ASYNC {}", w.err().map_or("ok", |e| kind(&e)));
+                drop(comm); // must neither hang nor close anything of the parent's
+                std::thread::sleep(Duration::from_secs(CHILD_HOLDS_S));
+                // SAFETY: ends the child without the test harness.
+                unsafe { libc::_exit(0) };
+            }
+            std::thread::sleep(Duration::from_millis(300));
+            // SAFETY: kill(2) on our own pid.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+        let start = Instant::now();
+        loop {
+            if let Err(e) = comm.all_reduce(&mut buf, ReduceOp::Sum) {
+                println!("ERROR {} after {} ms: {e}", kind(&e), start.elapsed().as_millis());
+                return;
+            }
+            assert!(start.elapsed() < Duration::from_secs(60), "no error within 60 s");
+        }
+    }
+    let n = 3;
+    let mut children = util::spawn_ranks(
+        "a_forked_child_cannot_use_the_communicator_and_does_not_hide_its_parents_death",
+        n,
+        |_| vec![("TOROID_TIMEOUT".into(), "20".into())],
+    );
+    let deadline = Instant::now() + Duration::from_secs(40);
+    for c in children.iter_mut() {
+        util::wait_until(c, deadline);
+    }
+    let outputs: Vec<String> = children
+        .into_iter()
+        .map(|c| {
+            let o = c.wait_with_output().unwrap();
+            format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+        })
+        .collect();
+    let child = outputs[1]
+        .lines()
+        .find_map(|l| l.find("CHILD ").map(|i| &l[i..]))
+        .unwrap_or_else(|| panic!("{}", outputs[1]));
+    assert!(child.starts_with("CHILD invalid_usage"), "{child}");
+    assert!(outputs[1].contains("CHILD-ASYNC invalid_usage"), "{}", outputs[1]);
+    let child_pid: i32 = child.split(' ').nth(2).unwrap().parse().unwrap();
+    for r in [0, 2] {
+        let out = &outputs[r];
+        let line = out
+            .lines()
+            .find_map(|l| l.find("ERROR ").map(|i| &l[i..]))
+            .unwrap_or_else(|| panic!("rank {r}:\n{out}"));
+        let ms: u64 = line.split(" after ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+        // The child still held copies of the dead rank's sockets for CHILD_HOLDS_S seconds:
+        // the error must come from the death, not from the child's exit or the timeout.
+        assert!(ms < 3000, "rank {r} learnt of the death only after {ms} ms: {line}");
+    }
+    // SAFETY: kill(2) on the child we were told about (it has exited by now, normally).
+    unsafe { libc::kill(child_pid, libc::SIGKILL) };
+}

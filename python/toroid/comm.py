@@ -257,14 +257,18 @@ class Comm:
         check("toroid_comm_abort", _lib.lib().toroid_comm_abort(self._live()), self._handle)
 
     def destroy(self) -> None:
-        """Releases the communicator once its queued operations have finished."""
+        """Releases the communicator once its queued operations have finished.
+
+        Raises the first failure of the operations still queued or running when it was called
+        (the message says how many failed); the communicator is released either way."""
         handle, self._handle = self._handle, None
         if handle is not None:
-            check("toroid_comm_destroy", _lib.lib().toroid_comm_destroy(handle))
+            rc = _lib.lib().toroid_comm_destroy(handle)
             with self._lock:
                 works, self._inflight = self._inflight, []
             for w in works:  # all finished now
                 w._done = True
+            check("toroid_comm_destroy", rc)
 
     close = destroy
 

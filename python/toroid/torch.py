@@ -39,6 +39,7 @@ import collections
 import datetime
 import queue
 import threading
+import warnings
 import weakref
 from typing import Any, Callable, Optional
 
@@ -855,7 +856,12 @@ class ProcessGroupToroid(dist.ProcessGroup):
             self._queue.put(None)
             if threading.current_thread() is not self._thread:  # (may run from its last work)
                 self._thread.join()
-        self._comm.destroy()
+        try:
+            self._comm.destroy()
+        except _lib.ToroidError as e:
+            # Each failed operation already failed its own work; say so once more, do not raise
+            # from a teardown.
+            warnings.warn(f"toroid: {e}", RuntimeWarning, stacklevel=2)
 
     def __del__(self):
         try:

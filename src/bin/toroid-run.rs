@@ -313,7 +313,8 @@ fn shutdown(ranks: &mut [Rank], first: Signal, grace: Duration) {
         signal_group(rank.pid, first);
     }
     process::clear_caught_signal();
-    let deadline = Instant::now() + grace;
+    let now = Instant::now();
+    let deadline = now.checked_add(grace).unwrap_or(now + Duration::from_secs(365 * 24 * 3600));
     while running(ranks) > 0 && Instant::now() < deadline && process::caught_signal().is_none() {
         poll(ranks);
         thread::sleep(POLL);

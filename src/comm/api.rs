@@ -228,6 +228,12 @@ impl Communicator {
         // SAFETY: the work keeps `buf` alive until the operation completes, and its heap data
         // does not move when `buf` is moved into the box (OwnedBuffer's promise).
         let w = unsafe { self.submit_raw(op, Some(Box::new(buf)))? };
-        Ok(Work { done: w.done, abort: w.abort, timeout: w.timeout, _buf: PhantomData })
+        Ok(Work {
+            done: w.done,
+            abort: w.abort,
+            timeout: w.timeout,
+            fork_generation: w.fork_generation,
+            _buf: PhantomData,
+        })
     }
 }

@@ -22,7 +22,7 @@ pub(crate) use validate::validate;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::algorithm::{self, Scratch, Wire};
 use crate::collective::{Algorithm, Bufs, CallOptions, CollKind, Fingerprint, OpKind};
@@ -107,6 +107,9 @@ struct Core {
     queue: Mutex<Queue>,
     queue_cv: Condvar,
     last_error: Mutex<Option<String>>,
+    /// The fork generation this communicator was made in (see `sys::fork`): in a forked child
+    /// it differs, and every call is refused.
+    fork_generation: u64,
     /// Rank 0 serves the TCP store; keep it alive while the communicator lives.
     _store: Option<Arc<dyn Store>>,
 }
@@ -198,6 +201,9 @@ impl Communicator {
 
     /// Aborts: pending and later operations fail, peers are told, links close. Never blocks.
     pub fn abort(&self) {
+        if self.core.forked().is_err() {
+            return; // nothing of it is usable in a forked child, nor needs stopping
+        }
         self.core
             .abort
             .fire(Error::Aborted(format!("rank {} aborted the communicator", self.core.rank).into()));
@@ -211,6 +217,7 @@ impl Communicator {
     /// The transport linking this rank to `peer` (`"shm"` or `"tcp"`); `None` for this rank
     /// itself and once the communicator is closed. Waits for a running operation to finish.
     pub fn transport_to(&self, peer: usize) -> Option<&'static str> {
+        self.core.forked().ok()?;
         lock(&self.core.engine).peers.link_kind(peer)
     }
 
@@ -228,6 +235,17 @@ impl Communicator {
 
 impl Drop for Communicator {
     fn drop(&mut self) {
+        if self.core.forked().is_err() {
+            // A forked child: the worker thread does not exist here (joining it would be
+            // undefined), the links were closed at the fork and their numbers may name the
+            // child's own files by now, and locks may be held forever by threads that did not
+            // survive. Leak all of it; the parent still owns the real thing.
+            std::mem::forget(self.core.clone());
+            if let Some(h) = self.worker.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+                std::mem::forget(h);
+            }
+            return;
+        }
         lock(&self.core.queue).shutdown = true;
         self.core.queue_cv.notify_all();
         if let Some(h) = lock(&self.worker).take() {
@@ -238,6 +256,23 @@ impl Drop for Communicator {
 }
 
 impl Core {
+    /// `InvalidUsage` in a child forked after this communicator was made.
+    fn forked(&self) -> Result<()> {
+        if crate::sys::fork::generation() == self.fork_generation {
+            return Ok(());
+        }
+        Err(Error::InvalidUsage(
+            format!(
+                "rank {}: this communicator was created before fork(); a forked child (pid {}) cannot use \
+                 it: its connections were closed in the child at the fork. Create a new communicator in \
+                 the child, or fork before creating one",
+                self.rank,
+                std::process::id()
+            )
+            .into(),
+        ))
+    }
+
     fn choose(&self, kind: OpKind, bytes: usize, opts: &CallOptions) -> Algorithm {
         let coll = kind.coll();
         if let Some(a) = opts.algorithm {
@@ -272,8 +307,8 @@ impl Core {
         let engine = &mut *engine;
         let es = op.dtype.size();
         let n = self.size;
-        let timeout = op.opts.timeout.unwrap_or(self.timeout);
-        let deadline = Instant::now() + timeout;
+        let timeout = op.opts.timeout.unwrap_or(self.timeout).min(crate::config::MAX_TIMEOUT);
+        let deadline = crate::config::deadline_in(timeout);
         engine.peers.begin_op();
         let kind = match op.kind {
             OpKind::RecvAny => match engine.peers.wait_any_send(&engine.received, deadline) {

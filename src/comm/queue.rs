@@ -19,6 +19,10 @@ pub(super) struct Queue {
     pub(super) jobs: VecDeque<Job>,
     pub(super) running: bool,
     pub(super) shutdown: bool,
+    /// Queued operations that failed after shutdown began, and the first of their errors
+    /// (what [`Communicator::destroy`] reports).
+    failed_in_shutdown: usize,
+    first_shutdown_error: Option<Error>,
 }
 
 /// One queued operation and its completion.
@@ -65,6 +69,7 @@ impl Communicator {
     }
 
     fn run_inner(&self, op: RawOp) -> Result<()> {
+        self.core.forked()?;
         super::validate(&op, self.core.rank, self.core.size, self.core.has_window)?;
         self.core.abort.check()?;
         {
@@ -72,7 +77,7 @@ impl Communicator {
             if q.jobs.is_empty() && !q.running {
                 q.running = true;
                 drop(q);
-                let r = self.core.execute(&op);
+                let r = self.core.execute_guarded(&op, &mut Hooks::default());
                 lock(&self.core.queue).running = false;
                 self.core.queue_cv.notify_all();
                 return r;
@@ -106,7 +111,10 @@ impl Communicator {
         keep: Option<Box<dyn Any + Send>>,
         hooks: Hooks,
     ) -> Result<Work<()>> {
-        let r = super::validate(&op, self.core.rank, self.core.size, self.core.has_window)
+        let r = self
+            .core
+            .forked()
+            .and_then(|_| super::validate(&op, self.core.rank, self.core.size, self.core.has_window))
             .and_then(|_| self.core.abort.check())
             .and_then(|_| self.enqueue(op, keep, hooks));
         match r {
@@ -114,6 +122,7 @@ impl Communicator {
                 done,
                 abort: self.core.abort.clone(),
                 timeout: self.core.timeout,
+                fork_generation: self.core.fork_generation,
                 _buf: PhantomData,
             }),
             Err(e) => {
@@ -150,10 +159,44 @@ impl Communicator {
     }
 }
 
+impl Communicator {
+    /// Waits for every queued operation to finish, then releases the communicator. Unlike
+    /// dropping it, this reports the operations that failed while it waited, which nobody may
+    /// be left to see otherwise: the error says how many, and gives the first.
+    ///
+    /// # Errors
+    /// The first failure among the operations that were queued or running when it was called,
+    /// with their number.
+    pub fn destroy(self) -> Result<()> {
+        self.drain()
+    }
+
+    /// [`Communicator::destroy`] by reference (the C ABI's handles are shared): later
+    /// submissions are refused, and this returns once the queue is empty.
+    pub(crate) fn drain(&self) -> Result<()> {
+        self.core.forked()?;
+        lock(&self.core.queue).shutdown = true;
+        self.core.queue_cv.notify_all();
+        if let Some(h) = lock(&self.worker).take() {
+            let _ = h.join();
+        }
+        let mut q = lock(&self.core.queue);
+        match (q.failed_in_shutdown, q.first_shutdown_error.take()) {
+            (0, _) | (_, None) => Ok(()),
+            (1, Some(e)) => {
+                Err(e.context("an operation still queued when the communicator was destroyed failed"))
+            }
+            (n, Some(e)) => Err(e.context(&format!(
+                "{n} operations still queued when the communicator was destroyed failed; the first"
+            ))),
+        }
+    }
+}
+
 impl Core {
     fn worker_loop(self: Arc<Core>) {
         loop {
-            let job = {
+            let mut job = {
                 let mut q = lock(&self.queue);
                 loop {
                     if !q.running {
@@ -168,22 +211,60 @@ impl Core {
                     q = self.queue_cv.wait(q).unwrap_or_else(|e| e.into_inner());
                 }
             };
-            let mut job = job;
-            if let Some(before) = job.hooks.before.take() {
-                before();
-            }
-            let r = self.execute(&job.op);
-            if r.is_ok()
-                && let Some(after) = job.hooks.after.take()
-            {
-                after();
-            }
+            let r = self.execute_guarded(&job.op, &mut job.hooks);
             if let Err(e) = &r {
                 *lock(&self.last_error) = Some(e.to_string());
+            }
+            {
+                let mut q = lock(&self.queue);
+                if let Err(e) = &r
+                    && q.shutdown
+                {
+                    q.failed_in_shutdown += 1;
+                    q.first_shutdown_error.get_or_insert_with(|| e.clone());
+                }
             }
             job.done.complete(r);
             lock(&self.queue).running = false;
             self.queue_cv.notify_all();
+        }
+    }
+
+    /// Runs `op` between its hooks inside a panic boundary: a panic (a bug in toroid or in a
+    /// hook) becomes [`Error::Internal`] and aborts the communicator, which stays destroyable,
+    /// instead of leaving it "running" forever with its queue stuck.
+    fn execute_guarded(&self, op: &RawOp, hooks: &mut Hooks) -> Result<()> {
+        let run = || {
+            if let Some(before) = hooks.before.take() {
+                before();
+            }
+            let r = self.execute(op);
+            if r.is_ok()
+                && let Some(after) = hooks.after.take()
+            {
+                after();
+            }
+            r
+        };
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)) {
+            Ok(r) => r,
+            Err(payload) => {
+                let what = payload
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| payload.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a panic without a message".to_string());
+                let e = Error::Internal(
+                    format!(
+                        "rank {}: panic during {:?}: {what} (the communicator is aborted)",
+                        self.rank, op.kind
+                    )
+                    .into(),
+                );
+                // The engine's lock may be poisoned by the panic; `lock` takes it anyway, and
+                // closing every link is the one thing left to do with it.
+                Err(self.failed(&mut lock(&self.engine), e))
+            }
         }
     }
 }
@@ -220,7 +301,7 @@ impl Completion {
     /// fails fast) and the wait continues until it has actually stopped: a caller's buffers are
     /// never released while the operation may still touch them.
     fn wait_done(&self, abort: &AbortSignal, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::config::deadline_in(timeout);
         // Poll briefly first: waking a sleeping thread costs tens of microseconds.
         let spin_until = Instant::now() + Duration::from_micros(20);
         while !self.is_done() && Instant::now() < spin_until {
@@ -256,6 +337,8 @@ pub struct Work<B = ()> {
     pub(super) done: Arc<Completion>,
     pub(super) abort: Arc<AbortSignal>,
     pub(super) timeout: Duration,
+    /// The fork generation of its communicator: a forked child has no worker to wait for.
+    pub(super) fork_generation: u64,
     pub(super) _buf: PhantomData<fn() -> B>,
 }
 
@@ -266,6 +349,16 @@ impl<B> std::fmt::Debug for Work<B> {
 }
 
 impl<B: 'static> Work<B> {
+    fn not_forked(&self) -> Result<()> {
+        if crate::sys::fork::generation() == self.fork_generation {
+            return Ok(());
+        }
+        Err(Error::InvalidUsage(
+            "this work belongs to a communicator created before fork(); a forked child cannot wait on it"
+                .into(),
+        ))
+    }
+
     /// True once the operation has finished (successfully or not). Never blocks.
     pub fn test(&self) -> bool {
         self.done.is_done()
@@ -282,6 +375,7 @@ impl<B: 'static> Work<B> {
     /// Waits up to `timeout`. Past it the communicator is aborted (this and every pending
     /// operation fail) and `Err(Timeout)` is returned once the operation has stopped.
     pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
+        self.not_forked()?;
         let r = self.done.wait_done(&self.abort, timeout);
         if r.is_ok() && !self.test() {
             return Err(Error::Timeout(format!("work not completed within {timeout:?}").into()));
@@ -291,6 +385,7 @@ impl<B: 'static> Work<B> {
 
     /// Waits (with the communicator's timeout) and returns the buffer the operation owned.
     pub fn wait(self) -> Result<B> {
+        self.not_forked()?;
         self.done.wait_done(&self.abort, self.timeout)?;
         let keep = lock(&self.done.keep).take();
         match keep.map(|b| b.downcast::<B>()) {

@@ -87,7 +87,7 @@ impl Communicator {
         if size == 0 || rank >= size {
             return Err(Error::InvalidArgument(format!("rank {rank} is not in a world of {size}").into()));
         }
-        let deadline = Instant::now() + cfg.timeout;
+        let deadline = crate::config::deadline_in(cfg.timeout);
         // Reject a malformed TOROID_ALGO before touching the store.
         AlgoFilter::parse(cfg.algo.as_deref().unwrap_or(""))?;
         let generation = store.add(&format!("toroid/rank{rank}/generation"), 1)?;
@@ -147,6 +147,8 @@ impl Communicator {
     ) -> Result<Communicator> {
         let Members { rank, addrs, hosts, machines } = members;
         let size = addrs.len();
+        // Before any link exists: a child forked from now on closes them (see `sys::fork`).
+        crate::sys::fork::install();
         let transports = tcp::connect_mesh(
             rank,
             addrs,
@@ -207,7 +209,7 @@ impl Communicator {
             rank,
             size,
             id,
-            timeout: config.timeout,
+            timeout: config.timeout.min(crate::config::MAX_TIMEOUT),
             filter,
             config,
             topology,
@@ -230,6 +232,7 @@ impl Communicator {
             queue: Mutex::new(Queue::default()),
             queue_cv: Condvar::new(),
             last_error: Mutex::new(None),
+            fork_generation: crate::sys::fork::generation(),
             _store: store,
         };
         let comm = Communicator { core: Arc::new(core), worker: Mutex::new(None) };
@@ -313,7 +316,7 @@ impl Communicator {
             (self.core.id, split_no, color).hash(&mut h);
             h.finish()
         };
-        let deadline = Instant::now() + self.core.timeout;
+        let deadline = crate::config::deadline_in(self.core.timeout);
         let t = &self.core.topology;
         let hosts: Vec<String> = members.iter().map(|(_, r)| t.host_of[*r].to_string()).collect();
         let machines: Vec<String> = members.iter().map(|(_, r)| t.machine_of[*r].to_string()).collect();

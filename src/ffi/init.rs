@@ -59,7 +59,8 @@ unsafe fn read_config(p: *const toroid_config) -> Result<(usize, usize, Config, 
     let (rank, size) = world(c.rank, c.size)?;
     let mut cfg = Config::global()?.clone();
     if c.timeout_ms > 0 {
-        cfg.timeout = Duration::from_millis(c.timeout_ms.unsigned_abs());
+        // Cut to the documented maximum, as every timeout given through an API is.
+        cfg.timeout = Duration::from_millis(c.timeout_ms.unsigned_abs()).min(crate::config::MAX_TIMEOUT);
     }
     // SAFETY: the caller promises NULL or NUL-terminated strings.
     if let Some(ifname) = unsafe { opt_str(c.socket_ifname, "socket_ifname")? } {

@@ -184,7 +184,11 @@ pub unsafe extern "C" fn toroid_comm_abort(comm: *mut toroid_comm) -> toroid_res
 
 /// Releases `comm`, after its queued operations have finished (call toroid_comm_abort first to
 /// make them fail fast). NULL is a no-op returning TOROID_SUCCESS; a handle that was already
-/// destroyed gives TOROID_INVALID_USAGE. Work handles of `comm` stay valid until freed.
+/// destroyed gives TOROID_INVALID_USAGE. Work handles of `comm` stay valid until freed. When
+/// operations still queued or running fail meanwhile, the handle is released all the same and
+/// the first failure's code is returned; toroid_get_last_error(NULL) says how many failed. In a
+/// process forked after `comm` was created, it releases the handle and returns
+/// TOROID_INVALID_USAGE (the child never owned the connections).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn toroid_comm_destroy(comm: *mut toroid_comm) -> toroid_result {
     const NAME: &str = "toroid_comm_destroy";
@@ -192,8 +196,9 @@ pub unsafe extern "C" fn toroid_comm_destroy(comm: *mut toroid_comm) -> toroid_r
         if comm.is_null() {
             return toroid_result::TOROID_SUCCESS;
         }
-        // Dropped here, outside the registry's lock (dropping waits for queued work).
-        code(NAME, None, CommHandle::remove(comm).map(drop))
+        // Drained and dropped here, outside the registry's lock: waits for queued work, and
+        // reports the operations that failed meanwhile (nobody else may be left to see them).
+        code(NAME, None, CommHandle::remove(comm).and_then(|h| h.comm.drain()))
     })
 }
 

@@ -7,6 +7,7 @@
 //! |---|---|
 //! | [`cpu`] | CPUs online |
 //! | [`eventfd`] | an event descriptor that wakes a thread sleeping in `poll(2)` |
+//! | [`fork`] | descriptors closed in a forked child, and the fork generation |
 //! | [`futex`] | wait on and wake a shared 32-bit word |
 //! | [`net_if`] | the addresses of the network interfaces that are up |
 //! | [`pid`] | whether a process exists |
@@ -20,6 +21,7 @@
 
 pub mod cpu;
 pub mod eventfd;
+pub mod fork;
 pub mod futex;
 pub mod net_if;
 pub mod pid;

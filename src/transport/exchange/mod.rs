@@ -211,7 +211,8 @@ impl Peers {
             abort,
             spin,
             segment,
-            scratch: Vec::new(),
+            // Copied small frames are staged here until their header is checked (see `rx`).
+            scratch: vec![0; rx::STAGE_MAX / 8],
             pollfds: Vec::new(),
             poll_ranks: Vec::new(),
             heads: Vec::new(),

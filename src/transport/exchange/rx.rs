@@ -1,5 +1,12 @@
 //! The receiving half of an exchange: headers checked before use, payload copied or reduced
 //! as whole elements arrive (or straight out of a lending transport).
+//!
+//! No payload byte reaches the caller's memory before its frame's header has been checked: a
+//! mismatched collective or an abort must leave an in-place buffer as it was. A reduction reads
+//! into scratch anyway; a copy reads a small frame together with its header into scratch and
+//! moves it once the header passed (one receive call per frame, which is what small-message
+//! latency needs), and reads the header of a large frame alone (one more call per frame, nothing
+//! next to its payload's cost).
 
 use super::frame::{HEADER_LEN, KIND_ABORT, decode, frame_len, read_abort};
 use super::{Link, Sink, mismatch};
@@ -8,6 +15,10 @@ use std::io;
 
 use crate::error::{Error, Result};
 use crate::reduce;
+
+/// Payload bytes up to which a copied frame is read together with its header into scratch
+/// (the exchange's scratch is always at least this long).
+pub(super) const STAGE_MAX: usize = 4096;
 
 /// The receiving half of an exchange.
 pub(super) struct Rx {
@@ -22,6 +33,9 @@ pub(super) struct Rx {
     /// Bytes of the current frame already reduced into the output.
     pub(super) processed: usize,
     pub(super) frame_open: bool,
+    /// The current frame's payload received so far is in scratch, not yet in the sink (a
+    /// small copied frame whose header is being checked).
+    pub(super) staged: bool,
     pub(super) done: bool,
 }
 
@@ -39,6 +53,7 @@ impl Rx {
             frame_got: 0,
             processed: 0,
             frame_open: false,
+            staged: false,
             done: false,
         }
     }
@@ -73,6 +88,7 @@ impl Rx {
                 self.hdr_got = 0;
                 self.frame_got = 0;
                 self.processed = 0;
+                self.staged = false;
                 self.frame_open = true;
             }
             let (fs, fl, fg) = (self.frame_start, self.frame_len, self.frame_got);
@@ -136,21 +152,31 @@ impl Rx {
                 }
             }
             let zero_copy_header = link.zero_copy && matches!(sink, Sink::Reduce { .. });
-            let payload: &mut [u8] = match sink {
-                Sink::Copy(d) => &mut d[fs + fg..fs + fl],
-                Sink::Reduce { .. } => &mut scratch[fg..fl],
-            };
             let hdr_missing = HEADER_LEN - self.hdr_got;
-            let res = if hdr_missing > 0 && zero_copy_header {
-                // shm: the payload is read in place once the header is validated
-                link.transport.try_read(&mut [&mut self.header[self.hdr_got..]])
-            } else if hdr_missing > 0 {
+            let res = if hdr_missing > 0 {
                 let hdr = &mut self.header[self.hdr_got..];
-                link.transport.try_read(&mut [hdr, payload])
-            } else if !payload.is_empty() {
-                link.transport.try_read(&mut [payload])
+                // Payload bytes can arrive only once the header is whole, so before that `fg`
+                // is 0 and whatever comes with the header starts the frame.
+                match sink {
+                    // shm: the payload is read in place once the header is validated
+                    Sink::Reduce { .. } if zero_copy_header => link.transport.try_read(&mut [hdr]),
+                    Sink::Reduce { .. } => link.transport.try_read(&mut [hdr, &mut scratch[fg..fl]]),
+                    Sink::Copy(_) if fl <= STAGE_MAX && fl <= scratch.len() => {
+                        self.staged = true;
+                        link.transport.try_read(&mut [hdr, &mut scratch[fg..fl]])
+                    }
+                    Sink::Copy(_) => link.transport.try_read(&mut [hdr]),
+                }
             } else {
-                Ok(usize::MAX) // header complete and empty payload: frame complete
+                let payload: &mut [u8] = match sink {
+                    Sink::Copy(d) => &mut d[fs + fg..fs + fl],
+                    Sink::Reduce { .. } => &mut scratch[fg..fl],
+                };
+                if payload.is_empty() {
+                    Ok(usize::MAX) // header complete and empty payload: frame complete
+                } else {
+                    link.transport.try_read(&mut [payload])
+                }
             };
             let n = match res {
                 Ok(0) => {
@@ -177,6 +203,13 @@ impl Rx {
             if h > 0 && self.hdr_got == HEADER_LEN {
                 self.frame_got += n - h;
                 self.validate(sink, rank, link, fp, step, scratch)?;
+                if self.staged
+                    && let Sink::Copy(d) = &mut *sink
+                {
+                    let got = self.frame_got;
+                    d[fs..fs + got].copy_from_slice(&scratch[..got]);
+                    self.staged = false;
+                }
             } else {
                 self.frame_got += n - h;
             }
@@ -213,8 +246,8 @@ impl Rx {
         })?;
         if header.kind == KIND_ABORT {
             let already: &[u8] = match sink {
-                Sink::Copy(d) => &d[self.frame_start..self.frame_start + self.frame_got],
-                Sink::Reduce { .. } => &scratch[..self.frame_got],
+                Sink::Copy(d) if !self.staged => &d[self.frame_start..self.frame_start + self.frame_got],
+                _ => &scratch[..self.frame_got],
             };
             let already = already.to_vec();
             return Err(read_abort(link, self.peer, true, &already, header.len as usize));

@@ -61,6 +61,8 @@ const HDR_VERSION: usize = 8;
 const HDR_NONCE: usize = 16;
 const HDR_MEMBERS: usize = 24;
 const HDR_REGION: usize = 32;
+/// Members other than the creator that have mapped the window; the last one removes its name.
+const HDR_ATTACHED: usize = 40;
 const HDR_ABORTED: usize = 128;
 const CTL_BASE: usize = 4096;
 const MEMBER_CTL: usize = 512;
@@ -184,7 +186,15 @@ impl Window {
         {
             return Err(bad("shape"));
         }
-        Ok(Window::wrap(seg, members, me, region))
+        let mut w = Window::wrap(seg, members, me, region);
+        // The name is needed only until every member has mapped the segment: the last to map
+        // it removes it at once, so a crash from here on cannot leave it behind (the creator
+        // removes it too once everyone has answered, or when set-up fails).
+        let attached = w.seg.u64_at(HDR_ATTACHED).fetch_add(1, Ordering::AcqRel) + 1;
+        if attached + 1 >= members as u64 {
+            w.unlink();
+        }
+        Ok(w)
     }
 
     fn wrap(seg: Segment, members: usize, me: usize, region: usize) -> Window {
@@ -779,6 +789,23 @@ mod tests {
                 assert!(dst[..off].iter().chain(&dst[off + len..]).all(|b| *b == 0), "wrote outside");
             }
         }
+    }
+
+    #[test]
+    fn the_last_member_to_map_the_window_removes_its_name() {
+        use super::super::segment::{Segment, segment_name};
+        let dir = std::env::temp_dir().join(format!("toroid-window-test-{}", crate::sys::random::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (members, region) = (3, 4096);
+        let len = window_len(members, region);
+        let seg = Segment::create(&dir, &segment_name(7, "win"), len).unwrap_or_else(|e| panic!("{}", e.0));
+        let path = seg.path().unwrap().to_path_buf();
+        let _creator = Window::init(seg, members, 0, region, 7).unwrap();
+        let _first = Window::attach(Segment::open(&path, len).unwrap(), members, 1, region, 7).unwrap();
+        assert!(path.exists(), "a member has not mapped it yet");
+        let _last = Window::attach(Segment::open(&path, len).unwrap(), members, 2, region, 7).unwrap();
+        assert!(!path.exists(), "every member mapped it: the name must be gone");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

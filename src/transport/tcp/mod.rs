@@ -33,6 +33,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use super::Transport;
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::sys::fork::ForkGuarded;
 use crate::sys::socket;
 
 mod handshake;
@@ -62,7 +63,9 @@ impl SocketOptions {
 /// A connected TCP peer.
 #[derive(Debug)]
 pub struct TcpTransport {
-    stream: TcpStream,
+    /// Closed in a forked child at once, so that a dead parent looks dead to its peers
+    /// (see `sys::fork`).
+    stream: ForkGuarded<TcpStream>,
 }
 
 impl TcpTransport {
@@ -77,7 +80,7 @@ impl TcpTransport {
                 .map_err(|e| Error::system("setting socket buffer size", e))?;
         }
         stream.set_nonblocking(true).map_err(|e| Error::system("O_NONBLOCK", e))?;
-        Ok(TcpTransport { stream })
+        Ok(TcpTransport { stream: ForkGuarded::new(stream) })
     }
 }
 
