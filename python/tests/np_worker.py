@@ -185,6 +185,22 @@ def errors(comm: toroid.Comm):
     assert "NULL" in comm.last_error
     # Still usable after argument errors.
     same(comm.all_reduce(np.ones(2, np.float64)), np.full(2, float(SIZE)), "usable after errors")
+    # A forked child (a DataLoader or multiprocessing worker) cannot use the communicator: its
+    # calls fail with InvalidUsageError naming fork, and dropping it there must not disturb the
+    # parent's links (the parent's next collective below still runs).
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            comm.barrier()
+        except toroid.InvalidUsageError as e:
+            code = 0 if "fork" in e.detail else 4
+        except BaseException:
+            code = 5
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"forked child exited with {status:#x}"
+    same(comm.all_reduce(np.ones(3, np.int32)), np.full(3, SIZE, np.int32), "usable after a fork")
     sub = comm.split(0, RANK)
     sub.destroy()
     try:
