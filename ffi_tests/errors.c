@@ -266,6 +266,28 @@ static void wait_timeout(toroid_comm *comm) {
   CHECK(toroid_comm_destroy(sub));
 }
 
+/* Destroy while queued work fails (rank 1 leaves): the first failure's code, and how many. */
+static void destroy_reports_failures(toroid_comm *comm) {
+  toroid_comm *sub = NULL;
+  CHECK(toroid_comm_split(comm, 0, g_rank, &sub));
+  int32_t x[16] = {0}, y[16] = {0};
+  if (g_rank == 0) {
+    toroid_work *w1, *w2;
+    CHECK(toroid_all_reduce_async(sub, x, x, 16, TOROID_INT32, TOROID_SUM, &w1));
+    CHECK(toroid_all_reduce_async(sub, y, y, 16, TOROID_INT32, TOROID_SUM, &w2));
+    toroid_result r = toroid_comm_destroy(sub); /* rank 1 destroys its side meanwhile */
+    EXPECT(r == TOROID_REMOTE_ERROR || r == TOROID_ABORTED);
+    EXPECT(contains(toroid_get_last_error(NULL), "2 operations still queued"));
+    EXPECT_CODE(TOROID_INVALID_USAGE, toroid_comm_destroy(sub)); /* released all the same */
+    toroid_work_free(w1);
+    toroid_work_free(w2);
+  } else {
+    struct timespec nap = {0, 300 * 1000 * 1000}; /* rank 0 is in toroid_comm_destroy by then */
+    nanosleep(&nap, NULL);
+    CHECK(toroid_comm_destroy(sub));
+  }
+}
+
 /* Split with no color: NULL out; and a version-2 config (larger struct) is accepted. */
 static void split_nocolor(toroid_comm *comm) {
   toroid_comm *sub = SENTINEL_COMM;
@@ -314,6 +336,8 @@ int main(void) {
   still_usable(comm, 4);
   split_nocolor(comm);
   still_usable(comm, 5);
+  destroy_reports_failures(comm);
+  still_usable(comm, 6);
 
   /* The pointer from toroid_get_last_error stays valid while the message is unchanged. */
   EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_barrier_async(comm, NULL));

@@ -294,12 +294,13 @@ impl Communicator {
             rec[..s.len()].copy_from_slice(s.as_bytes());
         }
         self.go(OpKind::SplitExchange, DataType::U8, None, Some(&mut addrs))?;
-        let (Some(new_rank), Some(endpoint)) = (new_rank, endpoint) else { return Ok(None) };
+        // Every rank counts every split, members or not, so that later splits agree on ids.
         let split_no = {
             let mut e = lock(&self.core.engine);
             e.splits += 1;
             e.splits
         };
+        let (Some(new_rank), Some(endpoint)) = (new_rank, endpoint) else { return Ok(None) };
         let mut member_addrs = Vec::with_capacity(members.len());
         for (_, r) in &members {
             let rec = &addrs[REC * r..REC * (r + 1)];
