@@ -22,13 +22,14 @@ TOROID_FAULT_TRIALS=$trials timeout $((trials * 7 * 2 * 60 + 120)) \
     cargo test -q --test faults -- --nocapture --test-threads=1 >"$log" 2>&1 || status=$?
 echo
 printf '%-12s %-5s %7s %9s %11s %6s %11s %9s %22s\n' case link trials expected unexpected hangs "procs left" "shm left" "worst fault->error ms"
-grep '^SUMMARY |' "$log" | awk -F' [|] ' '{
+# libtest prints "test NAME ... " before a test's own first line: cut it off.
+sed -n 's/^.*\(SUMMARY |\)/\1/p' "$log" | sort | awk -F' [|] ' '{
     n = split($0, f, / [|] /)
     for (i = 4; i <= 10; i++) { k = split(f[i], w, " "); v[i] = w[k] }
     printf "%-12s %-5s %7s %9s %11s %6s %11s %9s %22s\n", f[2], f[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10]
 }'
 echo
-grep -E '^(UNEXPECTED|NOTE) ' "$log" | cut -c1-400 | sort | uniq -c | sort -rn | head -40 || true
+sed -n 's/^.*\(\(UNEXPECTED\|NOTE\) \)/\1/p' "$log" | cut -c1-300 | sed -E 's/[0-9]+/N/g' | sort | uniq -c | sort -rn | head -40 || true
 if [ "$status" -ne 0 ]; then
     echo "fault matrix: some case was not clean (exit $status); the rows above say which" >&2
     grep -E '^test .* FAILED' "$log" >&2 || true

@@ -97,6 +97,8 @@ pub struct Job {
     pub shm_dir: PathBuf,
     pub store_port: u16,
     pub started_ms: u64,
+    /// `finish` ran: the groups are gone (their ids may be reused), Drop leaves them alone.
+    finished: bool,
 }
 
 impl Job {
@@ -139,7 +141,7 @@ impl Job {
             .find(|(k, _)| k == "TOROID_SHM_DIR")
             .map(|(_, v)| PathBuf::from(v))
             .unwrap_or_else(|| PathBuf::from("/dev/shm"));
-        Job { ranks, shm_dir, store_port: port, started_ms }
+        Job { ranks, shm_dir, store_port: port, started_ms, finished: false }
     }
 
     /// Waits until every rank in `which` printed event `name` (or exited), or `deadline`.
@@ -214,6 +216,7 @@ impl Job {
         }
         let pids: Vec<u32> = self.ranks.iter().map(|r| r.pid).collect();
         let shm = remove_shm_names(&self.shm_dir, &pids);
+        self.finished = true;
         (left.len(), shm)
     }
 
@@ -227,6 +230,9 @@ impl Job {
 
 impl Drop for Job {
     fn drop(&mut self) {
+        if self.finished {
+            return;
+        }
         self.kill_groups();
         for r in &mut self.ranks {
             if r.status.is_none() {

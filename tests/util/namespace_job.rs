@@ -90,8 +90,19 @@ pub fn run_in_small_tmpfs(
         has(r, "SETUP_ERROR")
             .is_some_and(|e| e.detail.contains("shared-memory") || e.detail.contains("TOROID_SHM"))
     });
+    // Which links fell back: each rank logs "shared memory unavailable for K of M peers".
+    let fallbacks: Vec<&str> = logs
+        .iter()
+        .flat_map(|l| l.lines())
+        .filter_map(|x| {
+            x.split_once("unavailable for ").and_then(|(_, t)| t.split_once(" peers")).map(|(k, _)| k)
+        })
+        .collect();
     let note = if done {
-        format!("every rank finished correctly (shared window: {})", if windowless { "none" } else { "some" })
+        format!(
+            "every rank finished correctly (shared window: {}; TCP kept for {fallbacks:?} peers per rank)",
+            if windowless { "none" } else { "some" }
+        )
     } else if clear_error {
         format!(
             "set-up failed on every rank with a clear error: {}",

@@ -24,6 +24,8 @@ use crate::util::data::mix;
 pub enum Kind {
     /// 4 KiB of random bytes, then close.
     Garbage,
+    /// Connect and close at once, before a whole hello.
+    Close,
     /// Connect and say nothing, until the job ends.
     Silence,
     /// One byte every 100 ms, until the job ends or the listener closes the connection.
@@ -34,7 +36,7 @@ pub enum Kind {
 }
 
 impl Kind {
-    pub const ALL: [Kind; 4] = [Kind::Garbage, Kind::Silence, Kind::Drip, Kind::WrongToken];
+    pub const ALL: [Kind; 5] = [Kind::Garbage, Kind::Close, Kind::Silence, Kind::Drip, Kind::WrongToken];
 }
 
 /// What an attack did.
@@ -145,6 +147,7 @@ fn one(sh: &Shared, kind: Kind, addr: SocketAddr, store_port: u16, to: usize, fr
             let bytes: Vec<u8> = (0..4096u64).map(|i| mix(seed ^ i) as u8).collect();
             let _ = s.write_all(&bytes);
         }
+        Kind::Close => {}
         Kind::Silence => {
             let _ = nap(&sh.stop, Duration::from_secs(120));
         }
