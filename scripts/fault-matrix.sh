@@ -14,8 +14,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 trials=${1:-15}
 cargo test --test faults --no-run -q 2>/dev/null || cargo test --test faults --no-run
-log=$(mktemp)
-trap 'rm -f "$log"' EXIT
+# FAULT_MATRIX_LOG=FILE keeps the whole log (a TRIAL line per trial, with each rank's delay
+# from the fault to its error on the DELAYS line before it).
+log=${FAULT_MATRIX_LOG:-$(mktemp)}
+[ -n "${FAULT_MATRIX_LOG:-}" ] || trap 'rm -f "$log"' EXIT
 status=0
 # One case at a time: the timings are the point, and the machine stays usable.
 TOROID_FAULT_TRIALS=$trials timeout $((trials * 7 * 2 * 60 + 120)) \

@@ -19,8 +19,9 @@ status=0
 TOROID_SOAK_OPS=$ops TOROID_SOAK_MAX_BYTES=$((4 << 20)) TOROID_SOAK_CYCLES=$cycles \
     timeout $((ops * 4 + 1200)) \
     cargo test -q --test soak -- --nocapture --test-threads=1 >"$log" 2>&1 || status=$?
-# libtest prints "test NAME ... " before a test's own first line: cut it off.
-sed -i 's/^test .* \.\.\. \(SOAK\|VALGRIND\|CORRUPTION\)/\1/' "$log"
+# libtest's progress ("test NAME ... ", or a dot with -q) precedes a test's own first line:
+# cut it off.
+sed -i 's/^.*\(\(SOAK\|VALGRIND\|CORRUPTION\) \)/\1/' "$log"
 grep -E '^(SOAK|VALGRIND|CORRUPTION) ' "$log" | cut -c1-220 || true
 awk -F' [|] ' '/^SOAK \|/ {
     split($4, v, " "); split($5, c, " "); verified += v[2]; corrupt += c[2]

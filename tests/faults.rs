@@ -194,20 +194,27 @@ fn describe(r: &Rank) -> String {
     }
 }
 
-/// Checks that each rank in `which` reported event `name` at or after `fault_ms`; keeps the
-/// worst delay. Returns (all did, worst delay, what the others did).
+/// Checks that each rank in `which` reported event `name` at or after `fault_ms`; prints each
+/// rank's delay (a `DELAYS` line, before its trial's `TRIAL` line) and keeps the worst.
+/// Returns (all did, worst delay, what the others did).
 fn each_reported(job: &Job, which: &[usize], name: &str, fault_ms: u64) -> (bool, Option<u64>, String) {
     let mut worst = None;
     let mut notes = Vec::new();
+    let mut delays = Vec::new();
     for &r in which {
         match job.ranks[r].event(name) {
             Some(e) => {
                 let d = e.ms.saturating_sub(fault_ms);
+                delays.push(format!("rank {r} {d} ms"));
                 worst = worst.max(Some(d));
             }
-            None => notes.push(format!("rank {r}: {}", describe(&job.ranks[r]))),
+            None => {
+                delays.push(format!("rank {r} none"));
+                notes.push(format!("rank {r}: {}", describe(&job.ranks[r])))
+            }
         }
     }
+    println!("DELAYS fault->{name}: {}", delays.join(", "));
     (notes.is_empty(), worst, notes.join("; "))
 }
 
@@ -222,6 +229,14 @@ fn matrix(case: &str, trial: impl Fn(Transport, &mut Rng, usize) -> Outcome) {
         let mut notes = Vec::new();
         for i in 0..trials() {
             let o = trial(t, &mut rng, i);
+            println!(
+                "TRIAL {case} {t:?} {i}: {} worst {:?} ms, hangs {}, procs left {}, shm left {}",
+                if o.ok && o.hangs == 0 { "as expected" } else { "UNEXPECTED" },
+                o.worst_ms,
+                o.hangs,
+                o.procs_left,
+                o.shm_left
+            );
             if o.ok && o.hangs == 0 {
                 ok += 1;
             } else {
