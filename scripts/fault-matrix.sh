@@ -31,7 +31,7 @@ sed -n 's/^.*\(SUMMARY |\)/\1/p' "$log" | sort | awk -F' [|] ' '{
     printf "%-12s %-5s %7s %9s %11s %6s %11s %9s %22s\n", f[2], f[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10]
 }'
 echo
-sed -n 's/^.*\(\(UNEXPECTED\|NOTE\) \)/\1/p' "$log" | cut -c1-300 | sed -E 's/[0-9]+/N/g' | sort | uniq -c | sort -rn | head -40 || true
+sed -n 's/^.*\(\(UNEXPECTED\|NOTE\) [a-z_0-9]* \(Shm\|Tcp\) \)/\1/p' "$log" | cut -c1-300 | sed -E 's/[0-9]+/N/g' | sort | uniq -c | sort -rn | head -40 || true
 if [ "$status" -ne 0 ]; then
     echo "fault matrix: some case was not clean (exit $status); the rows above say which" >&2
     grep -E '^test .* FAILED' "$log" >&2 || true

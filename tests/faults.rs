@@ -231,7 +231,7 @@ fn matrix(case: &str, trial: impl Fn(Transport, &mut Rng, usize) -> Outcome) {
             let o = trial(t, &mut rng, i);
             println!(
                 "TRIAL {case} {t:?} {i}: {} worst {:?} ms, hangs {}, procs left {}, shm left {}",
-                if o.ok && o.hangs == 0 { "as expected" } else { "UNEXPECTED" },
+                if o.ok && o.hangs == 0 { "as expected" } else { "not as expected" },
                 o.worst_ms,
                 o.hangs,
                 o.procs_left,
