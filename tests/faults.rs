@@ -15,8 +15,9 @@
 //! rank's error (worst kept), hangs (a rank past the trial's bound is killed and counted),
 //! processes left in the job's process groups and shared-memory names left by its processes.
 //! Each test prints a `SUMMARY` row per transport and then asserts: all trials as expected, no
-//! hang, nothing left. `TOROID_FAULT_TRIALS` (default 1) sets the trials per case and
-//! transport, `TOROID_FAULT_SEED` the seed; `scripts/fault-matrix.sh` runs hundreds.
+//! hang, nothing left. `TOROID_FAULT_TRIALS` (default 1; `never_joins` runs at least 3, one per
+//! victim rank, `strangers` and `shm_full` at least 2, one per variant) sets the trials per case
+//! and transport, `TOROID_FAULT_SEED` the seed; `scripts/fault-matrix.sh` runs hundreds.
 
 #[path = "util/job.rs"]
 mod job;
@@ -218,16 +219,17 @@ fn each_reported(job: &Job, which: &[usize], name: &str, fault_ms: u64) -> (bool
     (notes.is_empty(), worst, notes.join("; "))
 }
 
-/// Runs `trial` `trials()` times per transport, prints a summary row per transport and asserts
+/// Runs `trial` `trials()` times (at least `min_trials`: cases whose trials cycle through
+/// variants cover each in CI) per transport, prints a summary row per transport and asserts
 /// that every trial was as expected with no hang and nothing left behind.
-fn matrix(case: &str, trial: impl Fn(Transport, &mut Rng, usize) -> Outcome) {
+fn matrix(case: &str, min_trials: usize, trial: impl Fn(Transport, &mut Rng, usize) -> Outcome) {
     let seed: u64 = var("TOROID_FAULT_SEED", now_ms());
     let mut failures = Vec::new();
     for t in [Transport::Shm, Transport::Tcp] {
         let mut rng = Rng::new(seed ^ (t as u64 + 1) ^ case.len() as u64);
         let (mut ok, mut bad, mut hangs, mut procs, mut shm, mut worst) = (0, 0, 0, 0, 0, None);
         let mut notes = Vec::new();
-        for i in 0..trials() {
+        for i in 0..trials().max(min_trials) {
             let o = trial(t, &mut rng, i);
             println!(
                 "TRIAL {case} {t:?} {i}: {} worst {:?} ms, hangs {}, procs left {}, shm left {}",
@@ -319,7 +321,7 @@ fn kill9() {
     if util::is_child() {
         return rank_main();
     }
-    matrix("kill9", |t, rng, _| {
+    matrix("kill9", 1, |t, rng, _| {
         let n = 3 + rng.below(2) as usize;
         let victim = rng.below(n as u64) as usize;
         let env = base_env(t, KILL_TIMEOUT_S, rng.next());
@@ -351,7 +353,7 @@ fn sigstop() {
     if util::is_child() {
         return rank_main();
     }
-    matrix("sigstop", |t, rng, _| {
+    matrix("sigstop", 1, |t, rng, _| {
         let n = 3;
         let victim = rng.below(n as u64) as usize;
         let env = base_env(t, STOP_TIMEOUT_S, rng.next());
@@ -387,9 +389,10 @@ fn never_joins() {
     if util::is_child() {
         return rank_main();
     }
-    matrix("never_joins", |t, rng, _| {
+    matrix("never_joins", 3, |t, rng, i| {
         let n = 3;
-        let victim = rng.below(n as u64) as usize;
+        // Each rank in turn: 1 and 2 (named in the error), then 0 (the store's host).
+        let victim = (i + 1) % n;
         let env = base_env(t, JOIN_TIMEOUT_S, rng.next());
         let mut job = Job::spawn("never_joins", n, &env, |r| {
             if r == victim { env1("FAULT_NEVER_JOIN", 1) } else { vec![] }
@@ -426,7 +429,7 @@ fn conn_reset() {
     if util::is_child() {
         return rank_main();
     }
-    matrix("conn_reset", |t, rng, _| {
+    matrix("conn_reset", 1, |t, rng, _| {
         let n = 3;
         let victim = rng.below(n as u64) as usize;
         let env = base_env(t, RESET_TIMEOUT_S, rng.next());
@@ -502,7 +505,7 @@ fn strangers() {
     if util::is_child() {
         return rank_main();
     }
-    matrix("strangers", |t, rng, i| {
+    matrix("strangers", 2, |t, rng, i| {
         let n = 3;
         // Trial i: during set-up (even) or the run (odd); all kinds at once, then each alone
         // in turn.
@@ -567,7 +570,7 @@ fn shm_full() {
     if util::is_child() {
         return rank_main();
     }
-    matrix("shm_full", |t, rng, i| {
+    matrix("shm_full", 2, |t, rng, i| {
         let n = 3;
         let mut env = base_env(t, 5, rng.next());
         env.push(("FAULT_OPS".into(), "30".into()));
@@ -589,7 +592,7 @@ fn fork() {
     if util::is_child() {
         return rank_main();
     }
-    matrix("fork", |t, rng, _| {
+    matrix("fork", 1, |t, rng, _| {
         let n = 3;
         let victim = rng.below(n as u64) as usize;
         let env = base_env(t, FORK_TIMEOUT_S, rng.next());
