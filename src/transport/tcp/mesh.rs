@@ -203,7 +203,7 @@ impl<'a> MeshLoop<'a> {
             }
             // Highest index first, so that the indices still to remove stay valid (accepts
             // only append).
-            failed.sort_by(|a, b| b.0.cmp(&a.0));
+            failed.sort_by_key(|f| std::cmp::Reverse(f.0));
             for (i, why) in failed {
                 self.drop_incoming(i, &why);
             }
