@@ -731,4 +731,37 @@ mod tests {
         assert!(rank1.is_ok(), "{:?}", rank1.err());
         assert_eq!(rank0.join().expect("rank 0").expect("rank 0 connects"), 1);
     }
+
+    #[test]
+    fn a_flood_of_silent_connections_does_not_block_genuine_peers() {
+        // More silent strangers than MAX_STRANGERS on every listener, all before set-up starts
+        // (non-blocking connects, so those beyond the backlog complete as the ranks accept).
+        let n = 3;
+        let eps: Vec<Endpoint> = (0..n).map(|_| listen(&lo(), n).expect("listen")).collect();
+        let addrs: Vec<SocketAddr> = eps.iter().map(|e| e.addr).collect();
+        let flood: Vec<TcpStream> = addrs
+            .iter()
+            .flat_map(|a| {
+                (0..MAX_STRANGERS + 36).map(|_| crate::sys::socket::connect_nonblocking(a).expect("connect"))
+            })
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let start = Instant::now();
+        let ranks: Vec<_> = eps
+            .into_iter()
+            .enumerate()
+            .map(|(r, ep)| {
+                let addrs = addrs.clone();
+                std::thread::spawn(move || {
+                    connect_mesh(r, &addrs, &ep, COMM, &SocketOptions::default(), None, deadline)
+                })
+            })
+            .collect();
+        for (r, h) in ranks.into_iter().enumerate() {
+            let m = h.join().expect("rank thread").unwrap_or_else(|e| panic!("rank {r}: {e}"));
+            assert_eq!(m.iter().filter(|l| l.is_some()).count(), n - 1, "rank {r}");
+        }
+        assert!(start.elapsed() < Duration::from_secs(2), "set-up took {:?}", start.elapsed());
+        drop(flood);
+    }
 }
