@@ -31,16 +31,17 @@ pub struct Endpoint {
 pub fn listen(iface: &Interface, backlog_hint: usize) -> Result<Endpoint> {
     let listener = TcpListener::bind((iface.addr, 0))
         .map_err(|e| Error::system(format!("binding a listener on {} ({})", iface.addr, iface.name), e))?;
-    // std's default backlog (128) covers the peers that connect before we accept; raise it for
-    // very large worlds.
-    if backlog_hint > 128 {
-        let _ = crate::sys::socket::set_backlog(listener.as_fd(), backlog_hint);
-    }
+    // The backlog holds the peers (and any strangers) that connect before set-up accepts
+    // them: std's default (128) could be filled by a stranger before a genuine peer's turn.
+    // The kernel caps it at `net.core.somaxconn` (4096 since Linux 5.4).
+    let _ = crate::sys::socket::set_backlog(listener.as_fd(), backlog_hint.max(MIN_BACKLOG));
     listener.set_nonblocking(true).map_err(|e| Error::system("O_NONBLOCK on listener", e))?;
     let addr = listener.local_addr().map_err(|e| Error::system("getsockname", e))?;
     Ok(Endpoint { listener, addr, ifname: iface.name.clone() })
 }
 
+/// Smallest listen backlog (see [`listen`]).
+const MIN_BACKLOG: usize = 1024;
 /// How long one incoming connection has to complete its handshake, from its accept (never
 /// past the set-up deadline). A genuine peer sends its whole hello (24 to 72 bytes) in one
 /// write right after its connect completes, so it needs one round trip plus its own scheduling
@@ -192,7 +193,7 @@ impl<'a> MeshLoop<'a> {
                     continue;
                 }
                 match *w {
-                    Who::Listener => self.accept_all(now)?,
+                    Who::Listener => self.accept_all()?,
                     Who::Out(i) => self.outgoing[i].advance(self.ctx, now)?,
                     Who::In(i) => {
                         if let Err(why) = self.incoming[i].advance(self.ctx, &mut self.claimed) {
@@ -213,7 +214,7 @@ impl<'a> MeshLoop<'a> {
 
     /// Accepts every connection pending on the listener (up to [`ACCEPTS_PER_ROUND`]), so
     /// strangers never fill the backlog in front of a genuine peer.
-    fn accept_all(&mut self, now: Instant) -> Result<()> {
+    fn accept_all(&mut self) -> Result<()> {
         for _ in 0..ACCEPTS_PER_ROUND {
             match self.listener.accept() {
                 Ok((s, from)) => {
@@ -221,8 +222,20 @@ impl<'a> MeshLoop<'a> {
                         self.warn(from, &format!("O_NONBLOCK failed: {e}"));
                         continue;
                     }
-                    let deadline = (now + self.allowance).min(self.deadline);
-                    self.incoming.push(Incoming::new(s, from, now, deadline));
+                    // Its own accept instant, so that when too many are open the strangers
+                    // queued first go first; and a first read at once, since a genuine
+                    // peer's hello is usually there already.
+                    let at = Instant::now();
+                    let mut c = Incoming::new(s, from, at, (at + self.allowance).min(self.deadline));
+                    match c.advance(self.ctx, &mut self.claimed) {
+                        Ok(()) => self.incoming.push(c),
+                        Err(why) => {
+                            if let Some(r) = c.claimed() {
+                                self.claimed[r] = false;
+                            }
+                            self.warn(from, &why);
+                        }
+                    }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 // The connection was reset before we took it, or descriptors ran out for a

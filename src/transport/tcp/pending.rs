@@ -25,6 +25,10 @@ pub(super) const IN_MAX: usize = HELLO_LEN + NONCE_LEN + MAC_LEN;
 const ACK_MAX: usize = HELLO_LEN + MAC_LEN;
 /// Pause before connecting again to a rank that is not listening yet.
 const RETRY: Duration = Duration::from_millis(10);
+/// A connect still unanswered after this starts over: a SYN dropped at a listener whose
+/// backlog strangers had filled would otherwise wait for the kernel's retransmission (1 s,
+/// then 3 s, 7 s, ... after the first).
+const CONNECT_AGAIN: Duration = Duration::from_secs(1);
 
 /// What every connection of one rank's set-up shares.
 #[derive(Clone, Copy)]
@@ -73,8 +77,8 @@ fn hello_of(buf: &[u8]) -> Hello {
 enum OutPhase {
     /// Not connected; connect (again) at this instant.
     Retry(Instant),
-    /// `connect` is under way.
-    Connecting,
+    /// `connect` is under way since this instant.
+    Connecting(Instant),
     /// Sending the hello.
     Sending,
     /// Reading the ack.
@@ -128,7 +132,7 @@ impl Outgoing {
     /// The descriptor and events to poll for, if any.
     pub fn interest(&self) -> Option<(RawFd, Events)> {
         let ev = match self.phase {
-            OutPhase::Connecting | OutPhase::Sending => PollFd::OUT,
+            OutPhase::Connecting(_) | OutPhase::Sending => PollFd::OUT,
             OutPhase::Reading => PollFd::IN,
             OutPhase::Retry(_) | OutPhase::Done => return None,
         };
@@ -139,6 +143,7 @@ impl Outgoing {
     pub fn wake_at(&self) -> Option<Instant> {
         match self.phase {
             OutPhase::Retry(t) => Some(t),
+            OutPhase::Connecting(since) => Some(since + CONNECT_AGAIN),
             _ => None,
         }
     }
@@ -147,10 +152,10 @@ impl Outgoing {
     pub fn describe_unfinished(&self, rank: usize) -> String {
         let (peer, addr) = (self.peer, self.addr);
         match (&self.phase, &self.last_refusal) {
-            (OutPhase::Retry(_) | OutPhase::Connecting, Some(e)) => {
+            (OutPhase::Retry(_) | OutPhase::Connecting(_), Some(e)) => {
                 format!("rank {rank}: could not connect to rank {peer} at {addr}: {e}")
             }
-            (OutPhase::Retry(_) | OutPhase::Connecting, None) => {
+            (OutPhase::Retry(_) | OutPhase::Connecting(_), None) => {
                 format!("rank {rank}: could not connect to rank {peer} at {addr}: no answer")
             }
             (OutPhase::Sending, _) => format!("rank {rank}: hello to rank {peer} at {addr} not sent"),
@@ -171,12 +176,12 @@ impl Outgoing {
                     match crate::sys::socket::connect_nonblocking(&addr) {
                         Ok(s) => {
                             self.stream = Some(s);
-                            self.phase = OutPhase::Connecting;
+                            self.phase = OutPhase::Connecting(now);
                         }
                         Err(e) => return self.refused(e, now, ctx),
                     }
                 }
-                OutPhase::Connecting => {
+                OutPhase::Connecting(since) => {
                     let Some(s) = &self.stream else { return Err(Error::Internal("no stream".into())) };
                     // Writable (or failed) once the connection is made; until then `SO_ERROR`
                     // is 0 and the peer address unknown.
@@ -185,7 +190,13 @@ impl Outgoing {
                             self.stream = None;
                             return self.refused(e, now, ctx);
                         }
-                        Ok(None) if s.peer_addr().is_err() => return Ok(()),
+                        Ok(None) if s.peer_addr().is_err() => {
+                            if now >= since + CONNECT_AGAIN {
+                                self.stream = None;
+                                self.phase = OutPhase::Retry(now);
+                            }
+                            return Ok(());
+                        }
                         Ok(None) => self.phase = OutPhase::Sending,
                     }
                 }
