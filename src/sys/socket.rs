@@ -131,6 +131,58 @@ pub fn peek(fd: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<usize> {
     Ok(n as usize)
 }
 
+/// Starts a TCP connection to `addr` without waiting for it (`socket(2)` with `SOCK_NONBLOCK |
+/// SOCK_CLOEXEC`, then `connect(2)`): the stream is returned at once, still connecting when the
+/// peer has not answered yet. It becomes writable when the connection is made or has failed;
+/// `TcpStream::take_error` then tells which (`ConnectionRefused` while nobody listens).
+pub fn connect_nonblocking(addr: &std::net::SocketAddr) -> io::Result<std::net::TcpStream> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let family = if addr.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
+    let fd =
+        super::syscall!(socket(family, libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0))?;
+    // SAFETY: `socket` just returned this descriptor and nothing else owns it.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: all-zero is a valid `sockaddr_storage`.
+    let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match addr {
+        std::net::SocketAddr::V4(a) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(a.ip().octets()) },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: `sockaddr_storage` is larger than and aligned for every sockaddr type.
+            unsafe { std::ptr::write((&mut storage as *mut libc::sockaddr_storage).cast(), sin) };
+            std::mem::size_of::<libc::sockaddr_in>()
+        }
+        std::net::SocketAddr::V6(a) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: a.flowinfo(),
+                sin6_addr: libc::in6_addr { s6_addr: a.ip().octets() },
+                sin6_scope_id: a.scope_id(),
+            };
+            // SAFETY: as above.
+            unsafe { std::ptr::write((&mut storage as *mut libc::sockaddr_storage).cast(), sin6) };
+            std::mem::size_of::<libc::sockaddr_in6>()
+        }
+    };
+    // SAFETY: `storage` holds an initialised address of `len` bytes and lives across the call.
+    let r = super::syscall!(connect(
+        fd.as_raw_fd(),
+        (&storage as *const libc::sockaddr_storage).cast(),
+        len as socklen_t
+    ));
+    match r {
+        Ok(_) => {}
+        Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
+        Err(e) => return Err(e),
+    }
+    Ok(std::net::TcpStream::from(fd))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -187,5 +239,26 @@ mod tests {
             })
             .expect("a send to a closed peer fails");
         assert!(matches!(e.kind(), io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset), "{e}");
+    }
+
+    #[test]
+    fn a_nonblocking_connect_completes_or_reports_refusal() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let s = connect_nonblocking(&addr).unwrap();
+        let mut fds = [crate::sys::poll::PollFd::new(s.as_raw_fd(), crate::sys::poll::PollFd::OUT)];
+        assert_eq!(crate::sys::poll::poll(&mut fds, 5000).unwrap(), 1);
+        assert!(s.take_error().unwrap().is_none());
+        let (_b, from) = l.accept().unwrap();
+        assert_eq!(from, s.local_addr().unwrap());
+        drop(l);
+        // Nobody listens there now: the connection is refused, at once or once polled.
+        let s = match connect_nonblocking(&addr) {
+            Ok(s) => s,
+            Err(e) => return assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused),
+        };
+        let mut fds = [crate::sys::poll::PollFd::new(s.as_raw_fd(), crate::sys::poll::PollFd::OUT)];
+        assert_eq!(crate::sys::poll::poll(&mut fds, 5000).unwrap(), 1);
+        assert_eq!(s.take_error().unwrap().expect("an error").kind(), io::ErrorKind::ConnectionRefused);
     }
 }

@@ -1,13 +1,15 @@
 //! Setting up the mesh: every rank listens on its address; rank `j` connects to every lower
 //! rank `i < j` and accepts from every higher one, and each connection is checked with the
-//! handshake of [`super::handshake`] both ways before it becomes a [`TcpTransport`].
+//! handshake of [`super::handshake`] both ways before it becomes a [`TcpTransport`]. Anyone
+//! can connect to a listener: a connection is trusted only once its hello checks out, and a
+//! stranger's connection never fails or delays set-up.
 
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsFd, AsRawFd};
 use std::time::{Duration, Instant};
 
-use super::handshake::{self, HELLO_LEN, Hello, KIND_ACK, KIND_HELLO, MAC_LEN, NONCE_LEN, Nonce};
+use super::pending::{Ctx, Incoming, Outgoing};
 use super::{Interface, SocketOptions, TcpTransport};
 use crate::config::AuthToken;
 use crate::error::{Error, Result};
@@ -29,42 +31,42 @@ pub struct Endpoint {
 pub fn listen(iface: &Interface, backlog_hint: usize) -> Result<Endpoint> {
     let listener = TcpListener::bind((iface.addr, 0))
         .map_err(|e| Error::system(format!("binding a listener on {} ({})", iface.addr, iface.name), e))?;
-    // std's default backlog (128) covers the peers that connect before we accept; raise it for
-    // very large worlds.
-    if backlog_hint > 128 {
-        let _ = crate::sys::socket::set_backlog(listener.as_fd(), backlog_hint);
-    }
+    // The backlog holds the peers (and any strangers) that connect before set-up accepts
+    // them: std's default (128) could be filled by a stranger before a genuine peer's turn.
+    // The kernel caps it at `net.core.somaxconn` (4096 since Linux 5.4).
+    let _ = crate::sys::socket::set_backlog(listener.as_fd(), backlog_hint.max(MIN_BACKLOG));
     listener.set_nonblocking(true).map_err(|e| Error::system("O_NONBLOCK on listener", e))?;
     let addr = listener.local_addr().map_err(|e| Error::system("getsockname", e))?;
     Ok(Endpoint { listener, addr, ifname: iface.name.clone() })
 }
 
-fn remaining(deadline: Instant) -> Result<Duration> {
-    let d = deadline.saturating_duration_since(Instant::now());
-    if d.is_zero() {
-        return Err(Error::Timeout("connecting to peers: deadline passed".into()));
-    }
-    Ok(d)
-}
-
-fn read_hello(s: &mut TcpStream, deadline: Instant, what: &str) -> Result<Hello> {
-    let mut h = [0u8; HELLO_LEN];
-    read_exact_by(s, &mut h, deadline, what)?;
-    Ok(h)
-}
-
-fn read_exact_by(s: &mut TcpStream, buf: &mut [u8], deadline: Instant, what: &str) -> Result<()> {
-    s.set_read_timeout(Some(remaining(deadline)?)).map_err(|e| Error::system("SO_RCVTIMEO", e))?;
-    s.read_exact(buf).map_err(|e| match e.kind() {
-        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
-            Error::Timeout(format!("{what}: no handshake before the deadline").into())
-        }
-        _ => Error::Remote(format!("{what}: handshake failed: {e}").into()),
-    })
-}
+/// Smallest listen backlog (see [`listen`]).
+const MIN_BACKLOG: usize = 1024;
+/// How long one incoming connection has to complete its handshake, from its accept (never
+/// past the set-up deadline). A genuine peer sends its whole hello (24 to 72 bytes) in one
+/// write right after its connect completes, so it needs one round trip plus its own scheduling
+/// delay; 5 s covers a heavily oversubscribed host. The allowance never delays set-up (which
+/// ends as soon as the expected peers are in); it only bounds how long a silent or dripping
+/// stranger holds a descriptor and a slot of [`MAX_STRANGERS`].
+const HANDSHAKE_ALLOWANCE: Duration = Duration::from_secs(5);
+/// Incoming connections in handshake beyond the ranks still expected: past this, the oldest
+/// one still reading is dropped. A genuine peer's hello arrives within a round trip, so only a
+/// flood of more than this many connections inside one round trip could push one out.
+const MAX_STRANGERS: usize = 64;
+/// Connections accepted per round at most, so that a flood cannot keep the loop in `accept`.
+const ACCEPTS_PER_ROUND: usize = 256;
+/// Dropped connections logged one by one; past this only their number is logged, at the end.
+const WARNS: usize = 16;
 
 /// Connects this rank to every other rank: connects to lower ranks, accepts higher ones, and
 /// checks the handshake both ways. Returns one transport per rank (`None` at `rank`).
+///
+/// One poll loop drives every connection at once on non-blocking sockets (see
+/// [`super::pending`]). An incoming connection that closes, stays silent past its own deadline,
+/// sends anything but a valid hello (and MAC, with a token), or claims a rank that is not
+/// expected or already connected is dropped with a WARN naming its address and the reason, and
+/// set-up goes on. A failure on a connection this rank made to a published address is that
+/// peer's failure, and so an error, as is the deadline passing with ranks missing.
 pub fn connect_mesh(
     rank: usize,
     addrs: &[SocketAddr],
@@ -75,187 +77,284 @@ pub fn connect_mesh(
     deadline: Instant,
 ) -> Result<Vec<Option<Box<dyn Transport>>>> {
     let size = addrs.len();
-    let setup = Setup { rank, size, comm_id, auth, deadline };
-    let mut streams: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
-    // The nonce each connection to a lower rank sent, which that rank's ack must answer.
-    let mut nonces: Vec<Nonce> = vec![[0; NONCE_LEN]; rank];
-    // 1. Connect to every lower rank and say hello (the listener's backlog holds us until it
-    //    accepts, so this never waits for the peer's code to run).
-    for (peer, addr) in addrs.iter().enumerate().take(rank) {
-        let mut s = setup.connect(peer, addr)?;
-        s.set_write_timeout(Some(remaining(deadline)?)).map_err(|e| Error::system("SO_SNDTIMEO", e))?;
-        let (msg, n) = handshake::hello_message(comm_id, rank, peer, auth)?;
-        nonces[peer] = n;
-        s.write_all(&msg).map_err(|e| {
-            Error::Remote(format!("rank {rank}: hello to rank {peer} at {addr} failed: {e}").into())
-        })?;
-        streams[peer] = Some(s);
-    }
-    // 2. Accept every higher rank, check its hello, ack it.
-    setup.accept_higher(&endpoint.listener, &mut streams)?;
-    // 3. Read the acks of the lower ranks.
-    for (peer, s) in streams.iter_mut().enumerate().take(rank) {
-        let s = s.as_mut().ok_or_else(|| Error::Internal("missing stream".into()))?;
-        setup.check_ack(peer, s, &nonces[peer])?;
-    }
+    let ctx = Ctx { rank, size, comm_id, auth };
+    let mut streams = MeshLoop::new(ctx, addrs, &endpoint.listener, deadline)?.run()?;
     let mut out: Vec<Option<Box<dyn Transport>>> = Vec::with_capacity(size);
-    for s in streams {
-        out.push(match s {
-            Some(s) => {
-                s.set_read_timeout(None).map_err(|e| Error::system("SO_RCVTIMEO", e))?;
-                s.set_write_timeout(None).map_err(|e| Error::system("SO_SNDTIMEO", e))?;
-                Some(Box::new(TcpTransport::new(s, opts)?) as Box<dyn Transport>)
-            }
+    for s in streams.iter_mut() {
+        out.push(match s.take() {
+            Some(s) => Some(Box::new(TcpTransport::new(s, opts)?) as Box<dyn Transport>),
             None => None,
         });
     }
     Ok(out)
 }
 
-/// What every step of one rank's set-up shares.
-struct Setup<'a> {
-    rank: usize,
-    size: usize,
-    comm_id: u64,
-    auth: Option<&'a AuthToken>,
-    deadline: Instant,
+/// Who one entry of the poll set belongs to.
+#[derive(Clone, Copy)]
+enum Who {
+    Listener,
+    Out(usize),
+    In(usize),
 }
 
-impl Setup<'_> {
-    /// Connects to rank `peer` at `addr`, retrying while it is not listening yet.
-    fn connect(&self, peer: usize, addr: &SocketAddr) -> Result<TcpStream> {
-        let (rank, deadline) = (self.rank, self.deadline);
+/// The state of one rank's set-up.
+struct MeshLoop<'a> {
+    ctx: Ctx<'a>,
+    listener: &'a TcpListener,
+    deadline: Instant,
+    outgoing: Vec<Outgoing>,
+    incoming: Vec<Incoming>,
+    /// `claimed[r]`: an incoming connection has proved to be rank `r`.
+    claimed: Vec<bool>,
+    dropped: usize,
+    /// [`HANDSHAKE_ALLOWANCE`] (shorter in tests).
+    allowance: Duration,
+}
+
+impl<'a> MeshLoop<'a> {
+    fn new(ctx: Ctx<'a>, addrs: &[SocketAddr], listener: &'a TcpListener, deadline: Instant) -> Result<Self> {
+        let outgoing = addrs
+            .iter()
+            .enumerate()
+            .take(ctx.rank)
+            .map(|(p, a)| Outgoing::new(ctx, p, *a))
+            .collect::<Result<_>>()?;
+        let claimed = vec![false; ctx.size];
+        let allowance = HANDSHAKE_ALLOWANCE;
+        Ok(MeshLoop {
+            ctx,
+            listener,
+            deadline,
+            outgoing,
+            incoming: Vec::new(),
+            claimed,
+            dropped: 0,
+            allowance,
+        })
+    }
+
+    /// Ranks above this one that no connection has proved to be yet.
+    fn unclaimed(&self) -> usize {
+        (self.ctx.rank + 1..self.ctx.size).filter(|r| !self.claimed[*r]).count()
+    }
+
+    fn finished(&self) -> bool {
+        self.outgoing.iter().all(Outgoing::is_done)
+            && self.unclaimed() == 0
+            && self.incoming.iter().all(|c| c.claimed().is_none() || c.interest().is_none())
+    }
+
+    /// Runs until every link is checked both ways; returns them by rank.
+    fn run(mut self) -> Result<Vec<Option<TcpStream>>> {
+        let mut fds: Vec<PollFd> = Vec::new();
+        let mut who: Vec<Who> = Vec::new();
         loop {
-            match TcpStream::connect_timeout(addr, remaining(deadline)?.min(Duration::from_secs(5))) {
-                Ok(s) => return Ok(s),
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::ConnectionRefused
-                            | io::ErrorKind::TimedOut
-                            | io::ErrorKind::WouldBlock
-                    ) =>
-                {
-                    if remaining(deadline).is_err() {
-                        return Err(Error::Timeout(
-                            format!("rank {rank}: could not connect to rank {peer} at {addr}: {e}").into(),
-                        ));
-                    }
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-                Err(e) => {
-                    return Err(Error::system(
-                        format!("rank {rank}: connecting to rank {peer} at {addr}"),
-                        e,
-                    ));
+            let now = Instant::now();
+            for o in &mut self.outgoing {
+                o.advance(self.ctx, now)?;
+            }
+            self.expire(now);
+            if self.finished() {
+                return Ok(self.links());
+            }
+            if now >= self.deadline {
+                return Err(self.timeout());
+            }
+            fds.clear();
+            who.clear();
+            if self.unclaimed() > 0 {
+                fds.push(PollFd::new(self.listener.as_raw_fd(), PollFd::IN));
+                who.push(Who::Listener);
+            }
+            for (i, o) in self.outgoing.iter().enumerate() {
+                if let Some((fd, ev)) = o.interest() {
+                    fds.push(PollFd::new(fd, ev));
+                    who.push(Who::Out(i));
                 }
             }
+            for (i, c) in self.incoming.iter().enumerate() {
+                if let Some((fd, ev)) = c.interest() {
+                    fds.push(PollFd::new(fd, ev | PollFd::RDHUP));
+                    who.push(Who::In(i));
+                }
+            }
+            let wake = self
+                .outgoing
+                .iter()
+                .filter_map(Outgoing::wake_at)
+                .chain(self.incoming.iter().filter(|c| c.claimed().is_none()).map(|c| c.deadline))
+                .fold(self.deadline, Instant::min);
+            let ms = wake.saturating_duration_since(now).as_millis().clamp(1, 1000) as i32;
+            poll(&mut fds, ms).map_err(|e| Error::system("poll during set-up", e))?;
+            let now = Instant::now();
+            let mut failed: Vec<(usize, String)> = Vec::new();
+            for (f, w) in fds.iter().zip(&who) {
+                if f.revents() == 0 {
+                    continue;
+                }
+                match *w {
+                    Who::Listener => self.accept_all()?,
+                    Who::Out(i) => self.outgoing[i].advance(self.ctx, now)?,
+                    Who::In(i) => {
+                        if let Err(why) = self.incoming[i].advance(self.ctx, &mut self.claimed) {
+                            failed.push((i, why));
+                        }
+                    }
+                }
+            }
+            // Highest index first, so that the indices still to remove stay valid (accepts
+            // only append).
+            failed.sort_by_key(|f| std::cmp::Reverse(f.0));
+            for (i, why) in failed {
+                self.drop_incoming(i, &why);
+            }
+            self.make_room();
         }
     }
 
-    /// Accepts every rank above this one on `listener`, checks its hello and acks it. A
-    /// connection that fails the check is dropped with a WARN: a foreign or stale connection
-    /// must not kill the job.
-    fn accept_higher(&self, listener: &TcpListener, streams: &mut [Option<TcpStream>]) -> Result<()> {
-        let Setup { rank, size, comm_id, auth, deadline } = *self;
-        let mut pending = size - rank - 1;
-        while pending > 0 {
-            match listener.accept() {
-                Ok((mut s, from_addr)) => {
-                    s.set_nonblocking(false).map_err(|e| Error::system("accepted socket", e))?;
-                    let h =
-                        read_hello(&mut s, deadline, &format!("rank {rank}: connection from {from_addr}"))?;
-                    let checked = handshake::check_hello(&h, KIND_HELLO, comm_id, rank, size).and_then(|f| {
-                        let mut extra = [0u8; NONCE_LEN + MAC_LEN];
-                        let announced = handshake::announces_auth(&h);
-                        if announced {
-                            read_exact_by(&mut s, &mut extra, deadline, "the authentication after a hello")?;
-                        }
-                        handshake::check_hello_auth(&h, announced.then_some(&extra[..]), auth)?;
-                        Ok((f, extra))
-                    });
-                    let (from, extra) = match checked {
-                        Ok(x) => x,
-                        Err(e) => {
-                            tracing::warn!(target: "toroid::net", "rank {rank}: rejected connection from {from_addr}: {e}");
-                            continue;
-                        }
-                    };
-                    if from < rank || streams[from].is_some() {
-                        tracing::warn!(target: "toroid::net", "rank {rank}: unexpected second connection from rank {from}; dropped");
+    /// Accepts every connection pending on the listener (up to [`ACCEPTS_PER_ROUND`]), so
+    /// strangers never fill the backlog in front of a genuine peer.
+    fn accept_all(&mut self) -> Result<()> {
+        for _ in 0..ACCEPTS_PER_ROUND {
+            match self.listener.accept() {
+                Ok((s, from)) => {
+                    if let Err(e) = s.set_nonblocking(true) {
+                        self.warn(from, &format!("O_NONBLOCK failed: {e}"));
                         continue;
                     }
-                    s.set_write_timeout(Some(remaining(deadline)?))
-                        .map_err(|e| Error::system("SO_SNDTIMEO", e))?;
-                    let msg = handshake::ack_message(comm_id, rank, from, auth, &extra);
-                    s.write_all(&msg).map_err(|e| {
-                        Error::Remote(format!("rank {rank}: ack to rank {from} failed: {e}").into())
-                    })?;
-                    streams[from] = Some(s);
-                    pending -= 1;
+                    // Its own accept instant, so that when too many are open the strangers
+                    // queued first go first; and a first read at once, since a genuine
+                    // peer's hello is usually there already.
+                    let at = Instant::now();
+                    let mut c = Incoming::new(s, from, at, (at + self.allowance).min(self.deadline));
+                    match c.advance(self.ctx, &mut self.claimed) {
+                        Ok(()) => self.incoming.push(c),
+                        Err(why) => {
+                            if let Some(r) = c.claimed() {
+                                self.claimed[r] = false;
+                            }
+                            self.warn(from, &why);
+                        }
+                    }
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    let left = remaining(deadline).map_err(|_| {
-                        let missing: Vec<usize> =
-                            (rank + 1..size).filter(|r| streams[*r].is_none()).collect();
-                        Error::Timeout(
-                            format!("rank {rank}: ranks {missing:?} never connected before the deadline")
-                                .into(),
-                        )
-                    })?;
-                    let mut fds = [PollFd::new(listener.as_raw_fd(), PollFd::IN)];
-                    let _ = poll(&mut fds, left.as_millis().clamp(1, 1000) as i32);
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                // The connection was reset before we took it, or descriptors ran out for a
+                // moment (a flood): nothing to hand on, the loop polls again.
+                Err(e)
+                    if matches!(e.kind(), io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted)
+                        || matches!(
+                            e.raw_os_error(),
+                            Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+                        ) =>
+                {
+                    return Ok(());
                 }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(Error::system("accept", e)),
+                Err(e) => return Err(Error::system("accept during set-up", e)),
             }
         }
         Ok(())
     }
 
-    /// Reads and checks the ack of rank `peer` on `s`, which answers the hello that sent `nonce`.
-    fn check_ack(&self, peer: usize, s: &mut TcpStream, nonce: &Nonce) -> Result<()> {
-        let rank = self.rank;
-        let what = format!("rank {rank}: waiting for rank {peer}'s ack");
-        let h = read_hello(s, self.deadline, &what).map_err(|e| match e {
-            // A peer that rejects our hello closes the connection without an ack.
-            Error::Remote(m) => Error::Remote(
-                format!(
-                    "{m} (rank {peer} drops connections whose TOROID_AUTH_TOKEN, communicator or protocol \
-                 version differ from its own; its log says which)"
-                )
-                .into(),
-            ),
-            e => e,
-        })?;
-        let from = handshake::check_hello(&h, KIND_ACK, self.comm_id, rank, self.size)?;
-        if let Some(t) = self.auth {
-            let mut tag = [0u8; MAC_LEN];
-            read_exact_by(s, &mut tag, self.deadline, &what)?;
-            if !handshake::ack_is_authentic(&h, &tag, nonce, t) {
-                return Err(Error::Remote(
-                    format!(
-                        "rank {rank}: rank {peer} failed authentication (a different TOROID_AUTH_TOKEN?)"
-                    )
-                    .into(),
-                ));
+    /// Drops the oldest connection still reading its hello when more are open than the ranks
+    /// still expected plus [`MAX_STRANGERS`].
+    fn make_room(&mut self) {
+        let reading = |c: &Incoming| c.claimed().is_none();
+        while self.incoming.iter().filter(|c| reading(c)).count() > self.unclaimed() + MAX_STRANGERS {
+            let Some(i) = self
+                .incoming
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| reading(c))
+                .min_by_key(|(_, c)| c.accepted)
+                .map(|(i, _)| i)
+            else {
+                return;
+            };
+            self.drop_incoming(i, "too many connections in handshake at once (the oldest goes)");
+        }
+    }
+
+    /// Drops every incoming connection still reading its hello past its own deadline.
+    fn expire(&mut self, now: Instant) {
+        let mut i = self.incoming.len();
+        while i > 0 {
+            i -= 1;
+            let c = &self.incoming[i];
+            if c.claimed().is_none() && now >= c.deadline {
+                self.drop_incoming(i, "no complete hello before its handshake deadline");
             }
         }
-        if from != peer {
-            return Err(Error::Remote(
-                format!("rank {rank}: ack from rank {from} on the connection to rank {peer}").into(),
-            ));
+    }
+
+    /// Drops incoming connection `i`, releasing the rank it held, with a WARN.
+    fn drop_incoming(&mut self, i: usize, why: &str) {
+        let c = self.incoming.swap_remove(i);
+        if let Some(r) = c.claimed() {
+            self.claimed[r] = false;
         }
-        Ok(())
+        self.warn(c.from_addr, why);
+    }
+
+    fn warn(&mut self, from: SocketAddr, why: &str) {
+        self.dropped += 1;
+        if self.dropped <= WARNS {
+            tracing::warn!(target: "toroid::net", "rank {}: dropped connection from {from} during set-up: {why}", self.ctx.rank);
+        }
+    }
+
+    /// The error at the set-up deadline: which ranks are missing and why.
+    fn timeout(&self) -> Error {
+        let rank = self.ctx.rank;
+        let mut parts: Vec<String> =
+            self.outgoing.iter().filter(|o| !o.is_done()).map(|o| o.describe_unfinished(rank)).collect();
+        let missing: Vec<usize> = (rank + 1..self.ctx.size).filter(|r| !self.claimed[*r]).collect();
+        if !missing.is_empty() {
+            parts.push(format!("rank {rank}: ranks {missing:?} never connected before the deadline"));
+        }
+        if parts.is_empty() {
+            parts.push(format!("rank {rank}: acks to higher ranks not sent before the deadline"));
+        }
+        Error::Timeout(parts.join("; ").into())
+    }
+
+    /// The checked links by rank; what is left unfinished is closed.
+    fn links(self) -> Vec<Option<TcpStream>> {
+        let rank = self.ctx.rank;
+        let mut streams: Vec<Option<TcpStream>> = (0..self.ctx.size).map(|_| None).collect();
+        let mut left = 0;
+        for c in self.incoming {
+            let from = c.from_addr;
+            match c.into_link() {
+                Some((r, s)) => streams[r] = Some(s),
+                None => {
+                    left += 1;
+                    if self.dropped + left <= WARNS {
+                        tracing::warn!(target: "toroid::net",
+                            "rank {rank}: dropped connection from {from} during set-up: set-up ended before its handshake");
+                    }
+                }
+            }
+        }
+        if self.dropped + left > WARNS {
+            tracing::warn!(target: "toroid::net", "rank {rank}: {} connections dropped during set-up in all", self.dropped + left);
+        }
+        for o in self.outgoing {
+            let p = o.peer;
+            streams[p] = o.into_stream();
+        }
+        streams
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::handshake::check_hello_auth;
+    use super::super::handshake::{self, HELLO_LEN, KIND_HELLO, MAC_LEN, NONCE_LEN, check_hello_auth};
     use super::*;
+    use std::io::{Read, Write};
     use std::net::{IpAddr, Ipv4Addr};
     use std::os::fd::BorrowedFd;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
 
     type Mesh = Vec<Option<Box<dyn Transport>>>;
 
@@ -413,5 +512,269 @@ mod tests {
         assert!(check_hello_auth(&h, Some(extra), Some(&AuthToken::new(b"other"))).is_err());
         drop(s); // no ack: the connector fails
         assert!(connector.join().expect("connector thread").is_err());
+    }
+
+    /// What a stranger does to a rank's listener during set-up.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    enum Attack {
+        /// Connects, then closes at once.
+        Close,
+        /// Connects and sends nothing.
+        Silent,
+        /// Sends a valid-looking hello one byte every 100 ms.
+        Drip,
+        /// Sends 64 KiB of garbage.
+        Garbage,
+        /// Sends a hello whose MAC is under another token.
+        WrongMac,
+        /// Once rank 1 is connected, claims rank 1 (to rank 0) or rank 0 (to rank 1) on a
+        /// second connection, with a hello that is valid without a token.
+        Duplicate,
+    }
+
+    /// The communicator id of [`mesh_of`] and [`mesh_attacked`].
+    const COMM: u64 = 99;
+    /// Rank 2 starts this much later than ranks 0 and 1, so that strangers meet a set-up that
+    /// is waiting for a genuine peer.
+    const STAGGER: Duration = Duration::from_millis(300);
+
+    /// Connects a stranger to `addr` (rank `to`'s listener) now and runs `attack` on a thread
+    /// until `stop`.
+    fn stranger(
+        attack: Attack,
+        addr: SocketAddr,
+        to: usize,
+        stop: Arc<AtomicBool>,
+    ) -> std::thread::JoinHandle<()> {
+        let mut s = TcpStream::connect(addr).expect("a stranger connects");
+        s.set_write_timeout(Some(Duration::from_secs(2))).expect("SO_SNDTIMEO");
+        // A plausible claim: the highest rank, which every lower listener expects.
+        let claim = if to < 2 { 2 } else { 0 };
+        std::thread::spawn(move || {
+            let wait_stop = || {
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            };
+            match attack {
+                Attack::Close => drop(s),
+                Attack::Silent => wait_stop(),
+                Attack::Drip => {
+                    let (msg, _) = handshake::hello_message(COMM, claim, to, None).expect("hello");
+                    for b in msg {
+                        if stop.load(Ordering::Relaxed) || s.write_all(&[b]).is_err() {
+                            break;
+                        }
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    wait_stop();
+                }
+                Attack::Garbage => {
+                    let _ = s.write_all(&vec![0xA5; 64 << 10]);
+                    wait_stop();
+                }
+                Attack::WrongMac => {
+                    let wrong = AuthToken::new(b"not the job's token");
+                    let (msg, _) = handshake::hello_message(COMM, claim, to, Some(&wrong)).expect("hello");
+                    let _ = s.write_all(&msg);
+                    wait_stop();
+                }
+                Attack::Duplicate => {
+                    // By now rank 1 has long connected to rank 0 (rank 2 is still to come).
+                    std::thread::sleep(STAGGER / 2);
+                    let claim = if to == 0 { 1 } else { 0 };
+                    let (msg, _) = handshake::hello_message(COMM, claim, to, None).expect("hello");
+                    let _ = s.write_all(&msg);
+                    wait_stop();
+                }
+            }
+        })
+    }
+
+    /// Connects 3 ranks (threads, rank 2 started [`STAGGER`] late) with `token`, with a stranger
+    /// running `attack` on every listener from before set-up starts. Each rank's mesh and how
+    /// long its set-up took.
+    fn mesh_attacked(token: Option<&str>, attack: Option<Attack>) -> Vec<(Mesh, Duration)> {
+        let n = 3;
+        let eps: Vec<Endpoint> = (0..n).map(|_| listen(&lo(), n).expect("listen")).collect();
+        let addrs: Vec<SocketAddr> = eps.iter().map(|e| e.addr).collect();
+        let stop = Arc::new(AtomicBool::new(false));
+        let strangers: Vec<_> = attack
+            .map(|a| (0..n).map(|r| stranger(a, addrs[r], r, stop.clone())).collect())
+            .unwrap_or_default();
+        let start = Instant::now();
+        let deadline = start + Duration::from_secs(10);
+        let ranks: Vec<_> = eps
+            .into_iter()
+            .enumerate()
+            .map(|(r, ep)| {
+                let addrs = addrs.clone();
+                let token = token.map(|t| AuthToken::new(t.as_bytes()));
+                std::thread::spawn(move || {
+                    if r == 2 {
+                        std::thread::sleep(STAGGER);
+                    }
+                    let m = connect_mesh(
+                        r,
+                        &addrs,
+                        &ep,
+                        COMM,
+                        &SocketOptions::default(),
+                        token.as_ref(),
+                        deadline,
+                    );
+                    (m, start.elapsed())
+                })
+            })
+            .collect();
+        let out: Vec<_> = ranks
+            .into_iter()
+            .enumerate()
+            .map(|(r, h)| {
+                let (m, took) = h.join().expect("rank thread");
+                (m.unwrap_or_else(|e| panic!("{attack:?}, token {token:?}: rank {r} failed: {e}")), took)
+            })
+            .collect();
+        stop.store(true, Ordering::Relaxed);
+        for s in strangers {
+            s.join().expect("stranger thread");
+        }
+        out
+    }
+
+    /// Set-up with a stranger running `attack` on every listener succeeds on every rank, with
+    /// and without a token, every link reaches the genuine peer, and no rank waits for the
+    /// stranger (its handshake allowance is 5 s, a drip of a hello takes 2.4 s or more).
+    fn survives(attack: Attack) {
+        for token in [None, Some("s3cret")] {
+            let base = mesh_attacked(token, None).iter().map(|m| m.1).max().expect("ranks");
+            let mut meshes = mesh_attacked(token, Some(attack));
+            for (r, (_, took)) in meshes.iter().enumerate() {
+                assert!(
+                    *took < base + Duration::from_secs(1),
+                    "{attack:?}, token {token:?}: rank {r} took {took:?}, {base:?} without the stranger"
+                );
+            }
+            for p in 1..3 {
+                for r in 0..p {
+                    let mut link = meshes[p].0[r].take().expect("link");
+                    let msg = format!("from {p} to {r}");
+                    send_and_receive(
+                        &mut *link,
+                        &mut **meshes[r].0[p].as_mut().expect("link"),
+                        msg.as_bytes(),
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_stranger_that_connects_and_closes_does_not_fail_set_up() {
+        survives(Attack::Close);
+    }
+
+    #[test]
+    fn a_silent_stranger_does_not_fail_or_delay_set_up() {
+        survives(Attack::Silent);
+    }
+
+    #[test]
+    fn a_stranger_dripping_a_hello_does_not_fail_or_delay_set_up() {
+        survives(Attack::Drip);
+    }
+
+    #[test]
+    fn a_stranger_sending_garbage_does_not_fail_set_up() {
+        survives(Attack::Garbage);
+    }
+
+    #[test]
+    fn a_stranger_with_a_wrong_mac_does_not_fail_set_up() {
+        survives(Attack::WrongMac);
+    }
+
+    #[test]
+    fn a_second_connection_claiming_a_connected_rank_is_dropped() {
+        survives(Attack::Duplicate);
+    }
+
+    /// Reads what `s` receives until it closes or `limit` passes; whether it closed.
+    fn closed_within(s: &mut TcpStream, limit: Duration) -> bool {
+        s.set_read_timeout(Some(limit)).expect("SO_RCVTIMEO");
+        let mut buf = [0u8; 128];
+        matches!(s.read(&mut buf), Ok(0))
+            || matches!(s.read(&mut buf), Err(e) if e.kind() == io::ErrorKind::ConnectionReset)
+    }
+
+    #[test]
+    fn a_silent_connection_is_dropped_at_its_own_deadline_and_set_up_goes_on() {
+        // Rank 0 of 2 waits for rank 1, which joins only after the strangers' allowance.
+        let allowance = Duration::from_millis(800);
+        let ep = listen(&lo(), 2).expect("listen");
+        let mut silent = TcpStream::connect(ep.addr).expect("connect");
+        let mut dripping = TcpStream::connect(ep.addr).expect("connect");
+        let peer = listen(&lo(), 2).expect("listen");
+        let addrs = vec![ep.addr, peer.addr];
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let a = addrs.clone();
+        let rank0 = std::thread::spawn(move || {
+            let ctx = Ctx { rank: 0, size: 2, comm_id: COMM, auth: None };
+            let mut mesh = MeshLoop::new(ctx, &a, &ep.listener, deadline).expect("set-up");
+            mesh.allowance = allowance;
+            mesh.run().map(|links| links.iter().filter(|l| l.is_some()).count())
+        });
+        let start = Instant::now();
+        // Bytes trickling in every 100 ms do not extend a connection's deadline.
+        let drip = std::thread::spawn(move || {
+            while start.elapsed() < allowance * 3 {
+                if dripping.write_all(b"T").is_err() {
+                    return Some(start.elapsed());
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            None
+        });
+        assert!(closed_within(&mut silent, allowance * 3), "silent connection kept");
+        let held = start.elapsed();
+        assert!(held >= allowance - Duration::from_millis(100), "dropped after {held:?}");
+        let cut = drip.join().expect("drip thread").expect("dripping connection kept past its allowance");
+        assert!(cut < allowance * 2, "dripping connection dropped only after {cut:?}");
+        let rank1 = connect_mesh(1, &addrs, &peer, COMM, &SocketOptions::default(), None, deadline);
+        assert!(rank1.is_ok(), "{:?}", rank1.err());
+        assert_eq!(rank0.join().expect("rank 0").expect("rank 0 connects"), 1);
+    }
+
+    #[test]
+    fn a_flood_of_silent_connections_does_not_block_genuine_peers() {
+        // More silent strangers than MAX_STRANGERS on every listener, all before set-up starts
+        // (non-blocking connects, so those beyond the backlog complete as the ranks accept).
+        let n = 3;
+        let eps: Vec<Endpoint> = (0..n).map(|_| listen(&lo(), n).expect("listen")).collect();
+        let addrs: Vec<SocketAddr> = eps.iter().map(|e| e.addr).collect();
+        let flood: Vec<TcpStream> = addrs
+            .iter()
+            .flat_map(|a| {
+                (0..MAX_STRANGERS + 36).map(|_| crate::sys::socket::connect_nonblocking(a).expect("connect"))
+            })
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let start = Instant::now();
+        let ranks: Vec<_> = eps
+            .into_iter()
+            .enumerate()
+            .map(|(r, ep)| {
+                let addrs = addrs.clone();
+                std::thread::spawn(move || {
+                    connect_mesh(r, &addrs, &ep, COMM, &SocketOptions::default(), None, deadline)
+                })
+            })
+            .collect();
+        for (r, h) in ranks.into_iter().enumerate() {
+            let m = h.join().expect("rank thread").unwrap_or_else(|e| panic!("rank {r}: {e}"));
+            assert_eq!(m.iter().filter(|l| l.is_some()).count(), n - 1, "rank {r}");
+        }
+        assert!(start.elapsed() < Duration::from_secs(2), "set-up took {:?}", start.elapsed());
+        drop(flood);
     }
 }

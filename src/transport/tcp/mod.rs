@@ -24,6 +24,7 @@
 //! | `interface` | which address to listen on (`TOROID_SOCKET_IFNAME`, the route to the store) |
 //! | `mesh` | listening, connecting and accepting every peer |
 //! | `handshake` | the hello and ack bytes and their MACs |
+//! | `pending` | one connection whose handshake is under way, on a non-blocking socket |
 //! | this file | the connection options and the [`TcpTransport`] itself |
 
 use std::io::{self, IoSlice, IoSliceMut};
@@ -39,6 +40,7 @@ use crate::sys::socket;
 mod handshake;
 mod interface;
 mod mesh;
+mod pending;
 
 pub use handshake::PROTOCOL_VERSION;
 pub use interface::{Interface, choose_address, interfaces, select_interfaces};
