@@ -38,16 +38,23 @@ use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
+use std::sync::{Mutex, MutexGuard};
+
 use super::Store;
+use crate::config::AuthToken;
 use crate::error::{Error, Result};
 
+mod auth;
 mod client;
 mod protocol;
+mod requests;
 mod server;
 
 use client::{Client, Retry};
-pub use protocol::MAX_FRAME;
 use protocol::{Dec, Enc, OP_ADD, OP_DELETE, OP_GET, OP_SET, OP_WAIT};
+pub use protocol::{
+    HANDSHAKE_DEADLINE, MAX_CONNECTIONS, MAX_FRAME, MAX_KEY, MAX_PARK, MAX_STORED, MAX_VALUE, MAX_WAIT_KEYS,
+};
 use server::ServerHandle;
 
 const BACKOFF_START: Duration = Duration::from_millis(10);
@@ -61,7 +68,7 @@ const BACKOFF_CAP: Duration = Duration::from_secs(1);
 pub struct TcpStore {
     client: Client,
     // Declared after `client`, so dropped after it: the server outlives its own client.
-    server: Option<ServerHandle>,
+    server: Mutex<Option<ServerHandle>>,
 }
 
 impl std::fmt::Debug for TcpStore {
@@ -85,6 +92,16 @@ impl TcpStore {
     /// [`Error::InvalidArgument`] for a malformed address, [`Error::System`] when it cannot be
     /// bound.
     pub fn serve(addr: &str, timeout: Duration) -> Result<TcpStore> {
+        TcpStore::serve_with_token(addr, timeout, None)
+    }
+
+    /// As [`TcpStore::serve`]; with `token`, every connection (this handle's own included) must
+    /// pass the challenge-response keyed by it before any request, and clients without it, or
+    /// with another, are refused with an error naming `TOROID_AUTH_TOKEN`.
+    ///
+    /// # Errors
+    /// As [`TcpStore::serve`].
+    pub fn serve_with_token(addr: &str, timeout: Duration, token: Option<&AuthToken>) -> Result<TcpStore> {
         let (host, port) = split_host_port(addr)?;
         let candidates =
             resolve(&host, port).map_err(|e| Error::system(format!("store: resolve '{addr}'"), e))?;
@@ -107,7 +124,7 @@ impl TcpStore {
             }
         };
         let bound = listener.local_addr().map_err(|e| Error::system("store: local address", e))?;
-        let handle = server::start(listener, bound)?;
+        let handle = server::start(listener, bound, token.cloned())?;
 
         // An unspecified bind address is not something to connect to: use loopback.
         let local = match bound.ip() {
@@ -121,13 +138,13 @@ impl TcpStore {
         };
         // On failure `handle` drops here, which stops and joins the server.
         let client =
-            Client::connect(&local.to_string(), &[local], timeout, timeout).map_err(|r| match r {
+            Client::connect(&local.to_string(), &[local], timeout, timeout, token).map_err(|r| match r {
                 Retry::Again(e) => {
                     Error::System(format!("store: cannot reach its own server at {local}: {e}").into())
                 }
                 Retry::Fatal(e) => e,
             })?;
-        Ok(TcpStore { client, server: Some(handle) })
+        Ok(TcpStore { client, server: Mutex::new(Some(handle)) })
     }
 
     /// Connects to the server at `addr`, retrying with backoff until `timeout`.
@@ -140,6 +157,16 @@ impl TcpStore {
     /// [`Error::Timeout`] naming `addr` when no server answered in time; [`Error::Remote`] when
     /// something answered that is not a toroid store of this version.
     pub fn connect(addr: &str, timeout: Duration) -> Result<TcpStore> {
+        TcpStore::connect_with_token(addr, timeout, None)
+    }
+
+    /// As [`TcpStore::connect`]; with `token`, the server must prove it holds the same token
+    /// before this client proves it does (see [`TcpStore::serve_with_token`]).
+    ///
+    /// # Errors
+    /// As [`TcpStore::connect`]; [`Error::Remote`] naming `TOROID_AUTH_TOKEN` when the server
+    /// has another token or none.
+    pub fn connect_with_token(addr: &str, timeout: Duration, token: Option<&AuthToken>) -> Result<TcpStore> {
         let (host, port) = split_host_port(addr)?;
         if port == 0 {
             return Err(Error::InvalidArgument(format!("store: cannot connect to port 0 ('{addr}')").into()));
@@ -153,9 +180,10 @@ impl TcpStore {
                     &addrs,
                     deadline.saturating_duration_since(Instant::now()),
                     timeout,
+                    token,
                 ) {
                     Ok(client) => {
-                        return Ok(TcpStore { client, server: None });
+                        return Ok(TcpStore { client, server: Mutex::new(None) });
                     }
                     Err(Retry::Fatal(e)) => return Err(e),
                     Err(Retry::Again(e)) => e,
@@ -177,7 +205,19 @@ impl TcpStore {
 
     /// The address the server listens on (for `serve` with port 0), if this handle owns it.
     pub fn server_addr(&self) -> Option<SocketAddr> {
-        self.server.as_ref().map(|s| s.addr)
+        self.server_handle().as_ref().map(|s| s.addr)
+    }
+
+    /// Stops the server this handle owns (if any, and if still running), closing every client's
+    /// connection; this handle's own calls fail from then on.
+    pub fn stop_serving(&self) {
+        let handle = self.server_handle().take();
+        drop(handle); // joins the server thread, outside the lock
+    }
+
+    fn server_handle(&self) -> MutexGuard<'_, Option<ServerHandle>> {
+        // The guarded value is an optional handle, valid after a panic elsewhere.
+        self.server.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
