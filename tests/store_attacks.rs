@@ -139,7 +139,11 @@ impl Drop for Job {
 
 /// Runs `attack` against rank 0's store during set-up; what it returns (open connections, a
 /// dripping thread) lives until the job has finished. Returns rank 0's memory before and after.
-fn under_attack<T>(test: &'static str, token: bool, attack: impl FnOnce(SocketAddr) -> T) -> (u64, u64, u64, u64) {
+fn under_attack<T>(
+    test: &'static str,
+    token: bool,
+    attack: impl FnOnce(SocketAddr) -> T,
+) -> (u64, u64, u64, u64) {
     let mut job = Job::new(test, token);
     let pid = job.start_rank0();
     let (rss0, hwm0) = memory(pid);

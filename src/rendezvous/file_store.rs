@@ -33,7 +33,8 @@ const LOCK_FILE: &str = ".lock";
 /// Keys and values are addresses and ids, not secrets, but a planted key could send ranks to a
 /// stranger's address, which is why writing is what is checked.
 fn check_owned(dir: &Path) -> Result<()> {
-    let meta = fs::metadata(dir).map_err(|e| Error::system(format!("file store: stat {}", dir.display()), e))?;
+    let meta =
+        fs::metadata(dir).map_err(|e| Error::system(format!("file store: stat {}", dir.display()), e))?;
     let me = crate::sys::user::euid();
     let (owner, mode) = (meta.uid(), meta.mode() & 0o7777);
     if !meta.is_dir() {
