@@ -162,7 +162,7 @@ impl TcpStore {
             }
         };
         let bound = listener.local_addr().map_err(|e| Error::system("store: local address", e))?;
-        let handle = server::start(listener, bound, token.cloned())?;
+        let handle = server::start(listener, bound, token.cloned(), MAX_CONNECTIONS)?;
 
         // An unspecified bind address is not something to connect to: use loopback.
         let local = match bound.ip() {
