@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 
 use super::auth::{self, Nonce};
 use super::protocol::{
-    FLAG_AUTH, HANDSHAKE_DEADLINE, Hello, MAX_CONNECTIONS, MAX_FRAME, MAX_HELLO_FRAME, MAX_INPUT, MAX_OUTPUT,
-    ST_BAD_REQUEST, ST_OK, VERSION, answer, parse_hello,
+    FLAG_AUTH, HANDSHAKE_DEADLINE, Hello, MAX_FRAME, MAX_HELLO_FRAME, MAX_INPUT, MAX_OUTPUT, ST_BAD_REQUEST,
+    ST_OK, VERSION, answer, parse_hello,
 };
 use super::requests::{Handled, Pending, Table, handle};
 use crate::config::AuthToken;
@@ -33,7 +33,7 @@ use crate::sys::poll::{PollFd, poll};
 
 /// Starts the server thread on `listener` (bound to `bound`); it serves until the handle drops.
 /// With `auth`, every connection must prove it holds that token before any request. At most
-/// `max_connections` are served at once ([`MAX_CONNECTIONS`]; tests use fewer).
+/// `max_connections` are served at once ([`MAX_CONNECTIONS`](super::MAX_CONNECTIONS); tests use fewer).
 pub(super) fn start(
     listener: TcpListener,
     bound: SocketAddr,
@@ -781,6 +781,6 @@ mod tests {
         let c = TcpStore::connect(&addr.to_string(), T).unwrap();
         c.set("k", b"v").unwrap();
         assert_eq!(c.get("k", T).unwrap(), b"v");
-        assert!(MAX_CONNECTIONS >= cap);
+        assert!(super::super::MAX_CONNECTIONS >= cap);
     }
 }
