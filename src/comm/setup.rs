@@ -55,12 +55,20 @@ impl Communicator {
     /// rank 0 serves a TCP store (or everyone opens the file store) and the ranks connect.
     pub fn from_launch(launch: &rendezvous::env::Launch, cfg: &Config) -> Result<Communicator> {
         crate::config::init_logging();
-        let store = rendezvous::env::open_store(launch, cfg.timeout)?;
+        let opened = rendezvous::env::open_store(launch, cfg.timeout, cfg.auth_token.as_ref())?;
         let store_host = match &launch.store {
             rendezvous::env::StoreAddr::Tcp { host, .. } => Some(host.clone()),
             rendezvous::env::StoreAddr::File(_) => None,
         };
-        Communicator::build(launch.rank, launch.size, store, cfg, store_host.as_deref())
+        let comm =
+            Communicator::build(launch.rank, launch.size, opened.store.clone(), cfg, store_host.as_deref())?;
+        // Rank 0's store server is needed no longer: every rank reads every address from the
+        // store before it connects to anyone, and rank 0's connect sequence returns only after
+        // every higher rank has connected to it (it accepts them all), so by now no rank has a
+        // read left. Stopping it now closes the port a stranger could probe for the rest of the
+        // job. (A failed set-up drops `opened`, which stops it too.)
+        opened.stop_serving();
+        Ok(comm)
     }
 
     /// Joins a job of `size` ranks as `rank`, meeting the others through `store`.

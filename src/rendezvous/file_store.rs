@@ -11,6 +11,7 @@
 
 use std::fs::{self, File, OpenOptions, TryLockError};
 use std::io::{self, Write};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
@@ -24,6 +25,33 @@ const POLL_CAP: Duration = Duration::from_millis(50);
 /// Longest file name Linux file systems accept.
 const NAME_MAX: usize = 255;
 const LOCK_FILE: &str = ".lock";
+
+/// Refuses a store directory that another user could tamper with: one owned by another user, or
+/// one that others may write (group- or world-writable, sticky or not: a stranger could plant
+/// keys, or delete and replace ours). What remains: root, and the owner's other processes, can
+/// always read and write the store; on a network file system the server's administrators too.
+/// Keys and values are addresses and ids, not secrets, but a planted key could send ranks to a
+/// stranger's address, which is why writing is what is checked.
+fn check_owned(dir: &Path) -> Result<()> {
+    let meta =
+        fs::metadata(dir).map_err(|e| Error::system(format!("file store: stat {}", dir.display()), e))?;
+    let me = crate::sys::user::euid();
+    let (owner, mode) = (meta.uid(), meta.mode() & 0o7777);
+    if !meta.is_dir() {
+        return Err(Error::InvalidUsage(format!("file store: {} is not a directory", dir.display()).into()));
+    }
+    if owner != me || mode & 0o022 != 0 {
+        return Err(Error::InvalidUsage(
+            format!(
+                "file store: {} is owned by uid {owner} with mode {mode:o}; the store needs a directory of \
+                 this user (uid {me}) that no one else can write (chmod go-w, or choose another directory)",
+                dir.display()
+            )
+            .into(),
+        ));
+    }
+    Ok(())
+}
 
 /// A store kept in a directory of a shared file system.
 #[derive(Debug)]
@@ -41,8 +69,12 @@ impl FileStore {
     /// [`Error::System`] when the directory cannot be created.
     pub fn new(path: impl AsRef<Path>) -> Result<FileStore> {
         let dir = path.as_ref().to_path_buf();
-        fs::create_dir_all(&dir)
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)
             .map_err(|e| Error::system(format!("file store: create {}", dir.display()), e))?;
+        check_owned(&dir)?;
         tracing::info!(target: "toroid::store", "file store in {}", dir.display());
         Ok(FileStore { dir, timeout: DEFAULT_TIMEOUT })
     }
@@ -85,7 +117,7 @@ impl FileStore {
             let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
             let seq = SEQ.fetch_add(1, Ordering::Relaxed);
             let tmp = self.dir.join(format!(".tmp.{}.{seq}.{nanos}", std::process::id()));
-            let mut file = match OpenOptions::new().write(true).create_new(true).open(&tmp) {
+            let mut file = match OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp) {
                 Ok(f) => f,
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
                 Err(e) => return Err(self.err(format!("create {}", tmp.display()), e)),
@@ -182,6 +214,7 @@ impl Store for FileStore {
         let lock = OpenOptions::new()
             .read(true)
             .write(true)
+            .mode(0o600)
             .create(true)
             .truncate(false)
             .open(&lock_path)
@@ -347,5 +380,40 @@ mod tests {
         assert!(start.elapsed() < Duration::from_secs(2));
         drop(held);
         assert_eq!(s.add("n", 1).unwrap(), 1);
+    }
+
+    #[test]
+    fn directories_are_private_and_files_owner_only() {
+        let dir = TempDir::new("modes");
+        let s = FileStore::new(dir.0.join("a/b")).unwrap();
+        s.set("k", b"v").unwrap();
+        s.add("n", 1).unwrap();
+        let mode = |p: &Path| fs::metadata(p).unwrap().mode() & 0o777;
+        assert_eq!(mode(&dir.0.join("a")), 0o700);
+        assert_eq!(mode(s.path()), 0o700);
+        assert_eq!(mode(&s.path().join(file_name("k"))), 0o600);
+        assert_eq!(mode(&s.path().join(LOCK_FILE)), 0o600);
+    }
+
+    #[test]
+    fn a_directory_others_can_write_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = TempDir::new("shared");
+        for m in [0o777, 0o1777, 0o770] {
+            fs::set_permissions(&dir.0, fs::Permissions::from_mode(m)).unwrap();
+            let err = FileStore::new(&dir.0).unwrap_err();
+            assert!(matches!(&err, Error::InvalidUsage(m) if m.contains("no one else can write")), "{err}");
+        }
+        fs::set_permissions(&dir.0, fs::Permissions::from_mode(0o755)).unwrap();
+        FileStore::new(&dir.0).unwrap();
+        // A directory of another user: as root, one given away to `nobody`; else the root one.
+        let (other, uid) = if crate::sys::user::euid() == 0 {
+            std::os::unix::fs::chown(&dir.0, Some(65534), None).unwrap();
+            (dir.0.clone(), 65534)
+        } else {
+            (PathBuf::from("/"), 0)
+        };
+        let err = FileStore::new(&other).unwrap_err();
+        assert!(matches!(&err, Error::InvalidUsage(m) if m.contains(&format!("uid {uid} "))), "{err}");
     }
 }

@@ -20,7 +20,10 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 pub use file_store::FileStore;
-pub use tcp_store::TcpStore;
+pub use tcp_store::{
+    HANDSHAKE_DEADLINE, MAX_CONNECTIONS, MAX_FRAME, MAX_KEY, MAX_PARK, MAX_STORED, MAX_VALUE, MAX_WAIT_KEYS,
+    TcpStore,
+};
 
 use crate::error::{Error, Result};
 

@@ -54,7 +54,7 @@ pub use addr::{SLURM_PORT_BASE, store_addr};
 pub use hostlist::expand_hostlist;
 pub use job_dir::private_base;
 pub use launchers::JOB_VARS;
-pub use store::open_store;
+pub use store::{OpenedStore, open_store};
 
 /// Where the rendezvous store is.
 #[derive(Debug, Clone, PartialEq, Eq)]

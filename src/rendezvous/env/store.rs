@@ -4,55 +4,98 @@
 
 use std::collections::HashMap;
 use std::fs;
-use std::net::ToSocketAddrs;
+use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::job_dir::{ensure_private_dir, is_job_dir};
 use super::{Launch, StoreAddr, join_host_port};
+use crate::config::AuthToken;
 use crate::error::Result;
 use crate::rendezvous::{FileStore, Store, TcpStore};
 
 /// Store key counting the ranks that dropped a job store.
 const LEFT_KEY: &str = "toroid/left";
 
-/// Opens the store of `launch`: rank 0 serves a TCP store, the others connect; or everyone opens
-/// the file store (for a single-host job's private directory, a fresh subdirectory per
-/// communicator, removed by the last rank to drop it).
-///
-/// Rank 0 binds the loopback address when the store host is a loopback name or address (a
-/// single-host job), and every interface (`0.0.0.0`, or `[::]` for an IPv6-only host) otherwise,
-/// because the name the other ranks use for rank 0's host need not be an address rank 0 can
-/// bind. `timeout` bounds connecting and every store call without its own timeout.
-///
-/// # Errors
-/// As [`TcpStore::serve`], [`TcpStore::connect`] and [`FileStore::new`].
-pub fn open_store(launch: &Launch, timeout: Duration) -> Result<Arc<dyn Store>> {
-    match &launch.store {
-        StoreAddr::File(dir) if is_job_dir(dir) => open_job_store(dir, launch, timeout),
-        StoreAddr::File(dir) => Ok(Arc::new(FileStore::new(dir)?.with_timeout(timeout))),
-        StoreAddr::Tcp { host, port } if launch.rank == 0 => {
-            let bind = bind_addr(host, *port);
-            tracing::info!(target: "toroid::store", "rank 0 serves the store on {bind} for {}", launch.store);
-            Ok(Arc::new(TcpStore::serve(&bind, timeout)?))
-        }
-        StoreAddr::Tcp { host, port } => {
-            Ok(Arc::new(TcpStore::connect(&join_host_port(host, *port), timeout)?))
+/// The store of a launch, and the TCP server rank 0 runs for it.
+pub struct OpenedStore {
+    /// The store every rank uses.
+    pub store: Arc<dyn Store>,
+    /// Rank 0's TCP store, which serves the others.
+    server: Option<Arc<TcpStore>>,
+}
+
+impl std::fmt::Debug for OpenedStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpenedStore").field("server", &self.server).finish_non_exhaustive()
+    }
+}
+
+impl OpenedStore {
+    /// Stops rank 0's TCP server (nothing for the other ranks and for file stores).
+    pub fn stop_serving(&self) {
+        if let Some(s) = &self.server {
+            s.stop_serving();
+            tracing::info!(target: "toroid::store", "rank 0 stopped serving the store: every rank has connected");
         }
     }
 }
 
+/// Opens the store of `launch`: rank 0 serves a TCP store, the others connect; or everyone opens
+/// the file store (for a single-host job's private directory, a fresh subdirectory per
+/// communicator, removed by the last rank to drop it). With `token` (`TOROID_AUTH_TOKEN`), the
+/// TCP store's server and clients authenticate each other (see `tcp_store`).
+///
+/// Rank 0 binds the loopback address when the store host is a loopback name or address (a
+/// single-host job); otherwise the first address of the store host that is an address of this
+/// machine; and only when there is none (the name the other ranks use for rank 0's host need not
+/// be an address rank 0 can bind: NAT, a load balancer, a name that resolves differently here)
+/// every interface (`0.0.0.0`, or `[::]` for an IPv6-only host), with a warning. `timeout` bounds
+/// connecting and every store call without its own timeout.
+///
+/// # Errors
+/// As [`TcpStore::serve`], [`TcpStore::connect`] and [`FileStore::new`].
+pub fn open_store(launch: &Launch, timeout: Duration, token: Option<&AuthToken>) -> Result<OpenedStore> {
+    let plain = |store| Ok(OpenedStore { store, server: None });
+    match &launch.store {
+        StoreAddr::File(dir) if is_job_dir(dir) => plain(open_job_store(dir, launch, timeout)?),
+        StoreAddr::File(dir) => plain(Arc::new(FileStore::new(dir)?.with_timeout(timeout))),
+        StoreAddr::Tcp { host, port } if launch.rank == 0 => {
+            let bind = bind_addr(host, *port, is_local);
+            tracing::info!(target: "toroid::store", "rank 0 serves the store on {bind} for {}{}", launch.store,
+                if token.is_some() { " (authenticated)" } else { "" });
+            let s = Arc::new(TcpStore::serve_with_token(&bind, timeout, token)?);
+            Ok(OpenedStore { store: s.clone(), server: Some(s) })
+        }
+        StoreAddr::Tcp { host, port } => {
+            plain(Arc::new(TcpStore::connect_with_token(&join_host_port(host, *port), timeout, token)?))
+        }
+    }
+}
+
+/// Whether `ip` is an address of this machine (one it can bind).
+fn is_local(ip: IpAddr) -> bool {
+    TcpListener::bind((ip, 0)).is_ok()
+}
+
 /// The address rank 0 listens on for a store that the others reach at `host:port`.
-fn bind_addr(host: &str, port: u16) -> String {
+fn bind_addr(host: &str, port: u16, is_local: impl Fn(IpAddr) -> bool) -> String {
     let ips: Vec<_> = (host, port).to_socket_addrs().map(|a| a.map(|a| a.ip()).collect()).unwrap_or_default();
     if host.eq_ignore_ascii_case("localhost") || (!ips.is_empty() && ips.iter().all(|ip| ip.is_loopback())) {
-        join_host_port(host, port)
-    } else if !ips.is_empty() && ips.iter().all(|ip| ip.is_ipv6()) {
+        return join_host_port(host, port);
+    }
+    if let Some(ip) = ips.iter().find(|ip| !ip.is_unspecified() && is_local(**ip)) {
+        return SocketAddr::new(*ip, port).to_string();
+    }
+    let any = if !ips.is_empty() && ips.iter().all(|ip| ip.is_ipv6()) {
         format!("[::]:{port}")
     } else {
         format!("0.0.0.0:{port}")
-    }
+    };
+    tracing::warn!(target: "toroid::store",
+        "store host '{host}' names no address of this machine; rank 0 serves the store on every interface ({any})");
+    any
 }
 
 /// A single-host job's store for one communicator: the file store `job/c<N>`; the last rank to
@@ -134,11 +177,19 @@ mod tests {
 
     #[test]
     fn bind_addresses() {
-        assert_eq!(bind_addr("127.0.0.1", 5), "127.0.0.1:5");
-        assert_eq!(bind_addr("localhost", 5), "localhost:5");
-        assert_eq!(bind_addr("::1", 5), "[::1]:5");
-        assert_eq!(bind_addr("10.1.2.3", 5), "0.0.0.0:5");
-        assert_eq!(bind_addr("fe80::1", 5), "[::]:5");
+        let none = |_| false;
+        assert_eq!(bind_addr("127.0.0.1", 5, none), "127.0.0.1:5");
+        assert_eq!(bind_addr("localhost", 5, none), "localhost:5");
+        assert_eq!(bind_addr("::1", 5, none), "[::1]:5");
+        // Not an address of this machine: every interface, with a warning.
+        assert_eq!(bind_addr("10.1.2.3", 5, none), "0.0.0.0:5");
+        assert_eq!(bind_addr("fe80::1", 5, none), "[::]:5");
+        // An address of this machine: that one only.
+        let here = |ip: IpAddr| ip == IpAddr::from([10, 1, 2, 3]);
+        assert_eq!(bind_addr("10.1.2.3", 5, here), "10.1.2.3:5");
+        assert_eq!(bind_addr("10.9.9.9", 5, here), "0.0.0.0:5");
+        assert!(is_local(IpAddr::from([127, 0, 0, 1])));
+        assert!(!is_local(IpAddr::from([192, 0, 2, 1]))); // TEST-NET-1, never assigned
     }
 
     #[test]
@@ -155,12 +206,12 @@ mod tests {
         let t = Duration::from_secs(5);
         let peer = std::thread::spawn(move || {
             // Rank 1 may start first: connect retries until rank 0 serves.
-            let s = open_store(&launch(1), t).unwrap();
+            let s = open_store(&launch(1), t, None).unwrap().store;
             s.set("from1", b"hi").unwrap();
             s.get("from0", t).unwrap()
         });
         std::thread::sleep(Duration::from_millis(50));
-        let s0 = open_store(&launch(0), t).unwrap();
+        let s0 = open_store(&launch(0), t, None).unwrap().store;
         s0.set("from0", b"yo").unwrap();
         assert_eq!(s0.get("from1", t).unwrap(), b"hi");
         assert_eq!(peer.join().unwrap(), b"yo");
@@ -168,7 +219,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("toroid-env-open-{}", std::process::id()));
         let mut l = launch(1);
         l.store = StoreAddr::File(dir.clone());
-        let fs = open_store(&l, t).unwrap();
+        let fs = open_store(&l, t, None).unwrap().store;
         fs.set("k", b"v").unwrap();
         assert_eq!(fs.get("k", t).unwrap(), b"v");
         std::fs::remove_dir_all(&dir).unwrap();
@@ -187,7 +238,7 @@ mod tests {
                 vars.push(("OMPI_COMM_WORLD_RANK", "1".into()));
                 let l1 = detect_owned(&vars).unwrap();
                 std::thread::spawn(move || {
-                    let s = open_store(&l1, t).unwrap();
+                    let s = open_store(&l1, t, None).unwrap().store;
                     s.set("from1", b"hi").unwrap();
                     let got = s.get("from0", t).unwrap();
                     s.wait(&["done0"], t).unwrap();
@@ -196,7 +247,7 @@ mod tests {
             };
             vars.retain(|(k, _)| *k != "OMPI_COMM_WORLD_RANK");
             vars.push(("OMPI_COMM_WORLD_RANK", "0".into()));
-            let s0 = open_store(&detect_owned(&vars).unwrap(), t).unwrap();
+            let s0 = open_store(&detect_owned(&vars).unwrap(), t, None).unwrap().store;
             let sub = dir.join(format!("c{round}"));
             assert!(sub.is_dir(), "{} for communicator {round}", sub.display());
             let meta = fs::metadata(private_base()).unwrap();

@@ -5,8 +5,10 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use super::auth::{self, NONCE_LEN, TAG_LEN};
 use super::deadline;
-use super::protocol::{Enc, MAX_FRAME, ST_BAD_REQUEST, ST_INVALID_USAGE, ST_OK, ST_TIMEOUT};
+use super::protocol::{Enc, FLAG_AUTH, MAX_FRAME, ST_BAD_REQUEST, ST_INVALID_USAGE, ST_OK, ST_TIMEOUT};
+use crate::config::AuthToken;
 use crate::error::{Error, Result};
 
 /// Added to a call's own timeout for the socket deadline, so that the server's answer "timed
@@ -52,13 +54,15 @@ fn retriable(e: &io::Error) -> bool {
 }
 
 impl Client {
-    /// One connection attempt to any of `addrs` within `attempt`, then the hello. `timeout` is
-    /// the client's deadline for calls without one of their own.
+    /// One connection attempt to any of `addrs` within `attempt`, then the hello (with `auth`,
+    /// the challenge-response of `auth`). `timeout` is the client's deadline for calls without
+    /// one of their own.
     pub(super) fn connect(
         addr: &str,
         addrs: &[SocketAddr],
         attempt: Duration,
         timeout: Duration,
+        auth: Option<&AuthToken>,
     ) -> std::result::Result<Client, Retry> {
         let deadline = deadline(attempt);
         let mut last = if addrs.is_empty() {
@@ -89,21 +93,67 @@ impl Client {
                 conn: Mutex::new(ClientConn { stream, broken: None }),
             };
             let io_timeout = deadline.saturating_duration_since(Instant::now());
-            let answer = client.exchange(Enc::hello(), io_timeout).map_err(Retry::Fatal)?;
-            return match answer.split_first() {
-                Some((&ST_OK, _)) => {
-                    tracing::info!(target: "toroid::store", "connected to store at {addr} ({a})");
-                    Ok(client)
-                }
-                Some((_, msg)) => Err(Retry::Fatal(Error::Remote(
-                    format!("store at {addr} refused the hello: {}", String::from_utf8_lossy(msg)).into(),
-                ))),
-                None => Err(Retry::Fatal(Error::Remote(
-                    format!("store at {addr}: empty answer to the hello").into(),
-                ))),
-            };
+            client.hello(auth, io_timeout).map_err(Retry::Fatal)?;
+            tracing::info!(target: "toroid::store", "connected to store at {addr} ({a}){}",
+                if auth.is_some() { ", authenticated" } else { "" });
+            return Ok(client);
         }
         Err(Retry::Again(last))
+    }
+
+    /// The hello, and with a token the challenge-response: the server must prove it holds the
+    /// token before this client proves it does.
+    fn hello(&self, token: Option<&AuthToken>, io_timeout: Duration) -> Result<()> {
+        let addr = &self.addr;
+        let nonce = token.map(|_| auth::nonce()).transpose()?;
+        let hello = Enc::hello(nonce.as_ref().map(|n| &n[..]));
+        let hello_payload = hello.payload().to_vec();
+        let answer = self.exchange(hello, io_timeout)?;
+        let body = match answer.split_first() {
+            Some((&ST_OK, body)) => body,
+            Some((_, msg)) => {
+                return Err(Error::Remote(
+                    format!("store at {addr} refused the hello: {}", String::from_utf8_lossy(msg)).into(),
+                ));
+            }
+            None => return Err(Error::Remote(format!("store at {addr}: empty answer to the hello").into())),
+        };
+        let Some(token) = token else {
+            return match body {
+                [0] => Ok(()),
+                [FLAG_AUTH, ..] => Err(Error::Remote(
+                    format!("store at {addr} authenticates but TOROID_AUTH_TOKEN is not set here").into(),
+                )),
+                _ => Err(self.bad_answer("hello", "unexpected answer")),
+            };
+        };
+        // [FLAG_AUTH, server nonce, server tag]
+        let (server_nonce, tag) = match body {
+            [FLAG_AUTH, rest @ ..] if rest.len() == NONCE_LEN + TAG_LEN => rest.split_at(NONCE_LEN),
+            [0] => {
+                return Err(Error::Remote(
+                    format!("store at {addr} does not authenticate, but TOROID_AUTH_TOKEN is set here")
+                        .into(),
+                ));
+            }
+            _ => return Err(self.bad_answer("hello", "malformed challenge")),
+        };
+        let server_nonce: auth::Nonce =
+            server_nonce.try_into().map_err(|_| self.bad_answer("hello", "nonce"))?;
+        if !auth::server_tag_ok(token, &hello_payload, &server_nonce, tag) {
+            self.lock().broken = Some("authentication failed".into());
+            return Err(Error::Remote(
+                format!("store at {addr} failed authentication (a different TOROID_AUTH_TOKEN?)").into(),
+            ));
+        }
+        let proof = auth::client_tag(token, &hello_payload, &server_nonce);
+        match self.exchange(Enc::raw(&proof), io_timeout)?.as_slice() {
+            [ST_OK, 0] => Ok(()),
+            [_, msg @ ..] => Err(Error::Remote(
+                format!("store at {addr} refused this client: {}", String::from_utf8_lossy(msg)).into(),
+            )),
+            [] => Err(self.bad_answer("hello", "empty answer")),
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, ClientConn> {

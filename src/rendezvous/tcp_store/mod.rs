@@ -1,12 +1,14 @@
 //! TCP store: a key-value server run by rank 0; every rank (rank 0 included) is a client.
 //!
-//! # Wire protocol
+//! # Wire protocol (version 2)
 //!
-//! Integers are little-endian. Every message is a frame: `len: u32` then `len` bytes of payload,
-//! with `len <= MAX_FRAME`; a larger header is answered with an error and the connection closed,
-//! without allocating. The first frame a client sends is a hello (`b"TRDV"`, `version: u32`); the
-//! server answers OK or, for another magic or version, an error and closes. Then every request
-//! gets exactly one response, in order. `bytes` is `len: u32` then the bytes.
+//! Integers are little-endian. Every message is a frame: `len: u32` then `len` bytes of payload.
+//! The first frame a client sends is a hello: `b"TRDV"`, `version: u32`, `flags: u8` (1: it
+//! authenticates), and with that flag a 16-byte nonce. Without a token the server answers OK
+//! and `flags = 0`; with one, it runs the challenge-response of `auth` (its nonce and proof, the
+//! client's proof, OK). A hello of another magic, version or token setting is answered with an
+//! error naming `TOROID_AUTH_TOKEN` where that is the cause, and the connection closed. Then
+//! every request gets exactly one response, in order. `bytes` is `len: u32` then the bytes.
 //!
 //! ```text
 //! request   op: u8, then
@@ -19,35 +21,78 @@
 //!           nothing (SET, WAIT); otherwise a UTF-8 message
 //! ```
 //!
+//! # Bounds
+//!
+//! A stranger that reaches the port must not be able to grow the server's memory or stall the
+//! job's set-up. Sized so that a job of thousands of ranks fits with a wide margin:
+//!
+//! | limit | value | over it |
+//! |---|---|---|
+//! | key | [`MAX_KEY`] = 1 KiB | error answer |
+//! | value | [`MAX_VALUE`] = 1 MiB | error answer |
+//! | frame | [`MAX_FRAME`] = a SET of both, 1 MiB + 1088 B; 64 B before the hello is done | error answer, connection closed (the length header is not trusted) |
+//! | stored in all (key + value + 64 B each) | [`MAX_STORED`] = 16 MiB (a 10,000-rank job stores about 2 MiB) | error answer ("store full") |
+//! | keys of one WAIT | [`MAX_WAIT_KEYS`] = 16,384 | error answer |
+//! | connections | [`MAX_CONNECTIONS`] = 4,096 | new ones wait in the listen backlog |
+//! | hello (and proof) | [`HANDSHAKE_DEADLINE`] = 4 s | connection closed |
+//! | buffered input per connection | one frame | not read until answered |
+//! | unsent output per connection | 256 KiB, plus the one answer that crossed it | requests not answered, input not read, until the peer reads |
+//! | GET/WAIT timeout | [`MAX_PARK`] = 24 h | cut to it: every parked request has a deadline |
+//!
+//! Each refusal is logged as a WARN naming the peer (at most 20 a second, the rest counted).
+//! With a token, a stranger never gets past the hello: it costs a few hundred bytes for at most
+//! 4 s. Without a token it is a client like any other: it can read every key and store up to
+//! `MAX_STORED`, and make the server hold one queued answer and one frame of input.
+//!
+//! # Server lifetime
+//!
+//! torch's TCPStore serves for the job's whole life (torch uses it after set-up: barriers,
+//! new process groups). toroid's ranks use the store only to meet: `Communicator::from_launch`
+//! stops rank 0's server as soon as its communicator is connected, when every rank has read
+//! everything it needs (splits and later communicators go through the connected ranks, not the
+//! store). So the port is open for the set-up only. A store that the user creates
+//! ([`TcpStore::serve`], and stores given to `Communicator::with_store`, the C ABI or Python)
+//! serves until the user drops it.
+//!
 //! # Server
 //!
 //! One thread runs a `poll(2)` loop over non-blocking sockets. A GET or WAIT whose keys are
 //! missing parks its connection (later requests on it stay buffered) until a SET or ADD supplies
 //! them or its deadline passes, so clients never poll. Dropping the [`TcpStore`] that owns the
-//! server closes one end of a socket pair the loop watches; the thread then drops every
-//! connection and is joined, and clients blocked on it see the connection close.
+//! server (or [`TcpStore::stop_serving`]) closes one end of a socket pair the loop watches; the
+//! thread then drops every connection and is joined, and clients blocked on it see the
+//! connection close.
 //!
 //! | part | what |
 //! |---|---|
-//! | `protocol` | constants, frame encoder and decoder |
+//! | `protocol` | constants and limits, frame encoder and decoder, the hello |
+//! | `auth` | the challenge-response with `TOROID_AUTH_TOKEN` |
 //! | `client` | one connection: hello, then a request and its answer at a time |
-//! | `server` | the `poll(2)` loop, parked requests |
+//! | `server` | the `poll(2)` loop: connections, their buffers and deadlines |
+//! | `requests` | the bounded table, the operations, parked requests |
 //! | this file | [`TcpStore`]: addresses, serving, connecting with backoff, the [`Store`] calls |
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
+use std::sync::{Mutex, MutexGuard};
+
 use super::Store;
+use crate::config::AuthToken;
 use crate::error::{Error, Result};
 
+mod auth;
 mod client;
 mod protocol;
+mod requests;
 mod server;
 
 use client::{Client, Retry};
-pub use protocol::MAX_FRAME;
 use protocol::{Dec, Enc, OP_ADD, OP_DELETE, OP_GET, OP_SET, OP_WAIT};
+pub use protocol::{
+    HANDSHAKE_DEADLINE, MAX_CONNECTIONS, MAX_FRAME, MAX_KEY, MAX_PARK, MAX_STORED, MAX_VALUE, MAX_WAIT_KEYS,
+};
 use server::ServerHandle;
 
 const BACKOFF_START: Duration = Duration::from_millis(10);
@@ -61,7 +106,7 @@ const BACKOFF_CAP: Duration = Duration::from_secs(1);
 pub struct TcpStore {
     client: Client,
     // Declared after `client`, so dropped after it: the server outlives its own client.
-    server: Option<ServerHandle>,
+    server: Mutex<Option<ServerHandle>>,
 }
 
 impl std::fmt::Debug for TcpStore {
@@ -85,6 +130,16 @@ impl TcpStore {
     /// [`Error::InvalidArgument`] for a malformed address, [`Error::System`] when it cannot be
     /// bound.
     pub fn serve(addr: &str, timeout: Duration) -> Result<TcpStore> {
+        TcpStore::serve_with_token(addr, timeout, None)
+    }
+
+    /// As [`TcpStore::serve`]; with `token`, every connection (this handle's own included) must
+    /// pass the challenge-response keyed by it before any request, and clients without it, or
+    /// with another, are refused with an error naming `TOROID_AUTH_TOKEN`.
+    ///
+    /// # Errors
+    /// As [`TcpStore::serve`].
+    pub fn serve_with_token(addr: &str, timeout: Duration, token: Option<&AuthToken>) -> Result<TcpStore> {
         let (host, port) = split_host_port(addr)?;
         let candidates =
             resolve(&host, port).map_err(|e| Error::system(format!("store: resolve '{addr}'"), e))?;
@@ -107,7 +162,7 @@ impl TcpStore {
             }
         };
         let bound = listener.local_addr().map_err(|e| Error::system("store: local address", e))?;
-        let handle = server::start(listener, bound)?;
+        let handle = server::start(listener, bound, token.cloned(), MAX_CONNECTIONS)?;
 
         // An unspecified bind address is not something to connect to: use loopback.
         let local = match bound.ip() {
@@ -121,13 +176,13 @@ impl TcpStore {
         };
         // On failure `handle` drops here, which stops and joins the server.
         let client =
-            Client::connect(&local.to_string(), &[local], timeout, timeout).map_err(|r| match r {
+            Client::connect(&local.to_string(), &[local], timeout, timeout, token).map_err(|r| match r {
                 Retry::Again(e) => {
                     Error::System(format!("store: cannot reach its own server at {local}: {e}").into())
                 }
                 Retry::Fatal(e) => e,
             })?;
-        Ok(TcpStore { client, server: Some(handle) })
+        Ok(TcpStore { client, server: Mutex::new(Some(handle)) })
     }
 
     /// Connects to the server at `addr`, retrying with backoff until `timeout`.
@@ -140,6 +195,16 @@ impl TcpStore {
     /// [`Error::Timeout`] naming `addr` when no server answered in time; [`Error::Remote`] when
     /// something answered that is not a toroid store of this version.
     pub fn connect(addr: &str, timeout: Duration) -> Result<TcpStore> {
+        TcpStore::connect_with_token(addr, timeout, None)
+    }
+
+    /// As [`TcpStore::connect`]; with `token`, the server must prove it holds the same token
+    /// before this client proves it does (see [`TcpStore::serve_with_token`]).
+    ///
+    /// # Errors
+    /// As [`TcpStore::connect`]; [`Error::Remote`] naming `TOROID_AUTH_TOKEN` when the server
+    /// has another token or none.
+    pub fn connect_with_token(addr: &str, timeout: Duration, token: Option<&AuthToken>) -> Result<TcpStore> {
         let (host, port) = split_host_port(addr)?;
         if port == 0 {
             return Err(Error::InvalidArgument(format!("store: cannot connect to port 0 ('{addr}')").into()));
@@ -153,9 +218,10 @@ impl TcpStore {
                     &addrs,
                     deadline.saturating_duration_since(Instant::now()),
                     timeout,
+                    token,
                 ) {
                     Ok(client) => {
-                        return Ok(TcpStore { client, server: None });
+                        return Ok(TcpStore { client, server: Mutex::new(None) });
                     }
                     Err(Retry::Fatal(e)) => return Err(e),
                     Err(Retry::Again(e)) => e,
@@ -177,7 +243,19 @@ impl TcpStore {
 
     /// The address the server listens on (for `serve` with port 0), if this handle owns it.
     pub fn server_addr(&self) -> Option<SocketAddr> {
-        self.server.as_ref().map(|s| s.addr)
+        self.server_handle().as_ref().map(|s| s.addr)
+    }
+
+    /// Stops the server this handle owns (if any, and if still running), closing every client's
+    /// connection; this handle's own calls fail from then on.
+    pub fn stop_serving(&self) {
+        let handle = self.server_handle().take();
+        drop(handle); // joins the server thread, outside the lock
+    }
+
+    fn server_handle(&self) -> MutexGuard<'_, Option<ServerHandle>> {
+        // The guarded value is an optional handle, valid after a panic elsewhere.
+        self.server.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 

@@ -3,11 +3,48 @@
 
 use crate::error::{Error, Result};
 
-/// Largest frame either side accepts (64 MiB): a store carries addresses and ids, not tensors.
-pub const MAX_FRAME: usize = 64 << 20;
+/// Longest key (bytes). toroid's own keys (`toroid/gen12/addr/4095`) are under 40 bytes.
+pub const MAX_KEY: usize = 1024;
+/// Largest value (bytes). toroid's largest value is a host identity line (about 100 bytes); 1 MiB
+/// also holds a user's list of every address of a job of 10,000 ranks.
+pub const MAX_VALUE: usize = 1 << 20;
+/// Largest frame either side accepts: a SET of the longest key and the largest value, plus its
+/// header. A larger length header is answered with an error and the connection closed, without
+/// allocating.
+pub const MAX_FRAME: usize = MAX_VALUE + MAX_KEY + 64;
+/// Largest frame of a connection that has not finished its hello (the hello, or its proof, is
+/// under 64 bytes).
+pub(super) const MAX_HELLO_FRAME: usize = 64;
+/// Most keys one WAIT may name (a WAIT on every rank of a job of 16,384 ranks).
+pub const MAX_WAIT_KEYS: usize = 16_384;
+/// Most bytes the server stores, counting each entry as key + value + [`ENTRY_OVERHEAD`]. A job
+/// of 10,000 ranks stores about 2 MiB (three keys of under 200 bytes per rank).
+pub const MAX_STORED: usize = 16 << 20;
+/// What one entry is counted for beyond its key and value (the map's own bookkeeping), so that
+/// millions of empty keys are bounded too.
+pub(super) const ENTRY_OVERHEAD: usize = 64;
+/// Buffered input per connection: one frame of the largest size and its header. The server reads
+/// no more from a connection until it has answered what it holds.
+pub(super) const MAX_INPUT: usize = MAX_FRAME + 4;
+/// Unsent output per connection above which the server stops answering that connection's
+/// requests and stops reading from it, until the peer reads: one answer may go past it, so at
+/// most `MAX_OUTPUT + MAX_FRAME` bytes wait for a peer that does not read.
+pub(super) const MAX_OUTPUT: usize = 256 << 10;
+/// Most connections at once (a job of 4,000 ranks holds one each; beyond it, new connections
+/// are closed at once).
+pub const MAX_CONNECTIONS: usize = 4096;
+/// Time a new connection has to complete its hello (and with a token its proof), and a
+/// rejected one to go away. A toroid client sends its hello as soon as it connects.
+pub const HANDSHAKE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(4);
+/// Longest a GET or WAIT may wait on the server (longer timeouts are cut to it): nothing is
+/// parked without a deadline.
+pub const MAX_PARK: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
 
 const MAGIC: &[u8; 4] = b"TRDV";
-pub(super) const VERSION: u32 = 1;
+/// Store protocol version (2: the hello carries flags, and with a token a challenge-response).
+pub(super) const VERSION: u32 = 2;
+/// Hello flag: the client authenticates (its nonce follows the flags).
+pub(super) const FLAG_AUTH: u8 = 1;
 
 pub(super) const OP_SET: u8 = 1;
 pub(super) const OP_GET: u8 = 2;
@@ -28,12 +65,26 @@ impl Enc {
     pub(super) fn new(op: u8) -> Enc {
         Enc(vec![0, 0, 0, 0, op])
     }
-    /// The client's first frame.
-    pub(super) fn hello() -> Enc {
+    /// The client's first frame: magic, version, flags, and with a token the client's nonce.
+    pub(super) fn hello(nonce: Option<&[u8]>) -> Enc {
         let mut e = Enc(vec![0; 4]);
         e.0.extend_from_slice(MAGIC);
         e.u32(VERSION);
+        e.0.push(if nonce.is_some() { FLAG_AUTH } else { 0 });
+        if let Some(n) = nonce {
+            e.0.extend_from_slice(n);
+        }
         e
+    }
+    /// A frame of raw bytes (the client's proof).
+    pub(super) fn raw(payload: &[u8]) -> Enc {
+        let mut e = Enc(vec![0; 4]);
+        e.0.extend_from_slice(payload);
+        e
+    }
+    /// The payload so far (without the length).
+    pub(super) fn payload(&self) -> &[u8] {
+        &self.0[4..]
     }
     /// Fills in the length; fails for a payload above the limit.
     pub(super) fn finish(mut self) -> Result<Vec<u8>> {
@@ -104,9 +155,27 @@ impl<'a> Dec<'a> {
     }
 }
 
-/// Whether `payload` is a client's hello of this protocol version.
-pub(super) fn is_hello(payload: &[u8]) -> bool {
-    payload.len() == 8 && payload[..4] == *MAGIC && payload[4..] == VERSION.to_le_bytes()
+/// A client's hello, parsed.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Hello<'a> {
+    /// Not a toroid store client of this protocol version.
+    Foreign,
+    /// Without authentication.
+    Plain,
+    /// With authentication: the client's nonce.
+    Auth(&'a [u8]),
+}
+
+/// Parses a client's first frame.
+pub(super) fn parse_hello(payload: &[u8]) -> Hello<'_> {
+    if payload.len() < 9 || payload[..4] != *MAGIC || payload[4..8] != VERSION.to_le_bytes() {
+        return Hello::Foreign;
+    }
+    match (payload[8], &payload[9..]) {
+        (0, []) => Hello::Plain,
+        (FLAG_AUTH, n) if n.len() == super::auth::NONCE_LEN => Hello::Auth(n),
+        _ => Hello::Foreign,
+    }
 }
 
 /// A response payload: the status, then the body.
@@ -134,8 +203,15 @@ mod tests {
         d.end().unwrap();
         assert!(d.u32().unwrap_err().contains("truncated"));
         assert!(Dec(&[1]).end().unwrap_err().contains("trailing"));
-        assert!(is_hello(&Enc::hello().finish().unwrap()[4..]));
-        assert!(!is_hello(b"HTTP/1.1"));
+        assert_eq!(parse_hello(&Enc::hello(None).finish().unwrap()[4..]), Hello::Plain);
+        let n = [7; super::super::auth::NONCE_LEN];
+        assert_eq!(parse_hello(&Enc::hello(Some(&n)).finish().unwrap()[4..]), Hello::Auth(&n[..]));
+        assert_eq!(parse_hello(&Enc::hello(Some(&n[1..])).finish().unwrap()[4..]), Hello::Foreign);
+        assert_eq!(parse_hello(b"HTTP/1.1"), Hello::Foreign);
+        let mut old = Enc::hello(None).finish().unwrap()[4..].to_vec();
+        old[4] = 1; // version 1
+        assert_eq!(parse_hello(&old), Hello::Foreign);
+        assert!(Enc::hello(Some(&n)).finish().unwrap().len() - 4 <= MAX_HELLO_FRAME);
         let mut big = Enc::new(OP_SET);
         big.bytes(&vec![0; MAX_FRAME]);
         assert!(matches!(big.finish(), Err(Error::InvalidArgument(_))));

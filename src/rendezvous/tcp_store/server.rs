@@ -1,10 +1,19 @@
-//! The store's server: one thread runs a `poll(2)` loop over non-blocking sockets. A GET or
-//! WAIT whose keys are missing parks its connection (later requests on it stay buffered) until a
-//! SET or ADD supplies them or its deadline passes, so clients never poll. Dropping the
-//! [`ServerHandle`] closes one end of a socket pair the loop watches; the thread then drops
-//! every connection and is joined, and clients blocked on it see the connection close.
+//! The store's server: one thread runs a `poll(2)` loop over non-blocking sockets.
+//!
+//! A new connection must complete its hello (with a token, the challenge-response of `auth`)
+//! within [`HANDSHAKE_DEADLINE`] or it is closed; until then its frames are capped at a few
+//! dozen bytes, so a stranger that connects and stays silent, drips bytes or floods connections
+//! costs a few hundred bytes per connection and delays no one: every connection is served by
+//! the same loop from its own buffers, and none is ever read or written with blocking calls.
+//!
+//! A GET or WAIT whose keys are missing parks its connection (later requests on it stay
+//! buffered) until a SET or ADD supplies them or its deadline passes, so clients never poll.
+//! Input is read only while a connection holds less than one frame's worth and its unsent
+//! output is under [`MAX_OUTPUT`] (backpressure: a peer that sends requests without reading the
+//! answers gets one answer queued, then nothing is read from it). Dropping the [`ServerHandle`]
+//! closes one end of a socket pair the loop watches; the thread then drops every connection and
+//! is joined, and clients blocked on it see the connection close.
 
-use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
@@ -12,18 +21,29 @@ use std::os::unix::net::UnixStream;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::auth::{self, Nonce};
 use super::protocol::{
-    Dec, MAX_FRAME, OP_ADD, OP_DELETE, OP_GET, OP_SET, OP_WAIT, ST_BAD_REQUEST, ST_INVALID_USAGE, ST_OK,
-    ST_TIMEOUT, VERSION, answer, is_hello,
+    FLAG_AUTH, HANDSHAKE_DEADLINE, Hello, MAX_FRAME, MAX_HELLO_FRAME, MAX_INPUT, MAX_OUTPUT, ST_BAD_REQUEST,
+    ST_OK, VERSION, answer, parse_hello,
 };
+use super::requests::{Handled, Pending, Table, handle};
+use crate::config::AuthToken;
 use crate::error::{Error, Result};
 use crate::sys::poll::{PollFd, poll};
 
 /// Starts the server thread on `listener` (bound to `bound`); it serves until the handle drops.
-pub(super) fn start(listener: TcpListener, bound: SocketAddr) -> Result<ServerHandle> {
+/// With `auth`, every connection must prove it holds that token before any request. At most
+/// `max_connections` are served at once ([`MAX_CONNECTIONS`](super::MAX_CONNECTIONS); tests use fewer).
+pub(super) fn start(
+    listener: TcpListener,
+    bound: SocketAddr,
+    auth: Option<AuthToken>,
+    max_connections: usize,
+) -> Result<ServerHandle> {
     listener.set_nonblocking(true).map_err(|e| Error::system("store: set_nonblocking", e))?;
     let (wake_tx, wake_rx) = UnixStream::pair().map_err(|e| Error::system("store: socketpair", e))?;
-    let server = Server { listener, wake: wake_rx, conns: Vec::new(), map: HashMap::new() };
+    let ctx = Ctx { table: Table::default(), auth, log: Throttle::default() };
+    let server = Server { listener, wake: wake_rx, conns: Vec::new(), ctx, max_connections };
     let thread = std::thread::Builder::new()
         .name("toroid-store".into())
         .spawn(move || server.run())
@@ -53,60 +73,64 @@ impl Drop for ServerHandle {
     }
 }
 
-type Map = HashMap<Vec<u8>, Vec<u8>>;
+/// At most this many warnings a second; the rest are counted (a flood of strangers must not
+/// turn into a flood of log lines, nor block the loop on a full stderr pipe).
+const WARNINGS_PER_SECOND: u32 = 20;
+
+/// Rate limit of the server's warnings.
+struct Throttle {
+    since: Instant,
+    shown: u32,
+    dropped: u64,
+}
+
+impl Default for Throttle {
+    fn default() -> Throttle {
+        Throttle { since: Instant::now(), shown: 0, dropped: 0 }
+    }
+}
+
+impl Throttle {
+    fn warn(&mut self, peer: SocketAddr, msg: &str) {
+        let now = Instant::now();
+        if now.saturating_duration_since(self.since) >= Duration::from_secs(1) {
+            if self.dropped > 0 {
+                tracing::warn!(target: "toroid::store", "store: {} more warnings about clients suppressed", self.dropped);
+            }
+            *self = Throttle { since: now, shown: 0, dropped: 0 };
+        }
+        if self.shown < WARNINGS_PER_SECOND {
+            self.shown += 1;
+            tracing::warn!(target: "toroid::store", "store client {peer}: {msg}");
+        } else {
+            self.dropped += 1;
+        }
+    }
+}
+
+/// What every connection's handling shares.
+struct Ctx {
+    table: Table,
+    auth: Option<AuthToken>,
+    log: Throttle,
+}
 
 struct Server {
     listener: TcpListener,
     wake: UnixStream,
     conns: Vec<Conn>,
-    map: Map,
+    ctx: Ctx,
+    max_connections: usize,
 }
 
-enum Want {
-    Get(Vec<u8>),
-    Wait(Vec<Vec<u8>>),
-}
-
-/// A GET or WAIT waiting for its keys.
-struct Pending {
-    want: Want,
-    /// `None` when the timeout is too far to represent.
-    deadline: Option<Instant>,
-    timeout_ms: u64,
-}
-
-impl Pending {
-    /// The answer, once the keys are there or the deadline passed.
-    fn answer(&self, map: &Map, now: Instant) -> Option<Vec<u8>> {
-        match &self.want {
-            Want::Get(k) => {
-                if let Some(v) = map.get(k) {
-                    return Some(answer(ST_OK, v));
-                }
-            }
-            Want::Wait(keys) => {
-                if keys.iter().all(|k| map.contains_key(k)) {
-                    return Some(answer(ST_OK, &[]));
-                }
-            }
-        }
-        if self.deadline.is_some_and(|d| now >= d) {
-            let keys: Vec<&Vec<u8>> = match &self.want {
-                Want::Get(k) => vec![k],
-                Want::Wait(keys) => keys.iter().filter(|k| !map.contains_key(*k)).collect(),
-            };
-            let keys: Vec<_> = keys.iter().map(|k| String::from_utf8_lossy(k)).collect();
-            let msg = format!("waited {} ms for keys {keys:?}", self.timeout_ms);
-            return Some(answer(ST_TIMEOUT, msg.as_bytes()));
-        }
-        None
-    }
-}
-
-#[derive(PartialEq, Eq)]
 enum State {
     /// Waiting for the hello.
     New,
+    /// Waiting for the client's proof: its hello (with its nonce) and the nonce we sent.
+    Proving {
+        hello: Vec<u8>,
+        nonce: Nonce,
+    },
     Open,
     /// Flush what is queued, then shut down writing and discard input until the peer closes
     /// (closing with unread input would send a reset that can destroy our last answer).
@@ -118,12 +142,21 @@ struct Conn {
     stream: TcpStream,
     peer: SocketAddr,
     state: State,
+    /// Input; bytes before `rpos` are consumed.
     rbuf: Vec<u8>,
+    rpos: usize,
+    /// Output; bytes before `wpos` are sent.
     wbuf: Vec<u8>,
+    wpos: usize,
     pending: Option<Pending>,
+    /// Until the hello (and proof) are done, and for a closing connection to go away.
+    deadline: Option<Instant>,
     eof: bool,
     write_shut: bool,
 }
+
+/// Buffers that grew past this are freed once empty, so an idle connection costs little.
+const KEEP_CAPACITY: usize = 64 << 10;
 
 impl Server {
     fn run(mut self) {
@@ -136,18 +169,30 @@ impl Server {
         let mut fds = Vec::new();
         loop {
             let now = Instant::now();
-            let timeout_ms =
-                self.conns.iter().filter_map(|c| c.pending.as_ref()?.deadline).min().map_or(-1, |d| {
-                    // Rounded up, so that we wake after the deadline rather than just before.
-                    let ms = d.saturating_duration_since(now).as_nanos().div_ceil(1_000_000);
-                    i32::try_from(ms).unwrap_or(i32::MAX)
-                });
+            let next = self
+                .conns
+                .iter()
+                .flat_map(|c| [c.pending.as_ref().map(|p| p.deadline), c.deadline])
+                .flatten()
+                .min();
+            // A connection whose output drained below the cap in the last round may hold
+            // requests already read: answer them without waiting for an event.
+            let next = if self.conns.iter().any(Conn::has_work) { Some(now) } else { next };
+            let timeout_ms = next.map_or(-1, |d| {
+                // Rounded up, so that we wake after the deadline rather than just before.
+                let ms = d.saturating_duration_since(now).as_nanos().div_ceil(1_000_000);
+                i32::try_from(ms).unwrap_or(i32::MAX)
+            });
             fds.clear();
             fds.push(PollFd::new(self.wake.as_raw_fd(), PollFd::IN));
-            fds.push(PollFd::new(self.listener.as_raw_fd(), PollFd::IN));
+            // When full, leave new connections in the backlog until a slot frees (a stranger's
+            // slot frees at its handshake deadline at the latest).
+            let accepting = self.conns.len() < self.max_connections;
+            fds.push(PollFd::new(self.listener.as_raw_fd(), if accepting { PollFd::IN } else { 0 }));
             for c in &self.conns {
-                let out = if c.wbuf.is_empty() { 0 } else { PollFd::OUT };
-                fds.push(PollFd::new(c.stream.as_raw_fd(), PollFd::IN | out));
+                let inp = if c.wants_input() { PollFd::IN } else { 0 };
+                let out = if c.wpos < c.wbuf.len() { PollFd::OUT } else { 0 };
+                fds.push(PollFd::new(c.stream.as_raw_fd(), inp | out));
             }
             // An interrupted poll reports nothing: the loop then re-checks every deadline.
             poll(&mut fds, timeout_ms)?;
@@ -159,25 +204,31 @@ impl Server {
                     c.fill();
                 }
             }
-            if fds[1].revents() != 0 {
+            if accepting && fds[1].revents() != 0 {
                 self.accept();
             }
             // A SET on one connection can complete a GET parked on another: repeat until quiet.
             let now = Instant::now();
-            while self.conns.iter_mut().fold(false, |m, c| c.drive(&mut self.map, now) | m) {}
+            while self.conns.iter_mut().fold(false, |m, c| c.drive(&mut self.ctx, now) | m) {}
             for c in &mut self.conns {
                 c.flush();
-                if c.eof && c.state != State::Dead {
-                    tracing::debug!(target: "toroid::store", "store client {} disconnected", c.peer);
+                c.expire(&mut self.ctx.log, now);
+                if c.eof && !matches!(c.state, State::Dead) {
+                    match c.state {
+                        State::New | State::Proving { .. } => {
+                            self.ctx.log.warn(c.peer, "closed the connection before completing the hello")
+                        }
+                        _ => tracing::debug!(target: "toroid::store", "store client {} disconnected", c.peer),
+                    }
                     c.state = State::Dead;
                 }
             }
-            self.conns.retain(|c| c.state != State::Dead);
+            self.conns.retain(|c| !matches!(c.state, State::Dead));
         }
     }
 
     fn accept(&mut self) {
-        loop {
+        while self.conns.len() < self.max_connections {
             match self.listener.accept() {
                 Ok((stream, peer)) => {
                     if let Err(e) = stream.set_nonblocking(true) {
@@ -191,8 +242,11 @@ impl Server {
                         peer,
                         state: State::New,
                         rbuf: Vec::new(),
+                        rpos: 0,
                         wbuf: Vec::new(),
+                        wpos: 0,
                         pending: None,
+                        deadline: Some(Instant::now() + HANDSHAKE_DEADLINE),
                         eof: false,
                         write_shut: false,
                     });
@@ -207,21 +261,77 @@ impl Server {
                 }
             }
         }
+        tracing::warn!(target: "toroid::store",
+            "store: {} connections open; new ones wait until one closes", self.max_connections);
     }
 }
 
 impl Conn {
-    /// Reads everything available.
+    /// Largest frame accepted in the current state.
+    fn frame_cap(&self) -> usize {
+        match self.state {
+            State::New | State::Proving { .. } => MAX_HELLO_FRAME,
+            _ => MAX_FRAME,
+        }
+    }
+
+    /// Whether a complete frame waits that `drive` would take now.
+    fn has_work(&self) -> bool {
+        let active = matches!(self.state, State::New | State::Proving { .. } | State::Open);
+        let avail = &self.rbuf[self.rpos..];
+        active
+            && self.pending.is_none()
+            && self.wbuf.len() - self.wpos <= MAX_OUTPUT
+            && avail.first_chunk::<4>().is_some_and(|h| {
+                let len = u32::from_le_bytes(*h) as usize;
+                len > self.frame_cap() || avail.len() >= 4 + len
+            })
+    }
+
+    /// Whether to read: always when closing (to discard), otherwise while the connection holds
+    /// less than a frame and its unsent output is under the cap.
+    fn wants_input(&self) -> bool {
+        match self.state {
+            State::Closing => !self.eof,
+            State::Dead => false,
+            _ => {
+                !self.eof
+                    && self.rbuf.len() - self.rpos < self.input_cap()
+                    && self.wbuf.len() - self.wpos <= MAX_OUTPUT
+            }
+        }
+    }
+
+    fn input_cap(&self) -> usize {
+        match self.state {
+            State::New | State::Proving { .. } => MAX_HELLO_FRAME + 4,
+            _ => MAX_INPUT,
+        }
+    }
+
+    /// Reads what is available, up to the input cap.
     fn fill(&mut self) {
         let mut chunk = [0u8; 64 * 1024];
+        if self.rpos > 0 {
+            self.rbuf.drain(..self.rpos);
+            self.rpos = 0;
+        }
         loop {
-            match self.stream.read(&mut chunk) {
+            let room = match self.state {
+                State::Closing => chunk.len(),
+                State::Dead => return,
+                _ => self.input_cap().saturating_sub(self.rbuf.len()).min(chunk.len()),
+            };
+            if room == 0 {
+                return;
+            }
+            match self.stream.read(&mut chunk[..room]) {
                 Ok(0) => {
                     self.eof = true;
                     return;
                 }
                 // Input after a rejected request is read only to be dropped.
-                Ok(_) if self.state == State::Closing => {}
+                Ok(_) if matches!(self.state, State::Closing) => {}
                 Ok(n) => self.rbuf.extend_from_slice(&chunk[..n]),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -235,78 +345,149 @@ impl Conn {
     }
 
     fn send(&mut self, payload: &[u8]) {
-        // Answers are bounded by what a client could send, which is bounded by MAX_FRAME.
+        // Answers are bounded by MAX_FRAME: a value is at most MAX_VALUE.
         self.wbuf.extend_from_slice(&(payload.len() as u32).to_le_bytes());
         self.wbuf.extend_from_slice(payload);
     }
 
-    /// Answers with an error, then closes.
-    fn reject(&mut self, msg: &str) {
-        tracing::warn!(target: "toroid::store", "store client {}: {msg}; closing", self.peer);
+    /// Answers with an error, logs a warning naming the peer, then closes.
+    fn reject(&mut self, log: &mut Throttle, msg: &str) {
+        log.warn(self.peer, &format!("{msg}; closing"));
         self.send(&answer(ST_BAD_REQUEST, msg.as_bytes()));
         self.rbuf = Vec::new();
+        self.rpos = 0;
         self.pending = None;
         self.state = State::Closing;
+        self.deadline = Some(Instant::now() + HANDSHAKE_DEADLINE);
     }
 
-    /// Answers every complete request it can; returns whether the map changed.
-    fn drive(&mut self, map: &mut Map, now: Instant) -> bool {
+    /// Answers every complete request it can; returns whether the table changed.
+    fn drive(&mut self, ctx: &mut Ctx, now: Instant) -> bool {
         let mut mutated = false;
-        while matches!(self.state, State::New | State::Open) {
+        while matches!(self.state, State::New | State::Proving { .. } | State::Open)
+            && self.wbuf.len() - self.wpos <= MAX_OUTPUT
+        {
             if let Some(p) = &self.pending {
-                match p.answer(map, now) {
+                match p.answer(&ctx.table, now) {
                     Some(a) => {
                         self.pending = None;
                         self.send(&a);
+                        continue;
                     }
                     None => break,
                 }
             }
-            let Some(head) = self.rbuf.first_chunk::<4>() else {
+            let avail = &self.rbuf[self.rpos..];
+            let Some(head) = avail.first_chunk::<4>() else {
                 break;
             };
             let len = u32::from_le_bytes(*head) as usize;
-            if len > MAX_FRAME {
-                self.reject(&format!("frame of {len} bytes exceeds the limit of {MAX_FRAME} bytes"));
+            let cap = self.frame_cap();
+            if len > cap {
+                self.reject(&mut ctx.log, &format!("frame of {len} bytes exceeds the limit of {cap} bytes"));
                 break;
             }
-            if self.rbuf.len() < 4 + len {
+            if avail.len() < 4 + len {
                 break;
             }
-            let frame = self.rbuf[4..4 + len].to_vec();
-            self.rbuf.drain(..4 + len);
-            if self.state == State::New {
-                if is_hello(&frame) {
-                    self.state = State::Open;
-                    self.send(&answer(ST_OK, &[]));
-                } else {
-                    self.reject(&format!(
-                        "bad hello: not a toroid store client of protocol version {VERSION}"
-                    ));
+            let frame = avail[4..4 + len].to_vec();
+            self.rpos += 4 + len;
+            match &self.state {
+                State::New => self.hello(ctx, &frame),
+                State::Proving { hello, nonce } => {
+                    let ok = ctx.auth.as_ref().is_some_and(|t| auth::client_tag_ok(t, hello, nonce, &frame));
+                    if ok {
+                        tracing::debug!(target: "toroid::store", "store client {} authenticated", self.peer);
+                        self.open();
+                    } else {
+                        self.reject(&mut ctx.log, "authentication failed (a different TOROID_AUTH_TOKEN?)");
+                    }
                 }
-                continue;
+                _ => match handle(&frame, &mut ctx.table, now) {
+                    Ok(Handled::Answer(a, m)) => {
+                        mutated |= m;
+                        self.send(&a);
+                    }
+                    Ok(Handled::Park(p)) => self.pending = Some(p),
+                    Ok(Handled::Refused(a, why)) => {
+                        ctx.log.warn(self.peer, &why);
+                        self.send(&a);
+                    }
+                    Err(msg) => self.send(&answer(ST_BAD_REQUEST, msg.as_bytes())),
+                },
             }
-            match handle(&frame, map, now) {
-                Ok(Handled::Answer(a, m)) => {
-                    mutated |= m;
-                    self.send(&a);
-                }
-                Ok(Handled::Park(p)) => self.pending = Some(p),
-                Err(msg) => self.send(&answer(ST_BAD_REQUEST, msg.as_bytes())),
+        }
+        if self.rpos == self.rbuf.len() {
+            self.rpos = 0;
+            if self.rbuf.capacity() > KEEP_CAPACITY {
+                self.rbuf = Vec::new();
+            } else {
+                self.rbuf.clear();
             }
         }
         mutated
     }
 
+    /// Handles the first frame: the hello, and with a token the server's challenge and proof.
+    fn hello(&mut self, ctx: &mut Ctx, frame: &[u8]) {
+        match (parse_hello(frame), &ctx.auth) {
+            (Hello::Foreign, _) => {
+                self.reject(&mut ctx.log, &format!("bad hello: not a toroid store client of protocol version {VERSION}"))
+            }
+            (Hello::Plain, None) => {
+                self.open();
+            }
+            (Hello::Plain, Some(_)) => self.reject(
+                &mut ctx.log,
+                "the store requires authentication: TOROID_AUTH_TOKEN is set on the store's server, not on this client",
+            ),
+            (Hello::Auth(_), None) => self.reject(
+                &mut ctx.log,
+                "this client authenticates but the store's server has no TOROID_AUTH_TOKEN set",
+            ),
+            (Hello::Auth(_), Some(t)) => match auth::nonce() {
+                Ok(nonce) => {
+                    let tag = auth::server_tag(t, frame, &nonce);
+                    let mut a = vec![ST_OK, FLAG_AUTH];
+                    a.extend_from_slice(&nonce);
+                    a.extend_from_slice(&tag);
+                    self.send(&a);
+                    self.state = State::Proving { hello: frame.to_vec(), nonce };
+                }
+                Err(e) => self.reject(&mut ctx.log, &format!("internal error: {e}")),
+            },
+        }
+    }
+
+    /// The hello (and proof) passed: requests may follow.
+    fn open(&mut self) {
+        self.state = State::Open;
+        self.deadline = None;
+        self.send(&answer(ST_OK, &[0]));
+    }
+
+    /// Drops a connection whose hello or closing took too long.
+    fn expire(&mut self, log: &mut Throttle, now: Instant) {
+        if self.deadline.is_some_and(|d| now >= d) {
+            match self.state {
+                State::New | State::Proving { .. } => {
+                    log.warn(self.peer, &format!("no complete hello within {HANDSHAKE_DEADLINE:?}; closing"))
+                }
+                _ => {
+                    tracing::debug!(target: "toroid::store", "store client {}: closed after rejection", self.peer)
+                }
+            }
+            self.state = State::Dead;
+        }
+    }
+
     /// Writes what the socket takes now.
     fn flush(&mut self) {
-        while !self.wbuf.is_empty() && self.state != State::Dead {
-            match self.stream.write(&self.wbuf) {
+        while self.wpos < self.wbuf.len() && !matches!(self.state, State::Dead) {
+            match self.stream.write(&self.wbuf[self.wpos..]) {
                 Ok(0) => self.state = State::Dead,
-                Ok(n) => {
-                    self.wbuf.drain(..n);
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Ok(n) => self.wpos += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
                     tracing::debug!(target: "toroid::store", "store client {}: {e}", self.peer);
@@ -314,120 +495,292 @@ impl Conn {
                 }
             }
         }
-        if self.state == State::Closing && self.wbuf.is_empty() && !self.write_shut {
+        if self.wpos == self.wbuf.len() {
+            self.wpos = 0;
+            if self.wbuf.capacity() > KEEP_CAPACITY {
+                self.wbuf = Vec::new();
+            } else {
+                self.wbuf.clear();
+            }
+        } else if self.wpos > KEEP_CAPACITY {
+            self.wbuf.drain(..self.wpos);
+            self.wpos = 0;
+        }
+        if matches!(self.state, State::Closing) && self.wbuf.is_empty() && !self.write_shut {
             self.write_shut = true;
             let _ = self.stream.shutdown(Shutdown::Write);
         }
     }
 }
 
-enum Handled {
-    /// The answer, and whether the map changed.
-    Answer(Vec<u8>, bool),
-    Park(Pending),
-}
-
-fn handle(frame: &[u8], map: &mut Map, now: Instant) -> std::result::Result<Handled, String> {
-    let mut d = Dec(frame);
-    let park = |want, timeout_ms: u64| {
-        let deadline = now.checked_add(Duration::from_millis(timeout_ms));
-        Handled::Park(Pending { want, deadline, timeout_ms })
-    };
-    let out = match d.u8()? {
-        OP_SET => {
-            let key = d.bytes()?.to_vec();
-            let value = d.bytes()?.to_vec();
-            d.end()?;
-            map.insert(key, value);
-            Handled::Answer(answer(ST_OK, &[]), true)
-        }
-        OP_GET => {
-            let timeout_ms = d.u64()?;
-            let key = d.bytes()?.to_vec();
-            d.end()?;
-            park(Want::Get(key), timeout_ms)
-        }
-        OP_ADD => {
-            let delta = d.i64()?;
-            let key = d.bytes()?;
-            d.end()?;
-            let name = String::from_utf8_lossy(key);
-            let cur = match map.get(key) {
-                Some(v) => match crate::rendezvous::parse_counter(&name, v) {
-                    Ok(n) => n,
-                    Err(e) => {
-                        return Ok(Handled::Answer(answer(ST_INVALID_USAGE, e.detail().as_bytes()), false));
-                    }
-                },
-                None => 0,
-            };
-            let new = cur.wrapping_add(delta);
-            map.insert(key.to_vec(), new.to_string().into_bytes());
-            Handled::Answer(answer(ST_OK, &new.to_le_bytes()), true)
-        }
-        OP_WAIT => {
-            let timeout_ms = d.u64()?;
-            let n = d.u32()?;
-            // Each key takes at least its 4-byte length, so `n` is bounded by the frame.
-            let mut keys = Vec::with_capacity((n as usize).min(frame.len() / 4));
-            for _ in 0..n {
-                keys.push(d.bytes()?.to_vec());
-            }
-            d.end()?;
-            park(Want::Wait(keys), timeout_ms)
-        }
-        OP_DELETE => {
-            let key = d.bytes()?;
-            d.end()?;
-            let existed = map.remove(key).is_some();
-            Handled::Answer(answer(ST_OK, &[u8::from(existed)]), false)
-        }
-        op => return Err(format!("unknown operation {op}")),
-    };
-    Ok(out)
-}
-
 #[cfg(test)]
 mod tests {
-    use super::super::protocol::Enc;
+    use super::super::TcpStore;
+    use super::super::auth::{NONCE_LEN, TAG_LEN, client_tag};
+    use super::super::protocol::{Enc, MAX_KEY, MAX_VALUE, OP_DELETE, OP_GET, OP_SET};
     use super::super::tests::{T, raw_frame, raw_read, server};
     use super::*;
     use crate::rendezvous::Store;
+
+    fn token(s: &[u8]) -> AuthToken {
+        AuthToken::new(s)
+    }
+
+    fn raw(addr: SocketAddr) -> TcpStream {
+        let s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(T)).unwrap();
+        s
+    }
+
+    /// Reads until the server closes; what it sent on the way.
+    fn read_to_close(s: &mut TcpStream) -> Vec<u8> {
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+        rest
+    }
 
     #[test]
     fn server_rejects_oversized_frames_and_bad_hellos_and_keeps_serving() {
         let s = server();
         let addr = s.server_addr().unwrap();
 
-        let mut raw = TcpStream::connect(addr).unwrap();
-        raw.set_read_timeout(Some(T)).unwrap();
-        raw.write_all(&Enc::hello().finish().unwrap()).unwrap();
-        assert_eq!(raw_read(&mut raw), [ST_OK]);
+        let mut c = raw(addr);
+        c.write_all(&Enc::hello(None).finish().unwrap()).unwrap();
+        assert_eq!(raw_read(&mut c), [ST_OK, 0]);
         // Claim 1 GiB and send nothing more: the server must answer, not allocate and wait.
-        raw.write_all(&(1u32 << 30).to_le_bytes()).unwrap();
-        let a = raw_read(&mut raw);
+        c.write_all(&(1u32 << 30).to_le_bytes()).unwrap();
+        let a = raw_read(&mut c);
         assert_eq!(a[0], ST_BAD_REQUEST);
         assert!(String::from_utf8_lossy(&a[1..]).contains("exceeds"));
-        let mut rest = Vec::new();
-        raw.read_to_end(&mut rest).unwrap(); // the server closed it
-        assert!(rest.is_empty());
+        assert!(read_to_close(&mut c).is_empty());
 
-        let mut raw = TcpStream::connect(addr).unwrap();
-        raw.set_read_timeout(Some(T)).unwrap();
-        raw_frame(&mut raw, b"HTTP/1.1");
-        assert_eq!(raw_read(&mut raw)[0], ST_BAD_REQUEST);
+        let mut c = raw(addr);
+        raw_frame(&mut c, b"HTTP/1.1");
+        assert_eq!(raw_read(&mut c)[0], ST_BAD_REQUEST);
+
+        // Before the hello, frames are capped at a few dozen bytes.
+        let mut c = raw(addr);
+        c.write_all(&(MAX_HELLO_FRAME as u32 + 1).to_le_bytes()).unwrap();
+        assert_eq!(raw_read(&mut c)[0], ST_BAD_REQUEST);
 
         // A malformed request is answered and the connection stays open.
-        let mut raw = TcpStream::connect(addr).unwrap();
-        raw.set_read_timeout(Some(T)).unwrap();
-        raw.write_all(&Enc::hello().finish().unwrap()).unwrap();
-        assert_eq!(raw_read(&mut raw), [ST_OK]);
-        raw_frame(&mut raw, &[OP_SET, 9, 0, 0]);
-        assert_eq!(raw_read(&mut raw)[0], ST_BAD_REQUEST);
-        raw_frame(&mut raw, &[OP_DELETE, 1, 0, 0, 0, b'z']);
-        assert_eq!(raw_read(&mut raw), [ST_OK, 0]);
+        let mut c = raw(addr);
+        c.write_all(&Enc::hello(None).finish().unwrap()).unwrap();
+        assert_eq!(raw_read(&mut c), [ST_OK, 0]);
+        raw_frame(&mut c, &[OP_SET, 9, 0, 0]);
+        assert_eq!(raw_read(&mut c)[0], ST_BAD_REQUEST);
+        raw_frame(&mut c, &[OP_DELETE, 1, 0, 0, 0, b'z']);
+        assert_eq!(raw_read(&mut c), [ST_OK, 0]);
 
         s.set("still", b"fine").unwrap();
         assert_eq!(s.get("still", T).unwrap(), b"fine");
+    }
+
+    #[test]
+    fn keys_and_values_over_their_caps_get_a_clear_error() {
+        let s = server();
+        let err = s.set(&"k".repeat(MAX_KEY + 1), b"v").unwrap_err();
+        assert!(matches!(&err, Error::Remote(m) if m.contains("key of 1025 bytes exceeds")), "{err}");
+        // The client refuses a frame over the limit before sending it.
+        let err = s.set("k", &vec![0; MAX_FRAME]).unwrap_err();
+        assert!(matches!(&err, Error::InvalidArgument(m) if m.contains("limit")), "{err}");
+        let err = s.set("k", &vec![0; MAX_VALUE + 1]).unwrap_err();
+        assert!(matches!(&err, Error::Remote(m) if m.contains("value of")), "{err}");
+        // The connection is still in step.
+        s.set("k", &vec![7; MAX_VALUE]).unwrap();
+        assert_eq!(s.get("k", T).unwrap().len(), MAX_VALUE);
+    }
+
+    #[test]
+    fn the_same_token_on_both_sides_authenticates() {
+        let t = token(b"s3cret");
+        let s = TcpStore::serve_with_token("127.0.0.1:0", T, Some(&t)).unwrap();
+        let addr = s.server_addr().unwrap().to_string();
+        let c = TcpStore::connect_with_token(&addr, T, Some(&t)).unwrap();
+        c.set("k", b"v").unwrap();
+        assert_eq!(s.get("k", T).unwrap(), b"v");
+    }
+
+    #[test]
+    fn a_different_token_or_none_is_refused_on_both_sides() {
+        let t = token(b"s3cret");
+        let s = TcpStore::serve_with_token("127.0.0.1:0", T, Some(&t)).unwrap();
+        let addr = s.server_addr().unwrap().to_string();
+        for (who, tok) in [("another token", Some(token(b"guess"))), ("no token", None)] {
+            let err = TcpStore::connect_with_token(&addr, T, tok.as_ref()).unwrap_err();
+            assert!(matches!(&err, Error::Remote(m) if m.contains("TOROID_AUTH_TOKEN")), "{who}: {err}");
+        }
+        // A server without a token refuses a client with one, and the client refuses it.
+        let plain = server();
+        let addr = plain.server_addr().unwrap().to_string();
+        let err = TcpStore::connect_with_token(&addr, T, Some(&t)).unwrap_err();
+        assert!(matches!(&err, Error::Remote(m) if m.contains("TOROID_AUTH_TOKEN")), "{err}");
+        // Nothing the strangers did reached the table.
+        s.set("k", b"v").unwrap();
+        assert_eq!(s.get("k", T).unwrap(), b"v");
+    }
+
+    #[test]
+    fn a_stranger_without_the_token_gets_nothing_and_changes_nothing() {
+        let t = token(b"s3cret");
+        let s = TcpStore::serve_with_token("127.0.0.1:0", T, Some(&t)).unwrap();
+        s.set("secret", b"value").unwrap();
+        let addr = s.server_addr().unwrap();
+        // A plain hello, then requests pipelined behind it.
+        let mut c = raw(addr);
+        c.write_all(&Enc::hello(None).finish().unwrap()).unwrap();
+        let mut g = Enc::new(OP_GET);
+        g.u64(0);
+        g.bytes(b"secret");
+        c.write_all(&g.finish().unwrap()).unwrap();
+        let mut d = Enc::new(OP_DELETE);
+        d.bytes(b"secret");
+        c.write_all(&d.finish().unwrap()).unwrap();
+        let a = raw_read(&mut c);
+        assert_eq!(a[0], ST_BAD_REQUEST);
+        assert!(String::from_utf8_lossy(&a).contains("TOROID_AUTH_TOKEN"));
+        let rest = read_to_close(&mut c);
+        assert!(!rest.windows(5).any(|w| w == b"value"), "{rest:?}");
+        // A request in place of the proof is a failed proof.
+        let mut c = raw(addr);
+        c.write_all(&Enc::hello(Some(&[1; NONCE_LEN])).finish().unwrap()).unwrap();
+        assert_eq!(raw_read(&mut c).len(), 2 + NONCE_LEN + TAG_LEN);
+        let mut g = Enc::new(OP_GET);
+        g.u64(0);
+        g.bytes(b"secret");
+        c.write_all(&g.finish().unwrap()).unwrap();
+        let a = raw_read(&mut c);
+        assert_eq!(a[0], ST_BAD_REQUEST);
+        assert!(read_to_close(&mut c).is_empty());
+        assert_eq!(s.get("secret", T).unwrap(), b"value");
+    }
+
+    /// Runs the client's side of the handshake by hand; returns the stream, the hello and the
+    /// server's nonce, and the proof sent.
+    fn handshake_by_hand(addr: SocketAddr, t: &AuthToken, nc: [u8; NONCE_LEN]) -> (TcpStream, Vec<u8>, u8) {
+        let mut c = raw(addr);
+        let hello = Enc::hello(Some(&nc));
+        let payload = hello.payload().to_vec();
+        c.write_all(&hello.finish().unwrap()).unwrap();
+        let a = raw_read(&mut c);
+        assert_eq!(a[..2], [ST_OK, FLAG_AUTH]);
+        let ns: Nonce = a[2..2 + NONCE_LEN].try_into().unwrap();
+        let proof = client_tag(t, &payload, &ns);
+        raw_frame(&mut c, &proof);
+        let status = raw_read(&mut c)[0];
+        (c, proof.to_vec(), status)
+    }
+
+    #[test]
+    fn replayed_messages_are_refused_on_both_sides() {
+        let t = token(b"s3cret");
+        let s = TcpStore::serve_with_token("127.0.0.1:0", T, Some(&t)).unwrap();
+        let addr = s.server_addr().unwrap();
+        let nc = [9; NONCE_LEN];
+        let (_c, proof, status) = handshake_by_hand(addr, &t, nc);
+        assert_eq!(status, ST_OK);
+        // The same hello and proof on a new connection: the server drew a new nonce.
+        let mut c = raw(addr);
+        c.write_all(&Enc::hello(Some(&nc)).finish().unwrap()).unwrap();
+        let _challenge = raw_read(&mut c);
+        raw_frame(&mut c, &proof);
+        let a = raw_read(&mut c);
+        assert_eq!(a[0], ST_BAD_REQUEST);
+        assert!(String::from_utf8_lossy(&a).contains("authentication failed"));
+
+        // A fake server replaying a real server's challenge and proof to a new client: the
+        // client drew a new nonce, so the proof does not verify.
+        let mut c = raw(addr);
+        c.write_all(&Enc::hello(Some(&nc)).finish().unwrap()).unwrap();
+        let recorded = raw_read(&mut c);
+        let fake = TcpListener::bind("127.0.0.1:0").unwrap();
+        let fake_addr = fake.local_addr().unwrap().to_string();
+        let th = std::thread::spawn(move || {
+            let (mut f, _) = fake.accept().unwrap();
+            f.set_read_timeout(Some(T)).unwrap();
+            let _hello = raw_read(&mut f);
+            raw_frame(&mut f, &recorded);
+            read_to_close(&mut f) // the client sends no proof
+        });
+        let err = TcpStore::connect_with_token(&fake_addr, T, Some(&t)).unwrap_err();
+        assert!(matches!(&err, Error::Remote(m) if m.contains("TOROID_AUTH_TOKEN")), "{err}");
+        assert!(th.join().unwrap().is_empty());
+    }
+
+    #[test]
+    fn pipelined_gets_of_a_large_value_are_answered_as_the_peer_reads() {
+        let s = server();
+        s.set("big", &vec![5; MAX_VALUE]).unwrap();
+        let mut c = raw(s.server_addr().unwrap());
+        c.write_all(&Enc::hello(None).finish().unwrap()).unwrap();
+        assert_eq!(raw_read(&mut c), [ST_OK, 0]);
+        let mut g = Enc::new(OP_GET);
+        g.u64(0);
+        g.bytes(b"big");
+        let g = g.finish().unwrap();
+        c.write_all(&g.repeat(200)).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        // Others are served while that peer does not read.
+        s.set("other", b"x").unwrap();
+        assert_eq!(s.get("other", T).unwrap(), b"x");
+        // Every answer comes, in order, once the peer reads.
+        for _ in 0..200 {
+            let a = raw_read(&mut c);
+            assert_eq!((a[0], a.len()), (ST_OK, 1 + MAX_VALUE));
+        }
+    }
+
+    #[test]
+    fn silent_and_dripping_strangers_are_dropped_at_the_handshake_deadline() {
+        let s = server();
+        let addr = s.server_addr().unwrap();
+        let silent = std::thread::spawn(move || {
+            let mut c = raw(addr);
+            c.set_read_timeout(Some(HANDSHAKE_DEADLINE + T)).unwrap();
+            let start = Instant::now();
+            (read_to_close(&mut c), start.elapsed())
+        });
+        let mut drip = raw(addr);
+        // One byte every 400 ms: the 13 bytes of a hello would take over 5 s.
+        for b in Enc::hello(None).finish().unwrap() {
+            if drip.write_all(&[b]).is_err() {
+                break;
+            }
+            // Meanwhile real clients get through at once.
+            let c = TcpStore::connect(&addr.to_string(), T).unwrap();
+            c.set("k", b"v").unwrap();
+            std::thread::sleep(Duration::from_millis(400));
+        }
+        // Closed without an answer.
+        assert!(read_to_close(&mut drip).is_empty());
+        let (got, took) = silent.join().unwrap();
+        assert!(got.is_empty());
+        assert!(took >= HANDSHAKE_DEADLINE && took < HANDSHAKE_DEADLINE + Duration::from_secs(2), "{took:?}");
+    }
+
+    #[test]
+    fn past_the_connection_cap_new_connections_wait_for_a_slot() {
+        // The cap of a real server is MAX_CONNECTIONS; 64 here keeps the test fast (thousands of
+        // connections overflow the listen backlog, and the kernel retries those after seconds).
+        let cap = 64;
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let _server = start(listener, addr, None, cap).unwrap();
+        let mut held: Vec<TcpStream> = Vec::new();
+        let hello = Enc::hello(None).finish().unwrap();
+        for _ in 0..cap {
+            let mut c = raw(addr);
+            c.write_all(&hello).unwrap();
+            assert_eq!(raw_read(&mut c), [ST_OK, 0]);
+            held.push(c);
+        }
+        // No slot: the connection waits in the backlog, unanswered.
+        let err = TcpStore::connect(&addr.to_string(), Duration::from_millis(500)).unwrap_err();
+        assert!(matches!(err, Error::Timeout(_)), "{err}");
+        held.truncate(10);
+        let c = TcpStore::connect(&addr.to_string(), T).unwrap();
+        c.set("k", b"v").unwrap();
+        assert_eq!(c.get("k", T).unwrap(), b"v");
+        assert!(super::super::MAX_CONNECTIONS >= cap);
     }
 }
