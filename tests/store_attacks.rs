@@ -8,8 +8,8 @@
 //! Rank 0's memory may grow by at most [`RSS_SLACK_KIB`] (resident set and its high-water mark):
 //! a stranger without the token is held to a few dozen bytes per connection; one speaking to a
 //! store without a token can make the server queue one answer of at most `MAX_FRAME` (about
-//! 1 MiB) beyond `MAX_OUTPUT` (256 KiB), and hold one frame of input, plus what it stores (up to
-//! `MAX_STORED`, 16 MiB, counted separately where a test stores).
+//! 64 KiB) beyond `MAX_OUTPUT` (64 KiB), and hold one frame of input, plus what it stores (up to
+//! `MAX_STORED`, 4 MiB, counted separately where a test stores).
 
 mod util;
 
@@ -26,7 +26,7 @@ use toroid::{Communicator, ReduceOp};
 /// Growth of rank 0's memory allowed for one attack (KiB): the queued answer and buffered input
 /// above (about 2.3 MiB, with the allocator's doubling of a growing buffer up to twice that),
 /// and a margin for the allocator's arenas.
-const RSS_SLACK_KIB: u64 = 6 * 1024;
+const RSS_SLACK_KIB: u64 = 3 * 1024;
 const TOKEN: &str = "store-attack-test-token";
 const N: usize = 3;
 

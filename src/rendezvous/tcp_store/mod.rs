@@ -29,14 +29,14 @@
 //! | limit | value | over it |
 //! |---|---|---|
 //! | key | [`MAX_KEY`] = 1 KiB | error answer |
-//! | value | [`MAX_VALUE`] = 1 MiB | error answer |
-//! | frame | [`MAX_FRAME`] = a SET of both, 1 MiB + 1088 B; 64 B before the hello is done | error answer, connection closed (the length header is not trusted) |
-//! | stored in all (key + value + 64 B each) | [`MAX_STORED`] = 16 MiB (a 10,000-rank job stores about 2 MiB) | error answer ("store full") |
+//! | value | [`MAX_VALUE`] = 64 KiB | error answer |
+//! | frame | [`MAX_FRAME`] = a SET of both, 64 KiB + 1088 B; 64 B before the hello is done | error answer, connection closed (the length header is not trusted) |
+//! | stored in all (key + value + 64 B each) | [`MAX_STORED`] = 4 MiB (a 10,000-rank job stores about 2 MiB) | error answer ("store full") |
 //! | keys of one WAIT | [`MAX_WAIT_KEYS`] = 16,384 | error answer |
 //! | connections | [`MAX_CONNECTIONS`] = 4,096 | new ones wait in the listen backlog |
 //! | hello (and proof) | [`HANDSHAKE_DEADLINE`] = 4 s | connection closed |
 //! | buffered input per connection | one frame | not read until answered |
-//! | unsent output per connection | 256 KiB, plus the one answer that crossed it | requests not answered, input not read, until the peer reads |
+//! | unsent output per connection | 64 KiB, plus the one answer that crossed it | requests not answered, input not read, until the peer reads |
 //! | GET/WAIT timeout | [`MAX_PARK`] = 24 h | cut to it: every parked request has a deadline |
 //!
 //! Each refusal is logged as a WARN naming the peer (at most 20 a second, the rest counted).

@@ -5,9 +5,10 @@ use crate::error::{Error, Result};
 
 /// Longest key (bytes). toroid's own keys (`toroid/gen12/addr/4095`) are under 40 bytes.
 pub const MAX_KEY: usize = 1024;
-/// Largest value (bytes). toroid's largest value is a host identity line (about 100 bytes); 1 MiB
-/// also holds a user's list of every address of a job of 10,000 ranks.
-pub const MAX_VALUE: usize = 1 << 20;
+/// Largest value (bytes). toroid's largest value is a host identity line (about 100 bytes); the
+/// store carries addresses and ids, not data, and every byte a stranger can make the server hold
+/// scales with this.
+pub const MAX_VALUE: usize = 64 << 10;
 /// Largest frame either side accepts: a SET of the longest key and the largest value, plus its
 /// header. A larger length header is answered with an error and the connection closed, without
 /// allocating.
@@ -18,8 +19,9 @@ pub(super) const MAX_HELLO_FRAME: usize = 64;
 /// Most keys one WAIT may name (a WAIT on every rank of a job of 16,384 ranks).
 pub const MAX_WAIT_KEYS: usize = 16_384;
 /// Most bytes the server stores, counting each entry as key + value + [`ENTRY_OVERHEAD`]. A job
-/// of 10,000 ranks stores about 2 MiB (three keys of under 200 bytes per rank).
-pub const MAX_STORED: usize = 16 << 20;
+/// of 10,000 ranks stores about 2 MiB (three keys of under 200 bytes per rank); a stranger
+/// without the token can make the server hold no more than this.
+pub const MAX_STORED: usize = 4 << 20;
 /// What one entry is counted for beyond its key and value (the map's own bookkeeping), so that
 /// millions of empty keys are bounded too.
 pub(super) const ENTRY_OVERHEAD: usize = 64;
@@ -29,7 +31,7 @@ pub(super) const MAX_INPUT: usize = MAX_FRAME + 4;
 /// Unsent output per connection above which the server stops answering that connection's
 /// requests and stops reading from it, until the peer reads: one answer may go past it, so at
 /// most `MAX_OUTPUT + MAX_FRAME` bytes wait for a peer that does not read.
-pub(super) const MAX_OUTPUT: usize = 256 << 10;
+pub(super) const MAX_OUTPUT: usize = 64 << 10;
 /// Most connections at once (a job of 4,000 ranks holds one each; beyond it, new connections
 /// are closed at once).
 pub const MAX_CONNECTIONS: usize = 4096;
