@@ -30,6 +30,18 @@ struct Members<'a> {
     machines: &'a [String],
 }
 
+/// A failed wait for rank `r`'s keys in the store becomes an error naming that rank: it did not
+/// join in time, or the store went away (rank 0 gave up) while this rank waited for it.
+fn not_joined(e: Error, r: usize) -> Error {
+    match e {
+        Error::Timeout(d) => Error::Timeout(
+            format!("rank {r} did not join within the set-up deadline (TOROID_TIMEOUT): {d}").into(),
+        )
+        .with_peer(r),
+        e => e.context(&format!("waiting for rank {r} to join")).with_peer(r),
+    }
+}
+
 /// This machine's identity: `TOROID_HOST_ID`, else hostname plus boot id.
 fn host_identity(cfg: &Config) -> String {
     cfg.host_id.clone().unwrap_or_else(machine_identity)
@@ -106,7 +118,7 @@ impl Communicator {
             store.set(&format!("{prefix}/id"), &id.to_le_bytes())?;
             id
         } else {
-            let v = store.get(&format!("{prefix}/id"), left())?;
+            let v = store.get(&format!("{prefix}/id"), left()).map_err(|e| not_joined(e, 0))?;
             let b: [u8; 8] = v
                 .as_slice()
                 .try_into()
@@ -126,19 +138,21 @@ impl Communicator {
         let mut addrs = Vec::with_capacity(size);
         let (mut hosts, mut machines) = (Vec::with_capacity(size), Vec::with_capacity(size));
         for r in 0..size {
-            let a = store.get(&format!("{prefix}/addr/{r}"), left())?;
+            let a = store.get(&format!("{prefix}/addr/{r}"), left()).map_err(|e| not_joined(e, r))?;
             let a = String::from_utf8_lossy(&a)
                 .parse::<SocketAddr>()
                 .map_err(|e| Error::Remote(format!("rank {r} published a bad address: {e}").into()))?;
             addrs.push(a);
-            let ids =
-                String::from_utf8_lossy(&store.get(&format!("{prefix}/host/{r}"), left())?).into_owned();
+            let ids = String::from_utf8_lossy(
+                &store.get(&format!("{prefix}/host/{r}"), left()).map_err(|e| not_joined(e, r))?,
+            )
+            .into_owned();
             let (h, m) = ids.split_once('\n').unwrap_or((&ids, &ids));
             hosts.push(h.to_string());
             machines.push(m.to_string());
         }
         let members = Members { rank, addrs: &addrs, hosts: &hosts, machines: &machines };
-        Communicator::connect(members, &endpoint, id, cfg, iface, Some(store), deadline)
+        Communicator::connect(members, endpoint, id, cfg, iface, Some(store), deadline)
     }
 
     /// The connect sequence that creation and `split` share: a full TCP mesh between the
@@ -146,7 +160,7 @@ impl Communicator {
     /// every member is on one host), then the communicator around them and its cost model.
     fn connect(
         members: Members<'_>,
-        endpoint: &tcp::Endpoint,
+        endpoint: tcp::Endpoint,
         id: u64,
         cfg: &Config,
         iface: tcp::Interface,
@@ -160,12 +174,14 @@ impl Communicator {
         let transports = tcp::connect_mesh(
             rank,
             addrs,
-            endpoint,
+            &endpoint,
             id,
             &tcp::SocketOptions::from_config(cfg),
             cfg.auth_token.as_ref(),
             deadline,
         )?;
+        // Every peer is connected: nobody may reach this rank's listener any more.
+        drop(endpoint);
         let topology = Topology::from_ids(rank, hosts, machines);
         let links = shm::connect(
             rank,
@@ -333,7 +349,7 @@ impl Communicator {
         let members = Members { rank: new_rank, addrs: &member_addrs, hosts: &hosts, machines: &machines };
         Communicator::connect(
             members,
-            &endpoint,
+            endpoint,
             id,
             &self.core.config,
             self.core.iface.clone(),
