@@ -42,7 +42,7 @@ use super::Store;
 use crate::error::{Error, Result};
 
 mod client;
-mod protocol;
+pub(crate) mod protocol;
 mod server;
 
 use client::{Client, Retry};

@@ -64,7 +64,7 @@ impl Enc {
 }
 
 /// Reads a payload front to back; each read fails with a message on a short payload.
-pub(super) struct Dec<'a>(pub(super) &'a [u8]);
+pub(crate) struct Dec<'a>(pub(crate) &'a [u8]);
 
 type DecResult<T> = std::result::Result<T, String>;
 
@@ -82,30 +82,30 @@ impl<'a> Dec<'a> {
         a.copy_from_slice(self.take(N)?);
         Ok(a)
     }
-    pub(super) fn u8(&mut self) -> DecResult<u8> {
+    pub(crate) fn u8(&mut self) -> DecResult<u8> {
         Ok(self.array::<1>()?[0])
     }
-    pub(super) fn u32(&mut self) -> DecResult<u32> {
+    pub(crate) fn u32(&mut self) -> DecResult<u32> {
         self.array().map(u32::from_le_bytes)
     }
-    pub(super) fn u64(&mut self) -> DecResult<u64> {
+    pub(crate) fn u64(&mut self) -> DecResult<u64> {
         self.array().map(u64::from_le_bytes)
     }
-    pub(super) fn i64(&mut self) -> DecResult<i64> {
+    pub(crate) fn i64(&mut self) -> DecResult<i64> {
         self.array().map(i64::from_le_bytes)
     }
-    pub(super) fn bytes(&mut self) -> DecResult<&'a [u8]> {
+    pub(crate) fn bytes(&mut self) -> DecResult<&'a [u8]> {
         let n = self.u32()? as usize;
         self.take(n)
     }
     /// Fails unless everything was read.
-    pub(super) fn end(&self) -> DecResult<()> {
+    pub(crate) fn end(&self) -> DecResult<()> {
         if self.0.is_empty() { Ok(()) } else { Err(format!("{} unexpected trailing bytes", self.0.len())) }
     }
 }
 
 /// Whether `payload` is a client's hello of this protocol version.
-pub(super) fn is_hello(payload: &[u8]) -> bool {
+pub(crate) fn is_hello(payload: &[u8]) -> bool {
     payload.len() == 8 && payload[..4] == *MAGIC && payload[4..] == VERSION.to_le_bytes()
 }
 

@@ -35,7 +35,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::sys::socket;
 
-mod handshake;
+pub(crate) mod handshake;
 mod interface;
 mod mesh;
 
