@@ -291,7 +291,7 @@ pub fn store_session(data: &[u8]) -> usize {
         }
     }
     let n = STORE_INPUTS.fetch_add(1, Ordering::Relaxed);
-    if n % STORE_CHECK_EVERY == 0 {
+    if n.is_multiple_of(STORE_CHECK_EVERY) {
         let key = format!("fuzz-check-{n}");
         let value = n.to_le_bytes();
         if let Err(e) = store.set(&key, &value) {
