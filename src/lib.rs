@@ -19,6 +19,8 @@ mod config;
 mod dtype;
 mod error;
 mod ffi;
+#[doc(hidden)]
+pub mod fuzzing;
 mod memory;
 mod reduce;
 pub mod rendezvous;

@@ -84,8 +84,8 @@ use crate::error::{Error, Result};
 
 mod auth;
 mod client;
-mod protocol;
-mod requests;
+pub(crate) mod protocol;
+pub(crate) mod requests;
 mod server;
 
 use client::{Client, Retry};

@@ -117,7 +117,7 @@ impl Enc {
 }
 
 /// Reads a payload front to back; each read fails with a message on a short payload.
-pub(super) struct Dec<'a>(pub(super) &'a [u8]);
+pub(crate) struct Dec<'a>(pub(crate) &'a [u8]);
 
 type DecResult<T> = std::result::Result<T, String>;
 
@@ -135,31 +135,31 @@ impl<'a> Dec<'a> {
         a.copy_from_slice(self.take(N)?);
         Ok(a)
     }
-    pub(super) fn u8(&mut self) -> DecResult<u8> {
+    pub(crate) fn u8(&mut self) -> DecResult<u8> {
         Ok(self.array::<1>()?[0])
     }
-    pub(super) fn u32(&mut self) -> DecResult<u32> {
+    pub(crate) fn u32(&mut self) -> DecResult<u32> {
         self.array().map(u32::from_le_bytes)
     }
-    pub(super) fn u64(&mut self) -> DecResult<u64> {
+    pub(crate) fn u64(&mut self) -> DecResult<u64> {
         self.array().map(u64::from_le_bytes)
     }
-    pub(super) fn i64(&mut self) -> DecResult<i64> {
+    pub(crate) fn i64(&mut self) -> DecResult<i64> {
         self.array().map(i64::from_le_bytes)
     }
-    pub(super) fn bytes(&mut self) -> DecResult<&'a [u8]> {
+    pub(crate) fn bytes(&mut self) -> DecResult<&'a [u8]> {
         let n = self.u32()? as usize;
         self.take(n)
     }
     /// Fails unless everything was read.
-    pub(super) fn end(&self) -> DecResult<()> {
+    pub(crate) fn end(&self) -> DecResult<()> {
         if self.0.is_empty() { Ok(()) } else { Err(format!("{} unexpected trailing bytes", self.0.len())) }
     }
 }
 
 /// A client's hello, parsed.
 #[derive(Debug, PartialEq, Eq)]
-pub(super) enum Hello<'a> {
+pub(crate) enum Hello<'a> {
     /// Not a toroid store client of this protocol version.
     Foreign,
     /// Without authentication.
@@ -169,7 +169,7 @@ pub(super) enum Hello<'a> {
 }
 
 /// Parses a client's first frame.
-pub(super) fn parse_hello(payload: &[u8]) -> Hello<'_> {
+pub(crate) fn parse_hello(payload: &[u8]) -> Hello<'_> {
     if payload.len() < 9 || payload[..4] != *MAGIC || payload[4..8] != VERSION.to_le_bytes() {
         return Hello::Foreign;
     }

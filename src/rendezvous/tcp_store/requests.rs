@@ -11,7 +11,7 @@ use super::protocol::{
 
 /// The keys and values, with the bytes they count for against [`MAX_STORED`].
 #[derive(Default)]
-pub(super) struct Table {
+pub(crate) struct Table {
     map: HashMap<Vec<u8>, Vec<u8>>,
     bytes: usize,
 }
@@ -67,7 +67,7 @@ enum Want {
 }
 
 /// A GET or WAIT waiting for its keys.
-pub(super) struct Pending {
+pub(crate) struct Pending {
     want: Want,
     pub(super) deadline: Instant,
     timeout_ms: u64,
@@ -106,7 +106,7 @@ impl Pending {
 }
 
 /// What a request comes to.
-pub(super) enum Handled {
+pub(crate) enum Handled {
     /// The answer, and whether the table changed.
     Answer(Vec<u8>, bool),
     /// A GET or WAIT whose keys are not all there yet.
@@ -125,7 +125,7 @@ fn key<'a>(d: &mut Dec<'a>) -> Result<&'a [u8], String> {
 
 /// Handles one request frame. A malformed one is an `Err` (answered, the connection stays:
 /// its frames are still in step).
-pub(super) fn handle(frame: &[u8], table: &mut Table, now: Instant) -> Result<Handled, String> {
+pub(crate) fn handle(frame: &[u8], table: &mut Table, now: Instant) -> Result<Handled, String> {
     let refuse = |why: String| Ok(Handled::Refused(answer(ST_BAD_REQUEST, why.as_bytes()), why));
     let mut d = Dec(frame);
     let park = |want, timeout_ms: u64| {

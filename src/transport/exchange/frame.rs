@@ -9,28 +9,28 @@ use crate::collective::{FINGERPRINT_LEN, Fingerprint};
 use crate::error::Error;
 
 /// "TRD1" little-endian.
-pub(super) const MAGIC: u32 = u32::from_le_bytes(*b"TRD1");
-pub(super) const KIND_DATA: u8 = 1;
-pub(super) const KIND_ABORT: u8 = 2;
+pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"TRD1");
+pub(crate) const KIND_DATA: u8 = 1;
+pub(crate) const KIND_ABORT: u8 = 2;
 /// Size of a frame header on the wire.
 pub const HEADER_LEN: usize = 40;
 /// Longest abort reason carried on the wire.
-pub(super) const MAX_REASON: usize = 2048;
+pub(crate) const MAX_REASON: usize = 2048;
 
 /// A decoded frame header.
 #[derive(Debug, Clone)]
-pub(super) struct Header {
-    pub(super) kind: u8,
-    pub(super) fp: Result<Fingerprint, String>,
-    pub(super) step: u16,
-    pub(super) len: u32,
+pub(crate) struct Header {
+    pub(crate) kind: u8,
+    pub(crate) fp: Result<Fingerprint, String>,
+    pub(crate) step: u16,
+    pub(crate) len: u32,
 }
 
 /// Where the fingerprint starts in a frame header.
-pub(super) const FP_AT: usize = HEADER_LEN - FINGERPRINT_LEN;
+pub(crate) const FP_AT: usize = HEADER_LEN - FINGERPRINT_LEN;
 
 /// A frame header.
-pub(super) fn encode(kind: u8, fp: &Fingerprint, step: u16, len: u32) -> [u8; HEADER_LEN] {
+pub(crate) fn encode(kind: u8, fp: &Fingerprint, step: u16, len: u32) -> [u8; HEADER_LEN] {
     let mut h = [0u8; HEADER_LEN];
     h[0..4].copy_from_slice(&MAGIC.to_le_bytes());
     h[4] = kind;
@@ -47,7 +47,7 @@ pub(super) fn set_len(h: &mut [u8; HEADER_LEN], len: u32) {
 }
 
 /// Decodes a frame header; the error says what is wrong with it.
-pub(super) fn decode(h: &[u8; HEADER_LEN]) -> std::result::Result<Header, String> {
+pub(crate) fn decode(h: &[u8; HEADER_LEN]) -> std::result::Result<Header, String> {
     let magic = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);
     if magic != MAGIC {
         return Err(format!("bad frame magic {magic:#010x}"));

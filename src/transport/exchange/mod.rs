@@ -31,7 +31,7 @@
 
 mod abort;
 mod any;
-mod frame;
+pub(crate) mod frame;
 mod rx;
 mod step;
 mod tx;

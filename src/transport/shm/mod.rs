@@ -67,7 +67,7 @@
 mod link;
 mod ring;
 mod segment;
-mod setup;
+pub(crate) mod setup;
 pub mod window;
 
 pub use link::ShmTransport;

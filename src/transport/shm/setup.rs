@@ -42,13 +42,13 @@ pub struct ShmSetup {
 }
 
 const MSG_MAGIC: u32 = u32::from_le_bytes(*b"TRSM");
-const MSG_LEN: usize = 256;
+pub(crate) const MSG_LEN: usize = 256;
 const MSG_TEXT: usize = MSG_LEN - 32;
-const OFFER: u8 = 1;
+pub(crate) const OFFER: u8 = 1;
 const DECLINE: u8 = 2;
 const ACCEPT: u8 = 3;
 const REFUSE: u8 = 4;
-const WIN_OFFER: u8 = 5;
+pub(crate) const WIN_OFFER: u8 = 5;
 const WIN_NONE: u8 = 6;
 const WIN_OK: u8 = 7;
 const WIN_FAIL: u8 = 8;
@@ -56,14 +56,17 @@ const WIN_GO: u8 = 9;
 const WIN_NOGO: u8 = 10;
 
 #[derive(Debug)]
-struct Msg {
-    kind: u8,
-    nonce: u64,
-    size: u64,
-    text: String,
+pub(crate) struct Msg {
+    pub(crate) kind: u8,
+    pub(crate) nonce: u64,
+    pub(crate) size: u64,
+    pub(crate) text: String,
 }
 
-fn encode_msg(kind: u8, nonce: u64, size: u64, text: &str) -> [u8; MSG_LEN] {
+/// Largest ring a peer may offer: `TOROID_SHM_RING_SIZE` is capped at 1 GiB.
+const MAX_OFFER_RING: usize = 1 << 30;
+
+pub(crate) fn encode_msg(kind: u8, nonce: u64, size: u64, text: &str) -> [u8; MSG_LEN] {
     let mut m = [0u8; MSG_LEN];
     m[0..4].copy_from_slice(&MSG_MAGIC.to_le_bytes());
     m[4] = kind;
@@ -79,7 +82,7 @@ fn encode_msg(kind: u8, nonce: u64, size: u64, text: &str) -> [u8; MSG_LEN] {
     m
 }
 
-fn decode_msg(m: &[u8; MSG_LEN]) -> Result<Msg> {
+pub(crate) fn decode_msg(m: &[u8; MSG_LEN]) -> Result<Msg> {
     if m[0..4] != MSG_MAGIC.to_le_bytes() {
         return Err(Error::Remote("shared-memory set-up: peer sent a bad message".into()));
     }
@@ -221,7 +224,8 @@ pub fn connect(
         match m.kind {
             OFFER => {
                 let opened = if opts.enabled {
-                    open_pair(Path::new(&m.text), m.size as usize, m.nonce)
+                    check_offer(&opts.dir, &m.text, m.size, None)
+                        .and_then(|(path, len)| open_pair(&path, len, m.nonce))
                 } else {
                     Err("shared memory disabled on this rank (TOROID_SHM_DISABLE)".to_string())
                 };
@@ -278,11 +282,42 @@ pub fn connect(
     Ok(ShmSetup { links, window, shm_peers })
 }
 
-fn open_pair(path: &Path, len: usize, nonce: u64) -> std::result::Result<(Segment, usize), String> {
-    let name_ok = path.file_name().is_some_and(|n| n.to_string_lossy().starts_with(NAME_PREFIX));
-    if !name_ok {
-        return Err(format!("refusing to map {}: not a toroid segment name", path.display()));
+/// Checks a peer's offer before anything is opened: the path must name a toroid segment
+/// (`NAME_PREFIX`, one plain component) directly inside this rank's own segment directory `dir`,
+/// and the size must be what this rank expects (`window_len`), or else a pair segment of a
+/// power-of-two ring no larger than the configuration allows. Returns the path to open and
+/// the number of bytes to map.
+pub(crate) fn check_offer(
+    dir: &Path,
+    text: &str,
+    size: u64,
+    window_len: Option<usize>,
+) -> std::result::Result<(PathBuf, usize), String> {
+    let path = Path::new(text);
+    let name = match (path.parent(), path.file_name().and_then(|n| n.to_str())) {
+        (Some(parent), Some(name)) if parent == dir => name,
+        _ => return Err(format!("refusing to map {text:?}: not in {}", dir.display())),
+    };
+    if !name.starts_with(NAME_PREFIX) || name.contains(['/', '\0']) {
+        return Err(format!("refusing to map {text:?}: not a toroid segment name"));
     }
+    let len = usize::try_from(size).map_err(|_| format!("offered size {size} does not fit in memory"))?;
+    let size_ok = match window_len {
+        Some(expected) => len == expected,
+        None => {
+            let ring = len.checked_sub(pair_segment_len(0)).map_or(0, |two| two / 2);
+            ring.is_power_of_two()
+                && (MIN_RING..=MAX_OFFER_RING).contains(&ring)
+                && pair_segment_len(ring) == len
+        }
+    };
+    if !size_ok {
+        return Err(format!("refusing to map {text:?}: offered size {size} is not a valid segment size"));
+    }
+    Ok((dir.join(name), len))
+}
+
+fn open_pair(path: &Path, len: usize, nonce: u64) -> std::result::Result<(Segment, usize), String> {
     let seg = Segment::open(path, len).map_err(|e| format!("opening {}: {e}", path.display()))?;
     let magic = seg.u64_at(PAIR_MAGIC).load(Ordering::Acquire);
     let cap = seg.u64_at(PAIR_CAP).load(Ordering::Relaxed) as usize;
@@ -368,15 +403,14 @@ fn window_setup(
             WIN_OFFER => {}
             k => return Err(Error::Remote(format!("window set-up: rank 0 sent message kind {k}").into())),
         }
-        let path = PathBuf::from(&m.text);
         let attached = if !opts.enabled {
             Err(format!("shared memory disabled on rank {rank} (TOROID_SHM_DISABLE)"))
-        } else if !path.file_name().is_some_and(|n| n.to_string_lossy().starts_with(NAME_PREFIX)) {
-            Err(format!("refusing to map {}: not a toroid segment name", path.display()))
         } else {
-            Segment::open(&path, m.size as usize)
-                .and_then(|seg| Window::attach(seg, size, rank, region, m.nonce))
-                .map_err(|e| format!("rank {rank} could not map {}: {e}", path.display()))
+            check_offer(&opts.dir, &m.text, m.size, Some(len)).and_then(|(path, len)| {
+                Segment::open(&path, len)
+                    .and_then(|seg| Window::attach(seg, size, rank, region, m.nonce))
+                    .map_err(|e| format!("rank {rank} could not map {}: {e}", path.display()))
+            })
         };
         let mut win = match attached {
             // The name stays until rank 0 has heard from every rank (it unlinks it then).

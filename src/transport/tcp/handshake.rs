@@ -13,9 +13,9 @@ use crate::error::{Error, Result};
 
 type HmacSha256 = hmac::Hmac<sha2::Sha256>;
 /// Bytes of the connector's challenge nonce.
-pub(super) const NONCE_LEN: usize = 16;
+pub(crate) const NONCE_LEN: usize = 16;
 /// Bytes of an HMAC-SHA256 tag.
-pub(super) const MAC_LEN: usize = 32;
+pub(crate) const MAC_LEN: usize = 32;
 /// `hello[7]`: the sender authenticates (nonce and MAC follow the hello; a MAC follows the ack).
 const FLAG_AUTH: u8 = 1;
 
@@ -25,16 +25,16 @@ const FLAG_AUTH: u8 = 1;
 /// encoding, `collective::Fingerprint::encode`.)
 pub const PROTOCOL_VERSION: u16 = 4;
 const HELLO_MAGIC: u32 = u32::from_le_bytes(*b"TRDH");
-pub(super) const HELLO_LEN: usize = 24;
-pub(super) const KIND_HELLO: u8 = 1;
-pub(super) const KIND_ACK: u8 = 2;
+pub(crate) const HELLO_LEN: usize = 24;
+pub(crate) const KIND_HELLO: u8 = 1;
+pub(crate) const KIND_ACK: u8 = 2;
 
 /// A hello or an ack.
-pub(super) type Hello = [u8; HELLO_LEN];
+pub(crate) type Hello = [u8; HELLO_LEN];
 /// The connector's challenge.
-pub(super) type Nonce = [u8; NONCE_LEN];
+pub(crate) type Nonce = [u8; NONCE_LEN];
 
-fn hello(kind: u8, comm_id: u64, from: usize, to: usize, auth: bool) -> Hello {
+pub(crate) fn hello(kind: u8, comm_id: u64, from: usize, to: usize, auth: bool) -> Hello {
     let mut h = [0u8; HELLO_LEN];
     h[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
     h[4..6].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
@@ -47,14 +47,14 @@ fn hello(kind: u8, comm_id: u64, from: usize, to: usize, auth: bool) -> Hello {
 }
 
 /// Whether the sender of `h` announced authentication.
-pub(super) fn announces_auth(h: &Hello) -> bool {
+pub(crate) fn announces_auth(h: &Hello) -> bool {
     h[7] & FLAG_AUTH != 0
 }
 
 /// What rank `from` sends after connecting to rank `to`: the hello, then with a token a fresh
 /// nonce and the MAC. Returns the message and the nonce (zeros without a token), which the
 /// ack must answer.
-pub(super) fn hello_message(
+pub(crate) fn hello_message(
     comm_id: u64,
     from: usize,
     to: usize,
@@ -73,7 +73,7 @@ pub(super) fn hello_message(
 
 /// What rank `from` answers to the checked hello of rank `to`; `extra` is what followed that
 /// hello (its nonce first) when a token is set.
-pub(super) fn ack_message(
+pub(crate) fn ack_message(
     comm_id: u64,
     from: usize,
     to: usize,
@@ -90,7 +90,7 @@ pub(super) fn ack_message(
 }
 
 /// Checks a hello or ack; returns the sender's rank.
-pub(super) fn check_hello(h: &Hello, kind: u8, comm_id: u64, me: usize, size: usize) -> Result<usize> {
+pub(crate) fn check_hello(h: &Hello, kind: u8, comm_id: u64, me: usize, size: usize) -> Result<usize> {
     let u32_at = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
     if u32_at(0) != HELLO_MAGIC {
         return Err(Error::Remote("handshake: not a toroid peer (bad magic)".into()));
@@ -126,7 +126,7 @@ pub(super) fn check_hello(h: &Hello, kind: u8, comm_id: u64, me: usize, size: us
 }
 
 /// HMAC-SHA256 of `parts` under `token`, labelled so a hello's tag can never pass as an ack's.
-fn mac(token: &AuthToken, label: &[u8], parts: &[&[u8]]) -> HmacSha256 {
+pub(crate) fn mac(token: &AuthToken, label: &[u8], parts: &[&[u8]]) -> HmacSha256 {
     // HMAC takes keys of any length, so this cannot fail.
     let mut m =
         <HmacSha256 as KeyInit>::new_from_slice(token.as_bytes()).expect("HMAC accepts any key length");
@@ -139,7 +139,7 @@ fn mac(token: &AuthToken, label: &[u8], parts: &[&[u8]]) -> HmacSha256 {
 
 /// The accepting side's check of a connector's authentication (`extra`: what followed the
 /// hello when it announced authentication).
-pub(super) fn check_hello_auth(h: &Hello, extra: Option<&[u8]>, auth: Option<&AuthToken>) -> Result<()> {
+pub(crate) fn check_hello_auth(h: &Hello, extra: Option<&[u8]>, auth: Option<&AuthToken>) -> Result<()> {
     match (auth, extra) {
         (None, None) => Ok(()),
         (Some(_), None) => Err(Error::Remote(
@@ -149,6 +149,10 @@ pub(super) fn check_hello_auth(h: &Hello, extra: Option<&[u8]>, auth: Option<&Au
             Err(Error::Remote("handshake: peer authenticates but TOROID_AUTH_TOKEN is not set here".into()))
         }
         (Some(t), Some(x)) => {
+            // A nonce and a MAC, exactly: anything else cannot be genuine (and must not panic).
+            if x.len() != NONCE_LEN + MAC_LEN {
+                return Err(Error::Remote("handshake: malformed authentication".into()));
+            }
             let (n, tag) = x.split_at(NONCE_LEN);
             mac(t, b"toroid hello", &[h, n]).verify_slice(tag).map_err(|_| {
                 Error::Remote("handshake: authentication failed (a different TOROID_AUTH_TOKEN)".into())
@@ -159,7 +163,7 @@ pub(super) fn check_hello_auth(h: &Hello, extra: Option<&[u8]>, auth: Option<&Au
 
 /// The connecting side's check of an ack `h` and the `tag` that followed it, against the
 /// `nonce` its hello sent.
-pub(super) fn ack_is_authentic(h: &Hello, tag: &[u8], nonce: &Nonce, token: &AuthToken) -> bool {
+pub(crate) fn ack_is_authentic(h: &Hello, tag: &[u8], nonce: &Nonce, token: &AuthToken) -> bool {
     announces_auth(h) && mac(token, b"toroid ack", &[h, nonce]).verify_slice(tag).is_ok()
 }
 

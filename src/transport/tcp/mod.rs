@@ -37,7 +37,7 @@ use crate::error::{Error, Result};
 use crate::sys::fork::ForkGuarded;
 use crate::sys::socket;
 
-mod handshake;
+pub(crate) mod handshake;
 mod interface;
 mod mesh;
 mod pending;
