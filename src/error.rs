@@ -129,6 +129,21 @@ impl Error {
         }
     }
 
+    /// The category as a short lowercase name (`"remote"`, `"timeout"`, ...), for logs and
+    /// line-oriented reports.
+    pub fn category(&self) -> &'static str {
+        match self {
+            Error::System(_) => "system",
+            Error::Internal(_) => "internal",
+            Error::InvalidArgument(_) => "invalid_argument",
+            Error::InvalidUsage(_) => "invalid_usage",
+            Error::Remote(_) => "remote",
+            Error::Timeout(_) => "timeout",
+            Error::Aborted(_) => "aborted",
+            Error::Unsupported(_) => "unsupported",
+        }
+    }
+
     /// The detail text without the category prefix.
     pub fn detail(&self) -> &str {
         &self.parts().message
@@ -206,5 +221,6 @@ mod tests {
             "aborted: 2 operations failed: communicator aborted after an earlier error"
         );
         assert_eq!((c.peer(), c.seq()), (Some(3), Some(812)));
+        assert_eq!((c.category(), io.category()), ("aborted", "system"));
     }
 }

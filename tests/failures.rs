@@ -7,19 +7,6 @@ use std::time::{Duration, Instant};
 
 use toroid::{CallOptions, Communicator, DataType, Error, OpKind, ReduceOp};
 
-fn kind(e: &Error) -> &'static str {
-    match e {
-        Error::System(_) => "system",
-        Error::Internal(_) => "internal",
-        Error::InvalidArgument(_) => "invalid_argument",
-        Error::InvalidUsage(_) => "invalid_usage",
-        Error::Remote(_) => "remote",
-        Error::Timeout(_) => "timeout",
-        Error::Aborted(_) => "aborted",
-        Error::Unsupported(_) => "unsupported",
-    }
-}
-
 const KILL_TIMEOUT_S: u64 = 10;
 
 #[test]
@@ -39,11 +26,11 @@ fn killed_rank_turns_into_errors_on_every_other_rank() {
         let start = Instant::now();
         loop {
             if let Err(e) = comm.all_reduce(&mut buf, ReduceOp::Sum) {
-                println!("ERROR {} after {} ms: {e}", kind(&e), start.elapsed().as_millis());
+                println!("ERROR {} after {} ms: {e}", e.category(), start.elapsed().as_millis());
                 // A later call fails fast.
                 let t = Instant::now();
                 let again = comm.barrier().unwrap_err();
-                println!("LATER {} in {} us", kind(&again), t.elapsed().as_micros());
+                println!("LATER {} in {} us", again.category(), t.elapsed().as_micros());
                 return;
             }
             assert!(start.elapsed() < Duration::from_secs(60), "no error within 60 s");
@@ -331,9 +318,9 @@ fn a_forked_child_cannot_use_the_communicator_and_does_not_hide_its_parents_deat
             assert!(pid >= 0);
             if pid == 0 {
                 let e = comm.barrier().unwrap_err();
-                println!("CHILD {} {}", kind(&e), std::process::id());
+                println!("CHILD {} {}", e.category(), std::process::id());
                 let w = comm.all_reduce_async(vec![0u8; 4], ReduceOp::Sum).map(|_| ());
-                println!("CHILD-ASYNC {}", w.err().map_or("ok", |e| kind(&e)));
+                println!("CHILD-ASYNC {}", w.err().map_or("ok", |e| e.category()));
                 drop(comm); // must neither hang nor close anything of the parent's
                 std::thread::sleep(Duration::from_secs(CHILD_HOLDS_S));
                 // SAFETY: ends the child without the test harness.
@@ -346,7 +333,7 @@ fn a_forked_child_cannot_use_the_communicator_and_does_not_hide_its_parents_deat
         let start = Instant::now();
         loop {
             if let Err(e) = comm.all_reduce(&mut buf, ReduceOp::Sum) {
-                println!("ERROR {} after {} ms: {e}", kind(&e), start.elapsed().as_millis());
+                println!("ERROR {} after {} ms: {e}", e.category(), start.elapsed().as_millis());
                 return;
             }
             assert!(start.elapsed() < Duration::from_secs(60), "no error within 60 s");

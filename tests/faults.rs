@@ -29,23 +29,10 @@ use std::time::{Duration, Instant};
 
 use job::{Job, Rank, event, now_ms};
 use random_ops::Rng;
-use toroid::{Communicator, Error};
+use toroid::Communicator;
 
 // ---------------------------------------------------------------------------------------------
 // The rank side.
-
-fn kind(e: &Error) -> &'static str {
-    match e {
-        Error::System(_) => "system",
-        Error::Internal(_) => "internal",
-        Error::InvalidArgument(_) => "invalid_argument",
-        Error::InvalidUsage(_) => "invalid_usage",
-        Error::Remote(_) => "remote",
-        Error::Timeout(_) => "timeout",
-        Error::Aborted(_) => "aborted",
-        Error::Unsupported(_) => "unsupported",
-    }
-}
 
 fn var<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -65,7 +52,7 @@ fn rank_main() {
     let comm = match Communicator::from_env() {
         Ok(c) => c,
         Err(e) => {
-            event("SETUP_ERROR", &format!("{} {e}", kind(&e)));
+            event("SETUP_ERROR", &format!("{} {e}", e.category()));
             return;
         }
     };
@@ -133,7 +120,7 @@ fn fork_child(comm: &Communicator) {
         }
         let answer = match comm.barrier() {
             Ok(()) => "ok the child's barrier succeeded".to_string(),
-            Err(e) => format!("{} {e}", kind(&e)),
+            Err(e) => format!("{} {e}", e.category()),
         };
         // Into a file beside the go file: the parent is dead by now, and the harness stops
         // reading a rank's output once it has exited.
