@@ -37,31 +37,20 @@ fn killed_rank_turns_into_errors_on_every_other_rank() {
         }
     }
     let n = 4;
-    let mut children = util::spawn_ranks("killed_rank_turns_into_errors_on_every_other_rank", n, |_| {
+    let children = util::spawn_ranks("killed_rank_turns_into_errors_on_every_other_rank", n, |_| {
         vec![("TOROID_TIMEOUT".into(), KILL_TIMEOUT_S.to_string())]
     });
     let pids: Vec<u32> = children.iter().map(|c| c.id()).collect();
     let deadline = Instant::now() + Duration::from_secs(KILL_TIMEOUT_S + 20);
-    let statuses: Vec<_> = children.iter_mut().map(|c| util::wait_until(c, deadline)).collect();
-    let outputs: Vec<String> = children
-        .into_iter()
-        .map(|c| {
-            let o = c.wait_with_output().unwrap();
-            format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
-        })
-        .collect();
+    let (statuses, outputs) = util::wait_all(children, deadline);
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(statuses[2].and_then(|s| s.signal()), Some(libc::SIGKILL), "rank 2 should die by SIGKILL");
     for r in [0, 1, 3] {
         let out = &outputs[r];
         assert_eq!(statuses[r].map(|s| s.success()), Some(true), "rank {r} did not exit cleanly:\n{out}");
-        let line = out
-            .lines()
-            .find_map(|l| l.find("ERROR ").map(|i| &l[i..]))
-            .unwrap_or_else(|| panic!("rank {r} saw no error:\n{out}"));
+        let (line, ms) = util::error_line(out).unwrap_or_else(|| panic!("rank {r} saw no error:\n{out}"));
         // The error arrives well within the timeout: from the dead peer's closed sockets, not
         // from a deadline.
-        let ms: u64 = line.split(" after ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
         assert!(ms < KILL_TIMEOUT_S * 1000, "rank {r} waited {ms} ms: {line}");
         assert!(line.starts_with("ERROR remote") || line.starts_with("ERROR aborted"), "rank {r}: {line}");
         assert!(out.contains("LATER aborted"), "rank {r}: later calls must fail fast:\n{out}");
@@ -340,22 +329,13 @@ fn a_forked_child_cannot_use_the_communicator_and_does_not_hide_its_parents_deat
         }
     }
     let n = 3;
-    let mut children = util::spawn_ranks(
+    let children = util::spawn_ranks(
         "a_forked_child_cannot_use_the_communicator_and_does_not_hide_its_parents_death",
         n,
         |_| vec![("TOROID_TIMEOUT".into(), "20".into())],
     );
     let deadline = Instant::now() + Duration::from_secs(40);
-    for c in children.iter_mut() {
-        util::wait_until(c, deadline);
-    }
-    let outputs: Vec<String> = children
-        .into_iter()
-        .map(|c| {
-            let o = c.wait_with_output().unwrap();
-            format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
-        })
-        .collect();
+    let (_, outputs) = util::wait_all(children, deadline);
     let child = outputs[1]
         .lines()
         .find_map(|l| l.find("CHILD ").map(|i| &l[i..]))
@@ -365,11 +345,7 @@ fn a_forked_child_cannot_use_the_communicator_and_does_not_hide_its_parents_deat
     let child_pid: i32 = child.split(' ').nth(2).unwrap().parse().unwrap();
     for r in [0, 2] {
         let out = &outputs[r];
-        let line = out
-            .lines()
-            .find_map(|l| l.find("ERROR ").map(|i| &l[i..]))
-            .unwrap_or_else(|| panic!("rank {r}:\n{out}"));
-        let ms: u64 = line.split(" after ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+        let (line, ms) = util::error_line(out).unwrap_or_else(|| panic!("rank {r}:\n{out}"));
         // The child still held copies of the dead rank's sockets for CHILD_HOLDS_S seconds:
         // the error must come from the death, not from the child's exit or the timeout.
         assert!(ms < 3000, "rank {r} learnt of the death only after {ms} ms: {line}");

@@ -211,7 +211,7 @@ const KILL_TIMEOUT_S: u64 = 20;
 /// cleanly, and no segment name of any rank may remain.
 fn kill_case(algo: &str) {
     let name = "killed_rank_leaves_nothing_in_dev_shm";
-    let mut children = util::spawn_ranks(name, 4, |_| {
+    let children = util::spawn_ranks(name, 4, |_| {
         vec![
             ("TOROID_TIMEOUT".into(), KILL_TIMEOUT_S.to_string()),
             ("TOROID_ALGO".into(), algo.to_string()),
@@ -220,14 +220,7 @@ fn kill_case(algo: &str) {
     });
     let pids: Vec<u32> = children.iter().map(|c| c.id()).collect();
     let deadline = Instant::now() + Duration::from_secs(KILL_TIMEOUT_S + 30);
-    let statuses: Vec<_> = children.iter_mut().map(|c| util::wait_until(c, deadline)).collect();
-    let outputs: Vec<String> = children
-        .into_iter()
-        .map(|c| {
-            let o = c.wait_with_output().unwrap();
-            format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
-        })
-        .collect();
+    let (statuses, outputs) = util::wait_all(children, deadline);
     use std::os::unix::process::ExitStatusExt;
     if std::env::var_os("KILL_TEST_DEBUG").is_some() {
         for (r, o) in outputs.iter().enumerate() {
@@ -238,11 +231,8 @@ fn kill_case(algo: &str) {
     for r in [0, 1, 3] {
         let out = &outputs[r];
         assert_eq!(statuses[r].map(|s| s.success()), Some(true), "{algo}: rank {r}:\n{out}");
-        let line = out
-            .lines()
-            .find_map(|l| l.find("ERROR ").map(|i| &l[i..]))
-            .unwrap_or_else(|| panic!("{algo}: rank {r} saw no error:\n{out}"));
-        let ms: u64 = line.split(" after ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+        let (line, ms) =
+            util::error_line(out).unwrap_or_else(|| panic!("{algo}: rank {r} saw no error:\n{out}"));
         assert!(ms < 5000, "{algo}: rank {r} took {ms} ms to notice: {line}");
         assert!(out.contains(&format!("ALGO {algo}")), "{algo}: rank {r} ran another algorithm:\n{out}");
     }

@@ -204,7 +204,7 @@ fn create_destroy_under_valgrind() {
     let cycles: u32 = var("TOROID_SOAK_CYCLES", 20);
     let exe = std::env::current_exe().unwrap();
     let port = util::free_port();
-    let mut children: Vec<_> = (0..2)
+    let children: Vec<_> = (0..2)
         .map(|r| {
             std::process::Command::new("valgrind")
                 .args([
@@ -230,14 +230,7 @@ fn create_destroy_under_valgrind() {
         .collect();
     let t = Instant::now();
     let deadline = Instant::now() + Duration::from_secs(500);
-    let statuses: Vec<_> = children.iter_mut().map(|c| util::wait_until(c, deadline)).collect();
-    let outputs: Vec<String> = children
-        .into_iter()
-        .map(|c| {
-            let o = c.wait_with_output().unwrap();
-            format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
-        })
-        .collect();
+    let (statuses, outputs) = util::wait_all(children, deadline);
     for r in 0..2 {
         let out = &outputs[r];
         assert!(statuses[r].is_some(), "rank {r} under valgrind did not finish in time:\n{out}");

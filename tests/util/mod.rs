@@ -142,6 +142,30 @@ pub fn wait_until(child: &mut Child, deadline: Instant) -> Option<std::process::
     }
 }
 
+/// Waits for every child until `deadline` (killing those still running then), and returns each
+/// one's exit status (`None`: killed at the deadline) and its stdout and stderr together.
+pub fn wait_all(
+    children: Vec<Child>,
+    deadline: Instant,
+) -> (Vec<Option<std::process::ExitStatus>>, Vec<String>) {
+    children
+        .into_iter()
+        .map(|mut c| {
+            let status = wait_until(&mut c, deadline);
+            let o = c.wait_with_output().unwrap();
+            (status, format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
+        })
+        .unzip()
+}
+
+/// The first `ERROR <kind> after <ms> ms: ...` line a rank printed (from `ERROR` on), and its
+/// milliseconds.
+pub fn error_line(out: &str) -> Option<(&str, u64)> {
+    let line = out.lines().find_map(|l| l.find("ERROR ").map(|i| &l[i..]))?;
+    let ms = line.split(" after ").nth(1)?.split(' ').next()?.parse().ok()?;
+    Some((line, ms))
+}
+
 /// True while a process with this pid exists (and is not a zombie).
 pub fn alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
