@@ -275,7 +275,9 @@ fn a_panic_inside_an_operation_aborts_the_communicator_which_stays_destroyable()
 
 #[test]
 fn destroy_reports_how_many_queued_operations_failed() {
-    let gate = std::sync::Arc::new(std::sync::Barrier::new(2));
+    // Set by rank 0 once destroy has begun (a flag with a deadline: a failing rank 0 must not
+    // leave rank 1 waiting forever).
+    let gate = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     util::run_threads(2, &util::test_config(20.0), move |comm| {
         if comm.rank() == 0 {
             let works: Vec<_> =
@@ -284,11 +286,14 @@ fn destroy_reports_how_many_queued_operations_failed() {
             let destroyer = std::thread::spawn(move || comm.destroy());
             // Rank 1 leaves once destroy has had time to begin: all three fail meanwhile.
             std::thread::sleep(Duration::from_millis(200));
-            gate.wait();
+            gate.store(true, std::sync::atomic::Ordering::Release);
             let e = destroyer.join().unwrap().unwrap_err();
             assert!(e.to_string().contains("3 operations still queued"), "{e}");
         } else {
-            gate.wait();
+            let until = Instant::now() + Duration::from_secs(20);
+            while !gate.load(std::sync::atomic::Ordering::Acquire) && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(5));
+            }
             drop(comm);
         }
     });
