@@ -26,6 +26,7 @@ mod reduce;
 pub mod rendezvous;
 mod sys;
 mod topology;
+mod trace;
 mod transport;
 mod tuning;
 
@@ -75,6 +76,10 @@ pub mod internals {
     /// Hosts, grids and layouts.
     pub mod topology {
         pub use crate::topology::*;
+    }
+    /// The flight recorder, its snapshots and the stall report.
+    pub mod trace {
+        pub use crate::trace::*;
     }
     /// Transports and the progress engine.
     pub mod transport {

@@ -1,0 +1,12 @@
+//! What a communicator remembers about its operations, and what it tells when a job is stuck:
+//! the flight recorder (a fixed ring of the last operations, with the live state of the
+//! running one), the snapshot a rank publishes of it, and the stall report that compares the
+//! snapshots of every rank and names the one the others wait on.
+//!
+//! This layer sits beside `comm` (which feeds it) and below nothing else: it imports only
+//! `collective` and `dtype`, so that the transport layer can update the live progress of an
+//! operation without knowing about communicators.
+
+pub mod snapshot;
+
+pub use snapshot::{OpRecord, OpState, Phase, Snapshot};
