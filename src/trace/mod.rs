@@ -9,4 +9,4 @@
 
 pub mod snapshot;
 
-pub use snapshot::{OpRecord, OpState, Phase, Snapshot};
+pub use snapshot::{OpRecord, OpState, Phase, PhaseSpan, Snapshot};

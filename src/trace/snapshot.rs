@@ -119,6 +119,20 @@ impl Phase {
     }
 }
 
+/// One phase of one operation, as the timeline draws it: the recorder keeps a few of these per
+/// running operation (a fixed array, no allocation) and hands them over when it ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PhaseSpan {
+    /// Which phase.
+    pub phase: Phase,
+    /// When it began and ended (ns since the Unix epoch).
+    pub start_ns: u64,
+    /// See `start_ns`.
+    pub end_ns: u64,
+    /// Bytes this rank sent and received during it.
+    pub bytes: u64,
+}
+
 /// One operation as the flight recorder holds it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OpRecord {
