@@ -11,6 +11,7 @@
 //! byte moves leave it usable.
 
 mod api;
+mod control;
 mod queue;
 mod setup;
 mod validate;
@@ -112,6 +113,8 @@ struct Core {
     fork_generation: u64,
     /// Rank 0 serves the TCP store; keep it alive while the communicator lives.
     _store: Option<Arc<dyn Store>>,
+    /// The control plane: this rank's listener, served for the communicator's life.
+    control: control::Control,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
+use super::control::Control;
 use super::{Communicator, Core, Engine, Queue, lock};
 use crate::algorithm::Scratch;
 use crate::collective::OpKind;
@@ -14,7 +15,9 @@ use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::rendezvous::{self, Store};
 use crate::topology::{Layout, Topology};
+use crate::trace::Snapshot;
 use crate::transport::exchange::{AbortSignal, SpinPolicy};
+use crate::transport::tcp::control::ControlCtx;
 use crate::transport::{Peers, shm, tcp};
 use crate::tuning::{AlgoFilter, CostModel, Shape};
 
@@ -180,8 +183,21 @@ impl Communicator {
             cfg.auth_token.as_ref(),
             deadline,
         )?;
-        // Every peer is connected: nobody may reach this rank's listener any more.
-        drop(endpoint);
+        // Every peer is connected: from now on the listener serves the control plane.
+        let control = Control::start(
+            endpoint,
+            ControlCtx { rank, size, comm_id: id, auth: cfg.auth_token.clone() },
+            addrs.to_vec(),
+            Arc::new(move || Snapshot {
+                rank: rank as u32,
+                size: size as u32,
+                comm_id: id,
+                pid: std::process::id(),
+                taken_ns: crate::trace::now_ns(),
+                completed: 0,
+                records: Vec::new(),
+            }),
+        )?;
         let topology = Topology::from_ids(rank, hosts, machines);
         let links = shm::connect(
             rank,
@@ -258,6 +274,7 @@ impl Communicator {
             last_error: Mutex::new(None),
             fork_generation: crate::sys::fork::generation(),
             _store: store,
+            control,
         };
         let comm = Communicator { core: Arc::new(core), worker: Mutex::new(None) };
         comm.calibrate(explicit)?;

@@ -135,6 +135,20 @@ impl<T: AsRawFd> ForkGuarded<T> {
     }
 }
 
+impl<T: AsRawFd> ForkGuarded<T> {
+    /// Deregisters the descriptor and hands the value back (`None` in a forked child, where the
+    /// descriptor is closed already).
+    pub fn into_inner(self) -> Option<T> {
+        if self.forked() {
+            return None; // dropping `self` leaks it, as `Drop` does in a child
+        }
+        let mut me = ManuallyDrop::new(self);
+        let _ = me.slot.compare_exchange(me.fd, FREE, Ordering::AcqRel, Ordering::Relaxed);
+        // SAFETY: `me` is never dropped, so `inner` is taken exactly once and never used after.
+        Some(unsafe { ManuallyDrop::take(&mut me.inner) })
+    }
+}
+
 impl<T: AsRawFd> Deref for ForkGuarded<T> {
     type Target = T;
     fn deref(&self) -> &T {

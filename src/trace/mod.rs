@@ -10,3 +10,12 @@
 pub mod snapshot;
 
 pub use snapshot::{OpRecord, OpState, Phase, PhaseSpan, Snapshot};
+
+/// Nanoseconds since the Unix epoch (the clock every record and snapshot uses, so that ranks
+/// compare times; 0 if the clock is before the epoch).
+pub fn now_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos().min(u64::MAX as u128) as u64)
+        .unwrap_or(0)
+}

@@ -37,6 +37,7 @@ use crate::error::{Error, Result};
 use crate::sys::fork::ForkGuarded;
 use crate::sys::socket;
 
+pub mod control;
 pub(crate) mod handshake;
 mod interface;
 mod mesh;

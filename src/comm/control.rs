@@ -1,0 +1,236 @@
+//! The control plane: a thread per communicator that serves the rank's set-up listener for the
+//! communicator's life, so that the ranks can still reach each other when their links are
+//! stuck, broken or closed, and without a store (rank 0 stops serving it after set-up).
+//!
+//! Two things use it. The stall report asks every rank for its flight-recorder snapshot
+//! ([`Core::ask_peers`]): a rank answers from this thread whatever its own threads are doing
+//! (blocked in a collective, or in user code having skipped one); a rank whose process is gone
+//! refuses the connection (nothing listens at its address), and a stopped one accepts it in the
+//! kernel but never answers, which tells the two apart. Shrink builds the survivors' new
+//! communicator through the same listeners ([`Core::take_listener_for_shrink`]): no new port
+//! and no rendezvous. The bytes and bounds are in `transport::tcp::control`.
+
+// The stall report and shrink (issue 16, in progress) call these.
+#![allow(dead_code, unused_imports)]
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use super::{Core, lock};
+use crate::error::{Error, Result};
+use crate::sys::eventfd::EventFd;
+use crate::sys::fork::ForkGuarded;
+use crate::trace::Snapshot;
+use crate::transport::tcp::{self, control as wire};
+
+pub(crate) use wire::shrink_id;
+
+/// What asking one rank's control plane returned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Answer {
+    /// Its recorder's snapshot.
+    Report(Snapshot),
+    /// Nothing listens at its address any more: its process is gone.
+    Dead(String),
+    /// It took the connection but did not answer within the grace: stopped (SIGSTOP) or stuck.
+    Silent,
+    /// Anything else (a bad answer, a network error).
+    Failed(String),
+}
+
+/// Produces this rank's snapshot (from any thread, at any time).
+pub(crate) type SnapshotFn = Arc<dyn Fn() -> Snapshot + Send + Sync>;
+
+type Served = (ForkGuarded<TcpListener>, Vec<wire::Parked>);
+
+/// The control thread of one communicator.
+pub(crate) struct Control {
+    ctx: wire::ControlCtx,
+    /// Every rank's listening address (index = rank).
+    addrs: Vec<SocketAddr>,
+    ifname: String,
+    stop: Arc<EventFd>,
+    thread: Mutex<Option<JoinHandle<Served>>>,
+    snapshot: SnapshotFn,
+}
+
+impl std::fmt::Debug for Control {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Control").field("ctx", &self.ctx).finish_non_exhaustive()
+    }
+}
+
+impl Control {
+    /// Starts serving `endpoint` for the communicator of `ctx` whose ranks listen at `addrs`.
+    pub(crate) fn start(
+        endpoint: tcp::Endpoint,
+        ctx: wire::ControlCtx,
+        addrs: Vec<SocketAddr>,
+        snapshot: SnapshotFn,
+    ) -> Result<Control> {
+        let stop = Arc::new(EventFd::new().map_err(|e| Error::system("eventfd for the control thread", e))?);
+        // A forked child must not keep the listener: a peer would then find it listening after
+        // this process died, and take the dead rank for a stopped one.
+        let listener = ForkGuarded::new(endpoint.listener);
+        let (t_ctx, t_stop, t_snap) = (ctx.clone(), stop.clone(), snapshot.clone());
+        let thread = std::thread::Builder::new()
+            .name(format!("toroid-ctl{}", ctx.rank))
+            .spawn(move || {
+                let answer = |_request: u8, _from: usize| t_snap().encode();
+                let parked = wire::serve(&listener, &t_ctx, t_stop.as_raw_fd(), &answer);
+                (listener, parked)
+            })
+            .map_err(|e| Error::system("spawning the control thread", e))?;
+        Ok(Control { ctx, addrs, ifname: endpoint.ifname, stop, thread: Mutex::new(Some(thread)), snapshot })
+    }
+
+    /// Stops the thread; returns the listener and what it parked (`None` once stopped before).
+    fn stop(&self) -> Option<Served> {
+        let h = lock(&self.thread).take()?;
+        self.stop.signal();
+        h.join().ok()
+    }
+}
+
+impl Drop for Control {
+    fn drop(&mut self) {
+        // (In a forked child the communicator is leaked, so this never runs there.)
+        let _ = self.stop();
+    }
+}
+
+impl Core {
+    /// This rank's own snapshot.
+    pub(crate) fn own_snapshot(&self) -> Snapshot {
+        (self.control.snapshot)()
+    }
+
+    /// Asks every other rank for its snapshot, all at once, each within `grace`.
+    pub(crate) fn ask_peers(&self, grace: Duration) -> Vec<(usize, Answer)> {
+        let c = &self.control;
+        let peers: Vec<usize> = (0..c.addrs.len()).filter(|r| *r != c.ctx.rank).collect();
+        let mut out = Vec::with_capacity(peers.len());
+        // One thread per peer in batches (this runs only when a job is stuck or on demand).
+        for batch in peers.chunks(64) {
+            std::thread::scope(|s| {
+                let hs: Vec<_> = batch
+                    .iter()
+                    .map(|&p| {
+                        s.spawn(move || (p, wire::ask(&c.ctx, p, c.addrs[p], wire::REQUEST_SNAPSHOT, grace)))
+                    })
+                    .collect();
+                for h in hs {
+                    if let Ok((p, reply)) = h.join() {
+                        out.push((p, answer_of(p, reply)));
+                    }
+                }
+            });
+        }
+        out
+    }
+
+    /// Stops the control thread and hands over this rank's listener for shrink attempt
+    /// `attempt`, with the connections other survivors already made to it for that attempt
+    /// (accepted, their hello unread).
+    pub(crate) fn take_listener_for_shrink(
+        &self,
+        attempt: u64,
+    ) -> Result<(tcp::Endpoint, Vec<(TcpStream, SocketAddr)>)> {
+        let c = &self.control;
+        let Some((listener, parked)) = c.stop() else {
+            return Err(Error::InvalidUsage(
+                format!(
+                    "rank {}: this communicator's listener was already handed to an earlier shrink",
+                    self.rank
+                )
+                .into(),
+            ));
+        };
+        let listener = listener.into_inner().ok_or_else(|| {
+            Error::InvalidUsage("a forked child cannot shrink its parent's communicator".into())
+        })?;
+        let conns = parked.into_iter().filter(|p| p.2 == attempt).map(|(s, a, _)| (s, a)).collect();
+        let endpoint = tcp::Endpoint { listener, addr: c.addrs[c.ctx.rank], ifname: c.ifname.clone() };
+        Ok((endpoint, conns))
+    }
+
+    /// Every rank's listening address (index = rank), as published at set-up.
+    pub(crate) fn addrs(&self) -> &[SocketAddr] {
+        &self.control.addrs
+    }
+}
+
+fn answer_of(peer: usize, r: wire::Reply) -> Answer {
+    match r {
+        wire::Reply::Answer(b) => match Snapshot::decode(&b) {
+            Ok(s) if s.rank as usize == peer => Answer::Report(s),
+            Ok(s) => Answer::Failed(format!("rank {peer} answered with rank {}'s snapshot", s.rank)),
+            Err(e) => Answer::Failed(format!("rank {peer} sent a bad snapshot: {e}")),
+        },
+        wire::Reply::Dead(w) => Answer::Dead(w),
+        wire::Reply::Silent => Answer::Silent,
+        wire::Reply::Failed(w) => Answer::Failed(w),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rendezvous::{MemStore, Store};
+    use crate::{Communicator, Config};
+    use std::sync::mpsc::channel;
+
+    #[test]
+    fn every_rank_answers_and_a_dropped_rank_is_dead() {
+        let store: Arc<dyn Store> = Arc::new(MemStore::new());
+        let cfg = Config { timeout: Duration::from_secs(20), ..Config::default() };
+        let wait = Duration::from_secs(30);
+        // Rank 0 tells rank 2 to go, rank 2 says it is gone, rank 0 tells rank 1 to finish.
+        let (go2, gone2) = (channel::<()>(), channel::<()>());
+        let finish1 = channel::<()>();
+        let (go2_tx, go2_rx) = go2;
+        let (gone2_tx, gone2_rx) = gone2;
+        let (finish1_tx, finish1_rx) = finish1;
+        let comms: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..3)
+                .map(|r| {
+                    let (store, cfg) = (store.clone(), cfg.clone());
+                    s.spawn(move || Communicator::with_store(r, 3, store, &cfg).unwrap())
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let mut comms = comms.into_iter();
+        let (c0, c1, c2) = (comms.next().unwrap(), comms.next().unwrap(), comms.next().unwrap());
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                go2_rx.recv_timeout(wait).unwrap();
+                drop(c2);
+                gone2_tx.send(()).unwrap();
+            });
+            s.spawn(move || {
+                finish1_rx.recv_timeout(wait).unwrap();
+                drop(c1);
+            });
+            let mut answers = c0.core.ask_peers(Duration::from_secs(3));
+            answers.sort_by_key(|a| a.0);
+            assert_eq!(answers.len(), 2);
+            for (p, a) in &answers {
+                let Answer::Report(snap) = a else { panic!("rank {p}: {a:?}") };
+                assert_eq!((snap.rank as usize, snap.size, snap.comm_id), (*p, 3, c0.id()));
+            }
+            assert_eq!(c0.core.own_snapshot().rank, 0);
+            go2_tx.send(()).unwrap();
+            gone2_rx.recv_timeout(wait).unwrap();
+            let answers = c0.core.ask_peers(Duration::from_secs(3));
+            let two = answers.iter().find(|a| a.0 == 2).map(|a| a.1.clone());
+            assert!(matches!(two, Some(Answer::Dead(_))), "{two:?}");
+            let one = answers.iter().find(|a| a.0 == 1).map(|a| a.1.clone());
+            assert!(matches!(one, Some(Answer::Report(_))), "{one:?}");
+            finish1_tx.send(()).unwrap();
+        });
+    }
+}

@@ -1,0 +1,537 @@
+//! The control plane's sockets. After set-up every rank keeps its listener for the life of the
+//! communicator, and a control thread (`comm::control`) serves it: a peer that needs to know
+//! what this rank is doing (the stall report) connects, proves it belongs to the communicator
+//! with the set-up handshake of [`super::handshake`] under the communicator's *control id*, asks,
+//! and reads one bounded answer. Survivors that shrink the communicator connect to the same
+//! listener with the hello of the new communicator: the control thread only peeks at its id and
+//! parks the connection, untouched, for the shrink to take over.
+//!
+//! The listener is as open to strangers as it was during set-up, and held to the same bounds:
+//! at most [`MAX_PENDING`] connections in progress (the oldest dropped first), each with
+//! [`ALLOWANCE`] to finish, at most the hello, its nonce and MAC read before the checks, and
+//! nothing answered before the hello (and with `TOROID_AUTH_TOKEN` its MAC) checked out.
+
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
+use std::time::{Duration, Instant};
+
+use super::handshake::{self, HELLO_LEN, Hello, KIND_HELLO, MAC_LEN, NONCE_LEN};
+use crate::config::AuthToken;
+use crate::sys::poll::{PollFd, poll};
+
+/// Connections in progress at most; past this the oldest is dropped.
+pub const MAX_PENDING: usize = 64;
+/// Connections parked for a shrink at most (every survivor makes one; the rest are strangers).
+pub const MAX_PARKED: usize = 4096;
+/// How long one connection has to say what it wants and read the answer.
+pub const ALLOWANCE: Duration = Duration::from_secs(5);
+/// Shrink attempts of one communicator whose connections are parked.
+pub const MAX_SHRINK_ATTEMPTS: u64 = 8;
+/// The largest answer a client accepts.
+pub const MAX_ANSWER: usize = 64 * 1024;
+/// Dropped connections logged one by one (then every 1000th).
+const WARNS: usize = 16;
+/// Request: the rank's flight-recorder snapshot.
+pub const REQUEST_SNAPSHOT: u8 = 1;
+const REQUEST_LEN: usize = 8;
+const REQUEST_MAGIC: [u8; 4] = *b"TRCQ";
+
+fn derive(comm_id: u64, label: &[u8], n: u64) -> u64 {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    h.update(b"toroid ");
+    h.update(label);
+    h.update(comm_id.to_le_bytes());
+    h.update(n.to_le_bytes());
+    let d = h.finalize();
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&d[..8]);
+    u64::from_le_bytes(b)
+}
+
+/// The id a control connection's handshake carries (never a communicator's own id, so that a
+/// control hello can never pass as a mesh hello or the other way round).
+pub fn control_id(comm_id: u64) -> u64 {
+    derive(comm_id, b"control", 0)
+}
+
+/// The id of the communicator that shrink attempt `attempt` (1, 2, ...) of `comm_id` builds.
+pub fn shrink_id(comm_id: u64, attempt: u64) -> u64 {
+    derive(comm_id, b"shrink", attempt)
+}
+
+/// Who this rank is, for the control handshake.
+#[derive(Clone)]
+pub struct ControlCtx {
+    /// This rank.
+    pub rank: usize,
+    /// Ranks in the communicator.
+    pub size: usize,
+    /// The communicator's id (the control id and shrink ids derive from it).
+    pub comm_id: u64,
+    /// `TOROID_AUTH_TOKEN`.
+    pub auth: Option<AuthToken>,
+}
+
+/// A connection a survivor made for a shrink, accepted and not read.
+pub type Parked = (TcpStream, SocketAddr, u64);
+
+enum Phase {
+    /// Waiting for the whole hello to arrive (peeked, not consumed).
+    Peek,
+    /// A control hello: reading it with its nonce and MAC (`need` bytes).
+    Hello { need: usize },
+    /// Sending the ack, then reading the request.
+    Ack { msg: Vec<u8>, sent: usize, from: usize },
+    /// Reading the request of rank `from`.
+    Request { from: usize },
+    /// Sending the answer.
+    Answer { msg: Vec<u8>, sent: usize },
+}
+
+struct Conn {
+    stream: TcpStream,
+    from: SocketAddr,
+    deadline: Instant,
+    buf: [u8; HELLO_LEN + NONCE_LEN + MAC_LEN],
+    got: usize,
+    phase: Phase,
+}
+
+/// What to do with a connection after a step.
+enum Next {
+    Wait,
+    Close(Option<String>),
+    Park(u64),
+}
+
+/// Serves the listener until `stop` becomes readable; returns the connections parked for
+/// shrinks. `answer(request, from_rank)` produces the bytes of an answer.
+pub fn serve(
+    listener: &TcpListener,
+    ctx: &ControlCtx,
+    stop: RawFd,
+    answer: &dyn Fn(u8, usize) -> Vec<u8>,
+) -> Vec<Parked> {
+    let mut conns: Vec<Conn> = Vec::new();
+    let mut parked: Vec<Parked> = Vec::new();
+    let mut fds: Vec<PollFd> = Vec::new();
+    let mut warned = 0usize;
+    let mut warn = |from: SocketAddr, why: &str| {
+        // A flood of strangers must not flood the log: the first few, then every 1000th.
+        warned += 1;
+        if warned <= WARNS || warned.is_multiple_of(1000) {
+            tracing::warn!(target: "toroid::control",
+                "dropped a control connection from {from}: {why} ({warned} dropped so far)");
+        }
+    };
+    loop {
+        fds.clear();
+        fds.push(PollFd::new(stop, PollFd::IN));
+        fds.push(PollFd::new(listener.as_raw_fd(), PollFd::IN));
+        for c in &conns {
+            let ev = match c.phase {
+                Phase::Ack { .. } | Phase::Answer { .. } => PollFd::OUT,
+                _ => PollFd::IN,
+            };
+            fds.push(PollFd::new(c.stream.as_raw_fd(), ev | PollFd::RDHUP));
+        }
+        let now = Instant::now();
+        let wake = conns.iter().map(|c| c.deadline).min().unwrap_or(now + Duration::from_secs(3600));
+        let ms = wake.saturating_duration_since(now).as_millis().clamp(1, 60_000) as i32;
+        if poll(&mut fds, ms).is_err() {
+            std::thread::sleep(Duration::from_millis(10)); // EINTR or ENOMEM: try again
+            continue;
+        }
+        if fds[0].revents() != 0 {
+            return parked;
+        }
+        let ready: Vec<bool> = fds[2..].iter().map(|f| f.revents() != 0).collect();
+        let now = Instant::now();
+        let mut keep = Vec::with_capacity(conns.len());
+        for (i, mut c) in conns.drain(..).enumerate() {
+            let next = if ready[i] { c.step(ctx, answer) } else { Next::Wait };
+            match next {
+                Next::Wait if now < c.deadline => keep.push(c),
+                Next::Wait => warn(c.from, "did not finish within its allowance"),
+                Next::Close(Some(why)) => warn(c.from, &why),
+                Next::Close(None) => {}
+                Next::Park(attempt) => {
+                    if parked.len() >= MAX_PARKED {
+                        parked.remove(0);
+                    }
+                    parked.push((c.stream, c.from, attempt));
+                }
+            }
+        }
+        conns = keep;
+        if fds[1].revents() != 0 {
+            accept_all(listener, &mut conns, &mut warn);
+        }
+    }
+}
+
+fn accept_all(listener: &TcpListener, conns: &mut Vec<Conn>, warn: &mut dyn FnMut(SocketAddr, &str)) {
+    for _ in 0..256 {
+        match listener.accept() {
+            Ok((stream, from)) => {
+                if stream.set_nonblocking(true).is_err() {
+                    continue;
+                }
+                if conns.len() >= MAX_PENDING {
+                    let old = conns.remove(0);
+                    warn(old.from, "too many control connections at once");
+                }
+                let deadline = Instant::now() + ALLOWANCE;
+                conns.push(Conn {
+                    stream,
+                    from,
+                    deadline,
+                    buf: [0; HELLO_LEN + NONCE_LEN + MAC_LEN],
+                    got: 0,
+                    phase: Phase::Peek,
+                });
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+            Err(_) => return, // reset before accept, or descriptors short for a moment
+        }
+    }
+}
+
+impl Conn {
+    fn step(&mut self, ctx: &ControlCtx, answer: &dyn Fn(u8, usize) -> Vec<u8>) -> Next {
+        loop {
+            match &mut self.phase {
+                Phase::Peek => {
+                    let mut h = [0u8; HELLO_LEN];
+                    match self.stream.peek(&mut h) {
+                        Ok(0) => return Next::Close(Some("closed without a hello".into())),
+                        Ok(n) if n < HELLO_LEN => return Next::Wait,
+                        Ok(_) => {}
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Next::Wait,
+                        Err(e) => return Next::Close(Some(format!("no hello ({e})"))),
+                    }
+                    let mut idb = [0u8; 8];
+                    idb.copy_from_slice(&h[8..16]);
+                    let id = u64::from_le_bytes(idb);
+                    if let Some(a) = (1..=MAX_SHRINK_ATTEMPTS).find(|a| shrink_id(ctx.comm_id, *a) == id) {
+                        return Next::Park(a);
+                    }
+                    if id != control_id(ctx.comm_id) {
+                        return Next::Close(Some(format!("hello for communicator {id:#x}")));
+                    }
+                    self.phase = Phase::Hello { need: HELLO_LEN };
+                }
+                Phase::Hello { need } => {
+                    let need = *need;
+                    match fill(&mut self.stream, &mut self.buf[..need], &mut self.got) {
+                        Ok(true) => {}
+                        Ok(false) => return Next::Wait,
+                        Err(e) => return Next::Close(Some(format!("hello cut short ({e})"))),
+                    }
+                    let mut h: Hello = [0; HELLO_LEN];
+                    h.copy_from_slice(&self.buf[..HELLO_LEN]);
+                    let cid = control_id(ctx.comm_id);
+                    let from = match handshake::check_hello(&h, KIND_HELLO, cid, ctx.rank, ctx.size) {
+                        Ok(f) => f,
+                        Err(e) => return Next::Close(Some(e.to_string())),
+                    };
+                    let announced = handshake::announces_auth(&h);
+                    if need == HELLO_LEN && announced {
+                        self.phase = Phase::Hello { need: HELLO_LEN + NONCE_LEN + MAC_LEN };
+                        continue;
+                    }
+                    let extra = &self.buf[HELLO_LEN..need];
+                    if let Err(e) =
+                        handshake::check_hello_auth(&h, announced.then_some(extra), ctx.auth.as_ref())
+                    {
+                        return Next::Close(Some(e.to_string()));
+                    }
+                    let msg = handshake::ack_message(cid, ctx.rank, from, ctx.auth.as_ref(), extra);
+                    self.got = 0;
+                    self.phase = Phase::Ack { msg, sent: 0, from };
+                }
+                Phase::Ack { msg, sent, from } => match flush(&mut self.stream, msg, sent) {
+                    Ok(true) => {
+                        self.phase = Phase::Request { from: *from };
+                    }
+                    Ok(false) => return Next::Wait,
+                    Err(e) => return Next::Close(Some(format!("ack failed: {e}"))),
+                },
+                Phase::Request { from } => {
+                    let from = *from;
+                    match fill(&mut self.stream, &mut self.buf[..REQUEST_LEN], &mut self.got) {
+                        Ok(true) => {}
+                        Ok(false) => return Next::Wait,
+                        Err(e) => return Next::Close(Some(format!("rank {from}'s request cut short ({e})"))),
+                    }
+                    if self.buf[..4] != REQUEST_MAGIC || self.buf[4] != REQUEST_SNAPSHOT {
+                        return Next::Close(Some(format!("rank {from} sent an unknown request")));
+                    }
+                    let body = answer(self.buf[4], from);
+                    let mut msg = Vec::with_capacity(4 + body.len());
+                    msg.extend_from_slice(&(body.len().min(MAX_ANSWER) as u32).to_le_bytes());
+                    msg.extend_from_slice(&body[..body.len().min(MAX_ANSWER)]);
+                    self.phase = Phase::Answer { msg, sent: 0 };
+                }
+                Phase::Answer { msg, sent } => match flush(&mut self.stream, msg, sent) {
+                    Ok(true) => return Next::Close(None),
+                    Ok(false) => return Next::Wait,
+                    Err(e) => return Next::Close(Some(format!("answer failed: {e}"))),
+                },
+            }
+        }
+    }
+}
+
+/// Reads into `buf[*got..]` what has arrived. `Ok(true)`: full.
+fn fill(s: &mut TcpStream, buf: &mut [u8], got: &mut usize) -> io::Result<bool> {
+    while *got < buf.len() {
+        match s.read(&mut buf[*got..]) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed")),
+            Ok(n) => *got += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}
+
+/// Writes `msg[*sent..]` as far as the socket takes it. `Ok(true)`: all sent.
+fn flush(s: &mut TcpStream, msg: &[u8], sent: &mut usize) -> io::Result<bool> {
+    while *sent < msg.len() {
+        match s.write(&msg[*sent..]) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "connection closed")),
+            Ok(n) => *sent += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}
+
+/// What asking one peer's control plane gave.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    /// Its answer.
+    Answer(Vec<u8>),
+    /// Nothing listens at its address: its process is gone.
+    Dead(String),
+    /// It took the connection (the kernel does, even for a stopped process) but did not answer
+    /// within the time given: stopped, or stuck.
+    Silent,
+    /// Anything else.
+    Failed(String),
+}
+
+/// Asks rank `peer` at `addr` for `request`, within `grace`.
+pub fn ask(ctx: &ControlCtx, peer: usize, addr: SocketAddr, request: u8, grace: Duration) -> Reply {
+    let deadline = Instant::now() + grace;
+    let mut s = match TcpStream::connect_timeout(&addr, grace) {
+        Ok(s) => s,
+        Err(e) if matches!(e.kind(), io::ErrorKind::ConnectionRefused | io::ErrorKind::ConnectionReset) => {
+            return Reply::Dead(format!("nothing listens at {addr} any more ({e})"));
+        }
+        Err(e) if e.kind() == io::ErrorKind::TimedOut => return Reply::Silent,
+        Err(e) => return Reply::Failed(format!("connecting to {addr}: {e}")),
+    };
+    match exchange(&mut s, ctx, peer, request, deadline) {
+        Ok(a) => Reply::Answer(a),
+        Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => Reply::Silent,
+        Err(e) if matches!(e.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionRefused) => {
+            Reply::Dead(format!("its connection was reset ({e})"))
+        }
+        Err(e) => Reply::Failed(e.to_string()),
+    }
+}
+
+fn exchange(
+    s: &mut TcpStream,
+    ctx: &ControlCtx,
+    peer: usize,
+    request: u8,
+    deadline: Instant,
+) -> io::Result<Vec<u8>> {
+    let left = |d: Instant| {
+        let l = d.saturating_duration_since(Instant::now());
+        if l.is_zero() { Err(io::Error::from(io::ErrorKind::TimedOut)) } else { Ok(l) }
+    };
+    let invalid = |m: String| io::Error::new(io::ErrorKind::InvalidData, m);
+    let cid = control_id(ctx.comm_id);
+    let (hello, nonce) = handshake::hello_message(cid, ctx.rank, peer, ctx.auth.as_ref())
+        .map_err(|e| invalid(e.to_string()))?;
+    s.set_write_timeout(Some(left(deadline)?))?;
+    s.write_all(&hello)?;
+    let mut req = [0u8; REQUEST_LEN];
+    req[..4].copy_from_slice(&REQUEST_MAGIC);
+    req[4] = request;
+    s.write_all(&req)?;
+    let mut ack = [0u8; HELLO_LEN + MAC_LEN];
+    let need = HELLO_LEN + if ctx.auth.is_some() { MAC_LEN } else { 0 };
+    read_exact(s, &mut ack[..need], deadline)?;
+    let mut h: Hello = [0; HELLO_LEN];
+    h.copy_from_slice(&ack[..HELLO_LEN]);
+    let from = handshake::check_hello(&h, handshake::KIND_ACK, cid, ctx.rank, ctx.size)
+        .map_err(|e| invalid(e.to_string()))?;
+    if from != peer {
+        return Err(invalid(format!("rank {from} answered for rank {peer}")));
+    }
+    if let Some(t) = &ctx.auth
+        && !handshake::ack_is_authentic(&h, &ack[HELLO_LEN..need], &nonce, t)
+    {
+        return Err(invalid(format!("rank {peer} failed authentication")));
+    }
+    let mut len = [0u8; 4];
+    read_exact(s, &mut len, deadline)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_ANSWER {
+        return Err(invalid(format!("an answer of {len} bytes")));
+    }
+    let mut body = vec![0u8; len];
+    read_exact(s, &mut body, deadline)?;
+    Ok(body)
+}
+
+fn read_exact(s: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::from(io::ErrorKind::TimedOut));
+        }
+        s.set_read_timeout(Some(left))?;
+        match s.read(&mut buf[got..]) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed before answering")),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+impl std::fmt::Debug for ControlCtx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlCtx")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("auth", &self.auth.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sys::eventfd::EventFd;
+    use std::net::Ipv4Addr;
+
+    fn ctx(rank: usize, token: Option<&str>) -> ControlCtx {
+        ControlCtx { rank, size: 4, comm_id: 0x5eed, auth: token.map(|t| AuthToken::new(t.as_bytes())) }
+    }
+
+    /// Serves rank 2's listener on a thread until the returned closure stops it (it returns
+    /// what was parked).
+    fn server(token: Option<&str>) -> (SocketAddr, impl FnOnce() -> Vec<Parked>) {
+        let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        l.set_nonblocking(true).unwrap();
+        let addr = l.local_addr().unwrap();
+        let stop = Arc::new(EventFd::new().unwrap());
+        let c = ctx(2, token);
+        let s2 = stop.clone();
+        let h = std::thread::spawn(move || {
+            let answer = |req: u8, from: usize| format!("request {req} from rank {from}").into_bytes();
+            serve(&l, &c, s2.as_raw_fd(), &answer)
+        });
+        (addr, move || {
+            stop.signal();
+            h.join().unwrap()
+        })
+    }
+    use std::sync::Arc;
+
+    #[test]
+    fn a_member_gets_its_answer_and_strangers_do_not_stop_it() {
+        for token in [None, Some("secret")] {
+            let (addr, stop) = server(token);
+            // Strangers: garbage, a silent connection, a hello for another communicator.
+            let mut garbage = TcpStream::connect(addr).unwrap();
+            garbage.write_all(&[0xab; 40]).unwrap();
+            let _silent = TcpStream::connect(addr).unwrap();
+            let mut foreign = TcpStream::connect(addr).unwrap();
+            let (h, _) = handshake::hello_message(control_id(0xbad), 1, 2, None).unwrap();
+            foreign.write_all(&h).unwrap();
+            let t0 = Instant::now();
+            let r = ask(&ctx(1, token), 2, addr, REQUEST_SNAPSHOT, Duration::from_secs(3));
+            assert_eq!(r, Reply::Answer(b"request 1 from rank 1".to_vec()));
+            assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+            assert!(stop().is_empty());
+        }
+    }
+
+    #[test]
+    fn a_wrong_token_gets_nothing() {
+        let (addr, stop) = server(Some("secret"));
+        for token in [None, Some("guess")] {
+            let r = ask(&ctx(1, token), 2, addr, REQUEST_SNAPSHOT, Duration::from_secs(2));
+            assert!(!matches!(r, Reply::Answer(_)), "{r:?}");
+        }
+        stop();
+    }
+
+    #[test]
+    fn a_dead_rank_is_told_from_a_stopped_one() {
+        // Nobody listens: the port of a listener that was closed.
+        let gone = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap().local_addr().unwrap();
+        assert!(matches!(
+            ask(&ctx(1, None), 2, gone, REQUEST_SNAPSHOT, Duration::from_secs(2)),
+            Reply::Dead(_)
+        ));
+        // A listener whose process never runs: the kernel accepts, nobody answers.
+        let stopped = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let t0 = Instant::now();
+        let r = ask(
+            &ctx(1, None),
+            2,
+            stopped.local_addr().unwrap(),
+            REQUEST_SNAPSHOT,
+            Duration::from_millis(500),
+        );
+        assert_eq!(r, Reply::Silent);
+        assert!(t0.elapsed() < Duration::from_secs(2));
+    }
+
+    #[test]
+    fn a_shrink_hello_is_parked_unread() {
+        let (addr, stop) = server(None);
+        let mut s = TcpStream::connect(addr).unwrap();
+        let (h, _) = handshake::hello_message(shrink_id(0x5eed, 2), 3, 2, None).unwrap();
+        s.write_all(&h).unwrap();
+        // A hello for an attempt past the bound is a stranger's.
+        let mut far = TcpStream::connect(addr).unwrap();
+        let (h9, _) =
+            handshake::hello_message(shrink_id(0x5eed, MAX_SHRINK_ATTEMPTS + 1), 3, 2, None).unwrap();
+        far.write_all(&h9).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        let parked = stop();
+        assert_eq!(parked.len(), 1);
+        let (mut p, _, attempt) = parked.into_iter().next().unwrap();
+        assert_eq!(attempt, 2);
+        p.set_nonblocking(false).unwrap();
+        let mut got = vec![0u8; h.len()];
+        p.read_exact(&mut got).unwrap();
+        assert_eq!(got, h, "the shrink's handshake must find the hello where it was");
+    }
+
+    #[test]
+    fn ids_are_distinct_per_purpose_and_attempt() {
+        let c = control_id(7);
+        assert_ne!(c, 7);
+        assert_ne!(shrink_id(7, 1), shrink_id(7, 2));
+        assert_ne!(shrink_id(7, 1), c);
+        assert_ne!(shrink_id(7, 1), shrink_id(8, 1));
+    }
+}
