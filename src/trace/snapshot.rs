@@ -5,7 +5,7 @@
 //! snapshot: magic "TRSN" | version u16 | 0 u16 | rank u32 | size u32 | comm_id u64 | pid u32 |
 //!           0 u32 | taken_ns u64 | completed u64 | n_records u16 | 0 u16 | 0 u32 | records...
 //! record:   fingerprint (28 bytes, `Fingerprint::encode`) | state u8 | phase u8 | 0 u16 |
-//!           peer i32 | waiting_on i32 | step u32 | issued_ns u64 | started_ns u64 |
+//!           peer i32 | waiting_on i32 | step u32 | 0 u32 | issued_ns u64 | started_ns u64 |
 //!           ended_ns u64 | bytes u64                                    (80 bytes)
 //! ```
 //!
@@ -168,6 +168,7 @@ impl OpRecord {
         out.extend_from_slice(&self.peer.to_le_bytes());
         out.extend_from_slice(&self.waiting_on.to_le_bytes());
         out.extend_from_slice(&self.step.to_le_bytes());
+        out.extend_from_slice(&[0; 4]);
         for v in [self.issued_ns, self.started_ns, self.ended_ns, self.bytes] {
             out.extend_from_slice(&v.to_le_bytes());
         }
@@ -196,10 +197,10 @@ impl OpRecord {
             peer: i32_at(32),
             waiting_on: i32_at(36),
             step: u32::from_le_bytes([b[40], b[41], b[42], b[43]]),
-            issued_ns: u64_at(44),
-            started_ns: u64_at(52),
-            ended_ns: u64_at(60),
-            bytes: u64_at(68),
+            issued_ns: u64_at(48),
+            started_ns: u64_at(56),
+            ended_ns: u64_at(64),
+            bytes: u64_at(72),
         })
     }
 }
