@@ -10,6 +10,7 @@
 pub mod recorder;
 pub mod snapshot;
 pub mod stats;
+pub mod timeline;
 
 pub use recorder::{Progress, Recorder};
 pub use snapshot::{OpRecord, OpState, Phase, PhaseSpan, Snapshot};
