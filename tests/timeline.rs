@@ -93,7 +93,8 @@ fn a_four_rank_benchmark_leaves_one_valid_trace_with_every_rank() {
     // Times are microseconds since the Unix epoch (about 1.8e15): as f64 they are exact to a
     // quarter of a microsecond, so "inside" allows one.
     for (track, start, end, seq) in &phases {
-        let inside = colls[track].iter().any(|(s, e, q, _)| q == seq && *s - 1.0 <= *start && *end <= *e + 1.0);
+        let inside =
+            colls[track].iter().any(|(s, e, q, _)| q == seq && *s - 1.0 <= *start && *end <= *e + 1.0);
         assert!(inside, "phase of #{seq} on {track:?} outside its collective");
     }
     // Every rank ran the same collectives: the same sequence numbers with the same names.
