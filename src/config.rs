@@ -27,9 +27,13 @@ pub const MAX_SPIN: Duration = Duration::from_secs(1);
 
 /// The instant `timeout` from now, with the timeout cut to [`MAX_TIMEOUT`]: never overflows.
 pub fn deadline_in(timeout: Duration) -> std::time::Instant {
-    let now = std::time::Instant::now();
+    deadline_from(std::time::Instant::now(), timeout)
+}
+
+/// `timeout` (capped at [`MAX_TIMEOUT`]) after `start`.
+pub fn deadline_from(start: std::time::Instant, timeout: Duration) -> std::time::Instant {
     // CLOCK_MONOTONIC counts from boot in a 64-bit timespec: 30 days more always fits.
-    now.checked_add(timeout.min(MAX_TIMEOUT)).unwrap_or(now)
+    start.checked_add(timeout.min(MAX_TIMEOUT)).unwrap_or(start)
 }
 
 /// Launcher variables read besides the `TOROID_*` ones (see `rendezvous::env`).

@@ -326,7 +326,8 @@ impl Core {
         let es = op.dtype.size();
         let n = self.size;
         let timeout = op.opts.timeout.unwrap_or(self.timeout).min(crate::config::MAX_TIMEOUT);
-        let deadline = crate::config::deadline_in(timeout);
+        let started = std::time::Instant::now();
+        let deadline = crate::config::deadline_from(started, timeout);
         engine.peers.begin_op();
         let kind = match op.kind {
             OpKind::RecvAny => match engine.peers.wait_any_send(&engine.received, deadline) {
@@ -385,7 +386,7 @@ impl Core {
             OpKind::Send(p) | OpKind::Recv(p) => Some(p),
             _ => None,
         };
-        self.recorder.start(&fp, peer, issued_ns);
+        self.recorder.start(&fp, peer, issued_ns, started);
         let mut wire = Wire { peers: &mut engine.peers, window: engine.window.as_mut(), fp, deadline };
         let scratch = &mut engine.scratch;
         // SAFETY: validated buffers; blocking callers hold their borrows until we return, async

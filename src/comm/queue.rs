@@ -141,7 +141,7 @@ impl Communicator {
         if q.shutdown {
             return Err(Error::Aborted("communicator is shutting down".into()));
         }
-        let issued_ns = if self.core.recorder.is_on() { crate::trace::now_ns() } else { 0 };
+        let issued_ns = if self.core.recorder.is_on() { self.core.recorder.now_ns() } else { 0 };
         q.jobs.push_back(Job { op, issued_ns, done: done.clone(), hooks });
         drop(q);
         self.core.queue_cv.notify_all();

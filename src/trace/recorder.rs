@@ -13,6 +13,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::Instant;
 
 use super::snapshot::{OpRecord, OpState, Phase, PhaseSpan, Snapshot};
 use super::stats::Stats;
@@ -41,6 +42,8 @@ pub struct Progress {
     /// Phase spans are kept (a timeline wants them): only then does a phase change read the
     /// clock and take the lock below.
     spans_on: AtomicBool,
+    /// The clock of every time recorded (see [`Clock`]).
+    clock: Clock,
     /// The phases of the running operation (written by its thread only).
     spans: Mutex<Spans>,
 }
@@ -61,6 +64,7 @@ impl Default for Progress {
             waiting_on: AtomicI32::new(-1),
             bytes: AtomicU64::new(0),
             spans_on: AtomicBool::new(false),
+            clock: Clock::new(),
             spans: Mutex::new(Spans { list: [NO_SPAN; MAX_SPANS], len: 0 }),
         }
     }
@@ -84,16 +88,17 @@ impl Progress {
     /// The algorithm enters `phase` (closing the phase before it).
     #[inline]
     pub fn phase(&self, phase: Phase) {
-        if self.phase.swap(phase as u8, Ordering::Relaxed) == phase as u8 {
+        if self.phase.load(Ordering::Relaxed) == phase as u8 {
             return;
         }
+        self.phase.store(phase as u8, Ordering::Relaxed);
         if self.spans_on.load(Ordering::Relaxed) {
             self.open_span(phase);
         }
     }
 
     fn open_span(&self, phase: Phase) {
-        let now = super::now_ns();
+        let now = self.clock.now_ns();
         let bytes = self.bytes.load(Ordering::Relaxed);
         let mut s = lock(&self.spans);
         close_last(&mut s, now, bytes);
@@ -120,6 +125,41 @@ impl Progress {
         r.step = self.step.load(Ordering::Relaxed);
         r.waiting_on = self.waiting_on.load(Ordering::Relaxed);
         r.bytes = self.bytes.load(Ordering::Relaxed);
+    }
+}
+
+/// Wall-clock nanoseconds (since the Unix epoch, so that ranks compare) from the monotonic
+/// clock: the epoch time of one instant taken at creation plus the monotonic time since. An
+/// operation reads the clock once for its deadline and once at its end; the recorder reuses
+/// the first (`Recorder::start` takes that instant) instead of reading the clock again.
+#[derive(Debug, Clone, Copy)]
+pub struct Clock {
+    base: Instant,
+    base_ns: u64,
+}
+
+impl Clock {
+    /// A clock anchored now.
+    pub fn new() -> Clock {
+        Clock { base: Instant::now(), base_ns: super::now_ns() }
+    }
+
+    /// `t` in ns since the Unix epoch.
+    #[inline]
+    pub fn ns_of(&self, t: Instant) -> u64 {
+        let d = t.saturating_duration_since(self.base).as_nanos().min(u64::MAX as u128) as u64;
+        self.base_ns.saturating_add(d)
+    }
+
+    /// Now, in ns since the Unix epoch.
+    pub fn now_ns(&self) -> u64 {
+        self.ns_of(Instant::now())
+    }
+}
+
+impl Default for Clock {
+    fn default() -> Clock {
+        Clock::new()
     }
 }
 
@@ -278,15 +318,20 @@ impl Recorder {
         }
     }
 
-    /// An operation starts: `peer` is the other rank of a send or receive, `issued_ns` when the
-    /// caller issued it (0: now).
+    /// Now, on the recorder's clock (ns since the Unix epoch).
+    pub fn now_ns(&self) -> u64 {
+        self.progress.clock.now_ns()
+    }
+
+    /// An operation starts at `at`: `peer` is the other rank of a send or receive, `issued_ns`
+    /// when the caller issued it (0: at `at`).
     #[inline]
-    pub fn start(&self, fp: &Fingerprint, peer: Option<usize>, issued_ns: u64) {
+    pub fn start(&self, fp: &Fingerprint, peer: Option<usize>, issued_ns: u64, at: Instant) {
         if !self.is_on() {
             return;
         }
         self.progress.reset();
-        let now = super::now_ns();
+        let now = self.progress.clock.ns_of(at);
         let issued = if issued_ns == 0 { now } else { issued_ns };
         self.current.set(fp, peer.map_or(-1, |p| p as i32), issued, now);
     }
@@ -298,7 +343,7 @@ impl Recorder {
         }
         let Some(mut r) = self.current.get() else { return };
         self.current.running.store(false, Ordering::Release);
-        let now = super::now_ns();
+        let now = self.now_ns();
         self.progress.fill(&mut r);
         r.waiting_on = -1;
         r.state = if ok { OpState::Done } else { OpState::Failed };
@@ -350,7 +395,7 @@ impl Recorder {
             size: self.size,
             comm_id: self.comm_id,
             pid: std::process::id(),
-            taken_ns: super::now_ns(),
+            taken_ns: self.now_ns(),
             completed,
             records,
         }
@@ -384,11 +429,11 @@ mod tests {
     fn the_ring_keeps_the_last_operations_and_the_running_one_with_its_progress() {
         let r = Recorder::new(1, 4, 9, 5);
         for s in 1..=12 {
-            r.start(&fp(s), None, 0);
+            r.start(&fp(s), None, 0, Instant::now());
             r.progress().moved(100);
             r.end(s != 7);
         }
-        r.start(&fp(13), None, 0);
+        r.start(&fp(13), None, 0, Instant::now());
         let p = r.progress();
         p.phase(Phase::AllGather);
         p.moved(64);
@@ -412,7 +457,7 @@ mod tests {
     #[test]
     fn a_recorder_of_capacity_zero_records_nothing() {
         let r = Recorder::new(0, 2, 1, 0);
-        r.start(&fp(1), None, 0);
+        r.start(&fp(1), None, 0, Instant::now());
         r.end(true);
         assert!(r.snapshot().records.is_empty());
         assert_eq!(r.snapshot().completed, 0);
@@ -424,7 +469,7 @@ mod tests {
         let got = std::sync::Arc::new(Mutex::new(Vec::new()));
         let g = got.clone();
         r.set_on_end(Box::new(move |rec, spans| lock(&g).push((rec.fp.seq, spans.to_vec()))));
-        r.start(&fp(1), None, 0);
+        r.start(&fp(1), None, 0, Instant::now());
         let p = r.progress();
         p.phase(Phase::ReduceScatter);
         p.moved(10);
