@@ -147,6 +147,63 @@ impl Track {
     }
 }
 
+/// The track of the program's own spans ([`span`]), beside the communicators' tracks.
+const APP_TID: u32 = 1 << 20;
+static APP_NAMED: std::sync::Once = std::sync::Once::new();
+
+/// Adds a span of the program's own (`name` in category `cat`, from `start_ns` to `end_ns`, ns
+/// since the Unix epoch as [`now_ns`] gives) to this process's timeline, on a track named
+/// "application" beside its communicators'. Does nothing when no communicator of this process
+/// writes a timeline (`TOROID_TIMELINE` unset, or before the first communicator exists), so a
+/// program may call it unconditionally. The trainer marks its forward, backward and optimiser
+/// passes with it.
+pub fn span(cat: &str, name: &str, start_ns: u64, end_ns: u64) {
+    let Some(Some(sink)) = SINK.get() else { return };
+    let mut s = sink.lock().unwrap_or_else(|e| e.into_inner());
+    let pid = s.pid;
+    APP_NAMED.call_once(|| {
+        let meta = format!(
+            "{{\"name\":\"thread_name\",\"ph\":\"M\",\"ts\":0,\"pid\":{pid},\"tid\":{APP_TID},\"args\":{{\"name\":\"application\"}}}},\n"
+        );
+        let _ = s.out.write_all(meta.as_bytes());
+    });
+    let ev = format!(
+        "{{\"name\":\"{}\",\"cat\":\"{}\",\"ph\":\"X\",\"ts\":{},\"dur\":{},\"pid\":{pid},\"tid\":{APP_TID},\"args\":{{}}}},\n",
+        escape(name),
+        escape(cat),
+        us(start_ns),
+        us(end_ns.saturating_sub(start_ns))
+    );
+    let _ = s.out.write_all(ev.as_bytes());
+}
+
+/// Now, in ns since the Unix epoch (the clock of every timeline event).
+pub fn now_ns() -> u64 {
+    super::now_ns()
+}
+
+/// `s` as the inside of a JSON string.
+fn escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Flushes this process's timeline file (the program may call it before it exits; dropping a
+/// communicator does it too).
+pub fn flush() {
+    if let Some(Some(sink)) = SINK.get() {
+        let _ = sink.lock().unwrap_or_else(|e| e.into_inner()).out.flush();
+    }
+}
+
 /// Merges the rank files of the timeline at `path` (ranks `0..n`, those that exist) into one
 /// trace at `path` (`{"traceEvents": [...]}`), removing them. Returns the events merged.
 pub fn merge(path: &Path, n: usize) -> std::io::Result<usize> {

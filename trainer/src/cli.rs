@@ -231,6 +231,13 @@ pub struct Args {
     #[arg(long)]
     pub threads: Option<usize>,
 
+    /// Write a Chrome/Perfetto trace: toroid's collectives plus this trainer's data, forward,
+    /// backward and optimiser spans, to PATH.rank<R>.json (sets TOROID_TIMELINE=PATH; the spans
+    /// are written whenever TOROID_TIMELINE is set). To have toroid-run merge the ranks' files
+    /// into PATH, give it the variable instead: TOROID_TIMELINE=PATH toroid-run -n N -- toroid-train ...
+    #[arg(long, value_name = "PATH")]
+    pub timeline: Option<PathBuf>,
+
     /// Output directory: metrics CSVs, curves.png, checkpoint.
     #[arg(long, default_value = "toroid-train-out")]
     pub out: PathBuf,

@@ -16,6 +16,10 @@ fn main() {
             unsafe { std::env::set_var(var, threads.to_string()) };
         }
     }
+    if let Some(path) = &args.timeline {
+        // SAFETY: as above, no other thread exists yet.
+        unsafe { std::env::set_var("TOROID_TIMELINE", path) };
+    }
     if let Err(e) = toroid_train::train::run(args) {
         eprintln!("toroid-train: error: {e}");
         std::process::exit(1);

@@ -2,6 +2,7 @@
 //! gradient all-reduce (overlapped with the backward pass), and the update of every parameter.
 
 use candle_core::{D, Device, Tensor, Var};
+use toroid::internals::trace::timeline;
 
 use super::Trainer;
 use super::stats::ExampleSums;
@@ -67,7 +68,9 @@ impl Trainer {
         let mut loss = 0f64;
         for a in 0..plan.accum {
             let last = a + 1 == plan.accum;
+            let t = timeline::now_ns();
             let b = next_batch()?;
+            let t = mark("data", t);
             let (logits, seg) = self.forward(&b)?;
             let (l, correct) = loss_and_correct(&logits, &b.labels, self.args.label_smoothing)?;
             let lv = l.to_scalar::<f32>()? as f64;
@@ -79,9 +82,13 @@ impl Trainer {
             }
             loss += lv / plan.accum as f64;
             sums.add_batch(lv, correct, b.len());
+            let t = mark("forward", t);
             self.backward(&l, &seg, plan, last)?;
+            mark("backward", t);
         }
+        let t = timeline::now_ns();
         let comm = self.update(rate)?;
+        mark("optimiser (waits for the gradients)", t);
         self.progress.bytes += comm.bytes as f64;
         Ok(StepOutcome { loss, wait_s: comm.wait.as_secs_f64() })
     }
@@ -150,4 +157,12 @@ impl Trainer {
             Ok(())
         })
     }
+}
+
+/// Ends the trainer's span `name` begun at `start` on the timeline (nothing without
+/// `--timeline`); returns now, the start of the next span.
+fn mark(name: &str, start: u64) -> u64 {
+    let now = timeline::now_ns();
+    timeline::span("trainer", name, start, now);
+    now
 }
