@@ -159,6 +159,15 @@ fn c_stats_count_every_operation_and_size_the_array() {
 }
 
 #[test]
+fn c_stats_over_tcp_count_the_bytes_moved() {
+    let exe = build("stats");
+    let out =
+        run_ranks(2, 120, &[("TOROID_SHM_DISABLE", "1")], &[exe.as_os_str(), std::ffi::OsStr::new("tcp")]);
+    check(&out, "stats.c over tcp");
+    every_rank_says(&out, 2, "stats passed");
+}
+
+#[test]
 fn c_error_paths() {
     let exe = build("errors");
     let out = run_ranks(2, 120, &[], &[exe.as_os_str()]);
