@@ -249,7 +249,7 @@ typedef struct toroid_store_ops {
 typedef struct toroid_stat {
   /**
    * The collective: 1 all_reduce, 2 reduce_scatter, 3 all_gather, 4 broadcast, 5 reduce,
-   * 6 all_to_all, 7 barrier, 8 send/recv.
+   * 6 all_to_all, 7 barrier, 8 send/recv, 9 split, 10 probe (toroid's own set-up check).
    */
   int kind;
   /**

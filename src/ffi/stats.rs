@@ -16,7 +16,7 @@ use crate::trace::stats::{Cell, HIST_BUCKETS};
 #[derive(Debug, Clone, Copy)]
 pub struct toroid_stat {
     /// The collective: 1 all_reduce, 2 reduce_scatter, 3 all_gather, 4 broadcast, 5 reduce,
-    /// 6 all_to_all, 7 barrier, 8 send/recv.
+    /// 6 all_to_all, 7 barrier, 8 send/recv, 9 split, 10 probe (toroid's own set-up check).
     pub kind: c_int,
     /// The algorithm's id (as in toroid-bench's output and TOROID_ALGO's names).
     pub algorithm: c_int,
