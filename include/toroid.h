@@ -242,6 +242,55 @@ typedef struct toroid_store_ops {
   toroid_store_get_fn get;
 } toroid_store_ops;
 
+/**
+ * One row of a communicator's statistics: every completed operation of one collective, one
+ * algorithm and one size class.
+ */
+typedef struct toroid_stat {
+  /**
+   * The collective: 1 all_reduce, 2 reduce_scatter, 3 all_gather, 4 broadcast, 5 reduce,
+   * 6 all_to_all, 7 barrier, 8 send/recv, 9 split, 10 probe (toroid's own set-up check).
+   */
+  int kind;
+  /**
+   * The algorithm's id (as in toroid-bench's output and TOROID_ALGO's names).
+   */
+  int algorithm;
+  /**
+   * Messages of at most 2^size_class bytes (and more than half that).
+   */
+  int size_class;
+  /**
+   * Operations completed.
+   */
+  uint64_t count;
+  /**
+   * Their message bytes (count x element size, as passed by the caller), summed.
+   */
+  uint64_t bytes;
+  /**
+   * Bytes this rank sent and received for them.
+   */
+  uint64_t moved;
+  /**
+   * Total time of these operations, in nanoseconds.
+   */
+  uint64_t total_ns;
+  /**
+   * Shortest time, in nanoseconds.
+   */
+  uint64_t min_ns;
+  /**
+   * Longest time, in nanoseconds.
+   */
+  uint64_t max_ns;
+  /**
+   * Time histogram: hist[i] counts operations that took less than 2^i microseconds (and at
+   * least 2^(i-1)); the last bucket also counts everything longer.
+   */
+  uint64_t hist[32];
+} toroid_stat;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -573,6 +622,18 @@ const char *toroid_get_last_error(const struct toroid_comm *comm);
  * The library version, "MAJOR.MINOR.PATCH".
  */
 const char *toroid_version(void);
+
+/**
+ * A snapshot of `comm`'s statistics: writes up to `capacity` rows to `out` (in the order the
+ * rows were first seen) and sets *count to the number of rows that exist, which may be more
+ * than `capacity` (call first with out = NULL and capacity = 0 to size the array). Never
+ * blocks on the network; the snapshot is consistent (taken under the recorder's lock).
+ * TOROID_INVALID_ARGUMENT when count is NULL, or out is NULL with capacity > 0.
+ */
+enum toroid_result toroid_comm_stats(struct toroid_comm *comm,
+                                     struct toroid_stat *out,
+                                     size_t capacity,
+                                     size_t *count);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -144,3 +144,48 @@ fn sizes_below_one_element_per_rank_are_skipped() {
     let want = Expect { ranks: 3, redop: "none", root: "-1", rows: vec![(12, 1)] };
     assert_bench_ok("tiny all_gather", &job, &want);
 }
+
+#[test]
+fn stats_flag_prints_rank_0s_table_after_the_unchanged_rows() {
+    let dir = TempDir::new("bench-stats");
+    let args = ["--collective", "all_reduce", "-b", "4096", "-e", "16384", "-n", "3", "-w", "1", "-c", "1"];
+    let run = |stats: bool| {
+        let mut cmd = Command::new(TOROID_RUN);
+        bench_check::clean_launcher_env(&mut cmd);
+        cmd.args(["-n", "2", "--timeout", "80", "--grace", "2", "--no-prefix", "--", BENCH]).args(args);
+        if stats {
+            cmd.arg("--stats");
+        }
+        run_bounded(&format!("all_reduce stats {stats}"), &mut cmd, &dir, LIMIT)
+    };
+    let want =
+        Expect { ranks: 2, redop: "sum", root: "-1", rows: vec![(4096, 1024), (8192, 2048), (16384, 4096)] };
+    let (plain, with) = (run(false), run(true));
+    assert_bench_ok("all_reduce without --stats", &plain, &want);
+    assert_bench_ok("all_reduce with --stats", &with, &want);
+    assert!(!plain.stdout.contains("Statistics"), "a table without --stats:\n{}", plain.stdout);
+    let lines: Vec<&str> = with.stdout.lines().collect();
+    let at = lines.iter().position(|l| l.starts_with("# Statistics of rank 0")).unwrap_or_else(|| {
+        panic!("no statistics table with --stats:\n{}", with.stdout);
+    });
+    assert_eq!(lines.iter().filter(|l| l.starts_with("# Statistics")).count(), 1, "printed once, by rank 0");
+    assert!(
+        lines[..at].iter().any(|l| l.starts_with("# Avg bus bandwidth")),
+        "the table follows the results"
+    );
+    let table = &lines[at + 1..];
+    assert!(table[0].starts_with("# collective") && table[0].contains("count"), "{}", with.stdout);
+    // One all_reduce row per size class measured (4K, 8K, 16K), each with a positive count.
+    for class in ["4K", "8K", "16K"] {
+        let row = table
+            .iter()
+            .find(|l| {
+                let f: Vec<&str> = l.trim_start_matches('#').split_whitespace().collect();
+                f.first() == Some(&"all_reduce") && f.get(2) == Some(&class)
+            })
+            .unwrap_or_else(|| panic!("no all_reduce row of size {class}:\n{}", with.stdout));
+        let count: u64 = row.split_whitespace().nth(4).and_then(|c| c.parse().ok()).unwrap_or(0);
+        assert!(count > 0, "{row}");
+    }
+    assert!(table.iter().all(|l| l.starts_with('#')), "every table line is a comment:\n{}", with.stdout);
+}

@@ -5,6 +5,7 @@
 //! - `collectives.c`: every collective, blocking and async, checked element by element against
 //!   a reference, on 2..=5 ranks and all three ways of creating a communicator;
 //! - `errors.c`: every error path of the ABI, each asserted;
+//! - `stats.c`: `toroid_comm_stats` counts exactly, sizes the caller's array and truncates;
 //! - `dlopen.c`: libtoroid.so loaded with dlopen, every entry point resolved with dlsym;
 //! - `lifecycle.c` under valgrind: create -> collectives -> destroy, repeated, with no error,
 //!   no leak, and no memory still reachable that grows with the number of iterations;
@@ -147,6 +148,23 @@ fn c_collectives_on_2_ranks_through_a_store_with_a_config() {
 #[test]
 fn c_collectives_on_5_ranks_from_the_environment() {
     collectives(5, "env");
+}
+
+#[test]
+fn c_stats_count_every_operation_and_size_the_array() {
+    let exe = build("stats");
+    let out = run_ranks(2, 120, &[], &[exe.as_os_str()]);
+    check(&out, "stats.c");
+    every_rank_says(&out, 2, "stats passed");
+}
+
+#[test]
+fn c_stats_over_tcp_count_the_bytes_moved() {
+    let exe = build("stats");
+    let out =
+        run_ranks(2, 120, &[("TOROID_SHM_DISABLE", "1")], &[exe.as_os_str(), std::ffi::OsStr::new("tcp")]);
+    check(&out, "stats.c over tcp");
+    every_rank_says(&out, 2, "stats passed");
 }
 
 #[test]

@@ -38,6 +38,7 @@ class CType:
 class Param:
     name: str
     type: CType
+    array: int = 0  # N for a struct field `T name[N]`, else 0
 
 
 @dataclass
@@ -255,12 +256,18 @@ def _enum_body(body: str, known: dict) -> dict:
 
 
 def _struct_body(body: str) -> list:
+    """Fields; a fixed-size array field `T name[N]` becomes (name, T, N) -> ctypes `T * N`."""
     fields = []
     for i, f in enumerate(_split_top(body, ";"), 1):
         if f.strip():
             if "," in f:
                 raise HeaderParseError(f"several fields in one declaration: {f.strip()!r}")
-            fields.append(parse_param(f, i))
+            m = re.fullmatch(r"(.*?)\[\s*(\d+)\s*\]\s*", f, re.S)
+            if m:
+                p = parse_param(m.group(1), i)
+                fields.append(Param(p.name, p.type, int(m.group(2))))
+            else:
+                fields.append(parse_param(f, i))
     return fields
 
 
@@ -468,6 +475,8 @@ def compare(header: Header, lib) -> list[str]:
         for f, (fname, got) in zip(fields, py):
             try:
                 want = to_ctypes(f.type, header, lib)
+                if f.array:
+                    want = want * f.array  # ctypes caches array types: `is` still compares
             except MappingError as e:
                 diffs.append(f"struct {name} field {fname}: {e}")
                 continue

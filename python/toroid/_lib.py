@@ -162,6 +162,31 @@ class Config(ctypes.Structure):
     ]
 
 
+class Stat(ctypes.Structure):
+    """toroid_stat: one row of toroid_comm_stats (see Comm.stats)."""
+
+    _fields_ = [
+        ("kind", c_int),
+        ("algorithm", c_int),
+        ("size_class", c_int),
+        ("count", ctypes.c_uint64),
+        ("bytes", ctypes.c_uint64),
+        ("moved", ctypes.c_uint64),
+        ("total_ns", ctypes.c_uint64),
+        ("min_ns", ctypes.c_uint64),
+        ("max_ns", ctypes.c_uint64),
+        ("hist", ctypes.c_uint64 * 32),
+    ]
+
+
+# toroid_stat.kind -> name (src/collective.rs, CollKind).
+KIND_NAMES = {1: "all_reduce", 2: "reduce_scatter", 3: "all_gather", 4: "broadcast", 5: "reduce",
+              6: "all_to_all", 7: "barrier", 8: "send/recv", 9: "split", 10: "probe"}
+# toroid_stat.algorithm -> name, as TOROID_ALGO spells it (src/collective.rs, Algorithm).
+ALGORITHM_NAMES = {1: "ring", 2: "rd", 3: "chain", 4: "tree", 5: "pairwise", 6: "dissemination",
+                   7: "direct", 8: "hd", 9: "hring", 10: "torus2d", 11: "shm_direct"}
+
+
 # ---- The C ABI of include/toroid.h, as tables ------------------------------------------------
 # python/tests/test_header.py parses the header and fails on any difference from these tables:
 # a function, enum member, struct field, callback type or constant missing on either side, an
@@ -180,7 +205,7 @@ CONSTANTS = {"TOROID_SPLIT_NOCOLOR": SPLIT_NOCOLOR}
 # Opaque structs: only ever handled through pointers (c_void_p here).
 OPAQUE = ("toroid_comm", "toroid_work")
 # struct name -> ctypes.Structure with the same fields in the same order.
-STRUCTS = {"toroid_config": Config, "toroid_store_ops": StoreOps}
+STRUCTS = {"toroid_config": Config, "toroid_store_ops": StoreOps, "toroid_stat": Stat}
 # function-pointer typedef -> CFUNCTYPE.
 CALLBACKS = {"toroid_store_set_fn": STORE_SET, "toroid_store_get_fn": STORE_GET}
 
@@ -194,6 +219,7 @@ SIGNATURES = {
     "toroid_comm_init_with_store": (_E, [_PP, c_int, c_int, ctypes.POINTER(StoreOps), _P]),
     "toroid_comm_init_with_store_config": (_E, [_PP, ctypes.POINTER(Config), ctypes.POINTER(StoreOps), _P]),
     "toroid_comm_split": (_E, [_P, c_int, c_int, _PP]),
+    "toroid_comm_stats": (_E, [_P, ctypes.POINTER(Stat), c_size_t, ctypes.POINTER(c_size_t)]),
     "toroid_comm_rank": (_E, [_P, ctypes.POINTER(c_int)]),
     "toroid_comm_size": (_E, [_P, ctypes.POINTER(c_int)]),
     "toroid_comm_abort": (_E, [_P]),

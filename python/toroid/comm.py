@@ -252,6 +252,36 @@ class Comm:
         check("toroid_comm_split", _lib.lib().toroid_comm_split(self._live(), color, key, ctypes.byref(out)), self._handle)
         return Comm(out.value) if out.value else None
 
+    def stats(self) -> list:
+        """This communicator's statistics (toroid_comm_stats): one dict per (collective,
+        algorithm, size class) seen, in the order first seen, with keys kind, algorithm (names),
+        size_class (messages of at most 2**size_class bytes), count, bytes, moved, total_ns,
+        min_ns, max_ns and hist (32 counts: hist[i] of operations under 2**i microseconds)."""
+        f = _lib.lib().toroid_comm_stats
+        while True:
+            n = ctypes.c_size_t()
+            check("toroid_comm_stats", f(self._live(), None, 0, ctypes.byref(n)), self._handle)
+            cap = n.value + 4  # room for rows that a concurrent operation may add meanwhile
+            rows = (_lib.Stat * cap)()
+            check("toroid_comm_stats", f(self._live(), rows, cap, ctypes.byref(n)), self._handle)
+            if n.value <= cap:
+                break
+        return [
+            {
+                "kind": _lib.KIND_NAMES.get(r.kind, f"kind{r.kind}"),
+                "algorithm": _lib.ALGORITHM_NAMES.get(r.algorithm, f"algo{r.algorithm}"),
+                "size_class": r.size_class,
+                "count": r.count,
+                "bytes": r.bytes,
+                "moved": r.moved,
+                "total_ns": r.total_ns,
+                "min_ns": r.min_ns,
+                "max_ns": r.max_ns,
+                "hist": list(r.hist),
+            }
+            for r in rows[: n.value]
+        ]
+
     def abort(self) -> None:
         """Fails pending and later operations; never blocks."""
         check("toroid_comm_abort", _lib.lib().toroid_comm_abort(self._live()), self._handle)

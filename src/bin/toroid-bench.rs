@@ -86,6 +86,10 @@ struct Cli {
     /// Add the cost model's predicted time (us) after the algorithm.
     #[arg(long)]
     predict: bool,
+    /// After the run, print rank 0's statistics (every collective it ran, the benchmark's own
+    /// barriers and timing reductions included, per algorithm and size class) as `#` lines.
+    #[arg(long)]
+    stats: bool,
     /// Also write the results as JSON to this file.
     #[arg(short = 'J', long = "output_file")]
     json: Option<String>,
@@ -468,6 +472,13 @@ fn run(cli: Cli) -> toroid::Result<u64> {
     p(format!("# Out of bounds values : {total_wrong} {}", if total_wrong == 0 { "OK" } else { "FAILED" }));
     p(format!("# Avg bus bandwidth    : {}", fit(bw_sum / bw_count.max(1) as f64, 8)));
     p("#".into());
+    if cli.stats && me == 0 {
+        p("# Statistics of rank 0 (every operation it ran, the benchmark's own included):".into());
+        for line in bench.comm.stats().to_string().lines() {
+            p(format!("# {line}"));
+        }
+        p("#".into());
+    }
     if let (Some(path), 0) = (&cli.json, me) {
         let json = serde_json::json!({
             "collective": format!("{:?}", cli.collective),

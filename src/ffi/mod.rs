@@ -15,6 +15,7 @@
 mod boundary;
 mod init;
 mod ops;
+pub mod stats;
 mod store;
 pub mod types;
 

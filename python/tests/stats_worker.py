@@ -1,0 +1,43 @@
+"""One rank of test_stats.py: 5 all-reduces of 1024 float32 (4 KiB, size class 12) and one
+broadcast of 100 float64 (800 bytes, size class 10), then Comm.stats() checked exactly against
+what this script issued (counted from a baseline taken after set-up)."""
+
+import os
+
+import numpy as np
+
+import toroid
+
+RANK = int(os.environ["TOROID_RANK"])
+
+
+def row(stats, kind, size_class):
+    rows = [s for s in stats if s["kind"] == kind and s["size_class"] == size_class]
+    assert len(rows) <= 1, f"several {kind} rows of class {size_class} with one algorithm each? {rows}"
+    return rows[0] if rows else None
+
+
+with toroid.Comm.from_env() as comm:
+    before = comm.stats()
+    assert row(before, "all_reduce", 12) is None and row(before, "broadcast", 10) is None, before
+    for it in range(5):
+        a = np.arange(1024, dtype=np.float32) + RANK + it
+        comm.all_reduce(a)
+        assert a[7] == 2 * (7 + it) + 1, a[:8]
+    b = np.arange(100, dtype=np.float64) if RANK == 0 else np.zeros(100)
+    comm.broadcast(b, root=0)
+    assert b[99] == 99.0
+    after = comm.stats()
+
+    ar = row(after, "all_reduce", 12)
+    assert ar is not None, after
+    assert (ar["count"], ar["bytes"]) == (5, 20480), ar
+    assert 0 < ar["min_ns"] <= ar["max_ns"], ar
+    assert 5 * ar["min_ns"] <= ar["total_ns"] <= 5 * ar["max_ns"], ar
+    assert len(ar["hist"]) == 32 and sum(ar["hist"]) == 5, ar
+    assert ar["algorithm"] in toroid._lib.ALGORITHM_NAMES.values(), ar
+    bc = row(after, "broadcast", 10)
+    assert bc is not None and (bc["count"], bc["bytes"]) == (1, 800), bc
+    assert sum(s["count"] for s in after) == sum(s["count"] for s in before) + 6, (before, after)
+    assert len(after) == len(before) + 2, (before, after)
+    print(f"rank {RANK}: stats passed", flush=True)
