@@ -14,6 +14,7 @@ mod api;
 mod control;
 mod queue;
 mod setup;
+mod shrink;
 mod validate;
 
 pub use api::OwnedBuffer;

@@ -1,5 +1,5 @@
-//! Creating communicators: joining a job through a store, and splitting one. Both end in the
-//! same connect sequence ([`Communicator::connect`]): a TCP mesh, the topology, same-host links
+//! Creating communicators: joining a job through a store, and splitting one. Both (and
+//! `shrink`, in `shrink.rs`) end in the same connect sequence ([`Communicator::connect`]): a TCP mesh, the topology, same-host links
 //! moved to shared memory, the communicator, and its cost model (probed or given).
 
 use std::net::SocketAddr;
@@ -22,15 +22,15 @@ use crate::transport::{Peers, shm, tcp};
 use crate::tuning::{AlgoFilter, CostModel, Shape};
 
 /// The members of a communicator being connected, in rank order, and where each listens.
-struct Members<'a> {
+pub(super) struct Members<'a> {
     /// This rank in the new communicator.
-    rank: usize,
+    pub rank: usize,
     /// Every member's listening address.
-    addrs: &'a [SocketAddr],
+    pub addrs: &'a [SocketAddr],
     /// Every member's logical host (what the algorithms group by).
-    hosts: &'a [String],
+    pub hosts: &'a [String],
     /// Every member's physical machine (whose cores ranks share).
-    machines: &'a [String],
+    pub machines: &'a [String],
 }
 
 /// A failed wait for rank `r`'s keys in the store becomes an error naming that rank: it did not
@@ -155,15 +155,17 @@ impl Communicator {
             machines.push(m.to_string());
         }
         let members = Members { rank, addrs: &addrs, hosts: &hosts, machines: &machines };
-        Communicator::connect(members, endpoint, id, cfg, iface, Some(store), deadline)
+        Communicator::connect(members, endpoint, Vec::new(), id, cfg, iface, Some(store), deadline)
     }
 
     /// The connect sequence that creation and `split` share: a full TCP mesh between the
     /// members, their topology, same-host links moved to shared memory (and the window when
     /// every member is on one host), then the communicator around them and its cost model.
-    fn connect(
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn connect(
         members: Members<'_>,
         endpoint: tcp::Endpoint,
+        accepted: Vec<(std::net::TcpStream, SocketAddr)>,
         id: u64,
         cfg: &Config,
         iface: tcp::Interface,
@@ -178,6 +180,7 @@ impl Communicator {
             rank,
             addrs,
             &endpoint,
+            accepted,
             id,
             &tcp::SocketOptions::from_config(cfg),
             cfg.auth_token.as_ref(),
@@ -368,6 +371,7 @@ impl Communicator {
         Communicator::connect(
             members,
             endpoint,
+            Vec::new(),
             id,
             &self.core.config,
             self.core.iface.clone(),

@@ -139,7 +139,8 @@ mod tests {
             .map(|(r, ep)| {
                 let addrs = addrs.clone();
                 std::thread::spawn(move || {
-                    connect_mesh(r, &addrs, &ep, 7, &Default::default(), None, deadline).expect("mesh")
+                    connect_mesh(r, &addrs, &ep, Vec::new(), 7, &Default::default(), None, deadline)
+                        .expect("mesh")
                 })
             })
             .collect();

@@ -67,10 +67,16 @@ const WARNS: usize = 16;
 /// expected or already connected is dropped with a WARN naming its address and the reason, and
 /// set-up goes on. A failure on a connection this rank made to a published address is that
 /// peer's failure, and so an error, as is the deadline passing with ranks missing.
+///
+/// `accepted` are connections already accepted on the listener and not read (a shrink: the
+/// control plane parked them while this rank was not yet shrinking); they start as any other
+/// incoming connection, as strangers until their hello checks out.
+#[allow(clippy::too_many_arguments)]
 pub fn connect_mesh(
     rank: usize,
     addrs: &[SocketAddr],
     endpoint: &Endpoint,
+    accepted: Vec<(TcpStream, SocketAddr)>,
     comm_id: u64,
     opts: &SocketOptions,
     auth: Option<&AuthToken>,
@@ -78,7 +84,11 @@ pub fn connect_mesh(
 ) -> Result<Vec<Option<Box<dyn Transport>>>> {
     let size = addrs.len();
     let ctx = Ctx { rank, size, comm_id, auth };
-    let mut streams = MeshLoop::new(ctx, addrs, &endpoint.listener, deadline)?.run()?;
+    let mut mesh = MeshLoop::new(ctx, addrs, &endpoint.listener, deadline)?;
+    for (s, from) in accepted {
+        mesh.adopt(s, from);
+    }
+    let mut streams = mesh.run()?;
     let mut out: Vec<Option<Box<dyn Transport>>> = Vec::with_capacity(size);
     for s in streams.iter_mut() {
         out.push(match s.take() {
@@ -212,31 +222,34 @@ impl<'a> MeshLoop<'a> {
         }
     }
 
+    /// Takes on a connection accepted on the listener: a stranger until its hello checks out.
+    fn adopt(&mut self, s: TcpStream, from: SocketAddr) {
+        if let Err(e) = s.set_nonblocking(true) {
+            self.warn(from, &format!("O_NONBLOCK failed: {e}"));
+            return;
+        }
+        // Its own accept instant, so that when too many are open the strangers queued first
+        // go first; and a first read at once, since a genuine peer's hello is usually there
+        // already.
+        let at = Instant::now();
+        let mut c = Incoming::new(s, from, at, (at + self.allowance).min(self.deadline));
+        match c.advance(self.ctx, &mut self.claimed) {
+            Ok(()) => self.incoming.push(c),
+            Err(why) => {
+                if let Some(r) = c.claimed() {
+                    self.claimed[r] = false;
+                }
+                self.warn(from, &why);
+            }
+        }
+    }
+
     /// Accepts every connection pending on the listener (up to [`ACCEPTS_PER_ROUND`]), so
     /// strangers never fill the backlog in front of a genuine peer.
     fn accept_all(&mut self) -> Result<()> {
         for _ in 0..ACCEPTS_PER_ROUND {
             match self.listener.accept() {
-                Ok((s, from)) => {
-                    if let Err(e) = s.set_nonblocking(true) {
-                        self.warn(from, &format!("O_NONBLOCK failed: {e}"));
-                        continue;
-                    }
-                    // Its own accept instant, so that when too many are open the strangers
-                    // queued first go first; and a first read at once, since a genuine
-                    // peer's hello is usually there already.
-                    let at = Instant::now();
-                    let mut c = Incoming::new(s, from, at, (at + self.allowance).min(self.deadline));
-                    match c.advance(self.ctx, &mut self.claimed) {
-                        Ok(()) => self.incoming.push(c),
-                        Err(why) => {
-                            if let Some(r) = c.claimed() {
-                                self.claimed[r] = false;
-                            }
-                            self.warn(from, &why);
-                        }
-                    }
-                }
+                Ok((s, from)) => self.adopt(s, from),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 // The connection was reset before we took it, or descriptors ran out for a
                 // moment (a flood): nothing to hand on, the loop polls again.
@@ -385,7 +398,9 @@ mod tests {
             .map(|(r, (ep, t))| {
                 let (addrs, opts) = (addrs.clone(), opts.clone());
                 let token = t.map(|t| AuthToken::new(t.as_bytes()));
-                std::thread::spawn(move || connect_mesh(r, &addrs, &ep, 99, &opts, token.as_ref(), deadline))
+                std::thread::spawn(move || {
+                    connect_mesh(r, &addrs, &ep, Vec::new(), 99, &opts, token.as_ref(), deadline)
+                })
             })
             .collect();
         handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
@@ -497,7 +512,8 @@ mod tests {
         let deadline = Instant::now() + Duration::from_secs(2);
         let connector = std::thread::spawn(move || {
             let t = AuthToken::new(token.as_bytes());
-            connect_mesh(1, &addrs, &ep, 5, &SocketOptions::default(), Some(&t), deadline).map(|_| ())
+            connect_mesh(1, &addrs, &ep, Vec::new(), 5, &SocketOptions::default(), Some(&t), deadline)
+                .map(|_| ())
         });
         let (mut s, _) = raw.accept().expect("accept");
         let mut sent = vec![0u8; HELLO_LEN + NONCE_LEN + MAC_LEN];
@@ -618,6 +634,7 @@ mod tests {
                         r,
                         &addrs,
                         &ep,
+                        Vec::new(),
                         COMM,
                         &SocketOptions::default(),
                         token.as_ref(),
@@ -740,7 +757,8 @@ mod tests {
         assert!(held >= allowance - Duration::from_millis(100), "dropped after {held:?}");
         let cut = drip.join().expect("drip thread").expect("dripping connection kept past its allowance");
         assert!(cut < allowance * 2, "dripping connection dropped only after {cut:?}");
-        let rank1 = connect_mesh(1, &addrs, &peer, COMM, &SocketOptions::default(), None, deadline);
+        let rank1 =
+            connect_mesh(1, &addrs, &peer, Vec::new(), COMM, &SocketOptions::default(), None, deadline);
         assert!(rank1.is_ok(), "{:?}", rank1.err());
         assert_eq!(rank0.join().expect("rank 0").expect("rank 0 connects"), 1);
     }
@@ -766,7 +784,7 @@ mod tests {
             .map(|(r, ep)| {
                 let addrs = addrs.clone();
                 std::thread::spawn(move || {
-                    connect_mesh(r, &addrs, &ep, COMM, &SocketOptions::default(), None, deadline)
+                    connect_mesh(r, &addrs, &ep, Vec::new(), COMM, &SocketOptions::default(), None, deadline)
                 })
             })
             .collect();
@@ -776,5 +794,41 @@ mod tests {
         }
         assert!(start.elapsed() < Duration::from_secs(2), "set-up took {:?}", start.elapsed());
         drop(flood);
+    }
+
+    #[test]
+    fn connections_accepted_before_set_up_count_and_strangers_among_them_are_dropped() {
+        // A shrink feeds in what the control plane accepted: here rank 1's genuine connection
+        // and a stranger's garbage, both accepted before rank 0 starts its mesh.
+        let eps: Vec<Endpoint> = (0..2).map(|_| listen(&lo(), 2).expect("listen")).collect();
+        let addrs: Vec<SocketAddr> = eps.iter().map(|e| e.addr).collect();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut stranger = TcpStream::connect(addrs[0]).expect("stranger connects");
+        stranger.write_all(&[0xee; HELLO_LEN]).expect("stranger writes");
+        let mut eps = eps.into_iter();
+        let (ep0, ep1) = (eps.next().unwrap(), eps.next().unwrap());
+        let a1 = addrs.clone();
+        let rank1 = std::thread::spawn(move || {
+            connect_mesh(1, &a1, &ep1, Vec::new(), 42, &SocketOptions::default(), None, deadline)
+        });
+        let mut accepted = Vec::new();
+        while accepted.len() < 2 {
+            assert!(Instant::now() < deadline, "connections never arrived");
+            match ep0.listener.accept() {
+                Ok(c) => accepted.push(c),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(Duration::from_millis(5))
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        // Nothing else will connect: rank 0 can only finish with what it was handed.
+        let mut m0 = connect_mesh(0, &addrs, &ep0, accepted, 42, &SocketOptions::default(), None, deadline)
+            .expect("rank 0");
+        let mut m1 = rank1.join().expect("rank 1 thread").expect("rank 1");
+        let (t0, t1) = (m0[1].as_deref_mut().expect("link 0-1"), m1[0].as_deref_mut().expect("link 1-0"));
+        send_and_receive(t0, t1, b"shrunk");
+        let mut b = [0u8; 1];
+        assert!(matches!(stranger.read(&mut b), Ok(0) | Err(_)), "the stranger must be dropped unanswered");
     }
 }

@@ -1,0 +1,149 @@
+//! Shrinking a communicator to its survivors: after a rank fails (or on purpose, on a healthy
+//! communicator), every other rank builds a new communicator of the ranks that remain, in their
+//! old order, as NCCL 2.27's `ncclCommShrink` and MPI ULFM's `MPI_Comm_shrink` do.
+//!
+//! There is no store to meet through any more (rank 0 stops serving it after set-up), and no
+//! new port is opened: each survivor hands its set-up listener, which the control plane kept
+//! open ([`Core::take_listener_for_shrink`]), to the connect sequence every communicator is made
+//! by (`setup.rs`), with the connections other survivors already made to it while it was not
+//! yet shrinking. The new communicator's id derives from the parent's ([`control::shrink_id`]),
+//! so the handshake keeps out anything that is not one of this shrink's survivors, and its
+//! ranks are the survivors renumbered `0..k`, so a hello claiming a rank beyond `k` is dropped
+//! as a stranger's.
+//!
+//! Every survivor must name the same failed ranks. Once connected they check it: an all-gather
+//! of each one's set, compared with its own; a difference fails every survivor with an error
+//! naming the ranks that disagree. Sets that differ in size usually stop the mesh itself (a
+//! survivor expects a rank that never comes, or is refused): that error says so too.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use super::Communicator;
+use super::control::{self, Answer};
+use super::setup::Members;
+use crate::error::{Error, Result};
+
+/// Shrink attempts of one communicator: the listener goes to the first, so there is one.
+const ATTEMPT: u64 = 1;
+/// How long a peer's control plane may take to answer when looking for the dead ranks.
+const ASK_GRACE: Duration = Duration::from_secs(2);
+
+impl Communicator {
+    /// Builds a new communicator of every rank not in `failed`, in this communicator's rank
+    /// order (a survivor's new rank is the number of survivors below it). Every survivor must
+    /// call it with the same `failed`; the failed ranks take no part. Works on an aborted
+    /// communicator (the usual case, after a failure) as on a healthy one; either way this
+    /// communicator stays as it was (destroy it as usual), and can be shrunk only once.
+    ///
+    /// An empty `failed` means the ranks that failed: those whose process is gone (their
+    /// control plane refuses connections), else the rank the first error named. When neither
+    /// names one, it is an [`Error::InvalidUsage`]: name them.
+    ///
+    /// Bounded by the communicator's timeout.
+    pub fn shrink(&self, failed: &[usize]) -> Result<Communicator> {
+        self.core.forked()?;
+        let n = self.size();
+        let failed: BTreeSet<usize> =
+            if failed.is_empty() { self.failed_ranks()? } else { failed.iter().copied().collect() };
+        if let Some(bad) = failed.iter().find(|r| **r >= n) {
+            return Err(Error::InvalidArgument(
+                format!("shrink: rank {bad} is not in a world of {n}").into(),
+            ));
+        }
+        if failed.contains(&self.rank()) {
+            return Err(Error::InvalidUsage(
+                format!("shrink: rank {} is among the failed ranks {failed:?} it was given", self.rank())
+                    .into(),
+            ));
+        }
+        let survivors: Vec<usize> = (0..n).filter(|r| !failed.contains(r)).collect();
+        let new_rank = survivors.iter().position(|r| *r == self.rank()).unwrap_or(0);
+        let what = format!(
+            "rank {}: shrink of communicator {:#x} to ranks {survivors:?} (without {failed:?})",
+            self.rank(),
+            self.id()
+        );
+        let deadline = crate::config::deadline_in(self.core.timeout);
+        let id = control::shrink_id(self.core.id, ATTEMPT);
+        let (endpoint, accepted) = self.core.take_listener_for_shrink(ATTEMPT)?;
+        let t = &self.core.topology;
+        let addrs: Vec<_> = survivors.iter().map(|r| self.core.addrs()[*r]).collect();
+        let hosts: Vec<String> = survivors.iter().map(|r| t.host_of[*r].to_string()).collect();
+        let machines: Vec<String> = survivors.iter().map(|r| t.machine_of[*r].to_string()).collect();
+        tracing::info!(target: "toroid::init", "{what}: rank {new_rank} of {}", survivors.len());
+        let members = Members { rank: new_rank, addrs: &addrs, hosts: &hosts, machines: &machines };
+        let comm = Communicator::connect(
+            members,
+            endpoint,
+            accepted,
+            id,
+            &self.core.config,
+            self.core.iface.clone(),
+            None,
+            deadline,
+        )
+        .map_err(|e| {
+            e.context(&format!("{what} (every survivor must name the same failed ranks, and be alive)"))
+        })?;
+        comm.agree_on(n, &failed, &survivors).map_err(|e| e.context(&what))?;
+        Ok(comm)
+    }
+
+    /// The ranks that failed: those whose process is gone, else the one the first error named.
+    fn failed_ranks(&self) -> Result<BTreeSet<usize>> {
+        let dead: BTreeSet<usize> = self
+            .core
+            .ask_peers(ASK_GRACE)
+            .into_iter()
+            .filter(|(_, a)| matches!(a, Answer::Dead(_)))
+            .map(|(r, _)| r)
+            .collect();
+        if !dead.is_empty() {
+            return Ok(dead);
+        }
+        let named = self.core.abort.is_fired().then(|| self.core.abort.error().peer()).flatten();
+        match named {
+            Some(r) if r != self.rank() => Ok(BTreeSet::from([r])),
+            _ => Err(Error::InvalidUsage(
+                format!(
+                    "rank {}: shrink was given no failed ranks, no rank's process is gone and no error \
+                     names one: name the ranks to leave out",
+                    self.rank()
+                )
+                .into(),
+            )),
+        }
+    }
+
+    /// Checks, on the new communicator, that every survivor left out the same ranks of a parent
+    /// of `n`: an all-gather of each one's set as a bitmap. On a difference this communicator
+    /// is aborted and the error names who disagrees.
+    fn agree_on(&self, n: usize, failed: &BTreeSet<usize>, survivors: &[usize]) -> Result<()> {
+        let k = self.size();
+        let mut all = vec![0u8; n * k];
+        let mine = &mut all[n * self.rank()..n * (self.rank() + 1)];
+        for r in failed {
+            mine[*r] = 1;
+        }
+        self.all_gather_in_place(&mut all)?;
+        let mine = &all[n * self.rank()..n * (self.rank() + 1)];
+        let set = |b: &[u8]| -> Vec<usize> { (0..n).filter(|r| b[*r] != 0).collect() };
+        let differ: Vec<String> = (0..k)
+            .filter(|s| all[n * s..n * (s + 1)] != *mine)
+            .map(|s| format!("rank {} leaves out {:?}", survivors[s], set(&all[n * s..n * (s + 1)])))
+            .collect();
+        if differ.is_empty() {
+            return Ok(());
+        }
+        self.abort();
+        Err(Error::InvalidUsage(
+            format!(
+                "the survivors disagree on the failed ranks: this rank leaves out {:?} but {}",
+                set(mine),
+                differ.join(", ")
+            )
+            .into(),
+        ))
+    }
+}
