@@ -103,7 +103,6 @@ fn survivors_of_a_killed_rank_shrink_and_all_reduce_over_tcp() {
 }
 
 #[test]
-#[ignore = "shrink(&[]) finding the dead rank through the control plane: a survivor is never connected (unresolved)"]
 fn survivors_find_the_killed_rank_themselves() {
     if util::is_child() {
         return killed_rank_body(false);

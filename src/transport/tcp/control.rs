@@ -318,7 +318,7 @@ fn flush(s: &mut TcpStream, msg: &[u8], sent: &mut usize) -> io::Result<bool> {
 pub enum Reply {
     /// Its answer.
     Answer(Vec<u8>),
-    /// Nothing listens at its address: its process is gone.
+    /// Nothing listens at its address (the connection was refused): its process is gone.
     Dead(String),
     /// It took the connection (the kernel does, even for a stopped process) but did not answer
     /// within the time given: stopped, or stuck.
@@ -341,9 +341,8 @@ pub fn ask(ctx: &ControlCtx, peer: usize, addr: SocketAddr, request: u8, grace: 
     match exchange(&mut s, ctx, peer, request, deadline) {
         Ok(a) => Reply::Answer(a),
         Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => Reply::Silent,
-        Err(e) if matches!(e.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionRefused) => {
-            Reply::Dead(format!("its connection was reset ({e})"))
-        }
+        // Dead means nothing listens: a listener that took the connection and then dropped it
+        // belongs to a live process (one whose listener went on to a shrink, say).
         Err(e) => Reply::Failed(e.to_string()),
     }
 }
