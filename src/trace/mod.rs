@@ -7,8 +7,10 @@
 //! `collective` and `dtype`, so that the transport layer can update the live progress of an
 //! operation without knowing about communicators.
 
+pub mod report;
 pub mod snapshot;
 
+pub use report::{PeerAnswer, Report};
 pub use snapshot::{OpRecord, OpState, Phase, PhaseSpan, Snapshot};
 
 /// Nanoseconds since the Unix epoch (the clock every record and snapshot uses, so that ranks
