@@ -14,6 +14,7 @@ mod api;
 mod control;
 mod queue;
 mod setup;
+mod stall;
 mod validate;
 
 pub use api::OwnedBuffer;
@@ -382,7 +383,7 @@ impl Core {
                 algorithm::dispatch::run(&mut wire, scratch, &self.layout, call)
             }
         };
-        result.map_err(|e| self.failed(engine, e.with_seq(fp.seq)))
+        result.map_err(|e| self.failed(engine, self.with_stall_report(e.with_seq(fp.seq))))
     }
 
     /// An operation failed: every link closes (peers learn why) and the communicator aborts.

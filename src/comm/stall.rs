@@ -1,0 +1,104 @@
+//! The stall report of a communicator: when an operation passes its deadline or loses a peer,
+//! this rank asks every other rank for its flight-recorder snapshot over the control plane,
+//! logs the whole report once, and puts its one-line conclusion at the front of the error.
+//!
+//! It runs before the communicator aborts (`Core::failed`), so the abort frames that tell every
+//! peer why carry the conclusion too: every rank's error names the culprit, including the rank
+//! that skipped a collective, which sees the abort (and the line) at its next call. An error
+//! that came in as a peer's abort frame already carries that peer's line and is left alone.
+//! [`Communicator::dump`] builds the same report on demand without failing anything.
+
+use std::time::Duration;
+
+use super::control::Answer;
+use super::{Communicator, Core};
+use crate::error::{Error, Result};
+use crate::trace::{PeerAnswer, Report};
+
+/// How long a peer has to answer. A live rank answers from its control thread in well under a
+/// millisecond whatever its other threads do, so silence this long means stopped or hung; a
+/// loaded host can delay a thread by a few hundred milliseconds, not seconds. It also bounds
+/// how much the report adds to the failure: an error arrives within the timeout plus this.
+pub(crate) const GRACE: Duration = Duration::from_secs(2);
+
+/// True for the failures the report explains: a deadline that passed, a peer that went away or
+/// a mismatch found on this rank's own links (not an abort frame relayed from a peer, which
+/// already carries that peer's report, nor this rank's own `abort`).
+fn explains(e: &Error) -> bool {
+    match e {
+        Error::Timeout(_) => true,
+        Error::Remote(d) => !is_relayed_abort(d),
+        Error::InvalidUsage(d) => d.starts_with("collective mismatch"),
+        _ => false,
+    }
+}
+
+/// `rank 3 aborted: ...` (an abort frame's reason) or `another rank aborted ...` (the shared
+/// window's abort flag).
+fn is_relayed_abort(message: &str) -> bool {
+    if message.starts_with("another rank aborted") {
+        return true;
+    }
+    let Some(rest) = message.strip_prefix("rank ") else { return false };
+    let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+    digits > 0 && rest[digits..].starts_with(" aborted")
+}
+
+fn trace_answer(a: Answer) -> PeerAnswer {
+    match a {
+        Answer::Report(s) => PeerAnswer::Report(s),
+        Answer::Dead(why) => PeerAnswer::Dead(why),
+        Answer::Silent => PeerAnswer::Silent,
+        Answer::Failed(why) => PeerAnswer::Failed(why),
+    }
+}
+
+impl Core {
+    /// The report of every rank's state now (asks the peers, each within [`GRACE`]).
+    pub(crate) fn stall_report(&self) -> Report {
+        let own = self.own_snapshot();
+        let others: Vec<(usize, PeerAnswer)> =
+            self.ask_peers(GRACE).into_iter().map(|(r, a)| (r, trace_answer(a))).collect();
+        Report::build(&own, &others)
+    }
+
+    /// `e` with the stall report's conclusion in front of its message, when `e` is a failure
+    /// the report explains (the whole report goes to the log, target `toroid::stall`).
+    pub(crate) fn with_stall_report(&self, e: Error) -> Error {
+        if self.size < 2 || !explains(&e) {
+            return e;
+        }
+        let report = self.stall_report();
+        tracing::error!(target: "toroid::stall", "rank {}: {e}\n{report}", self.rank);
+        e.context(report.conclusion())
+    }
+}
+
+impl Communicator {
+    /// The stall report now, without failing anything: every rank's last completed operation,
+    /// the one it is in (phase, step, whom it waits on and for how long) or why it did not
+    /// answer, and the one-line conclusion first. Asks every other rank over the control plane
+    /// (each within two seconds); callable from any thread, also while an operation runs.
+    pub fn dump(&self) -> Result<String> {
+        self.core.forked()?;
+        Ok(self.core.stall_report().to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_failures_seen_on_this_rank_are_explained() {
+        assert!(explains(&Error::Timeout("all_reduce #3 timed out".into())));
+        assert!(explains(&Error::Remote("rank 2 closed its connection".into())));
+        assert!(explains(&Error::InvalidUsage("collective mismatch: rank 0 called ...".into())));
+        assert!(!explains(&Error::Remote("rank 12 aborted: rank 12: timeout: ...".into())));
+        assert!(!explains(&Error::Remote("rank 1 aborted (its reason did not arrive)".into())));
+        assert!(!explains(&Error::Remote("another rank aborted all_reduce #3 (...)".into())));
+        assert!(!explains(&Error::Aborted("rank 0 aborted the communicator".into())));
+        assert!(!explains(&Error::InvalidArgument("count".into())));
+        assert!(explains(&Error::Remote("rank x aborted".into())));
+    }
+}
