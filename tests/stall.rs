@@ -230,3 +230,39 @@ fn dump_of_a_healthy_job_names_every_rank_and_blames_nobody() {
         }
     }
 }
+
+/// `SIGUSR1` to a rank prints the report of its communicator on stderr and stops nothing.
+#[test]
+fn sigusr1_prints_the_report_and_the_job_goes_on() {
+    if util::is_child() {
+        let comm = Communicator::from_env().unwrap();
+        println!("READY");
+        let start = Instant::now();
+        // Keep collectives going while the harness signals (a barrier every 50 ms for 3 s).
+        while start.elapsed() < Duration::from_secs(3) {
+            comm.barrier().unwrap();
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        println!("DONE");
+        return;
+    }
+    let children = util::spawn_ranks("sigusr1_prints_the_report_and_the_job_goes_on", 2, |_| {
+        vec![("TOROID_TIMEOUT".into(), "20".into())]
+    });
+    let pid = children[1].id();
+    // Communicators are up within a second on an idle host; signal well inside the 3 s loop.
+    std::thread::sleep(Duration::from_millis(1500));
+    // SAFETY: kill(2) on our own child; no memory is involved.
+    unsafe { libc::kill(pid as i32, libc::SIGUSR1) };
+    let (statuses, outputs) = util::wait_all(children, Instant::now() + Duration::from_secs(40));
+    for r in 0..2 {
+        assert_eq!(statuses[r].map(|s| s.success()), Some(true), "rank {r}:\n{}", outputs[r]);
+        assert!(outputs[r].contains("DONE"), "rank {r}:\n{}", outputs[r]);
+    }
+    assert!(
+        outputs[1].contains("rank 1 of communicator") && outputs[1].contains("(SIGUSR1): stall report: "),
+        "{}",
+        outputs[1]
+    );
+    assert!(!outputs[0].contains("(SIGUSR1)"), "only the signalled rank prints:\n{}", outputs[0]);
+}

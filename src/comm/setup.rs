@@ -277,6 +277,7 @@ impl Communicator {
             control,
         };
         let comm = Communicator { core: Arc::new(core), worker: Mutex::new(None) };
+        super::stall::watch(&comm.core);
         comm.calibrate(explicit)?;
         Ok(comm)
     }

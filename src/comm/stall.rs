@@ -6,12 +6,15 @@
 //! peer why carry the conclusion too: every rank's error names the culprit, including the rank
 //! that skipped a collective, which sees the abort (and the line) at its next call. An error
 //! that came in as a peer's abort frame already carries that peer's line and is left alone.
-//! [`Communicator::dump`] builds the same report on demand without failing anything.
+//! [`Communicator::dump`] builds the same report on demand without failing anything, and
+//! `SIGUSR1` prints it for every live communicator of the process (a watcher thread, started
+//! with the first communicator unless `TOROID_DUMP_ON_SIGNAL=0`).
 
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use super::control::Answer;
-use super::{Communicator, Core};
+use super::{Communicator, Core, lock};
 use crate::error::{Error, Result};
 use crate::trace::{PeerAnswer, Report};
 
@@ -82,6 +85,57 @@ impl Communicator {
     pub fn dump(&self) -> Result<String> {
         self.core.forked()?;
         Ok(self.core.stall_report().to_string())
+    }
+}
+
+/// The communicators the `SIGUSR1` watcher reports on (weak: a dropped one just disappears).
+static LIVE: Mutex<Vec<Weak<Core>>> = Mutex::new(Vec::new());
+static WATCHER: OnceLock<()> = OnceLock::new();
+
+/// Lists `core` for the `SIGUSR1` report, starting the watcher with the first communicator of
+/// the process (when `TOROID_DUMP_ON_SIGNAL` is on and the program has no `SIGUSR1` handler).
+pub(crate) fn watch(core: &Arc<Core>) {
+    if !core.config.dump_on_signal {
+        return;
+    }
+    {
+        let mut live = lock(&LIVE);
+        live.retain(|w| w.strong_count() > 0);
+        live.push(Arc::downgrade(core));
+    }
+    WATCHER.get_or_init(start_watcher);
+}
+
+fn start_watcher() {
+    let ev = match crate::sys::signal::SignalEvent::install(libc::SIGUSR1) {
+        Ok(Some(ev)) => ev,
+        Ok(None) => {
+            tracing::info!(target: "toroid::stall", "SIGUSR1 is handled by the program: no report on it");
+            return;
+        }
+        Err(e) => {
+            tracing::warn!(target: "toroid::stall", "cannot handle SIGUSR1 (no report on it): {e}");
+            return;
+        }
+    };
+    let spawned = std::thread::Builder::new().name("toroid-dump".into()).spawn(move || {
+        while ev.wait().is_ok() {
+            let live: Vec<Arc<Core>> = lock(&LIVE).iter().filter_map(Weak::upgrade).collect();
+            for core in live {
+                if core.forked().is_ok() {
+                    let text = format!(
+                        "toroid: rank {} of communicator {:#018x} (SIGUSR1): {}",
+                        core.rank,
+                        core.id,
+                        core.stall_report()
+                    );
+                    eprintln!("{text}");
+                }
+            }
+        }
+    });
+    if let Err(e) = spawned {
+        tracing::warn!(target: "toroid::stall", "cannot start the SIGUSR1 watcher: {e}");
     }
 }
 
