@@ -33,6 +33,8 @@ pub enum PeerAnswer {
 }
 
 /// Where one rank is, as the report sees it.
+// One per rank, built once per report: boxing the large variant would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
 enum View {
     Dead(String),
@@ -393,8 +395,8 @@ fn conclude(views: &[View]) -> String {
         }
         None => {
             let mut by_last: BTreeMap<String, Vec<usize>> = BTreeMap::new();
-            for r in 0..views.len() {
-                if let View::Known { last_any, .. } = &views[r] {
+            for (r, v) in views.iter().enumerate() {
+                if let View::Known { last_any, .. } = v {
                     by_last.entry(last_any.map_or("nothing yet".into(), |l| name(&l))).or_default().push(r);
                 }
             }
