@@ -19,6 +19,10 @@ use std::fmt::{self, Write as _};
 use super::snapshot::{OpRecord, OpState, Snapshot};
 use crate::collective::{CollKind, Fingerprint};
 
+/// How long after its last operation a rank counts as between two collectives, not behind,
+/// when a dead or stopped rank is there to blame.
+const IN_TRANSIT_NS: u64 = 1_000_000_000;
+
 /// What asking one rank gave (the trace-level mirror of the control plane's answer).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PeerAnswer {
@@ -271,15 +275,23 @@ fn conclude(views: &[View]) -> String {
     let mut behind: Vec<(String, Vec<usize>)> = Vec::new();
     let mut unmatched: Vec<String> = Vec::new();
     let mut blamed = vec![false; views.len()];
+    // Ranks between two collectives when a dead or stopped rank explains the stall: they will
+    // wait on it too (a peer's death is seen at once, while others are still in user code).
+    let gone = views.iter().any(|v| matches!(v, View::Dead(_) | View::Silent));
+    let mut transit = Vec::new();
     for (r, v) in views.iter().enumerate() {
         match v {
             View::Dead(_) => dead.push(r),
             View::Silent => silent.push(r),
             View::Unknown(why) => unknown.push((r, why.clone())),
-            View::Known { cur, last, last_any, .. } => {
+            View::Known { cur, last, last_any, taken_ns, .. } => {
                 let Some(t) = target else { continue };
                 let in_coll = cur.is_some_and(|c| c.fp.kind != CollKind::PointToPoint);
-                if !in_coll && last.is_none_or(|l| l.fp.seq < t.fp.seq) {
+                let idle_ns = last_any.map_or(u64::MAX, |l| taken_ns.saturating_sub(l.ended_ns));
+                let next = last.is_some_and(|l| l.fp.seq + 1 == t.fp.seq);
+                if gone && cur.is_none() && next && idle_ns < IN_TRANSIT_NS {
+                    transit.push(r);
+                } else if !in_coll && last.is_none_or(|l| l.fp.seq < t.fp.seq) {
                     let seen = match (cur, last_any) {
                         (Some(c), _) => format!("in {}", name(c)),
                         (None, Some(l)) => format!("last seen in {}", name(l)),
@@ -319,7 +331,9 @@ fn conclude(views: &[View]) -> String {
         }
     }
 
-    let waiters: Vec<usize> = in_op.iter().copied().filter(|&r| !blamed[r]).collect();
+    let mut waiters: Vec<usize> = in_op.iter().copied().filter(|&r| !blamed[r]).collect();
+    waiters.extend(transit);
+    waiters.sort_unstable();
     let during = target.map(|t| format!(" during {}", name(&t))).unwrap_or_default();
     let mut parts = Vec::new();
     if !dead.is_empty() {
@@ -568,6 +582,27 @@ mod tests {
         let (own, mut others) = reports(snaps);
         others.push((2, PeerAnswer::Dead("connection refused".into())));
         assert_eq!(conclude_for(own, others), "rank 2 died during all_reduce #812; ranks 0-1, 3 wait on it");
+    }
+
+    #[test]
+    fn a_rank_between_collectives_is_no_culprit_when_a_rank_died() {
+        let mut snaps: Vec<Snapshot> =
+            (0..4).filter(|r| *r != 2).map(|r| snap(r, 4, 811, running(812, 2))).collect();
+        // Rank 3 completed #811 a millisecond before the snapshot and is about to call #812.
+        snaps[2] = snap(3, 4, 811, None);
+        snaps[2].records.last_mut().unwrap().ended_ns = 14 * SEC - 1_000_000;
+        let (own, mut others) = reports(snaps.clone());
+        others.push((2, PeerAnswer::Dead("connection refused".into())));
+        assert_eq!(conclude_for(own, others), "rank 2 died during all_reduce #812; ranks 0-1, 3 wait on it");
+        // Idle for seconds, it is behind after all.
+        snaps[2].records.last_mut().unwrap().ended_ns = 10 * SEC;
+        let (own, mut others) = reports(snaps);
+        others.push((2, PeerAnswer::Dead("connection refused".into())));
+        assert_eq!(
+            conclude_for(own, others),
+            "rank 2 died during all_reduce #812; rank 3 never entered all_reduce #812 (last seen in \
+             all_reduce #811); ranks 0-1 wait on them"
+        );
     }
 
     #[test]
