@@ -73,6 +73,9 @@ impl Core {
         }
         let report = self.stall_report();
         tracing::error!(target: "toroid::stall", "rank {}: {e}\n{report}", self.rank);
+        if !report.is_informative() {
+            return e;
+        }
         e.context(report.conclusion())
     }
 }

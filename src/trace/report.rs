@@ -63,6 +63,9 @@ enum View {
 pub struct Report {
     rows: Vec<String>,
     conclusion: String,
+    /// The conclusion says something about the stall (false: no rank holds flight records and
+    /// every rank answered, so there is nothing to tell).
+    informative: bool,
 }
 
 impl Report {
@@ -83,7 +86,36 @@ impl Report {
             }
         }
         let rows = views.iter().enumerate().map(|(r, v)| row(r, v)).collect();
-        Report { rows, conclusion: conclude(&views) }
+        // With the recorder off (`TOROID_TRACE_BUFFER=0`) snapshots hold no records: only who is
+        // dead, stopped or unreachable can be told.
+        let blind = views.iter().all(|v| match v {
+            View::Known { records, .. } => records.is_empty(),
+            _ => true,
+        });
+        if blind {
+            let mut parts = Vec::new();
+            for (what, pick) in [
+                ("died", (|v: &View| matches!(v, View::Dead(_))) as fn(&View) -> bool),
+                ("not answering (stopped or hung)", |v| matches!(v, View::Silent)),
+                ("could not be asked", |v| matches!(v, View::Unknown(_))),
+            ] {
+                let list: Vec<usize> = (0..size).filter(|&r| pick(&views[r])).collect();
+                if !list.is_empty() {
+                    let is = if what.starts_with("not") { verb(list.len(), "is ", "are ") } else { "" };
+                    parts.push(format!("{} {is}{what}", ranks(&list)));
+                }
+            }
+            let informative = !parts.is_empty();
+            parts.push("no flight records to compare (TOROID_TRACE_BUFFER=0)".into());
+            return Report { rows, conclusion: parts.join("; "), informative };
+        }
+        Report { rows, conclusion: conclude(&views), informative: true }
+    }
+
+    /// False when the report has nothing to tell about a stall (the recorder is off and every
+    /// rank answered): an error is then better left as it is.
+    pub fn is_informative(&self) -> bool {
+        self.informative
     }
 
     /// The one-line conclusion.
@@ -499,6 +531,20 @@ mod tests {
         let mut it = snaps.into_iter();
         let own = it.next().unwrap();
         (own, it.map(|s| (s.rank as usize, PeerAnswer::Report(s))).collect())
+    }
+
+    #[test]
+    fn without_records_only_dead_and_stopped_ranks_are_told() {
+        let empty = |r| Snapshot { records: Vec::new(), ..snap(r, 3, 0, None) };
+        let r = Report::build(&empty(0), &[(1, PeerAnswer::Report(empty(1))), (2, PeerAnswer::Silent)]);
+        assert!(r.is_informative());
+        assert_eq!(
+            r.conclusion(),
+            "rank 2 is not answering (stopped or hung); no flight records to compare (TOROID_TRACE_BUFFER=0)"
+        );
+        let r =
+            Report::build(&empty(0), &[(1, PeerAnswer::Report(empty(1))), (2, PeerAnswer::Report(empty(2)))]);
+        assert!(!r.is_informative());
     }
 
     #[test]
