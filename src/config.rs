@@ -18,6 +18,10 @@ pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 /// longer timeouts passed through the APIs (a `Duration::MAX` meant as "forever") are cut to it,
 /// so no deadline arithmetic can overflow.
 pub const MAX_TIMEOUT: Duration = Duration::from_secs(30 * 24 * 3600);
+/// Operations the flight recorder keeps per communicator by default (80 bytes each).
+pub const DEFAULT_TRACE_BUFFER: usize = 2048;
+/// The most `TOROID_TRACE_BUFFER` may ask for (80 MB per communicator).
+pub const MAX_TRACE_BUFFER: usize = 1 << 20;
 /// The longest time a waiting rank may poll before it blocks (`TOROID_SPIN_US`): 1 s.
 pub const MAX_SPIN: Duration = Duration::from_secs(1);
 
@@ -92,6 +96,7 @@ pub const TOROID_VARS: &[&str] = &[
     "TOROID_SHM_DIR",
     "TOROID_SHM_RING_SIZE",
     "TOROID_SHM_CHUNK_SIZE",
+    "TOROID_TRACE_BUFFER",
 ];
 
 /// Settings of the library, from the environment or built by hand.
@@ -115,6 +120,8 @@ pub struct Config {
     pub spin: Option<Duration>,
     /// Largest frame (segment) on the wire in bytes (`TOROID_SEGMENT_SIZE`).
     pub segment_size: usize,
+    /// Operations the flight recorder keeps per communicator (`TOROID_TRACE_BUFFER`; 0: off).
+    pub trace_buffer: usize,
     /// Algorithm override (`TOROID_ALGO`), NCCL list syntax.
     pub algo: Option<String>,
     /// Host identity override (`TOROID_HOST_ID`), for emulating several hosts on one machine.
@@ -192,6 +199,7 @@ impl Default for Config {
             auth_token: None,
             spin: None,
             segment_size: DEFAULT_SEGMENT_SIZE,
+            trace_buffer: DEFAULT_TRACE_BUFFER,
             algo: None,
             host_id: None,
             torus_shape: None,
@@ -283,6 +291,16 @@ impl Config {
                 ));
             }
             cfg.segment_size = s;
+        }
+        if let Some(v) = get("TOROID_TRACE_BUFFER") {
+            let n: u64 = parse_num("TOROID_TRACE_BUFFER", v)?;
+            if n > MAX_TRACE_BUFFER as u64 {
+                return Err(Error::InvalidArgument(
+                    format!("TOROID_TRACE_BUFFER={v}: above the maximum of {MAX_TRACE_BUFFER} operations")
+                        .into(),
+                ));
+            }
+            cfg.trace_buffer = n as usize;
         }
         cfg.algo = get("TOROID_ALGO").map(str::to_string);
         cfg.host_id = get("TOROID_HOST_ID").map(str::to_string);

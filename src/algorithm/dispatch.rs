@@ -8,6 +8,7 @@ use crate::collective::{Algorithm, Bufs, OpKind};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::topology::Layout;
+use crate::trace::Phase as Stage;
 
 /// One validated operation, with its buffers as slices.
 #[derive(Debug)]
@@ -30,6 +31,18 @@ pub fn run(wire: &mut Wire<'_>, scratch: &mut Scratch, layout: &Layout, call: Ca
     let me = wire.rank();
     let Call { kind, dtype, algo, bufs, input } = call;
     let need = || Error::Internal(format!("{kind:?} without the buffers it needs").into());
+    // The phase an algorithm runs in unless it names its own (the ring phases do).
+    wire.phase(match kind {
+        _ if algo == Algorithm::ShmDirect => Stage::Window,
+        OpKind::AllReduce(_) => Stage::AllReduce,
+        OpKind::ReduceScatter(_) => Stage::ReduceScatter,
+        OpKind::AllGather | OpKind::SplitExchange => Stage::AllGather,
+        OpKind::Broadcast(_) => Stage::Broadcast,
+        OpKind::Reduce(..) => Stage::Reduce,
+        OpKind::AllToAll | OpKind::Barrier | OpKind::Send(_) | OpKind::Recv(_) => Stage::Exchange,
+        OpKind::RecvAny => Stage::RecvAny,
+        OpKind::Probe => Stage::None,
+    });
     if algo == Algorithm::ShmDirect {
         let bufs = bufs.ok_or_else(need)?;
         return match kind {

@@ -19,6 +19,7 @@ use super::{Bufs, Group, Wire, work_and_input};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::topology::Layout;
+use crate::trace::Phase as Stage;
 use crate::transport::{Sink, Source};
 
 /// Hierarchical ring all-reduce over the communicator.
@@ -46,6 +47,7 @@ pub fn all_reduce(
         None => RsBufs::InPlace(&mut *buf),
     };
     ring::reduce_scatter_phase(wire, Phase::new(local, me, dtype, op), count, rs)?;
+    wire.phase(Stage::Reduce);
     if me == 0 {
         for i in 1..k {
             wire.exchange(big_k + i, None, Some((layout.local[i], Sink::Copy(&mut buf[piece(i)]))))?;
@@ -60,6 +62,7 @@ pub fn all_reduce(
     }
     // 3. Broadcast from the local root: scatter, then all-gather.
     let base = 2 * big_k + 2 * m + 1;
+    wire.phase(Stage::Broadcast);
     if me == 0 {
         for i in 1..k {
             wire.exchange(base + i, Some((layout.local[i], Source::Bytes(&buf[piece(i)]))), None)?;

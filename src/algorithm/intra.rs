@@ -80,6 +80,7 @@ impl Sync<'_> {
     fn wait_all(&mut self, win: &mut Window, target: u32) -> Result<()> {
         let (fp, peers) = (self.fp, &mut *self.peers);
         win.wait_all(target, &fp, &self.policy, self.deadline, &self.abort, &mut |m| {
+            peers.progress().waiting(Some(m), 0);
             peers.poll_idle_links(&fp, m)
         })
     }
@@ -87,6 +88,7 @@ impl Sync<'_> {
     fn wait(&mut self, win: &mut Window, m: usize, target: u32) -> Result<()> {
         let (fp, peers) = (self.fp, &mut *self.peers);
         win.wait(m, target, &fp, &self.policy, self.deadline, &self.abort, &mut |m| {
+            peers.progress().waiting(Some(m), 0);
             peers.poll_idle_links(&fp, m)
         })
     }
@@ -94,6 +96,7 @@ impl Sync<'_> {
     fn begin_chunk(&mut self, win: &mut Window, writes: bool) -> Result<usize> {
         let (fp, peers) = (self.fp, &mut *self.peers);
         win.begin_chunk(writes, &fp, &self.policy, self.deadline, &self.abort, &mut |m| {
+            peers.progress().waiting(Some(m), 0);
             peers.poll_idle_links(&fp, m)
         })
     }

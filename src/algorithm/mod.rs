@@ -27,6 +27,7 @@ pub mod ring;
 pub mod schedule;
 pub mod torus2d;
 
+use crate::trace::Phase as Stage;
 use std::time::Instant;
 
 use crate::collective::{Bufs, Fingerprint};
@@ -51,6 +52,11 @@ pub struct Wire<'p> {
 }
 
 impl Wire<'_> {
+    /// The operation enters `phase` (the flight recorder and the timeline show it).
+    pub fn phase(&mut self, phase: Stage) {
+        self.peers.progress().phase(phase);
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
         self.peers.rank()

@@ -17,6 +17,7 @@ use super::{Bufs, Group, Scratch, Wire, grow, work_and_input};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::reduce;
+use crate::trace::Phase as Stage;
 use crate::transport::exchange::RingPlan;
 use crate::transport::{Sink, Source};
 
@@ -108,6 +109,7 @@ pub fn reduce_scatter_phase(
     count: usize,
     bufs: RsBufs<'_>,
 ) -> Result<()> {
+    wire.phase(Stage::ReduceScatter);
     let Phase { group, me, dtype, op, step0 } = phase;
     let n = group.len();
     let es = dtype.size();
@@ -208,6 +210,7 @@ pub fn reduce_scatter(
 /// position's piece is already in place. Uses steps `step0 .. step0 + n - 1`. Copies only: the
 /// phase's reduction is not used.
 pub fn all_gather_phase(wire: &mut Wire<'_>, phase: Phase<'_>, count: usize, buf: &mut [u8]) -> Result<()> {
+    wire.phase(Stage::AllGather);
     let Phase { group, me, dtype, step0, .. } = phase;
     let esize = dtype.size();
     let n = group.len();
@@ -236,6 +239,8 @@ pub fn all_reduce_phase(
     work: &mut [u8],
     src: Option<&[u8]>,
 ) -> Result<()> {
+    // One stream in which the reduce-scatter's last steps overlap the all-gather's first.
+    wire.phase(Stage::AllReduce);
     let Phase { group, me, dtype, op, step0 } = phase;
     let n = group.len();
     let es = dtype.size();

@@ -116,6 +116,8 @@ struct Core {
     _store: Option<Arc<dyn Store>>,
     /// The control plane: this rank's listener, served for the communicator's life.
     control: control::Control,
+    /// The flight recorder: the last operations and the running one's progress.
+    recorder: Arc<crate::trace::Recorder>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -231,6 +233,19 @@ impl Communicator {
         self.core.has_window
     }
 
+    /// What this rank's flight recorder holds: its last operations (at most 16) and the one
+    /// running now, with its phase, step, the rank it waits on and the bytes moved. Never waits
+    /// for the running operation (another thread may call it while one is blocked).
+    pub fn flight_record(&self) -> crate::trace::Snapshot {
+        self.core.recorder.snapshot()
+    }
+
+    /// Counts, bytes and times of the operations completed so far, per collective, algorithm
+    /// and size class (empty with `TOROID_TRACE_BUFFER=0`).
+    pub fn stats(&self) -> crate::trace::Stats {
+        self.core.recorder.stats()
+    }
+
     /// The algorithm that a call of `kind` moving `bytes` would use (what the benchmark shows).
     pub fn algorithm_for(&self, kind: OpKind, bytes: usize, opts: &CallOptions) -> Algorithm {
         self.core.choose(kind, bytes, opts)
@@ -305,7 +320,7 @@ impl Core {
     }
 
     /// Runs a validated operation (callers guarantee one at a time, in issue order).
-    fn execute(&self, op: &RawOp) -> Result<()> {
+    fn execute(&self, op: &RawOp, issued_ns: u64) -> Result<()> {
         self.abort.check()?;
         let mut engine = lock(&self.engine);
         let engine = &mut *engine;
@@ -367,6 +382,11 @@ impl Core {
             algo: algo as u8,
         };
         tracing::debug!(target: "toroid::coll", "rank {}: {fp} ({bytes} bytes)", self.rank);
+        let peer = match kind {
+            OpKind::Send(p) | OpKind::Recv(p) => Some(p),
+            _ => None,
+        };
+        self.recorder.start(&fp, peer, issued_ns);
         let mut wire = Wire { peers: &mut engine.peers, window: engine.window.as_mut(), fp, deadline };
         let scratch = &mut engine.scratch;
         // SAFETY: validated buffers; blocking callers hold their borrows until we return, async

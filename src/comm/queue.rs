@@ -28,6 +28,8 @@ pub(super) struct Queue {
 /// One queued operation and its completion.
 pub(super) struct Job {
     op: RawOp,
+    /// When it was issued (ns since the Unix epoch; the flight recorder's issue time).
+    issued_ns: u64,
     done: Arc<Completion>,
     hooks: Hooks,
 }
@@ -77,7 +79,7 @@ impl Communicator {
             if q.jobs.is_empty() && !q.running {
                 q.running = true;
                 drop(q);
-                let r = self.core.execute_guarded(&op, &mut Hooks::default());
+                let r = self.core.execute_guarded(&op, &mut Hooks::default(), 0);
                 lock(&self.core.queue).running = false;
                 self.core.queue_cv.notify_all();
                 return r;
@@ -139,7 +141,8 @@ impl Communicator {
         if q.shutdown {
             return Err(Error::Aborted("communicator is shutting down".into()));
         }
-        q.jobs.push_back(Job { op, done: done.clone(), hooks });
+        let issued_ns = if self.core.recorder.is_on() { crate::trace::now_ns() } else { 0 };
+        q.jobs.push_back(Job { op, issued_ns, done: done.clone(), hooks });
         drop(q);
         self.core.queue_cv.notify_all();
         Ok(done)
@@ -211,7 +214,7 @@ impl Core {
                     q = self.queue_cv.wait(q).unwrap_or_else(|e| e.into_inner());
                 }
             };
-            let r = self.execute_guarded(&job.op, &mut job.hooks);
+            let r = self.execute_guarded(&job.op, &mut job.hooks, job.issued_ns);
             if let Err(e) = &r {
                 *lock(&self.last_error) = Some(e.to_string());
             }
@@ -233,12 +236,14 @@ impl Core {
     /// Runs `op` between its hooks inside a panic boundary: a panic (a bug in toroid or in a
     /// hook) becomes [`Error::Internal`] and aborts the communicator, which stays destroyable,
     /// instead of leaving it "running" forever with its queue stuck.
-    fn execute_guarded(&self, op: &RawOp, hooks: &mut Hooks) -> Result<()> {
+    fn execute_guarded(&self, op: &RawOp, hooks: &mut Hooks, issued_ns: u64) -> Result<()> {
         let run = || {
             if let Some(before) = hooks.before.take() {
                 before();
             }
-            let r = self.execute(op);
+            let r = self.execute(op, issued_ns);
+            // (After a failure's stall report, which shows the operation still running.)
+            self.recorder.end(r.is_ok());
             if r.is_ok()
                 && let Some(after) = hooks.after.take()
             {
@@ -261,6 +266,7 @@ impl Core {
                     )
                     .into(),
                 );
+                self.recorder.end(false);
                 // The engine's lock may be poisoned by the panic; `lock` takes it anyway, and
                 // closing every link is the one thing left to do with it.
                 Err(self.failed(&mut lock(&self.engine), e))

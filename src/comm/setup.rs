@@ -15,7 +15,7 @@ use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::rendezvous::{self, Store};
 use crate::topology::{Layout, Topology};
-use crate::trace::Snapshot;
+use crate::trace::Recorder;
 use crate::transport::exchange::{AbortSignal, SpinPolicy};
 use crate::transport::tcp::control::ControlCtx;
 use crate::transport::{Peers, shm, tcp};
@@ -183,20 +183,14 @@ impl Communicator {
             cfg.auth_token.as_ref(),
             deadline,
         )?;
+        let recorder = Arc::new(Recorder::new(rank, size, id, cfg.trace_buffer));
         // Every peer is connected: from now on the listener serves the control plane.
+        let snapshot = recorder.clone();
         let control = Control::start(
             endpoint,
             ControlCtx { rank, size, comm_id: id, auth: cfg.auth_token.clone() },
             addrs.to_vec(),
-            Arc::new(move || Snapshot {
-                rank: rank as u32,
-                size: size as u32,
-                comm_id: id,
-                pid: std::process::id(),
-                taken_ns: crate::trace::now_ns(),
-                completed: 0,
-                records: Vec::new(),
-            }),
+            Arc::new(move || snapshot.snapshot()),
         )?;
         let topology = Topology::from_ids(rank, hosts, machines);
         let links = shm::connect(
@@ -220,7 +214,8 @@ impl Communicator {
             yield_between: true,
         };
         let abort = Arc::new(AbortSignal::new()?);
-        let peers = Peers::new(rank, transports, abort.clone(), spin, config.segment_size);
+        let mut peers = Peers::new(rank, transports, abort.clone(), spin, config.segment_size);
+        peers.set_progress(recorder.progress());
         let has_window = window.is_some();
         tracing::info!(target: "toroid::init",
             "rank {rank}/{size}: connected; host {} of {}, local rank {}/{}, spin {:?}{}; shared memory with {shm_peers} peers{}",
@@ -275,6 +270,7 @@ impl Communicator {
             fork_generation: crate::sys::fork::generation(),
             _store: store,
             control,
+            recorder,
         };
         let comm = Communicator { core: Arc::new(core), worker: Mutex::new(None) };
         super::stall::watch(&comm.core);

@@ -7,11 +7,15 @@
 //! `collective` and `dtype`, so that the transport layer can update the live progress of an
 //! operation without knowing about communicators.
 
+pub mod recorder;
 pub mod report;
 pub mod snapshot;
+pub mod stats;
 
+pub use recorder::{Progress, Recorder};
 pub use report::{PeerAnswer, Report};
 pub use snapshot::{OpRecord, OpState, Phase, PhaseSpan, Snapshot};
+pub use stats::Stats;
 
 /// Nanoseconds since the Unix epoch (the clock every record and snapshot uses, so that ranks
 /// compare times; 0 if the clock is before the epoch).

@@ -50,6 +50,7 @@ use crate::collective::{CollKind, Fingerprint};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::sys::poll::PollFd;
+use crate::trace::Progress;
 use frame::{KIND_ABORT, MAX_REASON, decode, encode, read_abort};
 
 /// How long a failing rank tries to deliver its abort frames.
@@ -170,6 +171,8 @@ pub struct Peers {
     /// Per-link state of a receive from any source (kept to reuse its allocation).
     heads: Vec<any::Head>,
     token: u64,
+    /// The running operation's live state for the flight recorder (`trace::Progress`).
+    progress: Arc<Progress>,
 }
 
 impl fmt::Debug for Peers {
@@ -217,7 +220,18 @@ impl Peers {
             poll_ranks: Vec::new(),
             heads: Vec::new(),
             token: 0,
+            progress: Arc::default(),
         }
+    }
+
+    /// Reports the running operation's progress to `progress` (a communicator's recorder).
+    pub fn set_progress(&mut self, progress: Arc<Progress>) {
+        self.progress = progress;
+    }
+
+    /// Where the running operation's progress goes.
+    pub fn progress(&self) -> &Progress {
+        &self.progress
     }
 
     /// How waiting ranks spend their time before sleeping.

@@ -89,6 +89,7 @@ impl Peers {
             let tx_done = tx.as_ref().is_none_or(|t| t.done);
             let rx_done = rx.as_ref().is_none_or(|r| r.done);
             if tx_done && rx_done {
+                self.progress.moved(tx.as_ref().map_or(0, |t| t.total) + recv_len.unwrap_or(0));
                 return Ok(());
             }
             let now = Instant::now();
@@ -110,6 +111,7 @@ impl Peers {
             // shm: a send waiting for forwarded bytes waits on the receive, not on its link
             let want_write = tx.as_ref().filter(|t| !t.done && !t.starved(forward_avail)).map(|t| t.peer);
             let want_read = rx.as_ref().filter(|r| !r.done).map(|r| r.peer);
+            self.progress.waiting(want_read.or(want_write), step as usize);
             self.sleep(fp, want_write, want_read, deadline)?;
             last_progress = Instant::now();
         }
@@ -198,6 +200,9 @@ impl Peers {
                 }
             }
             if ts == plan.steps && rs == plan.steps {
+                let received: usize = (0..plan.steps).map(|k| (plan.piece)(k).len()).sum();
+                let sent = plan.send0.len() + received - (plan.piece)(plan.steps - 1).len();
+                self.progress.moved(sent + received);
                 return Ok(());
             }
             let now = Instant::now();
@@ -222,6 +227,7 @@ impl Peers {
             // shm: a send waiting for forwarded bytes waits on the receive, not on its link
             let want_write = (ts < plan.steps && !tx.starved(tx_avail)).then_some(plan.right);
             let want_read = (rs < plan.steps && (rs < plan.lag || ts > rs - plan.lag)).then_some(plan.left);
+            self.progress.waiting(want_read.or(want_write), plan.first_step + rs.min(ts));
             self.sleep(fp, want_write, want_read, deadline)?;
             last_progress = Instant::now();
         }
