@@ -363,6 +363,24 @@ fn conclude(views: &[View]) -> String {
         }
     }
 
+    // A rank whose process is gone, that nobody waits on while the waits point elsewhere (at
+    // a dead, stopped or missing rank), most likely failed with the others and exited before it
+    // was asked: it is no culprit.
+    let waited: Vec<usize> = in_op
+        .iter()
+        .filter_map(|&r| cur_of(r))
+        .filter(|c| c.waiting_on >= 0)
+        .map(|c| c.waiting_on as usize)
+        .collect();
+    let elsewhere = waited
+        .iter()
+        .any(|w| dead.contains(w) || silent.contains(w) || behind.iter().any(|b| b.1.contains(w)));
+    if elsewhere {
+        for d in dead.iter().filter(|d| !waited.contains(d)) {
+            blamed[*d] = false;
+        }
+        dead.retain(|d| waited.contains(d));
+    }
     let mut waiters: Vec<usize> = in_op.iter().copied().filter(|&r| !blamed[r]).collect();
     waiters.extend(transit);
     waiters.sort_unstable();
@@ -649,6 +667,25 @@ mod tests {
             "rank 2 died during all_reduce #812; rank 3 never entered all_reduce #812 (last seen in \
              all_reduce #811); ranks 0-1 wait on them"
         );
+    }
+
+    #[test]
+    fn a_rank_that_exited_after_the_failure_is_no_culprit() {
+        // Rank 3 failed with the others and exited before it was asked; the waits point at 0.
+        let mut snaps: Vec<Snapshot> = (1..3).map(|r| snap(r, 4, 12, running(13, 0))).collect();
+        snaps.push(snap(0, 4, 12, None));
+        let (own, mut others) = reports(snaps);
+        others.push((3, PeerAnswer::Dead("connection refused".into())));
+        assert_eq!(
+            conclude_for(own, others),
+            "rank 0 never entered all_reduce #13 (last seen in all_reduce #12); ranks 1-2 wait on it"
+        );
+        // Two gone, one waited on: that one died.
+        let snaps: Vec<Snapshot> = [1, 3].into_iter().map(|r| snap(r, 4, 12, running(13, 2))).collect();
+        let (own, mut others) = reports(snaps);
+        others.push((0, PeerAnswer::Dead("connection refused".into())));
+        others.push((2, PeerAnswer::Dead("connection refused".into())));
+        assert_eq!(conclude_for(own, others), "rank 2 died during all_reduce #13; ranks 1, 3 wait on it");
     }
 
     #[test]
