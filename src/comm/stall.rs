@@ -57,12 +57,13 @@ fn trace_answer(a: Answer) -> PeerAnswer {
 }
 
 impl Core {
-    /// The report of every rank's state now (asks the peers, each within [`GRACE`]).
-    pub(crate) fn stall_report(&self) -> Report {
+    /// The report of every rank's state now (asks the peers, each within [`GRACE`]); `closed`:
+    /// the peer whose closed connection this rank's failure began with.
+    pub(crate) fn stall_report(&self, closed: Option<usize>) -> Report {
         let own = self.own_snapshot();
         let others: Vec<(usize, PeerAnswer)> =
             self.ask_peers(GRACE).into_iter().map(|(r, a)| (r, trace_answer(a))).collect();
-        Report::build(&own, &others)
+        Report::build_after_close(&own, &others, closed)
     }
 
     /// `e` with the stall report's conclusion in front of its message, when `e` is a failure
@@ -71,7 +72,10 @@ impl Core {
         if self.size < 2 || !explains(&e) {
             return e;
         }
-        let report = self.stall_report();
+        // A lost connection names the peer that closed it: that one died; others found gone
+        // by now most likely exited after failing because of it.
+        let closed = if matches!(e, Error::Remote(_)) { e.peer() } else { None };
+        let report = self.stall_report(closed);
         tracing::error!(target: "toroid::stall", "rank {}: {e}\n{report}", self.rank);
         if !report.is_informative() {
             return e;
@@ -87,7 +91,7 @@ impl Communicator {
     /// (each within two seconds); callable from any thread, also while an operation runs.
     pub fn dump(&self) -> Result<String> {
         self.core.forked()?;
-        Ok(self.core.stall_report().to_string())
+        Ok(self.core.stall_report(None).to_string())
     }
 }
 
@@ -130,7 +134,7 @@ fn start_watcher() {
                         "toroid: rank {} of communicator {:#018x} (SIGUSR1): {}",
                         core.rank,
                         core.id,
-                        core.stall_report()
+                        core.stall_report(None)
                     );
                     eprintln!("{text}");
                 }

@@ -19,8 +19,7 @@ use std::fmt::{self, Write as _};
 use super::snapshot::{OpRecord, OpState, Snapshot};
 use crate::collective::{CollKind, Fingerprint};
 
-/// How long after its last operation a rank counts as between two collectives, not behind,
-/// when a dead or stopped rank is there to blame.
+/// How long after its last operation a rank counts as between two collectives, not behind.
 const IN_TRANSIT_NS: u64 = 1_000_000_000;
 
 /// What asking one rank gave (the trace-level mirror of the control plane's answer).
@@ -42,6 +41,9 @@ pub enum PeerAnswer {
 #[derive(Debug, Clone)]
 enum View {
     Dead(String),
+    /// Gone, but after this rank saw another one close first: most likely it failed with the
+    /// others and exited before it was asked. Not a culprit.
+    Exited(String),
     Silent,
     Unknown(String),
     Known {
@@ -72,6 +74,17 @@ impl Report {
     /// Builds the report from this rank's snapshot and every other rank's answer (ranks with no
     /// answer at all are reported as not asked).
     pub fn build(own: &Snapshot, others: &[(usize, PeerAnswer)]) -> Report {
+        Report::build_after_close(own, others, None)
+    }
+
+    /// [`Report::build`] for a failure that began with `closed` closing its connection: of the
+    /// ranks whose process is gone, that one died; the others (gone by the time they were
+    /// asked) most likely failed because of it and exited, and are not blamed.
+    pub fn build_after_close(
+        own: &Snapshot,
+        others: &[(usize, PeerAnswer)],
+        closed: Option<usize>,
+    ) -> Report {
         let size = (own.size as usize).max(own.rank as usize + 1);
         let mut views: Vec<View> = vec![View::Unknown("no answer".into()); size];
         views[own.rank as usize] = view_of(own);
@@ -79,6 +92,7 @@ impl Report {
             if let Some(v) = views.get_mut(*r) {
                 *v = match a {
                     PeerAnswer::Report(s) => view_of(s),
+                    PeerAnswer::Dead(why) if closed.is_some_and(|c| c != *r) => View::Exited(why.clone()),
                     PeerAnswer::Dead(why) => View::Dead(why.clone()),
                     PeerAnswer::Silent => View::Silent,
                     PeerAnswer::Failed(why) => View::Unknown(why.clone()),
@@ -188,6 +202,11 @@ fn same_call(a: &Fingerprint, b: &Fingerprint) -> bool {
 fn row(rank: usize, v: &View) -> String {
     let (state, last, cur) = match v {
         View::Dead(why) => ("dead".to_string(), "-".to_string(), format!("(process gone: {why})")),
+        View::Exited(why) => (
+            "gone".to_string(),
+            "-".to_string(),
+            format!("(process gone after the failure, it seems: {why})"),
+        ),
         View::Silent => ("silent".into(), "-".into(), "(stopped or hung: no answer within the grace)".into()),
         View::Unknown(why) => ("unknown".into(), "-".into(), format!("(not asked: {why})")),
         View::Known { cur, last_any, taken_ns, pid, .. } => {
@@ -307,13 +326,15 @@ fn conclude(views: &[View]) -> String {
     let mut behind: Vec<(String, Vec<usize>)> = Vec::new();
     let mut unmatched: Vec<String> = Vec::new();
     let mut blamed = vec![false; views.len()];
-    // Ranks between two collectives when a dead or stopped rank explains the stall: they will
-    // wait on it too (a peer's death is seen at once, while others are still in user code).
-    let gone = views.iter().any(|v| matches!(v, View::Dead(_) | View::Silent));
+    // Ranks that completed the collective before the one in flight less than a second ago are
+    // between two collectives, not behind: they will wait too (a peer's death is seen at once,
+    // while others are still in user code; a dump catches ranks on their way). A rank that
+    // makes the others time out has been idle for the whole timeout.
     let mut transit = Vec::new();
     for (r, v) in views.iter().enumerate() {
         match v {
             View::Dead(_) => dead.push(r),
+            View::Exited(_) => {}
             View::Silent => silent.push(r),
             View::Unknown(why) => unknown.push((r, why.clone())),
             View::Known { cur, last, last_any, taken_ns, .. } => {
@@ -321,7 +342,7 @@ fn conclude(views: &[View]) -> String {
                 let in_coll = cur.is_some_and(|c| c.fp.kind != CollKind::PointToPoint);
                 let idle_ns = last_any.map_or(u64::MAX, |l| taken_ns.saturating_sub(l.ended_ns));
                 let next = last.is_some_and(|l| l.fp.seq + 1 == t.fp.seq);
-                if gone && cur.is_none() && next && idle_ns < IN_TRANSIT_NS {
+                if cur.is_none() && next && idle_ns < IN_TRANSIT_NS {
                     transit.push(r);
                 } else if !in_coll && last.is_none_or(|l| l.fp.seq < t.fp.seq) {
                     let seen = match (cur, last_any) {
@@ -336,7 +357,7 @@ fn conclude(views: &[View]) -> String {
                 }
             }
         }
-        blamed[r] = !matches!(v, View::Known { .. });
+        blamed[r] = !matches!(v, View::Known { .. } | View::Exited(_));
     }
     for (_, list) in &behind {
         for &r in list {
@@ -649,7 +670,7 @@ mod tests {
     }
 
     #[test]
-    fn a_rank_between_collectives_is_no_culprit_when_a_rank_died() {
+    fn a_rank_between_collectives_is_no_culprit() {
         let mut snaps: Vec<Snapshot> =
             (0..4).filter(|r| *r != 2).map(|r| snap(r, 4, 811, running(812, 2))).collect();
         // Rank 3 completed #811 a millisecond before the snapshot and is about to call #812.
@@ -686,6 +707,29 @@ mod tests {
         others.push((0, PeerAnswer::Dead("connection refused".into())));
         others.push((2, PeerAnswer::Dead("connection refused".into())));
         assert_eq!(conclude_for(own, others), "rank 2 died during all_reduce #13; ranks 1, 3 wait on it");
+    }
+
+    #[test]
+    fn after_a_closed_connection_only_that_rank_died() {
+        let snaps: Vec<Snapshot> = [3].into_iter().map(|r| snap(r, 4, 12, running(13, 2))).collect();
+        let (own, mut others) = reports(snaps);
+        others.push((0, PeerAnswer::Dead("connection refused".into())));
+        others.push((1, PeerAnswer::Dead("connection refused".into())));
+        others.push((2, PeerAnswer::Dead("connection refused".into())));
+        let r = Report::build_after_close(&own, &others, Some(2));
+        assert_eq!(r.conclusion(), "rank 2 died during all_reduce #13; rank 3 waits on it");
+        assert!(r.table().lines().nth(1).unwrap().starts_with("0      gone"), "{}", r.table());
+    }
+
+    #[test]
+    fn a_dump_that_catches_ranks_on_their_way_blames_nobody() {
+        let mut snaps: Vec<Snapshot> = (0..4).map(|r| snap(r, 4, 5, None)).collect();
+        for s in &mut snaps {
+            s.records.last_mut().unwrap().ended_ns = 14 * SEC - 2_000_000;
+        }
+        snaps[0].records.push(rec(6, CollKind::Barrier, OpState::Running));
+        let (own, others) = reports(snaps);
+        assert_eq!(conclude_for(own, others), "no rank is missing: rank 0 is inside barrier #6");
     }
 
     #[test]
