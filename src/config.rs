@@ -97,6 +97,7 @@ pub const TOROID_VARS: &[&str] = &[
     "TOROID_SHM_RING_SIZE",
     "TOROID_SHM_CHUNK_SIZE",
     "TOROID_TRACE_BUFFER",
+    "TOROID_TIMELINE",
 ];
 
 /// Settings of the library, from the environment or built by hand.
@@ -122,6 +123,8 @@ pub struct Config {
     pub segment_size: usize,
     /// Operations the flight recorder keeps per communicator (`TOROID_TRACE_BUFFER`; 0: off).
     pub trace_buffer: usize,
+    /// Where the timeline goes (`TOROID_TIMELINE`): each process writes `<path>.rank<R>.json`.
+    pub timeline: Option<std::path::PathBuf>,
     /// Algorithm override (`TOROID_ALGO`), NCCL list syntax.
     pub algo: Option<String>,
     /// Host identity override (`TOROID_HOST_ID`), for emulating several hosts on one machine.
@@ -200,6 +203,7 @@ impl Default for Config {
             spin: None,
             segment_size: DEFAULT_SEGMENT_SIZE,
             trace_buffer: DEFAULT_TRACE_BUFFER,
+            timeline: None,
             algo: None,
             host_id: None,
             torus_shape: None,
@@ -302,6 +306,7 @@ impl Config {
             }
             cfg.trace_buffer = n as usize;
         }
+        cfg.timeline = get("TOROID_TIMELINE").filter(|v| !v.is_empty()).map(std::path::PathBuf::from);
         cfg.algo = get("TOROID_ALGO").map(str::to_string);
         cfg.host_id = get("TOROID_HOST_ID").map(str::to_string);
         if let Some(v) = get("TOROID_TORUS_SHAPE") {

@@ -26,6 +26,7 @@ Every rank gets, besides the launcher's own environment:
   TOROID_STORE_ADDR=127.0.0.1:PORT   (PORT: a free port; rank 0 serves the store there)
   TOROID_HOST_ID=host<h>             (only with --emulate-hosts)
 then the --env pairs, which win over all of these.
+With TOROID_TIMELINE=path, the ranks' timeline files are merged into path when the job ends.
 
 Each line a rank writes to stdout or stderr is re-emitted on the same stream as '[r]: line'.
 Ranks run with stdin on /dev/null, each in its own process group.
@@ -449,7 +450,21 @@ fn main() {
             }
         }
     }
+    merge_timeline(&cli, n);
     std::process::exit(code);
+}
+
+/// With `TOROID_TIMELINE=path` (in this environment or `--env`), merges the ranks' timeline files
+/// into `path` (see `trace::timeline`).
+fn merge_timeline(cli: &Cli, n: usize) {
+    let from_env = std::env::var_os("TOROID_TIMELINE").filter(|v| !v.is_empty());
+    let from_cli = cli.env.iter().rev().find(|(k, _)| k == "TOROID_TIMELINE").map(|(_, v)| OsString::from(v));
+    let Some(path) = from_cli.or(from_env) else { return };
+    let path = std::path::PathBuf::from(path);
+    match toroid::internals::trace::timeline::merge(&path, n) {
+        Ok(events) => eprintln!("toroid-run: timeline of {n} ranks, {events} events: {}", path.display()),
+        Err(e) => eprintln!("toroid-run: could not merge the timeline into {}: {e}", path.display()),
+    }
 }
 
 fn fail(code: i32, msg: String) -> ! {

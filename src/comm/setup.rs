@@ -184,6 +184,11 @@ impl Communicator {
             deadline,
         )?;
         let recorder = Arc::new(Recorder::new(rank, size, id, cfg.trace_buffer));
+        if let Some(hook) =
+            cfg.timeline.as_deref().and_then(|p| crate::trace::timeline::hook(p, rank, size, id))
+        {
+            recorder.set_on_end(hook);
+        }
         // Every peer is connected: from now on the listener serves the control plane.
         let snapshot = recorder.clone();
         let control = Control::start(

@@ -11,6 +11,7 @@ pub mod recorder;
 pub mod report;
 pub mod snapshot;
 pub mod stats;
+pub mod timeline;
 
 pub use recorder::{Progress, Recorder};
 pub use report::{PeerAnswer, Report};

@@ -11,7 +11,7 @@
 //! only when it is about to sleep, and the bytes once per exchange, so a collective that does
 //! not wait pays a handful of stores.
 
-use std::sync::atomic::{AtomicI32, AtomicU8, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use super::snapshot::{OpRecord, OpState, Phase, PhaseSpan, Snapshot};
@@ -38,6 +38,9 @@ pub struct Progress {
     step: AtomicU32,
     waiting_on: AtomicI32,
     bytes: AtomicU64,
+    /// Phase spans are kept (a timeline wants them): only then does a phase change read the
+    /// clock and take the lock below.
+    spans_on: AtomicBool,
     /// The phases of the running operation (written by its thread only).
     spans: Mutex<Spans>,
 }
@@ -57,6 +60,7 @@ impl Default for Progress {
             step: AtomicU32::new(0),
             waiting_on: AtomicI32::new(-1),
             bytes: AtomicU64::new(0),
+            spans_on: AtomicBool::new(false),
             spans: Mutex::new(Spans { list: [NO_SPAN; MAX_SPANS], len: 0 }),
         }
     }
@@ -70,18 +74,25 @@ impl Progress {
         self.step.store(step as u32, Ordering::Relaxed);
     }
 
-    /// `n` more bytes sent or received.
+    /// `n` more bytes sent or received (only the running operation's thread calls it).
     #[inline]
     pub fn moved(&self, n: usize) {
-        self.bytes.fetch_add(n as u64, Ordering::Relaxed);
+        let b = self.bytes.load(Ordering::Relaxed);
+        self.bytes.store(b.wrapping_add(n as u64), Ordering::Relaxed);
     }
 
     /// The algorithm enters `phase` (closing the phase before it).
+    #[inline]
     pub fn phase(&self, phase: Phase) {
-        if Phase::from_u8(self.phase.load(Ordering::Relaxed)) == Some(phase) {
+        if self.phase.swap(phase as u8, Ordering::Relaxed) == phase as u8 {
             return;
         }
-        self.phase.store(phase as u8, Ordering::Relaxed);
+        if self.spans_on.load(Ordering::Relaxed) {
+            self.open_span(phase);
+        }
+    }
+
+    fn open_span(&self, phase: Phase) {
         let now = super::now_ns();
         let bytes = self.bytes.load(Ordering::Relaxed);
         let mut s = lock(&self.spans);
@@ -98,7 +109,9 @@ impl Progress {
         self.step.store(0, Ordering::Relaxed);
         self.waiting_on.store(-1, Ordering::Relaxed);
         self.bytes.store(0, Ordering::Relaxed);
-        lock(&self.spans).len = 0;
+        if self.spans_on.load(Ordering::Relaxed) {
+            lock(&self.spans).len = 0;
+        }
     }
 
     /// Copies the live fields into `r`.
@@ -121,13 +134,74 @@ fn close_last(s: &mut Spans, now: u64, bytes: u64) {
     }
 }
 
+/// The running operation, in atomics that its thread writes at start and a snapshot reads (a
+/// reader that finds the same operation running before and after reading the live fields saw
+/// one operation's fields).
+#[derive(Debug, Default)]
+struct Current {
+    /// Its fingerprint's sequence number.
+    seq: AtomicU64,
+    /// Collective, type, reduction and algorithm, one byte each, then the root (i32).
+    meta: AtomicU64,
+    count: AtomicU64,
+    peer: AtomicI32,
+    issued_ns: AtomicU64,
+    started_ns: AtomicU64,
+    /// Whether an operation runs (cleared before the other fields change, set after).
+    running: AtomicBool,
+}
+
+impl Current {
+    fn set(&self, fp: &Fingerprint, peer: i32, issued_ns: u64, started_ns: u64) {
+        let meta = u64::from(fp.kind as u8)
+            | u64::from(fp.dtype as u8) << 8
+            | u64::from(fp.op as u8) << 16
+            | u64::from(fp.algo) << 24
+            | u64::from(fp.root as u32) << 32;
+        self.running.store(false, Ordering::Release);
+        self.meta.store(meta, Ordering::Relaxed);
+        self.count.store(fp.count, Ordering::Relaxed);
+        self.peer.store(peer, Ordering::Relaxed);
+        self.issued_ns.store(issued_ns, Ordering::Relaxed);
+        self.started_ns.store(started_ns, Ordering::Relaxed);
+        self.seq.store(fp.seq, Ordering::Relaxed);
+        self.running.store(true, Ordering::Release);
+    }
+
+    /// The running operation as a record (its live fields not filled in), if one runs.
+    fn get(&self) -> Option<OpRecord> {
+        if !self.running.load(Ordering::Acquire) {
+            return None;
+        }
+        let seq = self.seq.load(Ordering::Relaxed);
+        let meta = self.meta.load(Ordering::Relaxed);
+        let b = meta.to_le_bytes();
+        let fp = Fingerprint::decode(&{
+            let mut f = [0u8; crate::collective::FINGERPRINT_LEN];
+            f[..4].copy_from_slice(&b[..4]);
+            f[4..12].copy_from_slice(&seq.to_le_bytes());
+            f[12..20].copy_from_slice(&self.count.load(Ordering::Relaxed).to_le_bytes());
+            f[20..24].copy_from_slice(&b[4..8]);
+            f
+        })
+        .ok()?;
+        Some(OpRecord {
+            fp,
+            state: OpState::Running,
+            peer: self.peer.load(Ordering::Relaxed),
+            issued_ns: self.issued_ns.load(Ordering::Relaxed),
+            started_ns: self.started_ns.load(Ordering::Relaxed),
+            ..EMPTY
+        })
+    }
+}
+
 struct Ring {
-    /// `capacity` slots, preallocated; operation `i` (counting from 0) lives at `i % capacity`.
+    /// `capacity` slots, preallocated; ended operation `i` (counting from 0) lives at
+    /// `i % capacity`.
     slots: Vec<OpRecord>,
-    /// Operations started so far.
-    started: u64,
-    /// The running operation's slot holds live values only after `Progress::fill`.
-    running: bool,
+    /// Operations ended so far.
+    ended: u64,
     stats: Stats,
 }
 
@@ -138,8 +212,8 @@ pub struct Recorder {
     comm_id: u64,
     capacity: usize,
     ring: Mutex<Ring>,
+    current: Current,
     progress: std::sync::Arc<Progress>,
-    completed: AtomicU64,
     on_end: OnceLock<OnEnd>,
 }
 
@@ -178,19 +252,15 @@ impl Recorder {
             size: size as u32,
             comm_id,
             capacity,
-            ring: Mutex::new(Ring {
-                slots: vec![EMPTY; capacity],
-                started: 0,
-                running: false,
-                stats: Stats::default(),
-            }),
+            ring: Mutex::new(Ring { slots: vec![EMPTY; capacity], ended: 0, stats: Stats::default() }),
+            current: Current::default(),
             progress: Default::default(),
-            completed: AtomicU64::new(0),
             on_end: OnceLock::new(),
         }
     }
 
     /// True when it records (a capacity above 0).
+    #[inline]
     pub fn is_on(&self) -> bool {
         self.capacity > 0
     }
@@ -200,56 +270,48 @@ impl Recorder {
         self.progress.clone()
     }
 
-    /// Installs the hook called with every ended operation (once; later calls are ignored).
+    /// Installs the hook called with every ended operation and its phases (once; later calls
+    /// are ignored). From then on phase changes are timed.
     pub fn set_on_end(&self, hook: OnEnd) {
-        let _ = self.on_end.set(hook);
+        if self.on_end.set(hook).is_ok() {
+            self.progress.spans_on.store(true, Ordering::Relaxed);
+        }
     }
 
     /// An operation starts: `peer` is the other rank of a send or receive, `issued_ns` when the
     /// caller issued it (0: now).
+    #[inline]
     pub fn start(&self, fp: &Fingerprint, peer: Option<usize>, issued_ns: u64) {
         if !self.is_on() {
             return;
         }
         self.progress.reset();
         let now = super::now_ns();
-        let mut ring = lock(&self.ring);
-        let i = (ring.started % self.capacity as u64) as usize;
-        ring.slots[i] = OpRecord {
-            fp: *fp,
-            state: OpState::Running,
-            peer: peer.map_or(-1, |p| p as i32),
-            issued_ns: if issued_ns == 0 { now } else { issued_ns },
-            started_ns: now,
-            ..EMPTY
-        };
-        ring.started += 1;
-        ring.running = true;
+        let issued = if issued_ns == 0 { now } else { issued_ns };
+        self.current.set(fp, peer.map_or(-1, |p| p as i32), issued, now);
     }
 
-    /// The running operation ended (`ok`: successfully).
+    /// The running operation ended (`ok`: successfully). Does nothing when none runs.
     pub fn end(&self, ok: bool) {
         if !self.is_on() {
             return;
         }
+        let Some(mut r) = self.current.get() else { return };
+        self.current.running.store(false, Ordering::Release);
         let now = super::now_ns();
-        let mut ring = lock(&self.ring);
-        if !ring.running {
-            return;
-        }
-        ring.running = false;
-        let i = ((ring.started - 1) % self.capacity as u64) as usize;
-        let mut r = ring.slots[i];
         self.progress.fill(&mut r);
         r.waiting_on = -1;
         r.state = if ok { OpState::Done } else { OpState::Failed };
         r.ended_ns = now;
-        ring.slots[i] = r;
-        if ok {
-            ring.stats.add(&r);
+        {
+            let mut ring = lock(&self.ring);
+            let i = (ring.ended % self.capacity as u64) as usize;
+            ring.slots[i] = r;
+            ring.ended += 1;
+            if ok {
+                ring.stats.add(&r);
+            }
         }
-        drop(ring);
-        self.completed.fetch_add(1, Ordering::Relaxed);
         if let Some(hook) = self.on_end.get() {
             let mut s = lock(&self.progress.spans);
             close_last(&mut s, now, r.bytes);
@@ -262,16 +324,25 @@ impl Recorder {
     /// one with its live progress. Never waits for the running operation.
     pub fn snapshot(&self) -> Snapshot {
         let mut records = Vec::with_capacity(SNAPSHOT_TAIL + 1);
-        {
+        let completed = {
             let ring = lock(&self.ring);
             let cap = self.capacity as u64;
-            let first = ring.started.saturating_sub(cap.min(SNAPSHOT_TAIL as u64 + 1));
-            for n in first..ring.started {
-                let mut r = ring.slots[(n % cap) as usize];
-                if r.state == OpState::Running {
-                    self.progress.fill(&mut r);
-                }
-                records.push(r);
+            for n in ring.ended.saturating_sub(cap.min(SNAPSHOT_TAIL as u64))..ring.ended {
+                records.push(ring.slots[(n % cap) as usize]);
+            }
+            ring.ended
+        };
+        // The running operation, read twice around its live fields: the same one both times,
+        // or none (it ended meanwhile: then it is in the ring, for the next snapshot).
+        if let Some(mut run) = self.current.get() {
+            self.progress.fill(&mut run);
+            if self
+                .current
+                .get()
+                .is_some_and(|again| again.fp.seq == run.fp.seq && again.fp.kind == run.fp.kind)
+                && records.last().is_none_or(|last| last.fp != run.fp)
+            {
+                records.push(run);
             }
         }
         Snapshot {
@@ -280,7 +351,7 @@ impl Recorder {
             comm_id: self.comm_id,
             pid: std::process::id(),
             taken_ns: super::now_ns(),
-            completed: self.completed.load(Ordering::Relaxed),
+            completed,
             records,
         }
     }
@@ -324,7 +395,7 @@ mod tests {
         p.waiting(Some(3), 5);
         let snap = r.snapshot();
         let seqs: Vec<u64> = snap.records.iter().map(|x| x.fp.seq).collect();
-        assert_eq!(seqs, vec![9, 10, 11, 12, 13], "the ring holds 5");
+        assert_eq!(seqs, vec![8, 9, 10, 11, 12, 13], "the ring holds 5 ended ones");
         assert_eq!(snap.completed, 12);
         let run = snap.running().unwrap();
         assert_eq!(
