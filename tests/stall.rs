@@ -276,3 +276,45 @@ fn sigusr1_prints_the_report_and_the_job_goes_on() {
     );
     assert!(!outputs[0].contains("(SIGUSR1)"), "only the signalled rank prints:\n{}", outputs[0]);
 }
+
+/// `kill -USR1 <toroid-run>`: every rank prints its report, and the job goes on.
+#[test]
+fn toroid_run_passes_sigusr1_on_to_every_rank() {
+    if util::is_child() {
+        let comm = Communicator::from_env().unwrap();
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(3) {
+            comm.barrier().unwrap();
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        println!("DONE");
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_toroid-run"))
+        .args(["-n", "2", "--timeout", "60", "--env", &format!("{}=1", util::CHILD_VAR)])
+        .args(["--env", "TOROID_TIMEOUT=20", "--"])
+        .arg(exe)
+        .args(["--exact", "toroid_run_passes_sigusr1_on_to_every_rank", "--nocapture", "--test-threads=1"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    // SAFETY: kill(2) on our own child; no memory is involved.
+    unsafe { libc::kill(child.id() as i32, libc::SIGUSR1) };
+    let (statuses, outputs) = util::wait_all(vec![child], Instant::now() + Duration::from_secs(60));
+    let out = &outputs[0];
+    assert_eq!(statuses[0].map(|s| s.success()), Some(true), "{out}");
+    for r in 0..2 {
+        assert!(
+            out.contains(&format!("[{r}]: toroid: rank {r} of communicator")),
+            "rank {r} printed no report:\n{out}"
+        );
+        assert!(
+            out.lines().any(|l| l.starts_with(&format!("[{r}]: ")) && l.contains("DONE")),
+            "rank {r} did not go on:\n{out}"
+        );
+    }
+}
