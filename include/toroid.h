@@ -624,6 +624,17 @@ const char *toroid_get_last_error(const struct toroid_comm *comm);
 const char *toroid_version(void);
 
 /**
+ * Writes the stall report of `comm` to `buf` as NUL-terminated text, truncated to `len` bytes
+ * including the NUL (at a character boundary): the conclusion line first, then one line per
+ * rank (the last operation it completed, the one it is in with phase, step, whom it waits on
+ * and for how long, or dead / not answering). Asks every other rank (each within two
+ * seconds); fails nothing, callable from any thread, also while an operation runs. `buf` may
+ * be NULL only when `len` is 0 (nothing is written). A row is about 200 bytes: 64 KiB holds
+ * the report of some 300 ranks.
+ */
+enum toroid_result toroid_comm_dump(const struct toroid_comm *comm, char *buf, size_t len);
+
+/**
  * A snapshot of `comm`'s statistics: writes up to `capacity` rows to `out` (in the order the
  * rows were first seen) and sets *count to the number of rows that exist, which may be more
  * than `capacity` (call first with out = NULL and capacity = 0 to size the array). Never

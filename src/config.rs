@@ -96,6 +96,7 @@ pub const TOROID_VARS: &[&str] = &[
     "TOROID_TORUS_SHAPE",
     "TOROID_COST_MODEL",
     "TOROID_SHM_DISABLE",
+    "TOROID_DUMP_ON_SIGNAL",
     "TOROID_SHM_DIR",
     "TOROID_SHM_RING_SIZE",
     "TOROID_SHM_CHUNK_SIZE",
@@ -138,6 +139,9 @@ pub struct Config {
     pub cost_model: Option<String>,
     /// Keep TCP between ranks of one host (`TOROID_SHM_DISABLE=1`).
     pub shm_disable: bool,
+    /// `SIGUSR1` prints the stall report of every live communicator to stderr
+    /// (`TOROID_DUMP_ON_SIGNAL`, default on).
+    pub dump_on_signal: bool,
     /// Directory of shared-memory segments (`TOROID_SHM_DIR`, a tmpfs).
     pub shm_dir: std::path::PathBuf,
     /// Bytes of each point-to-point shared-memory ring, per direction (`TOROID_SHM_RING_SIZE`).
@@ -209,6 +213,7 @@ impl Default for Config {
             torus_shape: None,
             cost_model: None,
             shm_disable: false,
+            dump_on_signal: true,
             shm_dir: DEFAULT_SHM_DIR.into(),
             shm_ring_size: DEFAULT_SHM_RING_SIZE,
             shm_chunk_size: DEFAULT_SHM_CHUNK_SIZE,
@@ -314,6 +319,9 @@ impl Config {
         cfg.cost_model = get("TOROID_COST_MODEL").map(str::to_string);
         if let Some(v) = get("TOROID_SHM_DISABLE") {
             cfg.shm_disable = parse_bool("TOROID_SHM_DISABLE", v)?;
+        }
+        if let Some(v) = get("TOROID_DUMP_ON_SIGNAL") {
+            cfg.dump_on_signal = parse_bool("TOROID_DUMP_ON_SIGNAL", v)?;
         }
         if let Some(v) = get("TOROID_SHM_DIR") {
             cfg.shm_dir = v.into();

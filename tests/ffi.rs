@@ -176,6 +176,14 @@ fn c_error_paths() {
 }
 
 #[test]
+fn c_dump_writes_the_stall_report_into_the_buffer() {
+    let exe = build("dump");
+    let out = run_ranks(2, 120, &[], &[exe.as_os_str()]);
+    check(&out, "dump.c");
+    every_rank_says(&out, 2, "dump passed");
+}
+
+#[test]
 fn c_dlopen_resolves_every_entry_point() {
     let exe = build("dlopen");
     let so = lib_dir().join("libtoroid.so");

@@ -165,6 +165,15 @@ def async_and_pointers(comm: toroid.Comm):
         none.destroy()
 
 
+def dump(comm: toroid.Comm):
+    """The stall report of a healthy job: nobody blamed, a row per rank."""
+    comm.all_reduce(np.ones(4, np.float32))
+    d = comm.dump()
+    assert d.startswith("stall report: no operation in flight"), d
+    for r in range(SIZE):
+        assert f"\n{r} " in d, d
+
+
 def errors(comm: toroid.Comm):
     try:
         comm.all_reduce(np.zeros(4, np.int32), op="avg")
@@ -242,7 +251,7 @@ if __name__ == "__main__":
              np.array([np.prod(np.arange(1, SIZE + 1))], np.int64), "with_store all_reduce")
     else:
         comm = toroid.Comm.from_env()
-        {"collectives": collectives, "async": async_and_pointers, "errors": errors}[SCENARIO](comm)
+        {"collectives": collectives, "async": async_and_pointers, "errors": errors, "dump": dump}[SCENARIO](comm)
     comm.barrier()
     comm.destroy()
     print(f"rank {RANK}: {SCENARIO} passed ({checks} element checks)")

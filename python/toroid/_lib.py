@@ -223,6 +223,7 @@ SIGNATURES = {
     "toroid_comm_rank": (_E, [_P, ctypes.POINTER(c_int)]),
     "toroid_comm_size": (_E, [_P, ctypes.POINTER(c_int)]),
     "toroid_comm_abort": (_E, [_P]),
+    "toroid_comm_dump": (_E, [_P, ctypes.c_char_p, c_size_t]),
     "toroid_comm_destroy": (_E, [_P]),
     "toroid_all_reduce": (_E, [_P, _P, _P, c_size_t, _E, _E]),
     "toroid_reduce_scatter": (_E, [_P, _P, _P, c_size_t, _E, _E]),

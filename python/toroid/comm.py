@@ -286,6 +286,14 @@ class Comm:
         """Fails pending and later operations; never blocks."""
         check("toroid_comm_abort", _lib.lib().toroid_comm_abort(self._live()), self._handle)
 
+    def dump(self) -> str:
+        """The stall report now, without failing anything: the conclusion line first, then one
+        line per rank (last completed operation, the one it is in, whom it waits on, or dead /
+        not answering). Asks every other rank, each within two seconds."""
+        buf = ctypes.create_string_buffer(64 * 1024)
+        check("toroid_comm_dump", _lib.lib().toroid_comm_dump(self._live(), buf, len(buf)), self._handle)
+        return buf.value.decode("utf-8", "replace")
+
     def destroy(self) -> None:
         """Releases the communicator once its queued operations have finished.
 

@@ -36,6 +36,9 @@ the grace period, and toroid-run exits with that rank's status (128+signal when 
 SIGINT, SIGTERM and SIGHUP sent to toroid-run are forwarded to every rank, with the same
 shutdown. Ranks are killed (SIGKILL) even when toroid-run itself is killed (processes that a
 rank started itself are not covered then).
+SIGUSR1 sent to toroid-run is passed on to every rank process (not its group) and does not
+stop the job: each rank prints the stall report of its communicators to stderr
+(kill -USR1 <toroid-run pid>; see TOROID_DUMP_ON_SIGNAL).
 
 Exit status: 0 when every rank succeeds; the first failing rank's status; 124 on --timeout;
 128+signal when toroid-run was interrupted; 127 when PROGRAM is not found, 126 when it
@@ -180,6 +183,15 @@ fn layout(n: usize, hosts: usize) -> Vec<Place> {
 /// never hits a stranger's group in practice.
 fn signal_group(pid: u32, sig: Signal) {
     let _ = process::kill_group(pid, sig);
+}
+
+/// Passes SIGUSR1 on to every running rank: each prints its stall report (the rank process
+/// only, not its group: processes it exec'd keep SIGUSR1's default action, which ends them).
+fn dump_ranks(job: &[Rank]) {
+    eprintln!("toroid-run: received SIGUSR1; passing it to every rank (stall report on stderr)");
+    for rank in job.iter().filter(|r| r.status.is_none()) {
+        let _ = toroid::internals::sys::signal::send(rank.pid, libc::SIGUSR1);
+    }
 }
 
 /// Starts one rank with its stdout and stderr piped.
@@ -352,7 +364,7 @@ fn main() {
         },
     };
     // The last SIGINT/SIGTERM/SIGHUP received is recorded, for the main loop to act on.
-    if let Err(e) = process::catch_signals(&[SIGINT, SIGTERM, SIGHUP]) {
+    if let Err(e) = process::catch_signals(&[SIGINT, SIGTERM, SIGHUP, libc::SIGUSR1]) {
         fail(1, format!("cannot install signal handlers: {e}"));
     }
 
@@ -396,6 +408,11 @@ fn main() {
     let mut code = 0;
     while running(&job) > 0 {
         let sig = process::caught_signal();
+        if sig == Some(libc::SIGUSR1) {
+            process::clear_caught_signal();
+            dump_ranks(&job);
+            continue;
+        }
         let (first, why) = if let Some(r) = poll(&mut job) {
             let st = job[r].status.unwrap_or_default();
             code = exit_code(st);

@@ -15,6 +15,7 @@ mod control;
 mod queue;
 mod setup;
 mod shrink;
+mod stall;
 mod validate;
 
 pub use api::OwnedBuffer;
@@ -404,7 +405,7 @@ impl Core {
                 algorithm::dispatch::run(&mut wire, scratch, &self.layout, call)
             }
         };
-        result.map_err(|e| self.failed(engine, e.with_seq(fp.seq)))
+        result.map_err(|e| self.failed(engine, self.with_stall_report(e.with_seq(fp.seq))))
     }
 
     /// An operation failed: every link closes (peers learn why) and the communicator aborts.

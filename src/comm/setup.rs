@@ -281,6 +281,7 @@ impl Communicator {
             recorder,
         };
         let comm = Communicator { core: Arc::new(core), worker: Mutex::new(None) };
+        super::stall::watch(&comm.core);
         comm.calibrate(explicit)?;
         Ok(comm)
     }

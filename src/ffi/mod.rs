@@ -13,6 +13,7 @@
 #![allow(clippy::missing_safety_doc)]
 
 mod boundary;
+mod dump;
 mod init;
 mod ops;
 pub mod stats;

@@ -29,6 +29,7 @@ pub mod poll;
 pub mod process;
 pub mod random;
 pub mod shm_file;
+pub mod signal;
 pub mod socket;
 pub mod socketpair;
 pub mod user;

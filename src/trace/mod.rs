@@ -8,11 +8,13 @@
 //! operation without knowing about communicators.
 
 pub mod recorder;
+pub mod report;
 pub mod snapshot;
 pub mod stats;
 pub mod timeline;
 
 pub use recorder::{Progress, Recorder};
+pub use report::{PeerAnswer, Report};
 pub use snapshot::{OpRecord, OpState, Phase, PhaseSpan, Snapshot};
 pub use stats::Stats;
 

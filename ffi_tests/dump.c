@@ -1,0 +1,38 @@
+/* toroid_comm_dump on a healthy job, on 2 ranks started by toroid-run:
+ *
+ *   toroid-run -n 2 -- ./dump
+ *
+ * The report names every rank and blames nobody; it is truncated to the buffer, NUL-terminated,
+ * at a character boundary; a NULL buffer is refused unless its length is 0. */
+#include "test_util.h"
+
+int main(void) {
+  toroid_comm *comm = NULL;
+  CHECK(toroid_comm_init_env(&comm));
+  CHECK(toroid_comm_rank(comm, &g_rank));
+  float x[16] = {0};
+  CHECK(toroid_all_reduce(comm, x, x, 16, TOROID_FLOAT32, TOROID_SUM));
+
+  static char buf[64 * 1024];
+  memset(buf, 'x', sizeof buf);
+  CHECK(toroid_comm_dump(comm, buf, sizeof buf));
+  EXPECT(memchr(buf, '\0', sizeof buf) != NULL);
+  if (strncmp(buf, "stall report: no operation in flight", 36) != 0) FAIL("report: %s", buf);
+  EXPECT(strstr(buf, "\n0 ") != NULL && strstr(buf, "\n1 ") != NULL);
+  EXPECT(strstr(buf, "never entered") == NULL && strstr(buf, "died") == NULL);
+
+  char small[16];
+  memset(small, 'x', sizeof small);
+  CHECK(toroid_comm_dump(comm, small, sizeof small));
+  EXPECT(strlen(small) == sizeof small - 1 && strncmp(small, buf, sizeof small - 1) == 0);
+
+  CHECK(toroid_comm_dump(comm, NULL, 0));
+  EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_comm_dump(comm, NULL, 8));
+  EXPECT_CODE(TOROID_INVALID_USAGE, toroid_comm_dump((toroid_comm *)0x5, buf, sizeof buf));
+
+  /* Both ranks keep their control plane up until both have dumped. */
+  CHECK(toroid_barrier(comm));
+  CHECK(toroid_comm_destroy(comm));
+  printf("dump passed\n");
+  return 0;
+}
