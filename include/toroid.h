@@ -635,6 +635,17 @@ const char *toroid_version(void);
 enum toroid_result toroid_comm_dump(const struct toroid_comm *comm, char *buf, size_t len);
 
 /**
+ * Builds a communicator of the ranks of `comm` not listed in `failed` (`nfailed` entries), in
+ * rank order, through `comm`'s own listeners (no store, no new port). Works on an aborted
+ * `comm` (after a failure) as on a healthy one. Every survivor calls it with the same set; the
+ * failed ranks do not call it. The new communicator is independent of `comm` (destroy both).
+ */
+enum toroid_result toroid_comm_shrink(struct toroid_comm *comm,
+                                      const int *failed,
+                                      int nfailed,
+                                      struct toroid_comm **out);
+
+/**
  * A snapshot of `comm`'s statistics: writes up to `capacity` rows to `out` (in the order the
  * rows were first seen) and sets *count to the number of rows that exist, which may be more
  * than `capacity` (call first with out = NULL and capacity = 0 to size the array). Never

@@ -361,8 +361,9 @@ fn sigstop() {
         job.signal(victim, libc::SIGKILL);
         job.signal(victim, libc::SIGCONT);
         let (all, worst, mut note) = each_reported(&job, &others, "ERROR", fault);
-        // The deadline of the call in progress, plus scheduling slack on a loaded machine.
-        let limit = STOP_TIMEOUT_S * 1000 + 2000;
+        // The deadline of the call in progress, the stall report's grace (2 s: the stopped rank
+        // never answers it), plus scheduling slack on a loaded machine.
+        let limit = STOP_TIMEOUT_S * 1000 + 2000 + 2000;
         let late = worst.is_some_and(|w| w > limit);
         if late {
             note = format!("an error came after {} ms; {note}", worst.unwrap_or(0));

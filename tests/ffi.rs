@@ -327,3 +327,17 @@ fn quick_start_builds_with_pkg_config_and_runs() {
     check(&out, "quickstart");
     every_rank_says(&out, 3, "sum of ranks = 3");
 }
+
+#[test]
+fn c_shrink_leaves_out_a_rank_and_the_survivors_all_reduce() {
+    let exe = build("shrink");
+    let out = run_ranks(3, 60, &[], &[exe.as_os_str()]);
+    check(&out, "shrink.c on 3 ranks");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for r in [0, 2] {
+        assert!(
+            stdout.lines().any(|l| l.starts_with(&format!("[{r}]: ")) && l.contains("shrink passed")),
+            "rank {r} did not pass:\n{stdout}"
+        );
+    }
+}

@@ -16,6 +16,7 @@ mod boundary;
 mod dump;
 mod init;
 mod ops;
+mod shrink;
 pub mod stats;
 mod store;
 pub mod types;
