@@ -17,6 +17,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::time::{Duration, Instant};
 
 use super::handshake::{self, HELLO_LEN, Hello, KIND_HELLO, MAC_LEN, NONCE_LEN};
+use super::pending::{fill, flush};
 use crate::config::AuthToken;
 use crate::sys::poll::{PollFd, poll};
 
@@ -283,34 +284,6 @@ impl Conn {
             }
         }
     }
-}
-
-/// Reads into `buf[*got..]` what has arrived. `Ok(true)`: full.
-fn fill(s: &mut TcpStream, buf: &mut [u8], got: &mut usize) -> io::Result<bool> {
-    while *got < buf.len() {
-        match s.read(&mut buf[*got..]) {
-            Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed")),
-            Ok(n) => *got += n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(true)
-}
-
-/// Writes `msg[*sent..]` as far as the socket takes it. `Ok(true)`: all sent.
-fn flush(s: &mut TcpStream, msg: &[u8], sent: &mut usize) -> io::Result<bool> {
-    while *sent < msg.len() {
-        match s.write(&msg[*sent..]) {
-            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "connection closed")),
-            Ok(n) => *sent += n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(true)
 }
 
 /// What asking one peer's control plane gave.

@@ -41,7 +41,7 @@ pub(super) struct Ctx<'a> {
 
 /// Reads into `buf[*got..]` what has arrived, never more than `buf` holds. `Ok(true)`: `buf`
 /// is full; `Ok(false)`: nothing more for now. A closed connection is an error.
-fn fill(s: &mut TcpStream, buf: &mut [u8], got: &mut usize) -> io::Result<bool> {
+pub(super) fn fill(s: &mut TcpStream, buf: &mut [u8], got: &mut usize) -> io::Result<bool> {
     while *got < buf.len() {
         match s.read(&mut buf[*got..]) {
             Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed")),
@@ -55,7 +55,7 @@ fn fill(s: &mut TcpStream, buf: &mut [u8], got: &mut usize) -> io::Result<bool> 
 }
 
 /// Writes `msg[*sent..]` as far as the socket takes it. `Ok(true)`: all of `msg` is sent.
-fn flush(s: &mut TcpStream, msg: &[u8], sent: &mut usize) -> io::Result<bool> {
+pub(super) fn flush(s: &mut TcpStream, msg: &[u8], sent: &mut usize) -> io::Result<bool> {
     while *sent < msg.len() {
         match s.write(&msg[*sent..]) {
             Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "connection closed")),
