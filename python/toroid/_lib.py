@@ -219,7 +219,7 @@ SIGNATURES = {
     "toroid_comm_init_with_store": (_E, [_PP, c_int, c_int, ctypes.POINTER(StoreOps), _P]),
     "toroid_comm_init_with_store_config": (_E, [_PP, ctypes.POINTER(Config), ctypes.POINTER(StoreOps), _P]),
     "toroid_comm_split": (_E, [_P, c_int, c_int, _PP]),
-    "toroid_comm_shrink": (_E, [_P, _P, c_int, _PP]),
+    "toroid_comm_shrink": (_E, [_P, ctypes.POINTER(c_int), c_int, _PP]),
     "toroid_comm_stats": (_E, [_P, ctypes.POINTER(Stat), c_size_t, ctypes.POINTER(c_size_t)]),
     "toroid_comm_rank": (_E, [_P, ctypes.POINTER(c_int)]),
     "toroid_comm_size": (_E, [_P, ctypes.POINTER(c_int)]),
