@@ -23,23 +23,10 @@ use super::{Core, lock};
 use crate::error::{Error, Result};
 use crate::sys::eventfd::EventFd;
 use crate::sys::fork::ForkGuarded;
-use crate::trace::Snapshot;
+use crate::trace::{PeerAnswer, Snapshot};
 use crate::transport::tcp::{self, control as wire};
 
 pub(crate) use wire::shrink_id;
-
-/// What asking one rank's control plane returned.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Answer {
-    /// Its recorder's snapshot.
-    Report(Snapshot),
-    /// Nothing listens at its address any more: its process is gone.
-    Dead(String),
-    /// It took the connection but did not answer within the grace: stopped (SIGSTOP) or stuck.
-    Silent,
-    /// Anything else (a bad answer, a network error).
-    Failed(String),
-}
 
 /// Produces this rank's snapshot (from any thread, at any time).
 pub(crate) type SnapshotFn = Arc<dyn Fn() -> Snapshot + Send + Sync>;
@@ -109,7 +96,7 @@ impl Core {
     }
 
     /// Asks every other rank for its snapshot, all at once, each within `grace`.
-    pub(crate) fn ask_peers(&self, grace: Duration) -> Vec<(usize, Answer)> {
+    pub(crate) fn ask_peers(&self, grace: Duration) -> Vec<(usize, PeerAnswer)> {
         let c = &self.control;
         let peers: Vec<usize> = (0..c.addrs.len()).filter(|r| *r != c.ctx.rank).collect();
         let mut out = Vec::with_capacity(peers.len());
@@ -163,16 +150,16 @@ impl Core {
     }
 }
 
-fn answer_of(peer: usize, r: wire::Reply) -> Answer {
+fn answer_of(peer: usize, r: wire::Reply) -> PeerAnswer {
     match r {
         wire::Reply::Answer(b) => match Snapshot::decode(&b) {
-            Ok(s) if s.rank as usize == peer => Answer::Report(s),
-            Ok(s) => Answer::Failed(format!("rank {peer} answered with rank {}'s snapshot", s.rank)),
-            Err(e) => Answer::Failed(format!("rank {peer} sent a bad snapshot: {e}")),
+            Ok(s) if s.rank as usize == peer => PeerAnswer::Report(s),
+            Ok(s) => PeerAnswer::Failed(format!("rank {peer} answered with rank {}'s snapshot", s.rank)),
+            Err(e) => PeerAnswer::Failed(format!("rank {peer} sent a bad snapshot: {e}")),
         },
-        wire::Reply::Dead(w) => Answer::Dead(w),
-        wire::Reply::Silent => Answer::Silent,
-        wire::Reply::Failed(w) => Answer::Failed(w),
+        wire::Reply::Dead(w) => PeerAnswer::Dead(w),
+        wire::Reply::Silent => PeerAnswer::Silent,
+        wire::Reply::Failed(w) => PeerAnswer::Failed(w),
     }
 }
 
@@ -219,7 +206,7 @@ mod tests {
             answers.sort_by_key(|a| a.0);
             assert_eq!(answers.len(), 2);
             for (p, a) in &answers {
-                let Answer::Report(snap) = a else { panic!("rank {p}: {a:?}") };
+                let PeerAnswer::Report(snap) = a else { panic!("rank {p}: {a:?}") };
                 assert_eq!((snap.rank as usize, snap.size, snap.comm_id), (*p, 3, c0.id()));
             }
             assert_eq!(c0.core.own_snapshot().rank, 0);
@@ -227,9 +214,9 @@ mod tests {
             gone2_rx.recv_timeout(wait).unwrap();
             let answers = c0.core.ask_peers(Duration::from_secs(3));
             let two = answers.iter().find(|a| a.0 == 2).map(|a| a.1.clone());
-            assert!(matches!(two, Some(Answer::Dead(_))), "{two:?}");
+            assert!(matches!(two, Some(PeerAnswer::Dead(_))), "{two:?}");
             let one = answers.iter().find(|a| a.0 == 1).map(|a| a.1.clone());
-            assert!(matches!(one, Some(Answer::Report(_))), "{one:?}");
+            assert!(matches!(one, Some(PeerAnswer::Report(_))), "{one:?}");
             finish1_tx.send(()).unwrap();
         });
     }

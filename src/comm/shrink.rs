@@ -20,9 +20,10 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use super::Communicator;
-use super::control::{self, Answer};
+use super::control;
 use super::setup::Members;
 use crate::error::{Error, Result};
+use crate::trace::PeerAnswer;
 
 /// Shrink attempts of one communicator: the listener goes to the first, so there is one.
 const ATTEMPT: u64 = 1;
@@ -96,7 +97,7 @@ impl Communicator {
             .core
             .ask_peers(ASK_GRACE)
             .into_iter()
-            .filter(|(_, a)| matches!(a, Answer::Dead(_)))
+            .filter(|(_, a)| matches!(a, PeerAnswer::Dead(_)))
             .map(|(r, _)| r)
             .collect();
         if !dead.is_empty() {

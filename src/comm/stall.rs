@@ -13,7 +13,6 @@
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
-use super::control::Answer;
 use super::{Communicator, Core, lock};
 use crate::error::{Error, Result};
 use crate::trace::{PeerAnswer, Report};
@@ -47,22 +46,12 @@ fn is_relayed_abort(message: &str) -> bool {
     digits > 0 && rest[digits..].starts_with(" aborted")
 }
 
-fn trace_answer(a: Answer) -> PeerAnswer {
-    match a {
-        Answer::Report(s) => PeerAnswer::Report(s),
-        Answer::Dead(why) => PeerAnswer::Dead(why),
-        Answer::Silent => PeerAnswer::Silent,
-        Answer::Failed(why) => PeerAnswer::Failed(why),
-    }
-}
-
 impl Core {
     /// The report of every rank's state now (asks the peers, each within [`GRACE`]); `closed`:
     /// the peer whose closed connection this rank's failure began with.
     pub(crate) fn stall_report(&self, closed: Option<usize>) -> Report {
         let own = self.own_snapshot();
-        let others: Vec<(usize, PeerAnswer)> =
-            self.ask_peers(GRACE).into_iter().map(|(r, a)| (r, trace_answer(a))).collect();
+        let others: Vec<(usize, PeerAnswer)> = self.ask_peers(GRACE);
         Report::build_after_close(&own, &others, closed)
     }
 

@@ -22,7 +22,7 @@ use crate::collective::{CollKind, Fingerprint};
 /// How long after its last operation a rank counts as between two collectives, not behind.
 const IN_TRANSIT_NS: u64 = 1_000_000_000;
 
-/// What asking one rank gave (the trace-level mirror of the control plane's answer).
+/// What asking one rank over the control plane gave (`comm::control`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PeerAnswer {
     /// Its snapshot.

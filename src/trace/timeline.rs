@@ -76,8 +76,13 @@ impl Drop for Track {
     }
 }
 
-fn us(ns: u64) -> String {
-    format!("{}.{:03}", ns / 1000, ns % 1000)
+/// Nanoseconds shown as microseconds with three decimals (exact, no float).
+struct Us(u64);
+
+impl std::fmt::Display for Us {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{:03}", self.0 / 1000, self.0 % 1000)
+    }
 }
 
 /// The hook that writes the operations of one communicator (`rank` of `size`, id `comm_id`)
@@ -105,28 +110,34 @@ impl Track {
         let (pid, tid) = (s.pid, self.tid);
         s.line.clear();
         let fp = &r.fp;
-        let dur = r.ended_ns.saturating_sub(r.started_ns);
-        let root = if fp.root >= 0 { format!(",\"root\":{}", fp.root) } else { String::new() };
-        let peer = if r.peer >= 0 { format!(",\"peer\":{}", r.peer) } else { String::new() };
-        let op = if matches!(fp.kind, CollKind::AllReduce | CollKind::ReduceScatter | CollKind::Reduce) {
-            format!(",\"op\":\"{:?}\"", fp.op)
-        } else {
-            String::new()
-        };
-        let _ = writeln!(
+        // Formatted straight into the reused line buffer: no allocation per operation.
+        let _ = write!(
             s.line,
             "{{\"name\":\"{}\",\"cat\":\"collective\",\"ph\":\"X\",\"ts\":{},\"dur\":{},\"pid\":{pid},\"tid\":{tid},\
-             \"args\":{{\"seq\":{},\"count\":{},\"dtype\":\"{}\"{op}{root}{peer},\"bytes\":{},\"algorithm\":\"{}\",\"state\":\"{}\",\"queued_us\":{}}}}},",
+             \"args\":{{\"seq\":{},\"count\":{},\"dtype\":\"{}\"",
             fp.kind.name(),
-            us(r.started_ns),
-            us(dur),
+            Us(r.started_ns),
+            Us(r.ended_ns.saturating_sub(r.started_ns)),
             fp.seq,
             fp.count,
             fp.dtype,
+        );
+        if matches!(fp.kind, CollKind::AllReduce | CollKind::ReduceScatter | CollKind::Reduce) {
+            let _ = write!(s.line, ",\"op\":\"{:?}\"", fp.op);
+        }
+        if fp.root >= 0 {
+            let _ = write!(s.line, ",\"root\":{}", fp.root);
+        }
+        if r.peer >= 0 {
+            let _ = write!(s.line, ",\"peer\":{}", r.peer);
+        }
+        let _ = writeln!(
+            s.line,
+            ",\"bytes\":{},\"algorithm\":\"{}\",\"state\":\"{}\",\"queued_us\":{}}}}},",
             r.bytes,
             Algorithm::name_of(fp.algo),
             r.state.name(),
-            us(r.started_ns.saturating_sub(r.issued_ns)),
+            Us(r.started_ns.saturating_sub(r.issued_ns)),
         );
         for p in spans {
             // A phase lies inside its operation (clocks are read in order on one thread).
@@ -136,8 +147,8 @@ impl Track {
                 s.line,
                 "{{\"name\":\"{}\",\"cat\":\"phase\",\"ph\":\"X\",\"ts\":{},\"dur\":{},\"pid\":{pid},\"tid\":{tid},\"args\":{{\"seq\":{},\"bytes\":{}}}}},",
                 p.phase.name(),
-                us(start),
-                us(end - start),
+                Us(start),
+                Us(end - start),
                 fp.seq,
                 p.bytes
             );
@@ -171,8 +182,8 @@ pub fn span(cat: &str, name: &str, start_ns: u64, end_ns: u64) {
         "{{\"name\":\"{}\",\"cat\":\"{}\",\"ph\":\"X\",\"ts\":{},\"dur\":{},\"pid\":{pid},\"tid\":{APP_TID},\"args\":{{}}}},\n",
         escape(name),
         escape(cat),
-        us(start_ns),
-        us(end_ns.saturating_sub(start_ns))
+        Us(start_ns),
+        Us(end_ns.saturating_sub(start_ns))
     );
     let _ = s.out.write_all(ev.as_bytes());
 }
