@@ -16,7 +16,10 @@ static const char *const ENTRY_POINTS[] = {
     "toroid_all_reduce_async", "toroid_reduce_scatter_async", "toroid_all_gather_async",
     "toroid_broadcast_async", "toroid_reduce_async", "toroid_all_to_all_async",
     "toroid_barrier_async", "toroid_send_async", "toroid_recv_async", "toroid_recv_any_async",
-    "toroid_work_wait", "toroid_work_test", "toroid_work_source", "toroid_work_free", "toroid_get_error_string", "toroid_get_last_error",
+    "toroid_work_wait", "toroid_work_test", "toroid_work_source", "toroid_work_free",
+    "toroid_comm_init_env_async", "toroid_comm_init_async", "toroid_comm_shrink_async",
+    "toroid_pending_test", "toroid_pending_wait", "toroid_pending_abort", "toroid_pending_free",
+    "toroid_get_error_string", "toroid_get_last_error",
     "toroid_version",
 };
 

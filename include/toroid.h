@@ -8,8 +8,9 @@
  * - Every function returns a toroid_result (TOROID_SUCCESS = 0) and writes its outputs only on
  *   success. toroid_get_error_string(code) describes a code; toroid_get_last_error(comm) gives
  *   the detail of the last failure (comm = NULL: of this thread, e.g. a failed init).
- * - Handles (toroid_comm *, toroid_work *) are opaque. NULL gives TOROID_INVALID_ARGUMENT; a
- *   destroyed or freed handle is detected and gives TOROID_INVALID_USAGE.
+ * - Handles (toroid_comm *, toroid_work *, toroid_pending *) are opaque. NULL gives
+ *   TOROID_INVALID_ARGUMENT; a destroyed or freed handle is detected and gives
+ *   TOROID_INVALID_USAGE.
  * - Counts are elements, not bytes. In place means sendbuf == recvbuf (see reduce_scatter and
  *   all_gather for NCCL's in-place layouts). Other overlaps of the two buffers are rejected.
  * - An argument error (NULL pointer, unknown type or op, count overflow, bad root) is reported
@@ -157,6 +158,13 @@ typedef enum toroid_redop {
  * toroid_comm_init* functions and toroid_comm_split, released by toroid_comm_destroy.
  */
 typedef struct toroid_comm toroid_comm;
+
+/**
+ * A communicator being created or shrunk in the background (toroid_comm_init_async,
+ * toroid_comm_init_env_async, toroid_comm_shrink_async). Opaque; released by
+ * toroid_pending_free.
+ */
+typedef struct toroid_pending toroid_pending;
 
 /**
  * An operation issued by an *_async call. Opaque; released by toroid_work_free.
@@ -633,6 +641,56 @@ const char *toroid_version(void);
  * the report of some 300 ranks.
  */
 enum toroid_result toroid_comm_dump(const struct toroid_comm *comm, char *buf, size_t len);
+
+/**
+ * toroid_comm_init_env in the background: returns at once with *out set to a pending
+ * communicator; poll it with toroid_pending_test, take the communicator with
+ * toroid_pending_wait, give up with toroid_pending_abort. The set-up's errors come from
+ * toroid_pending_wait.
+ */
+enum toroid_result toroid_comm_init_env_async(struct toroid_pending **out);
+
+/**
+ * toroid_comm_init in the background (see toroid_comm_init_env_async). `config` is read
+ * before this returns.
+ */
+enum toroid_result toroid_comm_init_async(struct toroid_pending **out,
+                                          const struct toroid_config *config);
+
+/**
+ * toroid_comm_shrink in the background (see toroid_comm_init_env_async). `failed` is read
+ * before this returns. Aborting it gives up `comm`'s one shrink.
+ */
+enum toroid_result toroid_comm_shrink_async(struct toroid_comm *comm,
+                                            const int *failed,
+                                            int nfailed,
+                                            struct toroid_pending **out);
+
+/**
+ * Sets *done to 1 once the set-up has finished, successfully or not (toroid_pending_wait then
+ * returns at once), else to 0. Never blocks.
+ */
+enum toroid_result toroid_pending_test(struct toroid_pending *pending, int *done);
+
+/**
+ * Waits for the set-up (bounded by its timeout) and sets *out to the new communicator, or
+ * returns the set-up's error (TOROID_ABORTED after toroid_pending_abort). The communicator is
+ * handed out once: a later call gives TOROID_INVALID_USAGE. Free `pending` afterwards.
+ */
+enum toroid_result toroid_pending_wait(struct toroid_pending *pending, struct toroid_comm **out);
+
+/**
+ * Gives up the set-up: returns once its thread has stopped (within about 100 ms) and dropped
+ * what it had made, a communicator not yet taken included; toroid_pending_wait then gives
+ * TOROID_ABORTED. No-op once the communicator was taken.
+ */
+enum toroid_result toroid_pending_abort(struct toroid_pending *pending);
+
+/**
+ * Releases `pending`, aborting its set-up if it has not finished (as toroid_pending_abort)
+ * and dropping a communicator never taken. NULL is a no-op.
+ */
+void toroid_pending_free(struct toroid_pending *pending);
 
 /**
  * Builds a communicator of the ranks of `comm` not listed in `failed` (`nfailed` entries), in

@@ -13,6 +13,7 @@
 #![warn(missing_debug_implementations)]
 
 mod algorithm;
+mod cancel;
 mod collective;
 mod comm;
 mod config;
@@ -31,7 +32,7 @@ mod transport;
 mod tuning;
 
 pub use collective::{Algorithm, CallOptions, OpKind};
-pub use comm::{Communicator, OwnedBuffer, Work};
+pub use comm::{Communicator, OwnedBuffer, PendingComm, Work};
 pub use config::{AuthToken, Config};
 pub use dtype::{DataType, Element, ReduceOp};
 pub use error::{Error, Result};

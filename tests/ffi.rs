@@ -345,3 +345,18 @@ fn c_shrink_leaves_out_a_rank_and_the_survivors_all_reduce() {
         );
     }
 }
+
+#[test]
+fn c_non_blocking_creation_and_shrink_poll_wait_and_abort() {
+    let exe = build("pending");
+    let out = run_ranks(3, 60, &[], &[exe.as_os_str()]);
+    check(&out, "pending.c on 3 ranks");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for r in [0, 2] {
+        assert!(
+            stdout.lines().any(|l| l.starts_with(&format!("[{r}]: ")) && l.contains("pending passed")),
+            "rank {r} did not pass:\n{stdout}"
+        );
+    }
+    assert!(stdout.lines().any(|l| l.starts_with("[0]: abort took")), "{stdout}");
+}

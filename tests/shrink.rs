@@ -1,7 +1,8 @@
 //! Shrink with real processes: a rank killed (SIGKILL) in the middle of a loop of all-reduces,
 //! the survivors shrink and all-reduce correctly on the new communicator, over shared memory and
 //! over TCP; a healthy communicator shrunk without a rank that takes no part; survivors that
-//! disagree on the failed ranks all fail within the timeout.
+//! disagree on the failed ranks all fail within the timeout. The non-blocking form: polled until
+//! done, then the same check; and aborted when it cannot complete (a survivor never shrinks).
 
 mod util;
 
@@ -41,9 +42,20 @@ fn env(tcp: bool) -> Vec<(String, String)> {
     e
 }
 
-/// Rank body: rank 2 dies mid-loop; the others see the error, shrink (`explicit`: naming rank
-/// 2, else letting shrink find it) and check an all-reduce on the three of them.
-fn killed_rank_body(explicit: bool) {
+/// How the survivors shrink.
+#[derive(Clone, Copy, PartialEq)]
+enum How {
+    /// `shrink(&[2])`.
+    Named,
+    /// `shrink(&[])`: shrink finds the dead rank.
+    Found,
+    /// `shrink_async(&[2])`, polled until done.
+    Polled,
+}
+
+/// Rank body: rank 2 dies mid-loop; the others see the error, shrink (`how`) and check an
+/// all-reduce on the three of them.
+fn killed_rank_body(how: How) {
     let comm = Communicator::from_env().expect("create");
     let mut buf = vec![1.0f32; 1 << 20];
     if comm.rank() == 2 {
@@ -62,8 +74,21 @@ fn killed_rank_body(explicit: bool) {
     };
     println!("ERROR {} after {} ms: {err}", err.category(), start.elapsed().as_millis());
     let t = Instant::now();
-    let failed: &[usize] = if explicit { &[2] } else { &[] };
-    let small = comm.shrink(failed).unwrap_or_else(|e| panic!("rank {}: shrink: {e}", comm.rank()));
+    let failed: &[usize] = if how == How::Found { &[] } else { &[2] };
+    let small = if how == How::Polled {
+        let pending = comm.shrink_async(failed).expect("shrink_async");
+        let mut polls = 0;
+        while !pending.is_done() {
+            polls += 1;
+            assert!(t.elapsed() < Duration::from_secs(2 * TIMEOUT_S), "shrink not done");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        println!("POLLED {polls} times");
+        pending.wait()
+    } else {
+        comm.shrink(failed)
+    };
+    let small = small.unwrap_or_else(|e| panic!("rank {}: shrink: {e}", comm.rank()));
     println!("SHRUNK in {} ms to rank {} of {}", t.elapsed().as_millis(), small.rank(), small.size());
     check_sum(&small, comm.rank(), &[0, 1, 3]);
     println!("SUM OK");
@@ -89,7 +114,7 @@ fn killed_rank_case(test: &str, tcp: bool) {
 #[test]
 fn survivors_of_a_killed_rank_shrink_and_all_reduce_over_shm() {
     if util::is_child() {
-        return killed_rank_body(true);
+        return killed_rank_body(How::Named);
     }
     killed_rank_case("survivors_of_a_killed_rank_shrink_and_all_reduce_over_shm", false);
 }
@@ -97,7 +122,7 @@ fn survivors_of_a_killed_rank_shrink_and_all_reduce_over_shm() {
 #[test]
 fn survivors_of_a_killed_rank_shrink_and_all_reduce_over_tcp() {
     if util::is_child() {
-        return killed_rank_body(true);
+        return killed_rank_body(How::Named);
     }
     killed_rank_case("survivors_of_a_killed_rank_shrink_and_all_reduce_over_tcp", true);
 }
@@ -105,9 +130,55 @@ fn survivors_of_a_killed_rank_shrink_and_all_reduce_over_tcp() {
 #[test]
 fn survivors_find_the_killed_rank_themselves() {
     if util::is_child() {
-        return killed_rank_body(false);
+        return killed_rank_body(How::Found);
     }
     killed_rank_case("survivors_find_the_killed_rank_themselves", false);
+}
+
+#[test]
+fn survivors_shrink_in_the_background_and_poll_until_done() {
+    if util::is_child() {
+        return killed_rank_body(How::Polled);
+    }
+    killed_rank_case("survivors_shrink_in_the_background_and_poll_until_done", false);
+}
+
+#[test]
+fn a_background_shrink_that_cannot_complete_is_aborted_at_once() {
+    if util::is_child() {
+        let comm = Communicator::from_env().expect("create");
+        comm.barrier().expect("barrier");
+        match comm.rank() {
+            // Shrinks without rank 2, but rank 1 never does: rank 0 waits for it in the mesh.
+            0 => {
+                let pending = comm.shrink_async(&[2]).expect("shrink_async");
+                std::thread::sleep(Duration::from_millis(500));
+                assert!(!pending.is_done(), "a shrink missing a survivor finished");
+                let t = Instant::now();
+                pending.abort();
+                let took = t.elapsed();
+                assert!(pending.is_done());
+                let err = pending.wait().expect_err("an aborted shrink gave a communicator");
+                assert!(matches!(err, toroid::Error::Aborted(_)), "{err}");
+                assert!(took < Duration::from_secs(1), "abort took {took:?}");
+                println!("ABORTED in {} ms: {err}", took.as_millis());
+                // The communicator's one shrink is spent.
+                let again = comm.shrink(&[2]).expect_err("a second shrink");
+                println!("AGAIN {again}");
+            }
+            // Alive, not shrinking, until rank 0 is done.
+            _ => std::thread::sleep(Duration::from_secs(3)),
+        }
+        return;
+    }
+    let test = "a_background_shrink_that_cannot_complete_is_aborted_at_once";
+    let children = util::spawn_ranks(test, 3, |_| env(false));
+    let deadline = Instant::now() + Duration::from_secs(2 * TIMEOUT_S + 30);
+    let (statuses, outputs) = util::wait_all(children, deadline);
+    for (r, out) in outputs.iter().enumerate() {
+        assert_eq!(statuses[r].map(|s| s.success()), Some(true), "rank {r} failed:\n{out}");
+    }
+    assert!(outputs[0].contains("ABORTED in") && outputs[0].contains("AGAIN"), "{}", outputs[0]);
 }
 
 #[test]

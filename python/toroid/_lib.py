@@ -203,7 +203,7 @@ ENUMS = {"toroid_result": Result, "toroid_datatype": DataType, "toroid_redop": R
 # #define name -> value.
 CONSTANTS = {"TOROID_SPLIT_NOCOLOR": SPLIT_NOCOLOR}
 # Opaque structs: only ever handled through pointers (c_void_p here).
-OPAQUE = ("toroid_comm", "toroid_work")
+OPAQUE = ("toroid_comm", "toroid_work", "toroid_pending")
 # struct name -> ctypes.Structure with the same fields in the same order.
 STRUCTS = {"toroid_config": Config, "toroid_store_ops": StoreOps, "toroid_stat": Stat}
 # function-pointer typedef -> CFUNCTYPE.
@@ -220,6 +220,13 @@ SIGNATURES = {
     "toroid_comm_init_with_store_config": (_E, [_PP, ctypes.POINTER(Config), ctypes.POINTER(StoreOps), _P]),
     "toroid_comm_split": (_E, [_P, c_int, c_int, _PP]),
     "toroid_comm_shrink": (_E, [_P, ctypes.POINTER(c_int), c_int, _PP]),
+    "toroid_comm_init_env_async": (_E, [_PP]),
+    "toroid_comm_init_async": (_E, [_PP, ctypes.POINTER(Config)]),
+    "toroid_comm_shrink_async": (_E, [_P, ctypes.POINTER(c_int), c_int, _PP]),
+    "toroid_pending_test": (_E, [_P, ctypes.POINTER(c_int)]),
+    "toroid_pending_wait": (_E, [_P, _PP]),
+    "toroid_pending_abort": (_E, [_P]),
+    "toroid_pending_free": (None, [_P]),
     "toroid_comm_stats": (_E, [_P, ctypes.POINTER(Stat), c_size_t, ctypes.POINTER(c_size_t)]),
     "toroid_comm_rank": (_E, [_P, ctypes.POINTER(c_int)]),
     "toroid_comm_size": (_E, [_P, ctypes.POINTER(c_int)]),

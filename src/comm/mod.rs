@@ -12,6 +12,7 @@
 
 mod api;
 mod control;
+mod pending;
 mod queue;
 mod setup;
 mod shrink;
@@ -19,6 +20,7 @@ mod stall;
 mod validate;
 
 pub use api::OwnedBuffer;
+pub use pending::PendingComm;
 pub use queue::{Hook, Hooks, Work};
 pub(crate) use validate::validate;
 

@@ -45,6 +45,22 @@ fn not_joined(e: Error, r: usize) -> Error {
     }
 }
 
+/// `store.get(key)` bounded by `deadline`. A set-up that can be cancelled (`cancel.rs`) asks in
+/// slices and checks between them; any other waits in one call.
+fn get_key(store: &dyn Store, key: &str, deadline: Instant) -> Result<Vec<u8>> {
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if !crate::cancel::active() {
+            return store.get(key, left);
+        }
+        crate::cancel::check("waiting for the other ranks in the store")?;
+        match store.get(key, left.min(crate::cancel::SLICE)) {
+            Err(Error::Timeout(_)) if left > crate::cancel::SLICE => continue,
+            r => return r,
+        }
+    }
+}
+
 /// This machine's identity: `TOROID_HOST_ID`, else hostname plus boot id.
 fn host_identity(cfg: &Config) -> String {
     cfg.host_id.clone().unwrap_or_else(machine_identity)
@@ -115,13 +131,12 @@ impl Communicator {
         AlgoFilter::parse(cfg.algo.as_deref().unwrap_or(""))?;
         let generation = store.add(&format!("toroid/rank{rank}/generation"), 1)?;
         let prefix = format!("toroid/gen{generation}");
-        let left = || deadline.saturating_duration_since(Instant::now());
         let id = if rank == 0 {
             let id = crate::sys::random::id();
             store.set(&format!("{prefix}/id"), &id.to_le_bytes())?;
             id
         } else {
-            let v = store.get(&format!("{prefix}/id"), left()).map_err(|e| not_joined(e, 0))?;
+            let v = get_key(&*store, &format!("{prefix}/id"), deadline).map_err(|e| not_joined(e, 0))?;
             let b: [u8; 8] = v
                 .as_slice()
                 .try_into()
@@ -141,13 +156,14 @@ impl Communicator {
         let mut addrs = Vec::with_capacity(size);
         let (mut hosts, mut machines) = (Vec::with_capacity(size), Vec::with_capacity(size));
         for r in 0..size {
-            let a = store.get(&format!("{prefix}/addr/{r}"), left()).map_err(|e| not_joined(e, r))?;
+            let a =
+                get_key(&*store, &format!("{prefix}/addr/{r}"), deadline).map_err(|e| not_joined(e, r))?;
             let a = String::from_utf8_lossy(&a)
                 .parse::<SocketAddr>()
                 .map_err(|e| Error::Remote(format!("rank {r} published a bad address: {e}").into()))?;
             addrs.push(a);
             let ids = String::from_utf8_lossy(
-                &store.get(&format!("{prefix}/host/{r}"), left()).map_err(|e| not_joined(e, r))?,
+                &get_key(&*store, &format!("{prefix}/host/{r}"), deadline).map_err(|e| not_joined(e, r))?,
             )
             .into_owned();
             let (h, m) = ids.split_once('\n').unwrap_or((&ids, &ids));
@@ -222,6 +238,11 @@ impl Communicator {
             yield_between: true,
         };
         let abort = Arc::new(AbortSignal::new()?);
+        // A non-blocking set-up cancelled from now on wakes the calibration's waits too.
+        let signal = abort.clone();
+        crate::cancel::on_cancel(Box::new(move || {
+            signal.fire(Error::Aborted("set-up aborted by its caller while calibrating".into()))
+        }));
         let mut peers = Peers::new(rank, transports, abort.clone(), spin, config.segment_size);
         peers.set_progress(recorder.progress());
         let has_window = window.is_some();

@@ -19,9 +19,10 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use super::Communicator;
 use super::control;
+use super::pending::PendingComm;
 use super::setup::Members;
+use super::{Communicator, Core};
 use crate::error::{Error, Result};
 use crate::trace::PeerAnswer;
 
@@ -43,8 +44,25 @@ impl Communicator {
     ///
     /// Bounded by the communicator's timeout.
     pub fn shrink(&self, failed: &[usize]) -> Result<Communicator> {
+        self.core.shrink(failed)
+    }
+
+    /// [`Communicator::shrink`] on a thread of its own: returns at once with a [`PendingComm`] to
+    /// poll, wait for or abort (NCCL's non-blocking `ncclCommShrink`). Aborting it gives up this
+    /// communicator's one shrink.
+    pub fn shrink_async(&self, failed: &[usize]) -> Result<PendingComm> {
         self.core.forked()?;
-        let n = self.size();
+        let core = self.core.clone();
+        let failed = failed.to_vec();
+        PendingComm::spawn(format!("shrink of communicator {:#x}", self.id()), move || core.shrink(&failed))
+    }
+}
+
+impl Core {
+    /// See [`Communicator::shrink`].
+    fn shrink(&self, failed: &[usize]) -> Result<Communicator> {
+        self.forked()?;
+        let n = self.size;
         let failed: BTreeSet<usize> =
             if failed.is_empty() { self.failed_ranks()? } else { failed.iter().copied().collect() };
         if let Some(bad) = failed.iter().find(|r| **r >= n) {
@@ -52,24 +70,23 @@ impl Communicator {
                 format!("shrink: rank {bad} is not in a world of {n}").into(),
             ));
         }
-        if failed.contains(&self.rank()) {
+        if failed.contains(&self.rank) {
             return Err(Error::InvalidUsage(
-                format!("shrink: rank {} is among the failed ranks {failed:?} it was given", self.rank())
+                format!("shrink: rank {} is among the failed ranks {failed:?} it was given", self.rank)
                     .into(),
             ));
         }
         let survivors: Vec<usize> = (0..n).filter(|r| !failed.contains(r)).collect();
-        let new_rank = survivors.iter().position(|r| *r == self.rank()).unwrap_or(0);
+        let new_rank = survivors.iter().position(|r| *r == self.rank).unwrap_or(0);
         let what = format!(
             "rank {}: shrink of communicator {:#x} to ranks {survivors:?} (without {failed:?})",
-            self.rank(),
-            self.id()
+            self.rank, self.id
         );
-        let deadline = crate::config::deadline_in(self.core.timeout);
-        let id = control::shrink_id(self.core.id, ATTEMPT);
-        let (endpoint, accepted) = self.core.take_listener_for_shrink(ATTEMPT)?;
-        let t = &self.core.topology;
-        let addrs: Vec<_> = survivors.iter().map(|r| self.core.addrs()[*r]).collect();
+        let deadline = crate::config::deadline_in(self.timeout);
+        let id = control::shrink_id(self.id, ATTEMPT);
+        let (endpoint, accepted) = self.take_listener_for_shrink(ATTEMPT)?;
+        let t = &self.topology;
+        let addrs: Vec<_> = survivors.iter().map(|r| self.addrs()[*r]).collect();
         let hosts: Vec<String> = survivors.iter().map(|r| t.host_of[*r].to_string()).collect();
         let machines: Vec<String> = survivors.iter().map(|r| t.machine_of[*r].to_string()).collect();
         tracing::info!(target: "toroid::init", "{what}: rank {new_rank} of {}", survivors.len());
@@ -79,8 +96,8 @@ impl Communicator {
             endpoint,
             accepted,
             id,
-            &self.core.config,
-            self.core.iface.clone(),
+            &self.config,
+            self.iface.clone(),
             None,
             deadline,
         )
@@ -94,7 +111,6 @@ impl Communicator {
     /// The ranks that failed: those whose process is gone, else the one the first error named.
     fn failed_ranks(&self) -> Result<BTreeSet<usize>> {
         let dead: BTreeSet<usize> = self
-            .core
             .ask_peers(ASK_GRACE)
             .into_iter()
             .filter(|(_, a)| matches!(a, PeerAnswer::Dead(_)))
@@ -103,20 +119,22 @@ impl Communicator {
         if !dead.is_empty() {
             return Ok(dead);
         }
-        let named = self.core.abort.is_fired().then(|| self.core.abort.error().peer()).flatten();
+        let named = self.abort.is_fired().then(|| self.abort.error().peer()).flatten();
         match named {
-            Some(r) if r != self.rank() => Ok(BTreeSet::from([r])),
+            Some(r) if r != self.rank => Ok(BTreeSet::from([r])),
             _ => Err(Error::InvalidUsage(
                 format!(
                     "rank {}: shrink was given no failed ranks, no rank's process is gone and no error \
                      names one: name the ranks to leave out",
-                    self.rank()
+                    self.rank
                 )
                 .into(),
             )),
         }
     }
+}
 
+impl Communicator {
     /// Checks, on the new communicator, that every survivor left out the same ranks of a parent
     /// of `n`: an all-gather of each one's set as a bitmap. On a difference this communicator
     /// is aborted and the error names who disagrees.

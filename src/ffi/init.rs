@@ -29,6 +29,16 @@ fn world(rank: c_int, size: c_int) -> Result<(usize, usize)> {
 /// says how many bytes are readable; string fields NULL or NUL-terminated.
 pub(crate) unsafe fn from_config(p: *const toroid_config) -> Result<Communicator> {
     // SAFETY: the caller's promise, passed on.
+    let (launch, cfg) = unsafe { launch_of(p)? };
+    Communicator::from_launch(&launch, &cfg)
+}
+
+/// What `from_config` joins: the launch (rank, size, store) and the settings.
+///
+/// # Safety
+/// As [`from_config`].
+pub(crate) unsafe fn launch_of(p: *const toroid_config) -> Result<(Launch, Config)> {
+    // SAFETY: the caller's promise, passed on.
     let (rank, size, cfg, store_addr) = unsafe { read_config(p)? };
     let store = match store_addr {
         Some(addr) => StoreAddr::parse(&addr)?,
@@ -39,7 +49,7 @@ pub(crate) unsafe fn from_config(p: *const toroid_config) -> Result<Communicator
         }
     };
     let launch = Launch { rank, size, local_rank: None, local_size: None, store, launcher: Launcher::Toroid };
-    Communicator::from_launch(&launch, &cfg)
+    Ok((launch, cfg))
 }
 
 /// The rank, size, settings (the global ones with the config's overrides) and store address of

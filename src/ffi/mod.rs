@@ -16,6 +16,7 @@ mod boundary;
 mod dump;
 mod init;
 mod ops;
+mod pending;
 mod shrink;
 pub mod stats;
 mod store;

@@ -233,6 +233,14 @@ pub struct toroid_comm {
     _private: [u8; 0],
 }
 
+/// A communicator being created or shrunk in the background (toroid_comm_init_async,
+/// toroid_comm_init_env_async, toroid_comm_shrink_async). Opaque; released by
+/// toroid_pending_free.
+#[derive(Debug)]
+pub struct toroid_pending {
+    _private: [u8; 0],
+}
+
 /// An operation issued by an *_async call. Opaque; released by toroid_work_free.
 #[derive(Debug)]
 pub struct toroid_work {

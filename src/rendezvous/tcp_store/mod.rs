@@ -236,7 +236,9 @@ impl TcpStore {
                 ));
             }
             tracing::debug!(target: "toroid::store", "store {addr} not reachable yet ({last}); retrying in {backoff:?}");
-            std::thread::sleep(backoff.min(remaining));
+            crate::cancel::check("connecting to the store")?;
+            let slice = if crate::cancel::active() { crate::cancel::SLICE } else { BACKOFF_CAP };
+            std::thread::sleep(backoff.min(remaining).min(slice));
             backoff = (backoff * 2).min(BACKOFF_CAP);
         }
     }

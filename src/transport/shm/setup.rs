@@ -106,6 +106,7 @@ fn send_msg(t: &mut dyn Transport, peer: usize, msg: &[u8; MSG_LEN], deadline: I
         match t.try_write(&[&msg[done..]]) {
             Ok(n) => done += n,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                crate::cancel::check("setting up shared memory")?;
                 wait_ready(t, false, true, deadline).map_err(|e| setup_error(peer, e))?;
             }
             Err(e) => return Err(setup_error(peer, e)),
@@ -126,6 +127,7 @@ fn recv_msg(t: &mut dyn Transport, peer: usize, deadline: Instant) -> Result<Msg
             }
             Ok(n) => got += n,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                crate::cancel::check("setting up shared memory")?;
                 wait_ready(t, true, false, deadline).map_err(|e| setup_error(peer, e))?;
             }
             Err(e) => return Err(setup_error(peer, e)),

@@ -170,6 +170,7 @@ impl<'a> MeshLoop<'a> {
             if now >= self.deadline {
                 return Err(self.timeout());
             }
+            crate::cancel::check("connecting to the other ranks")?;
             fds.clear();
             who.clear();
             if self.unclaimed() > 0 {
@@ -194,7 +195,8 @@ impl<'a> MeshLoop<'a> {
                 .filter_map(Outgoing::wake_at)
                 .chain(self.incoming.iter().filter(|c| c.claimed().is_none()).map(|c| c.deadline))
                 .fold(self.deadline, Instant::min);
-            let ms = wake.saturating_duration_since(now).as_millis().clamp(1, 1000) as i32;
+            let max = if crate::cancel::active() { crate::cancel::SLICE } else { Duration::from_secs(1) };
+            let ms = wake.saturating_duration_since(now).min(max).as_millis().max(1) as i32;
             poll(&mut fds, ms).map_err(|e| Error::system("poll during set-up", e))?;
             let now = Instant::now();
             let mut failed: Vec<(usize, String)> = Vec::new();
