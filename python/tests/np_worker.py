@@ -223,6 +223,68 @@ def errors(comm: toroid.Comm):
         pass
 
 
+def created_in_the_background():
+    """Comm.from_env_async, polled until done (the last rank comes 300 ms late)."""
+    if RANK == SIZE - 1:
+        time.sleep(0.3)
+    pending = toroid.Comm.from_env_async()
+    start = time.monotonic()
+    while not pending.done():
+        assert time.monotonic() - start < 60, "creation not done within 60 s"
+        time.sleep(0.002)
+    comm = pending.wait()
+    try:
+        pending.wait()
+        raise AssertionError("a second wait handed out a communicator")
+    except toroid.InvalidUsageError:
+        pass
+    pending.release()
+    return comm
+
+
+def shrink(comm):
+    """The last rank leaves; the others shrink without it (in the background, polled) and
+    all-reduce on the survivors; then a shrink that cannot complete is aborted."""
+    comm.barrier()
+    if RANK == SIZE - 1:
+        comm.destroy()
+        return
+    pending = comm.shrink_async([SIZE - 1])
+    while not pending.done():
+        time.sleep(0.002)
+    small = pending.wait()
+    survivors = list(range(SIZE - 1))
+    assert (small.rank, small.size) == (RANK, SIZE - 1), (small.rank, small.size)
+    x = data(50, RANK, 1000, np.int64)
+    same(small.all_reduce(x.copy()), reference([data(50, r, 1000, np.int64) for r in survivors], "sum"), "after shrink")
+    try:
+        comm.shrink([SIZE - 1])
+        raise AssertionError("a second shrink of one communicator")
+    except toroid.ToroidError:
+        pass
+    small.destroy()
+    comm.destroy()
+    if RANK == 0:
+        # Rank 0 of a world of 2 whose rank 1 never comes: aborted within a second.
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        p = toroid.Comm.init_async(0, 2, f"127.0.0.1:{port}", timeout=60)
+        time.sleep(0.3)
+        assert not p.done()
+        t = time.monotonic()
+        p.abort()
+        took = time.monotonic() - t
+        assert took < 1.0, f"abort took {took:.3f} s"
+        try:
+            p.wait()
+            raise AssertionError("an aborted creation gave a communicator")
+        except toroid.AbortedError:
+            pass
+
+
 class FileStore:
     """A caller-supplied store for Comm.with_store: one file per key."""
 
@@ -253,6 +315,10 @@ if __name__ == "__main__":
         comm = toroid.Comm.with_store(RANK, SIZE, FileStore(os.environ["TOROID_TEST_TMP"]))
         same(comm.all_reduce(np.array([RANK + 1], np.int64), op="prod"),
              np.array([np.prod(np.arange(1, SIZE + 1))], np.int64), "with_store all_reduce")
+    elif SCENARIO == "shrink":
+        shrink(created_in_the_background())
+        print(f"rank {RANK}: {SCENARIO} passed ({checks} element checks)")
+        sys.exit(0)
     else:
         comm = toroid.Comm.from_env()
         {"collectives": collectives, "async": async_and_pointers, "errors": errors, "dump": dump}[SCENARIO](comm)

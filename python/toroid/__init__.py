@@ -26,7 +26,7 @@ from ._lib import (
     library_path,
     version,
 )
-from .comm import Comm, Store, Work, numpy_dtype
+from .comm import Comm, Pending, Store, Work, numpy_dtype
 
 __all__ = [
     "AbortedError",
@@ -34,6 +34,7 @@ __all__ = [
     "DataType",
     "InvalidArgumentError",
     "InvalidUsageError",
+    "Pending",
     "ReduceOp",
     "RemoteError",
     "Result",

@@ -110,6 +110,54 @@ class Work:
                 pass
 
 
+class Pending:
+    """A communicator being created or shrunk in the background (`Comm.from_env_async`,
+    `Comm.init_async`, `Comm.shrink_async`): poll it with `done()`, take the communicator with
+    `wait()`, give up with `abort()` (returns within about 100 ms). Released when collected."""
+
+    def __init__(self, handle: int):
+        self._handle = handle
+
+    def _live(self) -> int:
+        if self._handle is None:
+            raise ValueError("pending communicator already released")
+        return self._handle
+
+    def done(self) -> bool:
+        """True once the set-up has finished, successfully or not; never blocks."""
+        d = ctypes.c_int()
+        check("toroid_pending_test", _lib.lib().toroid_pending_test(self._live(), ctypes.byref(d)))
+        return bool(d.value)
+
+    def wait(self) -> "Comm":
+        """Waits for the set-up and returns the communicator (once), or raises its error
+        (AbortedError after abort())."""
+        out = ctypes.c_void_p()
+        check("toroid_pending_wait", _lib.lib().toroid_pending_wait(self._live(), ctypes.byref(out)))
+        return Comm(out.value)
+
+    def abort(self) -> None:
+        """Stops the set-up and drops what it had made; a no-op once the communicator was taken."""
+        check("toroid_pending_abort", _lib.lib().toroid_pending_abort(self._live()))
+
+    def release(self) -> None:
+        """Frees the handle, aborting the set-up if it has not finished."""
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            _lib.lib().toroid_pending_free(handle)
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+
+def _failed_array(failed) -> tuple:
+    ranks = [int(r) for r in failed]
+    return (ctypes.c_int * max(1, len(ranks)))(*ranks), len(ranks)
+
+
 class Comm:
     """A toroid communicator.
 
@@ -140,6 +188,37 @@ class Comm:
         check("toroid_comm_init_env", _lib.lib().toroid_comm_init_env(ctypes.byref(out)))
         return cls(out.value)
 
+    @staticmethod
+    def from_env_async() -> Pending:
+        """`from_env` in the background: returns at once with a `Pending`."""
+        out = ctypes.c_void_p()
+        check("toroid_comm_init_env_async", _lib.lib().toroid_comm_init_env_async(ctypes.byref(out)))
+        return Pending(out.value)
+
+    @staticmethod
+    def init_async(
+        rank: int,
+        size: int,
+        store_addr: Optional[str] = None,
+        timeout: Optional[float] = None,
+        socket_ifname: Optional[str] = None,
+    ) -> Pending:
+        """`init` in the background: returns at once with a `Pending`."""
+        cfg = Comm._config(rank, size, store_addr, timeout, socket_ifname)
+        out = ctypes.c_void_p()
+        check("toroid_comm_init_async", _lib.lib().toroid_comm_init_async(ctypes.byref(out), ctypes.byref(cfg)))
+        return Pending(out.value)
+
+    @staticmethod
+    def _config(rank, size, store_addr, timeout, socket_ifname) -> "_lib.Config":
+        cfg = _lib.Config()
+        cfg.struct_size = ctypes.sizeof(_lib.Config)
+        cfg.rank, cfg.size = rank, size
+        cfg.store_addr = store_addr.encode() if store_addr else None
+        cfg.timeout_ms = int(timeout * 1000) if timeout else 0
+        cfg.socket_ifname = socket_ifname.encode() if socket_ifname else None
+        return cfg
+
     @classmethod
     def init(
         cls,
@@ -151,12 +230,7 @@ class Comm:
     ) -> "Comm":
         """Rank 0 serves a TCP store at `store_addr` ("host:port", or "file:///dir"); None: from
         the environment. `timeout` in seconds (None: TOROID_TIMEOUT or 300 s)."""
-        cfg = _lib.Config()
-        cfg.struct_size = ctypes.sizeof(_lib.Config)
-        cfg.rank, cfg.size = rank, size
-        cfg.store_addr = store_addr.encode() if store_addr else None
-        cfg.timeout_ms = int(timeout * 1000) if timeout else 0
-        cfg.socket_ifname = socket_ifname.encode() if socket_ifname else None
+        cfg = cls._config(rank, size, store_addr, timeout, socket_ifname)
         out = ctypes.c_void_p()
         check("toroid_comm_init", _lib.lib().toroid_comm_init(ctypes.byref(out), ctypes.byref(cfg)))
         return cls(out.value)
@@ -251,6 +325,26 @@ class Comm:
         color = _lib.SPLIT_NOCOLOR if color is None else color
         check("toroid_comm_split", _lib.lib().toroid_comm_split(self._live(), color, key, ctypes.byref(out)), self._handle)
         return Comm(out.value) if out.value else None
+
+    def shrink(self, failed=()) -> "Comm":
+        """A new communicator of the ranks not in `failed`, in rank order, after a failure or on
+        a healthy communicator; every survivor passes the same ranks (empty: the ranks whose
+        process is gone). The failed ranks do not call it. Once per communicator."""
+        arr, n = _failed_array(failed)
+        out = ctypes.c_void_p()
+        check("toroid_comm_shrink", _lib.lib().toroid_comm_shrink(self._live(), arr, n, ctypes.byref(out)), self._handle)
+        return Comm(out.value)
+
+    def shrink_async(self, failed=()) -> Pending:
+        """`shrink` in the background: returns at once with a `Pending`."""
+        arr, n = _failed_array(failed)
+        out = ctypes.c_void_p()
+        check(
+            "toroid_comm_shrink_async",
+            _lib.lib().toroid_comm_shrink_async(self._live(), arr, n, ctypes.byref(out)),
+            self._handle,
+        )
+        return Pending(out.value)
 
     def stats(self) -> list:
         """This communicator's statistics (toroid_comm_stats): one dict per (collective,
