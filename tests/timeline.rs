@@ -113,3 +113,35 @@ fn a_four_rank_benchmark_leaves_one_valid_trace_with_every_rank() {
     assert!(!phases.is_empty());
     eprintln!("timeline: {} events, {} all-reduces per rank, {} phases", events.len(), n, phases.len());
 }
+
+#[test]
+fn halving_doubling_shows_its_fold_reduce_scatter_and_all_gather_phases() {
+    // 3 ranks: rank 0 folds into rank 1 (reduce), ranks 1 and 2 halve and double
+    // (reduce-scatter, all-gather), rank 1 hands the result back to rank 0 (broadcast).
+    let dir = TempDir::new("timeline-hd");
+    let path = dir.join("trace.json");
+    let mut cmd = Command::new(TOROID_RUN);
+    clean_launcher_env(&mut cmd)
+        .args(["-n", "3", "--timeout", "120", "--", BENCH, "-b", "4K", "-e", "4K", "-n", "2", "-w", "1"])
+        .env("TOROID_TIMELINE", &path)
+        .env("TOROID_ALGO", "hd");
+    let done = run_bounded(
+        "toroid-bench halving-doubling with a timeline",
+        &mut cmd,
+        &dir,
+        Duration::from_secs(150),
+    );
+    assert!(done.status.success(), "{}\n{}", done.stdout, done.stderr);
+    let trace: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).expect("valid JSON");
+    let mut phases: BTreeMap<u64, BTreeSet<String>> = BTreeMap::new();
+    for e in trace["traceEvents"].as_array().expect("traceEvents") {
+        if e["cat"] == "phase" {
+            let pid = e["pid"].as_u64().expect("pid");
+            phases.entry(pid).or_default().insert(e["name"].as_str().expect("name").into());
+        }
+    }
+    let has = |r: u64, names: &[&str]| names.iter().all(|n| phases.get(&r).is_some_and(|p| p.contains(*n)));
+    assert!(has(0, &["reduce", "broadcast"]), "rank 0: {phases:?}");
+    assert!(has(1, &["reduce", "reduce_scatter", "all_gather", "broadcast"]), "rank 1: {phases:?}");
+    assert!(has(2, &["reduce_scatter", "all_gather"]), "rank 2: {phases:?}");
+}

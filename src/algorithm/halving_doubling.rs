@@ -14,6 +14,7 @@ use super::schedule::{self, Doubling, halving_round};
 use super::{Bufs, Wire, read_write, work_and_input};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
+use crate::trace::Phase as Stage;
 use crate::transport::{Sink, Source};
 
 /// Halving-doubling all-reduce over the whole communicator.
@@ -34,9 +35,11 @@ pub fn all_reduce(wire: &mut Wire<'_>, bufs: Bufs<'_>, dtype: DataType, op: Redu
     };
     let last = 2 * rounds + 1;
     // Fold: even ranks below 2*rem hand their data to the odd rank above them.
+    wire.phase(Stage::Reduce);
     if rank < 2 * d.rem {
         if rank.is_multiple_of(2) {
             wire.exchange(0, Some((rank + 1, Source::Bytes(src.unwrap_or(buf)))), None)?;
+            wire.phase(Stage::Broadcast);
             return wire.exchange(last, None, Some((rank + 1, Sink::Copy(buf))));
         }
         wire.exchange(0, None, Some((rank - 1, Sink::Reduce { dst: &mut *buf, other: src, dtype, op })))?;
@@ -44,6 +47,7 @@ pub fn all_reduce(wire: &mut Wire<'_>, bufs: Bufs<'_>, dtype: DataType, op: Redu
         buf.copy_from_slice(src);
     }
     let v = d.virtual_rank(rank).expect("folded ranks returned above");
+    wire.phase(Stage::ReduceScatter);
     for k in 0..rounds {
         let partner = d.real_rank(v ^ (1 << k));
         let (send, keep) = halving_round(v, rounds, k);
@@ -51,6 +55,7 @@ pub fn all_reduce(wire: &mut Wire<'_>, bufs: Bufs<'_>, dtype: DataType, op: Redu
         let sink = Sink::Reduce { dst, other: None, dtype, op };
         wire.exchange(1 + k, Some((partner, Source::Bytes(out))), Some((partner, sink)))?;
     }
+    wire.phase(Stage::AllGather);
     for k in (0..rounds).rev() {
         let partner = d.real_rank(v ^ (1 << k));
         let (theirs, mine) = halving_round(v, rounds, k);
@@ -58,6 +63,7 @@ pub fn all_reduce(wire: &mut Wire<'_>, bufs: Bufs<'_>, dtype: DataType, op: Redu
         wire.exchange(2 * rounds - k, Some((partner, Source::Bytes(out))), Some((partner, Sink::Copy(dst))))?;
     }
     if rank < 2 * d.rem {
+        wire.phase(Stage::Broadcast);
         wire.exchange(last, Some((rank - 1, Source::Bytes(buf))), None)?;
     }
     Ok(())
