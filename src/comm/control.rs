@@ -119,6 +119,28 @@ impl Core {
         out
     }
 
+    /// The other ranks whose process is gone (their listener refuses connections), with why;
+    /// each probe bounded by `timeout`. Cheaper and quicker than [`Core::ask_peers`]: a live
+    /// rank's kernel accepts at once, whatever the rank is doing (even setting up a shrink,
+    /// when its listener is not served).
+    pub(crate) fn gone_peers(&self, timeout: Duration) -> Vec<(usize, String)> {
+        let c = &self.control;
+        let peers: Vec<usize> = (0..c.addrs.len()).filter(|r| *r != c.ctx.rank).collect();
+        let mut out = Vec::new();
+        for batch in peers.chunks(64) {
+            std::thread::scope(|s| {
+                let hs: Vec<_> =
+                    batch.iter().map(|&p| s.spawn(move || (p, wire::is_gone(c.addrs[p], timeout)))).collect();
+                for h in hs {
+                    if let Ok((p, Some(why))) = h.join() {
+                        out.push((p, why));
+                    }
+                }
+            });
+        }
+        out
+    }
+
     /// Stops the control thread and hands over this rank's listener for shrink attempt
     /// `attempt`, with the connections other survivors already made to it for that attempt
     /// (accepted, their hello unread).
@@ -139,7 +161,11 @@ impl Core {
         let listener = listener.into_inner().ok_or_else(|| {
             Error::InvalidUsage("a forked child cannot shrink its parent's communicator".into())
         })?;
-        let conns = parked.into_iter().filter(|p| p.2 == attempt).map(|(s, a, _)| (s, a)).collect();
+        let conns = parked
+            .into_iter()
+            .filter(|p| p.2 == attempt || p.2 == wire::UNIDENTIFIED)
+            .map(|(s, a, _)| (s, a))
+            .collect();
         let endpoint = tcp::Endpoint { listener, addr: c.addrs[c.ctx.rank], ifname: c.ifname.clone() };
         Ok((endpoint, conns))
     }

@@ -24,12 +24,11 @@ use super::pending::PendingComm;
 use super::setup::Members;
 use super::{Communicator, Core};
 use crate::error::{Error, Result};
-use crate::trace::PeerAnswer;
 
 /// Shrink attempts of one communicator: the listener goes to the first, so there is one.
 const ATTEMPT: u64 = 1;
-/// How long a peer's control plane may take to answer when looking for the dead ranks.
-const ASK_GRACE: Duration = Duration::from_secs(2);
+/// How long a connection to a peer's listener may take when looking for the dead ranks.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl Communicator {
     /// Builds a new communicator of every rank not in `failed`, in this communicator's rank
@@ -110,12 +109,7 @@ impl Core {
 
     /// The ranks that failed: those whose process is gone, else the one the first error named.
     fn failed_ranks(&self) -> Result<BTreeSet<usize>> {
-        let dead: BTreeSet<usize> = self
-            .ask_peers(ASK_GRACE)
-            .into_iter()
-            .filter(|(_, a)| matches!(a, PeerAnswer::Dead(_)))
-            .map(|(r, _)| r)
-            .collect();
+        let dead: BTreeSet<usize> = self.gone_peers(PROBE_TIMEOUT).into_iter().map(|(r, _)| r).collect();
         if !dead.is_empty() {
             return Ok(dead);
         }

@@ -75,8 +75,13 @@ pub struct ControlCtx {
     pub auth: Option<AuthToken>,
 }
 
-/// A connection a survivor made for a shrink, accepted and not read.
+/// A connection a survivor made for a shrink, accepted and not read, with its shrink attempt
+/// ([`UNIDENTIFIED`] when the control plane stopped before its whole hello arrived).
 pub type Parked = (TcpStream, SocketAddr, u64);
+
+/// The attempt of a parked connection whose hello had not all arrived when the control plane
+/// stopped: possibly a survivor's, so it goes to the shrink, which checks it as any other.
+pub const UNIDENTIFIED: u64 = 0;
 
 enum Phase {
     /// Waiting for the whole hello to arrive (peeked, not consumed).
@@ -146,6 +151,12 @@ pub fn serve(
             continue;
         }
         if fds[0].revents() != 0 {
+            // A survivor's hello may still be on its way, or unread for lack of a turn: closing
+            // such a connection would reset a survivor's shrink. Every connection not yet
+            // identified goes to the shrink, untouched (nothing of it was consumed).
+            for c in conns.into_iter().filter(|c| matches!(c.phase, Phase::Peek)) {
+                parked.push((c.stream, c.from, UNIDENTIFIED));
+            }
             return parked;
         }
         let ready: Vec<bool> = fds[2..].iter().map(|f| f.revents() != 0).collect();
@@ -207,7 +218,8 @@ impl Conn {
                 Phase::Peek => {
                     let mut h = [0u8; HELLO_LEN];
                     match self.stream.peek(&mut h) {
-                        Ok(0) => return Next::Close(Some("closed without a hello".into())),
+                        // Closed before sending a byte: a liveness probe ([`is_gone`]).
+                        Ok(0) => return Next::Close(None),
                         Ok(n) if n < HELLO_LEN => return Next::Wait,
                         Ok(_) => {}
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Next::Wait,
@@ -298,6 +310,19 @@ pub enum Reply {
     Silent,
     /// Anything else.
     Failed(String),
+}
+
+/// Whether the process that listened at `addr` is gone: its connection refused (why, then), or
+/// not (accepted: a live process's kernel accepts even when the process is stopped or its
+/// listener is busy; or no verdict within `timeout`). Sends nothing and closes at once: the
+/// control thread takes that for the probe it is, silently.
+pub fn is_gone(addr: SocketAddr, timeout: Duration) -> Option<String> {
+    match TcpStream::connect_timeout(&addr, timeout) {
+        Err(e) if matches!(e.kind(), io::ErrorKind::ConnectionRefused | io::ErrorKind::ConnectionReset) => {
+            Some(format!("nothing listens at {addr} any more ({e})"))
+        }
+        _ => None,
+    }
 }
 
 /// Asks rank `peer` at `addr` for `request`, within `grace`.
@@ -440,7 +465,10 @@ mod tests {
             let r = ask(&ctx(1, token), 2, addr, REQUEST_SNAPSHOT, Duration::from_secs(3));
             assert_eq!(r, Reply::Answer(b"request 1 from rank 1".to_vec()));
             assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
-            assert!(stop().is_empty());
+            // Only the silent one could still be a survivor's: it goes to a shrink, to check.
+            let parked = stop();
+            assert_eq!(parked.len(), 1, "{:?}", parked.iter().map(|p| p.2).collect::<Vec<_>>());
+            assert_eq!(parked[0].2, UNIDENTIFIED);
         }
     }
 
@@ -496,6 +524,26 @@ mod tests {
         let mut got = vec![0u8; h.len()];
         p.read_exact(&mut got).unwrap();
         assert_eq!(got, h, "the shrink's handshake must find the hello where it was");
+    }
+
+    #[test]
+    fn a_hello_still_arriving_when_the_shrink_takes_over_is_handed_to_it() {
+        // A survivor connected and sent part of its hello as this rank started to shrink:
+        // closing it would reset the survivor's shrink (a race seen in CI).
+        let (addr, stop) = server(None);
+        let mut s = TcpStream::connect(addr).unwrap();
+        let (h, _) = handshake::hello_message(shrink_id(0x5eed, 1), 3, 2, None).unwrap();
+        s.write_all(&h[..5]).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        let parked = stop();
+        assert_eq!(parked.len(), 1, "the connection must not be dropped");
+        let (mut p, _, attempt) = parked.into_iter().next().unwrap();
+        assert_eq!(attempt, UNIDENTIFIED);
+        s.write_all(&h[5..]).unwrap();
+        p.set_nonblocking(false).unwrap();
+        let mut got = vec![0u8; h.len()];
+        p.read_exact(&mut got).unwrap();
+        assert_eq!(got, h, "the shrink's handshake must find the whole hello");
     }
 
     #[test]
