@@ -223,6 +223,11 @@ pub struct Args {
     /// Check that all ranks hold identical parameters every N steps (0: only at epoch ends).
     #[arg(long, default_value_t = 100)]
     pub check_every: u64,
+    /// Keep training when a rank dies: the survivors shrink the communicator, go back to the
+    /// parameters before the step that failed, re-shard the data and go on (synchronous SGD or
+    /// Adam; not with --bmuf or --echo).
+    #[arg(long)]
+    pub elastic: bool,
     /// Random seed (weights, permutations, augmentation).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,

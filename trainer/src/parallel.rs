@@ -120,6 +120,8 @@ pub struct Replicas {
     /// own.
     pub sync_grads: bool,
     launched: usize,
+    /// The bucket size `new` was given (to rebuild over another communicator).
+    bucket_bytes: usize,
 }
 
 impl Replicas {
@@ -133,7 +135,15 @@ impl Replicas {
                 place[p] = (bi, o);
             }
         }
-        Replicas { comm, buckets, place, overlap, sync_grads: true, launched: 0 }
+        Replicas { comm, buckets, place, overlap, sync_grads: true, launched: 0, bucket_bytes }
+    }
+
+    /// The same replicas over `comm` (the survivors, after a shrink): fresh buckets, nothing in
+    /// flight.
+    pub fn rebuilt(&self, comm: Communicator, params: &[Param]) -> Replicas {
+        let mut r = Replicas::new(Some(comm), params, self.bucket_bytes, self.overlap);
+        r.sync_grads = self.sync_grads;
+        r
     }
 
     /// This rank.

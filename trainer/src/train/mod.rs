@@ -31,6 +31,7 @@ use crate::optim::{BatchSchedule, LrSchedule, OptConfig};
 use crate::parallel::Replicas;
 
 mod block;
+mod elastic;
 mod epoch;
 mod eval;
 mod report;
@@ -101,10 +102,13 @@ struct Trainer {
     start_epoch: u64,
     /// Optimiser steps taken so far, a resumed run's included.
     step: u64,
+    /// Under `--elastic`: what a failed step goes back to (saved before each step).
+    elastic: Option<elastic::SavePoint>,
 }
 
 /// Host copy of one parameter: the master value the optimiser updates, its momentum (Adam's
 /// first moment) and Adam's second moment (empty for SGD).
+#[derive(Clone)]
 struct HostParam {
     data: Vec<f32>,
     momentum: Vec<f32>,

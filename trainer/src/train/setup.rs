@@ -150,6 +150,9 @@ impl Trainer {
                 "--resume is supported for SGD without --bmuf only (checkpoints hold no Adam or BMUF state)"
             );
         }
+        if args.elastic && (bmuf_spec.is_some() || echo != EchoSpec::OFF) {
+            bail!("--elastic is supported for synchronous SGD and Adam only (not with --bmuf or --echo)");
+        }
         if args.lars && args.optimizer == OptimizerKind::Adam {
             bail!("--lars and --optimizer adam exclude each other");
         }
@@ -240,6 +243,7 @@ impl Trainer {
             title,
             start_epoch,
             step,
+            elastic: None,
         })
     }
 }
