@@ -643,6 +643,24 @@ const char *toroid_version(void);
 enum toroid_result toroid_comm_dump(const struct toroid_comm *comm, char *buf, size_t len);
 
 /**
+ * Opens a group on `comm` (or nests one in an open group): until the matching
+ * `toroid_group_end`, blocking collectives on `comm` (all_reduce, reduce_scatter, all_gather,
+ * broadcast, reduce, all_to_all, barrier) are checked and recorded, and return TOROID_SUCCESS
+ * at once without touching their buffers. Async calls, send and receive are refused inside a
+ * group (TOROID_INVALID_USAGE). Every rank must record the same calls in the same order.
+ */
+enum toroid_result toroid_group_start(struct toroid_comm *comm);
+
+/**
+ * Closes the group opened by the matching `toroid_group_start`; the outermost end runs the
+ * recorded calls, consecutive small all-reduces of one type and op packed into one, and
+ * returns when all have run (the first failure stops the group and is returned). The buffers
+ * of the recorded calls must stay valid, and untouched, until it returns.
+ * TOROID_INVALID_USAGE without an open group.
+ */
+enum toroid_result toroid_group_end(struct toroid_comm *comm);
+
+/**
  * toroid_comm_init_env in the background: returns at once with *out set to a pending
  * communicator; poll it with toroid_pending_test, take the communicator with
  * toroid_pending_wait, give up with toroid_pending_abort. The set-up's errors come from

@@ -32,7 +32,7 @@ mod transport;
 mod tuning;
 
 pub use collective::{Algorithm, CallOptions, OpKind};
-pub use comm::{Communicator, OwnedBuffer, PendingComm, Work};
+pub use comm::{Communicator, Group, OwnedBuffer, PendingComm, Persistent, Work};
 pub use config::{AuthToken, Config};
 pub use dtype::{DataType, Element, ReduceOp};
 pub use error::{Error, Result};

@@ -108,6 +108,11 @@ impl RawBufMut {
         self.ptr as usize
     }
 
+    /// The same bytes, described for reading.
+    pub fn as_read(&self) -> RawBuf {
+        RawBuf { ptr: self.ptr, len: self.len }
+    }
+
     /// The slice again.
     ///
     /// # Safety

@@ -360,3 +360,13 @@ fn c_non_blocking_creation_and_shrink_poll_wait_and_abort() {
     }
     assert!(stdout.lines().any(|l| l.starts_with("[0]: abort took")), "{stdout}");
 }
+
+#[test]
+fn c_group_packs_small_all_reduces_and_runs_the_rest_in_order() {
+    let exe = build("group");
+    for (n, env) in [(3, &[][..]), (5, &[("TOROID_SHM_DISABLE", "1")][..])] {
+        let out = run_ranks(n, 60, env, &[exe.as_os_str()]);
+        check(&out, &format!("group.c on {n} ranks {env:?}"));
+        every_rank_says(&out, n, "group passed");
+    }
+}

@@ -285,6 +285,42 @@ def shrink(comm):
             pass
 
 
+def group(comm):
+    """80 small all-reduces of mixed types and ops with a broadcast and an all-gather between
+    them, in one `with comm.group()`: every element checked; the all-reduces run packed."""
+    def all_reduces():
+        return sum(c["count"] for c in comm.stats() if c["kind"] == "all_reduce")
+
+    lens = [0 if k % 11 == 3 else int(np.random.default_rng(k).integers(1, 500)) for k in range(80)]
+    kinds = [(np.float32, "sum") if k < 40 else (np.int64, "max") for k in range(80)]
+    arrays = [data(100 + k, RANK, lens[k], kinds[k][0], kinds[k][1]) for k in range(80)]
+    inputs = [a.copy() for a in arrays]
+    b = data(300, RANK, 123, np.int32)
+    g = data(301, RANK, 17, np.float64)
+    before = all_reduces()
+    with comm.group():
+        for k in range(40):
+            comm.all_reduce(arrays[k], op="sum")
+        comm.broadcast(b, root=SIZE - 1)
+        gathered = comm.all_gather(g)
+        for k in range(40, 80):
+            comm.all_reduce(arrays[k], op="max")
+        assert all((arrays[k] == inputs[k]).all() for k in range(80)), "a call ran before the group ended"
+    ran = all_reduces() - before
+    assert SIZE == 1 or ran == 2, f"80 all-reduces ran as {ran}"
+    for k in range(80):
+        dt, op = kinds[k]
+        same(arrays[k], reference([data(100 + k, r, lens[k], dt, op) for r in range(SIZE)], op), f"group call {k}")
+    same(b, data(300, SIZE - 1, 123, np.int32), "group broadcast")
+    same(gathered.reshape(-1), np.concatenate([data(301, r, 17, np.float64) for r in range(SIZE)]), "group all_gather")
+    try:
+        with comm.group():
+            comm.all_reduce(arrays[0], async_op=True)
+        raise AssertionError("an async call inside a group")
+    except toroid.InvalidUsageError:
+        pass
+
+
 class FileStore:
     """A caller-supplied store for Comm.with_store: one file per key."""
 
@@ -321,7 +357,9 @@ if __name__ == "__main__":
         sys.exit(0)
     else:
         comm = toroid.Comm.from_env()
-        {"collectives": collectives, "async": async_and_pointers, "errors": errors, "dump": dump}[SCENARIO](comm)
+        {"collectives": collectives, "async": async_and_pointers, "errors": errors, "dump": dump, "group": group}[
+            SCENARIO
+        ](comm)
     comm.barrier()
     comm.destroy()
     print(f"rank {RANK}: {SCENARIO} passed ({checks} element checks)")

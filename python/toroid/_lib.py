@@ -227,6 +227,8 @@ SIGNATURES = {
     "toroid_pending_wait": (_E, [_P, _PP]),
     "toroid_pending_abort": (_E, [_P]),
     "toroid_pending_free": (None, [_P]),
+    "toroid_group_start": (_E, [_P]),
+    "toroid_group_end": (_E, [_P]),
     "toroid_comm_stats": (_E, [_P, ctypes.POINTER(Stat), c_size_t, ctypes.POINTER(c_size_t)]),
     "toroid_comm_rank": (_E, [_P, ctypes.POINTER(c_int)]),
     "toroid_comm_size": (_E, [_P, ctypes.POINTER(c_int)]),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 from typing import Any, Callable, Optional, Protocol
@@ -173,6 +174,8 @@ class Comm:
         self._handle = handle
         self._lock = threading.Lock()
         self._inflight: list[Work] = []
+        self._group_depth = 0
+        self._group_refs: list = []
         rank, size = ctypes.c_int(), ctypes.c_int()
         check("toroid_comm_rank", _lib.lib().toroid_comm_rank(handle, ctypes.byref(rank)), handle)
         check("toroid_comm_size", _lib.lib().toroid_comm_size(handle, ctypes.byref(size)), handle)
@@ -426,11 +429,36 @@ class Comm:
 
     # ---- the calls -----------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def group(self):
+        """Runs the blocking collectives issued inside the ``with`` block as one group when it
+        ends (toroid_group_start / toroid_group_end): consecutive small all-reduces of one
+        type and op are packed into one all-reduce. Inside the block the calls return at once
+        and their arrays are filled when the block ends; async calls and send/recv are refused.
+        Every rank must issue the same calls in the same order. If the block raises, the calls
+        recorded so far still run (the other ranks expect them) and the exception propagates."""
+        handle = self._live()
+        check("toroid_group_start", _lib.lib().toroid_group_start(handle), handle)
+        self._group_depth += 1
+        ok = False
+        try:
+            yield self
+            ok = True
+        finally:
+            self._group_depth -= 1
+            code = _lib.lib().toroid_group_end(handle)
+            if self._group_depth == 0:
+                self._group_refs.clear()
+            if ok:
+                check("toroid_group_end", code, handle)
+
     def _call(self, name: str, args: tuple, async_op: bool, refs: tuple, result: Any):
         handle = self._live()
         f = _lib.lib()
         if not async_op:
             check(name, getattr(f, name)(handle, *args), handle)
+            if self._group_depth:
+                self._group_refs.append(refs)  # read and written when the group ends
             return result
         self._prune()
         work = ctypes.c_void_p()

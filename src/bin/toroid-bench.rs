@@ -93,6 +93,11 @@ struct Cli {
     /// Also write the results as JSON to this file.
     #[arg(short = 'J', long = "output_file")]
     json: Option<String>,
+    /// A data-parallel step instead of the size sweep: this many float sum all-reduces of the
+    /// `-b` size per step, timed one by one, as one group (`Communicator::group`, which packs
+    /// them) and as persistent requests started one by one (`all_reduce_init`), with the ratios.
+    #[arg(long = "calls")]
+    calls: Option<usize>,
 }
 
 fn size(s: &str) -> Result<usize, String> {
@@ -374,6 +379,9 @@ fn run(cli: Cli) -> toroid::Result<u64> {
     let opts = CallOptions { timeout: cli.timeout.map(Duration::from_secs_f64), algorithm };
     let n = comm.size();
     let bench = Bench { comm, cli, dtype, op, opts };
+    if let Some(k) = bench.cli.calls {
+        return bench.step_of_calls(k);
+    }
     let cli = &bench.cli;
     let rooted = matches!(cli.collective, Collective::Broadcast | Collective::Reduce);
     let root_col = if rooted { cli.root.to_string() } else { "-1".into() };
@@ -501,6 +509,120 @@ fn run(cli: Cli) -> toroid::Result<u64> {
             .map_err(|e| toroid::Error::system(format!("writing {path}"), e))?;
     }
     Ok(total_wrong)
+}
+
+impl Bench {
+    /// `--calls K`: K all-reduces of `-b` bytes of float per step, one by one and as one group
+    /// (out of place, so a step can repeat without refilling), then as K persistent requests
+    /// (in place); every element checked after each.
+    fn step_of_calls(&self, k: usize) -> toroid::Result<u64> {
+        let (c, cli) = (&self.comm, &self.cli);
+        if self.dtype != DataType::F32 || self.op != ReduceOp::Sum {
+            return Err(toroid::Error::InvalidArgument("--calls measures float sum all-reduces".into()));
+        }
+        let (n, me) = (c.size(), c.rank());
+        let count = (cli.min_bytes / 4).max(1);
+        let send: Vec<Vec<f32>> =
+            (0..k).map(|j| (0..count).map(|i| ((me + j + i) % 7) as f32).collect()).collect();
+        let mut recv = vec![vec![0f32; count]; k];
+        let step = |grouped: bool, recv: &mut [Vec<f32>]| -> toroid::Result<()> {
+            if grouped {
+                let mut g = c.group();
+                for (s, r) in send.iter().zip(recv.iter_mut()) {
+                    g.all_reduce_into(s, r, ReduceOp::Sum);
+                }
+                g.run()
+            } else {
+                send.iter().zip(recv.iter_mut()).try_for_each(|(s, r)| c.all_reduce_into(s, r, ReduceOp::Sum))
+            }
+        };
+        let mut us = [0f64; 3];
+        let mut wrong = [0u64];
+        for (slot, grouped) in [false, true].into_iter().enumerate() {
+            for _ in 0..cli.warmup {
+                step(grouped, &mut recv)?;
+            }
+            c.barrier()?;
+            let t = Instant::now();
+            for _ in 0..cli.iters.max(1) {
+                step(grouped, &mut recv)?;
+            }
+            let mut secs = [t.elapsed().as_secs_f64() / cli.iters.max(1) as f64];
+            c.all_reduce(&mut secs, ReduceOp::Avg)?;
+            us[slot] = secs[0] * 1e6;
+            if cli.check != 0 {
+                recv.iter_mut().for_each(|r| r.fill(-1.0));
+                step(grouped, &mut recv)?;
+                for (j, r) in recv.iter().enumerate() {
+                    for (i, x) in r.iter().enumerate() {
+                        let want: usize = (0..n).map(|q| (q + j + i) % 7).sum();
+                        wrong[0] += u64::from(*x != want as f32);
+                    }
+                }
+            }
+        }
+        // Persistent: K requests set up once (in place, so refilled before the check).
+        let mut bufs = send.clone();
+        let mut reqs = bufs
+            .iter_mut()
+            .map(|b| c.all_reduce_init(b, ReduceOp::Sum))
+            .collect::<toroid::Result<Vec<_>>>()?;
+        for _ in 0..cli.warmup {
+            reqs.iter_mut().try_for_each(|r| r.start())?;
+        }
+        c.barrier()?;
+        let t = Instant::now();
+        for _ in 0..cli.iters.max(1) {
+            reqs.iter_mut().try_for_each(|r| r.start())?;
+        }
+        let mut secs = [t.elapsed().as_secs_f64() / cli.iters.max(1) as f64];
+        c.all_reduce(&mut secs, ReduceOp::Avg)?;
+        us[2] = secs[0] * 1e6;
+        if cli.check != 0 {
+            for (r, s) in reqs.iter_mut().zip(&send) {
+                r.buffer().copy_from_slice(s);
+                r.start()?;
+            }
+            drop(reqs);
+            for (j, b) in bufs.iter().enumerate() {
+                for (i, x) in b.iter().enumerate() {
+                    let want: usize = (0..n).map(|q| (q + j + i) % 7).sum();
+                    wrong[0] += u64::from(*x != want as f32);
+                }
+            }
+        }
+        c.all_reduce(&mut wrong, ReduceOp::Sum)?;
+        if me == 0 {
+            println!(
+                "# toroid-bench {}: a step of {k} all-reduces of {} B (float, sum), {n} ranks",
+                env!("CARGO_PKG_VERSION"),
+                count * 4
+            );
+            println!(
+                "#{:>7}  {:>10}  {:>14}  {:>14}  {:>9}  {:>16}  {:>9}  {:>6}",
+                "calls",
+                "size (B)",
+                "separate (us)",
+                "grouped (us)",
+                "speed-up",
+                "persistent (us)",
+                "speed-up",
+                "#wrong"
+            );
+            println!(
+                "{:>8}  {:>10}  {:>14.1}  {:>14.1}  {:>8.2}x  {:>16.1}  {:>8.2}x  {:>6}",
+                k,
+                count * 4,
+                us[0],
+                us[1],
+                us[0] / us[1],
+                us[2],
+                us[0] / us[2],
+                if cli.check != 0 { wrong[0].to_string() } else { "N/A".into() }
+            );
+        }
+        Ok(wrong[0])
+    }
 }
 
 fn hostname() -> String {

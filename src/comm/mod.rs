@@ -12,7 +12,9 @@
 
 mod api;
 mod control;
+mod group;
 mod pending;
+mod persistent;
 mod queue;
 mod setup;
 mod shrink;
@@ -20,7 +22,9 @@ mod stall;
 mod validate;
 
 pub use api::OwnedBuffer;
+pub use group::Group;
 pub use pending::PendingComm;
+pub use persistent::Persistent;
 pub use queue::{Hook, Hooks, Work};
 pub(crate) use validate::validate;
 
@@ -121,6 +125,9 @@ struct Core {
     control: control::Control,
     /// The flight recorder: the last operations and the running one's progress.
     recorder: Arc<crate::trace::Recorder>,
+    /// Where grouped all-reduces are packed (`group.rs`): empty until a group packs, then
+    /// kept (u64 for an alignment every element type accepts).
+    pack: Mutex<Vec<u64>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

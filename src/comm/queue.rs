@@ -63,16 +63,34 @@ impl Communicator {
     /// # Safety
     /// The buffers of `op` must be valid as [`RawBufs::bufs`] requires until this returns.
     pub(crate) unsafe fn run(&self, op: RawOp) -> Result<()> {
-        let r = self.run_inner(op);
+        // SAFETY: forwarded from the caller.
+        unsafe { self.run_checked(op, true) }
+    }
+
+    /// [`Communicator::run`] of an operation validated before (a persistent collective's).
+    ///
+    /// # Safety
+    /// As [`Communicator::run`]; `op` must have passed [`super::validate`] on this communicator.
+    pub(crate) unsafe fn run_validated(&self, op: RawOp) -> Result<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.run_checked(op, false) }
+    }
+
+    /// # Safety
+    /// As [`Communicator::run`].
+    unsafe fn run_checked(&self, op: RawOp, validate: bool) -> Result<()> {
+        let r = self.run_inner(op, validate);
         if let Err(e) = &r {
             *lock(&self.core.last_error) = Some(e.to_string());
         }
         r
     }
 
-    fn run_inner(&self, op: RawOp) -> Result<()> {
+    fn run_inner(&self, op: RawOp, validate: bool) -> Result<()> {
         self.core.forked()?;
-        super::validate(&op, self.core.rank, self.core.size, self.core.has_window)?;
+        if validate {
+            super::validate(&op, self.core.rank, self.core.size, self.core.has_window)?;
+        }
         self.core.abort.check()?;
         {
             let mut q = lock(&self.core.queue);

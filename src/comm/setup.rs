@@ -300,6 +300,7 @@ impl Communicator {
             _store: store,
             control,
             recorder,
+            pack: Mutex::new(Vec::new()),
         };
         let comm = Communicator { core: Arc::new(core), worker: Mutex::new(None) };
         super::stall::watch(&comm.core);

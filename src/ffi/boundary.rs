@@ -202,11 +202,13 @@ pub(crate) struct CommHandle {
     pub(crate) comm: Communicator,
     /// The text last returned by toroid_get_last_error for this communicator.
     returned: Mutex<Option<CString>>,
+    /// The group open on it (`toroid_group_start`), if any.
+    pub(crate) group: Mutex<super::group::GroupState>,
 }
 
 impl CommHandle {
     pub(crate) fn new(comm: Communicator) -> Arc<CommHandle> {
-        Arc::new(CommHandle { comm, returned: Mutex::new(None) })
+        Arc::new(CommHandle { comm, returned: Mutex::new(None), group: Mutex::default() })
     }
 
     /// The communicator's last error as C text (empty when none).

@@ -14,6 +14,7 @@
 
 mod boundary;
 mod dump;
+mod group;
 mod init;
 mod ops;
 mod pending;

@@ -268,11 +268,17 @@ pub(crate) unsafe fn prepare(comm: &Communicator, coll: Coll, a: Args) -> Result
 /// # Safety
 /// The buffers of `a` must be valid for the lengths the call implies until it returns.
 pub(crate) unsafe fn blocking(h: &Arc<CommHandle>, coll: Coll, a: Args) -> Result<Option<usize>> {
+    if matches!(coll, Coll::Send(_) | Coll::Recv(_) | Coll::RecvAny) {
+        super::group::refuse_in_group(h, "a send or receive")?;
+    }
     // SAFETY: forwarded from the caller.
     let p = unsafe { prepare(&h.comm, coll, a)? };
     let source = p.op.source.clone();
+    let Some((op, hooks)) = super::group::record(h, p.op, p.hooks) else {
+        return Ok(None); // recorded; runs at toroid_group_end
+    };
     // SAFETY: forwarded from the caller.
-    unsafe { run_prepared(h, p)? };
+    unsafe { run_prepared(h, Prepared { op, hooks })? };
     Ok(source.map(|s| s.load(Ordering::Acquire)))
 }
 
@@ -321,6 +327,7 @@ pub(crate) fn work_source(w: &WorkHandle) -> Result<c_int> {
 /// # Safety
 /// The buffers of `a` must stay valid, and untouched by anything else, until the work completes.
 pub(crate) unsafe fn submit(h: &Arc<CommHandle>, coll: Coll, a: Args) -> Result<*mut toroid_work> {
+    super::group::refuse_in_group(h, "an async call")?;
     // SAFETY: forwarded from the caller.
     let p = unsafe { prepare(&h.comm, coll, a)? };
     // SAFETY: forwarded from the caller.

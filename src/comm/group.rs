@@ -1,0 +1,366 @@
+//! Grouped collectives: calls issued together and run as one pass, as NCCL's
+//! `ncclGroupStart`/`ncclGroupEnd` and Horovod's tensor fusion do.
+//!
+//! A data-parallel step issues hundreds of small all-reduces, and each alone pays its
+//! algorithm's whole latency (2(N-1) message latencies for a ring of N). In a group,
+//! consecutive all-reduces of one element type, op and options, each at most [`FUSE_EACH`]
+//! bytes, are packed into one buffer (up to [`FUSE_MAX`] bytes), reduced by one all-reduce
+//! and unpacked: one latency for the lot, and the large-message algorithm's bandwidth for a
+//! pack that is large in total. The other calls run one after the other in issue order, so a
+//! group computes what the same calls made one by one compute (packed all-reduces are
+//! element-wise, and a pack never holds two calls whose buffers overlap).
+//!
+//! Every rank must issue the same group: the same calls in the same order, as for the calls one
+//! by one. Packing depends only on the calls, so every rank packs the same way; a rank whose
+//! calls differ sends a pack of another count or type, which the fingerprint check turns into
+//! an error on every rank (a mismatch, not a hang).
+
+use std::marker::PhantomData;
+
+use super::{Communicator, Hooks, RawOp, lock};
+use crate::collective::{CallOptions, OpKind};
+use crate::dtype::{Element, ReduceOp};
+use crate::error::Result;
+use crate::memory::{RawBuf, RawBufMut, RawBufs};
+
+/// All-reduces of at most this many bytes are packed with their neighbours.
+pub const FUSE_EACH: usize = 256 << 10;
+/// A pack holds at most this many bytes (the communicator keeps a buffer this large once a
+/// group has used it).
+pub const FUSE_MAX: usize = 8 << 20;
+
+/// Collectives to run as one pass; see [`Communicator::group`].
+///
+/// ```no_run
+/// # let comm = toroid::Communicator::from_env()?;
+/// let mut grads: Vec<Vec<f32>> = (0..200).map(|_| vec![1.0; 1024]).collect();
+/// let mut group = comm.group();
+/// for g in grads.iter_mut() {
+///     group.all_reduce(g, toroid::ReduceOp::Avg);
+/// }
+/// group.run()?; // one all-reduce of 200 x 4 KiB packed together
+/// # Ok::<(), toroid::Error>(())
+/// ```
+#[must_use = "a group does nothing until run"]
+#[derive(Debug)]
+pub struct Group<'a> {
+    comm: &'a Communicator,
+    ops: Vec<(RawOp, Hooks)>,
+    /// The buffers are borrowed until the group is run or dropped.
+    _bufs: PhantomData<&'a mut [u8]>,
+}
+
+impl Communicator {
+    /// Starts a group of collectives on buffers borrowed until [`Group::run`]: calls added to
+    /// it run together, small all-reduces packed into one (see the module docs of `group.rs`).
+    pub fn group(&self) -> Group<'_> {
+        Group { comm: self, ops: Vec::new(), _bufs: PhantomData }
+    }
+
+    /// Runs `ops` as a group, blocking until all have run; nothing runs unless all are valid.
+    /// Stops at the first failure (which, as for single calls, aborts the communicator).
+    ///
+    /// # Safety
+    /// The buffers of every operation must be valid as [`RawBufs::bufs`] requires until this
+    /// returns; the hooks may touch only their operation's buffers.
+    pub(crate) unsafe fn run_group(&self, ops: Vec<(RawOp, Hooks)>) -> Result<()> {
+        let c = &self.core;
+        for (op, _) in &ops {
+            c.forked()?;
+            super::validate(op, c.rank, c.size, c.has_window)?;
+        }
+        let mut ops = ops;
+        let mut start = 0;
+        for end in pack_ends(&ops) {
+            if end - start >= 2 {
+                // SAFETY: forwarded from the caller.
+                unsafe { self.run_packed(&ops[start..end])? };
+            } else {
+                let hooks = std::mem::take(&mut ops[start].1);
+                // SAFETY: forwarded from the caller.
+                unsafe { self.run_with_hooks(ops[start].0.clone(), hooks)? };
+            }
+            start = end;
+        }
+        Ok(())
+    }
+
+    /// One all-reduce of the packed inputs of `run` (all-reduces of one type, op and options),
+    /// unpacked into their outputs.
+    ///
+    /// # Safety
+    /// As [`Communicator::run_group`].
+    unsafe fn run_packed(&self, run: &[(RawOp, Hooks)]) -> Result<()> {
+        let first = &run[0].0;
+        let total: usize = run.iter().map(|(op, _)| op.bufs.output_len()).sum();
+        let mut pack = lock(&self.core.pack);
+        if pack.len() * 8 < total {
+            pack.resize(total.div_ceil(8), 0);
+        }
+        let bytes: &mut [u8] = &mut bytemuck::cast_slice_mut(&mut pack[..])[..total];
+        let mut at = 0;
+        for (op, _) in run {
+            let input = match op.bufs {
+                RawBufs::InPlace(b) => b.as_read(),
+                RawBufs::OutOfPlace(s, _) => s,
+                RawBufs::None | RawBufs::Read(_) => continue, // not packed (see pack_ends)
+            };
+            // SAFETY: valid for reads (the caller's promise).
+            let src = unsafe { input.as_slice() };
+            bytes[at..at + src.len()].copy_from_slice(src);
+            at += src.len();
+        }
+        let packed = RawOp {
+            kind: first.kind,
+            dtype: first.dtype,
+            bufs: RawBufs::InPlace(RawBufMut::new(bytes)),
+            opts: first.opts,
+            source: None,
+        };
+        // SAFETY: `bytes` is borrowed from the lock held across the call.
+        unsafe { self.run(packed)? };
+        let mut at = 0;
+        for (op, _) in run {
+            if let RawBufs::InPlace(out) | RawBufs::OutOfPlace(_, out) = op.bufs {
+                // SAFETY: valid for writes and untouched by others (the caller's promise);
+                // no other buffer of the pack overlaps it (pack_ends).
+                let dst = unsafe { out.as_mut_slice() };
+                dst.copy_from_slice(&bytes[at..at + dst.len()]);
+                at += dst.len();
+            }
+        }
+        Ok(())
+    }
+
+    /// One operation of a group, with its hooks (the C ABI's layout moves).
+    ///
+    /// # Safety
+    /// As [`Communicator::run_group`].
+    unsafe fn run_with_hooks(&self, op: RawOp, hooks: Hooks) -> Result<()> {
+        if hooks.before.is_none() && hooks.after.is_none() {
+            // SAFETY: forwarded from the caller; returns after the operation.
+            return unsafe { self.run(op) };
+        }
+        // Moves within the buffer run on the worker thread, ordered with queued async work.
+        // SAFETY: the buffers stay valid until this returns, after the wait.
+        let w = unsafe { self.submit_raw_with_hooks(op, None, hooks)? };
+        w.wait_timeout(self.core.timeout)
+    }
+}
+
+impl<'a> Group<'a> {
+    /// All-reduces of at most this many bytes are packed with their neighbours.
+    pub const FUSE_EACH: usize = FUSE_EACH;
+    /// A pack holds at most this many bytes.
+    pub const FUSE_MAX: usize = FUSE_MAX;
+
+    fn add(&mut self, kind: OpKind, dtype: crate::dtype::DataType, bufs: RawBufs) -> &mut Self {
+        let op = RawOp { kind, dtype, bufs, opts: CallOptions::default(), source: None };
+        self.ops.push((op, Hooks::default()));
+        self
+    }
+
+    /// Adds an in-place all-reduce (see [`Communicator::all_reduce`]).
+    pub fn all_reduce<T: Element>(&mut self, buf: &'a mut [T], op: ReduceOp) -> &mut Self {
+        let b = RawBufs::InPlace(RawBufMut::new(bytemuck::cast_slice_mut(buf)));
+        self.add(OpKind::AllReduce(op), T::DTYPE, b)
+    }
+
+    /// Adds an out-of-place all-reduce (see [`Communicator::all_reduce_into`]).
+    pub fn all_reduce_into<T: Element>(
+        &mut self,
+        send: &'a [T],
+        recv: &'a mut [T],
+        op: ReduceOp,
+    ) -> &mut Self {
+        let b = RawBufs::OutOfPlace(
+            RawBuf::new(bytemuck::cast_slice(send)),
+            RawBufMut::new(bytemuck::cast_slice_mut(recv)),
+        );
+        self.add(OpKind::AllReduce(op), T::DTYPE, b)
+    }
+
+    /// Adds a broadcast from `root` (see [`Communicator::broadcast`]).
+    pub fn broadcast<T: Element>(&mut self, buf: &'a mut [T], root: usize) -> &mut Self {
+        let b = RawBufs::InPlace(RawBufMut::new(bytemuck::cast_slice_mut(buf)));
+        self.add(OpKind::Broadcast(root), T::DTYPE, b)
+    }
+
+    /// Adds a reduce to `root` (see [`Communicator::reduce`]).
+    pub fn reduce<T: Element>(&mut self, buf: &'a mut [T], op: ReduceOp, root: usize) -> &mut Self {
+        let b = RawBufs::InPlace(RawBufMut::new(bytemuck::cast_slice_mut(buf)));
+        self.add(OpKind::Reduce(op, root), T::DTYPE, b)
+    }
+
+    /// Adds an all-gather (see [`Communicator::all_gather`]).
+    pub fn all_gather<T: Element>(&mut self, send: &'a [T], recv: &'a mut [T]) -> &mut Self {
+        let b = RawBufs::OutOfPlace(
+            RawBuf::new(bytemuck::cast_slice(send)),
+            RawBufMut::new(bytemuck::cast_slice_mut(recv)),
+        );
+        self.add(OpKind::AllGather, T::DTYPE, b)
+    }
+
+    /// Adds a reduce-scatter (see [`Communicator::reduce_scatter`]).
+    pub fn reduce_scatter<T: Element>(
+        &mut self,
+        send: &'a [T],
+        recv: &'a mut [T],
+        op: ReduceOp,
+    ) -> &mut Self {
+        let b = RawBufs::OutOfPlace(
+            RawBuf::new(bytemuck::cast_slice(send)),
+            RawBufMut::new(bytemuck::cast_slice_mut(recv)),
+        );
+        self.add(OpKind::ReduceScatter(op), T::DTYPE, b)
+    }
+
+    /// Calls added so far.
+    pub fn len(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// True when nothing was added.
+    pub fn is_empty(&self) -> bool {
+        self.ops.is_empty()
+    }
+
+    /// Runs the group, blocking until every call has run. Nothing runs unless every call is
+    /// valid; a failure stops the group there (and, as for single calls, aborts the
+    /// communicator).
+    pub fn run(self) -> Result<()> {
+        // SAFETY: every buffer is borrowed for 'a, which outlives this call; `&mut` borrows
+        // cannot alias, and `&` ones are only read.
+        unsafe { self.comm.run_group(self.ops) }
+    }
+}
+
+/// Whether `op` can join a pack.
+fn packable(op: &RawOp) -> bool {
+    matches!(op.kind, OpKind::AllReduce(_))
+        && matches!(op.bufs, RawBufs::InPlace(_) | RawBufs::OutOfPlace(..))
+        && op.bufs.output_len() <= FUSE_EACH
+        && op.source.is_none()
+}
+
+/// The byte ranges an operation reads and writes.
+fn ranges(op: &RawOp) -> [(usize, usize); 2] {
+    match op.bufs {
+        RawBufs::InPlace(b) => [(b.addr(), b.len()), (b.addr(), b.len())],
+        RawBufs::OutOfPlace(s, r) => [(s.addr(), s.len()), (r.addr(), r.len())],
+        RawBufs::None => [(0, 0), (0, 0)],
+        RawBufs::Read(s) => [(s.addr(), s.len()), (0, 0)],
+    }
+}
+
+fn overlap(a: (usize, usize), b: (usize, usize)) -> bool {
+    a.1 > 0 && b.1 > 0 && a.0 < b.0 + b.1 && b.0 < a.0 + a.1
+}
+
+/// Where each run of `ops` ends (exclusive indices, ascending, the last = `ops.len()`): a run
+/// of two or more is a pack; a run of one runs alone. A pack is consecutive packable
+/// all-reduces of one kind, type and options, without hooks, at most [`FUSE_MAX`] bytes in
+/// all, none of whose output overlaps another's input or output.
+fn pack_ends(ops: &[(RawOp, Hooks)]) -> Vec<usize> {
+    let mut ends = Vec::new();
+    let mut i = 0;
+    while i < ops.len() {
+        let (first, hooks) = &ops[i];
+        let mut j = i + 1;
+        if packable(first) && hooks.before.is_none() && hooks.after.is_none() {
+            let mut bytes = first.bufs.output_len();
+            while j < ops.len() {
+                let (op, h) = &ops[j];
+                let fits = packable(op)
+                    && h.before.is_none()
+                    && h.after.is_none()
+                    && op.kind == first.kind
+                    && op.dtype == first.dtype
+                    && op.opts == first.opts
+                    && bytes + op.bufs.output_len() <= FUSE_MAX;
+                let [inp, out] = ranges(op);
+                let clash = ops[i..j].iter().any(|(o, _)| {
+                    let [i2, o2] = ranges(o);
+                    overlap(out, i2) || overlap(out, o2) || overlap(inp, o2)
+                });
+                if !fits || clash {
+                    break;
+                }
+                bytes += op.bufs.output_len();
+                j += 1;
+            }
+        }
+        ends.push(j);
+        i = j;
+    }
+    ends
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DataType;
+
+    fn ar(buf: &mut [u8], dtype: DataType, op: ReduceOp) -> (RawOp, Hooks) {
+        let bufs = RawBufs::InPlace(RawBufMut::new(buf));
+        (
+            RawOp { kind: OpKind::AllReduce(op), dtype, bufs, opts: CallOptions::default(), source: None },
+            Hooks::default(),
+        )
+    }
+
+    #[test]
+    fn packs_break_at_other_kinds_types_ops_sizes_and_overlaps() {
+        let mut m = vec![0u8; 4 * FUSE_EACH];
+        let (a, rest) = m.split_at_mut(64);
+        let (b, rest) = rest.split_at_mut(64);
+        let (c, rest) = rest.split_at_mut(64);
+        let (d, rest) = rest.split_at_mut(64);
+        let (e, rest) = rest.split_at_mut(FUSE_EACH + 8);
+        let (f, _) = rest.split_at_mut(64);
+        let bcast = {
+            let bufs = RawBufs::InPlace(RawBufMut::new(&mut *d));
+            let op = RawOp {
+                kind: OpKind::Broadcast(0),
+                dtype: DataType::F32,
+                bufs,
+                opts: CallOptions::default(),
+                source: None,
+            };
+            (op, Hooks::default())
+        };
+        let ops = vec![
+            ar(a, DataType::F32, ReduceOp::Sum),
+            ar(b, DataType::F32, ReduceOp::Sum),
+            ar(c, DataType::F32, ReduceOp::Max), // another op: a new run
+            bcast,                               // not an all-reduce: alone
+            ar(e, DataType::F32, ReduceOp::Max), // too large: alone
+            ar(f, DataType::F32, ReduceOp::Max),
+        ];
+        assert_eq!(pack_ends(&ops), vec![2, 3, 4, 5, 6]);
+        // The same buffer twice: the second starts a new pack.
+        let mut one = vec![0u8; 64];
+        let p = one.as_mut_ptr();
+        // SAFETY: only the descriptors' addresses are compared; nothing is read or written.
+        let same = unsafe { RawBufMut::from_raw(p, 64).unwrap() };
+        let mk = || {
+            let op = RawOp {
+                kind: OpKind::AllReduce(ReduceOp::Sum),
+                dtype: DataType::F32,
+                bufs: RawBufs::InPlace(same),
+                opts: CallOptions::default(),
+                source: None,
+            };
+            (op, Hooks::default())
+        };
+        assert_eq!(pack_ends(&[mk(), mk(), mk()]), vec![1, 2, 3]);
+    }
+
+    #[test]
+    fn a_pack_stops_at_its_size_limit() {
+        let mut m = vec![0u8; FUSE_MAX + FUSE_EACH];
+        let ops: Vec<_> = m.chunks_mut(FUSE_EACH).map(|c| ar(c, DataType::U8, ReduceOp::Sum)).collect();
+        let per = FUSE_MAX / FUSE_EACH;
+        assert_eq!(pack_ends(&ops), vec![per, per + 1]);
+    }
+}

@@ -1,0 +1,89 @@
+//! Persistent collectives: an all-reduce set up once on one buffer and started many times, as
+//! MPI 4's `MPI_Allreduce_init` / `MPI_Start`. Set-up does once what every call does again:
+//! validating the buffer, type and op, and choosing the algorithm (for a size the cost model
+//! weighs several candidates, with a lookup of the shared-window rules before). Each start
+//! then goes straight to the run: a new sequence number and fingerprint, the deadline, the
+//! algorithm. The choice is made on every rank from the same model and size, so every rank
+//! pins the same algorithm.
+
+use super::{Communicator, RawOp};
+use crate::collective::{Algorithm, CallOptions, OpKind};
+use crate::dtype::{Element, ReduceOp};
+use crate::error::Result;
+use crate::memory::{RawBufMut, RawBufs};
+
+/// An all-reduce of one buffer, started as often as needed; see
+/// [`Communicator::all_reduce_init`].
+///
+/// ```no_run
+/// # let comm = toroid::Communicator::from_env()?;
+/// let mut grads = vec![0f32; 1024];
+/// let mut req = comm.all_reduce_init(&mut grads, toroid::ReduceOp::Sum)?;
+/// for step in 0..100 {
+///     req.buffer().fill(step as f32); // the next step's gradients
+///     req.start()?;                   // every rank now holds the sum
+/// }
+/// # Ok::<(), toroid::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct Persistent<'a, T: Element> {
+    comm: &'a Communicator,
+    buf: &'a mut [T],
+    kind: OpKind,
+    opts: CallOptions,
+}
+
+impl Communicator {
+    /// Sets up an in-place all-reduce of `buf` with `op` to be started many times
+    /// ([`Persistent::start`]): validated and its algorithm chosen once, here. Every rank must
+    /// set up the same all-reduce (the same length, type and op) and start it as often.
+    pub fn all_reduce_init<'a, T: Element>(
+        &'a self,
+        buf: &'a mut [T],
+        op: ReduceOp,
+    ) -> Result<Persistent<'a, T>> {
+        let kind = OpKind::AllReduce(op);
+        let bytes = std::mem::size_of_val(buf);
+        let probe = RawOp {
+            kind,
+            dtype: T::DTYPE,
+            bufs: RawBufs::InPlace(RawBufMut::new(bytemuck::cast_slice_mut(buf))),
+            opts: CallOptions::default(),
+            source: None,
+        };
+        let c = &self.core;
+        c.forked()?;
+        super::validate(&probe, c.rank, c.size, c.has_window)?;
+        let algorithm = c.choose(kind, bytes, &CallOptions::default());
+        let opts = CallOptions { algorithm: Some(algorithm), ..CallOptions::default() };
+        Ok(Persistent { comm: self, buf, kind, opts })
+    }
+}
+
+impl<T: Element> Persistent<'_, T> {
+    /// The buffer, to fill before a start and read after it.
+    pub fn buffer(&mut self) -> &mut [T] {
+        self.buf
+    }
+
+    /// The algorithm every start runs.
+    pub fn algorithm(&self) -> Option<Algorithm> {
+        self.opts.algorithm
+    }
+
+    /// Runs the all-reduce on the buffer as it is now, blocking until every rank holds the
+    /// result.
+    pub fn start(&mut self) -> Result<()> {
+        let op = RawOp {
+            kind: self.kind,
+            dtype: T::DTYPE,
+            bufs: RawBufs::InPlace(RawBufMut::new(bytemuck::cast_slice_mut(self.buf))),
+            opts: self.opts,
+            source: None,
+        };
+        // SAFETY: the buffer is borrowed mutably by `self` for this blocking call; the
+        // operation is the one validated at set-up (same buffer, type, op), with the algorithm
+        // chosen then.
+        unsafe { self.comm.run_validated(op) }
+    }
+}
