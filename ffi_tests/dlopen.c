@@ -19,7 +19,8 @@ static const char *const ENTRY_POINTS[] = {
     "toroid_work_wait", "toroid_work_test", "toroid_work_source", "toroid_work_free",
     "toroid_comm_init_env_async", "toroid_comm_init_async", "toroid_comm_shrink_async",
     "toroid_pending_test", "toroid_pending_wait", "toroid_pending_abort", "toroid_pending_free",
-    "toroid_group_start", "toroid_group_end",
+    "toroid_group_start", "toroid_group_end", "toroid_all_reduce_init", "toroid_request_run",
+    "toroid_request_free",
     "toroid_get_error_string", "toroid_get_last_error",
     "toroid_version",
 };

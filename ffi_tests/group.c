@@ -1,7 +1,10 @@
 /* toroid_group_start / toroid_group_end: 100 small all-reduces of pseudo-random lengths with a
  * broadcast and NCCL's in-place all-gather between them, recorded and run as one group, every
  * element checked against sums computed independently; the statistics show the all-reduces
- * packed into 2; nested groups, and misuse (end without start, async and send inside a group). */
+ * packed into 2; nested groups, and misuse (end without start, async and send inside a group).
+ * toroid_all_reduce_init / toroid_request_run: a persistent all-reduce run 10 times on new data,
+ * out of place and in place, every element checked; runs refused inside a group and once the
+ * request's communicator is destroyed. */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
 #include <stdlib.h>
@@ -72,7 +75,42 @@ int main(void) {
     for (int i = 0; i < 19; i++)
       if (gathered[r * 19 + i] != r * 1000 + i) FAIL("all-gather piece %d element %d is %d", r, i, gathered[r * 19 + i]);
   free(gathered);
+
+  /* Persistent all-reduces: out of place (int64, max) and in place (float64, sum). */
+  static int64_t psend[1000], precv[1000];
+  static double pbuf[777];
+  toroid_request *oop = NULL, *inp = NULL;
+  CHECK(toroid_all_reduce_init(comm, psend, precv, 1000, TOROID_INT64, TOROID_MAX, &oop));
+  CHECK(toroid_all_reduce_init(comm, pbuf, pbuf, 777, TOROID_FLOAT64, TOROID_SUM, &inp));
+  EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_all_reduce_init(comm, pbuf, pbuf, 777, TOROID_FLOAT64, TOROID_SUM, NULL));
+  for (int step = 0; step < 10; step++) {
+    for (int i = 0; i < 1000; i++) psend[i] = (int64_t)value(g_rank, 200 + step, i) * 1000003;
+    for (int i = 0; i < 777; i++) pbuf[i] = value(g_rank, 300 + step, i);
+    CHECK(toroid_request_run(oop));
+    CHECK(toroid_request_run(inp));
+    for (int i = 0; i < 1000; i++) {
+      int64_t want = (int64_t)value(0, 200 + step, i) * 1000003;
+      for (int r = 1; r < size; r++) {
+        int64_t v = (int64_t)value(r, 200 + step, i) * 1000003;
+        if (v > want) want = v;
+      }
+      if (precv[i] != want) FAIL("persistent max, run %d element %d", step, i);
+    }
+    for (int i = 0; i < 777; i++) {
+      double want = 0;
+      for (int r = 0; r < size; r++) want += value(r, 300 + step, i);
+      if (pbuf[i] != want) FAIL("persistent sum, run %d element %d is %g, want %g", step, i, pbuf[i], want);
+    }
+  }
+  CHECK(toroid_group_start(comm));
+  EXPECT_CODE(TOROID_INVALID_USAGE, toroid_request_run(inp));
+  CHECK(toroid_group_end(comm));
+  toroid_request_free(oop);
+  EXPECT_CODE(TOROID_INVALID_USAGE, toroid_request_run(oop)); /* freed */
   CHECK(toroid_comm_destroy(comm));
+  EXPECT_CODE(TOROID_INVALID_USAGE, toroid_request_run(inp)); /* its communicator is gone */
+  toroid_request_free(inp);
+  toroid_request_free(NULL);
   printf("group passed\n");
   return 0;
 }

@@ -8,7 +8,7 @@
  * - Every function returns a toroid_result (TOROID_SUCCESS = 0) and writes its outputs only on
  *   success. toroid_get_error_string(code) describes a code; toroid_get_last_error(comm) gives
  *   the detail of the last failure (comm = NULL: of this thread, e.g. a failed init).
- * - Handles (toroid_comm *, toroid_work *, toroid_pending *) are opaque. NULL gives
+ * - Handles (toroid_comm *, toroid_work *, toroid_pending *, toroid_request *) are opaque. NULL gives
  *   TOROID_INVALID_ARGUMENT; a destroyed or freed handle is detected and gives
  *   TOROID_INVALID_USAGE.
  * - Counts are elements, not bytes. In place means sendbuf == recvbuf (see reduce_scatter and
@@ -165,6 +165,11 @@ typedef struct toroid_comm toroid_comm;
  * toroid_pending_free.
  */
 typedef struct toroid_pending toroid_pending;
+
+/**
+ * A persistent all-reduce (toroid_all_reduce_init). Opaque; released by toroid_request_free.
+ */
+typedef struct toroid_request toroid_request;
 
 /**
  * An operation issued by an *_async call. Opaque; released by toroid_work_free.
@@ -709,6 +714,33 @@ enum toroid_result toroid_pending_abort(struct toroid_pending *pending);
  * and dropping a communicator never taken. NULL is a no-op.
  */
 void toroid_pending_free(struct toroid_pending *pending);
+
+/**
+ * Sets up an all-reduce of `count` elements from `sendbuf` into `recvbuf` (equal: in place)
+ * to be run many times with toroid_request_run: the arguments are checked and the algorithm
+ * chosen once, here, so each run skips both (MPI 4's MPI_Allreduce_init). Every rank must set
+ * up the same all-reduce and run it as often. The buffers must stay valid until the request
+ * is freed; between runs the caller may read and write them. Sets *req on success.
+ */
+enum toroid_result toroid_all_reduce_init(struct toroid_comm *comm,
+                                          const void *sendbuf,
+                                          void *recvbuf,
+                                          size_t count,
+                                          toroid_datatype dtype,
+                                          toroid_redop op,
+                                          struct toroid_request **req);
+
+/**
+ * Runs the request's all-reduce on its buffers as they are now and returns when it has
+ * completed (blocking, like toroid_all_reduce). TOROID_INVALID_USAGE once its communicator was
+ * destroyed.
+ */
+enum toroid_result toroid_request_run(struct toroid_request *req);
+
+/**
+ * Releases a request (it must not be running). NULL is a no-op.
+ */
+void toroid_request_free(struct toroid_request *req);
 
 /**
  * Builds a communicator of the ranks of `comm` not listed in `failed` (`nfailed` entries), in

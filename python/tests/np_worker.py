@@ -287,7 +287,8 @@ def shrink(comm):
 
 def group(comm):
     """80 small all-reduces of mixed types and ops with a broadcast and an all-gather between
-    them, in one `with comm.group()`: every element checked; the all-reduces run packed."""
+    them, in one `with comm.group()`: every element checked; the all-reduces run packed. Then a
+    persistent all-reduce (`all_reduce_init`) run 5 times on new data."""
     def all_reduces():
         return sum(c["count"] for c in comm.stats() if c["kind"] == "all_reduce")
 
@@ -317,6 +318,20 @@ def group(comm):
         with comm.group():
             comm.all_reduce(arrays[0], async_op=True)
         raise AssertionError("an async call inside a group")
+    except toroid.InvalidUsageError:
+        pass
+    # A persistent all-reduce, run on new data each time, out of place.
+    x = np.zeros(300, np.float32)
+    y = np.zeros(300, np.float32)
+    req = comm.all_reduce_init(x, y, op="sum")
+    for step in range(5):
+        x[:] = data(400 + step, RANK, 300, np.float32)
+        assert req.run() is y
+        same(y, reference([data(400 + step, r, 300, np.float32) for r in range(SIZE)], "sum"), f"persistent run {step}")
+    req.free()
+    try:
+        req.run()
+        raise AssertionError("a freed request ran")
     except toroid.InvalidUsageError:
         pass
 

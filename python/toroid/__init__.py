@@ -26,7 +26,7 @@ from ._lib import (
     library_path,
     version,
 )
-from .comm import Comm, Pending, Store, Work, numpy_dtype
+from .comm import Comm, Pending, Request, Store, Work, numpy_dtype
 
 __all__ = [
     "AbortedError",
@@ -35,6 +35,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidUsageError",
     "Pending",
+    "Request",
     "ReduceOp",
     "RemoteError",
     "Result",

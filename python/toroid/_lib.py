@@ -203,7 +203,7 @@ ENUMS = {"toroid_result": Result, "toroid_datatype": DataType, "toroid_redop": R
 # #define name -> value.
 CONSTANTS = {"TOROID_SPLIT_NOCOLOR": SPLIT_NOCOLOR}
 # Opaque structs: only ever handled through pointers (c_void_p here).
-OPAQUE = ("toroid_comm", "toroid_work", "toroid_pending")
+OPAQUE = ("toroid_comm", "toroid_work", "toroid_pending", "toroid_request")
 # struct name -> ctypes.Structure with the same fields in the same order.
 STRUCTS = {"toroid_config": Config, "toroid_store_ops": StoreOps, "toroid_stat": Stat}
 # function-pointer typedef -> CFUNCTYPE.
@@ -229,6 +229,9 @@ SIGNATURES = {
     "toroid_pending_free": (None, [_P]),
     "toroid_group_start": (_E, [_P]),
     "toroid_group_end": (_E, [_P]),
+    "toroid_all_reduce_init": (_E, [_P, _P, _P, c_size_t, _E, _E, _PP]),
+    "toroid_request_run": (_E, [_P]),
+    "toroid_request_free": (None, [_P]),
     "toroid_comm_stats": (_E, [_P, ctypes.POINTER(Stat), c_size_t, ctypes.POINTER(c_size_t)]),
     "toroid_comm_rank": (_E, [_P, ctypes.POINTER(c_int)]),
     "toroid_comm_size": (_E, [_P, ctypes.POINTER(c_int)]),

@@ -111,6 +111,36 @@ class Work:
                 pass
 
 
+class Request:
+    """A persistent all-reduce (`Comm.all_reduce_init`): `run()` reduces its arrays as they are
+    now, as often as needed; `free()` releases it (also when garbage-collected). It keeps its
+    arrays alive."""
+
+    def __init__(self, comm: "Comm", handle: int, refs: tuple, result: Any):
+        self._comm = comm
+        self._handle = handle  # kept after free: toroid then reports the freed handle
+        self._freed = False
+        self._refs = refs
+        self._result = result
+
+    def run(self) -> Any:
+        """Runs the all-reduce (blocking) and returns the output array. After `free()` (or
+        once the communicator is destroyed) toroid.InvalidUsageError."""
+        check("toroid_request_run", _lib.lib().toroid_request_run(self._handle), self._comm._handle_or_none())
+        return self._result
+
+    def free(self) -> None:
+        if not self._freed:
+            self._freed = True
+            _lib.lib().toroid_request_free(self._handle)
+
+    def __del__(self):
+        try:
+            self.free()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+
 class Pending:
     """A communicator being created or shrunk in the background (`Comm.from_env_async`,
     `Comm.init_async`, `Comm.shrink_async`): poll it with `done()`, take the communicator with
@@ -532,6 +562,16 @@ class Comm:
         return self.all_reduce_ptr(
             _buffer(send, False), _buffer(recv, True), send.size, numpy_dtype(send), op, async_op, (send, recv), recv
         )
+
+    def all_reduce_init(self, send, recv=None, op="sum") -> Request:
+        """A persistent all-reduce of `send` into `recv` (in place when recv is None), checked
+        and its algorithm chosen once; `run()` it as often as needed (every rank as often)."""
+        recv = send if recv is None else recv
+        self._same(send, recv)
+        out = ctypes.c_void_p()
+        args = (_buffer(send, False), _buffer(recv, True), send.size, DataType.of(numpy_dtype(send)), ReduceOp.of(op))
+        check("toroid_all_reduce_init", _lib.lib().toroid_all_reduce_init(self._live(), *args, ctypes.byref(out)), self._handle)
+        return Request(self, out.value, (send, recv), recv)
 
     def reduce_scatter(self, send, recv=None, op="sum", async_op: bool = False):
         """`send` holds size equal pieces; rank r receives the reduction of everyone's piece r."""

@@ -43,7 +43,6 @@ impl Communicator {
         op: ReduceOp,
     ) -> Result<Persistent<'a, T>> {
         let kind = OpKind::AllReduce(op);
-        let bytes = std::mem::size_of_val(buf);
         let probe = RawOp {
             kind,
             dtype: T::DTYPE,
@@ -54,9 +53,16 @@ impl Communicator {
         let c = &self.core;
         c.forked()?;
         super::validate(&probe, c.rank, c.size, c.has_window)?;
-        let algorithm = c.choose(kind, bytes, &CallOptions::default());
-        let opts = CallOptions { algorithm: Some(algorithm), ..CallOptions::default() };
+        let opts = self.pin_algorithm(probe).opts;
         Ok(Persistent { comm: self, buf, kind, opts })
+    }
+
+    /// `op` (validated) with the algorithm its runs will use set in its options, as every rank
+    /// chooses it for this kind and size.
+    pub(crate) fn pin_algorithm(&self, mut op: RawOp) -> RawOp {
+        let bytes = op.bufs.output_len().max(op.bufs.input_len());
+        op.opts.algorithm = Some(self.core.choose(op.kind, bytes, &op.opts));
+        op
     }
 }
 

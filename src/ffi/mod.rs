@@ -18,6 +18,7 @@ mod group;
 mod init;
 mod ops;
 mod pending;
+mod request;
 mod shrink;
 pub mod stats;
 mod store;

@@ -71,6 +71,13 @@ pub(crate) struct Prepared {
     hooks: Hooks,
 }
 
+impl Prepared {
+    /// The operation and the moves around it.
+    pub(crate) fn into_parts(self) -> (RawOp, Hooks) {
+        (self.op, self.hooks)
+    }
+}
+
 /// `count * per * elem` bytes, refused when it does not fit a slice (`isize::MAX`).
 fn byte_len(count: usize, per: usize, elem: usize) -> Result<usize> {
     count

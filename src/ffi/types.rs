@@ -241,6 +241,12 @@ pub struct toroid_pending {
     _private: [u8; 0],
 }
 
+/// A persistent all-reduce (toroid_all_reduce_init). Opaque; released by toroid_request_free.
+#[derive(Debug)]
+pub struct toroid_request {
+    _private: [u8; 0],
+}
+
 /// An operation issued by an *_async call. Opaque; released by toroid_work_free.
 #[derive(Debug)]
 pub struct toroid_work {
