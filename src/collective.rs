@@ -19,6 +19,9 @@ pub struct CallOptions {
     pub timeout: Option<Duration>,
     /// Force an algorithm (must be able to run the collective).
     pub algorithm: Option<Algorithm>,
+    /// Type a float all-reduce travels in (`BF16` or `F16`; the buffer's own type: not
+    /// compressed); `None`: the communicator's `TOROID_WIRE_DTYPE`.
+    pub wire: Option<DataType>,
 }
 
 /// What an operation does (the internal form of every collective call).

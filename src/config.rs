@@ -102,6 +102,7 @@ pub const TOROID_VARS: &[&str] = &[
     "TOROID_SHM_CHUNK_SIZE",
     "TOROID_TRACE_BUFFER",
     "TOROID_TIMELINE",
+    "TOROID_WIRE_DTYPE",
 ];
 
 /// Settings of the library, from the environment or built by hand.
@@ -149,6 +150,9 @@ pub struct Config {
     /// Bytes each rank contributes per chunk to the shared window (`TOROID_SHM_CHUNK_SIZE`;
     /// 0: no window).
     pub shm_chunk_size: usize,
+    /// Float all-reduces travel in this narrower type (`TOROID_WIRE_DTYPE=bf16|f16`), their
+    /// reductions accumulated wide (`comm/wire.rs`); `None`: in their own type.
+    pub wire: Option<crate::dtype::DataType>,
     /// Every variable read, by name (for `rendezvous::env` and the one-time log).
     pub vars: BTreeMap<String, String>,
 }
@@ -214,6 +218,7 @@ impl Default for Config {
             cost_model: None,
             shm_disable: false,
             dump_on_signal: true,
+            wire: None,
             shm_dir: DEFAULT_SHM_DIR.into(),
             shm_ring_size: DEFAULT_SHM_RING_SIZE,
             shm_chunk_size: DEFAULT_SHM_CHUNK_SIZE,
@@ -323,6 +328,9 @@ impl Config {
         if let Some(v) = get("TOROID_DUMP_ON_SIGNAL") {
             cfg.dump_on_signal = parse_bool("TOROID_DUMP_ON_SIGNAL", v)?;
         }
+        if let Some(v) = get("TOROID_WIRE_DTYPE") {
+            cfg.wire = parse_wire(v)?;
+        }
         if let Some(v) = get("TOROID_SHM_DIR") {
             cfg.shm_dir = v.into();
         }
@@ -367,6 +375,17 @@ fn parse_num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
 }
 
 /// `1`/`0`, `true`/`false`, `yes`/`no`, `on`/`off`.
+/// `TOROID_WIRE_DTYPE`: `bf16` (`bfloat16`), `f16` (`half`, `float16`) or `none`.
+fn parse_wire(v: &str) -> Result<Option<crate::dtype::DataType>> {
+    use crate::dtype::DataType;
+    match v.to_ascii_lowercase().as_str() {
+        "bf16" | "bfloat16" => Ok(Some(DataType::BF16)),
+        "f16" | "half" | "float16" => Ok(Some(DataType::F16)),
+        "none" | "off" => Ok(None),
+        _ => Err(Error::InvalidArgument(format!("TOROID_WIRE_DTYPE={v}: expected bf16, f16 or none").into())),
+    }
+}
+
 fn parse_bool(name: &str, v: &str) -> Result<bool> {
     match v.to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" | "on" => Ok(true),

@@ -119,7 +119,7 @@ fn deadline_names_the_missing_rank_and_the_late_rank_fails_fast() {
     util::run_threads(2, &util::test_config(30.0), |comm| {
         let mut buf = vec![0f64; 16];
         if comm.rank() == 0 {
-            let opts = CallOptions { timeout: Some(Duration::from_millis(500)), algorithm: None };
+            let opts = CallOptions { timeout: Some(Duration::from_millis(500)), algorithm: None, wire: None };
             let t = Instant::now();
             let e = comm
                 .run_bytes(

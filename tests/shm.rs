@@ -36,7 +36,7 @@ fn job_pids(comm: &Communicator) -> Vec<u32> {
 fn exercise(comm: &Communicator, algo: Option<Algorithm>) {
     let n = comm.size();
     let r = comm.rank();
-    let opts = CallOptions { timeout: None, algorithm: algo };
+    let opts = CallOptions { timeout: None, algorithm: algo, wire: None };
     let tri = (n * (n - 1) / 2) as f32;
     for count in [1usize, 1000, 300_000] {
         let mut buf: Vec<f32> = (0..count).map(|i| (r + i % 3) as f32).collect();
@@ -157,7 +157,7 @@ fn shm_disable_falls_back_to_tcp() {
         }
         assert!(!comm.has_shared_window());
         let mut buf = vec![1.0f32; 1 << 16];
-        let opts = CallOptions { timeout: None, algorithm: Some(Algorithm::ShmDirect) };
+        let opts = CallOptions { timeout: None, algorithm: Some(Algorithm::ShmDirect), wire: None };
         let e = comm
             .run_bytes(
                 OpKind::AllReduce(ReduceOp::Sum),

@@ -376,7 +376,7 @@ fn run(cli: Cli) -> toroid::Result<u64> {
         None => None,
     };
     let comm = Communicator::from_env()?;
-    let opts = CallOptions { timeout: cli.timeout.map(Duration::from_secs_f64), algorithm };
+    let opts = CallOptions { timeout: cli.timeout.map(Duration::from_secs_f64), algorithm, wire: None };
     let n = comm.size();
     let bench = Bench { comm, cli, dtype, op, opts };
     if let Some(k) = bench.cli.calls {

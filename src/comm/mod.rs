@@ -20,6 +20,7 @@ mod setup;
 mod shrink;
 mod stall;
 mod validate;
+mod wire;
 
 pub use api::OwnedBuffer;
 pub use group::Group;
@@ -128,6 +129,10 @@ struct Core {
     /// Where grouped all-reduces are packed (`group.rs`): empty until a group packs, then
     /// kept (u64 for an alignment every element type accepts).
     pack: Mutex<Vec<u64>>,
+    /// The wire-type pieces of a compressed all-reduce (`wire.rs`): empty until one runs.
+    wire_scratch: Mutex<Vec<u16>>,
+    /// A compressed all-reduce's f32 accumulator and widened piece.
+    wire_wide: Mutex<Vec<f32>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

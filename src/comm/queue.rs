@@ -259,7 +259,10 @@ impl Core {
             if let Some(before) = hooks.before.take() {
                 before();
             }
-            let r = self.execute(op, issued_ns);
+            let r = match self.wire_of(op) {
+                Some(wire) => self.execute_compressed(op, wire, issued_ns),
+                None => self.execute(op, issued_ns),
+            };
             // (After a failure's stall report, which shows the operation still running.)
             self.recorder.end(r.is_ok());
             if r.is_ok()

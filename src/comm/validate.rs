@@ -3,6 +3,7 @@
 
 use super::RawOp;
 use crate::collective::{Algorithm, OpKind};
+use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::memory::RawBufs;
 use crate::tuning;
@@ -31,6 +32,14 @@ pub(crate) fn validate(op: &RawOp, rank: usize, size: usize, has_window: bool) -
         }
         Ok(())
     };
+    if let Some(w) = op.opts.wire
+        && w != op.dtype
+        && !matches!(w, DataType::BF16 | DataType::F16)
+    {
+        return Err(Error::InvalidArgument(
+            format!("wire type {w}: a float all-reduce travels in bf16 or f16 (or its own type)").into(),
+        ));
+    }
     match op.kind {
         OpKind::AllReduce(rop) | OpKind::Reduce(rop, _) => {
             rop.check(op.dtype)?;

@@ -35,7 +35,7 @@ pub fn check(comm: &Communicator, id: u64, c: &Case) -> Result<(), String> {
     let r = comm.rank();
     let d = c.dtype;
     let s = d.size();
-    let opts = CallOptions { timeout: None, algorithm: c.algo };
+    let opts = CallOptions { timeout: None, algorithm: c.algo, wire: None };
     let elem = |buf: &[u8], k: usize| decode(d, &buf[k * s..(k + 1) * s]);
     let mut bad = Vec::new();
     let mut expect = |what: &str, k: usize, got: Val, want: Val, tol: f64| {

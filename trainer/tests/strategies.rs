@@ -95,9 +95,11 @@ fn echoing_repeats_exactly_and_counts_fresh_examples() {
 
 #[test]
 fn echo_auto_follows_the_measured_ratio() {
-    // 25 ms per read: t_up = 200 ms per batch of 8, several steps of this tiny model.
+    // 50 ms per read: t_up = 400 ms per batch of 8, several steps of this tiny model (whose
+    // step takes about 0.1 s on 2 busy cores: R ~ 4, well clear of the 2 asserted; 25 ms per
+    // read gave R = 1.99 once, on a loaded machine).
     let out = out_dir("echo-auto");
-    let slow = ["--decode-cost-us", "25000", "--decode-cost", "sleep", "--echo", "auto", "--log-every", "5"];
+    let slow = ["--decode-cost-us", "50000", "--decode-cost", "sleep", "--echo", "auto", "--log-every", "5"];
     let o = run(
         1,
         &common(&out, &[&slow[..], &["--batch", "8", "--epochs", "2", "--train-limit", "120"]].concat()),
@@ -106,7 +108,7 @@ fn echo_auto_follows_the_measured_ratio() {
     let rows = csv(&out, "steps.csv");
     let first = &rows[0];
     assert_eq!(first["echo"], 1.0);
-    assert!(first["r"] > 2.0 && (first["t_up_s"] - 0.2).abs() < 0.05, "{first:?}");
+    assert!(first["r"] > 2.0 && (first["t_up_s"] - 0.4).abs() < 0.1, "{first:?}");
     let last = rows.last().unwrap();
     // The factor is the one chosen at the epoch start from the R measured then (a later row's
     // R may be NaN: an echoing window can pass with no upstream work to time).
