@@ -20,7 +20,7 @@ static const char *const ENTRY_POINTS[] = {
     "toroid_comm_init_env_async", "toroid_comm_init_async", "toroid_comm_shrink_async",
     "toroid_pending_test", "toroid_pending_wait", "toroid_pending_abort", "toroid_pending_free",
     "toroid_group_start", "toroid_group_end", "toroid_all_reduce_init", "toroid_request_run",
-    "toroid_request_free",
+    "toroid_request_free", "toroid_all_reduce_wire", "toroid_all_reduce_wire_async",
     "toroid_get_error_string", "toroid_get_last_error",
     "toroid_version",
 };

@@ -765,6 +765,35 @@ enum toroid_result toroid_comm_stats(struct toroid_comm *comm,
                                      size_t capacity,
                                      size_t *count);
 
+/**
+ * toroid_all_reduce whose bytes travel as `wire`: TOROID_BFLOAT16 or TOROID_FLOAT16 for a
+ * TOROID_FLOAT32 or TOROID_FLOAT64 all-reduce (half the bytes; every reduction accumulates in
+ * `dtype` and every rank receives the same bits; per element |result - exact| <=
+ * (2u + u^2) sum_r |x_r| plus the sum's own rounding, u = 2^-8 for bf16 and 2^-11 for f16,
+ * divided by the number of ranks for TOROID_AVG). `wire == dtype`: not compressed, whatever
+ * TOROID_WIRE_DTYPE says. Other data types ignore a 16-bit float `wire` (integers are reduced
+ * exactly); an integer `wire` is refused with TOROID_INVALID_ARGUMENT.
+ */
+enum toroid_result toroid_all_reduce_wire(struct toroid_comm *comm,
+                                          const void *sendbuf,
+                                          void *recvbuf,
+                                          size_t count,
+                                          toroid_datatype dtype,
+                                          toroid_redop op,
+                                          toroid_datatype wire);
+
+/**
+ * toroid_all_reduce_wire, queued; *work is set on success (wait on it, then free it).
+ */
+enum toroid_result toroid_all_reduce_wire_async(struct toroid_comm *comm,
+                                                const void *sendbuf,
+                                                void *recvbuf,
+                                                size_t count,
+                                                toroid_datatype dtype,
+                                                toroid_redop op,
+                                                toroid_datatype wire,
+                                                struct toroid_work **work);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

@@ -362,6 +362,16 @@ fn c_non_blocking_creation_and_shrink_poll_wait_and_abort() {
 }
 
 #[test]
+fn c_wire_all_reduce_is_within_its_bound_and_identical_on_every_rank() {
+    let exe = build("wire");
+    for (n, env) in [(3, &[][..]), (4, &[("TOROID_SHM_DISABLE", "1")][..])] {
+        let out = run_ranks(n, 60, env, &[exe.as_os_str()]);
+        check(&out, &format!("wire.c on {n} ranks {env:?}"));
+        every_rank_says(&out, n, "wire passed");
+    }
+}
+
+#[test]
 fn c_group_packs_small_all_reduces_and_runs_the_rest_in_order() {
     let exe = build("group");
     for (n, env) in [(3, &[][..]), (5, &[("TOROID_SHM_DISABLE", "1")][..])] {

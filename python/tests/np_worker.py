@@ -285,6 +285,42 @@ def shrink(comm):
             pass
 
 
+def wire(comm):
+    """`all_reduce(wire=...)`: float32 and float64, bf16 and f16, sum and avg, blocking and
+    async; every element within the documented bound of the exact sum (computed here in float64
+    from every rank's seeded input), the rounding visible, the same bits on every rank; an
+    integer wire type refused."""
+    global checks
+    for test, (dt, wname, op) in enumerate((dt, w, o) for dt in (np.float32, np.float64) for w in ("bf16", "f16")
+                                            for o in ("sum", "avg")):
+        inputs = [data(400 + test, r, 5003, dt) * (1 + r) for r in range(SIZE)]
+        exact = np.sum([x.astype(np.float64) for x in inputs], axis=0)
+        mag = np.sum([np.abs(x.astype(np.float64)) for x in inputs], axis=0)
+        u = 2.0 ** -8 if wname == "bf16" else 2.0 ** -11
+        div = SIZE if op == "avg" else 1
+        bound = ((2 * u + u * u) * mag + SIZE * 2.0 ** -24 * mag) / div * (1 + 1e-6)
+        x = inputs[RANK].copy()
+        if test % 2:
+            got = comm.all_reduce(x, op=op, async_op=True, wire=wname).wait()
+        else:
+            got = comm.all_reduce(x, op=op, wire=wname)
+        err = np.abs(got.astype(np.float64) - exact / div)
+        if not (err <= bound).all():
+            i = int(np.argmax(err - bound))
+            raise AssertionError(f"{dt.__name__} {wname} {op}: element {i} is {got[i]}, exact {exact[i] / div}, "
+                                 f"bound {bound[i]}")
+        plain = comm.all_reduce(inputs[RANK].copy(), op=op, wire=dt.__name__)
+        assert not np.array_equal(plain, got), f"{dt.__name__} {wname}: not rounded, so not compressed"
+        every = comm.all_gather(got)
+        assert all(np.array_equal(every[r], got) for r in range(SIZE)), f"{dt.__name__} {wname}: ranks differ"
+        checks += got.size
+    try:
+        comm.all_reduce(np.ones(4, np.float32), wire="int32")
+        raise AssertionError("an integer wire type was accepted")
+    except toroid.InvalidArgumentError:
+        pass
+
+
 def group(comm):
     """80 small all-reduces of mixed types and ops with a broadcast and an all-gather between
     them, in one `with comm.group()`: every element checked; the all-reduces run packed. Then a
@@ -372,7 +408,8 @@ if __name__ == "__main__":
         sys.exit(0)
     else:
         comm = toroid.Comm.from_env()
-        {"collectives": collectives, "async": async_and_pointers, "errors": errors, "dump": dump, "group": group}[
+        {"collectives": collectives, "async": async_and_pointers, "errors": errors, "dump": dump, "group": group,
+         "wire": wire}[
             SCENARIO
         ](comm)
     comm.barrier()

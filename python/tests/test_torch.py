@@ -13,7 +13,7 @@ WORKER = pathlib.Path(__file__).with_name("torch_worker.py")
 
 
 @pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("scenario", ["compare", "ddp", "entry_points", "wait_timeout", "conformance", "errors",
+@pytest.mark.parametrize("scenario", ["compare", "ddp", "wire", "entry_points", "wait_timeout", "conformance", "errors",
                                       "peer_death"])
 def test_torch_backend(scenario, n):
     assert_all_passed(run_ranks(n, WORKER, scenario, timeout=300), f"{scenario} passed")

@@ -241,6 +241,78 @@ def ddp(rank, size):
         close(gathered[r], flat, f"DDP parameters of rank {r}")
 
 
+def wire(rank, size):
+    """Compressed all-reduce through torch: the group option, the DDP hook, and the error bound
+    (docs/ARCHITECTURE.md, compressed all-reduce) on every element of random data."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    pg = dist.distributed_c10d._get_default_group()
+    for wname, u in (("bf16", 2.0 ** -8), ("f16", 2.0 ** -11)):
+        for dtype in (torch.float32, torch.float64):
+            x = rand((10007,), dtype, 500 + rank) * (1 + rank)
+            every = [torch.empty_like(x) for _ in range(size)]
+            dist.all_gather(every, x, group=GLOO)
+            exact = torch.stack([e.double() for e in every]).sum(0)
+            bound = (2 * u + u * u) * torch.stack([e.double().abs() for e in every]).sum(0) * (1 + 1e-6)
+            got = x.clone()
+            pg.set_wire_dtype(wname)
+            try:
+                dist.all_reduce(got)
+            finally:
+                pg.set_wire_dtype(None)
+            err = (got.double() - exact).abs()
+            worst = int(torch.argmax(err - bound))
+            assert bool((err <= bound).all()), \
+                f"{wname} {dtype}: element {worst} is {got[worst]}, exact {exact[worst]}, bound {bound[worst]}"
+            # The wire type was used (rounded values differ from the plain sum somewhere)...
+            plain = x.clone()
+            dist.all_reduce(plain)
+            assert not torch.equal(plain, got), f"{wname} {dtype}: the result is not rounded: no compression"
+            # ...and every rank holds the same bits.
+            bits = [torch.empty_like(got) for _ in range(size)]
+            dist.all_gather(bits, got, group=GLOO)
+            assert all(torch.equal(b, got) for b in bits), f"{wname} {dtype}: ranks differ"
+            checks.append(f"wire {wname} {dtype}")
+    # An integer tensor ignores the option (reduced exactly).
+    ints = torch.arange(100, dtype=torch.int64) * (rank + 1)
+    pg.set_wire_dtype("bf16")
+    dist.all_reduce(ints)
+    pg.set_wire_dtype(None)
+    assert torch.equal(ints, torch.arange(100, dtype=torch.int64) * (size * (size + 1) // 2))
+    try:
+        pg.set_wire_dtype("int8")
+        raise AssertionError("an integer wire type was accepted")
+    except ValueError:
+        pass
+
+    # DDP with the bf16 hook: the same training as plain DDP over gloo, within bf16's rounding
+    # of the gradients, and the same parameters on every rank.
+    results = {}
+    before = pg.stats["allreduce_wire"]
+    for name, group, hook in (("toroid", dist.group.WORLD, toroid.torch.bf16_wire_hook), ("gloo", GLOO, None)):
+        torch.manual_seed(0)
+        model = Net()
+        net = DDP(model, process_group=group, bucket_cap_mb=0.01)
+        if hook is not None:
+            net.register_comm_hook(None, hook)
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        g = torch.Generator().manual_seed(1000 + rank)
+        for _ in range(6):
+            x = torch.randn(32, 10, generator=g)
+            y = torch.randn(32, 4, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+        results[name] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert pg.stats["allreduce_wire"] - before >= 6, pg.stats
+    assert not torch.equal(results["toroid"], results["gloo"]), "the hook did not round the gradients"
+    close(results["toroid"], results["gloo"], "DDP with bf16_wire_hook vs gloo", rtol=2e-2, atol=2e-3)
+    gathered = [torch.empty_like(results["toroid"]) for _ in range(size)]
+    dist.all_gather(gathered, results["toroid"], group=GLOO)
+    assert all(torch.equal(t, results["toroid"]) for t in gathered), "DDP parameters differ across ranks"
+    checks.append("DDP bf16_wire_hook")
+
+
 def obj(seed):
     """A picklable object of a size that depends on the seed (for the *_object collectives)."""
     g = random.Random(seed)
@@ -693,7 +765,7 @@ if __name__ == "__main__":
     assert isinstance(dist.distributed_c10d._get_default_group(), toroid.torch.ProcessGroupToroid)
     assert dist.get_backend() == "toroid"
     GLOO = dist.new_group(backend="gloo")
-    {"compare": compare, "ddp": ddp, "entry_points": entry_points, "wait_timeout": wait_timeout,
+    {"compare": compare, "ddp": ddp, "wire": wire, "entry_points": entry_points, "wait_timeout": wait_timeout,
      "conformance": conformance, "errors": errors, "peer_death": peer_death}[SCENARIO](rank, size)
     dist.barrier()
     dist.destroy_process_group()

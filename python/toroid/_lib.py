@@ -50,15 +50,21 @@ class DataType(enum.IntEnum):
 
     @classmethod
     def of(cls, value) -> "DataType":
-        """A DataType from a DataType, its name ("float32", "bfloat16", ...) or its number."""
+        """A DataType from a DataType, its name ("float32", "bfloat16", ...; short forms "bf16",
+        "f16", "fp16", "f32", "f64" too) or its number."""
         if isinstance(value, DataType):
             return value
         if isinstance(value, str):
+            name = value.upper()
             try:
-                return cls[value.upper()]
+                return cls[_ALIASES.get(name, name)]
             except KeyError:
                 raise ValueError(f"unknown toroid data type {value!r}") from None
         return cls(int(value))
+
+
+_ALIASES = {"BF16": "BFLOAT16", "F16": "FLOAT16", "FP16": "FLOAT16", "HALF": "FLOAT16", "F32": "FLOAT32",
+            "FP32": "FLOAT32", "F64": "FLOAT64", "FP64": "FLOAT64"}
 
 
 class ReduceOp(enum.IntEnum):
@@ -239,6 +245,7 @@ SIGNATURES = {
     "toroid_comm_dump": (_E, [_P, ctypes.c_char_p, c_size_t]),
     "toroid_comm_destroy": (_E, [_P]),
     "toroid_all_reduce": (_E, [_P, _P, _P, c_size_t, _E, _E]),
+    "toroid_all_reduce_wire": (_E, [_P, _P, _P, c_size_t, _E, _E, _E]),
     "toroid_reduce_scatter": (_E, [_P, _P, _P, c_size_t, _E, _E]),
     "toroid_all_gather": (_E, [_P, _P, _P, c_size_t, _E]),
     "toroid_broadcast": (_E, [_P, _P, _P, c_size_t, _E, c_int]),
@@ -249,6 +256,7 @@ SIGNATURES = {
     "toroid_recv": (_E, [_P, _P, c_size_t, _E, c_int]),
     "toroid_recv_any": (_E, [_P, _P, c_size_t, _E, ctypes.POINTER(c_int)]),
     "toroid_all_reduce_async": (_E, [_P, _P, _P, c_size_t, _E, _E, _PP]),
+    "toroid_all_reduce_wire_async": (_E, [_P, _P, _P, c_size_t, _E, _E, _E, _PP]),
     "toroid_reduce_scatter_async": (_E, [_P, _P, _P, c_size_t, _E, _E, _PP]),
     "toroid_all_gather_async": (_E, [_P, _P, _P, c_size_t, _E, _PP]),
     "toroid_broadcast_async": (_E, [_P, _P, _P, c_size_t, _E, c_int, _PP]),

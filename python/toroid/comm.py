@@ -500,8 +500,11 @@ class Comm:
 
     # Pointer-level collectives: addresses (int), counts in elements, DataType or its name.
 
-    def all_reduce_ptr(self, send: int, recv: int, count: int, dtype, op="sum", async_op=False, _refs=(), _result=None):
+    def all_reduce_ptr(self, send: int, recv: int, count: int, dtype, op="sum", async_op=False, _refs=(), _result=None,
+                       wire=None):
         args = (send, recv, count, DataType.of(dtype), ReduceOp.of(op))
+        if wire is not None:
+            return self._call("toroid_all_reduce_wire", args + (DataType.of(wire),), async_op, _refs, _result)
         return self._call("toroid_all_reduce", args, async_op, _refs, _result)
 
     def reduce_scatter_ptr(self, send: int, recv: int, recvcount: int, dtype, op="sum", async_op=False, _refs=(), _result=None):
@@ -555,12 +558,16 @@ class Comm:
     # numpy collectives. `recv=None` means in place where the collective allows it, or a new
     # array. The return value is the output array (or a Work whose wait() returns it).
 
-    def all_reduce(self, send, recv=None, op="sum", async_op: bool = False):
-        """Every rank receives the reduction of every rank's `send` (in place when recv is None)."""
+    def all_reduce(self, send, recv=None, op="sum", async_op: bool = False, wire=None):
+        """Every rank receives the reduction of every rank's `send` (in place when recv is None).
+        `wire="bf16"` or `"f16"`: a float32/float64 all-reduce travels in that type (half the
+        bytes, reductions in the array's own type, the same result on every rank; see
+        docs/ARCHITECTURE.md, compressed all-reduce); None: TOROID_WIRE_DTYPE decides."""
         recv = send if recv is None else recv
         self._same(send, recv)
         return self.all_reduce_ptr(
-            _buffer(send, False), _buffer(recv, True), send.size, numpy_dtype(send), op, async_op, (send, recv), recv
+            _buffer(send, False), _buffer(recv, True), send.size, numpy_dtype(send), op, async_op, (send, recv), recv,
+            wire,
         )
 
     def all_reduce_init(self, send, recv=None, op="sum") -> Request:

@@ -313,10 +313,14 @@ class ProcessGroupToroid(dist.ProcessGroup):
     """A torch.distributed process group whose collectives run on a toroid communicator."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: Optional[datetime.timedelta] = None,
-                 comm: Optional[Comm] = None):
+                 comm: Optional[Comm] = None, wire_dtype: Optional[str] = None):
         """A group of `size` ranks meeting through `store`, or over `comm` when given (a split
-        of a parent's communicator; `store` then serves monitored_barrier only)."""
+        of a parent's communicator; `store` then serves monitored_barrier only). `wire_dtype`
+        ("bf16" or "f16"): every float32/float64 all-reduce of the group travels in that type
+        (see `set_wire_dtype`)."""
         super().__init__(rank, size)
+        self._wire: Optional[DataType] = None
+        self.set_wire_dtype(wire_dtype)
         self._timeout_s = timeout.total_seconds() if timeout else None
         self._store = store  # (monitored_barrier meets through it)
         self._monitored = 0  # monitored barriers so far (every rank counts the same)
@@ -358,6 +362,35 @@ class ProcessGroupToroid(dist.ProcessGroup):
         """The toroid communicator."""
         return self._comm
 
+    def set_wire_dtype(self, wire: Optional[str]) -> None:
+        """Compressed all-reduce for the whole group: "bf16" or "f16" makes every float32 and
+        float64 all-reduce (allreduce, allreduce_coalesced) travel in that type, reductions in
+        the tensor's own type, the same result on every rank (error bound: docs/ARCHITECTURE.md,
+        compressed all-reduce); None: as TOROID_WIRE_DTYPE says (uncompressed when unset). The
+        process-group option; `bf16_wire_hook` does the same for DDP's gradients only. Every
+        rank must set the same."""
+        w = None if wire is None else DataType.of(wire)
+        if w not in (None, DataType.BFLOAT16, DataType.FLOAT16):
+            raise ValueError(f"wire_dtype must be 'bf16', 'f16' or None, not {wire!r}")
+        self._wire = w
+
+    def _wire_for(self, t: torch.Tensor, wire: Optional[DataType] = None) -> Optional[DataType]:
+        wire = wire if wire is not None else self._wire
+        return wire if t.dtype in (torch.float32, torch.float64) else None
+
+    def allreduce_wire(self, tensor: torch.Tensor, wire="bf16", op=dist.ReduceOp.AVG) -> "ToroidWork":
+        """One all-reduce of `tensor` in place whose bytes travel as `wire` ("bf16" or "f16";
+        float32/float64 tensors, others reduced as usual): what the DDP hooks call."""
+        w = DataType.of(wire)
+        if w not in (DataType.BFLOAT16, DataType.FLOAT16):
+            raise ValueError(f"wire must be 'bf16' or 'f16', not {wire!r}")
+        rop = _op(op)
+        o = _Output(tensor, rop)
+        p = o.buf.data_ptr()
+        work = self._comm.all_reduce_ptr(p, p, o.buf.numel(), _dtype(o.buf), rop, True, (o.buf,),
+                                         wire=self._wire_for(o.buf, w))
+        return self._work([work], [tensor], o.copy_back, "allreduce_wire")
+
     # ---- collectives -----------------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
@@ -372,7 +405,8 @@ class ProcessGroupToroid(dist.ProcessGroup):
         for t in tensors:
             o = _Output(t, op)
             p = o.buf.data_ptr()
-            works.append(self._comm.all_reduce_ptr(p, p, o.buf.numel(), _dtype(o.buf), op, True, (o.buf,)))
+            works.append(self._comm.all_reduce_ptr(p, p, o.buf.numel(), _dtype(o.buf), op, True, (o.buf,),
+                                                   wire=self._wire_for(o.buf)))
             outs.append(o)
         return self._work(works, tensors, lambda: [o.copy_back() for o in outs], "allreduce", _opt_timeout(opts))
 
@@ -444,7 +478,7 @@ class ProcessGroupToroid(dist.ProcessGroup):
             return self._work([], tensors)
         flat = torch.cat([_flat(t, op).reshape(-1) for t in tensors])
         p = flat.data_ptr()
-        w = self._comm.all_reduce_ptr(p, p, flat.numel(), _dtype(flat), op, True, (flat,))
+        w = self._comm.all_reduce_ptr(p, p, flat.numel(), _dtype(flat), op, True, (flat,), wire=self._wire_for(flat))
 
         def finish():
             at = 0
@@ -938,6 +972,26 @@ for _name in ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgat
     setattr(_CpuBackend, _name, _forward(_name))
 
 
+def _wire_hook(wire: str):
+    def hook(process_group, bucket):  # (no annotation: DDP accepts only Future[Tensor] or none)
+        group = process_group if process_group is not None else dist.group.WORLD
+        if not isinstance(group, ProcessGroupToroid):
+            raise TypeError(f"{wire}_wire_hook needs a toroid process group, not {type(group).__name__}")
+        return group.allreduce_wire(bucket.buffer(), wire, dist.ReduceOp.AVG).get_future().then(lambda f: f.value()[0])
+
+    hook.__name__ = f"{wire}_wire_hook"
+    hook.__doc__ = f"""DDP communication hook: each gradient bucket is averaged by one all-reduce whose
+    bytes travel in {wire} (half of float32's), accumulated in float32, the same on every rank.
+    torch's own bf16_compress_hook casts the bucket and reduces in bf16; here only the
+    transfer is narrow. Use: ddp.register_comm_hook(None, toroid.torch.{wire}_wire_hook) (or a
+    toroid process group as the state)."""
+    return hook
+
+
+bf16_wire_hook = _wire_hook("bf16")
+fp16_wire_hook = _wire_hook("f16")
+
+
 def _create(store, rank, size, timeout=None, *args, **kwargs) -> ProcessGroupToroid:
     return ProcessGroupToroid(store, rank, size, timeout)
 
@@ -950,5 +1004,5 @@ def register() -> None:
 
 register()
 
-__all__ = ["BACKEND", "ProcessGroupToroid", "ToroidWork", "TorchStore", "register"]
+__all__ = ["BACKEND", "ProcessGroupToroid", "ToroidWork", "TorchStore", "bf16_wire_hook", "fp16_wire_hook", "register"]
 _ = _lib  # the ctypes layer, for users who want toroid.torch._lib

@@ -54,6 +54,20 @@ impl Communicator {
         self.go(OpKind::AllReduce(op), T::DTYPE, None, Some(bytes_of_mut(buf)))
     }
 
+    /// [`Communicator::all_reduce`] with per-call options: a deadline, a forced algorithm, or
+    /// the type the data travels in ([`CallOptions::wire`], a compressed all-reduce).
+    ///
+    /// ```no_run
+    /// # let comm = toroid::Communicator::from_env()?;
+    /// let mut grads = vec![0.5f32; 1 << 20];
+    /// let bf16 = toroid::CallOptions { wire: Some(toroid::DataType::BF16), ..Default::default() };
+    /// comm.all_reduce_with(&mut grads, toroid::ReduceOp::Avg, bf16)?;
+    /// # Ok::<(), toroid::Error>(())
+    /// ```
+    pub fn all_reduce_with<T: Element>(&self, buf: &mut [T], op: ReduceOp, opts: CallOptions) -> Result<()> {
+        self.run_bytes(OpKind::AllReduce(op), T::DTYPE, None, Some(bytes_of_mut(buf)), opts)
+    }
+
     /// Reduces `send` across all ranks into `recv` (same length).
     pub fn all_reduce_into<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
         self.go(OpKind::AllReduce(op), T::DTYPE, Some(bytes_of(send)), Some(bytes_of_mut(recv)))
@@ -179,12 +193,25 @@ impl Communicator {
     /// # Ok::<(), toroid::Error>(())
     /// ```
     pub fn all_reduce_async<T: Element, B: OwnedBuffer<T>>(&self, buf: B, op: ReduceOp) -> Result<Work<B>> {
-        self.submit_owned(buf, |b| (OpKind::AllReduce(op), RawBufs::InPlace(RawBufMut::new(b))))
+        self.all_reduce_async_with(buf, op, CallOptions::default())
+    }
+
+    /// [`Communicator::all_reduce_async`] with per-call options (see
+    /// [`Communicator::all_reduce_with`]).
+    pub fn all_reduce_async_with<T: Element, B: OwnedBuffer<T>>(
+        &self,
+        buf: B,
+        op: ReduceOp,
+        opts: CallOptions,
+    ) -> Result<Work<B>> {
+        self.submit_owned(buf, opts, |b| (OpKind::AllReduce(op), RawBufs::InPlace(RawBufMut::new(b))))
     }
 
     /// Async broadcast of an owned buffer.
     pub fn broadcast_async<T: Element, B: OwnedBuffer<T>>(&self, buf: B, root: usize) -> Result<Work<B>> {
-        self.submit_owned(buf, |b| (OpKind::Broadcast(root), RawBufs::InPlace(RawBufMut::new(b))))
+        self.submit_owned(buf, CallOptions::default(), |b| {
+            (OpKind::Broadcast(root), RawBufs::InPlace(RawBufMut::new(b)))
+        })
     }
 
     /// Async in-place reduce-scatter of an owned buffer (see [`Communicator::reduce_scatter_in_place`]).
@@ -193,12 +220,16 @@ impl Communicator {
         buf: B,
         op: ReduceOp,
     ) -> Result<Work<B>> {
-        self.submit_owned(buf, |b| (OpKind::ReduceScatter(op), RawBufs::InPlace(RawBufMut::new(b))))
+        self.submit_owned(buf, CallOptions::default(), |b| {
+            (OpKind::ReduceScatter(op), RawBufs::InPlace(RawBufMut::new(b)))
+        })
     }
 
     /// Async in-place all-gather of an owned buffer (see [`Communicator::all_gather_in_place`]).
     pub fn all_gather_async<T: Element, B: OwnedBuffer<T>>(&self, buf: B) -> Result<Work<B>> {
-        self.submit_owned(buf, |b| (OpKind::AllGather, RawBufs::InPlace(RawBufMut::new(b))))
+        self.submit_owned(buf, CallOptions::default(), |b| {
+            (OpKind::AllGather, RawBufs::InPlace(RawBufMut::new(b)))
+        })
     }
 
     /// Async barrier.
@@ -221,10 +252,11 @@ impl Communicator {
     fn submit_owned<T: Element, B: OwnedBuffer<T>>(
         &self,
         mut buf: B,
+        opts: CallOptions,
         make: impl FnOnce(&mut [u8]) -> (OpKind, RawBufs),
     ) -> Result<Work<B>> {
         let (kind, bufs) = make(bytes_of_mut(buf.as_mut_elems()));
-        let op = RawOp { kind, dtype: T::DTYPE, bufs, opts: CallOptions::default(), source: None };
+        let op = RawOp { kind, dtype: T::DTYPE, bufs, opts, source: None };
         // SAFETY: the work keeps `buf` alive until the operation completes, and its heap data
         // does not move when `buf` is moved into the box (OwnedBuffer's promise).
         let w = unsafe { self.submit_raw(op, Some(Box::new(buf)))? };

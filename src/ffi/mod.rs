@@ -23,6 +23,7 @@ mod shrink;
 pub mod stats;
 mod store;
 pub mod types;
+mod wire;
 
 use std::ffi::{c_char, c_int, c_void};
 

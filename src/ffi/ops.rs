@@ -155,7 +155,12 @@ fn mover(base: *mut u8, from: usize, to: usize, len: usize) -> Hook {
 /// # Safety
 /// The buffers of `a` must be valid for the lengths the call implies (reads of the send
 /// buffer, reads and writes of the receive buffer) until the operation completes.
-pub(crate) unsafe fn prepare(comm: &Communicator, coll: Coll, a: Args) -> Result<Prepared> {
+pub(crate) unsafe fn prepare(
+    comm: &Communicator,
+    coll: Coll,
+    a: Args,
+    opts: CallOptions,
+) -> Result<Prepared> {
     // SAFETY: every buffer descriptor built below comes from `a`'s pointers with the lengths
     // the call implies, valid as the caller promises.
     unsafe {
@@ -263,7 +268,7 @@ pub(crate) unsafe fn prepare(comm: &Communicator, coll: Coll, a: Args) -> Result
         };
         // A receive from any source reports its sender here (usize::MAX until it has one).
         let source = matches!(kind, OpKind::RecvAny).then(|| Arc::new(AtomicUsize::new(usize::MAX)));
-        let op = RawOp { kind, dtype, bufs, opts: CallOptions::default(), source };
+        let op = RawOp { kind, dtype, bufs, opts, source };
         // The same checks as every Rust call, so both report the same errors.
         crate::comm::validate(&op, me, n, comm.has_shared_window())?;
         Ok(Prepared { op, hooks })
@@ -274,12 +279,17 @@ pub(crate) unsafe fn prepare(comm: &Communicator, coll: Coll, a: Args) -> Result
 ///
 /// # Safety
 /// The buffers of `a` must be valid for the lengths the call implies until it returns.
-pub(crate) unsafe fn blocking(h: &Arc<CommHandle>, coll: Coll, a: Args) -> Result<Option<usize>> {
+pub(crate) unsafe fn blocking(
+    h: &Arc<CommHandle>,
+    coll: Coll,
+    a: Args,
+    opts: CallOptions,
+) -> Result<Option<usize>> {
     if matches!(coll, Coll::Send(_) | Coll::Recv(_) | Coll::RecvAny) {
         super::group::refuse_in_group(h, "a send or receive")?;
     }
     // SAFETY: forwarded from the caller.
-    let p = unsafe { prepare(&h.comm, coll, a)? };
+    let p = unsafe { prepare(&h.comm, coll, a, opts)? };
     let source = p.op.source.clone();
     let Some((op, hooks)) = super::group::record(h, p.op, p.hooks) else {
         return Ok(None); // recorded; runs at toroid_group_end
@@ -308,7 +318,7 @@ unsafe fn run_prepared(h: &Arc<CommHandle>, p: Prepared) -> Result<()> {
 /// As [`blocking`].
 pub(crate) unsafe fn recv_any(h: &Arc<CommHandle>, a: Args) -> Result<c_int> {
     // SAFETY: forwarded from the caller.
-    let from = unsafe { blocking(h, Coll::RecvAny, a)? };
+    let from = unsafe { blocking(h, Coll::RecvAny, a, CallOptions::default())? };
     from.and_then(|r| c_int::try_from(r).ok())
         .ok_or_else(|| Error::Internal("a receive from any source completed without a sender".into()))
 }
@@ -333,11 +343,15 @@ pub(crate) fn work_source(w: &WorkHandle) -> Result<c_int> {
 ///
 /// # Safety
 /// The buffers of `a` must stay valid, and untouched by anything else, until the work completes.
-pub(crate) unsafe fn submit(h: &Arc<CommHandle>, coll: Coll, a: Args) -> Result<*mut toroid_work> {
+pub(crate) unsafe fn submit(
+    h: &Arc<CommHandle>,
+    coll: Coll,
+    a: Args,
+    opts: CallOptions,
+) -> Result<*mut toroid_work> {
     super::group::refuse_in_group(h, "an async call")?;
     // SAFETY: forwarded from the caller.
-    let p = unsafe { prepare(&h.comm, coll, a)? };
-    // SAFETY: forwarded from the caller.
+    let p = unsafe { prepare(&h.comm, coll, a, opts)? };
     let source = p.op.source.clone();
     // SAFETY: forwarded from the caller.
     let work = unsafe { h.comm.submit_raw_with_hooks(p.op, None, p.hooks)? };
@@ -362,7 +376,7 @@ pub(crate) unsafe fn call(
     a: Args,
 ) -> toroid_result {
     // SAFETY: forwarded from the caller.
-    with_comm(name, comm, |h| unsafe { blocking(h, coll, a) }.map(|_| ()))
+    with_comm(name, comm, |h| unsafe { blocking(h, coll, a, CallOptions::default()) }.map(|_| ()))
 }
 
 /// An async collective call from C, as a result code; `*out` is written on success only.
@@ -379,7 +393,7 @@ pub(crate) unsafe fn call_async(
     with_comm(name, comm, |h| {
         check_out(out, "work")?;
         // SAFETY: forwarded from the caller.
-        let w = unsafe { submit(h, coll, a)? };
+        let w = unsafe { submit(h, coll, a, CallOptions::default())? };
         // SAFETY: `out` is non-NULL (checked) and valid (the caller's promise).
         unsafe { write_out(out, w) };
         Ok(())
@@ -437,7 +451,7 @@ mod tests {
             let at = |off: usize| p.wrapping_add(off);
             let kind = |coll, a| {
                 // SAFETY: `buf` outlives the descriptors, which are only classified, never run.
-                unsafe { prepare(c, coll, a) }
+                unsafe { prepare(c, coll, a, CallOptions::default()) }
                     .map(|p| (p.op.bufs, p.hooks.before.is_some(), p.hooks.after.is_some()))
             };
             // reduce_scatter: NCCL's in-place form, the front form (moved after), out of place,

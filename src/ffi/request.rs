@@ -10,6 +10,7 @@ use super::boundary::{
 };
 use super::ops::{Args, Coll, prepare};
 use super::types::{RawDatatype, RawRedop, toroid_comm, toroid_request, toroid_result};
+use crate::collective::CallOptions;
 use crate::comm::RawOp;
 use crate::error::{Error, Result};
 
@@ -53,7 +54,8 @@ pub unsafe extern "C" fn toroid_all_reduce_init(
             check_out(req, "req")?;
             let a = Args { send: sendbuf, recv: recvbuf, count, dtype };
             // SAFETY: the C contract: the buffers stay valid until the request is freed.
-            let (raw, _) = unsafe { prepare(&h.comm, Coll::AllReduce(op), a)? }.into_parts();
+            let (raw, _) =
+                unsafe { prepare(&h.comm, Coll::AllReduce(op), a, CallOptions::default())? }.into_parts();
             let raw = h.comm.pin_algorithm(raw);
             let handle = RequestHandle::into_handle(Arc::new(RequestHandle {
                 comm: Arc::downgrade(h),

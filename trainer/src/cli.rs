@@ -27,6 +27,17 @@ pub enum DecayKind {
     Cosine,
 }
 
+/// The type gradients travel in (`--wire`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum WireKind {
+    /// float32: uncompressed.
+    F32,
+    /// bfloat16: half the bytes, float32's range, 8 significant bits.
+    Bf16,
+    /// float16: half the bytes, 11 significant bits, magnitudes up to 65504.
+    F16,
+}
+
 /// Data set formats.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Format {
@@ -45,7 +56,8 @@ Examples:
   toroid-run -n 2 -- target/release/toroid-train --model resnet50 --input-size 32 --max-steps 300 --batch 64
   toroid-train --data /data/imagenet --format folder --input-size 224 --batch-schedule 0:256,5:512,20:1024
   toroid-train --echo example-before-aug:2 --echo-shuffle 1024 --decode-cost-us 2000 --eval-every 50
-  toroid-run -n 4 -- target/release/toroid-train --optimizer adam --bmuf tau=8,eta=auto,zeta=1,nesterov=false";
+  toroid-run -n 4 -- target/release/toroid-train --optimizer adam --bmuf tau=8,eta=auto,zeta=1,nesterov=false
+  toroid-run -n 2 -- target/release/toroid-train --wire bf16 --error-feedback";
 
 /// Synchronous data-parallel ResNet training on toroid (start ranks with toroid-run, torchrun,
 /// srun or mpirun; without a launcher it runs as one process).
@@ -220,6 +232,14 @@ pub struct Args {
     /// Issue all-reduces only after the whole backward pass (to measure what overlap buys).
     #[arg(long)]
     pub no_overlap: bool,
+    /// Type the gradient all-reduces travel in: bf16 or f16 halve the bytes (toroid's compressed
+    /// all-reduce: reductions in float32, the same result on every rank).
+    #[arg(long, value_enum, default_value_t = WireKind::F32)]
+    pub wire: WireKind,
+    /// With --wire bf16|f16: keep each bucket's rounding residual and add it to the next step's
+    /// gradients (error feedback), so that no gradient is lost to rounding over time.
+    #[arg(long)]
+    pub error_feedback: bool,
     /// Check that all ranks hold identical parameters every N steps (0: only at epoch ends).
     #[arg(long, default_value_t = 100)]
     pub check_every: u64,

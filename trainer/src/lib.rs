@@ -15,6 +15,7 @@
 //!  metrics.rs           CSV and PNG curves
 //!  compare.rs           --compare: one PNG comparing several runs' evals.csv
 //!  checkpoint.rs        rank-0 checkpoints and resume
+//!  wire.rs              --wire bf16|f16 gradients and error feedback
 //! ```
 
 pub mod adam;
@@ -32,5 +33,6 @@ pub mod parallel;
 pub mod pool;
 pub mod rng;
 pub mod train;
+pub mod wire;
 
 pub use error::{Error, Result};

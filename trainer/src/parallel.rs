@@ -23,6 +23,7 @@ use toroid::{Communicator, ReduceOp, Work};
 use crate::bail;
 use crate::error::Result;
 use crate::model::{Buffer, Param};
+use crate::wire::GradWire;
 
 /// Default bucket size in bytes (DDP's bucket_cap_mb = 25).
 pub const BUCKET_BYTES: usize = 25 * 1024 * 1024;
@@ -41,6 +42,8 @@ pub struct Bucket {
     pub min_segment: usize,
     buf: Option<Vec<f32>>,
     work: Option<Work<Vec<f32>>>,
+    /// Error feedback's rounding residual (empty unless `--error-feedback`).
+    residual: Vec<f32>,
 }
 
 /// Splits parameters (given as (elements, segment) in forward order) into buckets in reverse
@@ -67,6 +70,7 @@ pub fn make_buckets(sizes: &[(usize, usize)], cap: usize, first_cap: usize) -> V
             min_segment,
             buf: Some(vec![0.0; off]),
             work: None,
+            residual: vec![],
         });
     };
     for i in (0..sizes.len()).rev() {
@@ -122,6 +126,8 @@ pub struct Replicas {
     launched: usize,
     /// The bucket size `new` was given (to rebuild over another communicator).
     bucket_bytes: usize,
+    /// The type gradients travel in, and error feedback.
+    pub wire: GradWire,
 }
 
 impl Replicas {
@@ -135,14 +141,16 @@ impl Replicas {
                 place[p] = (bi, o);
             }
         }
-        Replicas { comm, buckets, place, overlap, sync_grads: true, launched: 0, bucket_bytes }
+        let wire = GradWire::default();
+        Replicas { comm, buckets, place, overlap, sync_grads: true, launched: 0, bucket_bytes, wire }
     }
 
     /// The same replicas over `comm` (the survivors, after a shrink): fresh buckets, nothing in
-    /// flight.
+    /// flight, error feedback's residuals back to zero.
     pub fn rebuilt(&self, comm: Communicator, params: &[Param]) -> Replicas {
         let mut r = Replicas::new(Some(comm), params, self.bucket_bytes, self.overlap);
         r.sync_grads = self.sync_grads;
+        r.wire = self.wire;
         r
     }
 
@@ -244,8 +252,9 @@ impl Replicas {
         while self.launched < self.buckets.len() && self.buckets[self.launched].min_segment >= segment {
             let b = &mut self.buckets[self.launched];
             if let Some(comm) = self.comm.as_ref().filter(|_| self.sync_grads) {
-                let Some(buf) = b.buf.take() else { bail!("bucket launched twice") };
-                b.work = Some(comm.all_reduce_async(buf, ReduceOp::Avg)?);
+                let Some(mut buf) = b.buf.take() else { bail!("bucket launched twice") };
+                self.wire.compensate(&mut buf, &mut b.residual);
+                b.work = Some(comm.all_reduce_async_with(buf, ReduceOp::Avg, self.wire.options())?);
             }
             self.launched += 1;
         }
@@ -265,7 +274,7 @@ impl Replicas {
                 let start = Instant::now();
                 let buf = work.wait()?;
                 t.wait += start.elapsed();
-                t.bytes += buf.len() * 4;
+                t.bytes += buf.len() * self.wire.bytes_per_element();
                 b.buf = Some(buf);
             }
             let Some(buf) = b.buf.as_ref() else { bail!("bucket lost its buffer") };

@@ -23,6 +23,7 @@ use crate::metrics::Metrics;
 use crate::model::{BnMode, ModelConfig, ResNet};
 use crate::optim::{BatchSchedule, Decay, LrSchedule, OptConfig, Rule};
 use crate::parallel::Replicas;
+use crate::wire::GradWire;
 
 /// The model description for `args` given the data's channels and classes.
 pub fn model_config(args: &Args, in_channels: usize, num_classes: usize) -> ModelConfig {
@@ -171,10 +172,23 @@ impl Trainer {
         log(rank, &format!("toroid-train: {what}, input {channels}x{size}x{size}"));
         let bucket_bytes = (args.bucket_mb * 1024.0 * 1024.0) as usize;
         let mut rep = Replicas::new(comm, &model.params, bucket_bytes.max(4), !args.no_overlap);
+        rep.wire = GradWire::new(args.wire, args.error_feedback)?;
+        if bmuf_spec.is_some() && rep.wire.dtype.is_some() {
+            bail!("--wire compresses gradient all-reduces; BMUF averages models (not with --bmuf)");
+        }
         if bmuf_spec.is_none() {
+            let wire = match rep.wire.dtype {
+                Some(d) if rep.wire.error_feedback => format!(", on the wire as {d} with error feedback"),
+                Some(d) => format!(", on the wire as {d}"),
+                None => String::new(),
+            };
             log(
                 rank,
-                &format!("toroid-train: {} gradient buckets, overlap {}", rep.buckets.len(), rep.overlap),
+                &format!(
+                    "toroid-train: {} gradient buckets, overlap {}{wire}",
+                    rep.buckets.len(),
+                    rep.overlap
+                ),
             );
         }
         // Same starting point everywhere: rank 0's weights and BN buffers.
