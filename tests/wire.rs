@@ -3,7 +3,8 @@
 //! exact reduction (2u S + u^2 S for a sum, S the sum of magnitudes; /n for an average; u |x|
 //! for min and max), and every rank holds the same bits; the operation travels as an all-to-all
 //! and an all-gather in the wire type; a call can opt in or out. As threads on 1, 2, 3 and 5
-//! ranks, and as processes over TCP.
+//! ranks, and as processes over TCP. With several ranks on each of several (emulated) hosts it
+//! runs as the 2D torus, compressed between hosts only, within the same bound.
 
 mod util;
 
@@ -158,6 +159,55 @@ fn bf16_wire_is_within_the_bound_and_identical_on_every_rank() {
     for n in [1, 2, 3, 5] {
         let cfg = Config { wire: Some(DataType::BF16), ..util::test_config(60.0) };
         util::run_threads(n, &cfg, bf16_world);
+    }
+}
+
+/// All-reduces that ran as the 2D torus.
+fn torus_count(comm: &Communicator) -> u64 {
+    let torus = toroid::Algorithm::Torus2d as u8;
+    comm.stats()
+        .cells()
+        .iter()
+        .filter(|c| c.kind == CollKind::AllReduce && c.algo == torus)
+        .map(|c| c.count)
+        .sum()
+}
+
+#[test]
+fn several_ranks_per_host_compress_only_between_hosts() {
+    if util::is_child() {
+        return;
+    }
+    // 3 emulated hosts of 2 ranks (a 2 x 3 torus), bf16 for every call; then 2 hosts of 2, f16
+    // asked per call. Each all-reduce runs as the 2D torus with the column phase compressed:
+    // within the bound on every element, the same bits on every rank, no all-to-all.
+    for (n, per_host, wire) in [(6, 2, DataType::BF16), (4, 2, DataType::F16)] {
+        let cfg_of = move |r: usize| Config {
+            host_id: Some(format!("host{}", r / per_host)),
+            wire: (wire == DataType::BF16).then_some(wire),
+            ..util::test_config(60.0)
+        };
+        util::run_threads_with(n, cfg_of, move |comm| {
+            let opts = CallOptions { wire: Some(wire), ..CallOptions::default() };
+            let mut seed = 300;
+            for dtype in [DataType::F32, DataType::F64] {
+                for count in [1, 5, 1000, 65_537] {
+                    for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                        seed += 1;
+                        let (a2a, torus) = (count_of(&comm, CollKind::AllToAll), torus_count(&comm));
+                        let h = check_one(&comm, seed, dtype, count, op, opts, Some(wire));
+                        assert_eq!(count_of(&comm, CollKind::AllToAll), a2a, "no all-to-all on a torus");
+                        assert_eq!(torus_count(&comm), torus + 1, "{n} ranks: not the 2D torus");
+                        same_everywhere(&comm, h, &format!("torus {wire} {dtype} {op:?} {count}"));
+                    }
+                }
+                // Compressed for real: the same data in its own type gives other bits.
+                let own = CallOptions { wire: Some(dtype), ..CallOptions::default() };
+                let narrow = check_one(&comm, 7, dtype, 65_537, ReduceOp::Sum, opts, Some(wire));
+                let exact = check_one(&comm, 7, dtype, 65_537, ReduceOp::Sum, own, None);
+                assert_ne!(narrow, exact, "{wire} {dtype}: the torus did not round");
+            }
+        });
     }
 }
 

@@ -23,13 +23,16 @@ pub struct Call<'a> {
     pub bufs: Option<Bufs<'a>>,
     /// The input alone (a send; a non-root's reduce without output).
     pub input: Option<&'a [u8]>,
+    /// A compressed all-reduce's wire type (`torus2d` only: the communicator runs the others
+    /// as an all-to-all and an all-gather, `comm/wire.rs`).
+    pub narrow_to: Option<DataType>,
 }
 
 /// Runs `call` over `wire` (the probe is not an algorithm: the communicator runs it).
 pub fn run(wire: &mut Wire<'_>, scratch: &mut Scratch, layout: &Layout, call: Call<'_>) -> Result<()> {
     let n = wire.size();
     let me = wire.rank();
-    let Call { kind, dtype, algo, bufs, input } = call;
+    let Call { kind, dtype, algo, bufs, input, narrow_to } = call;
     let need = || Error::Internal(format!("{kind:?} without the buffers it needs").into());
     // The phase an algorithm runs in unless it names its own (the ring phases do).
     wire.phase(match kind {
@@ -62,7 +65,9 @@ pub fn run(wire: &mut Wire<'_>, scratch: &mut Scratch, layout: &Layout, call: Ca
                 Algorithm::HierarchicalRing => {
                     super::hierarchical::all_reduce(wire, layout, bufs, dtype, rop)
                 }
-                Algorithm::Torus2d => super::torus2d::all_reduce(wire, layout, bufs, dtype, rop),
+                Algorithm::Torus2d => {
+                    super::torus2d::all_reduce(wire, scratch, layout, bufs, dtype, rop, narrow_to)
+                }
                 _ => ring::all_reduce(wire, Phase::new(Group::World(n), me, dtype, rop), bufs, n),
             }
         }

@@ -22,6 +22,7 @@ pub mod doubling;
 pub mod halving_doubling;
 pub mod hierarchical;
 pub mod intra;
+pub mod narrow;
 pub mod pairwise;
 pub mod ring;
 pub mod schedule;

@@ -131,8 +131,6 @@ struct Core {
     pack: Mutex<Vec<u64>>,
     /// The wire-type pieces of a compressed all-reduce (`wire.rs`): empty until one runs.
     wire_scratch: Mutex<Vec<u16>>,
-    /// A compressed all-reduce's f32 accumulator and widened piece.
-    wire_wide: Mutex<Vec<f32>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -415,7 +413,8 @@ impl Core {
             }
             (OpKind::Probe, _) => Err(Error::Internal("probe output must be one buffer".into())),
             (kind, bufs) => {
-                let call = algorithm::dispatch::Call { kind, dtype: op.dtype, algo, bufs, input };
+                let narrow_to = self.wire_of(op).filter(|_| algo == Algorithm::Torus2d);
+                let call = algorithm::dispatch::Call { kind, dtype: op.dtype, algo, bufs, input, narrow_to };
                 algorithm::dispatch::run(&mut wire, scratch, &self.layout, call)
             }
         };

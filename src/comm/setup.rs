@@ -302,7 +302,6 @@ impl Communicator {
             recorder,
             pack: Mutex::new(Vec::new()),
             wire_scratch: Mutex::new(Vec::new()),
-            wire_wide: Mutex::new(Vec::new()),
         };
         let comm = Communicator { core: Arc::new(core), worker: Mutex::new(None) };
         super::stall::watch(&comm.core);

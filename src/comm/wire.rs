@@ -26,13 +26,17 @@
 //!
 //! In the statistics, recorder and timeline the operation shows as its all-to-all and
 //! all-gather, in the wire type.
-
-use half::slice::HalfFloatSliceExt;
-use half::{bf16, f16};
+//!
+//! With several ranks on each of several hosts it runs instead as the 2D torus
+//! (`algorithm/torus2d.rs`): exact reduce-scatter and all-gather within each host, and the
+//! steps above (`algorithm/narrow.rs`) only in the column phase, between hosts, where the bytes
+//! cost. The row sums are rounded once and the column's result once: the same bound, `S` over
+//! all ranks' inputs. It shows as one all-reduce, algorithm torus2d.
 
 use super::{Core, RawOp, lock};
-use crate::collective::{CallOptions, OpKind};
-use crate::dtype::{DataType, ReduceOp};
+use crate::algorithm::narrow::{narrow_into, reduce_pieces, widen_into};
+use crate::collective::{Algorithm, CallOptions, OpKind};
+use crate::dtype::DataType;
 use crate::error::Result;
 use crate::memory::{RawBuf, RawBufMut, RawBufs};
 
@@ -55,6 +59,13 @@ impl Core {
         let OpKind::AllReduce(rop) = op.kind else {
             return self.execute(op, issued_ns);
         };
+        let grid = &self.layout.grid;
+        if self.layout.roots.len() > 1 && grid.x > 1 && grid.y > 1 {
+            // Several ranks on each of several hosts: the 2D torus, exact within each host and
+            // compressed between hosts only (`algorithm/torus2d.rs`).
+            let opts = CallOptions { algorithm: Some(Algorithm::Torus2d), ..op.opts };
+            return self.execute(&RawOp { opts, ..op.clone() }, issued_ns);
+        }
         let (n, me) = (self.size, self.rank);
         let es = op.dtype.size();
         let count = op.bufs.output_len() / es;
@@ -87,43 +98,10 @@ impl Core {
         };
         self.execute(&scatter, issued_ns)?;
         self.recorder.end(true);
-        // Piece `me` of every rank, reduced in rank order (the same order on every rank), in
-        // f32 for f32 data (vectorised conversions) and in f64 for f64 data.
+        // Piece `me` of every rank, reduced in rank order (the same order on every rank) in the
+        // data's own type, rounded once.
         let mine = count.saturating_sub(me * c).min(c);
-        if op.dtype == DataType::F32 {
-            let mut wide = lock(&self.wire_wide);
-            if wide.len() < 2 * c {
-                wide.resize(2 * c, 0.0);
-            }
-            let (acc, next) = wide[..2 * c].split_at_mut(c);
-            widen_f32(wire, &received[..c], acc);
-            for j in 1..n {
-                widen_f32(wire, &received[j * c..(j + 1) * c], next);
-                combine(rop, acc, next);
-            }
-            if rop == ReduceOp::Avg {
-                let k = 1.0 / n as f32;
-                acc.iter_mut().for_each(|a| *a *= k);
-            }
-            narrow_f32(wire, &acc[..mine], &mut pieces[me * c..me * c + mine]);
-        } else {
-            for k in 0..mine {
-                let mut acc = widen(wire, received[k]);
-                for j in 1..n {
-                    let v = widen(wire, received[j * c + k]);
-                    acc = match rop {
-                        ReduceOp::Sum | ReduceOp::Avg => acc + v,
-                        ReduceOp::Prod => acc * v,
-                        ReduceOp::Min => acc.min(v),
-                        ReduceOp::Max => acc.max(v),
-                    };
-                }
-                if rop == ReduceOp::Avg {
-                    acc /= n as f64;
-                }
-                pieces[me * c + k] = narrow(wire, acc);
-            }
-        }
+        reduce_pieces(wire, op.dtype, rop, &received[..n * c], n, c, &mut pieces[me * c..me * c + mine]);
         pieces[me * c + mine..(me + 1) * c].fill(0);
         let gather = RawOp {
             kind: OpKind::AllGather,
@@ -137,124 +115,5 @@ impl Core {
         let output = unsafe { output.as_mut_slice() };
         widen_into(wire, op.dtype, &pieces[..count], output);
         Ok(())
-    }
-}
-
-/// `acc[i] = acc[i] op v[i]` (an average sums; the caller divides).
-fn combine(op: ReduceOp, acc: &mut [f32], v: &[f32]) {
-    let pairs = acc.iter_mut().zip(v);
-    match op {
-        ReduceOp::Sum | ReduceOp::Avg => pairs.for_each(|(a, b)| *a += *b),
-        ReduceOp::Prod => pairs.for_each(|(a, b)| *a *= *b),
-        ReduceOp::Min => pairs.for_each(|(a, b)| *a = a.min(*b)),
-        ReduceOp::Max => pairs.for_each(|(a, b)| *a = a.max(*b)),
-    }
-}
-
-/// `src` (f32) rounded into `out` (wire bits), with half's slice conversions.
-fn narrow_f32(wire: DataType, src: &[f32], out: &mut [u16]) {
-    match wire {
-        DataType::F16 => bytemuck::cast_slice_mut::<u16, f16>(out).convert_from_f32_slice(src),
-        _ => bytemuck::cast_slice_mut::<u16, bf16>(out).convert_from_f32_slice(src),
-    }
-}
-
-/// `src` (wire bits) widened into `out` (f32, exact).
-fn widen_f32(wire: DataType, src: &[u16], out: &mut [f32]) {
-    match wire {
-        DataType::F16 => bytemuck::cast_slice::<u16, f16>(src).convert_to_f32_slice(out),
-        _ => bytemuck::cast_slice::<u16, bf16>(src).convert_to_f32_slice(out),
-    }
-}
-
-/// The elements of `input` (f32 or f64 bytes) rounded into `out`: by slices for aligned f32,
-/// element by element otherwise.
-fn narrow_into(wire: DataType, dtype: DataType, input: &[u8], out: &mut [u16]) {
-    if dtype == DataType::F32
-        && let Ok(src) = bytemuck::try_cast_slice::<u8, f32>(input)
-    {
-        return narrow_f32(wire, src, out);
-    }
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = narrow(wire, read(dtype, input, i));
-    }
-}
-
-/// `src` widened into `output` (f32 or f64 bytes), as [`narrow_into`].
-fn widen_into(wire: DataType, dtype: DataType, src: &[u16], output: &mut [u8]) {
-    if dtype == DataType::F32
-        && let Ok(dst) = bytemuck::try_cast_slice_mut::<u8, f32>(output)
-    {
-        return widen_f32(wire, src, dst);
-    }
-    for (i, p) in src.iter().enumerate() {
-        write(dtype, output, i, widen(wire, *p));
-    }
-}
-
-/// `v` rounded to the nearest value of `wire`, as its bits.
-fn narrow(wire: DataType, v: f64) -> u16 {
-    match wire {
-        DataType::F16 => f16::from_f64(v).to_bits(),
-        _ => bf16::from_f64(v).to_bits(),
-    }
-}
-
-/// The value of `wire` bits `b`.
-fn widen(wire: DataType, b: u16) -> f64 {
-    match wire {
-        DataType::F16 => f16::from_bits(b).to_f64(),
-        _ => bf16::from_bits(b).to_f64(),
-    }
-}
-
-/// Element `i` of a little-endian f32 or f64 buffer.
-fn read(dtype: DataType, bytes: &[u8], i: usize) -> f64 {
-    match dtype {
-        DataType::F64 => {
-            let mut b = [0u8; 8];
-            b.copy_from_slice(&bytes[i * 8..i * 8 + 8]);
-            f64::from_le_bytes(b)
-        }
-        _ => {
-            let mut b = [0u8; 4];
-            b.copy_from_slice(&bytes[i * 4..i * 4 + 4]);
-            f64::from(f32::from_le_bytes(b))
-        }
-    }
-}
-
-/// Stores `v` (a wire value: exact in f32 and f64) as element `i`.
-fn write(dtype: DataType, bytes: &mut [u8], i: usize, v: f64) {
-    match dtype {
-        DataType::F64 => bytes[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes()),
-        _ => bytes[i * 4..i * 4 + 4].copy_from_slice(&(v as f32).to_le_bytes()),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn narrowing_rounds_to_nearest_within_the_unit_roundoff() {
-        for (wire, u) in [(DataType::BF16, 2f64.powi(-8)), (DataType::F16, 2f64.powi(-11))] {
-            for v in [1.0, -3.3, 1234.5678, 1e-3, 0.0, 65000.0] {
-                let w = widen(wire, narrow(wire, v));
-                assert!((w - v).abs() <= u * v.abs(), "{wire:?} {v} -> {w}");
-                assert_eq!(narrow(wire, w), narrow(wire, v), "a wire value is exact");
-            }
-        }
-        assert!(widen(DataType::F16, narrow(DataType::F16, 1e6)).is_infinite(), "f16 overflows");
-        assert_eq!(widen(DataType::BF16, narrow(DataType::BF16, 1e30)).log10().round(), 30.0);
-    }
-
-    #[test]
-    fn elements_are_read_and_written_little_endian() {
-        let mut b = [0u8; 16];
-        write(DataType::F32, &mut b, 1, 2.5);
-        assert_eq!(read(DataType::F32, &b, 1), 2.5);
-        write(DataType::F64, &mut b, 1, -0.125);
-        assert_eq!(read(DataType::F64, &b, 1), -0.125);
     }
 }
