@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Emulates a cluster of H hosts on this machine and runs K ranks of PROGRAM on each.
 #
-#   scripts/emulated-cluster.sh [-H hosts] [-K ranks-per-host] [-r rate] [-b burst] [-l queue] [-t secs] -- PROGRAM ARGS
+#   scripts/emulated-cluster.sh [-H hosts] [-K ranks-per-host] [-r rate] [-f flow-rate] [-b burst] [-l queue] [-t secs] -- PROGRAM ARGS
 #
 # Each "host" is a network namespace with one interface (eth0, 10.77.0.<h+1>/24) joined to the
 # others through a bridge that lives in a switch namespace of its own. Every host link is shaped
@@ -10,7 +10,11 @@
 # packets, the smallest that keeps TCP at the rate (64kb gave a third of it), and small enough
 # that an idle link does not pass a mid-size message faster than the rate, as 256kb did), so
 # traffic between hosts is network-bound
-# while ranks of one host talk over the host's own loopback. Rank r runs on host r / K with
+# while ranks of one host talk over the host's own loopback. -f caps every TCP connection of the
+# ranks at that rate besides (a network that limits each flow, as clouds do): not with tc, whose
+# per-flow classes hash flows into buckets that collide (cls_flow), but by each socket's own
+# pacing (SO_MAX_PACING_RATE, TCP's internal pacing, no fq needed), which the ranks set from
+# TOROID_TEST_FLOW_RATE. Rank r runs on host r / K with
 # TOROID_RANK, TOROID_WORLD_SIZE, TOROID_LOCAL_RANK/SIZE, TOROID_HOST_ID=host<h>,
 # TOROID_SOCKET_IFNAME=eth0 and TOROID_STORE_ADDR=10.77.0.1:<port> (rank 0 serves the store),
 # plus anything already in the environment. Output lines are prefixed with "[r]: ".
@@ -19,21 +23,22 @@
 # also on failure or Ctrl-C; every rank is bounded by -t seconds (default 600). Needs root.
 set -euo pipefail
 
-hosts=4 per=2 rate=1gbit burst=128kb queue=100ms limit=600
-while getopts "H:K:r:b:l:t:" opt; do
+hosts=4 per=2 rate=1gbit flow="" burst=128kb queue=100ms limit=600
+while getopts "H:K:r:f:b:l:t:" opt; do
   case $opt in
     H) hosts=$OPTARG ;;
     K) per=$OPTARG ;;
     r) rate=$OPTARG ;;
+    f) flow=$OPTARG ;;
     b) burst=$OPTARG ;;
     l) queue=$OPTARG ;;
     t) limit=$OPTARG ;;
-    *) sed -n '2,20p' "$0"; exit 2 ;;
+    *) sed -n '2,25p' "$0"; exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
 [ "${1:-}" = "--" ] && shift
-[ $# -ge 1 ] || { sed -n '2,20p' "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,25p' "$0"; exit 2; }
 [ "$(id -u)" = 0 ] || { echo "emulated-cluster: needs root (network namespaces)" >&2; exit 2; }
 
 tag="tc$$"
@@ -79,6 +84,7 @@ for ((r = 0; r < n; r++)); do
   ip netns exec "${tag}h$h" env \
     TOROID_RANK=$r TOROID_WORLD_SIZE=$n TOROID_LOCAL_RANK=$((r % per)) TOROID_LOCAL_SIZE=$per \
     TOROID_HOST_ID="host$h" TOROID_SOCKET_IFNAME=eth0 TOROID_STORE_ADDR="10.77.0.1:$port" \
+    ${flow:+TOROID_TEST_FLOW_RATE=$flow} \
     timeout --kill-after=5 "$limit" taskset -c $((r % cpus)) "$@" \
     > >(sed -u "s/^/[$r]: /") 2> >(sed -u "s/^/[$r]: /" >&2) &
   pids+=($!)

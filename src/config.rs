@@ -103,6 +103,8 @@ pub const TOROID_VARS: &[&str] = &[
     "TOROID_TRACE_BUFFER",
     "TOROID_TIMELINE",
     "TOROID_WIRE_DTYPE",
+    "TOROID_NSOCKS",
+    "TOROID_TEST_FLOW_RATE",
 ];
 
 /// Settings of the library, from the environment or built by hand.
@@ -153,6 +155,12 @@ pub struct Config {
     /// Float all-reduces travel in this narrower type (`TOROID_WIRE_DTYPE=bf16|f16`), their
     /// reductions accumulated wide (`comm/wire.rs`); `None`: in their own type.
     pub wire: Option<crate::dtype::DataType>,
+    /// TCP connections per pair of ranks (`TOROID_NSOCKS`, 1 to 16); 0 chooses from the link
+    /// (`transport::tcp::striped::lanes_for`).
+    pub nsocks: usize,
+    /// Test-only cap on every data connection's sending rate, bytes per second
+    /// (`TOROID_TEST_FLOW_RATE`, e.g. `1gbit`): emulates a network that limits each flow.
+    pub test_flow_rate: u64,
     /// Every variable read, by name (for `rendezvous::env` and the one-time log).
     pub vars: BTreeMap<String, String>,
 }
@@ -219,6 +227,8 @@ impl Default for Config {
             shm_disable: false,
             dump_on_signal: true,
             wire: None,
+            nsocks: 0,
+            test_flow_rate: 0,
             shm_dir: DEFAULT_SHM_DIR.into(),
             shm_ring_size: DEFAULT_SHM_RING_SIZE,
             shm_chunk_size: DEFAULT_SHM_CHUNK_SIZE,
@@ -331,6 +341,20 @@ impl Config {
         if let Some(v) = get("TOROID_WIRE_DTYPE") {
             cfg.wire = parse_wire(v)?;
         }
+        if let Some(v) = get("TOROID_NSOCKS") {
+            let max = crate::transport::tcp::MAX_LANES;
+            cfg.nsocks = match parse_num::<usize>("TOROID_NSOCKS", v)? {
+                n @ 1.. if n <= max => n,
+                _ => {
+                    return Err(Error::InvalidArgument(
+                        format!("TOROID_NSOCKS={v}: expected 1 to {max}").into(),
+                    ));
+                }
+            };
+        }
+        if let Some(v) = get("TOROID_TEST_FLOW_RATE") {
+            cfg.test_flow_rate = parse_rate("TOROID_TEST_FLOW_RATE", v)?;
+        }
         if let Some(v) = get("TOROID_SHM_DIR") {
             cfg.shm_dir = v.into();
         }
@@ -374,7 +398,6 @@ fn parse_num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
     v.parse().map_err(|_| Error::InvalidArgument(format!("{name}={v}: not a number").into()))
 }
 
-/// `1`/`0`, `true`/`false`, `yes`/`no`, `on`/`off`.
 /// `TOROID_WIRE_DTYPE`: `bf16` (`bfloat16`), `f16` (`half`, `float16`) or `none`.
 fn parse_wire(v: &str) -> Result<Option<crate::dtype::DataType>> {
     use crate::dtype::DataType;
@@ -386,6 +409,26 @@ fn parse_wire(v: &str) -> Result<Option<crate::dtype::DataType>> {
     }
 }
 
+/// A rate as `tc` writes it (`kbit`, `mbit`, `gbit`: powers of 1000 bits per second) or plain
+/// bytes per second; returns bytes per second.
+fn parse_rate(name: &str, v: &str) -> Result<u64> {
+    let l = v.trim().to_ascii_lowercase();
+    let (digits, bits) = [("kbit", 1e3), ("mbit", 1e6), ("gbit", 1e9), ("bit", 1.0)]
+        .iter()
+        .find_map(|(u, m)| l.strip_suffix(u).map(|d| (d.to_string(), Some(*m))))
+        .unwrap_or((l.clone(), None));
+    let n: f64 = parse_num(name, digits.trim())?;
+    let bytes = match bits {
+        Some(m) => n * m / 8.0,
+        None => n,
+    };
+    if !(1.0..1e15).contains(&bytes) {
+        return Err(Error::InvalidArgument(format!("{name}={v}: expected a rate such as 1gbit").into()));
+    }
+    Ok(bytes as u64)
+}
+
+/// `1`/`0`, `true`/`false`, `yes`/`no`, `on`/`off`.
 fn parse_bool(name: &str, v: &str) -> Result<bool> {
     match v.to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" | "on" => Ok(true),
@@ -548,6 +591,22 @@ mod tests {
         assert!(!cfg(&[("TOROID_SHM_DISABLE", "off")]).unwrap().shm_disable);
         assert!(cfg(&[("TOROID_SHM_DISABLE", "maybe")]).is_err());
         assert!(cfg(&[("TOROID_SHM_RING_SIZE", "100")]).is_err());
+    }
+
+    #[test]
+    fn sockets_per_pair_and_the_test_flow_cap() {
+        let c = cfg(&[]).unwrap();
+        assert_eq!((c.nsocks, c.test_flow_rate), (0, 0));
+        let c = cfg(&[("TOROID_NSOCKS", "4"), ("TOROID_TEST_FLOW_RATE", "1gbit")]).unwrap();
+        assert_eq!((c.nsocks, c.test_flow_rate), (4, 125_000_000));
+        assert_eq!(cfg(&[("TOROID_TEST_FLOW_RATE", "500mbit")]).unwrap().test_flow_rate, 62_500_000);
+        assert_eq!(cfg(&[("TOROID_TEST_FLOW_RATE", "1000")]).unwrap().test_flow_rate, 1000);
+        for bad in ["0", "17", "x", "-1"] {
+            let e = cfg(&[("TOROID_NSOCKS", bad)]).unwrap_err().to_string();
+            assert!(e.contains("TOROID_NSOCKS"), "{bad}: {e}");
+        }
+        assert!(cfg(&[("TOROID_TEST_FLOW_RATE", "fast")]).is_err());
+        assert!(cfg(&[("TOROID_TEST_FLOW_RATE", "0gbit")]).is_err());
     }
 
     #[test]

@@ -115,7 +115,7 @@ pub const HANDSHAKE_TOKEN: &[u8] = b"fuzz token";
 /// A hello from rank 3 to [`HANDSHAKE_ME`], as the connector sends it: with `nonce`, also the
 /// nonce and the MAC under [`HANDSHAKE_TOKEN`] (for seeds; deterministic, unlike a real one).
 pub fn handshake_hello(nonce: Option<Nonce>) -> Vec<u8> {
-    let h = handshake::hello(KIND_HELLO, HANDSHAKE_COMM, 3, HANDSHAKE_ME, nonce.is_some());
+    let h = handshake::hello(KIND_HELLO, HANDSHAKE_COMM, 3, HANDSHAKE_ME, nonce.is_some(), 0);
     let mut msg = h.to_vec();
     if let Some(n) = nonce {
         use hmac::Mac;
@@ -129,7 +129,7 @@ pub fn handshake_hello(nonce: Option<Nonce>) -> Vec<u8> {
 /// The ack of [`HANDSHAKE_ME`] to rank 3's hello, answering the all-zero nonce (for seeds).
 pub fn handshake_ack(auth: bool) -> Vec<u8> {
     let token = AuthToken::new(HANDSHAKE_TOKEN);
-    handshake::ack_message(HANDSHAKE_COMM, HANDSHAKE_ME, 3, auth.then_some(&token), &[0; NONCE_LEN])
+    handshake::ack_message(HANDSHAKE_COMM, HANDSHAKE_ME, 3, auth.then_some(&token), &[0; NONCE_LEN], 0)
 }
 
 /// What the handshake checks concluded: for the hello as the acceptor reads it, without and

@@ -150,8 +150,14 @@ pub struct LinkCost {
 pub struct CostModel {
     /// Links between ranks of one host.
     pub intra: LinkCost,
-    /// Links between hosts.
+    /// Links between hosts, as one stream (one pair of ranks, over all its lanes) sees them.
     pub inter: LinkCost,
+    /// Seconds per byte of a host's whole link, when several streams leave the host at once
+    /// (measured with every rank of two hosts sending); `None`: the streams share one stream's
+    /// bandwidth. A network that caps each flow below the link rate (clouds, or one flow's share of
+    /// a fast NIC) makes the two differ: each of c concurrent streams then runs at
+    /// min(stream, link / c).
+    pub host_link_beta: Option<f64>,
     /// Seconds per byte reduced.
     pub gamma: f64,
     /// Where the numbers came from (for logs).
@@ -164,6 +170,7 @@ impl Default for CostModel {
         CostModel {
             intra: LinkCost { alpha: 8e-6, beta: 1.0 / 2.5e9 },
             inter: LinkCost { alpha: 30e-6, beta: 1.0 / 1.25e9 },
+            host_link_beta: None,
             gamma: 1.0 / 10e9,
             source: "defaults".into(),
         }
@@ -234,7 +241,8 @@ fn log2_ceil(n: usize) -> usize {
 
 impl CostModel {
     /// Parses `TOROID_COST_MODEL`: `probe` (the default; handled by the caller), `default`, or
-    /// `intra=ALPHA_US/GBPS,inter=ALPHA_US/GBPS,reduce=GBPS` (bandwidths in GB/s).
+    /// `intra=ALPHA_US/GBPS,inter=ALPHA_US/GBPS,reduce=GBPS[,link=GBPS]` (bandwidths in GB/s;
+    /// `link`: a host's whole link when it exceeds one stream's `inter`).
     pub fn parse(spec: &str) -> Result<Option<CostModel>> {
         let spec = spec.trim();
         if spec.is_empty() || spec.eq_ignore_ascii_case("probe") {
@@ -260,6 +268,7 @@ impl CostModel {
                     if k.trim() == "intra" { m.intra = link } else { m.inter = link }
                 }
                 "reduce" => m.gamma = 1.0 / (num(v)? * 1e9),
+                "link" => m.host_link_beta = Some(1.0 / (num(v)? * 1e9)),
                 _ => return Err(bad()),
             }
         }
@@ -278,6 +287,12 @@ impl CostModel {
         let intra =
             LinkCost { alpha: self.intra.alpha * shape.cpu_share, beta: self.intra.beta * shape.cpu_share };
         let inter = LinkCost { alpha: self.inter.alpha * shape.cpu_share, beta: self.inter.beta };
+        // `c` streams leaving a host at once, counted as the bytes of all of them on its link:
+        // each runs at min(one stream, link / c), i.e. the link's bytes at max(beta / c, link).
+        let shared = |c: f64| LinkCost {
+            alpha: inter.alpha,
+            beta: self.host_link_beta.map_or(inter.beta, |l| (inter.beta / c.max(1.0)).max(l)),
+        };
         let worst = if cross {
             LinkCost { alpha: inter.alpha.max(intra.alpha), beta: inter.beta.max(intra.beta) }
         } else {
@@ -328,8 +343,11 @@ impl CostModel {
                     let remote = cross && (1usize << j) >= k;
                     let per_rank = if algo == Algorithm::Doubling { b } else { b / (2 << j) as f64 };
                     let parallel = k.min(shape.nics.max(1)) as f64;
-                    let (link, on_link) =
-                        if remote { (inter, per_rank * k as f64 / parallel) } else { (intra, per_rank) };
+                    let (link, on_link) = if remote {
+                        (shared(k as f64 / parallel), per_rank * k as f64 / parallel)
+                    } else {
+                        (intra, per_rank)
+                    };
                     let reps = if algo == Algorithm::Doubling { 1 } else { 2 };
                     for _ in 0..reps {
                         phase(1, link, on_link, remote);
@@ -365,7 +383,7 @@ impl CostModel {
                 // `nics` interfaces.
                 let streams = x.min(k);
                 let col_share = streams as f64 / streams.min(shape.nics.max(1)) as f64;
-                let col = if cross { inter } else { intra };
+                let col = if cross { shared(col_share) } else { intra };
                 phase(2 * (y - 1), col, col_share * 2.0 * (yf - 1.0) / yf * b / xf, cross);
                 phase(x - 1, row, (xf - 1.0) / xf * b, row_crosses);
                 reduced = (xf - 1.0) / xf * b + (yf - 1.0) / yf * b / xf;
@@ -408,10 +426,13 @@ pub fn choose(
     best.map_or(candidates(kind)[0], |(_, a)| a)
 }
 
-/// The probe's results: `[intra alpha, intra beta, inter alpha, inter beta, gamma, cpu share]`,
-/// zero where this rank measured nothing. Every rank contributes and the communicator takes
-/// the maximum of each, so all ranks end with the same model.
-pub type ProbeResult = [f64; 6];
+/// Entries of [`ProbeResult`].
+pub const PROBE_LEN: usize = 7;
+
+/// The probe's results: `[intra alpha, intra beta, inter alpha, inter beta, gamma, cpu share,
+/// host link beta]`, zero where this rank measured nothing. Every rank contributes and the
+/// communicator takes the maximum of each, so all ranks end with the same model.
+pub type ProbeResult = [f64; PROBE_LEN];
 
 /// Bytes of the larger bulk transfer that measures beta (the smaller is half of it).
 pub const PROBE_BYTES: usize = 8 << 20;
@@ -425,7 +446,7 @@ pub fn probe(
     topology: &crate::topology::Topology,
     scratch: &mut [u8],
 ) -> Result<ProbeResult> {
-    let mut out = [0.0; 6];
+    let mut out = [0.0; PROBE_LEN];
     let me = wire.rank();
     let intra = topology.members.iter().find(|m| m.len() >= 2).map(|m| (m[0], m[1]));
     let inter = (topology.hosts >= 2).then(|| (topology.members[0][0], topology.members[1][0]));
@@ -474,6 +495,38 @@ pub fn probe(
             wire.exchange(next(), Some((peer, Source::Bytes(&[]))), None)?;
         }
     }
+    // The host link as a whole: the i-th ranks of hosts 0 and 1 pair up and all send at once
+    // (the same two transfers, the first warming up and lining them up); each receiver reports
+    // its time over all the pairs' bytes and the maximum (the slowest pair) wins. Only with two
+    // pairs or more: one pair is the stream measured above.
+    if topology.hosts >= 2 {
+        let pairs = topology.members[0].len().min(topology.members[1].len());
+        let slot = |h: usize| topology.members[h][..pairs].iter().position(|&r| r == me);
+        let role = match (slot(0), slot(1)) {
+            (Some(i), _) => Some((true, topology.members[1][i])),
+            (_, Some(i)) => Some((false, topology.members[0][i])),
+            _ => None,
+        };
+        if let (true, Some((sender, peer))) = (pairs >= 2, role) {
+            let (first, second) = (PROBE_BYTES / 4, PROBE_BYTES / 2);
+            let mut step = 4000;
+            let mut next = || {
+                step += 1;
+                step
+            };
+            if sender {
+                wire.exchange(next(), Some((peer, Source::Bytes(&scratch[..first]))), None)?;
+                wire.exchange(next(), Some((peer, Source::Bytes(&scratch[..second]))), None)?;
+                wire.exchange(next(), None, Some((peer, Sink::Copy(&mut []))))?;
+            } else {
+                wire.exchange(next(), None, Some((peer, Sink::Copy(&mut scratch[..first]))))?;
+                let t = std::time::Instant::now();
+                wire.exchange(next(), None, Some((peer, Sink::Copy(&mut scratch[..second]))))?;
+                out[6] = (t.elapsed().as_secs_f64() / (second * pairs) as f64).max(1e-12);
+                wire.exchange(next(), Some((peer, Source::Bytes(&[]))), None)?;
+            }
+        }
+    }
     // Reduction speed, locally: f32 sums of a quarter of the scratch, best of three.
     let q = PROBE_BYTES / 4;
     let (dst, rest) = scratch.split_at_mut(q);
@@ -501,6 +554,7 @@ impl CostModel {
         CostModel {
             intra: link(r[0], r[1], d.intra),
             inter: link(r[2], r[3], d.inter),
+            host_link_beta: (r[6] > 0.0 && r[3] > 0.0).then_some(r[6]),
             gamma: if r[4] > 0.0 { r[4] } else { d.gamma },
             source: "probe".into(),
         }
@@ -511,11 +565,12 @@ impl std::fmt::Display for CostModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "intra {:.1} us + {:.2} GB/s, inter {:.1} us + {:.3} GB/s, reduce {:.1} GB/s ({})",
+            "intra {:.1} us + {:.2} GB/s, inter {:.1} us + {:.3} GB/s{}, reduce {:.1} GB/s ({})",
             self.intra.alpha * 1e6,
             1e-9 / self.intra.beta,
             self.inter.alpha * 1e6,
             1e-9 / self.inter.beta,
+            self.host_link_beta.map_or(String::new(), |l| format!(" (host link {:.3} GB/s)", 1e-9 / l)),
             1e-9 / self.gamma,
             self.source
         )
@@ -571,6 +626,7 @@ mod tests {
         CostModel {
             intra: LinkCost { alpha: 5e-6, beta: 1.0 / 10e9 },
             inter: LinkCost { alpha: 50e-6, beta: 1.0 / 1.25e9 },
+            host_link_beta: None,
             gamma: 1.0 / 20e9,
             source: "test".into(),
         }
@@ -683,6 +739,40 @@ mod tests {
         assert!((m.inter.beta - 8e-9).abs() < 1e-15 && (m.intra.alpha - 5e-6).abs() < 1e-12);
         assert!(CostModel::parse("intra=5").is_err());
         assert!(CostModel::parse("fast").is_err());
+        let l = CostModel::parse("inter=50/0.125,link=0.5").unwrap().unwrap();
+        assert_eq!(l.host_link_beta, Some(2e-9));
+        assert_eq!(m.host_link_beta, None);
+    }
+
+    #[test]
+    fn streams_sharing_a_host_link_run_at_the_lesser_of_a_stream_and_their_share_of_the_link() {
+        // 4 hosts x 2 ranks, the torus's two column rings leave each host together; one
+        // stream 125 MB/s, no intra cost to speak of.
+        let shape = Shape { segment: 1, ..Shape::uniform(8, 4) };
+        let base = CostModel {
+            intra: LinkCost { alpha: 0.0, beta: 1e-15 },
+            inter: LinkCost { alpha: 0.0, beta: 8e-9 },
+            host_link_beta: None,
+            gamma: 1e-15,
+            source: "test".into(),
+        };
+        let b = 16 << 20;
+        let column = |m: &CostModel| m.predict(Algorithm::Torus2d, b, &shape).time;
+        // Each column ring carries 2 (Y-1)/Y * B/X = 2 * 3/4 * B/2 bytes.
+        let per_stream = 0.75 * b as f64;
+        // Without a link measurement the two streams share one stream's bandwidth.
+        let shared = column(&base);
+        assert!((shared - 2.0 * per_stream * 8e-9).abs() / shared < 1e-3, "{shared}");
+        // A link 4x a stream: each stream runs at its own cap, twice as fast.
+        let wide = CostModel { host_link_beta: Some(2e-9), ..base.clone() };
+        assert!((column(&wide) - per_stream * 8e-9).abs() / shared < 1e-3, "{}", column(&wide));
+        // A link 1.5x a stream: the two share it.
+        let mid = CostModel { host_link_beta: Some(8e-9 / 1.5), ..base.clone() };
+        let want = 2.0 * per_stream * 8e-9 / 1.5;
+        assert!((column(&mid) - want).abs() / want < 1e-3, "{}", column(&mid));
+        // One stream per host (hring) runs at one stream's rate whatever the link.
+        let h = |m: &CostModel| m.predict(Algorithm::HierarchicalRing, b, &Shape::uniform(4, 4)).time;
+        assert!((h(&wide) - h(&base)).abs() < 1e-12);
     }
 
     #[test]

@@ -59,6 +59,10 @@ fn every_algorithm_runs_on_emulated_hosts_and_nothing_is_left() {
         // Rank 0 prints the table: 3 hosts and every size ran this algorithm with no wrong value.
         assert!(stdout.contains("[0]: # nRanks 6"), "{stdout}");
         assert!(stdout.contains("3 hosts"), "{algo}: the ranks did not see 3 hosts\n{stdout}");
+        // Rank 0 reaches its host's other rank by shared memory and the 4 ranks of the other
+        // hosts by striped TCP: the veth links report 10 Gbit/s, for which the lanes default
+        // to 2 (src/transport/tcp/striped.rs).
+        assert!(stdout.contains("[0]: # links of rank 0: shm to 1, tcp-striped to 4"), "{algo}: {stdout}");
         let rows: Vec<&str> =
             stdout.lines().filter(|l| l.starts_with("[0]: ") && l.contains(" float ")).collect();
         assert_eq!(rows.len(), 3, "{algo}: expected 4K, 64K, 1M rows\n{stdout}");

@@ -411,6 +411,17 @@ fn run(cli: Cli) -> toroid::Result<u64> {
     ));
     let (model, shape) = bench.comm.cost_model();
     p(format!("# cost model: {model}; {} hosts, grid {}x{}", shape.hosts, shape.grid.0, shape.grid.1));
+    // This rank's links by kind ("tcp-striped" where TOROID_NSOCKS or the link chose lanes).
+    let mut kinds: Vec<(&str, usize)> = Vec::new();
+    for peer in (0..n).filter(|&p| p != me) {
+        let k = bench.comm.transport_to(peer).unwrap_or("none");
+        match kinds.iter_mut().find(|(name, _)| *name == k) {
+            Some((_, c)) => *c += 1,
+            None => kinds.push((k, 1)),
+        }
+    }
+    let links: Vec<String> = kinds.iter().map(|(k, c)| format!("{k} to {c}")).collect();
+    p(format!("# links of rank {me}: {}", if links.is_empty() { "none".into() } else { links.join(", ") }));
     p("#".into());
     p(format!("#  Rank {me:>2} Pid {:>7} on {}", std::process::id(), hostname()));
     p("#".into());

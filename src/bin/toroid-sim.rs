@@ -67,6 +67,7 @@ fn main() {
         let model = CostModel {
             intra: link(&cli.intra)?,
             inter: link(&cli.inter)?,
+            host_link_beta: None,
             gamma: 1.0 / (cli.reduce * 1e9),
             source: "command line".into(),
         };

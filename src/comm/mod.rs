@@ -110,6 +110,8 @@ struct Core {
     /// Sizes whose algorithm choice was already logged (log once per collective and size class).
     logged: Mutex<std::collections::HashSet<(CollKind, u32, Algorithm)>>,
     iface: tcp::Interface,
+    /// TCP connections to each rank (1, or the lanes of a striped link).
+    lanes: Vec<usize>,
     abort: Arc<AbortSignal>,
     /// Every rank is on this host and maps the shared window (`shm_direct` can run).
     has_window: bool,

@@ -18,6 +18,7 @@ use crate::topology::{Layout, Topology};
 use crate::trace::Recorder;
 use crate::transport::exchange::{AbortSignal, SpinPolicy};
 use crate::transport::tcp::control::ControlCtx;
+use crate::transport::tcp::striped::{LinkPrefs, lanes_for};
 use crate::transport::{Peers, shm, tcp};
 use crate::tuning::{AlgoFilter, CostModel, Shape};
 
@@ -31,6 +32,8 @@ pub(super) struct Members<'a> {
     pub hosts: &'a [String],
     /// Every member's physical machine (whose cores ranks share).
     pub machines: &'a [String],
+    /// TCP connections to each member (`transport::tcp::striped::lanes_for`; ignored at `rank`).
+    pub lanes: &'a [usize],
 }
 
 /// A failed wait for rank `r`'s keys in the store becomes an error naming that rank: it did not
@@ -148,13 +151,15 @@ impl Communicator {
         let endpoint = tcp::listen(&iface, size)?;
         tracing::info!(target: "toroid::init", "rank {rank}/{size}: listening on {} ({}), communicator {id:#x}",
             endpoint.addr, if iface.name.is_empty() { "route to store" } else { &iface.name });
-        // Logical host (what the algorithms group by) and physical machine (whose cores ranks
-        // share), one per line.
-        let host = format!("{}\n{}", host_identity(cfg), machine_identity());
+        // Logical host (what the algorithms group by), physical machine (whose cores ranks
+        // share) and what the rank asks of its TCP links, one per line.
+        let prefs = LinkPrefs::local(cfg, &iface.name, size);
+        let host = format!("{}\n{}\n{}", host_identity(cfg), machine_identity(), prefs.encode());
         store.set(&format!("{prefix}/addr/{rank}"), endpoint.addr.to_string().as_bytes())?;
         store.set(&format!("{prefix}/host/{rank}"), host.as_bytes())?;
         let mut addrs = Vec::with_capacity(size);
         let (mut hosts, mut machines) = (Vec::with_capacity(size), Vec::with_capacity(size));
+        let mut all_prefs = Vec::with_capacity(size);
         for r in 0..size {
             let a =
                 get_key(&*store, &format!("{prefix}/addr/{r}"), deadline).map_err(|e| not_joined(e, r))?;
@@ -166,11 +171,21 @@ impl Communicator {
                 &get_key(&*store, &format!("{prefix}/host/{r}"), deadline).map_err(|e| not_joined(e, r))?,
             )
             .into_owned();
-            let (h, m) = ids.split_once('\n').unwrap_or((&ids, &ids));
+            let mut lines = ids.splitn(3, '\n');
+            let (h, m, p) = (lines.next().unwrap_or(""), lines.next(), lines.next());
             hosts.push(h.to_string());
-            machines.push(m.to_string());
+            machines.push(m.unwrap_or(h).to_string());
+            all_prefs.push(p.and_then(LinkPrefs::decode).ok_or_else(|| {
+                Error::Remote(format!("rank {r} published malformed link settings {p:?}").into())
+            })?);
         }
-        let members = Members { rank, addrs: &addrs, hosts: &hosts, machines: &machines };
+        let lanes: Vec<usize> = (0..size)
+            .map(|r| {
+                let loopback = addrs[r].ip().is_loopback() || addrs[rank].ip().is_loopback();
+                lanes_for(&prefs, &all_prefs[r], hosts[r] == hosts[rank], loopback)
+            })
+            .collect();
+        let members = Members { rank, addrs: &addrs, hosts: &hosts, machines: &machines, lanes: &lanes };
         Communicator::connect(members, endpoint, Vec::new(), id, cfg, iface, Some(store), deadline)
     }
 
@@ -188,7 +203,7 @@ impl Communicator {
         store: Option<Arc<dyn Store>>,
         deadline: Instant,
     ) -> Result<Communicator> {
-        let Members { rank, addrs, hosts, machines } = members;
+        let Members { rank, addrs, hosts, machines, lanes } = members;
         let size = addrs.len();
         // Before any link exists: a child forked from now on closes them (see `sys::fork`).
         crate::sys::fork::install();
@@ -198,6 +213,7 @@ impl Communicator {
             &endpoint,
             accepted,
             id,
+            lanes,
             &tcp::SocketOptions::from_config(cfg),
             cfg.auth_token.as_ref(),
             deadline,
@@ -282,6 +298,7 @@ impl Communicator {
             untuned: (CostModel::default(), shape),
             logged: Mutex::new(std::collections::HashSet::new()),
             iface,
+            lanes: lanes.to_vec(),
             abort,
             has_window,
             engine: Mutex::new(Engine {
@@ -317,7 +334,7 @@ impl Communicator {
             Some(m) => (m, shape),
             None if self.size() == 1 => (CostModel::default(), shape),
             None => {
-                let mut r = [0f64; 6];
+                let mut r = [0f64; crate::tuning::PROBE_LEN];
                 self.go(OpKind::Probe, DataType::F64, None, Some(bytemuck::cast_slice_mut(&mut r)))?;
                 self.all_reduce(&mut r, ReduceOp::Max)?;
                 (CostModel::from_probe(&r), Shape { cpu_share: r[5].max(1.0), ..shape })
@@ -390,8 +407,15 @@ impl Communicator {
         let t = &self.core.topology;
         let hosts: Vec<String> = members.iter().map(|(_, r)| t.host_of[*r].to_string()).collect();
         let machines: Vec<String> = members.iter().map(|(_, r)| t.machine_of[*r].to_string()).collect();
+        let lanes: Vec<usize> = members.iter().map(|(_, r)| self.core.lanes[*r]).collect();
         tracing::info!(target: "toroid::init", "rank {} split (color {color:?}, key {key}) into rank {new_rank} of {}", self.rank(), members.len());
-        let members = Members { rank: new_rank, addrs: &member_addrs, hosts: &hosts, machines: &machines };
+        let members = Members {
+            rank: new_rank,
+            addrs: &member_addrs,
+            hosts: &hosts,
+            machines: &machines,
+            lanes: &lanes,
+        };
         Communicator::connect(
             members,
             endpoint,

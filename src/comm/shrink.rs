@@ -89,7 +89,9 @@ impl Core {
         let hosts: Vec<String> = survivors.iter().map(|r| t.host_of[*r].to_string()).collect();
         let machines: Vec<String> = survivors.iter().map(|r| t.machine_of[*r].to_string()).collect();
         tracing::info!(target: "toroid::init", "{what}: rank {new_rank} of {}", survivors.len());
-        let members = Members { rank: new_rank, addrs: &addrs, hosts: &hosts, machines: &machines };
+        let lanes: Vec<usize> = survivors.iter().map(|r| self.lanes[*r]).collect();
+        let members =
+            Members { rank: new_rank, addrs: &addrs, hosts: &hosts, machines: &machines, lanes: &lanes };
         let comm = Communicator::connect(
             members,
             endpoint,

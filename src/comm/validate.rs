@@ -100,8 +100,8 @@ pub(crate) fn validate(op: &RawOp, rank: usize, size: usize, has_window: bool) -
         }
         OpKind::Barrier => {}
         OpKind::Probe => {
-            if out != 6 * 8 {
-                return Err(Error::Internal("probe output must be 6 f64".into()));
+            if out != crate::tuning::PROBE_LEN * 8 {
+                return Err(Error::Internal("probe output has the wrong length".into()));
             }
         }
         OpKind::Send(peer) | OpKind::Recv(peer) => {

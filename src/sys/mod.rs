@@ -6,6 +6,7 @@
 //! | module | what |
 //! |---|---|
 //! | [`cpu`] | CPUs online |
+//! | [`epoll`] | a set of descriptors that is one descriptor (a striped connection's lanes) |
 //! | [`eventfd`] | an event descriptor that wakes a thread sleeping in `poll(2)` |
 //! | [`fork`] | descriptors closed in a forked child, and the fork generation |
 //! | [`futex`] | wait on and wake a shared 32-bit word |
@@ -20,6 +21,7 @@
 //! | [`user`] | the user this process runs as |
 
 pub mod cpu;
+pub mod epoll;
 pub mod eventfd;
 pub mod fork;
 pub mod futex;

@@ -142,6 +142,15 @@ pub fn clear_caught_signal() {
     CAUGHT.store(0, Ordering::SeqCst);
 }
 
+/// How many descriptors this process may open (the soft `RLIMIT_NOFILE`); `None` when unlimited
+/// or unknown.
+pub fn open_files_limit() -> Option<u64> {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: `lim` is a live, writable rlimit for the duration of the call.
+    super::syscall!(getrlimit(libc::RLIMIT_NOFILE, &mut lim)).ok()?;
+    (lim.rlim_cur != libc::RLIM_INFINITY).then_some(lim.rlim_cur)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

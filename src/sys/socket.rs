@@ -61,6 +61,23 @@ pub fn set_congestion(fd: BorrowedFd<'_>, name: &str) -> io::Result<()> {
     Ok(())
 }
 
+/// Caps the connection's sending rate at `bytes_per_sec` (`SO_MAX_PACING_RATE`). Without the
+/// `fq` qdisc TCP paces the socket itself (Linux 4.13 and later), so the cap holds on any
+/// interface.
+pub fn set_max_pacing_rate(fd: BorrowedFd<'_>, bytes_per_sec: u64) -> io::Result<()> {
+    let rate: u64 = bytes_per_sec;
+    // SAFETY: `rate` lives across the call and its size is passed; the kernel copies it (it
+    // takes a u32 or a u64 by the length given).
+    super::syscall!(setsockopt(
+        fd.as_raw_fd(),
+        libc::SOL_SOCKET,
+        libc::SO_MAX_PACING_RATE,
+        (&rate as *const u64).cast(),
+        std::mem::size_of::<u64>() as socklen_t
+    ))?;
+    Ok(())
+}
+
 /// The connection's congestion control as the kernel reports it (`TCP_CONGESTION`).
 pub fn congestion(fd: BorrowedFd<'_>) -> io::Result<String> {
     let mut buf = [0u8; 16];

@@ -139,7 +139,7 @@ mod tests {
             .map(|(r, ep)| {
                 let addrs = addrs.clone();
                 std::thread::spawn(move || {
-                    connect_mesh(r, &addrs, &ep, Vec::new(), 7, &Default::default(), None, deadline)
+                    connect_mesh(r, &addrs, &ep, Vec::new(), 7, &[1, 1], &Default::default(), None, deadline)
                         .expect("mesh")
                 })
             })

@@ -261,7 +261,7 @@ impl Conn {
                     {
                         return Next::Close(Some(e.to_string()));
                     }
-                    let msg = handshake::ack_message(cid, ctx.rank, from, ctx.auth.as_ref(), extra);
+                    let msg = handshake::ack_message(cid, ctx.rank, from, ctx.auth.as_ref(), extra, 0);
                     self.got = 0;
                     self.phase = Phase::Ack { msg, sent: 0, from };
                 }
@@ -358,7 +358,7 @@ fn exchange(
     };
     let invalid = |m: String| io::Error::new(io::ErrorKind::InvalidData, m);
     let cid = control_id(ctx.comm_id);
-    let (hello, nonce) = handshake::hello_message(cid, ctx.rank, peer, ctx.auth.as_ref())
+    let (hello, nonce) = handshake::hello_message(cid, ctx.rank, peer, ctx.auth.as_ref(), 0)
         .map_err(|e| invalid(e.to_string()))?;
     s.set_write_timeout(Some(left(deadline)?))?;
     s.write_all(&hello)?;
@@ -459,7 +459,7 @@ mod tests {
             garbage.write_all(&[0xab; 40]).unwrap();
             let _silent = TcpStream::connect(addr).unwrap();
             let mut foreign = TcpStream::connect(addr).unwrap();
-            let (h, _) = handshake::hello_message(control_id(0xbad), 1, 2, None).unwrap();
+            let (h, _) = handshake::hello_message(control_id(0xbad), 1, 2, None, 0).unwrap();
             foreign.write_all(&h).unwrap();
             let t0 = Instant::now();
             let r = ask(&ctx(1, token), 2, addr, REQUEST_SNAPSHOT, Duration::from_secs(3));
@@ -508,12 +508,12 @@ mod tests {
     fn a_shrink_hello_is_parked_unread() {
         let (addr, stop) = server(None);
         let mut s = TcpStream::connect(addr).unwrap();
-        let (h, _) = handshake::hello_message(shrink_id(0x5eed, 2), 3, 2, None).unwrap();
+        let (h, _) = handshake::hello_message(shrink_id(0x5eed, 2), 3, 2, None, 0).unwrap();
         s.write_all(&h).unwrap();
         // A hello for an attempt past the bound is a stranger's.
         let mut far = TcpStream::connect(addr).unwrap();
         let (h9, _) =
-            handshake::hello_message(shrink_id(0x5eed, MAX_SHRINK_ATTEMPTS + 1), 3, 2, None).unwrap();
+            handshake::hello_message(shrink_id(0x5eed, MAX_SHRINK_ATTEMPTS + 1), 3, 2, None, 0).unwrap();
         far.write_all(&h9).unwrap();
         std::thread::sleep(Duration::from_millis(300));
         let parked = stop();
@@ -532,7 +532,7 @@ mod tests {
         // closing it would reset the survivor's shrink (a race seen in CI).
         let (addr, stop) = server(None);
         let mut s = TcpStream::connect(addr).unwrap();
-        let (h, _) = handshake::hello_message(shrink_id(0x5eed, 1), 3, 2, None).unwrap();
+        let (h, _) = handshake::hello_message(shrink_id(0x5eed, 1), 3, 2, None, 0).unwrap();
         s.write_all(&h[..5]).unwrap();
         std::thread::sleep(Duration::from_millis(300));
         let parked = stop();

@@ -2,7 +2,9 @@
 //! `TOROID_AUTH_TOKEN` their challenge-response MACs (HMAC-SHA256 keyed by the token).
 //!
 //! A hello or ack is 24 bytes, little-endian: magic `TRDH`, protocol version (u16), kind (u8),
-//! flags (u8: 1 = authenticates), communicator id (u64), sender's rank (u32), receiver's rank (u32).
+//! flags (u8: bit 0 = authenticates; bits 4-7 = the lane, which of the striped connections
+//! between the two ranks this is, 0 for the first or only one), communicator id (u64), sender's
+//! rank (u32), receiver's rank (u32). The MACs cover the flags, so a lane cannot be forged.
 //! An authenticating hello is followed by the connector's nonce and a MAC over the hello and
 //! that nonce; the ack by a MAC over the ack and the connector's nonce.
 
@@ -18,12 +20,16 @@ pub(crate) const NONCE_LEN: usize = 16;
 pub(crate) const MAC_LEN: usize = 32;
 /// `hello[7]`: the sender authenticates (nonce and MAC follow the hello; a MAC follows the ack).
 const FLAG_AUTH: u8 = 1;
+/// `hello[7] >> LANE_SHIFT`: the lane (see [`MAX_LANES`]).
+const LANE_SHIFT: u8 = 4;
+/// Most connections between one pair of ranks (the lane takes the flags' high four bits).
+pub const MAX_LANES: usize = 16;
 
 /// Wire protocol version; bumped on any incompatible change of handshake or frames.
 /// (2: links between ranks of one host start with the shared-memory set-up of `shm`;
 /// 3: authenticated handshakes; 4: the frame header carries the fingerprint in its one
-/// encoding, `collective::Fingerprint::encode`.)
-pub const PROTOCOL_VERSION: u16 = 4;
+/// encoding, `collective::Fingerprint::encode`; 5: striped connections, the hello names its lane.)
+pub const PROTOCOL_VERSION: u16 = 5;
 const HELLO_MAGIC: u32 = u32::from_le_bytes(*b"TRDH");
 pub(crate) const HELLO_LEN: usize = 24;
 pub(crate) const KIND_HELLO: u8 = 1;
@@ -34,16 +40,23 @@ pub(crate) type Hello = [u8; HELLO_LEN];
 /// The connector's challenge.
 pub(crate) type Nonce = [u8; NONCE_LEN];
 
-pub(crate) fn hello(kind: u8, comm_id: u64, from: usize, to: usize, auth: bool) -> Hello {
+/// A hello or ack on lane `lane` (below [`MAX_LANES`]).
+pub(crate) fn hello(kind: u8, comm_id: u64, from: usize, to: usize, auth: bool, lane: usize) -> Hello {
+    debug_assert!(lane < MAX_LANES);
     let mut h = [0u8; HELLO_LEN];
     h[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
     h[4..6].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
     h[6] = kind;
-    h[7] = if auth { FLAG_AUTH } else { 0 };
+    h[7] = if auth { FLAG_AUTH } else { 0 } | ((lane % MAX_LANES) as u8) << LANE_SHIFT;
     h[8..16].copy_from_slice(&comm_id.to_le_bytes());
     h[16..20].copy_from_slice(&(from as u32).to_le_bytes());
     h[20..24].copy_from_slice(&(to as u32).to_le_bytes());
     h
+}
+
+/// The lane `h` names.
+pub(crate) fn lane_of(h: &Hello) -> usize {
+    (h[7] >> LANE_SHIFT) as usize
 }
 
 /// Whether the sender of `h` announced authentication.
@@ -51,16 +64,17 @@ pub(crate) fn announces_auth(h: &Hello) -> bool {
     h[7] & FLAG_AUTH != 0
 }
 
-/// What rank `from` sends after connecting to rank `to`: the hello, then with a token a fresh
-/// nonce and the MAC. Returns the message and the nonce (zeros without a token), which the
+/// What rank `from` sends after connecting to rank `to` on `lane`: the hello, then with a token
+/// a fresh nonce and the MAC. Returns the message and the nonce (zeros without a token), which the
 /// ack must answer.
 pub(crate) fn hello_message(
     comm_id: u64,
     from: usize,
     to: usize,
     auth: Option<&AuthToken>,
+    lane: usize,
 ) -> Result<(Vec<u8>, Nonce)> {
-    let h = hello(KIND_HELLO, comm_id, from, to, auth.is_some());
+    let h = hello(KIND_HELLO, comm_id, from, to, auth.is_some(), lane);
     let mut msg = h.to_vec();
     let mut n = [0; NONCE_LEN];
     if let Some(t) = auth {
@@ -72,15 +86,16 @@ pub(crate) fn hello_message(
 }
 
 /// What rank `from` answers to the checked hello of rank `to`; `extra` is what followed that
-/// hello (its nonce first) when a token is set.
+/// hello (its nonce first) when a token is set. The ack names the hello's `lane`.
 pub(crate) fn ack_message(
     comm_id: u64,
     from: usize,
     to: usize,
     auth: Option<&AuthToken>,
     extra: &[u8],
+    lane: usize,
 ) -> Vec<u8> {
-    let ack = hello(KIND_ACK, comm_id, from, to, auth.is_some());
+    let ack = hello(KIND_ACK, comm_id, from, to, auth.is_some(), lane);
     let mut msg = ack.to_vec();
     if let Some(t) = auth {
         let n = &extra[..NONCE_LEN];
@@ -173,7 +188,7 @@ mod tests {
 
     #[test]
     fn handshake_rejects_foreign_and_stale_peers() {
-        let h = hello(KIND_HELLO, 7, 3, 1, false);
+        let h = hello(KIND_HELLO, 7, 3, 1, false, 0);
         assert_eq!(check_hello(&h, KIND_HELLO, 7, 1, 4).unwrap(), 3);
         assert!(check_hello(&h, KIND_HELLO, 8, 1, 4).unwrap_err().to_string().contains("communicator"));
         assert!(check_hello(&h, KIND_HELLO, 7, 2, 4).is_err());
@@ -188,22 +203,27 @@ mod tests {
     #[test]
     fn an_ack_answers_only_the_nonce_and_token_of_its_hello() {
         let t = AuthToken::new(b"s3cret");
-        let (msg, nonce) = hello_message(7, 3, 1, Some(&t)).unwrap();
+        let (msg, nonce) = hello_message(7, 3, 1, Some(&t), 5).unwrap();
         assert_eq!(msg.len(), HELLO_LEN + NONCE_LEN + MAC_LEN);
         let mut h = [0u8; HELLO_LEN];
         h.copy_from_slice(&msg[..HELLO_LEN]);
         assert!(announces_auth(&h));
+        assert_eq!(lane_of(&h), 5);
         check_hello_auth(&h, Some(&msg[HELLO_LEN..]), Some(&t)).unwrap();
-        let ack = ack_message(7, 1, 3, Some(&t), &msg[HELLO_LEN..]);
+        let ack = ack_message(7, 1, 3, Some(&t), &msg[HELLO_LEN..], 5);
         let (a, tag) = ack.split_at(HELLO_LEN);
         let a: Hello = a.try_into().unwrap();
-        assert_eq!(check_hello(&a, KIND_ACK, 7, 3, 4).unwrap(), 1);
+        assert_eq!((check_hello(&a, KIND_ACK, 7, 3, 4).unwrap(), lane_of(&a)), (1, 5));
+        // The MAC covers the lane: an ack moved to another lane fails.
+        let mut moved = a;
+        moved[7] = (moved[7] & 0x0f) | (6 << LANE_SHIFT);
+        assert!(!ack_is_authentic(&moved, tag, &nonce, &t));
         assert!(ack_is_authentic(&a, tag, &nonce, &t));
         assert!(!ack_is_authentic(&a, tag, &[0; NONCE_LEN], &t));
         assert!(!ack_is_authentic(&a, tag, &nonce, &AuthToken::new(b"other")));
         // Without a token: bare hello and ack, no nonce.
-        let (msg, nonce) = hello_message(7, 3, 1, None).unwrap();
+        let (msg, nonce) = hello_message(7, 3, 1, None, 0).unwrap();
         assert_eq!((msg.len(), nonce), (HELLO_LEN, [0; NONCE_LEN]));
-        assert_eq!(ack_message(7, 1, 3, None, &[]).len(), HELLO_LEN);
+        assert_eq!(ack_message(7, 1, 3, None, &[], 0).len(), HELLO_LEN);
     }
 }

@@ -1,6 +1,8 @@
 //! Setting up the mesh: every rank listens on its address; rank `j` connects to every lower
 //! rank `i < j` and accepts from every higher one, and each connection is checked with the
-//! handshake of [`super::handshake`] both ways before it becomes a [`TcpTransport`]. Anyone
+//! handshake of [`super::handshake`] both ways before it becomes a [`TcpTransport`] (or, with
+//! several lanes to a peer, one connection per lane, each with its own handshake naming its
+//! lane, joined into a [`StripedTransport`]). Anyone
 //! can connect to a listener: a connection is trusted only once its hello checks out, and a
 //! stranger's connection never fails or delays set-up.
 
@@ -10,6 +12,7 @@ use std::os::fd::{AsFd, AsRawFd};
 use std::time::{Duration, Instant};
 
 use super::pending::{Ctx, Incoming, Outgoing};
+use super::striped::StripedTransport;
 use super::{Interface, SocketOptions, TcpTransport};
 use crate::config::AuthToken;
 use crate::error::{Error, Result};
@@ -59,7 +62,9 @@ const ACCEPTS_PER_ROUND: usize = 256;
 const WARNS: usize = 16;
 
 /// Connects this rank to every other rank: connects to lower ranks, accepts higher ones, and
-/// checks the handshake both ways. Returns one transport per rank (`None` at `rank`).
+/// checks the handshake both ways. `lanes[p]` connections go to rank `p` (1 or more, below
+/// [`super::handshake::MAX_LANES`]; rank `p` must pass the same number for this rank). Returns
+/// one transport per rank (`None` at `rank`).
 ///
 /// One poll loop drives every connection at once on non-blocking sockets (see
 /// [`super::pending`]). An incoming connection that closes, stays silent past its own deadline,
@@ -78,22 +83,31 @@ pub fn connect_mesh(
     endpoint: &Endpoint,
     accepted: Vec<(TcpStream, SocketAddr)>,
     comm_id: u64,
+    lanes: &[usize],
     opts: &SocketOptions,
     auth: Option<&AuthToken>,
     deadline: Instant,
 ) -> Result<Vec<Option<Box<dyn Transport>>>> {
     let size = addrs.len();
-    let ctx = Ctx { rank, size, comm_id, auth };
+    if lanes.len() != size || lanes.iter().any(|&l| l == 0 || l > super::handshake::MAX_LANES) {
+        return Err(Error::Internal(format!("bad lanes per peer {lanes:?}").into()));
+    }
+    let ctx = Ctx { rank, size, comm_id, auth, lanes };
     let mut mesh = MeshLoop::new(ctx, addrs, &endpoint.listener, deadline)?;
     for (s, from) in accepted {
         mesh.adopt(s, from);
     }
-    let mut streams = mesh.run()?;
+    let streams = mesh.run()?;
     let mut out: Vec<Option<Box<dyn Transport>>> = Vec::with_capacity(size);
-    for s in streams.iter_mut() {
-        out.push(match s.take() {
-            Some(s) => Some(Box::new(TcpTransport::new(s, opts)?) as Box<dyn Transport>),
-            None => None,
+    for mut lanes in streams {
+        out.push(match lanes.len() {
+            0 => None,
+            1 => lanes
+                .pop()
+                .map(|s| TcpTransport::new(s, opts))
+                .transpose()?
+                .map(|t| Box::new(t) as Box<dyn Transport>),
+            _ => Some(Box::new(StripedTransport::new(lanes, opts)?) as Box<dyn Transport>),
         });
     }
     Ok(out)
@@ -114,8 +128,9 @@ struct MeshLoop<'a> {
     deadline: Instant,
     outgoing: Vec<Outgoing>,
     incoming: Vec<Incoming>,
-    /// `claimed[r]`: an incoming connection has proved to be rank `r`.
-    claimed: Vec<bool>,
+    /// `claimed[r]`: the lanes (bit `l` for lane `l`) that incoming connections have proved
+    /// to be rank `r`'s.
+    claimed: Vec<u16>,
     dropped: usize,
     /// [`HANDSHAKE_ALLOWANCE`] (shorter in tests).
     allowance: Duration,
@@ -127,9 +142,10 @@ impl<'a> MeshLoop<'a> {
             .iter()
             .enumerate()
             .take(ctx.rank)
-            .map(|(p, a)| Outgoing::new(ctx, p, *a))
+            .flat_map(|(p, a)| (0..ctx.lanes[p]).map(move |l| (p, l, *a)))
+            .map(|(p, l, a)| Outgoing::new(ctx, p, l, a))
             .collect::<Result<_>>()?;
-        let claimed = vec![false; ctx.size];
+        let claimed = vec![0; ctx.size];
         let allowance = HANDSHAKE_ALLOWANCE;
         Ok(MeshLoop {
             ctx,
@@ -143,9 +159,11 @@ impl<'a> MeshLoop<'a> {
         })
     }
 
-    /// Ranks above this one that no connection has proved to be yet.
+    /// Connections from ranks above this one that no connection has proved to be yet.
     fn unclaimed(&self) -> usize {
-        (self.ctx.rank + 1..self.ctx.size).filter(|r| !self.claimed[*r]).count()
+        (self.ctx.rank + 1..self.ctx.size)
+            .map(|r| self.ctx.lanes[r] - self.claimed[r].count_ones() as usize)
+            .sum()
     }
 
     fn finished(&self) -> bool {
@@ -155,7 +173,7 @@ impl<'a> MeshLoop<'a> {
     }
 
     /// Runs until every link is checked both ways; returns them by rank.
-    fn run(mut self) -> Result<Vec<Option<TcpStream>>> {
+    fn run(mut self) -> Result<Vec<Vec<TcpStream>>> {
         let mut fds: Vec<PollFd> = Vec::new();
         let mut who: Vec<Who> = Vec::new();
         loop {
@@ -238,8 +256,8 @@ impl<'a> MeshLoop<'a> {
         match c.advance(self.ctx, &mut self.claimed) {
             Ok(()) => self.incoming.push(c),
             Err(why) => {
-                if let Some(r) = c.claimed() {
-                    self.claimed[r] = false;
+                if let Some((r, l)) = c.claimed() {
+                    self.claimed[r] &= !(1 << l);
                 }
                 self.warn(from, &why);
             }
@@ -304,8 +322,8 @@ impl<'a> MeshLoop<'a> {
     /// Drops incoming connection `i`, releasing the rank it held, with a WARN.
     fn drop_incoming(&mut self, i: usize, why: &str) {
         let c = self.incoming.swap_remove(i);
-        if let Some(r) = c.claimed() {
-            self.claimed[r] = false;
+        if let Some((r, l)) = c.claimed() {
+            self.claimed[r] &= !(1 << l);
         }
         self.warn(c.from_addr, why);
     }
@@ -322,7 +340,9 @@ impl<'a> MeshLoop<'a> {
         let rank = self.ctx.rank;
         let mut parts: Vec<String> =
             self.outgoing.iter().filter(|o| !o.is_done()).map(|o| o.describe_unfinished(rank)).collect();
-        let missing: Vec<usize> = (rank + 1..self.ctx.size).filter(|r| !self.claimed[*r]).collect();
+        let missing: Vec<usize> = (rank + 1..self.ctx.size)
+            .filter(|&r| (self.claimed[r].count_ones() as usize) < self.ctx.lanes[r])
+            .collect();
         if !missing.is_empty() {
             parts.push(format!("rank {rank}: ranks {missing:?} never connected before the deadline"));
         }
@@ -332,15 +352,17 @@ impl<'a> MeshLoop<'a> {
         Error::Timeout(parts.join("; ").into())
     }
 
-    /// The checked links by rank; what is left unfinished is closed.
-    fn links(self) -> Vec<Option<TcpStream>> {
+    /// The checked connections by rank, in lane order (none for this rank); what is left
+    /// unfinished is closed.
+    fn links(self) -> Vec<Vec<TcpStream>> {
         let rank = self.ctx.rank;
-        let mut streams: Vec<Option<TcpStream>> = (0..self.ctx.size).map(|_| None).collect();
+        let mut streams: Vec<Vec<Option<TcpStream>>> =
+            (0..self.ctx.size).map(|r| (0..self.ctx.lanes[r]).map(|_| None).collect()).collect();
         let mut left = 0;
         for c in self.incoming {
             let from = c.from_addr;
             match c.into_link() {
-                Some((r, s)) => streams[r] = Some(s),
+                Some((r, l, s)) => streams[r][l] = Some(s),
                 None => {
                     left += 1;
                     if self.dropped + left <= WARNS {
@@ -354,10 +376,15 @@ impl<'a> MeshLoop<'a> {
             tracing::warn!(target: "toroid::net", "rank {rank}: {} connections dropped during set-up in all", self.dropped + left);
         }
         for o in self.outgoing {
-            let p = o.peer;
-            streams[p] = o.into_stream();
+            let (p, l) = (o.peer, o.lane);
+            streams[p][l] = o.into_stream();
         }
+        // `finished` holds: every lane of every other rank is there.
         streams
+            .into_iter()
+            .enumerate()
+            .map(|(r, lanes)| if r == rank { Vec::new() } else { lanes.into_iter().flatten().collect() })
+            .collect()
     }
 }
 
@@ -390,18 +417,30 @@ mod tests {
     /// Connects `tokens.len()` ranks (threads) with those tokens and socket options.
     fn mesh_of(tokens: &[Option<&str>], opts: &SocketOptions, secs: u64) -> Vec<Result<Mesh>> {
         let n = tokens.len();
+        mesh_lanes(tokens, opts, secs, vec![vec![1; n]; n])
+    }
+
+    /// [`mesh_of`] with `lanes[r]`: rank `r`'s lanes to each rank.
+    fn mesh_lanes(
+        tokens: &[Option<&str>],
+        opts: &SocketOptions,
+        secs: u64,
+        lanes: Vec<Vec<usize>>,
+    ) -> Vec<Result<Mesh>> {
+        let n = tokens.len();
         let eps: Vec<Endpoint> = (0..n).map(|_| listen(&lo(), n).expect("listen")).collect();
         let addrs: Vec<SocketAddr> = eps.iter().map(|e| e.addr).collect();
         let deadline = Instant::now() + Duration::from_secs(secs);
         let handles: Vec<_> = eps
             .into_iter()
             .zip(tokens)
+            .zip(lanes)
             .enumerate()
-            .map(|(r, (ep, t))| {
+            .map(|(r, ((ep, t), lanes))| {
                 let (addrs, opts) = (addrs.clone(), opts.clone());
                 let token = t.map(|t| AuthToken::new(t.as_bytes()));
                 std::thread::spawn(move || {
-                    connect_mesh(r, &addrs, &ep, Vec::new(), 99, &opts, token.as_ref(), deadline)
+                    connect_mesh(r, &addrs, &ep, Vec::new(), 99, &lanes, &opts, token.as_ref(), deadline)
                 })
             })
             .collect();
@@ -443,10 +482,64 @@ mod tests {
         send_and_receive(&mut *link_2_0, &mut **meshes[0][2].as_mut().unwrap(), b"hello from 2");
     }
 
+    /// Moves `msg` from `from` to `to` in as many writes and reads as it takes.
+    fn stream(from: &mut dyn Transport, to: &mut dyn Transport, msg: &[u8]) {
+        let (mut sent, mut got, mut buf) = (0, 0, vec![0u8; msg.len()]);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while got < msg.len() {
+            assert!(Instant::now() < deadline, "stuck at {got} of {} bytes", msg.len());
+            if sent < msg.len() {
+                match from.try_write(&[&msg[sent..]]) {
+                    Ok(n) => sent += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            match to.try_read(&mut [&mut buf[got..]]) {
+                Ok(0) => panic!("closed"),
+                Ok(n) => got += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert!(buf == msg, "bytes differ");
+    }
+
+    #[test]
+    fn striped_links_connect_lane_by_lane_with_authentication_and_carry_a_stream() {
+        // Ranks 0-1 and 1-2 use three lanes, 0-2 one.
+        let lanes = vec![vec![1, 3, 1], vec![3, 1, 3], vec![1, 3, 1]];
+        let mut meshes: Vec<Mesh> = mesh_lanes(&[Some("tok"); 3], &SocketOptions::default(), 10, lanes)
+            .into_iter()
+            .map(|m| m.expect("striped mesh"))
+            .collect();
+        assert_eq!(meshes[0][1].as_ref().map(|t| t.kind()), Some("tcp-striped"));
+        assert_eq!(meshes[0][2].as_ref().map(|t| t.kind()), Some("tcp"));
+        let msg: Vec<u8> = (0..700_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+        for (a, b) in [(0, 1), (1, 0), (2, 1), (0, 2)] {
+            let mut from = meshes[a][b].take().expect("link");
+            stream(&mut *from, &mut **meshes[b][a].as_mut().expect("link"), &msg);
+            meshes[a][b] = Some(from);
+        }
+    }
+
+    #[test]
+    fn ranks_that_disagree_on_lanes_fail_naming_the_setting() {
+        // The connector opens more lanes than the acceptor takes: its extra lane is refused.
+        let r = mesh_lanes(&[None, None], &SocketOptions::default(), 2, vec![vec![1, 2], vec![3, 1]]);
+        let connector = r[1].as_ref().map(|_| ()).expect_err("the connector must fail").to_string();
+        assert!(connector.contains("TOROID_NSOCKS"), "{connector}");
+        // The acceptor waits for more lanes than the connector opens: it never gets them, and
+        // the connector's link is useless to it (its first collective meets a closed peer).
+        let r = mesh_lanes(&[None, None], &SocketOptions::default(), 2, vec![vec![1, 3], vec![2, 1]]);
+        let acceptor = r[0].as_ref().map(|_| ()).expect_err("the acceptor must fail").to_string();
+        assert!(acceptor.contains("never connected"), "{acceptor}");
+    }
+
     #[test]
     fn every_connection_gets_the_chosen_congestion_control() {
         // reno is built into every Linux kernel and always allowed.
-        let opts = SocketOptions { buffer: 0, congestion: Some("reno".into()) };
+        let opts = SocketOptions { congestion: Some("reno".into()), ..SocketOptions::default() };
         let before = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control").unwrap_or_default();
         for (r, m) in mesh_opts(3, &opts).into_iter().enumerate() {
             let m = m.expect("mesh with reno");
@@ -469,7 +562,7 @@ mod tests {
 
     #[test]
     fn an_unknown_congestion_control_fails_every_rank_with_the_variable_named() {
-        let opts = SocketOptions { buffer: 0, congestion: Some("nosuchcc".into()) };
+        let opts = SocketOptions { congestion: Some("nosuchcc".into()), ..SocketOptions::default() };
         for (r, m) in mesh_opts(3, &opts).into_iter().enumerate() {
             let e = m.err().unwrap_or_else(|| panic!("rank {r} connected")).to_string();
             assert!(e.contains("TOROID_TCP_CONGESTION=nosuchcc") && e.contains("available"), "rank {r}: {e}");
@@ -514,8 +607,18 @@ mod tests {
         let deadline = Instant::now() + Duration::from_secs(2);
         let connector = std::thread::spawn(move || {
             let t = AuthToken::new(token.as_bytes());
-            connect_mesh(1, &addrs, &ep, Vec::new(), 5, &SocketOptions::default(), Some(&t), deadline)
-                .map(|_| ())
+            connect_mesh(
+                1,
+                &addrs,
+                &ep,
+                Vec::new(),
+                5,
+                &[1, 1],
+                &SocketOptions::default(),
+                Some(&t),
+                deadline,
+            )
+            .map(|_| ())
         });
         let (mut s, _) = raw.accept().expect("accept");
         let mut sent = vec![0u8; HELLO_LEN + NONCE_LEN + MAC_LEN];
@@ -578,7 +681,7 @@ mod tests {
                 Attack::Close => drop(s),
                 Attack::Silent => wait_stop(),
                 Attack::Drip => {
-                    let (msg, _) = handshake::hello_message(COMM, claim, to, None).expect("hello");
+                    let (msg, _) = handshake::hello_message(COMM, claim, to, None, 0).expect("hello");
                     for b in msg {
                         if stop.load(Ordering::Relaxed) || s.write_all(&[b]).is_err() {
                             break;
@@ -593,7 +696,7 @@ mod tests {
                 }
                 Attack::WrongMac => {
                     let wrong = AuthToken::new(b"not the job's token");
-                    let (msg, _) = handshake::hello_message(COMM, claim, to, Some(&wrong)).expect("hello");
+                    let (msg, _) = handshake::hello_message(COMM, claim, to, Some(&wrong), 0).expect("hello");
                     let _ = s.write_all(&msg);
                     wait_stop();
                 }
@@ -601,7 +704,7 @@ mod tests {
                     // By now rank 1 has long connected to rank 0 (rank 2 is still to come).
                     std::thread::sleep(STAGGER / 2);
                     let claim = if to == 0 { 1 } else { 0 };
-                    let (msg, _) = handshake::hello_message(COMM, claim, to, None).expect("hello");
+                    let (msg, _) = handshake::hello_message(COMM, claim, to, None, 0).expect("hello");
                     let _ = s.write_all(&msg);
                     wait_stop();
                 }
@@ -638,6 +741,7 @@ mod tests {
                         &ep,
                         Vec::new(),
                         COMM,
+                        &vec![1; addrs.len()],
                         &SocketOptions::default(),
                         token.as_ref(),
                         deadline,
@@ -738,10 +842,10 @@ mod tests {
         let deadline = Instant::now() + Duration::from_secs(10);
         let a = addrs.clone();
         let rank0 = std::thread::spawn(move || {
-            let ctx = Ctx { rank: 0, size: 2, comm_id: COMM, auth: None };
+            let ctx = Ctx { rank: 0, size: 2, comm_id: COMM, auth: None, lanes: &[1, 1] };
             let mut mesh = MeshLoop::new(ctx, &a, &ep.listener, deadline).expect("set-up");
             mesh.allowance = allowance;
-            mesh.run().map(|links| links.iter().filter(|l| l.is_some()).count())
+            mesh.run().map(|links| links.iter().filter(|l| !l.is_empty()).count())
         });
         let start = Instant::now();
         // Bytes trickling in every 100 ms do not extend a connection's deadline.
@@ -759,8 +863,17 @@ mod tests {
         assert!(held >= allowance - Duration::from_millis(100), "dropped after {held:?}");
         let cut = drip.join().expect("drip thread").expect("dripping connection kept past its allowance");
         assert!(cut < allowance * 2, "dripping connection dropped only after {cut:?}");
-        let rank1 =
-            connect_mesh(1, &addrs, &peer, Vec::new(), COMM, &SocketOptions::default(), None, deadline);
+        let rank1 = connect_mesh(
+            1,
+            &addrs,
+            &peer,
+            Vec::new(),
+            COMM,
+            &[1, 1],
+            &SocketOptions::default(),
+            None,
+            deadline,
+        );
         assert!(rank1.is_ok(), "{:?}", rank1.err());
         assert_eq!(rank0.join().expect("rank 0").expect("rank 0 connects"), 1);
     }
@@ -786,7 +899,17 @@ mod tests {
             .map(|(r, ep)| {
                 let addrs = addrs.clone();
                 std::thread::spawn(move || {
-                    connect_mesh(r, &addrs, &ep, Vec::new(), COMM, &SocketOptions::default(), None, deadline)
+                    connect_mesh(
+                        r,
+                        &addrs,
+                        &ep,
+                        Vec::new(),
+                        COMM,
+                        &vec![1; addrs.len()],
+                        &SocketOptions::default(),
+                        None,
+                        deadline,
+                    )
                 })
             })
             .collect();
@@ -811,7 +934,7 @@ mod tests {
         let (ep0, ep1) = (eps.next().unwrap(), eps.next().unwrap());
         let a1 = addrs.clone();
         let rank1 = std::thread::spawn(move || {
-            connect_mesh(1, &a1, &ep1, Vec::new(), 42, &SocketOptions::default(), None, deadline)
+            connect_mesh(1, &a1, &ep1, Vec::new(), 42, &[1, 1], &SocketOptions::default(), None, deadline)
         });
         let mut accepted = Vec::new();
         while accepted.len() < 2 {
@@ -825,8 +948,9 @@ mod tests {
             }
         }
         // Nothing else will connect: rank 0 can only finish with what it was handed.
-        let mut m0 = connect_mesh(0, &addrs, &ep0, accepted, 42, &SocketOptions::default(), None, deadline)
-            .expect("rank 0");
+        let mut m0 =
+            connect_mesh(0, &addrs, &ep0, accepted, 42, &[1, 1], &SocketOptions::default(), None, deadline)
+                .expect("rank 0");
         let mut m1 = rank1.join().expect("rank 1 thread").expect("rank 1");
         let (t0, t1) = (m0[1].as_deref_mut().expect("link 0-1"), m1[0].as_deref_mut().expect("link 1-0"));
         send_and_receive(t0, t1, b"shrunk");

@@ -1,4 +1,5 @@
-//! TCP transport: one connection per pair of ranks.
+//! TCP transport: one connection per pair of ranks, or several striped ones
+//! (`TOROID_NSOCKS`, [`striped`]).
 //!
 //! Set-up: every rank listens on the chosen interface ([`interface`](choose_address)) and
 //! publishes its address; rank `j` connects to every lower rank `i < j` and accepts from every
@@ -25,6 +26,7 @@
 //! | `mesh` | listening, connecting and accepting every peer |
 //! | `handshake` | the hello and ack bytes and their MACs |
 //! | `pending` | one connection whose handshake is under way, on a non-blocking socket |
+//! | `striped` | one byte stream over several connections (lanes), and how many a pair uses |
 //! | this file | the connection options and the [`TcpTransport`] itself |
 
 use std::io::{self, IoSlice, IoSliceMut};
@@ -42,8 +44,9 @@ pub(crate) mod handshake;
 mod interface;
 mod mesh;
 mod pending;
+pub mod striped;
 
-pub use handshake::PROTOCOL_VERSION;
+pub use handshake::{MAX_LANES, PROTOCOL_VERSION};
 pub use interface::{Interface, choose_address, interfaces, select_interfaces};
 pub use mesh::{Endpoint, connect_mesh, listen};
 
@@ -54,12 +57,19 @@ pub struct SocketOptions {
     pub buffer: usize,
     /// Congestion control (`TCP_CONGESTION`), e.g. `cubic`; `None` keeps the system default.
     pub congestion: Option<String>,
+    /// Test-only cap on each connection's sending rate in bytes per second
+    /// (`TOROID_TEST_FLOW_RATE`, `SO_MAX_PACING_RATE`); 0 for none.
+    pub flow_rate: u64,
 }
 
 impl SocketOptions {
     /// The options `cfg` asks for (`TOROID_SOCKET_BUFFER`, `TOROID_TCP_CONGESTION`).
     pub fn from_config(cfg: &Config) -> SocketOptions {
-        SocketOptions { buffer: cfg.socket_buffer, congestion: cfg.tcp_congestion.clone() }
+        SocketOptions {
+            buffer: cfg.socket_buffer,
+            congestion: cfg.tcp_congestion.clone(),
+            flow_rate: cfg.test_flow_rate,
+        }
     }
 }
 
@@ -73,18 +83,28 @@ pub struct TcpTransport {
 
 impl TcpTransport {
     fn new(stream: TcpStream, opts: &SocketOptions) -> Result<TcpTransport> {
-        stream.set_nodelay(true).map_err(|e| Error::system("TCP_NODELAY", e))?;
-        if let Some(name) = &opts.congestion {
-            set_congestion(stream.as_fd(), name)?;
-        }
-        let buffer = effective_buffer(opts.buffer);
-        if buffer > 0 {
-            socket::set_buffer_sizes(stream.as_fd(), buffer)
-                .map_err(|e| Error::system("setting socket buffer size", e))?;
-        }
-        stream.set_nonblocking(true).map_err(|e| Error::system("O_NONBLOCK", e))?;
-        Ok(TcpTransport { stream: ForkGuarded::new(stream) })
+        Ok(TcpTransport { stream: ForkGuarded::new(configure(stream, opts)?) })
     }
+}
+
+/// Sets a checked connection up for data: no Nagle delay, the chosen congestion control and
+/// buffers, the test pacing cap, non-blocking.
+fn configure(stream: TcpStream, opts: &SocketOptions) -> Result<TcpStream> {
+    stream.set_nodelay(true).map_err(|e| Error::system("TCP_NODELAY", e))?;
+    if let Some(name) = &opts.congestion {
+        set_congestion(stream.as_fd(), name)?;
+    }
+    let buffer = effective_buffer(opts.buffer);
+    if buffer > 0 {
+        socket::set_buffer_sizes(stream.as_fd(), buffer)
+            .map_err(|e| Error::system("setting socket buffer size", e))?;
+    }
+    if opts.flow_rate > 0 {
+        socket::set_max_pacing_rate(stream.as_fd(), opts.flow_rate)
+            .map_err(|e| Error::system("SO_MAX_PACING_RATE (TOROID_TEST_FLOW_RATE)", e))?;
+    }
+    stream.set_nonblocking(true).map_err(|e| Error::system("O_NONBLOCK", e))?;
+    Ok(stream)
 }
 
 /// Sets the connection's congestion control; an error names the variable and what the kernel
@@ -183,10 +203,10 @@ mod tests {
         let vars = [("TOROID_TCP_CONGESTION", " cubic "), ("TOROID_SOCKET_BUFFER", "4M")];
         let c = Config::from_lookup(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string()));
         let opts = SocketOptions::from_config(&c.unwrap());
-        assert_eq!(opts, SocketOptions { buffer: 4 << 20, congestion: Some("cubic".into()) });
+        assert_eq!(opts, SocketOptions { buffer: 4 << 20, congestion: Some("cubic".into()), flow_rate: 0 });
         let none = SocketOptions::from_config(&Config::from_lookup(|_| None).unwrap());
         let default = crate::config::DEFAULT_SOCKET_BUFFER;
-        assert_eq!(none, SocketOptions { buffer: default, congestion: None });
+        assert_eq!(none, SocketOptions { buffer: default, congestion: None, flow_rate: 0 });
     }
 
     #[test]

@@ -37,6 +37,8 @@ pub(super) struct Ctx<'a> {
     pub size: usize,
     pub comm_id: u64,
     pub auth: Option<&'a AuthToken>,
+    /// Connections to each rank (1, or the striped lanes).
+    pub lanes: &'a [usize],
 }
 
 /// Reads into `buf[*got..]` what has arrived, never more than `buf` holds. `Ok(true)`: `buf`
@@ -87,9 +89,10 @@ enum OutPhase {
     Done,
 }
 
-/// This rank's connection to a lower rank `peer`.
+/// This rank's connection to a lower rank `peer`, on lane `lane` of the connections to it.
 pub(super) struct Outgoing {
     pub peer: usize,
+    pub lane: usize,
     addr: SocketAddr,
     stream: Option<TcpStream>,
     phase: OutPhase,
@@ -103,11 +106,12 @@ pub(super) struct Outgoing {
 }
 
 impl Outgoing {
-    pub fn new(ctx: Ctx<'_>, peer: usize, addr: SocketAddr) -> Result<Outgoing> {
-        let (msg, nonce) = handshake::hello_message(ctx.comm_id, ctx.rank, peer, ctx.auth)?;
+    pub fn new(ctx: Ctx<'_>, peer: usize, lane: usize, addr: SocketAddr) -> Result<Outgoing> {
+        let (msg, nonce) = handshake::hello_message(ctx.comm_id, ctx.rank, peer, ctx.auth, lane)?;
         let phase = OutPhase::Retry(Instant::now());
         Ok(Outgoing {
             peer,
+            lane,
             addr,
             stream: None,
             phase,
@@ -241,7 +245,7 @@ impl Outgoing {
             Error::Remote(
                 format!(
                     "{what}: handshake failed: {e} (rank {peer} drops connections whose TOROID_AUTH_TOKEN, \
-                     communicator or protocol version differ from its own; its log says which)"
+                     communicator, TOROID_NSOCKS or protocol version differ from its own; its log says which)"
                 )
                 .into(),
             )
@@ -249,9 +253,14 @@ impl Outgoing {
         // Check the ack as soon as it is whole, before its MAC: the peer's error shows first.
         if before < HELLO_LEN && self.got >= HELLO_LEN {
             let from = handshake::check_hello(&hello_of(&self.ack), KIND_ACK, ctx.comm_id, rank, ctx.size)?;
-            if from != peer {
+            let lane = handshake::lane_of(&hello_of(&self.ack));
+            if from != peer || lane != self.lane {
                 return Err(Error::Remote(
-                    format!("rank {rank}: ack from rank {from} on the connection to rank {peer}").into(),
+                    format!(
+                        "rank {rank}: ack from rank {from} lane {lane} on the connection to rank {peer} lane {}",
+                        self.lane
+                    )
+                    .into(),
                 ));
             }
         }
@@ -274,10 +283,10 @@ impl Outgoing {
 enum InPhase {
     /// Reading the hello (and its nonce and MAC); `need` bytes in all.
     Reading { need: usize },
-    /// The hello checked out as rank `from`'s: sending the ack.
-    Acking { from: usize, msg: Vec<u8>, sent: usize },
-    /// Acked: the link to rank `from`.
-    Done { from: usize },
+    /// The hello checked out as rank `from`'s on `lane`: sending the ack.
+    Acking { from: usize, lane: usize, msg: Vec<u8>, sent: usize },
+    /// Acked: lane `lane` of the link to rank `from`.
+    Done { from: usize, lane: usize },
 }
 
 /// A connection accepted on the listener, not trusted until its hello is checked.
@@ -308,26 +317,26 @@ impl Incoming {
         Some((self.stream.as_raw_fd(), ev))
     }
 
-    /// The rank it holds (checked and reserved), if any.
-    pub fn claimed(&self) -> Option<usize> {
+    /// The rank and lane it holds (checked and reserved), if any.
+    pub fn claimed(&self) -> Option<(usize, usize)> {
         match self.phase {
-            InPhase::Acking { from, .. } | InPhase::Done { from } => Some(from),
+            InPhase::Acking { from, lane, .. } | InPhase::Done { from, lane } => Some((from, lane)),
             InPhase::Reading { .. } => None,
         }
     }
 
-    /// The link to the rank it proved to be, once acked.
-    pub fn into_link(self) -> Option<(usize, TcpStream)> {
+    /// The rank it proved to be, its lane and the link, once acked.
+    pub fn into_link(self) -> Option<(usize, usize, TcpStream)> {
         match self.phase {
-            InPhase::Done { from } => Some((from, self.stream)),
+            InPhase::Done { from, lane } => Some((from, lane, self.stream)),
             _ => None,
         }
     }
 
-    /// Moves on as far as the socket allows. `claimed[r]`: a connection already holds rank `r`;
-    /// a checked hello sets it. `Err`: why this connection must be dropped (its claim, if any,
+    /// Moves on as far as the socket allows. `claimed[r]`: the lanes of rank `r` (bit `l` for
+    /// lane `l`) that a connection already holds; a checked hello sets its bit. `Err`: why this connection must be dropped (its claim, if any,
     /// is then released by the caller through [`Incoming::claimed`]).
-    pub fn advance(&mut self, ctx: Ctx<'_>, claimed: &mut [bool]) -> std::result::Result<(), String> {
+    pub fn advance(&mut self, ctx: Ctx<'_>, claimed: &mut [u16]) -> std::result::Result<(), String> {
         loop {
             match &mut self.phase {
                 InPhase::Done { .. } => return Ok(()),
@@ -341,10 +350,10 @@ impl Incoming {
                     }
                     self.checked(ctx, claimed, need)?;
                 }
-                InPhase::Acking { from, msg, sent } => {
-                    let from = *from;
+                InPhase::Acking { from, lane, msg, sent } => {
+                    let (from, lane) = (*from, *lane);
                     match flush(&mut self.stream, msg, sent) {
-                        Ok(true) => self.phase = InPhase::Done { from },
+                        Ok(true) => self.phase = InPhase::Done { from, lane },
                         Ok(false) => return Ok(()),
                         Err(e) => return Err(format!("ack to rank {from} failed: {e}")),
                     }
@@ -354,17 +363,19 @@ impl Incoming {
     }
 
     /// `need` bytes have arrived: checks them and moves to the next phase.
-    fn checked(
-        &mut self,
-        ctx: Ctx<'_>,
-        claimed: &mut [bool],
-        need: usize,
-    ) -> std::result::Result<(), String> {
+    fn checked(&mut self, ctx: Ctx<'_>, claimed: &mut [u16], need: usize) -> std::result::Result<(), String> {
         let h = hello_of(&self.buf);
         let from = handshake::check_hello(&h, KIND_HELLO, ctx.comm_id, ctx.rank, ctx.size)
             .map_err(|e| e.to_string())?;
         if from < ctx.rank {
             return Err(format!("claims rank {from}, which this rank connects to itself"));
+        }
+        let (lane, lanes) = (handshake::lane_of(&h), ctx.lanes.get(from).copied().unwrap_or(1));
+        if lane >= lanes {
+            return Err(format!(
+                "rank {from} opens connection {} of {lanes} expected (a different TOROID_NSOCKS?)",
+                lane + 1
+            ));
         }
         let announced = handshake::announces_auth(&h);
         if need == HELLO_LEN && announced {
@@ -374,12 +385,12 @@ impl Incoming {
         }
         let extra = &self.buf[HELLO_LEN..need];
         handshake::check_hello_auth(&h, announced.then_some(extra), ctx.auth).map_err(|e| e.to_string())?;
-        if claimed[from] {
-            return Err(format!("claims rank {from}, which is already connected"));
+        if claimed[from] & (1 << lane) != 0 {
+            return Err(format!("claims rank {from} lane {lane}, which is already connected"));
         }
-        claimed[from] = true;
-        let msg = handshake::ack_message(ctx.comm_id, ctx.rank, from, ctx.auth, extra);
-        self.phase = InPhase::Acking { from, msg, sent: 0 };
+        claimed[from] |= 1 << lane;
+        let msg = handshake::ack_message(ctx.comm_id, ctx.rank, from, ctx.auth, extra, lane);
+        self.phase = InPhase::Acking { from, lane, msg, sent: 0 };
         Ok(())
     }
 }
