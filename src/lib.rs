@@ -22,6 +22,8 @@ mod error;
 mod ffi;
 #[doc(hidden)]
 pub mod fuzzing;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 mod memory;
 mod reduce;
 pub mod rendezvous;

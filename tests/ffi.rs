@@ -211,6 +211,24 @@ fn c_dlopen_resolves_every_entry_point() {
     );
 }
 
+#[test]
+fn libtoroid_needs_no_cuda_nvrtc_or_verbs_library_to_load() {
+    // cudarc opens libcuda and libnvrtc when first used: nothing of CUDA (or RDMA) may be a
+    // load-time dependency, or libtoroid would not load on machines without them. (This
+    // machine may have none: then c_dlopen_resolves_every_entry_point loads it without them.)
+    let so = lib_dir().join("libtoroid.so");
+    let out = Command::new("readelf").arg("-d").arg(&so).output().expect("readelf (binutils) runs");
+    assert!(out.status.success(), "readelf -d {}", so.display());
+    let dynamic = String::from_utf8_lossy(&out.stdout);
+    let needed: Vec<&str> = dynamic.lines().filter(|l| l.contains("(NEEDED)")).collect();
+    assert!(!needed.is_empty(), "no NEEDED entries read from {}:\n{dynamic}", so.display());
+    for l in &needed {
+        for lib in ["libcuda", "libnvrtc", "libcudart", "libibverbs"] {
+            assert!(!l.contains(lib), "libtoroid.so needs {lib} at load time: {l}");
+        }
+    }
+}
+
 /// Runs lifecycle.c for `iters` iterations on 2 ranks under valgrind; returns each rank's
 /// "still reachable" bytes.
 fn valgrind_lifecycle(iters: u32) -> Vec<u64> {

@@ -6,6 +6,7 @@
 //! | module | what |
 //! |---|---|
 //! | [`cpu`] | CPUs online |
+//! | [`dl`] | loading a shared library at run time (CUDA's, which may be absent) |
 //! | [`epoll`] | a set of descriptors that is one descriptor (a striped connection's lanes) |
 //! | [`eventfd`] | an event descriptor that wakes a thread sleeping in `poll(2)` |
 //! | [`fork`] | descriptors closed in a forked child, and the fork generation |
@@ -21,6 +22,7 @@
 //! | [`user`] | the user this process runs as |
 
 pub mod cpu;
+pub mod dl;
 pub mod epoll;
 pub mod eventfd;
 pub mod fork;

@@ -1,0 +1,139 @@
+//! The kernels loaded on one device: [`DeviceKernels`] holds the device's context, a stream
+//! and every kernel's function, and launches them on device pointers. Grid: 256 threads per
+//! block and at most 8 blocks per multiprocessor, the kernels striding over the rest.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+
+use super::{guard, kernels};
+use crate::dtype::{DataType, ReduceOp};
+use crate::error::{Error, Result};
+
+const THREADS: u32 = 256;
+
+/// Every kernel, loaded on one device.
+#[derive(Debug)]
+pub struct DeviceKernels {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    functions: Vec<(String, CudaFunction)>,
+    max_blocks: u32,
+}
+
+fn driver_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
+    move |e| Error::System(format!("CUDA: {what}: {e:?}").into())
+}
+
+impl DeviceKernels {
+    /// Loads `ptx` (from [`super::ptx`], or compiled elsewhere) on device `ordinal`, with a
+    /// stream of its own.
+    pub fn new(ordinal: usize, ptx: &str) -> Result<DeviceKernels> {
+        super::driver_available()?;
+        guard("loading the kernels", || -> Result<DeviceKernels> {
+            let ctx = CudaContext::new(ordinal).map_err(driver_err("creating the context"))?;
+            let stream = ctx.new_stream().map_err(driver_err("creating a stream"))?;
+            let module = ctx
+                .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+                .map_err(driver_err("loading the kernels' PTX"))?;
+            let functions = kernels::names()
+                .into_iter()
+                .map(|n| module.load_function(&n).map(|f| (n, f)))
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map_err(driver_err("finding a kernel"))?;
+            let sms = ctx
+                .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                .map_err(driver_err("reading the multiprocessor count"))?;
+            Ok(DeviceKernels { ctx, stream, functions, max_blocks: (sms.max(1) as u32) * 8 })
+        })?
+    }
+
+    /// The context (to allocate and copy in tests and benchmarks).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream every launch goes on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    fn function(&self, name: &str) -> Result<&CudaFunction> {
+        self.functions
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, f)| f)
+            .ok_or_else(|| Error::Internal(format!("no kernel {name}").into()))
+    }
+
+    fn config(&self, count: usize, dtype: DataType) -> LaunchConfig {
+        // One thread per 16-byte vector at most.
+        let units = (count * dtype.size()).div_ceil(16).max(1);
+        let blocks = units.div_ceil(THREADS as usize).min(self.max_blocks as usize) as u32;
+        LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+    }
+
+    /// Enqueues `dst[i] = a[i] ⊕ b[i]` for `count` elements of `dtype` on [`Self::stream`].
+    ///
+    /// # Safety
+    /// `dst`, `a` and `b` are device pointers of this context, each valid for `count` elements
+    /// of `dtype` until the stream has run the kernel; `dst` may equal `a` or `b` but must not
+    /// overlap them otherwise, nor be written by anything else meanwhile.
+    pub unsafe fn reduce_into(
+        &self,
+        dtype: DataType,
+        op: ReduceOp,
+        dst: u64,
+        a: u64,
+        b: u64,
+        count: usize,
+    ) -> Result<()> {
+        let name = kernels::reduce_kernel(dtype, op)
+            .ok_or_else(|| Error::InvalidArgument("avg is a scale and a sum, not a kernel".into()))?;
+        let f = self.function(&name)?;
+        let n = count as u64;
+        let cfg = self.config(count, dtype);
+        guard("launching a reduction", || {
+            let mut l = self.stream.launch_builder(f);
+            l.arg(&dst).arg(&a).arg(&b).arg(&n);
+            // SAFETY: the kernel takes (T*, const T*, const T*, u64) and reads or writes `n`
+            // elements through them, which the caller guarantees are valid.
+            unsafe { l.launch(cfg) }
+        })?
+        .map(drop)
+        .map_err(driver_err("launching a reduction"))
+    }
+
+    /// Enqueues `dst[i] = src[i] · factor` for `count` elements of the float type `dtype`.
+    ///
+    /// # Safety
+    /// As [`Self::reduce_into`], for `dst` and `src`.
+    pub unsafe fn scale_into(
+        &self,
+        dtype: DataType,
+        dst: u64,
+        src: u64,
+        count: usize,
+        factor: f64,
+    ) -> Result<()> {
+        let name = kernels::scale_kernel(dtype)
+            .ok_or_else(|| Error::InvalidArgument(format!("cannot scale {dtype}").into()))?;
+        let f = self.function(&name)?;
+        let n = count as u64;
+        let cfg = self.config(count, dtype);
+        guard("launching a scale", || {
+            let mut l = self.stream.launch_builder(f);
+            l.arg(&dst).arg(&src).arg(&n).arg(&factor);
+            // SAFETY: the kernel takes (T*, const T*, u64, double) and reads or writes `n`
+            // elements through the pointers, which the caller guarantees are valid.
+            unsafe { l.launch(cfg) }
+        })?
+        .map(drop)
+        .map_err(driver_err("launching a scale"))
+    }
+
+    /// Waits until the stream has run everything enqueued.
+    pub fn synchronize(&self) -> Result<()> {
+        guard("synchronising", || self.stream.synchronize())?.map_err(driver_err("synchronising"))
+    }
+}

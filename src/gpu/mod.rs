@@ -1,0 +1,107 @@
+//! CUDA, loaded at run time (cargo feature `cuda`, on by default): the reduction kernels every
+//! collective on device memory will use, compiled from CUDA C with NVRTC and run through the
+//! driver API, both through `cudarc`, which opens `libcuda.so.1` and `libnvrtc.so.13` only when
+//! first used. A machine without them loads and runs libtoroid as before; asking for CUDA there
+//! returns [`Error::Unsupported`] saying what is missing.
+//!
+//! `cudarc` panics when a library it needs cannot be loaded, so every entry here first loads
+//! the library itself ([`crate::sys::dl`]) and reports its absence as an error, and every call
+//! into `cudarc` runs behind [`guard`], which turns a panic into an error: none crosses into a
+//! caller (or the C ABI).
+//!
+//! Built for the CUDA 13.0 driver API (cudarc feature `cuda-13000`, matching NVRTC 13 that torch
+//! installs): the driver must support CUDA 13.0 (R580 or later).
+//!
+//! | part | what |
+//! |---|---|
+//! | [`kernels`] | the kernels as CUDA C, one per (type, op), and their names |
+//! | [`device`] | the kernels loaded on one device, and launching them |
+//! | [`staged`] | collectives on device memory through pinned host memory, double-buffered |
+//! | this file | finding the libraries, compiling, the panic guard |
+//!
+//! Not built yet: device buffers through the C ABI and the torch backend, CUDA IPC between
+//! ranks of one host, collectives other than all-reduce and broadcast on device memory,
+//! reductions on the device inside a collective (the staged path reduces on the host).
+
+pub mod device;
+pub mod kernels;
+pub mod staged;
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::OnceLock;
+
+use crate::error::{Error, Result};
+
+/// The driver library's name.
+pub const LIBCUDA: &str = "libcuda.so.1";
+/// The NVRTC library's name (what cudarc looks for, among others, for CUDA 13).
+pub const LIBNVRTC: &str = "libnvrtc.so.13";
+
+/// Runs `f`, a call into cudarc, turning a panic into [`Error::Unsupported`] that names `what`.
+pub fn guard<T>(what: &str, f: impl FnOnce() -> T) -> Result<T> {
+    catch_unwind(AssertUnwindSafe(f)).map_err(|p| {
+        let msg = p
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| p.downcast_ref::<&str>().copied())
+            .unwrap_or("a panic");
+        Error::Unsupported(format!("{what}: CUDA failed: {msg}").into())
+    })
+}
+
+/// Whether the CUDA driver can be loaded: `Err(Unsupported)` saying so when it cannot (no
+/// NVIDIA driver on this machine).
+pub fn driver_available() -> Result<()> {
+    crate::sys::dl::load(LIBCUDA).map_err(|e| {
+        Error::Unsupported(
+            format!("CUDA is not available: the driver library {LIBCUDA} cannot be loaded ({e})").into(),
+        )
+    })
+}
+
+/// Loads NVRTC: from `path` when given (e.g. the `nvidia/cu13/lib/libnvrtc.so.13` that torch's
+/// wheel installs), else by name from the loader's search path. Once loaded by path, cudarc's
+/// lookup by name finds it.
+pub fn load_nvrtc(path: Option<&std::path::Path>) -> Result<()> {
+    let name = path.map_or(LIBNVRTC.to_string(), |p| p.display().to_string());
+    crate::sys::dl::load(&name).map_err(|e| {
+        Error::Unsupported(
+            format!("NVRTC is not available: {name} cannot be loaded ({e}); set TOROID_NVRTC_PATH to libnvrtc.so.13")
+                .into(),
+        )
+    })
+}
+
+/// The virtual architecture the PTX targets: the JIT compiles it for the device at load time,
+/// and every feature the kernels use (f16 conversions need sm_53) is in it.
+pub const PTX_ARCH: &str = "compute_75";
+
+/// The kernels' PTX, compiled once per process with NVRTC (found as [`load_nvrtc`] says, with
+/// `TOROID_NVRTC_PATH`).
+pub fn ptx() -> Result<&'static str> {
+    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+    PTX.get_or_init(|| {
+        let path = std::env::var_os("TOROID_NVRTC_PATH").map(std::path::PathBuf::from);
+        load_nvrtc(path.as_deref()).map_err(|e| e.to_string())?;
+        compile(&kernels::source()).map_err(|e| e.to_string())
+    })
+    .as_deref()
+    .map_err(|e| Error::Unsupported(e.clone().into()))
+}
+
+/// Compiles `src` to PTX for [`PTX_ARCH`], exact arithmetic (no fast math, no flush to zero, no
+/// contraction). NVRTC must be loaded ([`load_nvrtc`]).
+pub fn compile(src: &str) -> Result<String> {
+    let opts = cudarc::nvrtc::CompileOptions {
+        ftz: Some(false),
+        prec_div: Some(true),
+        prec_sqrt: Some(true),
+        fmad: Some(false),
+        arch: Some(PTX_ARCH),
+        name: Some("toroid_kernels.cu".into()),
+        ..Default::default()
+    };
+    let ptx = guard("compiling the kernels with NVRTC", || cudarc::nvrtc::compile_ptx_with_opts(src, opts))?
+        .map_err(|e| Error::Internal(format!("NVRTC rejected the kernels: {e:?}").into()))?;
+    Ok(ptx.to_src())
+}
