@@ -478,21 +478,11 @@ pub fn probe(
             }
         }
         let alpha = rtt / 2.0;
-        // Bandwidth: two transfers back to back, timed by the receiver between the end of the
-        // first and the end of the second: the link is busy the whole time, so neither the
-        // latency nor a burst the shaper lets through counts.
-        let (first, second) = (PROBE_BYTES / 4, PROBE_BYTES / 2);
         if me == a {
             out[class] = alpha;
-            wire.exchange(next(), Some((peer, Source::Bytes(&scratch[..first]))), None)?;
-            wire.exchange(next(), Some((peer, Source::Bytes(&scratch[..second]))), None)?;
-            wire.exchange(next(), None, Some((peer, Sink::Copy(&mut []))))?;
-        } else {
-            wire.exchange(next(), None, Some((peer, Sink::Copy(&mut scratch[..first]))))?;
-            let t = std::time::Instant::now();
-            wire.exchange(next(), None, Some((peer, Sink::Copy(&mut scratch[..second]))))?;
-            out[class + 1] = (t.elapsed().as_secs_f64() / second as f64).max(1e-12);
-            wire.exchange(next(), Some((peer, Source::Bytes(&[]))), None)?;
+        }
+        if let Some(secs) = bulk(wire, me == a, peer, scratch, &mut next)? {
+            out[class + 1] = (secs / (PROBE_BYTES / 2) as f64).max(1e-12);
         }
     }
     // The host link as a whole: the i-th ranks of hosts 0 and 1 pair up and all send at once
@@ -508,22 +498,13 @@ pub fn probe(
             _ => None,
         };
         if let (true, Some((sender, peer))) = (pairs >= 2, role) {
-            let (first, second) = (PROBE_BYTES / 4, PROBE_BYTES / 2);
             let mut step = 4000;
             let mut next = || {
                 step += 1;
                 step
             };
-            if sender {
-                wire.exchange(next(), Some((peer, Source::Bytes(&scratch[..first]))), None)?;
-                wire.exchange(next(), Some((peer, Source::Bytes(&scratch[..second]))), None)?;
-                wire.exchange(next(), None, Some((peer, Sink::Copy(&mut []))))?;
-            } else {
-                wire.exchange(next(), None, Some((peer, Sink::Copy(&mut scratch[..first]))))?;
-                let t = std::time::Instant::now();
-                wire.exchange(next(), None, Some((peer, Sink::Copy(&mut scratch[..second]))))?;
-                out[6] = (t.elapsed().as_secs_f64() / (second * pairs) as f64).max(1e-12);
-                wire.exchange(next(), Some((peer, Source::Bytes(&[]))), None)?;
+            if let Some(secs) = bulk(wire, sender, peer, scratch, &mut next)? {
+                out[6] = (secs / (PROBE_BYTES / 2 * pairs) as f64).max(1e-12);
             }
         }
     }
@@ -541,6 +522,33 @@ pub fn probe(
     let cores = crate::sys::cpu::online_cpus();
     out[5] = (topology.machine_ranks(me) as f64 / cores as f64).max(1.0);
     Ok(out)
+}
+
+/// The probe's bandwidth measurement between `me` and `peer`: [`PROBE_BYTES`]/4 then /2 back to
+/// back, timed by the receiver between the end of the first and the end of the second (the link
+/// is busy the whole time, so neither the latency nor a burst a shaper lets through counts),
+/// then an empty answer. Returns the receiver's seconds for the second transfer (`None` on the
+/// sender). `next` numbers the steps.
+fn bulk(
+    wire: &mut crate::algorithm::Wire<'_>,
+    sender: bool,
+    peer: usize,
+    scratch: &mut [u8],
+    next: &mut dyn FnMut() -> usize,
+) -> Result<Option<f64>> {
+    let (first, second) = (PROBE_BYTES / 4, PROBE_BYTES / 2);
+    if sender {
+        wire.exchange(next(), Some((peer, Source::Bytes(&scratch[..first]))), None)?;
+        wire.exchange(next(), Some((peer, Source::Bytes(&scratch[..second]))), None)?;
+        wire.exchange(next(), None, Some((peer, Sink::Copy(&mut []))))?;
+        return Ok(None);
+    }
+    wire.exchange(next(), None, Some((peer, Sink::Copy(&mut scratch[..first]))))?;
+    let t = std::time::Instant::now();
+    wire.exchange(next(), None, Some((peer, Sink::Copy(&mut scratch[..second]))))?;
+    let secs = t.elapsed().as_secs_f64();
+    wire.exchange(next(), Some((peer, Source::Bytes(&[]))), None)?;
+    Ok(Some(secs))
 }
 
 impl CostModel {

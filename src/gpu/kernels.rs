@@ -48,18 +48,7 @@ fn repr(d: DataType) -> Repr {
 }
 
 /// Every element type.
-pub const TYPES: [DataType; 10] = [
-    DataType::I8,
-    DataType::U8,
-    DataType::I32,
-    DataType::U32,
-    DataType::I64,
-    DataType::U64,
-    DataType::F16,
-    DataType::BF16,
-    DataType::F32,
-    DataType::F64,
-];
+pub const TYPES: [DataType; 10] = DataType::ALL;
 
 /// The ops that are kernels (`Avg` is a scale and a sum).
 pub const OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max];
