@@ -125,6 +125,19 @@ static void argument_errors(toroid_comm *comm) {
   EXPECT_CODE(TOROID_UNSUPPORTED, toroid_all_reduce(comm, a, b, 2, TOROID_INT32, TOROID_AVG));
   EXPECT_LAST(comm, "avg");
 
+  /* The stream forms take device memory: without CUDA they are unsupported and say why; with
+   * CUDA (a GPU machine), host memory is refused as an argument error. */
+  toroid_result rs = toroid_all_reduce_stream(comm, a, b, 8, TOROID_FLOAT32, TOROID_SUM, NULL);
+  if (rs == TOROID_UNSUPPORTED) {
+    EXPECT_LAST(comm, "CUDA is not available");
+    EXPECT_CODE(TOROID_UNSUPPORTED, toroid_broadcast_stream(comm, a, a, 8, TOROID_FLOAT32, 0, NULL));
+    EXPECT_LAST(comm, "CUDA is not available");
+  } else {
+    EXPECT_CODE(TOROID_INVALID_ARGUMENT, rs);
+    EXPECT_LAST(comm, "host memory");
+  }
+  EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_all_reduce_stream(comm, a, b, 8, (toroid_datatype)42, TOROID_SUM, NULL));
+
   /* Counts whose byte size overflows. */
   EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_all_reduce(comm, a, b, SIZE_MAX / 2, TOROID_FLOAT32, TOROID_SUM));
   EXPECT_LAST(comm, "overflows");

@@ -637,6 +637,35 @@ const char *toroid_get_last_error(const struct toroid_comm *comm);
 const char *toroid_version(void);
 
 /**
+ * All-reduces `count` elements of `dtype` from device memory `sendbuf` into device memory
+ * `recvbuf` (the same pointer: in place) with `op`, ordered on `stream` (a cudaStream_t of the
+ * buffers' device, or NULL for the legacy default stream): work enqueued on the stream before
+ * the call is complete before its data is read, and the result is in `recvbuf` when the call
+ * returns. TOROID_UNSUPPORTED when CUDA is not available; TOROID_INVALID_ARGUMENT for host
+ * memory.
+ */
+enum toroid_result toroid_all_reduce_stream(struct toroid_comm *comm,
+                                            const void *sendbuf,
+                                            void *recvbuf,
+                                            size_t count,
+                                            toroid_datatype dtype,
+                                            toroid_redop op,
+                                            void *stream);
+
+/**
+ * Broadcasts `count` elements of `dtype` from device memory `sendbuf` at `root` into device
+ * memory `recvbuf` at every rank (the same pointer: in place), ordered on `stream` as
+ * toroid_all_reduce_stream. Errors as toroid_all_reduce_stream.
+ */
+enum toroid_result toroid_broadcast_stream(struct toroid_comm *comm,
+                                           const void *sendbuf,
+                                           void *recvbuf,
+                                           size_t count,
+                                           toroid_datatype dtype,
+                                           int root,
+                                           void *stream);
+
+/**
  * Writes the stall report of `comm` to `buf` as NUL-terminated text, truncated to `len` bytes
  * including the NUL (at a character boundary): the conclusion line first, then one line per
  * rank (the last operation it completed, the one it is in with phase, step, whom it waits on

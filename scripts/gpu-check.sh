@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks: every test of tests/gpu.rs with a GPU required (each kernel on the device
-# against the CPU kernels' bits), then the device kernel benchmark (examples/gpu_bandwidth.rs).
+# against the CPU kernels' bits, staged collectives on device memory), the C stream entry points
+# on 2 ranks (ffi_tests/gpu/stream.c, built here with the CUDA driver's cuda.h), then the
+# device kernel benchmark (examples/gpu_bandwidth.rs).
 #
 #   scripts/gpu-check.sh               build with cargo (feature `cuda`), then run
 #   scripts/gpu-check.sh --build DIR   only build the two binaries into DIR (for a GPU machine
@@ -23,10 +25,10 @@ for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
         print(m["executable"])')
-  cargo build --release --features cuda --example gpu_bandwidth
+  cargo build --release --features cuda --example gpu_bandwidth --lib --bin toroid-run
   cp "$tests" "$dir/gpu-tests"
-  cp target/release/examples/gpu_bandwidth "$dir/gpu_bandwidth"
-  strip "$dir/gpu-tests" "$dir/gpu_bandwidth" 2>/dev/null || true
+  cp target/release/examples/gpu_bandwidth target/release/toroid-run target/release/libtoroid.so "$dir/"
+  strip "$dir/gpu-tests" "$dir/gpu_bandwidth" "$dir/toroid-run" "$dir/libtoroid.so" 2>/dev/null || true
 }
 
 run() {
@@ -42,6 +44,22 @@ for p in nvidia.__path__:
   fi
   echo "NVRTC: ${TOROID_NVRTC_PATH:-none found}"
   TOROID_REQUIRE_GPU=1 TOROID_REQUIRE_NVRTC=1 "$dir/gpu-tests" --test-threads 1 --nocapture
+  local cuda_h
+  cuda_h=$( (ls /usr/local/cuda/include/cuda.h /usr/local/cuda*/include/cuda.h 2>/dev/null;
+    python3 -c 'import nvidia, os
+for p in nvidia.__path__:
+    f = os.path.join(p, "cu13", "include", "cuda.h")
+    if os.path.exists(f): print(f)' 2>/dev/null) | head -1 || true)
+  local libcuda
+  libcuda=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}')
+  libcuda=${libcuda:-$(ls /usr/local/nvidia/lib64/libcuda.so.1 /usr/lib/x86_64-linux-gnu/libcuda.so.1 2>/dev/null | head -1 || true)}
+  if [ -z "$cuda_h" ]; then
+    echo "SKIPPED ffi_tests/gpu/stream.c: no cuda.h (CUDA toolkit) on this machine"
+  else
+    cc -O1 -I include -I ffi_tests -I "$(dirname "$cuda_h")" ffi_tests/gpu/stream.c \
+      -L "$dir" -ltoroid "${libcuda:--lcuda}" -Wl,-rpath,"$(cd "$dir" && pwd)" -o "$dir/stream"
+    "$dir/toroid-run" -n 2 "$dir/stream"
+  fi
   "$dir/gpu_bandwidth" 256
 }
 

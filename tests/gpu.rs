@@ -236,7 +236,7 @@ fn staged_all_reduce_and_broadcast_on_device_memory_give_the_reference() {
         use cudarc::driver::{DevicePtr, DevicePtrMut};
         let me = comm.rank();
         let mut dc = DeviceCollectives::on_device(0).expect("device collectives");
-        let stream = dc.stream().clone();
+        let stream = dc.new_stream().expect("a stream");
         // 1, a tail, and 2.6 Mi f32 = 10.4 MB: three chunks, the last partial.
         for count in [1usize, 4099, 2_600_000] {
             // f32 sum of small integers: exact in any order.
@@ -246,9 +246,10 @@ fn staged_all_reduce_and_broadcast_on_device_memory_give_the_reference() {
                 let (p, _g) = dev.device_ptr_mut(&stream);
                 p
             };
-            assert!(staged::is_device_pointer(p), "a device allocation is device memory");
+            assert_eq!(staged::device_of(p), Some(0), "a device allocation is device 0's memory");
             // SAFETY: `dev` holds `count` f32 and lives past the call.
-            unsafe { dc.all_reduce(&comm, p, count, DataType::F32, ReduceOp::Sum) }.expect("all_reduce");
+            unsafe { dc.all_reduce(&comm, &stream, p, count, DataType::F32, ReduceOp::Sum) }
+                .expect("all_reduce");
             let got = stream.clone_dtoh(&dev).expect("copy out");
             for (i, g) in got.iter().enumerate() {
                 let want: f32 = (0..n).map(|r| (staged_value(r, i) % 1000) as f32).sum();
@@ -259,7 +260,8 @@ fn staged_all_reduce_and_broadcast_on_device_memory_give_the_reference() {
             let mut dev = stream.clone_htod(&mine).expect("copy in");
             let p = dev.device_ptr_mut(&stream).0;
             // SAFETY: as above.
-            unsafe { dc.all_reduce(&comm, p, count, DataType::I64, ReduceOp::Sum) }.expect("all_reduce");
+            unsafe { dc.all_reduce(&comm, &stream, p, count, DataType::I64, ReduceOp::Sum) }
+                .expect("all_reduce");
             let got = stream.clone_dtoh(&dev).expect("copy out");
             for (i, g) in got.iter().enumerate() {
                 let want = (0..n).fold(0i64, |s, r| s.wrapping_add(staged_value(r, i) as i64));
@@ -271,7 +273,7 @@ fn staged_all_reduce_and_broadcast_on_device_memory_give_the_reference() {
             let dev = stream.clone_htod(&mine).expect("copy in");
             let p = dev.device_ptr(&stream).0;
             // SAFETY: as above.
-            unsafe { dc.broadcast(&comm, p, count, DataType::F64, n - 1) }.expect("broadcast");
+            unsafe { dc.broadcast(&comm, &stream, p, count, DataType::F64, n - 1) }.expect("broadcast");
             let got = stream.clone_dtoh(&dev).expect("copy out");
             assert!(
                 got.iter().enumerate().all(|(i, g)| *g == staged_value(n - 1, i) as f64),

@@ -13,6 +13,7 @@
 #![allow(clippy::missing_safety_doc)]
 
 mod boundary;
+mod device;
 mod dump;
 mod group;
 mod init;

@@ -19,8 +19,8 @@
 //! | [`staged`] | collectives on device memory through pinned host memory, double-buffered |
 //! | this file | finding the libraries, compiling, the panic guard |
 //!
-//! Not built yet: device buffers through the C ABI and the torch backend, CUDA IPC between
-//! ranks of one host, collectives other than all-reduce and broadcast on device memory,
+//! Not built yet: the torch backend on CUDA tensors, asynchronous stream collectives, CUDA IPC
+//! between ranks of one host, collectives other than all-reduce and broadcast on device memory,
 //! reductions on the device inside a collective (the staged path reduces on the host).
 
 pub mod device;

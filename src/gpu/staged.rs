@@ -13,7 +13,7 @@
 //! call is finished before its data is read, and the result is in device memory when the call
 //! returns.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaStream, PinnedHostSlice};
 
@@ -25,36 +25,44 @@ use crate::{CallOptions, Communicator, OpKind};
 /// Bytes per chunk (rounded down to whole elements).
 pub const CHUNK: usize = 4 << 20;
 
-/// Whether `ptr` points into device memory (`cuPointerGetAttribute`, memory type device).
-/// `false` for host memory, and on a machine without CUDA.
-pub fn is_device_pointer(ptr: u64) -> bool {
-    if super::driver_available().is_err() {
-        return false;
-    }
+/// The device ordinal of the memory `ptr` points into (`cuPointerGetAttribute`: memory type
+/// device); `None` for host memory, and on a machine without CUDA.
+pub fn device_of(ptr: u64) -> Option<usize> {
+    use cudarc::driver::sys::{CUmemorytype, CUpointer_attribute, CUresult, cuPointerGetAttribute};
+    super::driver_available().ok()?;
     guard("reading a pointer's attributes", || {
-        if cudarc::driver::result::init().is_err() {
-            return false;
-        }
-        let mut kind: u32 = 0;
-        // SAFETY: `kind` is a live u32, the size the memory-type attribute is written as; any
-        // `ptr` value is allowed (an unknown one is an error, not a fault).
-        let r = unsafe {
-            cudarc::driver::sys::cuPointerGetAttribute(
+        cudarc::driver::result::init().ok()?;
+        let (mut kind, mut ordinal): (u32, i32) = (0, -1);
+        // SAFETY: each destination is a live value of the size its attribute is written as (an
+        // unsigned int, an int); any `ptr` value is allowed (an unknown one is an error).
+        let ok = unsafe {
+            cuPointerGetAttribute(
                 (&mut kind as *mut u32).cast(),
-                cudarc::driver::sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
                 ptr,
-            )
+            ) == CUresult::CUDA_SUCCESS
+                && kind == CUmemorytype::CU_MEMORYTYPE_DEVICE as u32
+                && cuPointerGetAttribute(
+                    (&mut ordinal as *mut i32).cast(),
+                    CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                    ptr,
+                ) == CUresult::CUDA_SUCCESS
         };
-        r == cudarc::driver::sys::CUresult::CUDA_SUCCESS
-            && kind == cudarc::driver::sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32
+        (ok && ordinal >= 0).then_some(ordinal as usize)
     })
-    .unwrap_or(false)
+    .ok()
+    .flatten()
 }
 
-/// The staging buffers and the stream of one device.
+/// Whether `ptr` points into device memory ([`device_of`]).
+pub fn is_device_pointer(ptr: u64) -> bool {
+    device_of(ptr).is_some()
+}
+
+/// The staging buffers of one device's context. Calls take the stream they are ordered on.
 #[derive(Debug)]
 pub struct DeviceCollectives {
-    stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
     bufs: [PinnedHostSlice<u8>; 2],
 }
 
@@ -63,18 +71,18 @@ fn driver_err(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Err
 }
 
 impl DeviceCollectives {
-    /// Collectives on device `ordinal`'s memory, on a new stream of its primary context.
+    /// Staging for device `ordinal` (its primary context, the one the CUDA runtime and torch
+    /// use).
     pub fn on_device(ordinal: usize) -> Result<DeviceCollectives> {
         super::driver_available()?;
-        let stream = guard("creating a stream", || {
-            CudaContext::new(ordinal).and_then(|c| c.new_stream()).map_err(driver_err("creating a stream"))
+        let ctx = guard("opening the device", || {
+            CudaContext::new(ordinal).map_err(driver_err("opening the device"))
         })??;
-        DeviceCollectives::on_stream(stream)
+        DeviceCollectives::new(ctx)
     }
 
-    /// Collectives ordered on `stream`.
-    pub fn on_stream(stream: Arc<CudaStream>) -> Result<DeviceCollectives> {
-        let ctx = stream.context().clone();
+    /// Staging for `ctx`.
+    pub fn new(ctx: Arc<CudaContext>) -> Result<DeviceCollectives> {
         let alloc = || {
             // SAFETY: page-locked host memory of CHUNK bytes; its contents are only read after
             // a copy into it completed (or are overwritten by the collective first). Flags 0:
@@ -85,29 +93,36 @@ impl DeviceCollectives {
         let bufs = guard("allocating pinned memory", || -> Result<[PinnedHostSlice<u8>; 2]> {
             Ok([alloc()?, alloc()?])
         })??;
-        Ok(DeviceCollectives { stream, bufs })
+        Ok(DeviceCollectives { ctx, bufs })
     }
 
-    /// The stream calls are ordered on.
-    pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
+    /// The context the staging belongs to.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
     }
 
-    /// All-reduces `count` elements of `dtype` in place in device memory at `ptr`, on `comm`.
+    /// A new stream of the context (for callers without one of their own).
+    pub fn new_stream(&self) -> Result<Arc<CudaStream>> {
+        guard("creating a stream", || self.ctx.new_stream().map_err(driver_err("creating a stream")))?
+    }
+
+    /// All-reduces `count` elements of `dtype` in place in device memory at `ptr`, on `comm`,
+    /// ordered on `stream` (of this context).
     ///
     /// # Safety
-    /// `ptr` is device memory of the stream's context, valid for `count` elements of `dtype`,
-    /// and nothing else uses it until the call returns.
+    /// `ptr` is device memory of this context, valid for `count` elements of `dtype`, and
+    /// nothing else uses it until the call returns.
     pub unsafe fn all_reduce(
         &mut self,
         comm: &Communicator,
+        stream: &Arc<CudaStream>,
         ptr: u64,
         count: usize,
         dtype: DataType,
         op: ReduceOp,
     ) -> Result<()> {
         // SAFETY: forwarded contract.
-        unsafe { self.staged(comm, ptr, count, dtype, OpKind::AllReduce(op)) }
+        unsafe { self.staged(comm, stream, ptr, count, dtype, OpKind::AllReduce(op)) }
     }
 
     /// Broadcasts `count` elements of `dtype` in device memory at `ptr` from `root`, on `comm`.
@@ -117,13 +132,14 @@ impl DeviceCollectives {
     pub unsafe fn broadcast(
         &mut self,
         comm: &Communicator,
+        stream: &Arc<CudaStream>,
         ptr: u64,
         count: usize,
         dtype: DataType,
         root: usize,
     ) -> Result<()> {
         // SAFETY: forwarded contract.
-        unsafe { self.staged(comm, ptr, count, dtype, OpKind::Broadcast(root)) }
+        unsafe { self.staged(comm, stream, ptr, count, dtype, OpKind::Broadcast(root)) }
     }
 
     /// Runs `kind` (an in-place collective whose every element depends only on the same
@@ -134,6 +150,7 @@ impl DeviceCollectives {
     unsafe fn staged(
         &mut self,
         comm: &Communicator,
+        stream: &Arc<CudaStream>,
         ptr: u64,
         count: usize,
         dtype: DataType,
@@ -145,7 +162,6 @@ impl DeviceCollectives {
             .checked_mul(es)
             .ok_or_else(|| Error::InvalidArgument(format!("{count} elements of {dtype} overflow").into()))?;
         let chunks = total.div_ceil(per);
-        let stream = self.stream.clone();
         let cu = stream.cu_stream();
         let [b0, b1] = &mut self.bufs;
         let raw = guard("mapping pinned memory", || -> Result<[*mut u8; 2]> {
@@ -203,4 +219,75 @@ impl DeviceCollectives {
         let synced = guard("synchronising", || stream.synchronize())?.map_err(driver_err("synchronising"));
         result.and(synced)
     }
+}
+
+/// One device's staging, shared by the callers that use it (one at a time).
+type Staging = Arc<Mutex<DeviceCollectives>>;
+
+/// The staging of each device this process used, made on first use and kept (pinned memory is
+/// slow to allocate: never per call).
+fn staging_for(ordinal: usize) -> Result<Staging> {
+    static ALL: OnceLock<Mutex<Vec<(usize, Staging)>>> = OnceLock::new();
+    let mut all = ALL.get_or_init(Mutex::default).lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, s)) = all.iter().find(|(o, _)| *o == ordinal) {
+        return Ok(s.clone());
+    }
+    let s = Arc::new(Mutex::new(DeviceCollectives::on_device(ordinal)?));
+    all.push((ordinal, s.clone()));
+    Ok(s)
+}
+
+/// What a C caller asks: `kind` (an all-reduce or a broadcast) of `count` elements of `dtype`
+/// from device memory `send` into device memory `recv` (the same pointer: in place), ordered
+/// on the CUDA stream `stream` (a `CUstream`/`cudaStream_t` of the buffers' device's primary
+/// context; NULL: the legacy default stream). Blocking for the host.
+///
+/// Without CUDA: `Unsupported` ("CUDA is not available ..."); pointers that are not device
+/// memory of one device: `InvalidArgument`.
+///
+/// # Safety
+/// `send` and `recv` are valid for `count` elements of `dtype` on their device until the call
+/// returns and nothing else uses them meanwhile; `stream` is NULL or a live stream of that
+/// device's primary context.
+pub unsafe fn on_stream(
+    comm: &Communicator,
+    kind: OpKind,
+    send: u64,
+    recv: u64,
+    count: usize,
+    dtype: DataType,
+    stream: *mut std::ffi::c_void,
+) -> Result<()> {
+    super::driver_available()?;
+    let bytes = count
+        .checked_mul(dtype.size())
+        .ok_or_else(|| Error::InvalidArgument(format!("{count} elements of {dtype} overflow").into()))?;
+    let ordinal = match (device_of(send), device_of(recv)) {
+        _ if count == 0 => None,
+        (Some(a), Some(b)) if a == b => Some(a),
+        (a, b) => {
+            return Err(Error::InvalidArgument(
+                format!(
+                    "the stream collectives take device memory of one device: sendbuf is {}, recvbuf is {}",
+                    a.map_or("host memory".into(), |d| format!("on device {d}")),
+                    b.map_or("host memory".into(), |d| format!("on device {d}"))
+                )
+                .into(),
+            ));
+        }
+    };
+    let staging = staging_for(ordinal.unwrap_or(0))?;
+    let mut st = staging.lock().unwrap_or_else(|e| e.into_inner());
+    // SAFETY: the caller's stream is NULL or a live stream of this (primary) context, kept
+    // alive by the caller for the call.
+    let stream = unsafe { st.context().wrap_borrowed_stream(stream.cast()) };
+    if send != recv && bytes > 0 {
+        guard("copying sendbuf to recvbuf", || {
+            // SAFETY: both ranges are valid device memory of `bytes` bytes (the caller's promise).
+            unsafe { cudarc::driver::result::memcpy_dtod_async(recv, send, bytes, stream.cu_stream()) }
+        })?
+        .map_err(driver_err("copying sendbuf to recvbuf"))?;
+    }
+    // SAFETY: forwarded contract, for `recv`.
+    unsafe { st.staged(comm, &stream, recv, count, dtype, kind) }
 }

@@ -1,0 +1,81 @@
+/* toroid_all_reduce_stream and toroid_broadcast_stream on device memory from C, with the CUDA
+ * driver API (built and run by scripts/gpu-check.sh on a GPU machine, 2 ranks on one GPU under
+ * toroid-run; never in the CPU test suite):
+ *
+ *   cc -I include -I ffi_tests -I $CUDA/include ffi_tests/gpu/stream.c -L DIR -ltoroid -lcuda
+ *
+ * Each rank fills a device buffer with its own exact values (small integers), runs the
+ * collective on a stream of its own, in place and out of place, and checks every element
+ * against what it computes for every rank; host memory is refused as an argument error. */
+#include <cuda.h>
+
+#include "test_util.h"
+
+#define CU(call)                                                          \
+  do {                                                                    \
+    CUresult e_ = (call);                                                 \
+    if (e_ != CUDA_SUCCESS) FAIL("%s failed with CUDA error %d", #call, (int)e_); \
+  } while (0)
+
+static float value(int rank, size_t i) { return (float)((rank * 7919 + i * 31) % 1000); }
+
+int main(void) {
+  toroid_comm *comm = NULL;
+  CHECK(toroid_comm_init_env(&comm));
+  int size = 0;
+  CHECK(toroid_comm_rank(comm, &g_rank));
+  CHECK(toroid_comm_size(comm, &size));
+  CU(cuInit(0));
+  CUdevice dev;
+  CUcontext ctx;
+  CU(cuDeviceGet(&dev, 0));
+  CU(cuDevicePrimaryCtxRetain(&ctx, dev));
+  CU(cuCtxSetCurrent(ctx));
+  CUstream stream;
+  CU(cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING));
+
+  const size_t counts[] = {1, 4099, 3000000}; /* the last: 12 MB, three staging chunks */
+  for (size_t c = 0; c < sizeof counts / sizeof counts[0]; c++) {
+    size_t n = counts[c];
+    float *host = malloc(n * sizeof(float));
+    EXPECT(host != NULL);
+    for (size_t i = 0; i < n; i++) host[i] = value(g_rank, i);
+    CUdeviceptr a, b;
+    CU(cuMemAlloc(&a, n * sizeof(float)));
+    CU(cuMemAlloc(&b, n * sizeof(float)));
+    CU(cuMemcpyHtoDAsync(a, host, n * sizeof(float), stream));
+
+    /* Out of place, ordered after the copy on the same stream. */
+    CHECK(toroid_all_reduce_stream(comm, (void *)a, (void *)b, n, TOROID_FLOAT32, TOROID_SUM, stream));
+    CU(cuMemcpyDtoH(host, b, n * sizeof(float)));
+    for (size_t i = 0; i < n; i++) {
+      float want = 0;
+      for (int r = 0; r < size; r++) want += value(r, i);
+      if (host[i] != want) FAIL("out of place: [%zu] of %zu = %g, expected %g", i, n, host[i], want);
+    }
+    /* In place on b: every element becomes size x the sum. */
+    CHECK(toroid_all_reduce_stream(comm, (void *)b, (void *)b, n, TOROID_FLOAT32, TOROID_SUM, stream));
+    CU(cuMemcpyDtoH(host, b, n * sizeof(float)));
+    for (size_t i = 0; i < n; i++) {
+      float want = 0;
+      for (int r = 0; r < size; r++) want += value(r, i);
+      if (host[i] != want * size) FAIL("in place: [%zu] of %zu = %g, expected %g", i, n, host[i], want * size);
+    }
+    /* Broadcast a from the last rank into b. */
+    CHECK(toroid_broadcast_stream(comm, (void *)a, (void *)b, n, TOROID_FLOAT32, size - 1, stream));
+    CU(cuMemcpyDtoH(host, b, n * sizeof(float)));
+    for (size_t i = 0; i < n; i++)
+      if (host[i] != value(size - 1, i)) FAIL("broadcast: [%zu] of %zu = %g", i, n, host[i]);
+    CU(cuMemFree(a));
+    CU(cuMemFree(b));
+    free(host);
+  }
+  float h[4] = {0};
+  EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_all_reduce_stream(comm, h, h, 4, TOROID_FLOAT32, TOROID_SUM, stream));
+  EXPECT(strstr(toroid_get_last_error(comm), "host memory") != NULL);
+  CU(cuStreamDestroy(stream));
+  CU(cuDevicePrimaryCtxRelease(dev));
+  CHECK(toroid_comm_destroy(comm));
+  printf("rank %d: stream collectives on device memory passed\n", g_rank);
+  return 0;
+}

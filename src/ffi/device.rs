@@ -1,0 +1,110 @@
+//! Collectives on device memory from C, ordered on a CUDA stream as NCCL's are:
+//! `toroid_all_reduce_stream` and `toroid_broadcast_stream` take device pointers (recognised by
+//! their attributes) and a `cudaStream_t`/`CUstream` (opaque here; NULL is the legacy default
+//! stream), and run staged through pinned host memory (`gpu::staged`). Blocking for the host in
+//! this version: the result is in device memory when the call returns.
+//!
+//! Without CUDA (no driver, or built without the `cuda` feature) both return
+//! TOROID_UNSUPPORTED with a message saying so; host pointers on a machine with CUDA are
+//! TOROID_INVALID_ARGUMENT (the plain entry points take host memory).
+
+use std::ffi::{c_int, c_void};
+
+use super::boundary::{ffi_boundary, with_comm};
+use super::ops::Args;
+use super::types::{RawDatatype, RawRedop, toroid_comm, toroid_result};
+use crate::collective::OpKind;
+use crate::error::{Error, Result};
+
+/// Runs `kind` on device memory through `gpu::staged::on_stream`.
+///
+/// # Safety
+/// The C contract of the two entry points below.
+#[allow(unused_variables)]
+unsafe fn run(
+    name: &'static str,
+    comm: *mut toroid_comm,
+    kind: impl FnOnce() -> Result<OpKind>,
+    a: Args,
+    stream: *mut c_void,
+) -> toroid_result {
+    with_comm(name, comm, |h| {
+        let (kind, dtype) = (kind()?, a.dtype.get()?);
+        #[cfg(feature = "cuda")]
+        {
+            if let OpKind::Broadcast(root) = kind
+                && root >= h.comm.size()
+            {
+                return Err(Error::InvalidArgument(
+                    format!("root {root} is not a rank of {}", h.comm.size()).into(),
+                ));
+            }
+            // SAFETY: forwarded from the C caller (buffers valid on their device, stream live).
+            unsafe {
+                crate::gpu::staged::on_stream(
+                    &h.comm,
+                    kind,
+                    a.send as u64,
+                    a.recv as u64,
+                    a.count,
+                    dtype,
+                    stream,
+                )
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            Err(Error::Unsupported(
+                format!("{name}: CUDA is not available: libtoroid was built without the `cuda` feature")
+                    .into(),
+            ))
+        }
+    })
+}
+
+/// All-reduces `count` elements of `dtype` from device memory `sendbuf` into device memory
+/// `recvbuf` (the same pointer: in place) with `op`, ordered on `stream` (a cudaStream_t of the
+/// buffers' device, or NULL for the legacy default stream): work enqueued on the stream before
+/// the call is complete before its data is read, and the result is in `recvbuf` when the call
+/// returns. TOROID_UNSUPPORTED when CUDA is not available; TOROID_INVALID_ARGUMENT for host
+/// memory.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn toroid_all_reduce_stream(
+    comm: *mut toroid_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: RawDatatype,
+    op: RawRedop,
+    stream: *mut c_void,
+) -> toroid_result {
+    const NAME: &str = "toroid_all_reduce_stream";
+    let kind = || Ok(OpKind::AllReduce(op.get()?));
+    let a = Args { send: sendbuf, recv: recvbuf, count, dtype };
+    // SAFETY: the C contract above.
+    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream) } })
+}
+
+/// Broadcasts `count` elements of `dtype` from device memory `sendbuf` at `root` into device
+/// memory `recvbuf` at every rank (the same pointer: in place), ordered on `stream` as
+/// toroid_all_reduce_stream. Errors as toroid_all_reduce_stream.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn toroid_broadcast_stream(
+    comm: *mut toroid_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: RawDatatype,
+    root: c_int,
+    stream: *mut c_void,
+) -> toroid_result {
+    const NAME: &str = "toroid_broadcast_stream";
+    let kind = || {
+        usize::try_from(root)
+            .map(OpKind::Broadcast)
+            .map_err(|_| Error::InvalidArgument(format!("root {root} is negative").into()))
+    };
+    let a = Args { send: sendbuf, recv: recvbuf, count, dtype };
+    // SAFETY: the C contract above.
+    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream) } })
+}
