@@ -105,6 +105,7 @@ pub const TOROID_VARS: &[&str] = &[
     "TOROID_WIRE_DTYPE",
     "TOROID_NSOCKS",
     "TOROID_TEST_FLOW_RATE",
+    "TOROID_NVRTC_PATH",
 ];
 
 /// Settings of the library, from the environment or built by hand.

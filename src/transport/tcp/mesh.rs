@@ -440,11 +440,17 @@ mod tests {
                 let (addrs, opts) = (addrs.clone(), opts.clone());
                 let token = t.map(|t| AuthToken::new(t.as_bytes()));
                 std::thread::spawn(move || {
-                    connect_mesh(r, &addrs, &ep, Vec::new(), 99, &lanes, &opts, token.as_ref(), deadline)
+                    let m =
+                        connect_mesh(r, &addrs, &ep, Vec::new(), 99, &lanes, &opts, token.as_ref(), deadline);
+                    (m, ep)
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        // Every listener stays open until every rank is done, as a communicator's does (its
+        // control plane keeps it): a rank that finished early does not refuse a late connection.
+        let (meshes, _eps): (Vec<_>, Vec<_>) =
+            handles.into_iter().map(|h| h.join().expect("rank thread")).unzip();
+        meshes
     }
 
     /// Writes `msg` on `from` and reads it back whole on `to`.

@@ -70,6 +70,14 @@ pub(super) fn flush(s: &mut TcpStream, msg: &[u8], sent: &mut usize) -> io::Resu
     Ok(true)
 }
 
+/// Why a genuine peer closes a connection during set-up: the hint every connector error gives.
+fn dropped_by(peer: usize) -> String {
+    format!(
+        "rank {peer} drops connections whose TOROID_AUTH_TOKEN, communicator, TOROID_NSOCKS or protocol \
+         version differ from its own, and stops listening for set-up once its own links are in; its log says which"
+    )
+}
+
 fn hello_of(buf: &[u8]) -> Hello {
     let mut h = [0u8; HELLO_LEN];
     h.copy_from_slice(&buf[..HELLO_LEN]);
@@ -157,13 +165,19 @@ impl Outgoing {
         let (peer, addr) = (self.peer, self.addr);
         match (&self.phase, &self.last_refusal) {
             (OutPhase::Retry(_) | OutPhase::Connecting(_), Some(e)) => {
-                format!("rank {rank}: could not connect to rank {peer} at {addr}: {e}")
+                format!(
+                    "rank {rank}: could not connect to rank {peer} at {addr}: {e} (it never listened, died, or {})",
+                    dropped_by(peer)
+                )
             }
             (OutPhase::Retry(_) | OutPhase::Connecting(_), None) => {
                 format!("rank {rank}: could not connect to rank {peer} at {addr}: no answer")
             }
             (OutPhase::Sending, _) => format!("rank {rank}: hello to rank {peer} at {addr} not sent"),
-            _ => format!("rank {rank}: waiting for rank {peer}'s ack: no handshake before the deadline"),
+            _ => format!(
+                "rank {rank}: waiting for rank {peer}'s ack: no handshake before the deadline ({})",
+                dropped_by(peer)
+            ),
         }
     }
 
@@ -211,7 +225,11 @@ impl Outgoing {
                         Ok(false) => return Ok(()),
                         Err(e) => {
                             return Err(Error::Remote(
-                                format!("rank {rank}: hello to rank {peer} at {addr} failed: {e}").into(),
+                                format!(
+                                    "rank {rank}: hello to rank {peer} at {addr} failed: {e} ({})",
+                                    dropped_by(peer)
+                                )
+                                .into(),
                             ));
                         }
                     }
@@ -231,7 +249,17 @@ impl Outgoing {
             self.last_refusal = Some(e);
             return Ok(());
         }
-        Err(Error::system(format!("rank {}: connecting to rank {} at {}", ctx.rank, self.peer, self.addr), e))
+        let why = match e.kind() {
+            // Accepted by the kernel, then closed by the peer without a word.
+            io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionAborted => {
+                format!(" ({})", dropped_by(self.peer))
+            }
+            _ => String::new(),
+        };
+        Err(Error::system(
+            format!("rank {}: connecting to rank {} at {}{why}", ctx.rank, self.peer, self.addr),
+            e,
+        ))
     }
 
     fn read_ack(&mut self, ctx: Ctx<'_>) -> Result<()> {
@@ -242,13 +270,7 @@ impl Outgoing {
         let before = self.got;
         let full = fill(s, &mut self.ack[..need], &mut self.got).map_err(|e| {
             // A peer that rejects our hello closes the connection without an ack.
-            Error::Remote(
-                format!(
-                    "{what}: handshake failed: {e} (rank {peer} drops connections whose TOROID_AUTH_TOKEN, \
-                     communicator, TOROID_NSOCKS or protocol version differ from its own; its log says which)"
-                )
-                .into(),
-            )
+            Error::Remote(format!("{what}: handshake failed: {e} ({})", dropped_by(peer)).into())
         })?;
         // Check the ack as soon as it is whole, before its MAC: the peer's error shows first.
         if before < HELLO_LEN && self.got >= HELLO_LEN {
