@@ -17,4 +17,8 @@ fi
 cargo build --lib --quiet
 export TOROID_LIBRARY="$PWD/target/debug/libtoroid.so"
 echo "run_tests.sh: toroid $(PYTHONPATH=python "$PYTHON" -c 'import toroid; print(toroid.version())') from $TOROID_LIBRARY; torch $("$PYTHON" -c 'import torch; print(torch.__version__)')" >&2
-exec "$PYTHON" -m pytest -q python/tests "$@"
+# Temporary files (torch's suite leaves its FileStore files behind) go to a directory of this
+# run, removed at the end whatever the outcome.
+tmp=$(mktemp -d -t toroid-python-tests.XXXXXX)
+trap 'rm -rf "$tmp"' EXIT
+TMPDIR="$tmp" "$PYTHON" -m pytest -q python/tests "$@"
