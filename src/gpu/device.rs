@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 
-use super::{guard, kernels};
+use super::{driver_err, guard, kernels};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 
@@ -17,12 +17,11 @@ const THREADS: u32 = 256;
 pub struct DeviceKernels {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    functions: Vec<(String, CudaFunction)>,
+    /// The reductions, [`kernels::TYPES`] by [`kernels::OPS`] in that order.
+    reduce: Vec<CudaFunction>,
+    /// The scales, by [`kernels::TYPES`] (none for integers).
+    scale: Vec<Option<CudaFunction>>,
     max_blocks: u32,
-}
-
-fn driver_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
-    move |e| Error::System(format!("CUDA: {what}: {e:?}").into())
 }
 
 impl DeviceKernels {
@@ -36,15 +35,20 @@ impl DeviceKernels {
             let module = ctx
                 .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
                 .map_err(driver_err("loading the kernels' PTX"))?;
-            let functions = kernels::names()
-                .into_iter()
-                .map(|n| module.load_function(&n).map(|f| (n, f)))
-                .collect::<std::result::Result<Vec<_>, _>>()
-                .map_err(driver_err("finding a kernel"))?;
+            let load = |name: String| module.load_function(&name).map_err(driver_err("finding a kernel"));
+            let reduce = kernels::TYPES
+                .iter()
+                .flat_map(|&d| kernels::OPS.iter().filter_map(move |&o| kernels::reduce_kernel(d, o)))
+                .map(load)
+                .collect::<Result<Vec<_>>>()?;
+            let scale = kernels::TYPES
+                .iter()
+                .map(|&d| kernels::scale_kernel(d).map(load).transpose())
+                .collect::<Result<Vec<_>>>()?;
             let sms = ctx
                 .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
                 .map_err(driver_err("reading the multiprocessor count"))?;
-            Ok(DeviceKernels { ctx, stream, functions, max_blocks: (sms.max(1) as u32) * 8 })
+            Ok(DeviceKernels { ctx, stream, reduce, scale, max_blocks: (sms.max(1) as u32) * 8 })
         })?
     }
 
@@ -58,12 +62,22 @@ impl DeviceKernels {
         &self.stream
     }
 
-    fn function(&self, name: &str) -> Result<&CudaFunction> {
-        self.functions
+    /// The reduction of `dtype` with `op` (found by position: nothing is built per launch).
+    fn reduce_fn(&self, dtype: DataType, op: ReduceOp) -> Result<&CudaFunction> {
+        let t = kernels::TYPES.iter().position(|&d| d == dtype);
+        let o = kernels::OPS.iter().position(|&x| x == op);
+        t.zip(o).and_then(|(t, o)| self.reduce.get(t * kernels::OPS.len() + o)).ok_or_else(|| {
+            Error::InvalidArgument(format!("no {op:?} kernel (avg is a scale and a sum)").into())
+        })
+    }
+
+    /// The scale of `dtype`.
+    fn scale_fn(&self, dtype: DataType) -> Result<&CudaFunction> {
+        kernels::TYPES
             .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, f)| f)
-            .ok_or_else(|| Error::Internal(format!("no kernel {name}").into()))
+            .position(|&d| d == dtype)
+            .and_then(|t| self.scale[t].as_ref())
+            .ok_or_else(|| Error::InvalidArgument(format!("cannot scale {dtype}").into()))
     }
 
     fn config(&self, count: usize, dtype: DataType) -> LaunchConfig {
@@ -88,9 +102,7 @@ impl DeviceKernels {
         b: u64,
         count: usize,
     ) -> Result<()> {
-        let name = kernels::reduce_kernel(dtype, op)
-            .ok_or_else(|| Error::InvalidArgument("avg is a scale and a sum, not a kernel".into()))?;
-        let f = self.function(&name)?;
+        let f = self.reduce_fn(dtype, op)?;
         let n = count as u64;
         let cfg = self.config(count, dtype);
         guard("launching a reduction", || {
@@ -116,9 +128,7 @@ impl DeviceKernels {
         count: usize,
         factor: f64,
     ) -> Result<()> {
-        let name = kernels::scale_kernel(dtype)
-            .ok_or_else(|| Error::InvalidArgument(format!("cannot scale {dtype}").into()))?;
-        let f = self.function(&name)?;
+        let f = self.scale_fn(dtype)?;
         let n = count as u64;
         let cfg = self.config(count, dtype);
         guard("launching a scale", || {

@@ -32,6 +32,11 @@ use std::sync::OnceLock;
 
 use crate::error::{Error, Result};
 
+/// A driver error as this crate's error, naming what was being done.
+pub(crate) fn driver_err(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| Error::System(format!("CUDA: {what}: {e:?}").into())
+}
+
 /// The driver library's name.
 pub const LIBCUDA: &str = "libcuda.so.1";
 /// The NVRTC library's name (what cudarc looks for, among others, for CUDA 13).

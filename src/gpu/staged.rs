@@ -15,9 +15,9 @@
 
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::{CudaContext, CudaStream, PinnedHostSlice};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, PinnedHostSlice};
 
-use super::guard;
+use super::{driver_err, guard};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::{CallOptions, Communicator, OpKind};
@@ -64,10 +64,8 @@ pub fn is_device_pointer(ptr: u64) -> bool {
 pub struct DeviceCollectives {
     ctx: Arc<CudaContext>,
     bufs: [PinnedHostSlice<u8>; 2],
-}
-
-fn driver_err(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
-    move |e| Error::System(format!("CUDA: {what}: {e:?}").into())
+    /// "Chunk arrived in buffer j": recorded after each copy out, made once.
+    arrived: [CudaEvent; 2],
 }
 
 impl DeviceCollectives {
@@ -93,7 +91,9 @@ impl DeviceCollectives {
         let bufs = guard("allocating pinned memory", || -> Result<[PinnedHostSlice<u8>; 2]> {
             Ok([alloc()?, alloc()?])
         })??;
-        Ok(DeviceCollectives { ctx, bufs })
+        let event = || ctx.new_event(None).map_err(driver_err("creating an event"));
+        let arrived = guard("creating events", || -> Result<[CudaEvent; 2]> { Ok([event()?, event()?]) })??;
+        Ok(DeviceCollectives { ctx, bufs, arrived })
     }
 
     /// The context the staging belongs to.
@@ -163,7 +163,7 @@ impl DeviceCollectives {
             .ok_or_else(|| Error::InvalidArgument(format!("{count} elements of {dtype} overflow").into()))?;
         let chunks = total.div_ceil(per);
         let cu = stream.cu_stream();
-        let [b0, b1] = &mut self.bufs;
+        let DeviceCollectives { bufs: [b0, b1], arrived, .. } = self;
         let raw = guard("mapping pinned memory", || -> Result<[*mut u8; 2]> {
             Ok([
                 b0.as_mut_ptr().map_err(driver_err("pinned memory"))?,
@@ -174,7 +174,7 @@ impl DeviceCollectives {
         // SAFETY (each): `raw[j]` is a live pinned allocation of CHUNK >= len bytes owned by
         // `self`, borrowed exclusively for this call.
         let host = |j: usize, n: usize| unsafe { std::slice::from_raw_parts_mut(raw[j], n) };
-        let copy_out = |i: usize| -> Result<cudarc::driver::CudaEvent> {
+        let copy_out = |i: usize| -> Result<()> {
             guard("copying to the host", || -> Result<_> {
                 // SAFETY: device range [ptr + i*per, + len(i)) is inside the caller's buffer;
                 // the host slice is the staging buffer of chunk i, not read until the event.
@@ -182,20 +182,21 @@ impl DeviceCollectives {
                     cudarc::driver::result::memcpy_dtoh_async(host(i % 2, len(i)), ptr + (i * per) as u64, cu)
                 }
                 .map_err(driver_err("copying to the host"))?;
-                stream.record_event(None).map_err(driver_err("recording an event"))
+                arrived[i % 2].record(stream).map_err(driver_err("recording an event"))
             })?
         };
         if chunks == 0 {
             return Ok(());
         }
         let run = || -> Result<()> {
-            let mut arrived = copy_out(0)?;
+            copy_out(0)?;
             for i in 0..chunks {
-                guard("waiting for a copy", || arrived.synchronize())?
+                guard("waiting for a copy", || arrived[i % 2].synchronize())?
                     .map_err(driver_err("waiting for a copy"))?;
                 if i + 1 < chunks {
-                    // Queued behind chunk i-1's copy-in, which read the same buffer.
-                    arrived = copy_out(i + 1)?;
+                    // Queued behind chunk i-1's copy-in, which read the same buffer; its event
+                    // was last recorded for chunk i-1, already waited for.
+                    copy_out(i + 1)?;
                 }
                 comm.run_bytes(kind, dtype, None, Some(host(i % 2, len(i))), CallOptions::default())?;
                 guard("copying to the device", || {
