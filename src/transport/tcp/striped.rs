@@ -484,24 +484,43 @@ mod tests {
         assert_eq!((b.rx.lane, b.rx.left), (a.tx.lane, a.tx.left));
     }
 
-    #[test]
-    fn peek_sees_across_the_lane_boundary_without_consuming() {
-        let (mut a, mut b) = pair(2);
-        let msg = random_bytes(CHUNK + 40, 3);
+    /// Writes all of `msg` to `t` within 5 s.
+    fn write_all(t: &mut StripedTransport, msg: &[u8]) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
         let mut sent = 0;
         while sent < msg.len() {
-            sent += a.try_write(&[&msg[sent..]]).unwrap();
+            assert!(std::time::Instant::now() < deadline, "wrote only {sent} of {} bytes", msg.len());
+            match t.try_write(&[&msg[sent..]]) {
+                Ok(n) => sent += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
+                Err(e) => panic!("{e}"),
+            }
         }
-        // Read up to 20 bytes before the boundary, then peek 50 across it.
-        let mut head = vec![0u8; CHUNK - 20];
+    }
+
+    /// Fills `buf` from `t` within 5 s.
+    fn read_exact(t: &mut StripedTransport, buf: &mut [u8]) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
         let mut got = 0;
-        while got < head.len() {
-            match b.try_read(&mut [&mut head[got..]]) {
+        while got < buf.len() {
+            assert!(std::time::Instant::now() < deadline, "read only {got} of {} bytes", buf.len());
+            match t.try_read(&mut [&mut buf[got..]]) {
+                Ok(0) => panic!("closed early"),
                 Ok(n) => got += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
                 Err(e) => panic!("{e}"),
             }
         }
+    }
+
+    #[test]
+    fn peek_sees_across_the_lane_boundary_without_consuming() {
+        let (mut a, mut b) = pair(2);
+        let msg = random_bytes(CHUNK + 40, 3);
+        write_all(&mut a, &msg);
+        // Read up to 20 bytes before the boundary, then peek 50 across it.
+        let mut head = vec![0u8; CHUNK - 20];
+        read_exact(&mut b, &mut head);
         let mut p = [0u8; 50];
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
         while b.peek(&mut p).unwrap_or(0) < 50 {
@@ -509,10 +528,7 @@ mod tests {
         }
         assert_eq!(&p[..], &msg[CHUNK - 20..CHUNK + 30]);
         let mut rest = [0u8; 60];
-        let mut got = 0;
-        while got < rest.len() {
-            got += b.try_read(&mut [&mut rest[got..]]).unwrap_or(0);
-        }
+        read_exact(&mut b, &mut rest);
         assert_eq!(&rest[..], &msg[CHUNK - 20..]);
     }
 
@@ -520,10 +536,7 @@ mod tests {
     fn the_end_of_the_stream_shows_after_the_last_byte() {
         let (mut a, mut b) = pair(4);
         let msg = random_bytes(2 * CHUNK + 3, 4);
-        let mut sent = 0;
-        while sent < msg.len() {
-            sent += a.try_write(&[&msg[sent..]]).unwrap();
-        }
+        write_all(&mut a, &msg);
         a.shutdown();
         let mut buf = vec![0u8; msg.len() + 10];
         let mut got = 0;
@@ -544,16 +557,8 @@ mod tests {
     fn a_reader_and_writer_on_different_lanes_sleep_on_one_descriptor() {
         let (mut a, mut b) = pair(2);
         // Move a's writing lane on by one chunk; b reads it so that a's buffers are empty.
-        let msg = vec![9u8; CHUNK];
-        let mut sent = 0;
-        while sent < msg.len() {
-            sent += a.try_write(&[&msg[sent..]]).unwrap();
-        }
-        let mut sink = vec![0u8; CHUNK];
-        let mut got = 0;
-        while got < CHUNK {
-            got += b.try_read(&mut [&mut sink[got..]]).unwrap_or(0);
-        }
+        write_all(&mut a, &vec![9u8; CHUNK]);
+        read_exact(&mut b, &mut vec![0u8; CHUNK]);
         assert_eq!((a.tx.lane, a.rx.lane), (1, 0));
         let ev = a.arm(true, true).expect("sleep");
         let fd = a.pollable();
