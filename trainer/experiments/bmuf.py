@@ -3,22 +3,30 @@
 under toroid-run; on a 2-core machine 4 processes share the cores, which slows them but does not
 change the numbers that are compared).
 
-Every run sees the same number of training examples (all ranks together, --examples) and is
-evaluated every --eval-examples examples. Runs:
+Every run sees the same training examples (all ranks together: --epochs whole epochs, or
+--examples), with the same learning-rate schedule over them (--decay, cosine by default), and is
+evaluated every --eval-examples examples on --test-limit test images. Runs:
   sync-sgd      synchronous SGD, per-rank batch b (global N*b, LR scaled linearly)
+  sync-adam     synchronous Adam, per-rank batch b (global N*b, LR scaled by sqrt(N), the
+                square-root rule for adaptive methods: Malladi et al., NeurIPS 2022)
   bmuf-sgd      BMUF with momentum-SGD local steps (per-rank batch b, LR as for one worker of b)
   adam-naive    BMUF-Adam, moments of the next block = plain average
   adam-corr     BMUF-Adam, moments corrected as Chen, Ding and Huo (ICASSP 2020)
 and the single-worker baselines (N = 1, batch b): sgd, adam.
 
-Writes OUT/summary.csv, OUT/table.md, OUT/bmuf-N<n>.png (test accuracy and training loss against
-examples and against MB all-reduced per rank); each run's CSVs are in OUT/<run>/.
+Each is repeated for every seed in --seeds. Writes OUT/summary.csv (one row per run and seed),
+OUT/table.md (means over seeds, and the issue's goals checked against them), OUT/bmuf-N<n>.png
+(test accuracy and training loss against examples and against MB all-reduced per rank, first
+seed); each run's CSVs are in OUT/s<seed>/<run>/.
 """
 
 import argparse
+import math
 import os
 
 from common import TRAINER_DIR, compare_png, rows, table, train
+
+TRAIN_EXAMPLES = 60000  # Fashion-MNIST's training set
 
 
 def main():
@@ -26,17 +34,20 @@ def main():
     p.add_argument("--out", default=os.path.join(TRAINER_DIR, "experiments", "results", "bmuf"))
     p.add_argument("--ranks", default="2,4")
     p.add_argument("--tau", type=int, default=8)
-    p.add_argument("--nesterov", default="true", choices=["true", "false"], help="Nesterov block momentum")
+    p.add_argument("--nesterov", default="false", choices=["true", "false"], help="Nesterov block momentum")
     p.add_argument("--batch", type=int, default=32, help="per-rank batch b")
-    p.add_argument("--examples", type=int, default=61440, help="training examples per run, all ranks")
-    p.add_argument("--eval-examples", type=int, default=6144)
+    p.add_argument("--epochs", type=int, default=6,
+                   help="epochs per run (every run sees the same examples); 0: --examples instead")
+    p.add_argument("--examples", type=int, default=61440, help="training examples per run with --epochs 0")
+    p.add_argument("--decay", default="cosine", choices=["none", "cosine"], help="LR decay over the run")
+    p.add_argument("--eval-examples", type=int, default=15000)
     p.add_argument("--sgd-lr", type=float, default=0.1, help="SGD LR for batch b")
     p.add_argument("--adam-lr", type=float, default=1e-3)
     p.add_argument("--width", type=float, default=0.25)
     p.add_argument("--stem", default="imagenet", help="imagenet (4x down-sampling: fast) or small")
-    p.add_argument("--test-limit", type=int, default=2000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--runs", default="sync-sgd,bmuf-sgd,adam-naive,adam-corr")
+    p.add_argument("--test-limit", type=int, default=10000)
+    p.add_argument("--seeds", default="0")
+    p.add_argument("--runs", default="sync-sgd,bmuf-sgd,sync-adam,adam-naive,adam-corr")
     p.add_argument("--baselines", default="sgd,adam")
     p.add_argument("--reuse", action="store_true", help="keep completed runs already in --out")
     p.add_argument("--reference", default="", help="more runs for the figures, LABEL=DIR,...; "
@@ -44,74 +55,116 @@ def main():
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     b, tau = a.batch, a.tau
+    seeds = [int(s) for s in a.seeds.split(",")]
 
-    def common(n, lr):
-        steps = a.examples // (n * b)
+    def common(n, lr, seed, ref_batch=b):
+        if a.epochs:
+            steps = a.epochs * (TRAIN_EXAMPLES // (n * b))
+            length = ["--epochs", a.epochs]
+        else:
+            steps = a.examples // (n * b)
+            length = ["--epochs", 50, "--max-steps", steps]
         every = max(1, a.eval_examples // (n * b))
-        return steps, [
+        return steps, length + [
             "--model", "resnet18", "--width", a.width, "--stem", a.stem,
-            "--batch", n * b, "--lr", lr, "--lr-ref-batch", b, "--decay", "none",
-            "--weight-decay", 5e-5, "--seed", a.seed, "--epochs", 50, "--max-steps", steps,
+            "--batch", n * b, "--lr", lr, "--lr-ref-batch", ref_batch, "--decay", a.decay,
+            "--weight-decay", 5e-5, "--seed", seed,
             "--test-limit", a.test_limit, "--eval-every", every, "--threads", 1,
             "--log-every", 10, "--checkpoint-every", 0, "--no-plot", "--check-every", 1,
         ]
 
     results = []
 
-    def record(name, n, kind, out, steps, syncs):
+    def record(name, n, kind, seed, out, steps, syncs):
         ev = rows(os.path.join(out, "evals.csv"))
         last = ev[-1]
-        results.append({"run": name, "N": n, "kind": kind, "dir": out, "steps": steps, "syncs": syncs,
-                        "examples": last["examples"], "bytes": last["bytes"], "final_acc": last["test_acc"],
-                        "best_acc": max(r["test_acc"] for r in ev), "final_loss": last["test_loss"]})
+        results.append({"run": name, "N": n, "kind": kind, "seed": seed, "dir": out, "steps": steps,
+                        "syncs": syncs, "examples": last["examples"], "bytes": last["bytes"],
+                        "final_acc": last["test_acc"], "best_acc": max(r["test_acc"] for r in ev),
+                        "final_loss": last["test_loss"]})
 
-    for base in [x for x in a.baselines.split(",") if x]:
-        lr = a.adam_lr if base == "adam" else a.sgd_lr
-        steps, args = common(1, lr)
-        args += ["--optimizer", base]
-        out = os.path.join(a.out, f"single-{base}")
-        train(out, args, log=print, reuse=a.reuse)
-        record(f"single-{base}", 1, base, out, steps, 0)
+    for seed in seeds:
+        for base in [x for x in a.baselines.split(",") if x]:
+            lr = a.adam_lr if base == "adam" else a.sgd_lr
+            steps, args = common(1, lr, seed)
+            args += ["--optimizer", base]
+            out = os.path.join(a.out, f"s{seed}", f"single-{base}")
+            train(out, args, log=print, reuse=a.reuse)
+            record(f"single-{base}", 1, base, seed, out, steps, 0)
 
-    for n in [int(x) for x in a.ranks.split(",")]:
-        for kind in [x for x in a.runs.split(",") if x]:
-            if kind == "sync-sgd":
-                steps, args = common(n, a.sgd_lr)
-                syncs = steps
-            else:
-                adam = kind.startswith("adam")
-                steps, args = common(n, a.adam_lr if adam else a.sgd_lr)
-                moments = "naive" if kind == "adam-naive" else "corrected"
-                args += ["--bmuf", f"tau={tau},eta=auto,zeta=1,nesterov={a.nesterov},moments={moments}"]
-                args += ["--optimizer", "adam" if adam else "sgd"]
-                syncs = -(-steps // tau)
-            out = os.path.join(a.out, f"{kind}-n{n}")
-            train(out, args, ranks=n, log=print, reuse=a.reuse)
-            record(f"{kind}-n{n}", n, kind, out, steps, syncs)
+        for n in [int(x) for x in a.ranks.split(",")]:
+            for kind in [x for x in a.runs.split(",") if x]:
+                if kind == "sync-sgd":
+                    steps, args = common(n, a.sgd_lr, seed)
+                    syncs = steps
+                elif kind == "sync-adam":
+                    # --lr is quoted for the global batch itself, so the trainer scales nothing.
+                    steps, args = common(n, a.adam_lr * math.sqrt(n), seed, ref_batch=n * b)
+                    args += ["--optimizer", "adam"]
+                    syncs = steps
+                else:
+                    adam = kind.startswith("adam")
+                    steps, args = common(n, a.adam_lr if adam else a.sgd_lr, seed)
+                    moments = "naive" if kind == "adam-naive" else "corrected"
+                    args += ["--bmuf", f"tau={tau},eta=auto,zeta=1,nesterov={a.nesterov},moments={moments}"]
+                    args += ["--optimizer", "adam" if adam else "sgd"]
+                    syncs = -(-steps // tau)
+                out = os.path.join(a.out, f"s{seed}", f"{kind}-n{n}")
+                train(out, args, ranks=n, log=print, reuse=a.reuse)
+                record(f"{kind}-n{n}", n, kind, seed, out, steps, syncs)
 
+    # One row per run, the accuracies as the mean over seeds (and each seed's value).
+    names = list(dict.fromkeys(r["run"] for r in results))
+    of = {name: [r for r in results if r["run"] == name] for name in names}
+    mean = lambda name, key: sum(r[key] for r in of[name]) / len(of[name])
     header = ["run", "N", "steps per rank", "all-reduce rounds", "MB all-reduced per rank",
-              "examples", "final test acc", "best test acc", "final test loss"]
-    body = [[r["run"], r["N"], r["steps"], r["syncs"], f"{r['bytes'] / 1e6:.1f}", f"{r['examples']:.0f}",
-             f"{100 * r['final_acc']:.2f}%", f"{100 * r['best_acc']:.2f}%", f"{r['final_loss']:.4f}"]
-            for r in results]
-    print(f"\nFashion-MNIST, ResNet-18 width {a.width}, per-rank batch {b}, tau {tau}, nesterov {a.nesterov}, "
-          f"{a.examples} examples per run, test on {a.test_limit} images")
+              "examples", "final test acc (mean)", "per seed", "best test acc (mean)", "final test loss (mean)"]
+    body = []
+    for name in names:
+        r0 = of[name][0]
+        body.append([name, r0["N"], r0["steps"], r0["syncs"], f"{r0['bytes'] / 1e6:.1f}", f"{r0['examples']:.0f}",
+                     f"{100 * mean(name, 'final_acc'):.2f}%",
+                     " / ".join(f"{100 * r['final_acc']:.2f}" for r in of[name]),
+                     f"{100 * mean(name, 'best_acc'):.2f}%", f"{mean(name, 'final_loss'):.4f}"])
+    length = f"{a.epochs} epochs" if a.epochs else f"{a.examples} examples"
+    head = (f"Fashion-MNIST, ResNet-18 width {a.width}, per-rank batch {b}, tau {tau}, nesterov {a.nesterov}, "
+            f"{length} per run, LR decay {a.decay}, test on {a.test_limit} images, seeds {seeds}")
+    print("\n" + head)
     text = table(header, body)
+    # The issue's goals, stated against the numbers above.
+    goals = []
+    if "single-adam" in of:
+        adam = mean("single-adam", "final_acc")
+        for n in sorted({r["N"] for r in results if r["N"] > 1}):
+            corr, naive = f"adam-corr-n{n}", f"adam-naive-n{n}"
+            if corr in of:
+                gap = 100 * (adam - mean(corr, "final_acc"))
+                goals.append(f"N={n}: single-worker Adam minus BMUF-Adam corrected: {gap:.2f} points "
+                             f"({'within' if gap <= 1.0 else 'NOT within'} 1 point), "
+                             f"{of[corr][0]['syncs']} all-reduce rounds for {of[corr][0]['steps']} local steps")
+            if corr in of and naive in of:
+                d = 100 * (mean(corr, "final_acc") - mean(naive, "final_acc"))
+                wins = sum(c["final_acc"] > v["final_acc"] for c, v in zip(of[corr], of[naive]))
+                goals.append(f"N={n}: corrected minus naive moments {d:+.2f} points (corrected higher in "
+                             f"{wins} of {len(of[corr])} seeds)")
+    for g in goals:
+        print(g)
     with open(os.path.join(a.out, "table.md"), "w") as f:
-        f.write(text + "\n")
+        f.write(head + "\n\n" + text + "\n\n" + "".join(f"- {g}\n" for g in goals))
     with open(os.path.join(a.out, "summary.csv"), "w") as f:
-        keys = ["run", "N", "steps", "syncs", "bytes", "examples", "final_acc", "best_acc", "final_loss"]
+        keys = ["run", "N", "seed", "steps", "syncs", "bytes", "examples", "final_acc", "best_acc", "final_loss"]
         f.write(",".join(keys) + "\n")
         for r in results:
             f.write(",".join(str(r[k]) for k in keys) + "\n")
-    singles = [(r["run"], r["dir"]) for r in results if r["N"] == 1]
+    first = [r for r in results if r["seed"] == seeds[0]]
+    singles = [(r["run"], r["dir"]) for r in first if r["N"] == 1]
     refs = [tuple(x.rsplit("=", 1)) for x in a.reference.split(",") if "=" in x]
-    for n in sorted({r["N"] for r in results if r["N"] > 1}):
+    for n in sorted({r["N"] for r in first if r["N"] > 1}):
         mine = [(label, d) for label, d in refs if "-n" not in label or label.endswith(f"-n{n}")]
         png = os.path.join(a.out, f"bmuf-N{n}.png")
         bm = "Nesterov" if a.nesterov == "true" else "classical"
-        compare_png(png, f"BMUF ({bm} block momentum) vs synchronous SGD, N = {n}, tau = {tau}",
-                    singles + mine + [(r["run"], r["dir"]) for r in results if r["N"] == n],
+        compare_png(png, f"BMUF ({bm} block momentum) vs synchronous SGD, N = {n}, tau = {tau}, seed {seeds[0]}",
+                    singles + mine + [(r["run"], r["dir"]) for r in first if r["N"] == n],
                     ["examples", "mb"], ["test_acc", "train_loss"])
         print(png)
 

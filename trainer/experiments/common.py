@@ -43,7 +43,9 @@ def train(out, args, ranks=1, log=None, reuse=False):
     if os.path.exists(out):
         shutil.rmtree(out)
     os.makedirs(out)
-    cmd = [binary("toroid-train")] + [str(a) for a in args] + ["--out", out]
+    # Run from the workspace root with OUT relative to it, so no path the trainer logs names this
+    # machine's directories (the logs are committed with the results).
+    cmd = [binary("toroid-train")] + [str(a) for a in args] + ["--out", os.path.relpath(out, WORKSPACE)]
     if ranks > 1:
         cmd = [binary("toroid-run"), "-n", str(ranks), "--timeout", "600", "--"] + cmd
     t = time.time()
@@ -51,7 +53,7 @@ def train(out, args, ranks=1, log=None, reuse=False):
         # The command as it reads from the workspace root (no machine-specific paths in results).
         f.write(" ".join(os.path.relpath(c, WORKSPACE) if os.path.isabs(c) else c for c in cmd) + "\n")
         f.flush()
-        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=WORKSPACE)
     if r.returncode != 0:
         sys.exit(f"run failed ({r.returncode}): see {out}/log.txt")
     secs = time.time() - t

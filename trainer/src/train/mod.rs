@@ -130,6 +130,9 @@ struct Progress {
     clock_mark: ClockReading,
     /// R from the last `steps.csv` row (NaN before the first); all ranks hold the same value.
     last_r: f64,
+    /// The last measured t_up (NaN before the first). A window in which no rank did upstream
+    /// work (echoing served every batch from its buffer) reports this one instead of none.
+    last_t_up: f64,
     /// The last evaluation: (step, test loss, test accuracy).
     last_eval: Option<(u64, f64, f64)>,
 }

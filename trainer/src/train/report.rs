@@ -51,7 +51,10 @@ impl Trainer {
         let t_up = per_example * (batch / self.world) as f64;
         let (up, measured) = if t_up.is_finite() { (t_up, 1.0) } else { (0.0, 0.0) };
         let [examples, fresh, bytes, up, measured] = self.progress_over_ranks([up, measured])?;
-        let (t_up, t_down) = (up / measured, w.mean_compute_s());
+        if measured > 0.0 {
+            self.progress.last_t_up = up / measured;
+        }
+        let (t_up, t_down) = (self.progress.last_t_up, w.mean_compute_s());
         self.progress.last_r = t_up / t_down;
         if let Some(m) = self.metrics.as_mut() {
             m.step(StepRow {

@@ -252,7 +252,7 @@ impl Trainer {
             echo,
             echo_factor,
             clock: Arc::default(),
-            progress: Progress { last_r: f64::NAN, ..Progress::default() },
+            progress: Progress { last_r: f64::NAN, last_t_up: f64::NAN, ..Progress::default() },
             metrics,
             title,
             start_epoch,
