@@ -208,7 +208,9 @@ fn an_all_reduce_plan_started_async_gives_each_start_its_sum_in_issue_order() {
                 assert!(plan.start_async(&comm, vec![0f32; len]).is_err());
                 for step in 0..6 {
                     // Two starts in flight with a plain async all-reduce between them.
-                    let fill = |k: usize| (0..len).map(|i| val(me, 6000 + 3 * step + k, i) as f64).collect();
+                    let fill = |k: usize| -> Vec<f64> {
+                        (0..len).map(|i| val(me, 6000 + 3 * step + k, i) as f64).collect()
+                    };
                     let a = plan.start_async(&comm, fill(0)).expect("start");
                     let plain = comm.all_reduce_async(fill(1), ReduceOp::Sum).expect("async");
                     let b = plan.start_async(&comm, fill(2)).expect("start");
