@@ -2,6 +2,7 @@
  * broadcast and NCCL's in-place all-gather between them, recorded and run as one group, every
  * element checked against sums computed independently; the statistics show the all-reduces
  * packed into 2; nested groups, and misuse (end without start, async and send inside a group).
+ * toroid_group_end_async: a group queued behind async work, one call too large to pack.
  * toroid_all_reduce_init / toroid_request_run: a persistent all-reduce run 10 times on new data,
  * out of place and in place, every element checked; runs refused inside a group and once the
  * request's communicator is destroyed. */
@@ -75,6 +76,59 @@ int main(void) {
     for (int i = 0; i < 19; i++)
       if (gathered[r * 19 + i] != r * 1000 + i) FAIL("all-gather piece %d element %d is %d", r, i, gathered[r * 19 + i]);
   free(gathered);
+
+  /* toroid_group_end_async: the same calls plus one too large to pack, queued behind an async
+   * all-reduce; the work completes once every call has run. */
+  static double abufs[CALLS][MAXLEN], lead[1000];
+  static double big[40000]; /* 320 KB: over the 256 KiB a packed call may have, runs alone */
+  for (int c = 0; c < CALLS; c++)
+    for (int i = 0; i < len_of(c); i++) abufs[c][i] = value(g_rank, 400 + c, i);
+  for (int i = 0; i < 40000; i++) big[i] = value(g_rank, 999, i);
+  for (int i = 0; i < 1000; i++) lead[i] = value(g_rank, 998, i);
+  toroid_work *first = NULL, *gw = NULL;
+  before = all_reduces(comm);
+  CHECK(toroid_all_reduce_async(comm, lead, lead, 1000, TOROID_FLOAT64, TOROID_MAX, &first));
+  CHECK(toroid_group_start(comm));
+  for (int c = 0; c < CALLS; c++) {
+    if (c == CALLS / 2) CHECK(toroid_all_reduce(comm, big, big, 40000, TOROID_FLOAT64, TOROID_SUM));
+    CHECK(toroid_all_reduce(comm, abufs[c], abufs[c], (size_t)len_of(c), TOROID_FLOAT64, TOROID_SUM));
+  }
+  EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_group_end_async(comm, NULL)); /* the group stays open */
+  CHECK(toroid_group_end_async(comm, &gw));
+  if (!gw) FAIL("toroid_group_end_async queued nothing");
+  CHECK(toroid_work_wait(gw, -1));
+  CHECK(toroid_work_wait(first, -1));
+  toroid_work_free(gw);
+  toroid_work_free(first);
+  ran = all_reduces(comm) - before;
+  if (size > 1 && ran != 4) FAIL("async group: %llu all-reduces ran, want 4 (lead, pack, large, pack)", (unsigned long long)ran);
+  for (int c = 0; c < CALLS; c++)
+    for (int i = 0; i < len_of(c); i++) {
+      double want = 0;
+      for (int r = 0; r < size; r++) want += value(r, 400 + c, i);
+      if (abufs[c][i] != want) FAIL("async group call %d element %d is %g, want %g", c, i, abufs[c][i], want);
+    }
+  for (int i = 0; i < 40000; i++) {
+    double want = 0;
+    for (int r = 0; r < size; r++) want += value(r, 999, i);
+    if (big[i] != want) FAIL("async group large call element %d is %g, want %g", i, big[i], want);
+  }
+  for (int i = 0; i < 1000; i++) {
+    double want = value(0, 998, i);
+    for (int r = 1; r < size; r++)
+      if (value(r, 998, i) > want) want = value(r, 998, i);
+    if (lead[i] != want) FAIL("async all-reduce before the group, element %d", i);
+  }
+  /* A nested end and an empty group queue nothing: *work is NULL. */
+  gw = (toroid_work *)1;
+  CHECK(toroid_group_start(comm));
+  CHECK(toroid_group_start(comm));
+  CHECK(toroid_group_end_async(comm, &gw));
+  if (gw) FAIL("a nested toroid_group_end_async returned a work");
+  gw = (toroid_work *)1;
+  CHECK(toroid_group_end_async(comm, &gw));
+  if (gw) FAIL("an empty group's toroid_group_end_async returned a work");
+  EXPECT_CODE(TOROID_INVALID_USAGE, toroid_group_end_async(comm, &gw));
 
   /* Persistent all-reduces: out of place (int64, max) and in place (float64, sum). */
   static int64_t psend[1000], precv[1000];

@@ -695,6 +695,16 @@ enum toroid_result toroid_group_start(struct toroid_comm *comm);
 enum toroid_result toroid_group_end(struct toroid_comm *comm);
 
 /**
+ * Closes the group like `toroid_group_end`, but the outermost end queues the recorded calls
+ * behind the async work already issued on `comm` and returns at once (NCCL's group end, which
+ * only enqueues): *work completes when every call has run, and toroid_work_wait returns the
+ * first failure among them. The buffers of the recorded calls must stay valid, and untouched,
+ * until the work completes. *work is set to NULL when nothing was queued: a nested end, or a
+ * group that recorded nothing. TOROID_INVALID_USAGE without an open group.
+ */
+enum toroid_result toroid_group_end_async(struct toroid_comm *comm, struct toroid_work **work);
+
+/**
  * toroid_comm_init_env in the background: returns at once with *out set to a pending
  * communicator; poll it with toroid_pending_test, take the communicator with
  * toroid_pending_wait, give up with toroid_pending_abort. The set-up's errors come from

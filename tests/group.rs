@@ -3,13 +3,15 @@
 //! by one give (checked against an independent reference), on 1 to 5 ranks; consecutive small
 //! all-reduces run as one packed all-reduce (counted in the statistics); a rank whose group
 //! differs makes every rank fail within the timeout instead of hanging. A persistent all-reduce
-//! (`Communicator::all_reduce_init`) started many times gives every start its own sum.
+//! (`Communicator::all_reduce_init`) started many times gives every start its own sum, and so
+//! does an all-reduce plan (`AllReducePlan`) started asynchronously on owned buffers.
 
 mod util;
 
 use std::time::{Duration, Instant};
 
 use toroid::internals::collective::CollKind;
+use toroid::internals::comm::AllReducePlan;
 use toroid::{Communicator, Group, ReduceOp};
 use util::data::mix;
 
@@ -180,6 +182,48 @@ fn a_persistent_all_reduce_started_many_times_gives_each_start_its_sum() {
                     for (i, x) in req.buffer().iter().enumerate() {
                         let want: i64 = (0..n).map(|r| val(r, 5000 + step, i)).sum();
                         assert_eq!(*x, want as f64, "rank {me}: {len} elements, start {step}, element {i}");
+                    }
+                }
+            }
+        });
+    }
+}
+
+#[test]
+fn an_all_reduce_plan_started_async_gives_each_start_its_sum_in_issue_order() {
+    if util::is_child() {
+        return;
+    }
+    for n in [1, 2, 3] {
+        util::run_threads(n, &util::test_config(60.0), |comm| {
+            let (n, me) = (comm.size(), comm.rank());
+            let mut ints = vec![0i32; 8];
+            assert!(AllReducePlan::new(&comm, &mut ints, ReduceOp::Avg).is_err());
+            let sum = |call: usize, i: usize| (0..n).map(|r| val(r, call, i)).sum::<i64>() as f64;
+            for len in [0, 1000, Group::FUSE_EACH / 8 + 3] {
+                let plan = AllReducePlan::new(&comm, &mut vec![0f64; len], ReduceOp::Sum).expect("plan");
+                assert!(plan.algorithm().is_some());
+                // A buffer of another length or type is refused, and leaves the communicator usable.
+                assert!(plan.start_async(&comm, vec![0f64; len + 1]).is_err());
+                assert!(plan.start_async(&comm, vec![0f32; len]).is_err());
+                for step in 0..6 {
+                    // Two starts in flight with a plain async all-reduce between them.
+                    let fill = |k: usize| -> Vec<f64> {
+                        (0..len).map(|i| val(me, 6000 + 3 * step + k, i) as f64).collect()
+                    };
+                    let a = plan.start_async(&comm, fill(0)).expect("start");
+                    let plain = comm.all_reduce_async(fill(1), ReduceOp::Sum).expect("async");
+                    let b = plan.start_async(&comm, fill(2)).expect("start");
+                    let bufs =
+                        [a.wait().expect("wait"), plain.wait().expect("wait"), b.wait().expect("wait")];
+                    for (k, buf) in bufs.iter().enumerate() {
+                        for (i, x) in buf.iter().enumerate() {
+                            assert_eq!(
+                                *x,
+                                sum(6000 + 3 * step + k, i),
+                                "rank {me}: {len}, start {step}.{k}, element {i}"
+                            );
+                        }
                     }
                 }
             }

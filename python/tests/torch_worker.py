@@ -346,23 +346,45 @@ def entry_points(rank, size):
         close(outs["toroid"], outs["gloo"], f"all_gather_coalesced {dtype}")
         close(outs["toroid"], [inputs(r) for r in range(size)], f"all_gather_coalesced {dtype} reference")
 
-    # all_reduce_coalesced: several tensors, SUM and MAX.
-    for op, fold in ((dist.ReduceOp.SUM, torch.add), (dist.ReduceOp.MAX, torch.maximum)):
-        shapes = [(7,), (2, 9), (1000,)]
+    # all_reduce_coalesced: small tensors of several sizes and one too large for toroid to
+    # pack (320 KB, over its 256 KiB), random on every rank, SUM and MAX, blocking and async,
+    # against gloo and against every element of a reference computed here from every rank's
+    # inputs (int64: exactly). The group packs the small neighbours: 3 all-reduces for 6 tensors.
+    def all_reduces():
+        return sum(c["count"] for c in pg.comm.stats() if c["kind"] == "all_reduce")
 
-        def inputs(r):
-            return [rand(sh, torch.float64, 700 + 10 * r + i) for i, sh in enumerate(shapes)]
+    shapes = [(7,), (2, 9), (40000,), (1,), (300,), (5, 5)]
+    for dtype in (torch.float64, torch.int64):
+        for op, fold in ((dist.ReduceOp.SUM, torch.add), (dist.ReduceOp.MAX, torch.maximum)):
+            def inputs(r):
+                return [rand(sh, dtype, 700 + 10 * r + i) for i, sh in enumerate(shapes)]
 
-        a, b = inputs(rank), inputs(rank)
-        before = pg.stats.copy()
-        dist.all_reduce_coalesced(a, op=op)
-        ran("allreduce_coalesced", before)
-        dist.all_reduce_coalesced(b, op=op, group=GLOO)
-        close(a, b, f"all_reduce_coalesced {op}", rtol=1e-12, atol=1e-12)
-        want = inputs(0)
-        for r in range(1, size):
-            want = [fold(w, x) for w, x in zip(want, inputs(r))]
-        close(a, want, f"all_reduce_coalesced {op} reference", rtol=1e-12, atol=1e-12)
+            a, b = inputs(rank), inputs(rank)
+            before, ops_before = pg.stats.copy(), all_reduces()
+            if dtype == torch.int64:
+                fut = dist.all_reduce_coalesced(a, op=op, async_op=True)
+                fut.wait()
+            else:
+                dist.all_reduce_coalesced(a, op=op)
+            ran("allreduce_coalesced", before)
+            assert all_reduces() - ops_before == 3, f"6 tensors ran as {all_reduces() - ops_before} all-reduces, want 3"
+            dist.all_reduce_coalesced(b, op=op, group=GLOO)
+            what = f"all_reduce_coalesced {dtype} {op}"
+            close(a, b, what, rtol=1e-12, atol=1e-12)
+            want = inputs(0)
+            for r in range(1, size):
+                want = [fold(w, x) for w, x in zip(want, inputs(r))]
+            close(a, want, f"{what} reference", rtol=1e-12, atol=1e-12)
+    # A non-contiguous tensor among them, and mixed types refused as gloo refuses them.
+    nc = [rand((30, 20), torch.float32, 800 + rank).t(), rand((9,), torch.float32, 810 + rank)]
+    dist.all_reduce_coalesced(nc)
+    close(nc, [sum(rand((30, 20), torch.float32, 800 + r) for r in range(size)).t(),
+               sum(rand((9,), torch.float32, 810 + r) for r in range(size))], "all_reduce_coalesced non-contiguous")
+    try:
+        pg.allreduce_coalesced([torch.zeros(3), torch.zeros(3, dtype=torch.float64)])
+        raise AssertionError("allreduce_coalesced accepted mixed types")
+    except ValueError as e:
+        assert "same type" in str(e), e
 
     # batch_isend_irecv: every rank sends 8 MB to every other rank and receives as much, all
     # sends first (a cycle of sends: it deadlocks unless the backend orders the batch).

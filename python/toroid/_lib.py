@@ -235,6 +235,7 @@ SIGNATURES = {
     "toroid_pending_free": (None, [_P]),
     "toroid_group_start": (_E, [_P]),
     "toroid_group_end": (_E, [_P]),
+    "toroid_group_end_async": (_E, [_P, _PP]),
     "toroid_all_reduce_init": (_E, [_P, _P, _P, c_size_t, _E, _E, _PP]),
     "toroid_request_run": (_E, [_P]),
     "toroid_request_free": (None, [_P]),

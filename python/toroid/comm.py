@@ -467,20 +467,51 @@ class Comm:
         and their arrays are filled when the block ends; async calls and send/recv are refused.
         Every rank must issue the same calls in the same order. If the block raises, the calls
         recorded so far still run (the other ranks expect them) and the exception propagates."""
-        handle = self._live()
-        check("toroid_group_start", _lib.lib().toroid_group_start(handle), handle)
-        self._group_depth += 1
+        self.group_start()
         ok = False
         try:
             yield self
             ok = True
         finally:
+            self._group_end(ok, False)
+
+    def group_start(self) -> None:
+        """Opens a group (toroid_group_start), as ``with comm.group():`` does; close it with
+        `group_end`. Groups nest: the outermost end runs the calls."""
+        handle = self._live()
+        check("toroid_group_start", _lib.lib().toroid_group_start(handle), handle)
+        self._group_depth += 1
+
+    def group_end(self, async_op: bool = False) -> Optional[Work]:
+        """Closes the group opened by `group_start`. The outermost end runs the recorded calls
+        (blocking), or with ``async_op=True`` queues them behind the async work already issued
+        and returns a Work that completes when all have run (toroid_group_end_async; their
+        arrays are kept alive until then). None when nothing was queued: blocking, a nested
+        end, or an empty group."""
+        return self._group_end(True, async_op)
+
+    def _group_end(self, raise_error: bool, async_op: bool) -> Optional[Work]:
+        handle = self._live()
+        if self._group_depth > 0:  # (without one, toroid reports the misuse)
             self._group_depth -= 1
+        refs = tuple(self._group_refs) if self._group_depth == 0 else ()
+        if self._group_depth == 0:
+            self._group_refs.clear()
+        if not async_op:
             code = _lib.lib().toroid_group_end(handle)
-            if self._group_depth == 0:
-                self._group_refs.clear()
-            if ok:
+            if raise_error:
                 check("toroid_group_end", code, handle)
+            return None
+        work = ctypes.c_void_p()
+        code = _lib.lib().toroid_group_end_async(handle, ctypes.byref(work))
+        if raise_error:
+            check("toroid_group_end_async", code, handle)
+        if not work.value:
+            return None
+        w = Work(self, work.value, refs, None, "toroid_group_end_async")
+        with self._lock:
+            self._inflight.append(w)  # keeps the arrays alive even if the caller drops it
+        return w
 
     def _call(self, name: str, args: tuple, async_op: bool, refs: tuple, result: Any):
         handle = self._live()

@@ -473,21 +473,28 @@ class ProcessGroupToroid(dist.ProcessGroup):
         return self._work([], tensors, None, "allreduce_sparse")
 
     def allreduce_coalesced(self, tensors, opts=None):
+        """One all-reduce per tensor, in place (a contiguous stand-in for a non-contiguous one),
+        recorded as one toroid group and queued by its asynchronous end: toroid packs the small
+        ones into one all-reduce itself (NCCL's ncclGroupStart/End), and a large one travels
+        alone, without the copy into and out of one concatenation of everything."""
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         if not tensors:
             return self._work([], tensors)
-        flat = torch.cat([_flat(t, op).reshape(-1) for t in tensors])
-        p = flat.data_ptr()
-        w = self._comm.all_reduce_ptr(p, p, flat.numel(), _dtype(flat), op, True, (flat,), wire=self._wire_for(flat))
-
-        def finish():
-            at = 0
-            for t in tensors:
-                v = _flat(t, op)
-                v.copy_(flat[at:at + v.numel()].view_as(v))
-                at += v.numel()
-
-        return self._work([w], tensors, finish, "allreduce_coalesced")
+        outs = [_Output(t, op) for t in tensors]  # (checks every device and type first)
+        dtypes = {o.buf.dtype for o in outs}
+        if len(dtypes) > 1:  # as gloo: the calls are one coalesced operation of one type
+            raise ValueError(f"allreduce_coalesced: tensors must all have the same type, got {sorted(map(str, dtypes))}")
+        self._comm.group_start()
+        try:
+            for o in outs:
+                p = o.buf.data_ptr()
+                self._comm.all_reduce_ptr(p, p, o.buf.numel(), _dtype(o.buf), op, False, (o.buf,),
+                                          wire=self._wire_for(o.buf))
+        finally:
+            # Also after a refused call: the calls recorded so far are queued on every rank alike.
+            work = self._comm.group_end(async_op=True)
+        works = [work] if work is not None else []
+        return self._work(works, tensors, lambda: [o.copy_back() for o in outs], "allreduce_coalesced")
 
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0

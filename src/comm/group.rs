@@ -17,7 +17,8 @@
 
 use std::marker::PhantomData;
 
-use super::{Communicator, Hooks, RawOp, lock};
+use super::queue::QueuedJob;
+use super::{Communicator, Hook, Hooks, RawOp, Work, lock};
 use crate::collective::{CallOptions, OpKind};
 use crate::dtype::{Element, ReduceOp};
 use crate::error::Result;
@@ -91,45 +92,52 @@ impl Communicator {
     /// # Safety
     /// As [`Communicator::run_group`].
     unsafe fn run_packed(&self, run: &[(RawOp, Hooks)]) -> Result<()> {
-        let first = &run[0].0;
         let total: usize = run.iter().map(|(op, _)| op.bufs.output_len()).sum();
         let mut pack = lock(&self.core.pack);
         if pack.len() * 8 < total {
             pack.resize(total.div_ceil(8), 0);
         }
-        let bytes: &mut [u8] = &mut bytemuck::cast_slice_mut(&mut pack[..])[..total];
-        let mut at = 0;
-        for (op, _) in run {
-            let input = match op.bufs {
-                RawBufs::InPlace(b) => b.as_read(),
-                RawBufs::OutOfPlace(s, _) => s,
-                RawBufs::None | RawBufs::Read(_) => continue, // not packed (see pack_ends)
-            };
-            // SAFETY: valid for reads (the caller's promise).
-            let src = unsafe { input.as_slice() };
-            bytes[at..at + src.len()].copy_from_slice(src);
-            at += src.len();
-        }
-        let packed = RawOp {
-            kind: first.kind,
-            dtype: first.dtype,
-            bufs: RawBufs::InPlace(RawBufMut::new(bytes)),
-            opts: first.opts,
-            source: None,
-        };
-        // SAFETY: `bytes` is borrowed from the lock held across the call.
-        unsafe { self.run(packed)? };
-        let mut at = 0;
-        for (op, _) in run {
-            if let RawBufs::InPlace(out) | RawBufs::OutOfPlace(_, out) = op.bufs {
-                // SAFETY: valid for writes and untouched by others (the caller's promise);
-                // no other buffer of the pack overlaps it (pack_ends).
-                let dst = unsafe { out.as_mut_slice() };
-                dst.copy_from_slice(&bytes[at..at + dst.len()]);
-                at += dst.len();
-            }
+        let bytes = RawBufMut::new(&mut bytemuck::cast_slice_mut(&mut pack[..])[..total]);
+        let (inputs, outputs) = pack_sides(run);
+        // SAFETY: `bytes` is borrowed from the lock held across these calls; the inputs and
+        // outputs are valid (the caller's promise) and no output overlaps another (pack_ends).
+        unsafe {
+            pack_in(&inputs, bytes);
+            self.run(packed_op(&run[0].0, bytes))?;
+            unpack(bytes, &outputs);
         }
         Ok(())
+    }
+
+    /// Queues `ops` as a group behind the work already queued, and returns at once: what
+    /// [`Communicator::run_group`] runs, one queued operation per pack or lone call, the same
+    /// packs (each in a buffer of its own, filled and emptied on the worker thread right before
+    /// and after its all-reduce). The works complete in order, so the last one completing
+    /// means that every one has. Nothing is queued unless every call is valid.
+    ///
+    /// # Safety
+    /// The buffers of every operation must stay valid, and untouched by anything else, until
+    /// the last work completes; the hooks may touch only their operation's buffers.
+    pub(crate) unsafe fn submit_group(&self, ops: Vec<(RawOp, Hooks)>) -> Result<Vec<Work<()>>> {
+        let c = &self.core;
+        for (op, _) in &ops {
+            c.forked()?;
+            super::validate(op, c.rank, c.size, c.has_window)?;
+        }
+        let mut ops = ops;
+        let mut jobs = Vec::new();
+        let mut start = 0;
+        for end in pack_ends(&ops) {
+            if end - start >= 2 {
+                jobs.push(packed_job(&ops[start..end]));
+            } else {
+                let hooks = std::mem::take(&mut ops[start].1);
+                jobs.push((ops[start].0.clone(), None, hooks));
+            }
+            start = end;
+        }
+        // SAFETY: forwarded from the caller; each pack's buffer is kept by its own job.
+        unsafe { self.submit_validated_jobs(jobs) }
     }
 
     /// One operation of a group, with its hooks (the C ABI's layout moves).
@@ -233,6 +241,91 @@ impl<'a> Group<'a> {
         // cannot alias, and `&` ones are only read.
         unsafe { self.comm.run_group(self.ops) }
     }
+}
+
+/// The inputs and the outputs of a pack's calls, in order.
+fn pack_sides(run: &[(RawOp, Hooks)]) -> (Vec<RawBuf>, Vec<RawBufMut>) {
+    let mut inputs = Vec::with_capacity(run.len());
+    let mut outputs = Vec::with_capacity(run.len());
+    for (op, _) in run {
+        match op.bufs {
+            RawBufs::InPlace(b) => {
+                inputs.push(b.as_read());
+                outputs.push(b);
+            }
+            RawBufs::OutOfPlace(s, r) => {
+                inputs.push(s);
+                outputs.push(r);
+            }
+            RawBufs::None | RawBufs::Read(_) => {} // not packed (see pack_ends)
+        }
+    }
+    (inputs, outputs)
+}
+
+/// The all-reduce of a pack: `first`'s kind, type and options, in place on `pack`.
+fn packed_op(first: &RawOp, pack: RawBufMut) -> RawOp {
+    RawOp {
+        kind: first.kind,
+        dtype: first.dtype,
+        bufs: RawBufs::InPlace(pack),
+        opts: first.opts,
+        source: None,
+    }
+}
+
+/// Copies `inputs` one after the other into `pack`.
+///
+/// # Safety
+/// Every buffer must be valid (inputs for reads, `pack` for writes, as long as their total),
+/// and `pack` must not overlap an input.
+unsafe fn pack_in(inputs: &[RawBuf], pack: RawBufMut) {
+    // SAFETY: the caller's promise.
+    let bytes = unsafe { pack.as_mut_slice() };
+    let mut at = 0;
+    for input in inputs {
+        // SAFETY: the caller's promise.
+        let src = unsafe { input.as_slice() };
+        bytes[at..at + src.len()].copy_from_slice(src);
+        at += src.len();
+    }
+}
+
+/// Copies `pack` piece by piece into `outputs` (the reverse of [`pack_in`]).
+///
+/// # Safety
+/// Every buffer must be valid (outputs for writes, `pack` for reads) and none may overlap
+/// another.
+unsafe fn unpack(pack: RawBufMut, outputs: &[RawBufMut]) {
+    // SAFETY: the caller's promise.
+    let bytes = unsafe { pack.as_read().as_slice() };
+    let mut at = 0;
+    for out in outputs {
+        // SAFETY: the caller's promise.
+        let dst = unsafe { out.as_mut_slice() };
+        dst.copy_from_slice(&bytes[at..at + dst.len()]);
+        at += dst.len();
+    }
+}
+
+/// A pack as one queued operation: its own buffer (kept by the job), filled by the job's
+/// `before` hook and emptied by its `after` hook, both on the worker thread, so the inputs are
+/// read and the outputs written in issue order with the rest of the queue.
+fn packed_job(run: &[(RawOp, Hooks)]) -> QueuedJob {
+    let total: usize = run.iter().map(|(op, _)| op.bufs.output_len()).sum();
+    let mut pack = vec![0u64; total.div_ceil(8)].into_boxed_slice();
+    // The box's heap data does not move when the box moves into the job.
+    let bytes = RawBufMut::new(&mut bytemuck::cast_slice_mut(&mut pack[..])[..total]);
+    let (inputs, outputs) = pack_sides(run);
+    // The pack's buffer lives in the job until it completes; the calls' buffers stay valid and
+    // untouched until then (submit_group's contract), and no output overlaps another buffer of
+    // the pack (pack_ends).
+    // SAFETY: as just said.
+    let before: Hook = Box::new(move || unsafe { pack_in(&inputs, bytes) });
+    // SAFETY: as just said.
+    let after: Hook = Box::new(move || unsafe { unpack(bytes, &outputs) });
+    let hooks = Hooks { before: Some(before), after: Some(after) };
+    (packed_op(&run[0].0, bytes), Some(Box::new(pack)), hooks)
 }
 
 /// Whether `op` can join a pack.

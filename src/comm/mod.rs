@@ -25,7 +25,7 @@ mod wire;
 pub use api::OwnedBuffer;
 pub use group::Group;
 pub use pending::PendingComm;
-pub use persistent::Persistent;
+pub use persistent::{AllReducePlan, Persistent};
 pub use queue::{Hook, Hooks, Work};
 pub(crate) use validate::validate;
 

@@ -6,10 +6,12 @@
 //! algorithm. The choice is made on every rank from the same model and size, so every rank
 //! pins the same algorithm.
 
-use super::{Communicator, RawOp};
+use std::marker::PhantomData;
+
+use super::{Communicator, Hooks, OwnedBuffer, RawOp, Work};
 use crate::collective::{Algorithm, CallOptions, OpKind};
 use crate::dtype::{Element, ReduceOp};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::memory::{RawBufMut, RawBufs};
 
 /// An all-reduce of one buffer, started as often as needed; see
@@ -91,5 +93,103 @@ impl<T: Element> Persistent<'_, T> {
         // operation is the one validated at set-up (same buffer, type, op), with the algorithm
         // chosen then.
         unsafe { self.comm.run_validated(op) }
+    }
+}
+
+/// A persistent all-reduce whose starts are asynchronous and take an owned buffer: checked and
+/// its algorithm chosen once, at [`AllReducePlan::new`], each
+/// [`start_async`](AllReducePlan::start_async) queues the run (as
+/// [`Communicator::all_reduce_async`] does) with neither. It borrows nothing, so a buffer can
+/// move through the works as the async calls' do (a data-parallel trainer's gradient buckets,
+/// filled while earlier buckets reduce).
+///
+/// Not part of the stable API: reachable through `toroid::internals::comm` for the project's
+/// own trainer, as [`Persistent`] (which borrows its buffer and starts blocking) is for users.
+#[derive(Debug, Clone)]
+pub struct AllReducePlan {
+    /// The communicator it was made on: its id, rank and size.
+    comm: (u64, usize, usize),
+    kind: OpKind,
+    dtype: crate::dtype::DataType,
+    bytes: usize,
+    opts: CallOptions,
+}
+
+impl AllReducePlan {
+    /// Checks an in-place all-reduce of buffers like `buf` (its length and type) with `op` on
+    /// `comm` and chooses its algorithm, as [`Communicator::all_reduce_init`] does.
+    pub fn new<T: Element>(comm: &Communicator, buf: &mut [T], op: ReduceOp) -> Result<AllReducePlan> {
+        let probe = RawOp {
+            kind: OpKind::AllReduce(op),
+            dtype: T::DTYPE,
+            bufs: RawBufs::InPlace(RawBufMut::new(bytemuck::cast_slice_mut(buf))),
+            opts: CallOptions::default(),
+            source: None,
+        };
+        let c = &comm.core;
+        c.forked()?;
+        super::validate(&probe, c.rank, c.size, c.has_window)?;
+        let bytes = probe.bufs.output_len();
+        let opts = comm.pin_algorithm(probe).opts;
+        Ok(AllReducePlan {
+            comm: (c.id, c.rank, c.size),
+            kind: OpKind::AllReduce(op),
+            dtype: T::DTYPE,
+            bytes,
+            opts,
+        })
+    }
+
+    /// The algorithm every start runs.
+    pub fn algorithm(&self) -> Option<Algorithm> {
+        self.opts.algorithm
+    }
+
+    /// Queues the all-reduce of `buf` (which must have the planned length and type, on the
+    /// communicator of the plan) behind the work already issued on `comm`; the work gives the
+    /// buffer back, reduced, as [`Communicator::all_reduce_async`]'s does.
+    pub fn start_async<T: Element, B: OwnedBuffer<T>>(
+        &self,
+        comm: &Communicator,
+        mut buf: B,
+    ) -> Result<Work<B>> {
+        let c = &comm.core;
+        if (c.id, c.rank, c.size) != self.comm {
+            return Err(Error::InvalidUsage("an all-reduce plan started on another communicator".into()));
+        }
+        let bytes = bytemuck::cast_slice_mut::<T, u8>(buf.as_mut_elems());
+        if T::DTYPE != self.dtype || bytes.len() != self.bytes {
+            return Err(Error::InvalidArgument(
+                format!(
+                    "an all-reduce plan of {} bytes of {:?} started on {} bytes of {:?}",
+                    self.bytes,
+                    self.dtype,
+                    bytes.len(),
+                    T::DTYPE
+                )
+                .into(),
+            ));
+        }
+        let op = RawOp {
+            kind: self.kind,
+            dtype: self.dtype,
+            bufs: RawBufs::InPlace(RawBufMut::new(bytes)),
+            opts: self.opts,
+            source: None,
+        };
+        // SAFETY: the job keeps `buf` until the operation completes, and its heap data does not
+        // move when `buf` moves into the box (OwnedBuffer's promise); the operation is the one
+        // validated at `new` (same type, length and op; only the address differs, and an owned
+        // buffer of T is aligned for T).
+        let mut works =
+            unsafe { comm.submit_validated_jobs(vec![(op, Some(Box::new(buf)), Hooks::default())])? };
+        let w = works.pop().ok_or_else(|| Error::Internal("a queued all-reduce returned no work".into()))?;
+        Ok(Work {
+            done: w.done,
+            abort: w.abort,
+            timeout: w.timeout,
+            fork_generation: w.fork_generation,
+            _buf: PhantomData,
+        })
     }
 }

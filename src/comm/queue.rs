@@ -34,6 +34,10 @@ pub(super) struct Job {
     hooks: Hooks,
 }
 
+/// An operation to queue, what it keeps alive until it has run, and its hooks (see
+/// [`Communicator::submit_validated_jobs`]).
+pub(crate) type QueuedJob = (RawOp, Option<Box<dyn Any + Send>>, Hooks);
+
 /// A step run on the worker thread next to an operation, in issue order (see
 /// [`Communicator::submit_raw_with_hooks`]).
 pub type Hook = Box<dyn FnOnce() + Send>;
@@ -138,17 +142,53 @@ impl Communicator {
             .and_then(|_| self.core.abort.check())
             .and_then(|_| self.enqueue(op, keep, hooks));
         match r {
-            Ok(done) => Ok(Work {
-                done,
-                abort: self.core.abort.clone(),
-                timeout: self.core.timeout,
-                fork_generation: self.core.fork_generation,
-                _buf: PhantomData,
-            }),
+            Ok(done) => Ok(self.work_of(done)),
             Err(e) => {
                 *lock(&self.core.last_error) = Some(e.to_string());
                 Err(e)
             }
+        }
+    }
+
+    /// Queues `jobs` (operations validated before, with what each keeps alive and its hooks)
+    /// together: all of them, next to each other, or none (a group's runs must not be split by
+    /// a shutdown). Their works complete in this order.
+    ///
+    /// # Safety
+    /// As [`Communicator::submit_raw_with_hooks`], for every job.
+    pub(crate) unsafe fn submit_validated_jobs(&self, jobs: Vec<QueuedJob>) -> Result<Vec<Work<()>>> {
+        let r = self.core.forked().and_then(|_| self.core.abort.check()).and_then(|_| {
+            self.ensure_worker()?;
+            let mut q = lock(&self.core.queue);
+            if q.shutdown {
+                return Err(Error::Aborted("communicator is shutting down".into()));
+            }
+            let mut done = Vec::with_capacity(jobs.len());
+            for (op, keep, hooks) in jobs {
+                let issued_ns = if self.core.recorder.is_on() { self.core.recorder.now_ns() } else { 0 };
+                let d = Arc::new(Completion::new(keep));
+                q.jobs.push_back(Job { op, issued_ns, done: d.clone(), hooks });
+                done.push(d);
+            }
+            Ok(done)
+        });
+        self.core.queue_cv.notify_all();
+        match r {
+            Ok(done) => Ok(done.into_iter().map(|d| self.work_of(d)).collect()),
+            Err(e) => {
+                *lock(&self.core.last_error) = Some(e.to_string());
+                Err(e)
+            }
+        }
+    }
+
+    fn work_of(&self, done: Arc<Completion>) -> Work<()> {
+        Work {
+            done,
+            abort: self.core.abort.clone(),
+            timeout: self.core.timeout,
+            fork_generation: self.core.fork_generation,
+            _buf: PhantomData,
         }
     }
 

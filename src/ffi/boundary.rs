@@ -231,6 +231,9 @@ impl Handle for CommHandle {
 /// What a `toroid_work *` stands for.
 pub(crate) struct WorkHandle {
     pub(crate) work: Work<()>,
+    /// The works queued before `work` for the same call (a group's other runs); they complete
+    /// before it, and the first of their failures is the call's result.
+    pub(crate) earlier: Vec<Work<()>>,
     /// The communicator that issued it (not kept alive by the work).
     pub(crate) comm: Weak<CommHandle>,
     /// The communicator's timeout (for `timeout_ms < 0`).

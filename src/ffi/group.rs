@@ -6,8 +6,8 @@
 
 use std::sync::{Arc, Mutex};
 
-use super::boundary::{CommHandle, ffi_boundary, with_comm};
-use super::types::{toroid_comm, toroid_result};
+use super::boundary::{CommHandle, Handle, WorkHandle, check_out, ffi_boundary, with_comm, write_out};
+use super::types::{toroid_comm, toroid_result, toroid_work};
 use crate::comm::{Hooks, RawOp};
 use crate::error::{Error, Result};
 
@@ -74,22 +74,65 @@ pub unsafe extern "C" fn toroid_group_end(comm: *mut toroid_comm) -> toroid_resu
     ffi_boundary!(NAME, { with_comm(NAME, comm, end) })
 }
 
-fn end(h: &Arc<CommHandle>) -> Result<()> {
-    let ops = {
-        let mut g = lock(&h.group);
-        match g.depth {
-            0 => return Err(Error::InvalidUsage("toroid_group_end without toroid_group_start".into())),
-            1 => {
-                g.depth = 0;
-                std::mem::take(&mut g.ops)
-            }
-            _ => {
-                g.depth -= 1;
+/// Closes the group like `toroid_group_end`, but the outermost end queues the recorded calls
+/// behind the async work already issued on `comm` and returns at once (NCCL's group end, which
+/// only enqueues): *work completes when every call has run, and toroid_work_wait returns the
+/// first failure among them. The buffers of the recorded calls must stay valid, and untouched,
+/// until the work completes. *work is set to NULL when nothing was queued: a nested end, or a
+/// group that recorded nothing. TOROID_INVALID_USAGE without an open group.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn toroid_group_end_async(
+    comm: *mut toroid_comm,
+    work: *mut *mut toroid_work,
+) -> toroid_result {
+    const NAME: &str = "toroid_group_end_async";
+    ffi_boundary!(NAME, {
+        with_comm(NAME, comm, |h| {
+            check_out(work, "work")?;
+            // SAFETY: non-NULL (checked) and valid (the caller's promise).
+            unsafe { write_out(work, std::ptr::null_mut()) };
+            let Some(ops) = close(h)? else { return Ok(()) };
+            if ops.is_empty() {
                 return Ok(());
             }
-        }
-    };
+            // SAFETY: the C contract: every recorded call's buffers stay valid and untouched
+            // until the work completes.
+            let mut works = unsafe { h.comm.submit_group(ops)? };
+            let Some(last) = works.pop() else { return Ok(()) };
+            let handle = WorkHandle {
+                work: last,
+                earlier: works,
+                comm: Arc::downgrade(h),
+                timeout: h.comm.timeout(),
+                source: None,
+            };
+            // SAFETY: as above.
+            unsafe { write_out(work, WorkHandle::into_handle(Arc::new(handle))) };
+            Ok(())
+        })
+    })
+}
+
+fn end(h: &Arc<CommHandle>) -> Result<()> {
+    let Some(ops) = close(h)? else { return Ok(()) };
     // SAFETY: the C contract: every recorded call's buffers stay valid and untouched until
     // this returns.
     unsafe { h.comm.run_group(ops) }
+}
+
+/// Closes the innermost open group on `h`: the recorded calls when it was the outermost, None
+/// for a nested one.
+fn close(h: &CommHandle) -> Result<Option<Vec<(RawOp, Hooks)>>> {
+    let mut g = lock(&h.group);
+    match g.depth {
+        0 => Err(Error::InvalidUsage("toroid_group_end without toroid_group_start".into())),
+        1 => {
+            g.depth = 0;
+            Ok(Some(std::mem::take(&mut g.ops)))
+        }
+        _ => {
+            g.depth -= 1;
+            Ok(None)
+        }
+    }
 }

@@ -355,14 +355,21 @@ pub(crate) unsafe fn submit(
     let source = p.op.source.clone();
     // SAFETY: forwarded from the caller.
     let work = unsafe { h.comm.submit_raw_with_hooks(p.op, None, p.hooks)? };
-    let handle = WorkHandle { work, comm: Arc::downgrade(h), timeout: h.comm.timeout(), source };
+    let handle =
+        WorkHandle { work, earlier: Vec::new(), comm: Arc::downgrade(h), timeout: h.comm.timeout(), source };
     Ok(WorkHandle::into_handle(Arc::new(handle)))
 }
 
 /// Waits for a work, `timeout_ms < 0` meaning the communicator's timeout.
 pub(crate) fn wait(w: &WorkHandle, timeout_ms: i64) -> Result<()> {
     let d = u64::try_from(timeout_ms).map_or(w.timeout, Duration::from_millis);
-    w.work.wait_timeout(d)
+    let r = w.work.wait_timeout(d);
+    if matches!(r, Err(Error::Timeout(_))) {
+        return r; // this wait's own deadline, which aborted the rest
+    }
+    // Done in order: the earlier works are done too, and the first failure (which aborted the
+    // communicator, failing the later ones) is the one to report.
+    w.earlier.iter().find_map(|e| e.error()).map_or(r, Err)
 }
 
 /// A blocking collective call from C, as a result code.

@@ -6,6 +6,8 @@
 //!   the network's last layers, is capped at 1 MiB so communication starts early, as DDP does);
 //!   each bucket's all-reduce (average) is issued asynchronously as soon as the backward segments
 //!   that produce its gradients are done, so it overlaps the backward pass of earlier segments;
+//!   it is a persistent all-reduce, checked and its algorithm chosen at the bucket's first launch
+//!   and only started after that (MPI's `MPI_Allreduce_init`; see [`launch`]);
 //! - the optimiser then updates bucket by bucket as each all-reduce completes, overlapping the
 //!   buckets still in flight;
 //! - every rank applies the same update to the same averaged gradient, so parameters stay
@@ -18,7 +20,8 @@
 use std::time::{Duration, Instant};
 
 use candle_core::{Tensor, Var};
-use toroid::{Communicator, ReduceOp, Work};
+use toroid::internals::comm::AllReducePlan;
+use toroid::{CallOptions, Communicator, ReduceOp, Work};
 
 use crate::bail;
 use crate::error::Result;
@@ -42,6 +45,8 @@ pub struct Bucket {
     pub min_segment: usize,
     buf: Option<Vec<f32>>,
     work: Option<Work<Vec<f32>>>,
+    /// The bucket's persistent all-reduce, made at its first launch (see [`launch`]).
+    plan: Option<AllReducePlan>,
     /// Error feedback's rounding residual (empty unless `--error-feedback`).
     residual: Vec<f32>,
 }
@@ -70,6 +75,7 @@ pub fn make_buckets(sizes: &[(usize, usize)], cap: usize, first_cap: usize) -> V
             min_segment,
             buf: Some(vec![0.0; off]),
             work: None,
+            plan: None,
             residual: vec![],
         });
     };
@@ -85,6 +91,30 @@ pub fn make_buckets(sizes: &[(usize, usize)], cap: usize, first_cap: usize) -> V
     }
     flush(&mut cur, &mut buckets);
     buckets
+}
+
+/// Starts the average of a bucket's gradients `buf` over ranks, asynchronously (the work gives
+/// `buf` back). Through the bucket's persistent all-reduce `plan`, made at its first launch: the
+/// checks and the algorithm's choice are done then, once, and every later step only starts it.
+/// A plain call where a plan cannot serve: `opts` with a compressed wire (`--wire bf16`), whose
+/// all-reduce is a composition of collectives that a plan does not pin, and `persistent` off.
+fn launch(
+    comm: &Communicator,
+    plan: &mut Option<AllReducePlan>,
+    mut buf: Vec<f32>,
+    opts: CallOptions,
+    persistent: bool,
+) -> Result<Work<Vec<f32>>> {
+    if !persistent || opts != CallOptions::default() {
+        return Ok(comm.all_reduce_async_with(buf, ReduceOp::Avg, opts)?);
+    }
+    let p = match plan.take() {
+        Some(p) => p,
+        None => AllReducePlan::new(comm, &mut buf, ReduceOp::Avg)?,
+    };
+    let work = p.start_async(comm, buf);
+    *plan = Some(p);
+    Ok(work?)
 }
 
 /// 64-bit FNV-1a hash of the bits of `values`: equal only if they are (almost surely)
@@ -123,6 +153,9 @@ pub struct Replicas {
     /// When false (BMUF's local steps), gradients are not all-reduced: each rank applies its
     /// own.
     pub sync_grads: bool,
+    /// When false, every bucket's all-reduce is a plain async call instead of a start of its
+    /// persistent all-reduce (the reference the tests compare the persistent path with).
+    pub persistent: bool,
     launched: usize,
     /// The bucket size `new` was given (to rebuild over another communicator).
     bucket_bytes: usize,
@@ -142,14 +175,26 @@ impl Replicas {
             }
         }
         let wire = GradWire::default();
-        Replicas { comm, buckets, place, overlap, sync_grads: true, launched: 0, bucket_bytes, wire }
+        Replicas {
+            comm,
+            buckets,
+            place,
+            overlap,
+            sync_grads: true,
+            persistent: true,
+            launched: 0,
+            bucket_bytes,
+            wire,
+        }
     }
 
     /// The same replicas over `comm` (the survivors, after a shrink): fresh buckets, nothing in
-    /// flight, error feedback's residuals back to zero.
+    /// flight, error feedback's residuals back to zero, and no persistent all-reduces yet (the
+    /// old ones were made for the old communicator; the first launches make new ones).
     pub fn rebuilt(&self, comm: Communicator, params: &[Param]) -> Replicas {
         let mut r = Replicas::new(Some(comm), params, self.bucket_bytes, self.overlap);
         r.sync_grads = self.sync_grads;
+        r.persistent = self.persistent;
         r.wire = self.wire;
         r
     }
@@ -254,7 +299,7 @@ impl Replicas {
             if let Some(comm) = self.comm.as_ref().filter(|_| self.sync_grads) {
                 let Some(mut buf) = b.buf.take() else { bail!("bucket launched twice") };
                 self.wire.compensate(&mut buf, &mut b.residual);
-                b.work = Some(comm.all_reduce_async_with(buf, ReduceOp::Avg, self.wire.options())?);
+                b.work = Some(launch(comm, &mut b.plan, buf, self.wire.options(), self.persistent)?);
             }
             self.launched += 1;
         }
@@ -306,7 +351,113 @@ impl Replicas {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
+    use candle_core::{DType, Device};
+    use toroid::rendezvous::MemStore;
+
     use super::*;
+
+    /// Runs `body(rank, comm)` on `n` ranks that are threads of this process.
+    fn on_ranks<T: Send + 'static>(
+        n: usize,
+        body: impl Fn(usize, Communicator) -> T + Send + Sync + 'static,
+    ) -> Vec<T> {
+        let store = Arc::new(MemStore::new());
+        let body = Arc::new(body);
+        let cfg = toroid::Config { timeout: Duration::from_secs(30), ..toroid::Config::default() };
+        let handles: Vec<_> = (0..n)
+            .map(|r| {
+                let (store, body, cfg) = (store.clone(), body.clone(), cfg.clone());
+                std::thread::spawn(move || body(r, Communicator::with_store(r, n, store, &cfg).unwrap()))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    /// Rank `rank`'s gradient of parameter `p` at `step`, element `i`: a multiple of 1/4 below
+    /// 64 in magnitude, so that sums and averages over 2 or 4 ranks are exact in f32.
+    fn grad(rank: usize, step: usize, p: usize, i: usize) -> f32 {
+        let h = (rank * 7919 + step * 104_729 + p * 1_299_709 + i * 15_485_863) % 511;
+        (h as f32 - 255.0) / 4.0
+    }
+
+    /// `steps` optimiser steps of `rep` (every parameter's gradient from [`grad`], launched
+    /// segment by segment as backward does); the averaged gradients each step hands to the
+    /// optimiser, per parameter.
+    fn run_steps(rep: &mut Replicas, params: &[Param], steps: usize) -> Vec<Vec<Vec<f32>>> {
+        let rank = rep.rank();
+        let mut seen = vec![];
+        for step in 0..steps {
+            rep.begin_step();
+            for s in (0..3).rev() {
+                for (pi, p) in params.iter().enumerate().filter(|(_, p)| p.segment == s) {
+                    let n = p.var.elem_count();
+                    let g =
+                        Tensor::from_vec((0..n).map(|i| grad(rank, step, pi, i)).collect(), n, &Device::Cpu)
+                            .unwrap();
+                    rep.add_grad(pi, Some(&g), 1.0).unwrap();
+                }
+                rep.segment_done(s).unwrap();
+            }
+            let mut got = vec![vec![]; params.len()];
+            rep.finish(|ps, offsets, grads| {
+                for (&pi, &off) in ps.iter().zip(offsets) {
+                    got[pi] = grads[off..off + params[pi].var.elem_count()].to_vec();
+                }
+                Ok(())
+            })
+            .unwrap();
+            seen.push(got);
+        }
+        seen
+    }
+
+    /// The bucketed all-reduces through persistent all-reduces (made at the first step, started
+    /// at every later one) hand the optimiser bit for bit the gradients of plain async calls,
+    /// and those are the average over ranks computed here, every element of every step.
+    #[test]
+    fn persistent_bucket_all_reduces_give_the_plain_calls_gradients() {
+        for n in [2, 4] {
+            on_ranks(n, move |_, comm| {
+                // (elements, segment): buckets of at most 2 KB, so that five buckets launch as
+                // backward goes, two of them a parameter alone over the cap.
+                let sizes = [(300, 0), (70, 0), (2000, 1), (5, 1), (900, 2), (64, 2)];
+                let params: Vec<Param> = sizes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(len, segment))| Param {
+                        name: format!("p{i}"),
+                        var: Var::zeros(len, DType::F32, &Device::Cpu).unwrap(),
+                        decay: false,
+                        segment,
+                    })
+                    .collect();
+                let mut rep = Replicas::new(Some(comm), &params, 2048, true);
+                assert_eq!(rep.buckets.len(), 5);
+                assert!(rep.persistent);
+                let persistent = run_steps(&mut rep, &params, 3);
+                assert!(rep.buckets.iter().all(|b| b.plan.as_ref().is_some_and(|p| p.algorithm().is_some())));
+                rep.persistent = false;
+                let plain = run_steps(&mut rep, &params, 3);
+                assert_eq!(persistent, plain, "rank {}: persistent and plain gradients differ", rep.rank());
+                for (step, got) in persistent.iter().enumerate() {
+                    for (pi, g) in got.iter().enumerate() {
+                        assert_eq!(g.len(), sizes[pi].0);
+                        for (i, x) in g.iter().enumerate() {
+                            let want = (0..n).map(|r| grad(r, step, pi, i)).sum::<f32>() / n as f32;
+                            assert_eq!(
+                                *x,
+                                want,
+                                "rank {}: step {step}, parameter {pi}, element {i}",
+                                rep.rank()
+                            );
+                        }
+                    }
+                }
+            });
+        }
+    }
 
     #[test]
     fn buckets_are_reverse_ordered_and_capped() {
