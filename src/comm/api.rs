@@ -1,6 +1,5 @@
 //! The typed API: collectives on slices of [`Element`]s, blocking and async.
 
-use std::marker::PhantomData;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -260,12 +259,6 @@ impl Communicator {
         // SAFETY: the work keeps `buf` alive until the operation completes, and its heap data
         // does not move when `buf` is moved into the box (OwnedBuffer's promise).
         let w = unsafe { self.submit_raw(op, Some(Box::new(buf)))? };
-        Ok(Work {
-            done: w.done,
-            abort: w.abort,
-            timeout: w.timeout,
-            fork_generation: w.fork_generation,
-            _buf: PhantomData,
-        })
+        Ok(w.keeping())
     }
 }

@@ -6,8 +6,6 @@
 //! algorithm. The choice is made on every rank from the same model and size, so every rank
 //! pins the same algorithm.
 
-use std::marker::PhantomData;
-
 use super::{Communicator, Hooks, OwnedBuffer, RawOp, Work};
 use crate::collective::{Algorithm, CallOptions, OpKind};
 use crate::dtype::{Element, ReduceOp};
@@ -184,12 +182,6 @@ impl AllReducePlan {
         let mut works =
             unsafe { comm.submit_validated_jobs(vec![(op, Some(Box::new(buf)), Hooks::default())])? };
         let w = works.pop().ok_or_else(|| Error::Internal("a queued all-reduce returned no work".into()))?;
-        Ok(Work {
-            done: w.done,
-            abort: w.abort,
-            timeout: w.timeout,
-            fork_generation: w.fork_generation,
-            _buf: PhantomData,
-        })
+        Ok(w.keeping())
     }
 }

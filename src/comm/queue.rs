@@ -415,6 +415,20 @@ impl<B> std::fmt::Debug for Work<B> {
     }
 }
 
+impl Work<()> {
+    /// The same work, typed as giving back the `B` its completion keeps (the caller put a `B`
+    /// there when it queued the operation).
+    pub(super) fn keeping<B>(self) -> Work<B> {
+        Work {
+            done: self.done,
+            abort: self.abort,
+            timeout: self.timeout,
+            fork_generation: self.fork_generation,
+            _buf: PhantomData,
+        }
+    }
+}
+
 impl<B: 'static> Work<B> {
     fn not_forked(&self) -> Result<()> {
         if crate::sys::fork::generation() == self.fork_generation {

@@ -305,12 +305,9 @@ impl Bmuf {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
-    use toroid::rendezvous::MemStore;
-
     use super::*;
     use crate::adam::AdamConfig;
+    use crate::test_ranks::on_ranks;
 
     fn cfg(eta: f64, zeta: f64, nesterov: bool) -> BmufConfig {
         BmufConfig { tau: 2, eta, zeta, nesterov, moments: Moments::Corrected }
@@ -403,23 +400,6 @@ mod tests {
         let a = AdamState { m: &mut m, v: &mut v, t: &mut t, beta1: 0.9, beta2: 0.99 };
         b.sync(None, &mut p, Some(a)).unwrap();
         assert_eq!((m[0], v[0], t), (0.4, 0.02, 2.0));
-    }
-
-    /// Runs `body(rank, comm)` on `n` ranks that are threads of this process.
-    fn on_ranks<T: Send + 'static>(
-        n: usize,
-        body: impl Fn(usize, Communicator) -> T + Send + Sync + 'static,
-    ) -> Vec<T> {
-        let store = Arc::new(MemStore::new());
-        let body = Arc::new(body);
-        let cfg = toroid::Config { timeout: std::time::Duration::from_secs(30), ..toroid::Config::default() };
-        let handles: Vec<_> = (0..n)
-            .map(|r| {
-                let (store, body, cfg) = (store.clone(), body.clone(), cfg.clone());
-                std::thread::spawn(move || body(r, Communicator::with_store(r, n, store, &cfg).unwrap()))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
     }
 
     /// tau = 1, eta = 0, zeta = 1 is synchronous model averaging: after every step each rank

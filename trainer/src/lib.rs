@@ -32,6 +32,8 @@ pub mod optim;
 pub mod parallel;
 pub mod pool;
 pub mod rng;
+#[cfg(test)]
+mod test_ranks;
 pub mod train;
 pub mod wire;
 

@@ -351,29 +351,10 @@ impl Replicas {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
     use candle_core::{DType, Device};
-    use toroid::rendezvous::MemStore;
 
     use super::*;
-
-    /// Runs `body(rank, comm)` on `n` ranks that are threads of this process.
-    fn on_ranks<T: Send + 'static>(
-        n: usize,
-        body: impl Fn(usize, Communicator) -> T + Send + Sync + 'static,
-    ) -> Vec<T> {
-        let store = Arc::new(MemStore::new());
-        let body = Arc::new(body);
-        let cfg = toroid::Config { timeout: Duration::from_secs(30), ..toroid::Config::default() };
-        let handles: Vec<_> = (0..n)
-            .map(|r| {
-                let (store, body, cfg) = (store.clone(), body.clone(), cfg.clone());
-                std::thread::spawn(move || body(r, Communicator::with_store(r, n, store, &cfg).unwrap()))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    }
+    use crate::test_ranks::on_ranks;
 
     /// Rank `rank`'s gradient of parameter `p` at `step`, element `i`: a multiple of 1/4 below
     /// 64 in magnitude, so that sums and averages over 2 or 4 ranks are exact in f32.
