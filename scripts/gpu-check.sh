@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The GPU checks: every test of tests/gpu.rs with a GPU required (each kernel on the device
 # against the CPU kernels' bits, staged collectives on device memory), the C stream entry points
-# on 2 ranks (ffi_tests/gpu/stream.c, built here with the CUDA driver's cuda.h), then the
-# device kernel benchmark (examples/gpu_bandwidth.rs).
+# on 2 ranks (ffi_tests/gpu/stream.c, built here with the CUDA driver's cuda.h), the device
+# kernel benchmark (examples/gpu_bandwidth.rs), then the torch backend on CUDA tensors
+# (python/tests/gpu_torch_check.py: 2 processes on GPU 0; SKIPPED when python3 has no torch).
 #
 #   scripts/gpu-check.sh               build with cargo (feature `cuda`), then run
-#   scripts/gpu-check.sh --build DIR   only build the two binaries into DIR (for a GPU machine
-#                                      without a Rust toolchain: carry DIR there)
-#   scripts/gpu-check.sh --run DIR     run the binaries in DIR
+#   scripts/gpu-check.sh --build DIR   only build the binaries into DIR, with libtoroid.so and the
+#                                      Python package (for a GPU machine without a Rust
+#                                      toolchain: carry DIR there)
+#   scripts/gpu-check.sh --run DIR     run the checks in DIR
 #
 # NVRTC: TOROID_NVRTC_PATH, else the libnvrtc.so.13 of python3's CUDA wheels or of
 # /usr/local/cuda; it must not be newer than the driver (PTX from NVRTC 13.2 does not load on
@@ -29,6 +31,11 @@ for l in sys.stdin:
   cp "$tests" "$dir/gpu-tests"
   cp target/release/examples/gpu_bandwidth target/release/toroid-run target/release/libtoroid.so "$dir/"
   strip "$dir/gpu-tests" "$dir/gpu_bandwidth" "$dir/toroid-run" "$dir/libtoroid.so" 2>/dev/null || true
+  # The torch check and the package it imports, laid out as in the checkout (the script finds
+  # the package two levels up; --run points the binding at DIR/libtoroid.so).
+  mkdir -p "$dir/python/toroid" "$dir/python/tests"
+  cp python/toroid/*.py "$dir/python/toroid/"
+  cp python/tests/gpu_torch_check.py "$dir/python/tests/"
 }
 
 run() {
@@ -61,11 +68,24 @@ for p in nvidia.__path__:
     "$dir/toroid-run" -n 2 "$dir/stream"
   fi
   "$dir/gpu_bandwidth" 256
+  torch_check "$dir"
+}
+
+# The torch backend on CUDA tensors, with the package and library of DIR.
+torch_check() {
+  local dir=$1
+  if ! python3 -c 'import torch' 2>/dev/null; then
+    echo "SKIPPED python/tests/gpu_torch_check.py: torch is not importable by python3"
+  elif [ ! -f "$dir/python/tests/gpu_torch_check.py" ]; then
+    echo "SKIPPED python/tests/gpu_torch_check.py: not in $dir (a bundle built before it existed)"
+  else
+    TOROID_LIBRARY="$(cd "$dir" && pwd)/libtoroid.so" python3 "$dir/python/tests/gpu_torch_check.py"
+  fi
 }
 
 case "${1:-}" in
   --build) build "$2" ;;
   --run) run "$2" ;;
   "") build target/gpu-check && run target/gpu-check ;;
-  *) sed -n '2,12p' "$0"; exit 2 ;;
+  *) sed -n '2,16p' "$0"; exit 2 ;;
 esac

@@ -582,6 +582,41 @@ class Comm:
             self._inflight.append(w)
         return w
 
+    # Device memory (CUDA) on a stream: toroid_all_reduce_stream / toroid_broadcast_stream.
+
+    def _stream_call(self, name: str, args: tuple) -> None:
+        if self._group_depth:
+            # The stream entry points run at once, not recorded: inside a group they would run
+            # before the calls recorded ahead of them, so refuse instead of reordering.
+            raise _lib.InvalidUsageError(name, _lib.Result.INVALID_USAGE, "not allowed inside a group",
+                                         "the stream collectives cannot be recorded in a group")
+        handle = self._live()
+        check(name, getattr(_lib.lib(), name)(handle, *args), handle)
+
+    def all_reduce_stream_ptr(self, send: int, recv: int, count: int, dtype, op="sum", stream: int = 0) -> None:
+        """All-reduces `count` elements of `dtype` from device memory `send` into device memory
+        `recv` (the same address: in place) with `op` (toroid_all_reduce_stream).
+
+        `stream` is a cudaStream_t/CUstream of the buffers' device as an int (torch:
+        ``torch.cuda.current_stream(dev).cuda_stream``; 0: the legacy default stream). The
+        call reads `send` after the work already queued on `stream`, and returns when the result
+        is in `recv` (blocking for the host in this version; the stream is synchronised).
+        Every rank calls it with the same count, type and op.
+
+        Without CUDA (no driver, or a library built without the `cuda` feature)
+        toroid.UnsupportedError; host memory on a machine with CUDA, or buffers of two devices,
+        toroid.InvalidArgumentError; inside ``comm.group()`` toroid.InvalidUsageError (these
+        calls cannot be recorded)."""
+        self._stream_call("toroid_all_reduce_stream",
+                          (send, recv, count, DataType.of(dtype), ReduceOp.of(op), stream or None))
+
+    def broadcast_stream_ptr(self, send: int, recv: int, count: int, dtype, root: int, stream: int = 0) -> None:
+        """Broadcasts `count` elements of `dtype` from device memory `send` at `root` into device
+        memory `recv` at every rank (the same address: in place; `send` is read at the root
+        only), ordered on `stream` and blocking as `all_reduce_stream_ptr`, with its errors
+        (toroid_broadcast_stream)."""
+        self._stream_call("toroid_broadcast_stream", (send, recv, count, DataType.of(dtype), root, stream or None))
+
     def barrier(self, async_op: bool = False):
         """Returns once every rank has entered the barrier."""
         return self._call("toroid_barrier", (), async_op, (), None)

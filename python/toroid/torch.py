@@ -5,8 +5,8 @@
     dist.init_process_group("toroid")           # env:// (torchrun) or any init_method
 
 `ProcessGroupToroid` is a Python subclass of torch's c10d `Backend` (as ProcessGroupGloo is),
-registered for the "cpu" device: torch wraps it in a ProcessGroup, so every torch.distributed
-entry point that picks a backend by device (all_gather_coalesced, batch_isend_irecv,
+registered for the "cpu" and "cuda" devices: torch wraps it in a ProcessGroup, so every
+torch.distributed entry point that picks a backend by device (all_gather_coalesced, batch_isend_irecv,
 monitored_barrier, the *_object collectives, ...) finds it. It bootstraps through the store
 torch hands to every backend (toroid_comm_init_with_store with ctypes callbacks: no port of its
 own) and runs every collective as a toroid async call; the returned Work completes its torch
@@ -22,10 +22,35 @@ messages between two ranks match in issue order), recv from any source, batch_is
 (ordered so that it cannot deadlock), the coalesced forms, all_reduce of sparse COO tensors
 (SUM, as gloo); CPU tensors of int8, uint8, int32, int64, uint32, uint64, float16, bfloat16,
 float32, float64; BAND/BOR/BXOR in all_reduce on integer and bool tensors (all-gather and a
-local fold). Not supported: PREMUL_SUM (gloo has it neither), CUDA tensors (ValueError). The group's timeout (init_process_group's `timeout`) bounds set-up and
-every operation; a failure raises torch.distributed.DistBackendError (a RuntimeError, as gloo's
+local fold). Not supported: PREMUL_SUM (gloo has it neither). The group's timeout
+(init_process_group's `timeout`) bounds set-up and every operation; a failure raises torch.distributed.DistBackendError (a RuntimeError, as gloo's
 are) whose text starts with gloo's wording ("Timed out waiting Nms for ...") and ends with
 toroid's detail (which rank, which operation, where it stood).
+
+CUDA tensors (NONE OF THIS HAS RUN ON A GPU YET: python/tests/gpu_torch_check.py, run by
+scripts/gpu-check.sh, is the check for a machine with one):
+
+- all_reduce, all_reduce_coalesced (and so DDP's default gradient all-reduce) and broadcast of
+  contiguous CUDA tensors of float32, float16, bfloat16, float64, int32 or int64 (ops SUM,
+  PRODUCT, MIN, MAX, AVG; AVG on floats) run on device memory: one call of
+  toroid_all_reduce_stream / toroid_broadcast_stream per tensor, ordered on
+  torch.cuda.current_stream(t.device), the stream ProcessGroupNCCL uses. The call reads the
+  tensor after the work already queued on that stream and is blocking for the host in this
+  version: it returns (and the work is complete) once the result is in device memory, so DDP's
+  gradient all-reduces do not overlap its backward pass on CUDA yet. Failures of the collective
+  are the work's (wait() raises them, as for CPU tensors); argument errors are raised at once.
+  `stream_path` is the rule that picks this path.
+- Every other case is staged through host memory: each CUDA argument is copied with `.cpu()`
+  (on the current stream, waiting for it), the CPU path runs on the copies, and when it has
+  completed the outputs are copied back with `.copy_()` on the stream that was current when the
+  call was issued, the host waiting for those copies before the work completes. That is every
+  other collective (all_gather, all_gather_into_tensor, reduce_scatter, reduce, all_to_all,
+  gather, scatter, send/recv, the coalesced forms, the bitwise and sparse all-reduces, the wire
+  hooks) and all_reduce/broadcast of other types, non-contiguous or empty tensors, AVG on
+  integers, and float32/float64 all-reduces with a compressed wire type. Simple, not fast: two
+  copies through pageable memory and a host synchronisation per call.
+- A call mixing CUDA and CPU tensors is a ValueError. Object collectives and barrier stay on the
+  CPU (torch picks "cpu" when a group has it).
 
 Like every toroid call, operations of one process group run in issue order on one queue: a
 send waits for its receiver, so pair sends and receives so that no cycle of ranks all sends
@@ -37,6 +62,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import inspect
 import queue
 import threading
 import warnings
@@ -53,6 +79,9 @@ from ._lib import DataType, ReduceOp
 from .comm import Comm
 
 BACKEND = "toroid"
+# The devices the backend is registered for. "cpu" first: torch prefixes the store of a group
+# with the first, and picks "cpu" for object collectives and barrier when it is among them.
+DEVICES = ("cpu", "cuda")
 
 _TYPES = {
     torch.int8: DataType.INT8,
@@ -90,9 +119,10 @@ def _op(torch_op) -> ReduceOp:
 
 
 def _flat(t: torch.Tensor, op: Optional[ReduceOp] = None) -> torch.Tensor:
-    """The tensor as toroid sees it: on CPU, of a toroid type; complex as pairs of reals."""
+    """The tensor as toroid sees it: on CPU, of a toroid type; complex as pairs of reals. (CUDA
+    tensors never get here: they take the stream path or are staged into CPU copies first.)"""
     if t.device.type != "cpu":
-        raise ValueError(f"the toroid backend works on CPU tensors, not {t.device}")
+        raise ValueError(f"the toroid backend works on CPU and CUDA tensors, not {t.device}")
     if t.is_complex():
         if op not in (None, ReduceOp.SUM, ReduceOp.AVG):
             raise ValueError(f"toroid reduces complex tensors with SUM or AVG only, not {op.name}")
@@ -104,6 +134,159 @@ def _flat(t: torch.Tensor, op: Optional[ReduceOp] = None) -> torch.Tensor:
 
 def _dtype(t: torch.Tensor) -> DataType:
     return _TYPES[t.dtype]
+
+
+# ---- CUDA tensors ------------------------------------------------------------------------------
+# all_reduce and broadcast of CUDA tensors run on device memory through the C entry points
+# toroid_all_reduce_stream / toroid_broadcast_stream (Comm.*_stream_ptr), ordered on torch's
+# current stream of the tensor's device (as ProcessGroupNCCL orders on it). Everything else is
+# staged: copied to CPU tensors, run by the CPU path, copied back (see _staged).
+
+# The element types and ops of the stream path: the types src/gpu's tests run on the device.
+_STREAM_TYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64})
+_STREAM_OPS = frozenset({ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG})
+
+
+def stream_path(dtype: torch.dtype, op: Optional[ReduceOp], contiguous: bool, numel: int,
+                wire: Optional[DataType] = None) -> bool:
+    """Whether a strided CUDA tensor of `dtype`, `numel` elements, contiguous or not, is
+    all-reduced with `op` (None: broadcast) by the stream entry points (True) or staged through
+    host memory (False). Every rank must decide alike for a collective, so this depends only on
+    what every rank passes equally.
+
+    Staged: another element type (the stream path is kept to the types tested on the device);
+    a non-contiguous tensor (the entry points take one flat range); an empty one (the stream
+    path moves nothing and issues no collective, the CPU path does); AVG on an integer type
+    (toroid refuses it: staging gives the CPU path's error); a float32/float64 all-reduce with a
+    compressed `wire` type (only the host collective compresses)."""
+    if dtype not in _STREAM_TYPES or not contiguous or numel == 0:
+        return False
+    if op is None:
+        return True
+    if op not in _STREAM_OPS or (op == ReduceOp.AVG and not dtype.is_floating_point):
+        return False
+    return wire is None or dtype not in (torch.float32, torch.float64)
+
+
+def _tensors_in(value) -> list:
+    """The tensors of an argument: a tensor, or (nested) lists and tuples of them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v)]
+    return []
+
+
+def _device_type(tensors) -> str:
+    """"cuda" when the call's tensors are CUDA tensors, else "cpu" (other devices are refused
+    later by the CPU path). A call mixing CUDA and other tensors is refused: the stream path
+    takes device memory only, and staging a mix would hide a caller's mistake."""
+    kinds = {t.device.type for t in tensors}
+    if "cuda" in kinds and len(kinds) > 1:
+        devices = sorted({str(t.device) for t in tensors})
+        raise ValueError(f"the toroid backend takes the tensors of one call on one kind of device, got {devices}")
+    return "cuda" if "cuda" in kinds else "cpu"
+
+
+def _cuda_devices(value) -> list:
+    """The CUDA devices of the tensors in `value` (a torch Future holding them must name them)."""
+    return sorted({t.device for t in _tensors_in(value) if t.device.type == "cuda"}, key=lambda d: d.index or 0)
+
+
+class _Staging:
+    """The CUDA tensors of one staged call and their CPU copies.
+
+    A CUDA argument is copied with `.cpu()`, which runs on the current stream of its device
+    and returns once the copy is done, so work the caller queued before the call is in it.
+    When the operation completes, each output's copy is written back with `.copy_()` on the
+    stream that was current when the call was issued (the completion thread's own current
+    stream is another), and the host waits for those copies: a completed work's outputs are in
+    device memory, whichever stream reads them next."""
+
+    def __init__(self):
+        self._originals: dict = {}  # id(CPU copy) -> the CUDA tensor
+        self._back: list = []  # (CUDA output, its CPU copy, the stream to copy back on)
+        self._keep: list = []  # every copy, so that no id is reused while mapped
+
+    def stage(self, value, output: bool):
+        """`value` with each CUDA tensor replaced by a CPU copy (lists and tuples kept)."""
+        if isinstance(value, torch.Tensor):
+            if value.device.type != "cuda":
+                return value
+            copy = value.cpu()
+            self._originals[id(copy)] = value
+            self._keep.append(copy)
+            if output:
+                self._back.append((value, copy, torch.cuda.current_stream(value.device)))
+            return copy
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.stage(v, output) for v in value)
+        return value
+
+    def original(self, value):
+        """`value` (a result made of the CPU copies) with the caller's CUDA tensors again."""
+        if isinstance(value, torch.Tensor):
+            return self._originals.get(id(value), value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.original(v) for v in value)
+        return value
+
+    def copy_back(self) -> None:
+        done = []
+        for dst, src, stream in self._back:
+            with torch.cuda.stream(stream):
+                dst.copy_(src)
+                event = torch.cuda.Event()
+                event.record(stream)
+                done.append(event)
+        for event in done:
+            event.synchronize()
+
+
+def _staged(outputs=(), inputs=()):
+    """Decorates a CPU implementation: a call with CUDA tensors in the arguments named in
+    `outputs` (written, copied back) and `inputs` (only read) runs on CPU copies of them (see
+    _Staging); a call without any runs unchanged; a mix of devices is a ValueError."""
+
+    def decorate(method):
+        signature = inspect.signature(method)
+
+        def wrapper(self, *args, **kwargs):
+            bound = signature.bind(self, *args, **kwargs)
+            names = [n for n in (*outputs, *inputs) if n in bound.arguments]
+            if _device_type([t for n in names for t in _tensors_in(bound.arguments[n])]) != "cuda":
+                return method(self, *args, **kwargs)
+            staging = _Staging()
+            for n in names:
+                bound.arguments[n] = staging.stage(bound.arguments[n], n in outputs)
+            self.stats[f"{method.__name__.strip('_').removesuffix('_host')}:staged"] += 1
+            # _work / _defer attach the staging to the work this call makes (before it is queued,
+            # so the completion thread cannot complete it without the copies back).
+            self._staging.current = staging
+            try:
+                return method(*bound.args, **bound.kwargs)
+            finally:
+                self._staging.current = None
+
+        wrapper.__name__ = method.__name__
+        wrapper.__doc__ = method.__doc__
+        return wrapper
+
+    return decorate
+
+
+class _Finished:
+    """A toroid call that has already run (the blocking stream entry points) as a work of a
+    ToroidWork: wait() raises its failure, if any."""
+
+    _any_source = False
+
+    def __init__(self, error: Optional[BaseException] = None):
+        self._error = error
+
+    def wait(self, timeout=None) -> None:
+        if self._error is not None:
+            raise self._error
 
 
 def _is_store_timeout(e: BaseException) -> bool:
@@ -214,11 +397,18 @@ def _torch_errors(method):
 
 class ToroidWork(dist.Work):
     """A torch Work over toroid async works: wait() blocks until they are done, get_future()
-    completes when they are (set by the group's completion thread, or by wait())."""
+    completes when they are (set by the group's completion thread, or by wait()).
+
+    `staging` (a call on CUDA tensors run on CPU copies) maps the result back to the caller's
+    tensors and copies the outputs back once `finish` has run. A result holding CUDA tensors
+    gets a future that names their devices (torch refuses CUDA tensors in a CPU-only future)."""
 
     def __init__(self, pg: "ProcessGroupToroid", works: list, result: Any, finish: Optional[Callable[[], None]], name: str,
-                 timeout: Optional[float] = None):
+                 timeout: Optional[float] = None, staging: Optional[_Staging] = None):
         super().__init__()
+        if staging is not None:
+            result = staging.original(result)
+        self._copy_back = staging.copy_back if staging is not None else None
         self._pg = pg
         self._timeout_s = timeout if timeout is not None else pg._timeout_s
         self._source: Optional[int] = None  # the sender, for a receive from any source
@@ -226,7 +416,8 @@ class ToroidWork(dist.Work):
         self._result = result
         self._finish = finish
         self._name = name
-        self._future = Future()
+        devices = _cuda_devices(result)
+        self._future = Future(devices=devices) if devices else Future()
         self._lock = threading.Lock()
         self._done = False
         self._completed = threading.Event()  # set once done and the future is completed
@@ -246,6 +437,8 @@ class ToroidWork(dist.Work):
                         self._source = got
                 if self._finish is not None:
                     self._finish()
+                if self._copy_back is not None:
+                    self._copy_back()
             except BaseException as e:  # noqa: BLE001 - handed to the future and to wait()
                 self._exception = _torch_error(e, self._name, self._pg.rank(), self._timeout_s)
             self._done = True
@@ -327,12 +520,16 @@ class ProcessGroupToroid(dist.ProcessGroup):
         self._comm = comm if comm is not None else Comm.with_store(rank, size, TorchStore(store), timeout=self._timeout_s)
         self.stats: collections.Counter = collections.Counter()  # operations issued, by name
         self._coalesced: Optional[list] = None  # send/recv recorded in a coalescing block
+        self._staging = threading.local()  # .current: the staging of the CUDA call being issued
         self._queue: "queue.Queue[Optional[ToroidWork]]" = queue.Queue()
         self._thread = threading.Thread(target=self._completer, name=f"toroid-pg-r{rank}", daemon=True)
         self._thread.start()
-        # The group's backend for the CPU device, for the entry points that look one up.
+        # The group's backend for each device it takes, for the entry points that look one up by
+        # the device of their tensors (one object for both: torch keeps one backend per type).
         kind = dist.Backend.backend_type_map.get(BACKEND, dist.ProcessGroup.BackendType.CUSTOM)
-        self._register_backend(torch.device("cpu"), kind, _CpuBackend(self, rank, size))
+        backend = _DeviceBackend(self, rank, size)
+        for device in DEVICES:
+            self._register_backend(torch.device(device), kind, backend)
         self._set_default_backend(kind)
 
     # The completion thread: toroid runs a group's operations in issue order, so completing the
@@ -346,10 +543,15 @@ class ProcessGroupToroid(dist.ProcessGroup):
 
     def _work(self, works: list, result: Any, finish: Optional[Callable[[], None]] = None, name: str = "",
               timeout: Optional[float] = None) -> ToroidWork:
-        w = ToroidWork(self, works, result, finish, name, timeout)
+        w = ToroidWork(self, works, result, finish, name, timeout, self._take_staging())
         self.stats[name] += 1
         self._queue.put(w)
         return w
+
+    def _take_staging(self) -> Optional[_Staging]:
+        """The staging of the CUDA call being issued on this thread (see _staged), once."""
+        staging, self._staging.current = getattr(self._staging, "current", None), None
+        return staging
 
     def getBackendName(self) -> str:
         return BACKEND
@@ -378,9 +580,11 @@ class ProcessGroupToroid(dist.ProcessGroup):
         wire = wire if wire is not None else self._wire
         return wire if t.dtype in (torch.float32, torch.float64) else None
 
+    @_staged(outputs=("tensor",))
     def allreduce_wire(self, tensor: torch.Tensor, wire="bf16", op=dist.ReduceOp.AVG) -> "ToroidWork":
         """One all-reduce of `tensor` in place whose bytes travel as `wire` ("bf16" or "f16";
-        float32/float64 tensors, others reduced as usual): what the DDP hooks call."""
+        float32/float64 tensors, others reduced as usual): what the DDP hooks call. A CUDA
+        tensor is staged through host memory (the stream path does not compress)."""
         w = DataType.of(wire)
         if w not in (DataType.BFLOAT16, DataType.FLOAT16):
             raise ValueError(f"wire must be 'bf16' or 'f16', not {wire!r}")
@@ -393,7 +597,52 @@ class ProcessGroupToroid(dist.ProcessGroup):
 
     # ---- collectives -----------------------------------------------------------------------
 
+    def _on_stream(self, tensors, op: Optional[ReduceOp]) -> bool:
+        """Whether a call on these CUDA tensors takes the stream path (see stream_path): all of
+        them do, or the whole call is staged (one path per call keeps its work simple)."""
+        return all(t.layout == torch.strided
+                   and stream_path(t.dtype, op, t.is_contiguous(), t.numel(), self._wire if op is not None else None)
+                   for t in tensors)
+
+    def _stream_work(self, tensors, name: str, call: Callable[[torch.Tensor, int], None],
+                     timeout: Optional[float] = None) -> ToroidWork:
+        """Runs `call(tensor, stream)` for each CUDA tensor on the current stream of its device
+        (one blocking stream call per tensor: each returns when its result is in device memory)
+        and returns a work that is complete. A refusal of the request (a toroid
+        InvalidArgumentError, UnsupportedError or InvalidUsageError) is raised here, as the CPU
+        path raises them when issuing; a failure of the collective itself (a peer, a deadline)
+        is the work's, raised by wait() and set on its future, as for an async CPU call."""
+        error = None
+        for t in tensors:
+            try:
+                call(t, torch.cuda.current_stream(t.device).cuda_stream)
+            except (_lib.InvalidArgumentError, _lib.UnsupportedError, _lib.InvalidUsageError):
+                raise
+            except _lib.ToroidError as e:
+                error = e  # the communicator is aborted: the other tensors would fail alike
+                break
+        self.stats[f"{name}:stream"] += 1
+        return self._work([_Finished(error)], tensors, None, name, timeout)
+
     def allreduce(self, tensors, opts=None):
+        """In place, per tensor. CUDA tensors: on the stream path when stream_path allows it for
+        every one (toroid_all_reduce_stream on torch's current stream), else staged."""
+        torch_op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        if _device_type(tensors) == "cuda":
+            try:
+                op = _op(torch_op)
+            except ValueError:
+                op = None  # BAND/BOR/BXOR, PREMUL_SUM: staged (the CPU path runs or refuses it)
+            if op is not None and self._on_stream(tensors, op):
+                def call(t, stream):
+                    p = t.data_ptr()
+                    self._comm.all_reduce_stream_ptr(p, p, t.numel(), _dtype(t), op, stream)
+
+                return self._stream_work(tensors, "allreduce", call, _opt_timeout(opts))
+        return self._allreduce_host(tensors, opts)
+
+    @_staged(outputs=("tensors",))
+    def _allreduce_host(self, tensors, opts=None):
         if any(t.layout != torch.strided for t in tensors):
             return self._sparse_allreduce(tensors, opts)
         torch_op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
@@ -476,7 +725,21 @@ class ProcessGroupToroid(dist.ProcessGroup):
         """One all-reduce per tensor, in place (a contiguous stand-in for a non-contiguous one),
         recorded as one toroid group and queued by its asynchronous end: toroid packs the small
         ones into one all-reduce itself (NCCL's ncclGroupStart/End), and a large one travels
-        alone, without the copy into and out of one concatenation of everything."""
+        alone, without the copy into and out of one concatenation of everything. CUDA tensors
+        of one type, each on the stream path: one stream call each (they cannot be recorded in
+        a group); otherwise the whole call is staged."""
+        if tensors and _device_type(tensors) == "cuda":
+            op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+            if len({t.dtype for t in tensors}) == 1 and self._on_stream(tensors, op):
+                def call(t, stream):
+                    p = t.data_ptr()
+                    self._comm.all_reduce_stream_ptr(p, p, t.numel(), _dtype(t), op, stream)
+
+                return self._stream_work(tensors, "allreduce_coalesced", call)
+        return self._allreduce_coalesced_host(tensors, opts)
+
+    @_staged(outputs=("tensors",))
+    def _allreduce_coalesced_host(self, tensors, opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         if not tensors:
             return self._work([], tensors)
@@ -497,6 +760,20 @@ class ProcessGroupToroid(dist.ProcessGroup):
         return self._work(works, tensors, lambda: [o.copy_back() for o in outs], "allreduce_coalesced")
 
     def broadcast(self, tensors, opts=None):
+        """In place from the root, per tensor. CUDA tensors: on the stream path when
+        stream_path allows it for every one (toroid_broadcast_stream), else staged."""
+        if _device_type(tensors) == "cuda" and self._on_stream(tensors, None):
+            root = opts.rootRank if opts is not None else 0
+
+            def call(t, stream):
+                p = t.data_ptr()
+                self._comm.broadcast_stream_ptr(p, p, t.numel(), _dtype(t), root, stream)
+
+            return self._stream_work(tensors, "broadcast", call)
+        return self._broadcast_host(tensors, opts)
+
+    @_staged(outputs=("tensors",))
+    def _broadcast_host(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
         works, outs = [], []
         for t in tensors:
@@ -506,6 +783,7 @@ class ProcessGroupToroid(dist.ProcessGroup):
             outs.append(o)
         return self._work(works, tensors, lambda: [o.copy_back() for o in outs], "broadcast")
 
+    @_staged(outputs=("tensors",))
     def reduce(self, tensors, opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         root = opts.rootRank if opts is not None else 0
@@ -547,9 +825,11 @@ class ProcessGroupToroid(dist.ProcessGroup):
             finishers.append(finish)
         return self._work(works, output_lists, lambda: [f() for f in finishers], name)
 
+    @_staged(outputs=("output_tensors",), inputs=("input_tensors",))
     def allgather(self, output_tensors, input_tensors, opts=None):
         return self._allgather_lists(output_tensors, input_tensors, "allgather")
 
+    @_staged(outputs=("output_lists",), inputs=("input_tensors",))
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
         """output_lists[r][i] receives rank r's input i (gloo's layout: one list per rank)."""
         if len(output_lists) != self.size():
@@ -559,12 +839,14 @@ class ProcessGroupToroid(dist.ProcessGroup):
         per_input = [[outs[i] for outs in output_lists] for i in range(len(input_tensors))]
         return self._allgather_lists(per_input, input_tensors, "allgather_coalesced")
 
+    @_staged(outputs=("output",), inputs=("input",))
     def all_gather_single(self, output, input, opts=None):
         w, o = self._gather_into(output, input)
         return self._work([w], output, o.copy_back, "all_gather_single")
 
     _allgather_base = all_gather_single
 
+    @_staged(outputs=("outputs",), inputs=("inputs",))
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         pairs = [self._gather_into(o, i) for o, i in zip(outputs, inputs)]
         return self._work([w for w, _ in pairs], outputs, lambda: [o.copy_back() for _, o in pairs], "all_gather_coalesced")
@@ -583,6 +865,7 @@ class ProcessGroupToroid(dist.ProcessGroup):
         w = self._comm.reduce_scatter_ptr(src.data_ptr(), p, o.buf.numel(), _dtype(src), op, True, (src, o.buf))
         return w, o
 
+    @_staged(outputs=("output_tensors",), inputs=("input_tensors",))
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         pairs = []
@@ -593,6 +876,7 @@ class ProcessGroupToroid(dist.ProcessGroup):
             pairs.append(self._scatter_from(out, flat, op))
         return self._work([w for w, _ in pairs], output_tensors, lambda: [o.copy_back() for _, o in pairs], "reduce_scatter")
 
+    @_staged(outputs=("output",), inputs=("input",))
     def reduce_scatter_single(self, output, input, opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         w, o = self._scatter_from(output, input, op)
@@ -600,6 +884,7 @@ class ProcessGroupToroid(dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single
 
+    @_staged(outputs=("outputs",), inputs=("inputs",))
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         pairs = [self._scatter_from(o, i, op) for o, i in zip(outputs, inputs)]
@@ -622,6 +907,7 @@ class ProcessGroupToroid(dist.ProcessGroup):
         w = self._comm.all_to_all_ptr(send.data_ptr(), recv.data_ptr(), width, _dtype(send), True, (send, recv))
         return w, recv, width
 
+    @_staged(outputs=("output",), inputs=("input",))
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         n = self.size()
         src = _flat(input.contiguous())
@@ -654,6 +940,7 @@ class ProcessGroupToroid(dist.ProcessGroup):
 
     alltoall_base = all_to_all_single
 
+    @_staged(outputs=("output_tensors",), inputs=("input_tensors",))
     def alltoall(self, output_tensors, input_tensors, opts=None):
         blocks = [_flat(t.contiguous()).reshape(-1) for t in input_tensors]
         w, recv, width = self._all_to_all_v(blocks, [t.numel() for t in output_tensors], blocks[0].dtype)
@@ -665,6 +952,7 @@ class ProcessGroupToroid(dist.ProcessGroup):
 
         return self._work([w], output_tensors, finish, "alltoall")
 
+    @_staged(outputs=("output_tensors",), inputs=("input_tensors",))
     def gather(self, output_tensors, input_tensors, opts=None):
         """Gather by all-gather (every rank receives; the root keeps it)."""
         root = opts.rootRank if opts is not None else 0
@@ -679,6 +967,7 @@ class ProcessGroupToroid(dist.ProcessGroup):
 
         return self._work([w], output_tensors, finish, "gather")
 
+    @_staged(outputs=("output_tensors",), inputs=("input_tensors",))
     def scatter(self, output_tensors, input_tensors, opts=None):
         """Scatter by broadcast of the root's pieces (every rank receives all, keeps its own)."""
         root = opts.rootRank if opts is not None else 0
@@ -776,17 +1065,20 @@ class ProcessGroupToroid(dist.ProcessGroup):
             outs.append(o)
         return works, lambda: [o.copy_back() for o in outs]
 
+    @_staged(inputs=("tensors",))
     def send(self, tensors, dstRank, tag=0):
         if self._coalesced is not None:
             return self._defer("send", tensors, dstRank)
         return self._work(self._send(tensors, dstRank), tensors, None, "send")
 
+    @_staged(outputs=("tensors",))
     def recv(self, tensors, srcRank, tag=0):
         if self._coalesced is not None:
             return self._defer("recv", tensors, srcRank)
         works, finish = self._recv(tensors, srcRank)
         return self._work(works, tensors, finish, "recv")
 
+    @_staged(outputs=("tensors",))
     def recv_anysource(self, tensors, tag=0):
         """Receive from whichever rank sends first; the work's _source_rank() names it (what
         dist.recv(src=None) returns). One tensor (as gloo)."""
@@ -815,7 +1107,7 @@ class ProcessGroupToroid(dist.ProcessGroup):
         self._coalesced = []
 
     def _defer(self, kind: str, tensors, peer: int) -> ToroidWork:
-        w = ToroidWork(self, [], tensors, None, kind)
+        w = ToroidWork(self, [], tensors, None, kind, staging=self._take_staging())
         w._deferred = True
         self._coalesced.append((kind, list(tensors), peer, w))
         return w
@@ -860,7 +1152,7 @@ class ProcessGroupToroid(dist.ProcessGroup):
                 if w._exception is not None:
                     raise w._exception
 
-        return self._work([], [t for _, ts, _, _ in ops for t in ts], finish, "coalesced")
+        return self._work([], [t for _, _, _, w in ops for t in w._result], finish, "coalesced")
 
     # ---- splitting (torch.distributed.split_group) ----------------------------------------
 
@@ -920,8 +1212,8 @@ for _name in ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgat
     setattr(ProcessGroupToroid, _name, _torch_errors(getattr(ProcessGroupToroid, _name)))
 
 
-class _CpuBackend(_C10dBackend):
-    """The c10d Backend that a ProcessGroupToroid registers for the "cpu" device: torch's C++
+class _DeviceBackend(_C10dBackend):
+    """The c10d Backend that a ProcessGroupToroid registers for its devices (DEVICES): torch's C++
     ProcessGroup looks a backend up by device for the entry points that a Python ProcessGroup
     does not override (batch_isend_irecv's coalescing, monitored_barrier, ...). Every call goes
     to the group's own method. The group itself stays what torch.distributed returns, so its
@@ -976,7 +1268,9 @@ for _name in ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgat
               "allgather_coalesced", "all_gather_single_coalesced", "gather", "scatter", "reduce_scatter",
               "reduce_scatter_single", "reduce_scatter_single_coalesced", "all_to_all_single", "alltoall", "send",
               "recv", "recv_anysource", "barrier", "start_coalescing", "end_coalescing"):
-    setattr(_CpuBackend, _name, _forward(_name))
+    setattr(_DeviceBackend, _name, _forward(_name))
+
+_CpuBackend = _DeviceBackend  # (its name before it was registered for "cuda" too)
 
 
 def _wire_hook(wire: str):
@@ -1006,10 +1300,10 @@ def _create(store, rank, size, timeout=None, *args, **kwargs) -> ProcessGroupTor
 def register() -> None:
     """Registers the backend "toroid" (done on import; repeated calls do nothing)."""
     if not hasattr(dist.Backend, BACKEND.upper()):
-        dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND, _create, devices=list(DEVICES))
 
 
 register()
 
-__all__ = ["BACKEND", "ProcessGroupToroid", "ToroidWork", "TorchStore", "bf16_wire_hook", "fp16_wire_hook", "register"]
+__all__ = ["BACKEND", "DEVICES", "ProcessGroupToroid", "ToroidWork", "TorchStore", "bf16_wire_hook", "fp16_wire_hook", "register", "stream_path"]
 _ = _lib  # the ctypes layer, for users who want toroid.torch._lib

@@ -1,0 +1,179 @@
+"""The CUDA side of the torch backend, as far as it can be checked without a GPU (in this
+process, one rank): which CUDA tensors take the stream path and which are staged through host
+memory, the refusal of a call mixing CPU and CUDA tensors (through every entry point that takes
+tensors), the registration for both devices, and the binding of the C stream entry points.
+What needs a GPU is python/tests/gpu_torch_check.py, run by scripts/gpu-check.sh."""
+
+import ctypes
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import toroid
+import toroid.torch as tt
+from toroid import ReduceOp
+
+STREAM_TYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64]
+OPS = [ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG]
+
+
+@pytest.mark.parametrize("dtype", STREAM_TYPES)
+def test_stream_path_takes_the_device_types(dtype):
+    assert tt.stream_path(dtype, None, True, 10)  # broadcast
+    for op in OPS:
+        expected = not (op == ReduceOp.AVG and not dtype.is_floating_point)  # AVG on integers: staged
+        assert tt.stream_path(dtype, op, True, 10) == expected, op
+        assert tt.stream_path(dtype, op, True, 1) == expected, op
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.bool, torch.complex64, torch.int16,
+                                   torch.float8_e4m3fn] + [getattr(torch, n) for n in ("uint32", "uint64") if hasattr(torch, n)])
+def test_stream_path_stages_other_types(dtype):
+    assert not tt.stream_path(dtype, None, True, 10)
+    for op in OPS:
+        assert not tt.stream_path(dtype, op, True, 10), op
+
+
+@pytest.mark.parametrize("dtype", STREAM_TYPES)
+def test_stream_path_stages_non_contiguous_and_empty(dtype):
+    for op in [None, ReduceOp.SUM, ReduceOp.MAX]:
+        assert not tt.stream_path(dtype, op, False, 10), op
+        assert not tt.stream_path(dtype, op, True, 0), op
+
+
+def test_stream_path_stages_compressed_float_all_reduce():
+    bf16, f16 = toroid.DataType.BFLOAT16, toroid.DataType.FLOAT16
+    for dtype in [torch.float32, torch.float64]:
+        assert not tt.stream_path(dtype, ReduceOp.SUM, True, 10, bf16)
+        assert not tt.stream_path(dtype, ReduceOp.AVG, True, 10, f16)
+    # The wire type applies to float32/float64 only (as on the CPU): the others keep the path.
+    for dtype in [torch.float16, torch.bfloat16, torch.int32, torch.int64]:
+        assert tt.stream_path(dtype, ReduceOp.SUM, True, 10, bf16)
+
+
+class _Dev:
+    def __init__(self, device):
+        self.device = torch.device(device)
+
+
+def test_device_type_of_a_call():
+    assert tt._device_type([]) == "cpu"
+    assert tt._device_type([_Dev("cpu"), _Dev("cpu")]) == "cpu"
+    assert tt._device_type([_Dev("cuda:0"), _Dev("cuda:1")]) == "cuda"
+    assert tt._device_type([_Dev("meta")]) == "cpu"  # refused later by the CPU path, as before
+    for mix in ([_Dev("cpu"), _Dev("cuda:0")], [_Dev("cuda:1"), _Dev("meta")]):
+        with pytest.raises(ValueError, match="one kind of device"):
+            tt._device_type(mix)
+
+
+class FakeCuda(torch.Tensor):
+    """A CPU tensor that says it is on cuda:0: enough to reach the device check of a call,
+    which must refuse it next to a CPU tensor before touching either."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+def fake_cuda(n):
+    return torch.Tensor._make_subclass(FakeCuda, torch.zeros(n))
+
+
+@pytest.fixture(scope="module")
+def pg():
+    group = tt.ProcessGroupToroid(dist.HashStore(), 0, 1)
+    yield group
+    group.shutdown()
+
+
+def test_mixed_devices_are_refused_by_every_entry_point(pg):
+    c = lambda: torch.ones(4)  # noqa: E731
+    f = lambda: fake_cuda(4)  # noqa: E731
+    reduce_opts, root_opts, band = dist.AllreduceOptions(), dist.BroadcastOptions(), dist.AllreduceOptions()
+    band.reduceOp = dist.ReduceOp.BAND
+    calls = {
+        "allreduce": lambda: pg.allreduce([c(), f()], reduce_opts),
+        "allreduce BAND": lambda: pg.allreduce([c().long(), f().long()], band),
+        "allreduce_coalesced": lambda: pg.allreduce_coalesced([c(), f()], dist.AllreduceCoalescedOptions()),
+        "broadcast": lambda: pg.broadcast([f(), c()], root_opts),
+        "reduce": lambda: pg.reduce([c(), f()], dist.ReduceOptions()),
+        "allgather": lambda: pg.allgather([[f()]], [c()]),
+        "allgather_coalesced": lambda: pg.allgather_coalesced([[c()]], [f()]),
+        "_allgather_base": lambda: pg._allgather_base(f(), c()),
+        "all_gather_single_coalesced": lambda: pg.all_gather_single_coalesced([c()], [f()]),
+        "reduce_scatter": lambda: pg.reduce_scatter([f()], [[c()]]),
+        "_reduce_scatter_base": lambda: pg._reduce_scatter_base(c(), f()),
+        "reduce_scatter_single_coalesced": lambda: pg.reduce_scatter_single_coalesced([f()], [c()]),
+        "all_to_all_single": lambda: pg.all_to_all_single(c(), f(), [], []),
+        "alltoall": lambda: pg.alltoall([f()], [c()]),
+        "gather": lambda: pg.gather([[c()]], [f()]),
+        "scatter": lambda: pg.scatter([f()], [[c()]]),
+        "send": lambda: pg.send([c(), f()], 0),
+        "recv": lambda: pg.recv([f(), c()], 0),
+        "recv_anysource": lambda: pg.recv_anysource([f(), c()]),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match="one kind of device"):
+            call()
+            pytest.fail(f"{name}: a call mixing CPU and CUDA tensors was not refused")
+    # Refused before anything was issued: the group still works.
+    x = torch.arange(6.0)
+    pg.allreduce([x]).wait()
+    assert torch.equal(x, torch.arange(6.0))
+
+
+def test_cpu_calls_take_neither_cuda_path():
+    group = tt.ProcessGroupToroid(dist.HashStore(), 0, 1)
+    try:
+        x = torch.arange(5.0)
+        group.allreduce([x]).wait()
+        group.allreduce_coalesced([x, x + 1]).wait()
+        group.allreduce_wire(x, "bf16", dist.ReduceOp.SUM).wait()
+        group.broadcast([x]).wait()
+        out = torch.empty(5)
+        group._allgather_base(out, x).wait()
+        assert torch.equal(out, torch.arange(5.0)) and torch.equal(x, torch.arange(5.0))
+        paths = [k for k in group.stats if k.endswith((":staged", ":stream"))]
+        assert not paths, group.stats
+        assert group.stats["allreduce"] == 1 and group.stats["allreduce_wire"] == 1, group.stats
+    finally:
+        group.shutdown()
+
+
+def test_registered_for_cpu_and_cuda(pg):
+    assert list(dist.Backend.backend_capability[tt.BACKEND]) == ["cpu", "cuda"]
+    assert {d.type for d in pg._device_types} == {"cpu", "cuda"}
+    assert pg._get_backend(torch.device("cuda")) is pg._get_backend(torch.device("cpu"))
+    assert isinstance(pg._get_backend(torch.device("cuda")), tt._DeviceBackend)
+    # Object collectives and barrier stay on the CPU (torch picks "cpu" when it is registered).
+    assert dist.distributed_c10d._get_object_coll_device(pg) == "cpu"
+
+
+def _driver_present() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
+def test_stream_entry_points_are_bound(pg):
+    """The Comm wrappers reach the C functions: host memory is refused, as the C ABI says,
+    with UNSUPPORTED where there is no CUDA driver and INVALID_ARGUMENT where there is one."""
+    x = torch.zeros(4)
+    p = x.data_ptr()
+    expected = toroid.InvalidArgumentError if _driver_present() else toroid.UnsupportedError
+    with pytest.raises(expected) as e:
+        pg.comm.all_reduce_stream_ptr(p, p, 4, "float32", "sum", 0)
+    assert "toroid_all_reduce_stream" in str(e.value)
+    if expected is toroid.UnsupportedError:
+        assert "CUDA is not available" in str(e.value)
+    with pytest.raises(expected) as e:
+        pg.comm.broadcast_stream_ptr(p, p, 4, "float32", 0, 0)
+    assert "toroid_broadcast_stream" in str(e.value)
+    # Inside a group the calls would run ahead of the ones recorded before them: refused.
+    with pytest.raises(toroid.InvalidUsageError):
+        with pg.comm.group():
+            pg.comm.all_reduce_stream_ptr(p, p, 4, "float32", "sum", 0)
+    pg.comm.all_reduce(x.numpy())  # the communicator is still usable
