@@ -137,6 +137,11 @@ static void argument_errors(toroid_comm *comm) {
     EXPECT_LAST(comm, "host memory");
   }
   EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_all_reduce_stream(comm, a, b, 8, (toroid_datatype)42, TOROID_SUM, NULL));
+  /* A stream collective runs at once, so inside a group it would overtake the recorded calls. */
+  EXPECT_CODE(TOROID_SUCCESS, toroid_group_start(comm));
+  EXPECT_CODE(TOROID_INVALID_USAGE, toroid_all_reduce_stream(comm, a, b, 8, TOROID_FLOAT32, TOROID_SUM, NULL));
+  EXPECT_LAST(comm, "inside a group");
+  EXPECT_CODE(TOROID_SUCCESS, toroid_group_end(comm));
 
   /* Counts whose byte size overflows. */
   EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_all_reduce(comm, a, b, SIZE_MAX / 2, TOROID_FLOAT32, TOROID_SUM));

@@ -642,7 +642,8 @@ const char *toroid_version(void);
  * buffers' device, or NULL for the legacy default stream): work enqueued on the stream before
  * the call is complete before its data is read, and the result is in `recvbuf` when the call
  * returns. TOROID_UNSUPPORTED when CUDA is not available; TOROID_INVALID_ARGUMENT for host
- * memory.
+ * memory; TOROID_INVALID_USAGE inside a group (the call runs at once, ahead of the calls the
+ * group recorded).
  */
 enum toroid_result toroid_all_reduce_stream(struct toroid_comm *comm,
                                             const void *sendbuf,

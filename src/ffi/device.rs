@@ -30,6 +30,8 @@ unsafe fn run(
 ) -> toroid_result {
     with_comm(name, comm, |h| {
         let (kind, dtype) = (kind()?, a.dtype.get()?);
+        // The call runs at once: inside a group it would overtake the calls recorded there.
+        super::group::refuse_in_group(h, "a stream collective")?;
         #[cfg(feature = "cuda")]
         {
             if let OpKind::Broadcast(root) = kind
@@ -67,7 +69,8 @@ unsafe fn run(
 /// buffers' device, or NULL for the legacy default stream): work enqueued on the stream before
 /// the call is complete before its data is read, and the result is in `recvbuf` when the call
 /// returns. TOROID_UNSUPPORTED when CUDA is not available; TOROID_INVALID_ARGUMENT for host
-/// memory.
+/// memory; TOROID_INVALID_USAGE inside a group (the call runs at once, ahead of the calls the
+/// group recorded).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn toroid_all_reduce_stream(
     comm: *mut toroid_comm,
