@@ -252,6 +252,10 @@ def _staged(outputs=(), inputs=()):
         signature = inspect.signature(method)
 
         def wrapper(self, *args, **kwargs):
+            # CPU tensors only (the common call): straight through, without binding the
+            # arguments by name.
+            if not any(t.device.type == "cuda" for t in _tensors_in([*args, *kwargs.values()])):
+                return method(self, *args, **kwargs)
             bound = signature.bind(self, *args, **kwargs)
             names = [n for n in (*outputs, *inputs) if n in bound.arguments]
             if _device_type([t for n in names for t in _tensors_in(bound.arguments[n])]) != "cuda":

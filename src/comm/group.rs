@@ -98,13 +98,12 @@ impl Communicator {
             pack.resize(total.div_ceil(8), 0);
         }
         let bytes = RawBufMut::new(&mut bytemuck::cast_slice_mut(&mut pack[..])[..total]);
-        let (inputs, outputs) = pack_sides(run);
         // SAFETY: `bytes` is borrowed from the lock held across these calls; the inputs and
         // outputs are valid (the caller's promise) and no output overlaps another (pack_ends).
         unsafe {
-            pack_in(&inputs, bytes);
+            pack_in(pack_sides(run).map(|(input, _)| input), bytes);
             self.run(packed_op(&run[0].0, bytes))?;
-            unpack(bytes, &outputs);
+            unpack(bytes, pack_sides(run).map(|(_, output)| output));
         }
         Ok(())
     }
@@ -243,24 +242,14 @@ impl<'a> Group<'a> {
     }
 }
 
-/// The inputs and the outputs of a pack's calls, in order.
-fn pack_sides(run: &[(RawOp, Hooks)]) -> (Vec<RawBuf>, Vec<RawBufMut>) {
-    let mut inputs = Vec::with_capacity(run.len());
-    let mut outputs = Vec::with_capacity(run.len());
-    for (op, _) in run {
-        match op.bufs {
-            RawBufs::InPlace(b) => {
-                inputs.push(b.as_read());
-                outputs.push(b);
-            }
-            RawBufs::OutOfPlace(s, r) => {
-                inputs.push(s);
-                outputs.push(r);
-            }
-            RawBufs::None | RawBufs::Read(_) => {} // not packed (see pack_ends)
-        }
-    }
-    (inputs, outputs)
+/// The input and the output buffer of each of a pack's calls, in order (no allocation: the
+/// blocking group end runs on the hot path).
+fn pack_sides(run: &[(RawOp, Hooks)]) -> impl Iterator<Item = (RawBuf, RawBufMut)> + '_ {
+    run.iter().filter_map(|(op, _)| match op.bufs {
+        RawBufs::InPlace(b) => Some((b.as_read(), b)),
+        RawBufs::OutOfPlace(s, r) => Some((s, r)),
+        RawBufs::None | RawBufs::Read(_) => None, // not packed (see pack_ends)
+    })
 }
 
 /// The all-reduce of a pack: `first`'s kind, type and options, in place on `pack`.
@@ -279,7 +268,7 @@ fn packed_op(first: &RawOp, pack: RawBufMut) -> RawOp {
 /// # Safety
 /// Every buffer must be valid (inputs for reads, `pack` for writes, as long as their total),
 /// and `pack` must not overlap an input.
-unsafe fn pack_in(inputs: &[RawBuf], pack: RawBufMut) {
+unsafe fn pack_in(inputs: impl IntoIterator<Item = RawBuf>, pack: RawBufMut) {
     // SAFETY: the caller's promise.
     let bytes = unsafe { pack.as_mut_slice() };
     let mut at = 0;
@@ -296,7 +285,7 @@ unsafe fn pack_in(inputs: &[RawBuf], pack: RawBufMut) {
 /// # Safety
 /// Every buffer must be valid (outputs for writes, `pack` for reads) and none may overlap
 /// another.
-unsafe fn unpack(pack: RawBufMut, outputs: &[RawBufMut]) {
+unsafe fn unpack(pack: RawBufMut, outputs: impl IntoIterator<Item = RawBufMut>) {
     // SAFETY: the caller's promise.
     let bytes = unsafe { pack.as_read().as_slice() };
     let mut at = 0;
@@ -316,14 +305,15 @@ fn packed_job(run: &[(RawOp, Hooks)]) -> QueuedJob {
     let mut pack = vec![0u64; total.div_ceil(8)].into_boxed_slice();
     // The box's heap data does not move when the box moves into the job.
     let bytes = RawBufMut::new(&mut bytemuck::cast_slice_mut(&mut pack[..])[..total]);
-    let (inputs, outputs) = pack_sides(run);
+    // (Owned by the hooks, which run later on the worker thread.)
+    let (inputs, outputs): (Vec<RawBuf>, Vec<RawBufMut>) = pack_sides(run).unzip();
     // The pack's buffer lives in the job until it completes; the calls' buffers stay valid and
     // untouched until then (submit_group's contract), and no output overlaps another buffer of
     // the pack (pack_ends).
     // SAFETY: as just said.
-    let before: Hook = Box::new(move || unsafe { pack_in(&inputs, bytes) });
+    let before: Hook = Box::new(move || unsafe { pack_in(inputs, bytes) });
     // SAFETY: as just said.
-    let after: Hook = Box::new(move || unsafe { unpack(bytes, &outputs) });
+    let after: Hook = Box::new(move || unsafe { unpack(bytes, outputs) });
     let hooks = Hooks { before: Some(before), after: Some(after) };
     (packed_op(&run[0].0, bytes), Some(Box::new(pack)), hooks)
 }

@@ -42,9 +42,15 @@ impl Communicator {
         buf: &'a mut [T],
         op: ReduceOp,
     ) -> Result<Persistent<'a, T>> {
-        let kind = OpKind::AllReduce(op);
+        let opts = self.plan_all_reduce(buf, op)?;
+        Ok(Persistent { comm: self, buf, kind: OpKind::AllReduce(op), opts })
+    }
+
+    /// What a persistent all-reduce does once: checks an in-place all-reduce of `buf` with `op`
+    /// and returns its options with the algorithm every rank chooses for it.
+    fn plan_all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<CallOptions> {
         let probe = RawOp {
-            kind,
+            kind: OpKind::AllReduce(op),
             dtype: T::DTYPE,
             bufs: RawBufs::InPlace(RawBufMut::new(bytemuck::cast_slice_mut(buf))),
             opts: CallOptions::default(),
@@ -53,8 +59,7 @@ impl Communicator {
         let c = &self.core;
         c.forked()?;
         super::validate(&probe, c.rank, c.size, c.has_window)?;
-        let opts = self.pin_algorithm(probe).opts;
-        Ok(Persistent { comm: self, buf, kind, opts })
+        Ok(self.pin_algorithm(probe).opts)
     }
 
     /// `op` (validated) with the algorithm its runs will use set in its options, as every rank
@@ -117,23 +122,13 @@ impl AllReducePlan {
     /// Checks an in-place all-reduce of buffers like `buf` (its length and type) with `op` on
     /// `comm` and chooses its algorithm, as [`Communicator::all_reduce_init`] does.
     pub fn new<T: Element>(comm: &Communicator, buf: &mut [T], op: ReduceOp) -> Result<AllReducePlan> {
-        let probe = RawOp {
-            kind: OpKind::AllReduce(op),
-            dtype: T::DTYPE,
-            bufs: RawBufs::InPlace(RawBufMut::new(bytemuck::cast_slice_mut(buf))),
-            opts: CallOptions::default(),
-            source: None,
-        };
+        let opts = comm.plan_all_reduce(buf, op)?;
         let c = &comm.core;
-        c.forked()?;
-        super::validate(&probe, c.rank, c.size, c.has_window)?;
-        let bytes = probe.bufs.output_len();
-        let opts = comm.pin_algorithm(probe).opts;
         Ok(AllReducePlan {
             comm: (c.id, c.rank, c.size),
             kind: OpKind::AllReduce(op),
             dtype: T::DTYPE,
-            bytes,
+            bytes: std::mem::size_of_val(buf),
             opts,
         })
     }

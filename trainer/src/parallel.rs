@@ -108,13 +108,11 @@ fn launch(
     if !persistent || opts != CallOptions::default() {
         return Ok(comm.all_reduce_async_with(buf, ReduceOp::Avg, opts)?);
     }
-    let p = match plan.take() {
+    let p = match plan {
         Some(p) => p,
-        None => AllReducePlan::new(comm, &mut buf, ReduceOp::Avg)?,
+        None => plan.insert(AllReducePlan::new(comm, &mut buf, ReduceOp::Avg)?),
     };
-    let work = p.start_async(comm, buf);
-    *plan = Some(p);
-    Ok(work?)
+    Ok(p.start_async(comm, buf)?)
 }
 
 /// 64-bit FNV-1a hash of the bits of `values`: equal only if they are (almost surely)
