@@ -100,6 +100,9 @@ fn torchrun_standalone() {
     bench_check::clean_launcher_env(&mut cmd);
     // torchrun's own default of OMP_NUM_THREADS=1 (and its warning about it).
     cmd.env("OMP_NUM_THREADS", "1");
+    // torchrun makes its own torchelastic_* directory under TMPDIR and leaves it behind: keep
+    // it inside the test's directory, which is removed.
+    cmd.env("TMPDIR", dir.path());
     cmd.args(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python", BENCH])
         .args(BENCH_ARGS);
     let job = run_bounded(what, &mut cmd, &dir, LIMIT);
