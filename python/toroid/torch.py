@@ -78,6 +78,12 @@ from . import _lib
 from ._lib import DataType, ReduceOp
 from .comm import Comm
 
+try:  # (a Python subclass of c10d's Backend needs its constructor bound, as in torch 2.15)
+    _C10dBackend(0, 1)
+    _BACKEND_CONSTRUCTIBLE = True
+except TypeError:
+    _BACKEND_CONSTRUCTIBLE = False
+
 BACKEND = "toroid"
 # The devices the backend is registered for. "cpu" first: torch prefixes the store of a group
 # with the first, and picks "cpu" for object collectives and barrier when it is among them.
@@ -530,11 +536,14 @@ class ProcessGroupToroid(dist.ProcessGroup):
         self._thread.start()
         # The group's backend for each device it takes, for the entry points that look one up by
         # the device of their tensors (one object for both: torch keeps one backend per type).
-        kind = dist.Backend.backend_type_map.get(BACKEND, dist.ProcessGroup.BackendType.CUSTOM)
-        backend = _DeviceBackend(self, rank, size)
-        for device in DEVICES:
-            self._register_backend(torch.device(device), kind, backend)
-        self._set_default_backend(kind)
+        # torch before Python-constructible c10d Backends (2.11 says "No constructor defined")
+        # gets none: its ProcessGroup calls this Python group's methods directly.
+        if _BACKEND_CONSTRUCTIBLE:
+            kind = dist.Backend.backend_type_map.get(BACKEND, dist.ProcessGroup.BackendType.CUSTOM)
+            backend = _DeviceBackend(self, rank, size)
+            for device in DEVICES:
+                self._register_backend(torch.device(device), kind, backend)
+            self._set_default_backend(kind)
 
     # The completion thread: toroid runs a group's operations in issue order, so completing the
     # works in FIFO order is what they finish in.
