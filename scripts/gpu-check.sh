@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks: every test of tests/gpu.rs with a GPU required (each kernel on the device
-# against the CPU kernels' bits, staged collectives on device memory), the C stream entry points
-# on 2 ranks (ffi_tests/gpu/stream.c, built here with the CUDA driver's cuda.h), the device
-# kernel benchmark (examples/gpu_bandwidth.rs), then the torch backend on CUDA tensors
-# (python/tests/gpu_torch_check.py: 2 processes on GPU 0; SKIPPED when python3 has no torch).
+# against the CPU kernels' bits, staged and CUDA IPC collectives on device memory), the C stream
+# entry points on 2 processes (ffi_tests/gpu/stream.c, built here with the CUDA driver's
+# cuda.h) through CUDA IPC and staged (TOROID_CUDA_IPC=0), the device kernel benchmark
+# (examples/gpu_bandwidth.rs), the device all-reduce benchmark (examples/gpu_all_reduce.rs) on
+# 2 processes through both paths and on 2 threads of one process, then the torch backend on
+# CUDA tensors (python/tests/gpu_torch_check.py: 2 processes on GPU 0; SKIPPED when python3 has
+# no torch).
 #
 #   scripts/gpu-check.sh               build with cargo (feature `cuda`), then run
 #   scripts/gpu-check.sh --build DIR   only build the binaries into DIR, with libtoroid.so and the
@@ -27,10 +30,12 @@ for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
         print(m["executable"])')
-  cargo build --release --features cuda --example gpu_bandwidth --lib --bin toroid-run
+  cargo build --release --features cuda --example gpu_bandwidth --example gpu_all_reduce --lib --bin toroid-run
   cp "$tests" "$dir/gpu-tests"
-  cp target/release/examples/gpu_bandwidth target/release/toroid-run target/release/libtoroid.so "$dir/"
-  strip "$dir/gpu-tests" "$dir/gpu_bandwidth" "$dir/toroid-run" "$dir/libtoroid.so" 2>/dev/null || true
+  cp target/release/examples/gpu_bandwidth target/release/examples/gpu_all_reduce target/release/toroid-run \
+    target/release/libtoroid.so "$dir/"
+  strip "$dir/gpu-tests" "$dir/gpu_bandwidth" "$dir/gpu_all_reduce" "$dir/toroid-run" "$dir/libtoroid.so" \
+    2>/dev/null || true
   # The torch check and the package it imports, laid out as in the checkout (the script finds
   # the package two levels up; --run points the binding at DIR/libtoroid.so).
   mkdir -p "$dir/python/toroid" "$dir/python/tests"
@@ -65,9 +70,15 @@ for p in nvidia.__path__:
   else
     cc -O1 -I include -I ffi_tests -I "$(dirname "$cuda_h")" ffi_tests/gpu/stream.c \
       -L "$dir" -ltoroid "${libcuda:--lcuda}" -Wl,-rpath,"$(cd "$dir" && pwd)" -o "$dir/stream"
-    "$dir/toroid-run" -n 2 "$dir/stream"
+    echo "ffi_tests/gpu/stream.c, CUDA IPC:"
+    TOROID_DEBUG=INFO TOROID_DEBUG_SUBSYS=GPU "$dir/toroid-run" -n 2 "$dir/stream"
+    echo "ffi_tests/gpu/stream.c, staged (TOROID_CUDA_IPC=0):"
+    TOROID_CUDA_IPC=0 "$dir/toroid-run" -n 2 "$dir/stream"
   fi
   "$dir/gpu_bandwidth" 256
+  "$dir/toroid-run" -n 2 "$dir/gpu_all_reduce" 256
+  TOROID_CUDA_IPC=0 "$dir/toroid-run" -n 2 "$dir/gpu_all_reduce" 256
+  "$dir/gpu_all_reduce" 256 --threads 2
   torch_check "$dir"
 }
 
@@ -79,7 +90,8 @@ torch_check() {
   elif [ ! -f "$dir/python/tests/gpu_torch_check.py" ]; then
     echo "SKIPPED python/tests/gpu_torch_check.py: not in $dir (a bundle built before it existed)"
   else
-    TOROID_LIBRARY="$(cd "$dir" && pwd)/libtoroid.so" python3 "$dir/python/tests/gpu_torch_check.py"
+    TOROID_DEBUG=INFO TOROID_DEBUG_SUBSYS=GPU TOROID_LIBRARY="$(cd "$dir" && pwd)/libtoroid.so" \
+      python3 "$dir/python/tests/gpu_torch_check.py"
   fi
 }
 
@@ -87,5 +99,5 @@ case "${1:-}" in
   --build) build "$2" ;;
   --run) run "$2" ;;
   "") build target/gpu-check && run target/gpu-check ;;
-  *) sed -n '2,16p' "$0"; exit 2 ;;
+  *) sed -n '2,19p' "$0"; exit 2 ;;
 esac

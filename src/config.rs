@@ -106,6 +106,7 @@ pub const TOROID_VARS: &[&str] = &[
     "TOROID_NSOCKS",
     "TOROID_TEST_FLOW_RATE",
     "TOROID_NVRTC_PATH",
+    "TOROID_CUDA_IPC",
 ];
 
 /// Settings of the library, from the environment or built by hand.
@@ -143,6 +144,9 @@ pub struct Config {
     pub cost_model: Option<String>,
     /// Keep TCP between ranks of one host (`TOROID_SHM_DISABLE=1`).
     pub shm_disable: bool,
+    /// Collectives on device memory between ranks of one host through CUDA IPC
+    /// (`TOROID_CUDA_IPC`, default on); off, they are staged through pinned host memory.
+    pub cuda_ipc: bool,
     /// `SIGUSR1` prints the stall report of every live communicator to stderr
     /// (`TOROID_DUMP_ON_SIGNAL`, default on).
     pub dump_on_signal: bool,
@@ -226,6 +230,7 @@ impl Default for Config {
             torus_shape: None,
             cost_model: None,
             shm_disable: false,
+            cuda_ipc: true,
             dump_on_signal: true,
             wire: None,
             nsocks: 0,
@@ -335,6 +340,9 @@ impl Config {
         cfg.cost_model = get("TOROID_COST_MODEL").map(str::to_string);
         if let Some(v) = get("TOROID_SHM_DISABLE") {
             cfg.shm_disable = parse_bool("TOROID_SHM_DISABLE", v)?;
+        }
+        if let Some(v) = get("TOROID_CUDA_IPC") {
+            cfg.cuda_ipc = parse_bool("TOROID_CUDA_IPC", v)?;
         }
         if let Some(v) = get("TOROID_DUMP_ON_SIGNAL") {
             cfg.dump_on_signal = parse_bool("TOROID_DUMP_ON_SIGNAL", v)?;

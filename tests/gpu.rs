@@ -281,3 +281,235 @@ fn staged_all_reduce_and_broadcast_on_device_memory_give_the_reference() {
         }
     });
 }
+
+/// `count` elements of `d` for rank `r` whose sums, products (i32/u8 wrap), minima and maxima
+/// are exact in every order: small integers for the float types, any bits for the integers.
+fn exact_values(d: DataType, count: usize, r: usize, seed: u64) -> Vec<u8> {
+    let s = d.size();
+    let mut out = vec![0u8; count * s];
+    for (i, e) in out.chunks_exact_mut(s).enumerate() {
+        let h = mix(seed ^ ((r as u64) << 48) ^ i as u64);
+        let small = (h % 101) as i64 - 50; // -50..=50: a product of 3 is exact in f32 and f64
+        match d {
+            DataType::F32 => e.copy_from_slice(&(small as f32).to_ne_bytes()),
+            DataType::F64 => e.copy_from_slice(&(small as f64).to_ne_bytes()),
+            DataType::F16 => e.copy_from_slice(&half::f16::from_f32(small as f32).to_bits().to_ne_bytes()),
+            DataType::BF16 => e.copy_from_slice(&half::bf16::from_f32(small as f32).to_bits().to_ne_bytes()),
+            _ => e.copy_from_slice(&h.to_ne_bytes()[..s]),
+        }
+    }
+    out
+}
+
+/// The all-reduce of `inputs` (one per rank) with `op`, reduced here on the CPU in rank order
+/// (avg: the sum scaled by 1/n, as the kernels do).
+fn reference(d: DataType, op: ReduceOp, inputs: &[Vec<u8>]) -> Vec<u8> {
+    let kernel_op = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
+    let mut acc = inputs[0].clone();
+    for x in &inputs[1..] {
+        let prev = acc.clone();
+        reduce::reduce_into(d, kernel_op, &mut acc, &prev, x);
+    }
+    if op == ReduceOp::Avg {
+        let sum = acc.clone();
+        reduce::scale_into(d, &mut acc, &sum, 1.0 / inputs.len() as f64);
+    }
+    acc
+}
+
+/// Elements of an average of 3 inputs in -50..=50 (so |value| <= 50) more than 8 epsilon x 50
+/// from the reference (f32 and f64 only).
+fn avg_outside_tolerance(d: DataType, got: &[u8], want: &[u8]) -> Vec<usize> {
+    let (s, eps) = match d {
+        DataType::F32 => (4, f32::EPSILON as f64),
+        DataType::F64 => (8, f64::EPSILON),
+        _ => panic!("avg tolerance for {d}"),
+    };
+    let val = |e: &[u8]| {
+        if s == 4 {
+            f32::from_ne_bytes(e.try_into().unwrap()) as f64
+        } else {
+            f64::from_ne_bytes(e.try_into().unwrap())
+        }
+    };
+    (0..want.len() / s)
+        .filter(|&i| {
+            (val(&got[i * s..(i + 1) * s]) - val(&want[i * s..(i + 1) * s])).abs() > 8.0 * eps * 50.0
+        })
+        .collect()
+}
+
+/// All-reduce and broadcast through `gpu::stream::on_stream` (what the C entry points and the
+/// torch backend call) on 3 ranks as threads sharing device 0, with CUDA IPC on (reduced on
+/// the GPU through the ranks' device windows) and off (staged): every type and op above, 1,
+/// 4099 and more elements than one device window holds (two chunks, the last partial), in
+/// place and out of place, every element on every rank against a reference computed here
+/// (bit for bit, except avg on the staged path: the host algorithms pre-scale, so within a
+/// tolerance).
+/// With IPC, a call whose count differs on one rank fails on every rank (no rank reads what a
+/// peer did not write).
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-check.sh runs it"]
+fn stream_collectives_through_ipc_and_staged_give_the_reference_on_every_rank() {
+    use gpu::ipc::WINDOW;
+    use gpu::stream::{self, DevicePath};
+    const TEST: &str = "stream_collectives_through_ipc_and_staged_give_the_reference_on_every_rank";
+    gpu::driver_available().expect("this test needs a CUDA driver");
+    // The IPC path compiles the kernels in the library (NVRTC loaded here, or found by name).
+    let Some(_) = ptx(TEST) else { panic!("{TEST}: no NVRTC") };
+    let n = 3;
+    for ipc in [true, false] {
+        let mut cfg = util::test_config(120.0);
+        cfg.cuda_ipc = ipc;
+        util::run_threads(n, &cfg, move |comm| {
+            use cudarc::driver::{DevicePtr, DevicePtrMut};
+            let me = comm.rank();
+            let ctx = cudarc::driver::CudaContext::new(0).expect("device 0");
+            let stream = ctx.new_stream().expect("a stream");
+            let raw = stream.cu_stream() as *mut std::ffi::c_void;
+            let cases: &[(DataType, ReduceOp)] = &[
+                (DataType::F32, ReduceOp::Sum),
+                (DataType::F32, ReduceOp::Prod),
+                (DataType::F32, ReduceOp::Min),
+                (DataType::F32, ReduceOp::Max),
+                (DataType::F32, ReduceOp::Avg),
+                (DataType::F64, ReduceOp::Sum),
+                (DataType::F64, ReduceOp::Avg),
+                (DataType::F16, ReduceOp::Sum),
+                (DataType::BF16, ReduceOp::Max),
+                (DataType::I32, ReduceOp::Prod),
+                (DataType::I64, ReduceOp::Sum),
+                (DataType::U8, ReduceOp::Sum),
+                (DataType::I8, ReduceOp::Min),
+                (DataType::U64, ReduceOp::Max),
+            ];
+            let mut checked = 0usize;
+            for (c, &(d, op)) in cases.iter().enumerate() {
+                let s = d.size();
+                // Three IPC chunks (window halves), the last partial and in the first half again.
+                let big = WINDOW / s + 1_000_003;
+                let counts: &[usize] = if matches!(c, 0 | 10) { &[1, 4099, big] } else { &[1, 4099] };
+                for (j, &count) in counts.iter().enumerate() {
+                    let seed = (c * 10 + j) as u64;
+                    let inputs: Vec<Vec<u8>> = (0..n).map(|r| exact_values(d, count, r, seed)).collect();
+                    let want = reference(d, op, &inputs);
+                    let send = stream.clone_htod(&inputs[me]).expect("copy in");
+                    let out_of_place = j % 2 == 1;
+                    let mut recv = stream.alloc_zeros::<u8>(count * s).expect("alloc");
+                    let (ps, pr) = (send.device_ptr(&stream).0, recv.device_ptr_mut(&stream).0);
+                    let target = if out_of_place { pr } else { ps };
+                    // SAFETY: both allocations hold `count` elements and live past the call.
+                    unsafe {
+                        stream::on_stream(&comm, toroid::OpKind::AllReduce(op), ps, target, count, d, raw)
+                    }
+                    .unwrap_or_else(|e| panic!("rank {me}: {d} {op:?} {count}: {e}"));
+                    let got = stream.clone_dtoh(if out_of_place { &recv } else { &send }).expect("copy out");
+                    let bad = if op == ReduceOp::Avg && !ipc {
+                        // The host algorithms pre-scale each input by 1/n, then sum: within a
+                        // few units in the last place of the sum-then-scale reference.
+                        avg_outside_tolerance(d, &got, &want)
+                    } else {
+                        mismatches(d, op, &got, &want)
+                    };
+                    assert!(
+                        bad.is_empty(),
+                        "rank {me} ipc {ipc}: {d} {op:?} count {count}: {} elements differ, first at {}",
+                        bad.len(),
+                        bad[0]
+                    );
+                    if out_of_place {
+                        assert_eq!(stream.clone_dtoh(&send).expect("copy"), inputs[me], "sendbuf untouched");
+                    }
+                    checked += 1;
+                }
+            }
+            // Broadcast of f64 from rank 1, in place and out of place, one and three chunks.
+            for (j, count) in [4099usize, WINDOW / 8 + 77].into_iter().enumerate() {
+                let mine = exact_values(DataType::F64, count, me, 900 + j as u64);
+                let root_data = exact_values(DataType::F64, count, 1, 900 + j as u64);
+                let send = stream.clone_htod(&mine).expect("copy in");
+                let mut recv = stream.alloc_zeros::<u8>(count * 8).expect("alloc");
+                let (ps, pr) = (send.device_ptr(&stream).0, recv.device_ptr_mut(&stream).0);
+                let target = if j == 1 { pr } else { ps };
+                // SAFETY: as above.
+                unsafe {
+                    stream::on_stream(
+                        &comm,
+                        toroid::OpKind::Broadcast(1),
+                        ps,
+                        target,
+                        count,
+                        DataType::F64,
+                        raw,
+                    )
+                }
+                .unwrap_or_else(|e| panic!("rank {me}: broadcast {count}: {e}"));
+                let got = stream.clone_dtoh(if j == 1 { &recv } else { &send }).expect("copy out");
+                assert!(
+                    got == root_data,
+                    "rank {me} ipc {ipc}: broadcast of {count} differs from the root's"
+                );
+                checked += 1;
+            }
+            let want_path = if ipc { DevicePath::Ipc } else { DevicePath::Staged };
+            assert_eq!(stream::path(&comm), Some(want_path), "rank {me}");
+            if ipc {
+                // One rank asks for one element more: every rank gets an error, none hangs.
+                let count = 1000 + usize::from(me == 2);
+                let buf = stream.alloc_zeros::<f32>(count + 1).expect("alloc");
+                let p = buf.device_ptr(&stream).0;
+                // SAFETY: `buf` holds count + 1 >= count f32.
+                let e = unsafe {
+                    stream::on_stream(
+                        &comm,
+                        toroid::OpKind::AllReduce(ReduceOp::Sum),
+                        p,
+                        p,
+                        count,
+                        DataType::F32,
+                        raw,
+                    )
+                }
+                .expect_err("mismatched counts must fail");
+                assert!(e.to_string().contains("disagree"), "rank {me}: {e}");
+                // An average of integers is refused on every rank; the next call still works.
+                // SAFETY: as above.
+                let e = unsafe {
+                    stream::on_stream(
+                        &comm,
+                        toroid::OpKind::AllReduce(ReduceOp::Avg),
+                        p,
+                        p,
+                        1000,
+                        DataType::I32,
+                        raw,
+                    )
+                }
+                .expect_err("avg of i32");
+                assert!(matches!(e, Error::Unsupported(_)), "rank {me}: {e}");
+                let ones = stream.clone_htod(&vec![1.0f32; 5000]).expect("copy in");
+                let p = ones.device_ptr(&stream).0;
+                // SAFETY: `ones` holds 5000 f32.
+                unsafe {
+                    stream::on_stream(
+                        &comm,
+                        toroid::OpKind::AllReduce(ReduceOp::Sum),
+                        p,
+                        p,
+                        5000,
+                        DataType::F32,
+                        raw,
+                    )
+                }
+                .expect("all_reduce after the refusals");
+                assert!(
+                    stream.clone_dtoh(&ones).expect("copy out").iter().all(|&x| x == n as f32),
+                    "rank {me}"
+                );
+            }
+            if me == 0 {
+                println!("{checked} stream collectives per rank matched on {n} ranks, path {want_path:?}");
+            }
+        });
+    }
+}

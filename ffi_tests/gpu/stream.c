@@ -34,7 +34,8 @@ int main(void) {
   CUstream stream;
   CU(cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING));
 
-  const size_t counts[] = {1, 4099, 3000000}; /* the last: 12 MB, three staging chunks */
+  /* 12 MB: three staging chunks; 80 MB: two CUDA IPC windows' worth (64 MiB each). */
+  const size_t counts[] = {1, 4099, 3000000, 20000000};
   for (size_t c = 0; c < sizeof counts / sizeof counts[0]; c++) {
     size_t n = counts[c];
     float *host = malloc(n * sizeof(float));

@@ -177,3 +177,13 @@ def test_stream_entry_points_are_bound(pg):
         with pg.comm.group():
             pg.comm.all_reduce_stream_ptr(p, p, 4, "float32", "sum", 0)
     pg.comm.all_reduce(x.numpy())  # the communicator is still usable
+
+
+def test_nvrtc_is_found_in_torchs_wheels():
+    # torch from PyPI (the CUDA build, as the test suite installs it) ships NVRTC 13; importing
+    # the backend points the GPU kernels' compiler at it unless TOROID_NVRTC_PATH was set.
+    import os
+
+    found = tt.nvrtc_from_torch()
+    assert found is not None and found.endswith("libnvrtc.so.13") and os.path.exists(found), found
+    assert os.environ.get("TOROID_NVRTC_PATH"), "TOROID_NVRTC_PATH is set after importing toroid.torch"

@@ -63,6 +63,7 @@ from __future__ import annotations
 import collections
 import datetime
 import inspect
+import os
 import queue
 import threading
 import warnings
@@ -1310,6 +1311,21 @@ def _create(store, rank, size, timeout=None, *args, **kwargs) -> ProcessGroupTor
     return ProcessGroupToroid(store, rank, size, timeout)
 
 
+def nvrtc_from_torch() -> Optional[str]:
+    """The libnvrtc.so.13 of torch's CUDA wheels (nvidia/cu13/lib or nvidia/cuda_nvrtc/lib), if
+    installed: the NVRTC that matches torch's CUDA, which the driver supports."""
+    try:
+        import nvidia  # (a namespace package of torch's CUDA wheels)
+    except ImportError:
+        return None
+    for p in getattr(nvidia, "__path__", []):
+        for d in ("cu13", "cuda_nvrtc"):
+            f = os.path.join(p, d, "lib", "libnvrtc.so.13")
+            if os.path.exists(f):
+                return f
+    return None
+
+
 def register() -> None:
     """Registers the backend "toroid" (done on import; repeated calls do nothing)."""
     if not hasattr(dist.Backend, BACKEND.upper()):
@@ -1317,6 +1333,10 @@ def register() -> None:
 
 
 register()
+# The GPU kernels of collectives on CUDA tensors (CUDA IPC between the ranks of a host) compile
+# with NVRTC: torch's own unless the user named one.
+if "TOROID_NVRTC_PATH" not in os.environ and (_nvrtc := nvrtc_from_torch()) is not None:
+    os.environ["TOROID_NVRTC_PATH"] = _nvrtc
 
 __all__ = ["BACKEND", "DEVICES", "ProcessGroupToroid", "ToroidWork", "TorchStore", "bf16_wire_hook", "fp16_wire_hook", "register", "stream_path"]
 _ = _lib  # the ctypes layer, for users who want toroid.torch._lib

@@ -133,6 +133,10 @@ struct Core {
     pack: Mutex<Vec<u64>>,
     /// The wire-type pieces of a compressed all-reduce (`wire.rs`): empty until one runs.
     wire_scratch: Mutex<Vec<u16>>,
+    /// Collectives on device memory (`gpu::stream`): the device, its staging and IPC windows,
+    /// made by the first such call and kept for the communicator's life.
+    #[cfg(feature = "cuda")]
+    device: Mutex<Option<crate::gpu::stream::DeviceState>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -166,6 +170,17 @@ impl std::fmt::Debug for Communicator {
 }
 
 impl Communicator {
+    /// The device state of collectives on device memory (`gpu::stream`).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn device_state(&self) -> &Mutex<Option<crate::gpu::stream::DeviceState>> {
+        &self.core.device
+    }
+
+    /// The settings this communicator was made with.
+    pub(crate) fn config(&self) -> &Config {
+        &self.core.config
+    }
+
     /// Seconds the cost model predicts for an all-reduce (broadcast and reduce for `chain` and
     /// `tree`) of `bytes` with `algo`.
     pub fn predict(&self, algo: Algorithm, bytes: usize) -> f64 {

@@ -319,6 +319,8 @@ impl Communicator {
             recorder,
             pack: Mutex::new(Vec::new()),
             wire_scratch: Mutex::new(Vec::new()),
+            #[cfg(feature = "cuda")]
+            device: Mutex::new(None),
         };
         let comm = Communicator { core: Arc::new(core), worker: Mutex::new(None) };
         super::stall::watch(&comm.core);

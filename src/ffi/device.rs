@@ -1,7 +1,8 @@
 //! Collectives on device memory from C, ordered on a CUDA stream as NCCL's are:
 //! `toroid_all_reduce_stream` and `toroid_broadcast_stream` take device pointers (recognised by
 //! their attributes) and a `cudaStream_t`/`CUstream` (opaque here; NULL is the legacy default
-//! stream), and run staged through pinned host memory (`gpu::staged`). Blocking for the host in
+//! stream), and run through CUDA IPC between the ranks of one host or staged through pinned host
+//! memory (`gpu::stream` picks; `gpu::ipc`, `gpu::staged`). Blocking for the host in
 //! this version: the result is in device memory when the call returns.
 //!
 //! Without CUDA (no driver, or built without the `cuda` feature) both return
@@ -16,7 +17,7 @@ use super::types::{RawDatatype, RawRedop, toroid_comm, toroid_result};
 use crate::collective::OpKind;
 use crate::error::{Error, Result};
 
-/// Runs `kind` on device memory through `gpu::staged::on_stream`.
+/// Runs `kind` on device memory through `gpu::stream::on_stream`.
 ///
 /// # Safety
 /// The C contract of the two entry points below.
@@ -43,7 +44,7 @@ unsafe fn run(
             }
             // SAFETY: forwarded from the C caller (buffers valid on their device, stream live).
             unsafe {
-                crate::gpu::staged::on_stream(
+                crate::gpu::stream::on_stream(
                     &h.comm,
                     kind,
                     a.send as u64,

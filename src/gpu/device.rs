@@ -102,11 +102,30 @@ impl DeviceKernels {
         b: u64,
         count: usize,
     ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.reduce_on(&self.stream, dtype, op, dst, a, b, count) }
+    }
+
+    /// [`Self::reduce_into`] enqueued on `stream` (of this device's primary context).
+    ///
+    /// # Safety
+    /// As [`Self::reduce_into`], the pointers valid until `stream` has run the kernel.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn reduce_on(
+        &self,
+        stream: &CudaStream,
+        dtype: DataType,
+        op: ReduceOp,
+        dst: u64,
+        a: u64,
+        b: u64,
+        count: usize,
+    ) -> Result<()> {
         let f = self.reduce_fn(dtype, op)?;
         let n = count as u64;
         let cfg = self.config(count, dtype);
         guard("launching a reduction", || {
-            let mut l = self.stream.launch_builder(f);
+            let mut l = stream.launch_builder(f);
             l.arg(&dst).arg(&a).arg(&b).arg(&n);
             // SAFETY: the kernel takes (T*, const T*, const T*, u64) and reads or writes `n`
             // elements through them, which the caller guarantees are valid.
@@ -128,11 +147,28 @@ impl DeviceKernels {
         count: usize,
         factor: f64,
     ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.scale_on(&self.stream, dtype, dst, src, count, factor) }
+    }
+
+    /// [`Self::scale_into`] enqueued on `stream` (of this device's primary context).
+    ///
+    /// # Safety
+    /// As [`Self::scale_into`], the pointers valid until `stream` has run the kernel.
+    pub unsafe fn scale_on(
+        &self,
+        stream: &CudaStream,
+        dtype: DataType,
+        dst: u64,
+        src: u64,
+        count: usize,
+        factor: f64,
+    ) -> Result<()> {
         let f = self.scale_fn(dtype)?;
         let n = count as u64;
         let cfg = self.config(count, dtype);
         guard("launching a scale", || {
-            let mut l = self.stream.launch_builder(f);
+            let mut l = stream.launch_builder(f);
             l.arg(&dst).arg(&src).arg(&n).arg(&factor);
             // SAFETY: the kernel takes (T*, const T*, u64, double) and reads or writes `n`
             // elements through the pointers, which the caller guarantees are valid.

@@ -16,16 +16,20 @@
 //! |---|---|
 //! | [`kernels`] | the kernels as CUDA C, one per (type, op), and their names |
 //! | [`device`] | the kernels loaded on one device, and launching them |
+//! | [`stream`] | collectives on device memory ordered on a caller's stream: picks the path |
+//! | [`ipc`] | CUDA IPC between the ranks of one host, reduced on the GPU |
 //! | [`staged`] | collectives on device memory through pinned host memory, double-buffered |
 //! | this file | finding the libraries, compiling, the panic guard |
 //!
-//! Not built yet: the torch backend on CUDA tensors, asynchronous stream collectives, CUDA IPC
-//! between ranks of one host, collectives other than all-reduce and broadcast on device memory,
-//! reductions on the device inside a collective (the staged path reduces on the host).
+//! Not built yet: asynchronous stream collectives (the host waits), collectives other than
+//! all-reduce and broadcast on device memory, IPC combined with staging for ranks on several
+//! hosts (those stage everything).
 
 pub mod device;
+pub mod ipc;
 pub mod kernels;
 pub mod staged;
+pub mod stream;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::OnceLock;

@@ -13,7 +13,7 @@
 //! call is finished before its data is read, and the result is in device memory when the call
 //! returns.
 
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, PinnedHostSlice};
 
@@ -147,7 +147,7 @@ impl DeviceCollectives {
     ///
     /// # Safety
     /// As [`Self::all_reduce`].
-    unsafe fn staged(
+    pub(crate) unsafe fn staged(
         &mut self,
         comm: &Communicator,
         stream: &Arc<CudaStream>,
@@ -220,75 +220,4 @@ impl DeviceCollectives {
         let synced = guard("synchronising", || stream.synchronize())?.map_err(driver_err("synchronising"));
         result.and(synced)
     }
-}
-
-/// One device's staging, shared by the callers that use it (one at a time).
-type Staging = Arc<Mutex<DeviceCollectives>>;
-
-/// The staging of each device this process used, made on first use and kept (pinned memory is
-/// slow to allocate: never per call).
-fn staging_for(ordinal: usize) -> Result<Staging> {
-    static ALL: OnceLock<Mutex<Vec<(usize, Staging)>>> = OnceLock::new();
-    let mut all = ALL.get_or_init(Mutex::default).lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, s)) = all.iter().find(|(o, _)| *o == ordinal) {
-        return Ok(s.clone());
-    }
-    let s = Arc::new(Mutex::new(DeviceCollectives::on_device(ordinal)?));
-    all.push((ordinal, s.clone()));
-    Ok(s)
-}
-
-/// What a C caller asks: `kind` (an all-reduce or a broadcast) of `count` elements of `dtype`
-/// from device memory `send` into device memory `recv` (the same pointer: in place), ordered
-/// on the CUDA stream `stream` (a `CUstream`/`cudaStream_t` of the buffers' device's primary
-/// context; NULL: the legacy default stream). Blocking for the host.
-///
-/// Without CUDA: `Unsupported` ("CUDA is not available ..."); pointers that are not device
-/// memory of one device: `InvalidArgument`.
-///
-/// # Safety
-/// `send` and `recv` are valid for `count` elements of `dtype` on their device until the call
-/// returns and nothing else uses them meanwhile; `stream` is NULL or a live stream of that
-/// device's primary context.
-pub unsafe fn on_stream(
-    comm: &Communicator,
-    kind: OpKind,
-    send: u64,
-    recv: u64,
-    count: usize,
-    dtype: DataType,
-    stream: *mut std::ffi::c_void,
-) -> Result<()> {
-    super::driver_available()?;
-    let bytes = count
-        .checked_mul(dtype.size())
-        .ok_or_else(|| Error::InvalidArgument(format!("{count} elements of {dtype} overflow").into()))?;
-    let ordinal = match (device_of(send), device_of(recv)) {
-        _ if count == 0 => None,
-        (Some(a), Some(b)) if a == b => Some(a),
-        (a, b) => {
-            return Err(Error::InvalidArgument(
-                format!(
-                    "the stream collectives take device memory of one device: sendbuf is {}, recvbuf is {}",
-                    a.map_or("host memory".into(), |d| format!("on device {d}")),
-                    b.map_or("host memory".into(), |d| format!("on device {d}"))
-                )
-                .into(),
-            ));
-        }
-    };
-    let staging = staging_for(ordinal.unwrap_or(0))?;
-    let mut st = staging.lock().unwrap_or_else(|e| e.into_inner());
-    // SAFETY: the caller's stream is NULL or a live stream of this (primary) context, kept
-    // alive by the caller for the call.
-    let stream = unsafe { st.context().wrap_borrowed_stream(stream.cast()) };
-    if send != recv && bytes > 0 {
-        guard("copying sendbuf to recvbuf", || {
-            // SAFETY: both ranges are valid device memory of `bytes` bytes (the caller's promise).
-            unsafe { cudarc::driver::result::memcpy_dtod_async(recv, send, bytes, stream.cu_stream()) }
-        })?
-        .map_err(driver_err("copying sendbuf to recvbuf"))?;
-    }
-    // SAFETY: forwarded contract, for `recv`.
-    unsafe { st.staged(comm, &stream, recv, count, dtype, kind) }
 }

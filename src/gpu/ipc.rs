@@ -1,0 +1,637 @@
+//! Collectives on device memory between the ranks of one host through CUDA IPC: each rank
+//! allocates a device window of [`WINDOW`] bytes once per communicator and publishes its IPC
+//! memory handle; every peer opens each handle once and keeps the mapping for the
+//! communicator's life (the IPC handle cache), so the windows of all ranks are plain device
+//! pointers to every rank. Ranks that are threads of one process use each other's pointers
+//! directly (a process cannot open its own handles).
+//!
+//! An all-reduce then runs as a reduce-scatter and an all-gather through the windows, chunk by
+//! chunk, every byte moved and reduced by the GPU. Each window has two halves that chunks use in
+//! turn (double buffering), so two meetings of the ranks per chunk suffice:
+//!
+//! 1. each rank copies its chunk into its own window's half; meet;
+//! 2. rank r reduces segment r of the chunk from every window, in rank order (0, 1, ..., N-1,
+//!    with the device kernels of [`super::device`]), into its output, and copies the result
+//!    into segment r of its own window; meet;
+//! 3. each rank copies every other segment from its owner's window into its output. A half is
+//!    written again two chunks later, after a meeting that every rank reaches only once these
+//!    copies ran.
+//!
+//! Each segment is reduced once, by its owner, so every rank ends with the same bits. A
+//! broadcast copies the root's chunk into the root's window half, meets, and every other rank
+//! copies it out (one meeting per chunk).
+//!
+//! A meeting is a synchronisation of the caller's stream followed by a collective of the
+//! communicator (shared memory or TCP, with its deadlines and failure reports): the host waits,
+//! so the call is blocking, like the staged path. The first meeting of each call is an
+//! all-reduce that checks every rank makes the same call (count, type, operation or root), so
+//! mismatched calls are an error on every rank, never a read past what a peer wrote.
+//!
+//! What needs no GPU (the record every rank publishes, how each window is reached, the
+//! segments) is plain logic with unit tests; the rest runs in `tests/gpu.rs` on a GPU.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::{CUipcMemHandle, CUresult};
+use cudarc::driver::{CudaContext, CudaStream};
+
+use super::device::DeviceKernels;
+use super::{driver_err, guard};
+use crate::Communicator;
+use crate::dtype::{DataType, ReduceOp};
+use crate::error::{Error, Result};
+
+/// Bytes of each rank's device window: two halves of [`HALF`].
+pub const WINDOW: usize = 64 << 20;
+/// Bytes of a chunk (a window half).
+pub const HALF: usize = WINDOW / 2;
+
+/// Bytes of a [`WindowRecord`] on the wire.
+pub const RECORD: usize = 96;
+const MAGIC: [u8; 4] = *b"TRDW";
+const VERSION: u16 = 1;
+
+/// What a rank publishes about its window (through the communicator's all-gather, whose
+/// connections are authenticated): fixed layout, [`RECORD`] bytes, validated on arrival.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WindowRecord {
+    /// The rank made its window and loaded the kernels (and did not turn IPC off).
+    pub usable: bool,
+    /// Its device ordinal.
+    pub device: u32,
+    /// Its process id (ranks in one process share pointers instead of handles).
+    pub pid: u32,
+    /// Its window's size.
+    pub bytes: u64,
+    /// Its window's device address in its own process.
+    pub ptr: u64,
+    /// The IPC memory handle of the window (`cuIpcGetMemHandle`).
+    pub handle: [u8; 64],
+}
+
+impl WindowRecord {
+    /// The record of a rank that cannot take part.
+    pub fn unusable() -> WindowRecord {
+        WindowRecord { usable: false, device: 0, pid: std::process::id(), bytes: 0, ptr: 0, handle: [0; 64] }
+    }
+
+    /// The wire form.
+    pub fn encode(&self) -> [u8; RECORD] {
+        let mut b = [0u8; RECORD];
+        b[0..4].copy_from_slice(&MAGIC);
+        b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        b[6..8].copy_from_slice(&u16::from(self.usable).to_le_bytes());
+        b[8..12].copy_from_slice(&self.device.to_le_bytes());
+        b[12..16].copy_from_slice(&self.pid.to_le_bytes());
+        b[16..24].copy_from_slice(&self.bytes.to_le_bytes());
+        b[24..32].copy_from_slice(&self.ptr.to_le_bytes());
+        b[32..96].copy_from_slice(&self.handle);
+        b
+    }
+
+    /// Parses and checks a record from rank `from`.
+    pub fn decode(from: usize, b: &[u8]) -> Result<WindowRecord> {
+        let bad = |why: &str| Error::Remote(format!("rank {from}'s device window record: {why}").into());
+        if b.len() != RECORD {
+            return Err(bad(&format!("{} bytes, not {RECORD}", b.len())));
+        }
+        let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let u64_at = |i: usize| {
+            let mut x = [0u8; 8];
+            x.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(x)
+        };
+        if b[0..4] != MAGIC || u16_at(4) != VERSION {
+            return Err(bad("not a version-1 record (another libtoroid?)"));
+        }
+        let usable = match u16_at(6) {
+            0 => false,
+            1 => true,
+            f => return Err(bad(&format!("flags {f}"))),
+        };
+        let mut handle = [0u8; 64];
+        handle.copy_from_slice(&b[32..96]);
+        Ok(WindowRecord {
+            usable,
+            device: u32_at(8),
+            pid: u32_at(12),
+            bytes: u64_at(16),
+            ptr: u64_at(24),
+            handle,
+        })
+    }
+}
+
+/// How this rank reaches one rank's window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mapping {
+    /// Its own window.
+    Own(u64),
+    /// The window of a rank in this process: its pointer as published.
+    SameProcess(u64),
+    /// The window of a rank in another process, through its opened IPC handle (closed when the
+    /// communicator goes).
+    Opened(u64),
+}
+
+impl Mapping {
+    /// The device address of the window in this process.
+    pub fn ptr(self) -> u64 {
+        match self {
+            Mapping::Own(p) | Mapping::SameProcess(p) | Mapping::Opened(p) => p,
+        }
+    }
+}
+
+/// Maps every rank's window from the records all ranks published: `open(rank, handle)` is
+/// called once for each rank of another process; rank `me`'s own record gives its window.
+/// Every rank must be usable, with a window of the same size; ranks of this process must be on
+/// its device (a kernel reads their windows without peer mappings). On an error, the handles
+/// already opened are closed with `close`.
+pub fn map_windows(
+    me: usize,
+    records: &[WindowRecord],
+    mut open: impl FnMut(usize, &[u8; 64]) -> Result<u64>,
+    mut close: impl FnMut(u64),
+) -> Result<Vec<Mapping>> {
+    let mine = records.get(me).ok_or_else(|| Error::Internal(format!("no record for rank {me}").into()))?;
+    let mut out: Vec<Mapping> = Vec::with_capacity(records.len());
+    let fail = |out: &mut Vec<Mapping>, close: &mut dyn FnMut(u64), e: Error| {
+        for m in out.drain(..) {
+            if let Mapping::Opened(p) = m {
+                close(p);
+            }
+        }
+        Err(e)
+    };
+    for (k, r) in records.iter().enumerate() {
+        let m = if !r.usable {
+            let why = format!("rank {k} has no device window (no CUDA, no kernels, or TOROID_CUDA_IPC=0)");
+            return fail(&mut out, &mut close, Error::Unsupported(why.into()));
+        } else if r.bytes != mine.bytes {
+            let why = format!("rank {k}'s device window has {} bytes, this rank's {}", r.bytes, mine.bytes);
+            return fail(&mut out, &mut close, Error::Remote(why.into()));
+        } else if k == me {
+            Mapping::Own(r.ptr)
+        } else if r.pid == mine.pid {
+            if r.device != mine.device {
+                let why = format!(
+                    "ranks {me} and {k} of one process are on devices {} and {}",
+                    mine.device, r.device
+                );
+                return fail(&mut out, &mut close, Error::Unsupported(why.into()));
+            }
+            Mapping::SameProcess(r.ptr)
+        } else {
+            match open(k, &r.handle) {
+                Ok(p) => Mapping::Opened(p),
+                Err(e) => return fail(&mut out, &mut close, e),
+            }
+        };
+        out.push(m);
+    }
+    Ok(out)
+}
+
+/// Segment `k` of `count` elements split among `n` ranks: (first element, length), balanced
+/// (lengths differ by one at most), in rank order, covering `0..count`.
+pub fn segment(count: usize, n: usize, k: usize) -> (usize, usize) {
+    let at = |k: usize| (count as u128 * k as u128 / n.max(1) as u128) as usize;
+    (at(k), at(k + 1) - at(k))
+}
+
+/// One device allocation, freed when dropped.
+#[derive(Debug)]
+struct Allocation {
+    ctx: Arc<CudaContext>,
+    ptr: u64,
+}
+
+impl Allocation {
+    fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Allocation> {
+        guard("allocating the device window", || -> Result<Allocation> {
+            ctx.bind_to_thread().map_err(driver_err("binding the context"))?;
+            // SAFETY: a plain device allocation of `bytes`, owned by the returned value.
+            let ptr = unsafe { cudarc::driver::result::malloc_sync(bytes) }
+                .map_err(driver_err("allocating the device window"))?;
+            Ok(Allocation { ctx: ctx.clone(), ptr })
+        })?
+    }
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        let _ = guard("freeing the device window", || {
+            if self.ctx.bind_to_thread().is_ok() {
+                // SAFETY: `ptr` came from malloc_sync and nothing uses it any more (every call
+                // ended with a barrier after its last read).
+                let _ = unsafe { cudarc::driver::result::free_sync(self.ptr) };
+            }
+        });
+    }
+}
+
+/// Opens a peer's window handle in `ctx`.
+fn open_handle(ctx: &Arc<CudaContext>, handle: &[u8; 64]) -> Result<u64> {
+    guard("opening a peer's device window", || -> Result<u64> {
+        ctx.bind_to_thread().map_err(driver_err("binding the context"))?;
+        let mut h = CUipcMemHandle { reserved: [0; 64] };
+        for (d, s) in h.reserved.iter_mut().zip(handle) {
+            *d = *s as _;
+        }
+        let mut ptr = 0u64;
+        // SAFETY: `ptr` is a live u64 the driver writes the mapping's address into; the handle
+        // is 64 bytes as the driver defines it (an invalid one is an error, not UB).
+        let r = unsafe {
+            cudarc::driver::sys::cuIpcOpenMemHandle_v2(
+                &mut ptr,
+                h,
+                cudarc::driver::sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        };
+        if r == CUresult::CUDA_SUCCESS {
+            Ok(ptr)
+        } else {
+            Err(Error::Unsupported(format!("CUDA IPC: cannot open a peer's device window: {r:?}").into()))
+        }
+    })?
+}
+
+/// Closes a window opened by [`open_handle`].
+fn close_handle(ctx: &Arc<CudaContext>, ptr: u64) {
+    let _ = guard("closing a peer's device window", || {
+        if ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from cuIpcOpenMemHandle and no call reads it any more.
+            let _ = unsafe { cudarc::driver::sys::cuIpcCloseMemHandle(ptr) };
+        }
+    });
+}
+
+/// Every rank's window, mapped in this process, and the kernels that reduce from them.
+#[derive(Debug)]
+pub struct IpcWindows {
+    ctx: Arc<CudaContext>,
+    windows: Vec<Mapping>,
+    kernels: Arc<DeviceKernels>,
+    /// Whether the next chunk uses the second half of every window (flips per chunk, the same
+    /// on every rank: each makes the same calls).
+    half: bool,
+    /// This rank's window (declared last: freed after the peers' mappings are closed).
+    own: Allocation,
+}
+
+impl Drop for IpcWindows {
+    fn drop(&mut self) {
+        for m in &self.windows {
+            if let Mapping::Opened(p) = m {
+                close_handle(&self.ctx, *p);
+            }
+        }
+    }
+}
+
+/// This rank's window, its record, and the kernels, or why it cannot take part.
+fn make_window(
+    ctx: &Arc<CudaContext>,
+    ordinal: usize,
+    kernels: impl FnOnce() -> Result<Arc<DeviceKernels>>,
+) -> Result<(Allocation, WindowRecord, Arc<DeviceKernels>)> {
+    let kernels = kernels()?;
+    let own = Allocation::new(ctx, WINDOW)?;
+    let mut h = CUipcMemHandle { reserved: [0; 64] };
+    guard("exporting the device window", || {
+        // SAFETY: `h` is a live handle the driver writes; `own.ptr` is a live allocation.
+        let r = unsafe { cudarc::driver::sys::cuIpcGetMemHandle(&mut h, own.ptr) };
+        if r == CUresult::CUDA_SUCCESS {
+            Ok(())
+        } else {
+            Err(Error::Unsupported(format!("CUDA IPC: cannot export the device window: {r:?}").into()))
+        }
+    })??;
+    let mut handle = [0u8; 64];
+    for (d, s) in handle.iter_mut().zip(h.reserved) {
+        *d = s as u8;
+    }
+    let record = WindowRecord {
+        usable: true,
+        device: ordinal as u32,
+        pid: std::process::id(),
+        bytes: WINDOW as u64,
+        ptr: own.ptr,
+        handle,
+    };
+    Ok((own, record, kernels))
+}
+
+impl IpcWindows {
+    /// Sets up the windows of every rank of `comm` on device `ordinal` (a collective: every
+    /// rank calls it, with `enabled` false where IPC is off, and all get the same answer).
+    /// `kernels` loads the reduction kernels. `Err(Unsupported)` with the reason when any rank
+    /// cannot take part; the communicator then stages through host memory.
+    pub fn open(
+        comm: &Communicator,
+        ctx: &Arc<CudaContext>,
+        ordinal: usize,
+        enabled: bool,
+        kernels: impl FnOnce() -> Result<Arc<DeviceKernels>>,
+    ) -> Result<IpcWindows> {
+        let local = if enabled {
+            make_window(ctx, ordinal, kernels)
+        } else {
+            Err(Error::Unsupported("TOROID_CUDA_IPC=0".into()))
+        };
+        let record = local.as_ref().map_or_else(|_| WindowRecord::unusable(), |(_, r, _)| r.clone());
+        let mut all = vec![0u8; RECORD * comm.size()];
+        comm.all_gather(&record.encode(), &mut all)?;
+        let records = all
+            .chunks_exact(RECORD)
+            .enumerate()
+            .map(|(k, b)| WindowRecord::decode(k, b))
+            .collect::<Result<Vec<_>>>();
+        let mapped = match (&local, records) {
+            (Err(e), _) => Err(Error::Unsupported(format!("this rank: {e}").into())),
+            (Ok(_), Err(e)) => Err(e),
+            (Ok(_), Ok(records)) => {
+                map_windows(comm.rank(), &records, |_, h| open_handle(ctx, h), |p| close_handle(ctx, p))
+            }
+        };
+        // Every rank uses the windows, or none does.
+        let mut ok = [u32::from(mapped.is_ok())];
+        comm.all_reduce(&mut ok, ReduceOp::Min)?;
+        match (mapped, local) {
+            (Ok(windows), Ok((own, _, kernels))) if ok[0] == 1 => {
+                Ok(IpcWindows { ctx: ctx.clone(), windows, kernels, half: false, own })
+            }
+            (Ok(windows), _) => {
+                for m in windows {
+                    if let Mapping::Opened(p) = m {
+                        close_handle(ctx, p);
+                    }
+                }
+                Err(Error::Unsupported(
+                    "another rank could not map every device window (its log says why)".into(),
+                ))
+            }
+            (Err(e), _) => Err(e),
+        }
+    }
+
+    /// The context the windows belong to.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Waits for `stream`, then meets every rank. The first meeting of a call also checks that
+    /// every rank makes the same call: one all-reduce of maxima over the values and their
+    /// complements (so the minimum and maximum of each); later ones are barriers.
+    fn meet(comm: &Communicator, stream: &CudaStream, call: Option<(&str, [u64; 3])>) -> Result<()> {
+        guard("synchronising", || stream.synchronize())?.map_err(driver_err("synchronising"))?;
+        let Some((what, vals)) = call else { return comm.barrier() };
+        let mut v = [vals[0], vals[1], vals[2], !vals[0], !vals[1], !vals[2]];
+        comm.all_reduce(&mut v, ReduceOp::Max)?;
+        if (0..3).any(|i| v[i] != !v[i + 3]) {
+            return Err(Error::InvalidUsage(
+                format!(
+                    "{what} on device memory: the ranks disagree on (count, type, op/root): this rank ({}, {}, {}), \
+                     maxima ({}, {}, {}), minima ({}, {}, {})",
+                    vals[0], vals[1], vals[2], v[0], v[1], v[2], !v[3], !v[4], !v[5]
+                )
+                .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `dst <- src`, `bytes` bytes, on `stream`.
+    fn copy(stream: &CudaStream, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        guard("copying on the device", || {
+            // SAFETY: the callers pass ranges inside their buffers or the windows (each at
+            // least `bytes` long), not overlapping.
+            unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, stream.cu_stream()) }
+        })?
+        .map_err(driver_err("copying on the device"))
+    }
+
+    /// The half of every window the next chunk uses (byte offset), flipping for the one after.
+    fn next_half(&mut self) -> u64 {
+        let at = if self.half { HALF as u64 } else { 0 };
+        self.half = !self.half;
+        at
+    }
+
+    /// All-reduces `count` elements of `dtype` from `send` into `recv` (equal: in place) with
+    /// `op`, ordered on `stream`; blocking.
+    ///
+    /// # Safety
+    /// `send` and `recv` are device memory of this context valid for `count` elements of
+    /// `dtype`, not used by anything else until the call returns; `stream` is of this context.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn all_reduce(
+        &mut self,
+        comm: &Communicator,
+        stream: &CudaStream,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, me, es) = (comm.size(), comm.rank(), dtype.size());
+        let (kernel_op, scale) = match op {
+            ReduceOp::Avg => (ReduceOp::Sum, dtype.is_float().then_some(1.0 / n as f64)),
+            o => (o, None),
+        };
+        let mut call = Some(("all_reduce", [count as u64, dtype as u64, op as u64]));
+        if op == ReduceOp::Avg && scale.is_none() {
+            // Every rank refuses alike, after agreeing on the call, with its halves turned as
+            // by a first chunk (a rank that disagrees ran one).
+            self.next_half();
+            Self::meet(comm, stream, call)?;
+            return Err(Error::Unsupported(format!("avg of {dtype}: averages take float types").into()));
+        }
+        let per = HALF / es;
+        let mut at = 0;
+        while at < count {
+            let len = per.min(count - at);
+            let half = self.next_half();
+            let own = self.own.ptr + half;
+            let (src, dst) = (send + (at * es) as u64, recv + (at * es) as u64);
+            // 1. This rank's chunk into its window.
+            Self::copy(stream, own, src, len * es)?;
+            Self::meet(comm, stream, call.take())?;
+            // 2. Segment `me` from every window, in rank order, into the output, then into
+            //    this rank's window for the others.
+            let (s0, sl) = segment(len, n, me);
+            if sl > 0 {
+                let off = (s0 * es) as u64;
+                let out = dst + off;
+                let w = |k: usize| self.windows[k].ptr() + half + off;
+                for k in 1..n {
+                    let a = if k == 1 { w(0) } else { out };
+                    // SAFETY: `out` is inside `recv` (its chunk, segment `me`); `a` and `w(k)`
+                    // are that segment in window halves of HALF >= len * es bytes; `out` equals
+                    // `a` or overlaps neither input.
+                    unsafe { self.kernels.reduce_on(stream, dtype, kernel_op, out, a, w(k), sl) }?;
+                }
+                if let Some(f) = scale {
+                    // SAFETY: as above, in place.
+                    unsafe { self.kernels.scale_on(stream, dtype, out, out, sl, f) }?;
+                }
+                Self::copy(stream, own + off, out, sl * es)?;
+            }
+            Self::meet(comm, stream, None)?;
+            // 3. Every other segment from its owner's window. No meeting after: the next chunk
+            //    writes the other half, and this half again only after the next chunk's first
+            //    meeting, which every rank reaches after these copies ran.
+            for k in (0..n).filter(|&k| k != me) {
+                let (s0, sl) = segment(len, n, k);
+                let off = (s0 * es) as u64;
+                Self::copy(stream, dst + off, self.windows[k].ptr() + half + off, sl * es)?;
+            }
+            at += len;
+        }
+        Ok(())
+    }
+
+    /// Broadcasts `count` elements of `dtype` from `root`'s `send` into every rank's `recv`
+    /// (equal: in place), ordered on `stream`; blocking.
+    ///
+    /// # Safety
+    /// As [`Self::all_reduce`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn broadcast(
+        &mut self,
+        comm: &Communicator,
+        stream: &CudaStream,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DataType,
+        root: usize,
+    ) -> Result<()> {
+        let (me, es) = (comm.rank(), dtype.size());
+        let mut call = Some(("broadcast", [count as u64, dtype as u64, root as u64]));
+        let per = HALF / es;
+        let mut at = 0;
+        while at < count {
+            let len = per.min(count - at);
+            let half = self.next_half();
+            let (src, dst) = (send + (at * es) as u64, recv + (at * es) as u64);
+            if me == root {
+                Self::copy(stream, self.own.ptr + half, src, len * es)?;
+            }
+            Self::meet(comm, stream, call.take())?;
+            if me != root {
+                Self::copy(stream, dst, self.windows[root].ptr() + half, len * es)?;
+            } else if src != dst {
+                Self::copy(stream, dst, src, len * es)?;
+            }
+            at += len;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(pid: u32, device: u32, ptr: u64) -> WindowRecord {
+        let mut handle = [0u8; 64];
+        handle[0] = ptr as u8;
+        WindowRecord { usable: true, device, pid, bytes: WINDOW as u64, ptr, handle }
+    }
+
+    #[test]
+    fn records_round_trip_and_reject_what_is_not_one() {
+        let r = record(77, 3, 0xdead_beef_0000);
+        let b = r.encode();
+        assert_eq!(WindowRecord::decode(1, &b).unwrap(), r);
+        assert!(!WindowRecord::decode(1, &WindowRecord::unusable().encode()).unwrap().usable);
+        assert!(WindowRecord::decode(1, &b[..95]).is_err(), "short");
+        let mut bad = b;
+        bad[0] = b'X';
+        assert!(WindowRecord::decode(1, &bad).unwrap_err().to_string().contains("rank 1"), "magic");
+        let mut bad = b;
+        bad[4] = 2;
+        assert!(WindowRecord::decode(1, &bad).is_err(), "version");
+        let mut bad = b;
+        bad[6] = 2;
+        assert!(WindowRecord::decode(1, &bad).is_err(), "flags");
+    }
+
+    #[test]
+    fn each_peer_of_another_process_is_opened_once_and_same_process_peers_not_at_all() {
+        // Ranks 0 and 2 in process 10, ranks 1 and 3 in process 20; rank 0 maps.
+        let recs = [record(10, 0, 0x100), record(20, 0, 0x200), record(10, 0, 0x300), record(20, 0, 0x400)];
+        let mut opened = Vec::new();
+        let m = map_windows(
+            0,
+            &recs,
+            |k, h| {
+                opened.push((k, h[0]));
+                Ok(0x9000 + k as u64)
+            },
+            |_| panic!("nothing to close"),
+        )
+        .unwrap();
+        assert_eq!(
+            m,
+            [
+                Mapping::Own(0x100),
+                Mapping::Opened(0x9001),
+                Mapping::SameProcess(0x300),
+                Mapping::Opened(0x9003)
+            ]
+        );
+        assert_eq!(opened, [(1, 0x00), (3, 0x00)], "each other-process peer opened once, with its handle");
+        assert_eq!(m.iter().map(|m| m.ptr()).collect::<Vec<_>>(), [0x100, 0x9001, 0x300, 0x9003]);
+    }
+
+    #[test]
+    fn a_failure_closes_what_was_opened_and_says_which_rank() {
+        let recs = [record(10, 0, 0x100), record(20, 0, 0x200), record(30, 0, 0x300)];
+        let mut closed = Vec::new();
+        let e = map_windows(
+            0,
+            &recs,
+            |k, _| if k == 2 { Err(Error::Unsupported("no".into())) } else { Ok(0x9000 + k as u64) },
+            |p| closed.push(p),
+        )
+        .unwrap_err();
+        assert!(matches!(e, Error::Unsupported(_)));
+        assert_eq!(closed, [0x9001], "the handle opened before the failure is closed");
+
+        // An unusable rank, a window of another size, same-process ranks on two devices.
+        let mut r = recs.clone();
+        r[2] = WindowRecord::unusable();
+        let e = map_windows(0, &r, |k, _| Ok(k as u64 + 1), |_| {}).unwrap_err();
+        assert!(e.to_string().contains("rank 2 has no device window"), "{e}");
+        let mut r = recs.clone();
+        r[1].bytes = 1;
+        assert!(map_windows(0, &r, |_, _| Ok(1), |_| {}).unwrap_err().to_string().contains("rank 1"));
+        let r = [record(10, 0, 0x100), record(10, 1, 0x200)];
+        let e = map_windows(0, &r, |_, _| panic!("same process: never opened"), |_| {}).unwrap_err();
+        assert!(e.to_string().contains("devices 0 and 1"), "{e}");
+    }
+
+    #[test]
+    fn segments_cover_the_chunk_in_rank_order_balanced() {
+        for count in [0usize, 1, 2, 5, 7, 4099, 1 << 20] {
+            for n in 1..=9 {
+                let mut next = 0;
+                for k in 0..n {
+                    let (s, l) = segment(count, n, k);
+                    assert_eq!(s, next, "count {count} n {n} k {k}");
+                    assert!(l == count / n || l == count / n + 1);
+                    next = s + l;
+                }
+                assert_eq!(next, count);
+            }
+        }
+    }
+}
