@@ -132,6 +132,10 @@ static void argument_errors(toroid_comm *comm) {
     EXPECT_LAST(comm, "CUDA is not available");
     EXPECT_CODE(TOROID_UNSUPPORTED, toroid_broadcast_stream(comm, a, a, 8, TOROID_FLOAT32, 0, NULL));
     EXPECT_LAST(comm, "CUDA is not available");
+    EXPECT_CODE(TOROID_UNSUPPORTED, toroid_all_gather_stream(comm, a, b, 1, TOROID_FLOAT32, NULL));
+    EXPECT_LAST(comm, "CUDA is not available");
+    EXPECT_CODE(TOROID_UNSUPPORTED, toroid_reduce_scatter_stream(comm, a, b, 1, TOROID_FLOAT32, TOROID_SUM, NULL));
+    EXPECT_LAST(comm, "CUDA is not available");
   } else {
     EXPECT_CODE(TOROID_INVALID_ARGUMENT, rs);
     EXPECT_LAST(comm, "host memory");

@@ -667,6 +667,35 @@ enum toroid_result toroid_broadcast_stream(struct toroid_comm *comm,
                                            void *stream);
 
 /**
+ * Gathers every rank's `sendcount` elements of `dtype` in device memory `sendbuf` into every
+ * rank's device memory `recvbuf` (size x sendcount elements, rank r's at r x sendcount),
+ * ordered on `stream` as toroid_all_reduce_stream. In place (NCCL's form): sendbuf == recvbuf +
+ * rank x sendcount elements; other overlaps are TOROID_INVALID_ARGUMENT. Errors as
+ * toroid_all_reduce_stream.
+ */
+enum toroid_result toroid_all_gather_stream(struct toroid_comm *comm,
+                                            const void *sendbuf,
+                                            void *recvbuf,
+                                            size_t sendcount,
+                                            toroid_datatype dtype,
+                                            void *stream);
+
+/**
+ * Reduces every rank's device memory `sendbuf` (size x recvcount elements of `dtype`, piece r
+ * at r x recvcount) with `op`; rank r receives piece r of the result in device memory
+ * `recvbuf` (recvcount elements), ordered on `stream` as toroid_all_reduce_stream. In place:
+ * recvbuf == sendbuf + rank x recvcount elements (NCCL's form) or recvbuf == sendbuf; other
+ * overlaps are TOROID_INVALID_ARGUMENT. Errors as toroid_all_reduce_stream.
+ */
+enum toroid_result toroid_reduce_scatter_stream(struct toroid_comm *comm,
+                                                const void *sendbuf,
+                                                void *recvbuf,
+                                                size_t recvcount,
+                                                toroid_datatype dtype,
+                                                toroid_redop op,
+                                                void *stream);
+
+/**
  * Writes the stall report of `comm` to `buf` as NUL-terminated text, truncated to `len` bytes
  * including the NUL (at a character boundary): the conclusion line first, then one line per
  * rank (the last operation it completed, the one it is in with phase, step, whom it waits on

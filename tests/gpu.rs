@@ -339,8 +339,8 @@ fn avg_outside_tolerance(d: DataType, got: &[u8], want: &[u8]) -> Vec<usize> {
         .collect()
 }
 
-/// All-reduce and broadcast through `gpu::stream::on_stream` (what the C entry points and the
-/// torch backend call) on 3 ranks as threads sharing device 0, with CUDA IPC on (reduced on
+/// All-reduce, broadcast, all-gather and reduce-scatter through `gpu::stream::on_stream` (what
+/// the C entry points and the torch backend call) on 3 ranks as threads sharing device 0, with CUDA IPC on (reduced on
 /// the GPU through the ranks' device windows) and off (staged): every type and op above, 1,
 /// 4099 and more elements than one device window holds (two chunks, the last partial), in
 /// place and out of place, every element on every rank against a reference computed here
@@ -351,7 +351,7 @@ fn avg_outside_tolerance(d: DataType, got: &[u8], want: &[u8]) -> Vec<usize> {
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/gpu-check.sh runs it"]
 fn stream_collectives_through_ipc_and_staged_give_the_reference_on_every_rank() {
-    use gpu::ipc::WINDOW;
+    use gpu::ipc::{HALF, WINDOW};
     use gpu::stream::{self, DevicePath};
     const TEST: &str = "stream_collectives_through_ipc_and_staged_give_the_reference_on_every_rank";
     gpu::driver_available().expect("this test needs a CUDA driver");
@@ -450,6 +450,84 @@ fn stream_collectives_through_ipc_and_staged_give_the_reference_on_every_rank() 
                     "rank {me} ipc {ipc}: broadcast of {count} differs from the root's"
                 );
                 checked += 1;
+            }
+            // All-gather of i64 (out of place, then NCCL's in-place form) and reduce-scatter of
+            // f32 sums and i32 maxima (out of place, NCCL's in-place form, the result at the
+            // front of sendbuf), one chunk and several.
+            use toroid::OpKind::{AllGather, ReduceScatter};
+            for (j, count) in [1usize, 4099, HALF / 8 + 5].into_iter().enumerate() {
+                let d = DataType::I64;
+                let pieces: Vec<Vec<u8>> =
+                    (0..n).map(|r| exact_values(d, count, r, 700 + j as u64)).collect();
+                let want = pieces.concat();
+                let send = stream.clone_htod(&pieces[me]).expect("copy in");
+                let mut recv = stream.alloc_zeros::<u8>(n * count * 8).expect("alloc");
+                let (ps, pr) = (send.device_ptr(&stream).0, recv.device_ptr_mut(&stream).0);
+                // SAFETY: `send` holds count, `recv` n x count elements; both live past the call.
+                unsafe { stream::on_stream(&comm, AllGather, ps, pr, count, d, raw) }
+                    .unwrap_or_else(|e| panic!("rank {me}: all_gather {count}: {e}"));
+                assert!(
+                    stream.clone_dtoh(&recv).expect("copy") == want,
+                    "rank {me} ipc {ipc}: all_gather of {count}"
+                );
+                let mut inplace = vec![0u8; n * count * 8];
+                inplace[me * count * 8..(me + 1) * count * 8].copy_from_slice(&pieces[me]);
+                let mut buf = stream.clone_htod(&inplace).expect("copy in");
+                let pb = buf.device_ptr_mut(&stream).0;
+                // SAFETY: `buf` holds n x count elements; the send piece is this rank's.
+                unsafe {
+                    stream::on_stream(&comm, AllGather, pb + (me * count * 8) as u64, pb, count, d, raw)
+                }
+                .unwrap_or_else(|e| panic!("rank {me}: all_gather in place {count}: {e}"));
+                assert!(
+                    stream.clone_dtoh(&buf).expect("copy") == want,
+                    "rank {me} ipc {ipc}: in place, {count}"
+                );
+                checked += 2;
+                // An overlap that is no in-place form is refused before any rank meets.
+                if j == 1 {
+                    // SAFETY: refused before anything is read or written.
+                    let e = unsafe { stream::on_stream(&comm, AllGather, pb + 8, pb, count, d, raw) }
+                        .expect_err("overlap");
+                    assert!(e.to_string().contains("overlap"), "{e}");
+                }
+            }
+            for (j, count) in [1usize, 4099, HALF / (4 * n) + 3].into_iter().enumerate() {
+                for (d, op) in [(DataType::F32, ReduceOp::Sum), (DataType::I32, ReduceOp::Max)] {
+                    let es = d.size();
+                    let inputs: Vec<Vec<u8>> =
+                        (0..n).map(|r| exact_values(d, n * count, r, 800 + j as u64)).collect();
+                    let full = reference(d, op, &inputs);
+                    let want = &full[me * count * es..(me + 1) * count * es];
+                    for form in 0..3 {
+                        // 0: out of place; 1: recv is this rank's piece of send; 2: recv is send.
+                        let mut send = stream.clone_htod(&inputs[me]).expect("copy in");
+                        let mut recv = stream.alloc_zeros::<u8>(count * es).expect("alloc");
+                        let ps = send.device_ptr_mut(&stream).0;
+                        let pr = match form {
+                            0 => recv.device_ptr_mut(&stream).0,
+                            1 => ps + (me * count * es) as u64,
+                            _ => ps,
+                        };
+                        // SAFETY: `send` holds n x count elements, `recv` count; both live on.
+                        unsafe { stream::on_stream(&comm, ReduceScatter(op), ps, pr, count, d, raw) }
+                            .unwrap_or_else(|e| panic!("rank {me}: reduce_scatter {count} form {form}: {e}"));
+                        let got = match form {
+                            0 => stream.clone_dtoh(&recv).expect("copy"),
+                            1 => stream.clone_dtoh(&send).expect("copy")
+                                [me * count * es..(me + 1) * count * es]
+                                .to_vec(),
+                            _ => stream.clone_dtoh(&send).expect("copy")[..count * es].to_vec(),
+                        };
+                        let bad = mismatches(d, op, &got, want);
+                        assert!(
+                            bad.is_empty(),
+                            "rank {me} ipc {ipc}: reduce_scatter {d} {op:?} {count} form {form}: {} differ",
+                            bad.len()
+                        );
+                        checked += 1;
+                    }
+                }
             }
             let want_path = if ipc { DevicePath::Ipc } else { DevicePath::Staged };
             assert_eq!(stream::path(&comm), Some(want_path), "rank {me}");

@@ -1,6 +1,7 @@
-/* toroid_all_reduce_stream and toroid_broadcast_stream on device memory from C, with the CUDA
- * driver API (built and run by scripts/gpu-check.sh on a GPU machine, 2 ranks on one GPU under
- * toroid-run; never in the CPU test suite):
+/* toroid_all_reduce_stream, toroid_broadcast_stream, toroid_all_gather_stream and
+ * toroid_reduce_scatter_stream on device memory from C, with the CUDA driver API (built and
+ * run by scripts/gpu-check.sh on a GPU machine, 2 ranks on one GPU under toroid-run; never in
+ * the CPU test suite):
  *
  *   cc -I include -I ffi_tests -I $CUDA/include ffi_tests/gpu/stream.c -L DIR -ltoroid -lcuda
  *
@@ -67,6 +68,23 @@ int main(void) {
     CU(cuMemcpyDtoH(host, b, n * sizeof(float)));
     for (size_t i = 0; i < n; i++)
       if (host[i] != value(size - 1, i)) FAIL("broadcast: [%zu] of %zu = %g", i, n, host[i]);
+    /* All-gather of a into g (size x n), then reduce-scatter of g back into b: piece r of the
+     * sum over ranks of g is size x (rank r's values). */
+    CUdeviceptr g;
+    float *all = malloc((size_t)size * n * sizeof(float));
+    EXPECT(all != NULL);
+    CU(cuMemAlloc(&g, (size_t)size * n * sizeof(float)));
+    CHECK(toroid_all_gather_stream(comm, (void *)a, (void *)g, n, TOROID_FLOAT32, stream));
+    CU(cuMemcpyDtoH(all, g, (size_t)size * n * sizeof(float)));
+    for (int r = 0; r < size; r++)
+      for (size_t i = 0; i < n; i++)
+        if (all[(size_t)r * n + i] != value(r, i)) FAIL("all_gather: [%d][%zu] of %zu = %g", r, i, n, all[(size_t)r * n + i]);
+    CHECK(toroid_reduce_scatter_stream(comm, (void *)g, (void *)b, n, TOROID_FLOAT32, TOROID_SUM, stream));
+    CU(cuMemcpyDtoH(host, b, n * sizeof(float)));
+    for (size_t i = 0; i < n; i++)
+      if (host[i] != value(g_rank, i) * size) FAIL("reduce_scatter: [%zu] of %zu = %g", i, n, host[i]);
+    CU(cuMemFree(g));
+    free(all);
     CU(cuMemFree(a));
     CU(cuMemFree(b));
     free(host);

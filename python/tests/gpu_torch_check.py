@@ -16,8 +16,10 @@ Rust and C checks, or by hand: `TOROID_LIBRARY=.../libtoroid.so python3 gpu_torc
     (wait, is_completed, the future's value); a non-contiguous tensor takes the staged path
     and leaves the elements between its own untouched; a call mixing CPU and CUDA tensors
     raises ValueError.
-(b) all_gather_into_tensor (a staged collective) of float32, bfloat16 and int64, exact, also
-    with its input written on a side stream and with async_op.
+(b) all_gather_into_tensor (stream path) of float32, bfloat16 and int64, exact, out of place
+    and in place (FSDP's form), also with its input written on a side stream and with
+    async_op; reduce_scatter_tensor (stream path) SUM, MAX, AVG of float32, bfloat16, float64
+    and int32, exact for MAX and integers, floats within the bound of (a).
 (c) DDP(device_ids=[0]) over "toroid": a small MLP trained 5 steps on each rank's own batches
     ends with bit-identical parameters on both ranks, within 1e-5 (max |difference| per
     parameter tensor over its max |value|) of a reference trained here without DDP on the
@@ -245,13 +247,55 @@ def check_all_gather(torch, dist, pg, rank: int, c: Checks) -> None:
             def one(dtype=dtype, n=n, seed=seed):
                 xs = [rank_inputs(torch, r, dtype, n, seed) for r in range(SIZE)]
                 out = torch.full((SIZE * n,), 7, dtype=dtype, device=dev)
-                before = pg.stats["all_gather_single:staged"]  # (_allgather_base is all_gather_single)
+                before = pg.stats["all_gather_single:stream"]  # (_allgather_base is all_gather_single)
                 dist.all_gather_into_tensor(out, xs[rank].to(dev, copy=True))
-                expect_path(pg, "all_gather_single:staged", before)
+                expect_path(pg, "all_gather_single:stream", before)
                 assert_equal(torch, out.cpu(), torch.cat(xs), "all_gather_into_tensor")
-                return "exact"
+                # In place, as FSDP calls it: the input is this rank's piece of the output.
+                out = torch.full((SIZE * n,), 7, dtype=dtype, device=dev)
+                piece = out.narrow(0, rank * n, n)
+                piece.copy_(xs[rank].to(dev))
+                dist.all_gather_into_tensor(out, piece)
+                assert_equal(torch, out.cpu(), torch.cat(xs), "all_gather_into_tensor in place")
+                return "exact, out of place and in place"
 
-            c.run(f"all_gather_into_tensor {str(dtype)[6:]} n={n} (staged)", one)
+            c.run(f"all_gather_into_tensor {str(dtype)[6:]} n={n}", one)
+
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG}
+    for dtype in [torch.float32, torch.bfloat16, torch.float64, torch.int32]:
+        for n in [1, 4099, 1_000_000]:
+            for name, op in ops.items():
+                if name == "avg" and not dtype.is_floating_point:
+                    continue
+                seed += 1
+
+                def rs(dtype=dtype, n=n, name=name, op=op, seed=seed):
+                    xs = [rank_inputs(torch, r, dtype, SIZE * n, seed) for r in range(SIZE)]
+                    out = torch.full((n,), 7, dtype=dtype, device=dev)
+                    before = pg.stats["reduce_scatter_single:stream"]
+                    dist.reduce_scatter_tensor(out, xs[rank].to(dev, copy=True), op=op)
+                    expect_path(pg, "reduce_scatter_single:stream", before)
+                    got = out.cpu()
+                    mine = [x[rank * n:(rank + 1) * n] for x in xs]
+                    if name == "max":
+                        ref = mine[0]
+                        for x in mine[1:]:
+                            ref = torch.maximum(ref, x)
+                        assert_equal(torch, got, ref, "reduce_scatter_tensor max")
+                        return "exact"
+                    if not dtype.is_floating_point:
+                        ref = mine[0].to(torch.int64)
+                        for x in mine[1:]:
+                            ref = ref + x.to(torch.int64)
+                        assert_equal(torch, got, ref.to(dtype), "reduce_scatter_tensor sum")  # (wraps alike)
+                        return "exact"
+                    ref64 = sum(x.to(torch.float64) for x in mine)
+                    scale = sum(x.to(torch.float64).abs() for x in mine)
+                    if name == "avg":
+                        ref64, scale = ref64 / SIZE, scale / SIZE
+                    return assert_close_to(torch, got, ref64, scale, dtype, f"reduce_scatter_tensor {name}", 2.0)
+
+                c.run(f"reduce_scatter_tensor {name} {str(dtype)[6:]} n={n}", rs)
 
     def side_stream_async():
         n = 1 << 20
@@ -273,7 +317,7 @@ def check_all_gather(torch, dist, pg, rank: int, c: Checks) -> None:
         return "exact"
 
     if not DRY:
-        c.run("all_gather_into_tensor on a side stream, async_op (staged)", side_stream_async)
+        c.run("all_gather_into_tensor on a side stream, async_op", side_stream_async)
 
 
 def check_ddp(torch, dist, pg, rank: int, c: Checks) -> None:

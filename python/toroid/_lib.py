@@ -250,10 +250,11 @@ SIGNATURES = {
     "toroid_reduce_scatter": (_E, [_P, _P, _P, c_size_t, _E, _E]),
     "toroid_all_gather": (_E, [_P, _P, _P, c_size_t, _E]),
     "toroid_broadcast": (_E, [_P, _P, _P, c_size_t, _E, c_int]),
-    # Device memory on a CUDA stream (the last argument): Comm.all_reduce_stream_ptr and
-    # Comm.broadcast_stream_ptr.
+    # Device memory on a CUDA stream (the last argument): Comm.*_stream_ptr.
     "toroid_all_reduce_stream": (_E, [_P, _P, _P, c_size_t, _E, _E, _P]),
     "toroid_broadcast_stream": (_E, [_P, _P, _P, c_size_t, _E, c_int, _P]),
+    "toroid_all_gather_stream": (_E, [_P, _P, _P, c_size_t, _E, _P]),
+    "toroid_reduce_scatter_stream": (_E, [_P, _P, _P, c_size_t, _E, _E, _P]),
     "toroid_reduce": (_E, [_P, _P, _P, c_size_t, _E, _E, c_int]),
     "toroid_all_to_all": (_E, [_P, _P, _P, c_size_t, _E]),
     "toroid_barrier": (_E, [_P]),

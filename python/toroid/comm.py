@@ -582,7 +582,7 @@ class Comm:
             self._inflight.append(w)
         return w
 
-    # Device memory (CUDA) on a stream: toroid_all_reduce_stream / toroid_broadcast_stream.
+    # Device memory (CUDA) on a stream: toroid_{all_reduce,broadcast,all_gather,reduce_scatter}_stream.
 
     def _stream_call(self, name: str, args: tuple) -> None:
         if self._group_depth:
@@ -616,6 +616,22 @@ class Comm:
         only), ordered on `stream` and blocking as `all_reduce_stream_ptr`, with its errors
         (toroid_broadcast_stream)."""
         self._stream_call("toroid_broadcast_stream", (send, recv, count, DataType.of(dtype), root, stream or None))
+
+    def all_gather_stream_ptr(self, send: int, recv: int, sendcount: int, dtype, stream: int = 0) -> None:
+        """Gathers every rank's `sendcount` elements of `dtype` at device memory `send` into every
+        rank's device memory `recv` (size x sendcount elements, rank r's at r x sendcount; in
+        place when `send` is `recv`'s piece of this rank), ordered on `stream` and blocking as
+        `all_reduce_stream_ptr`, with its errors (toroid_all_gather_stream)."""
+        self._stream_call("toroid_all_gather_stream", (send, recv, sendcount, DataType.of(dtype), stream or None))
+
+    def reduce_scatter_stream_ptr(self, send: int, recv: int, recvcount: int, dtype, op="sum",
+                                  stream: int = 0) -> None:
+        """Reduces every rank's device memory `send` (size x recvcount elements) with `op`; rank r
+        receives piece r in device memory `recv` (recvcount elements; in place when `recv` is
+        `send`'s piece of this rank or `send`), ordered on `stream` and blocking as
+        `all_reduce_stream_ptr`, with its errors (toroid_reduce_scatter_stream)."""
+        self._stream_call("toroid_reduce_scatter_stream",
+                          (send, recv, recvcount, DataType.of(dtype), ReduceOp.of(op), stream or None))
 
     def barrier(self, async_op: bool = False):
         """Returns once every rank has entered the barrier."""

@@ -27,24 +27,27 @@ local fold). Not supported: PREMUL_SUM (gloo has it neither). The group's timeou
 are) whose text starts with gloo's wording ("Timed out waiting Nms for ...") and ends with
 toroid's detail (which rank, which operation, where it stood).
 
-CUDA tensors (NONE OF THIS HAS RUN ON A GPU YET: python/tests/gpu_torch_check.py, run by
-scripts/gpu-check.sh, is the check for a machine with one):
+CUDA tensors (checked on a GPU by python/tests/gpu_torch_check.py, run by scripts/gpu-check.sh;
+it passed on an NVIDIA H200 with torch 2.11):
 
 - all_reduce, all_reduce_coalesced (and so DDP's default gradient all-reduce) and broadcast of
   contiguous CUDA tensors of float32, float16, bfloat16, float64, int32 or int64 (ops SUM,
-  PRODUCT, MIN, MAX, AVG; AVG on floats) run on device memory: one call of
-  toroid_all_reduce_stream / toroid_broadcast_stream per tensor, ordered on
-  torch.cuda.current_stream(t.device), the stream ProcessGroupNCCL uses. The call reads the
-  tensor after the work already queued on that stream and is blocking for the host in this
-  version: it returns (and the work is complete) once the result is in device memory, so DDP's
-  gradient all-reduces do not overlap its backward pass on CUDA yet. Failures of the collective
-  are the work's (wait() raises them, as for CPU tensors); argument errors are raised at once.
-  `stream_path` is the rule that picks this path.
+  PRODUCT, MIN, MAX, AVG; AVG on floats), and all_gather_into_tensor and reduce_scatter_tensor
+  of such tensors (FSDP's collectives), run on device memory: one call of
+  toroid_{all_reduce,broadcast,all_gather,reduce_scatter}_stream per tensor, ordered on
+  torch.cuda.current_stream(t.device), the stream ProcessGroupNCCL uses; between the ranks of
+  one host through CUDA IPC with the reductions on the GPU, otherwise staged in the library
+  through pinned host memory. The call reads the tensor after the work already queued on that
+  stream and is blocking for the host in this version: it returns (and the work is complete)
+  once the result is in device memory, so DDP's gradient all-reduces do not overlap its
+  backward pass on CUDA yet. Failures of the collective are the work's (wait() raises them, as
+  for CPU tensors); argument errors are raised at once. `stream_path` is the rule that picks
+  this path.
 - Every other case is staged through host memory: each CUDA argument is copied with `.cpu()`
   (on the current stream, waiting for it), the CPU path runs on the copies, and when it has
   completed the outputs are copied back with `.copy_()` on the stream that was current when the
   call was issued, the host waiting for those copies before the work completes. That is every
-  other collective (all_gather, all_gather_into_tensor, reduce_scatter, reduce, all_to_all,
+  other collective (all_gather and reduce_scatter of tensor lists, reduce, all_to_all,
   gather, scatter, send/recv, the coalesced forms, the bitwise and sparse all-reduces, the wire
   hooks) and all_reduce/broadcast of other types, non-contiguous or empty tensors, AVG on
   integers, and float32/float64 all-reduces with a compressed wire type. Simple, not fast: two
@@ -144,10 +147,10 @@ def _dtype(t: torch.Tensor) -> DataType:
 
 
 # ---- CUDA tensors ------------------------------------------------------------------------------
-# all_reduce and broadcast of CUDA tensors run on device memory through the C entry points
-# toroid_all_reduce_stream / toroid_broadcast_stream (Comm.*_stream_ptr), ordered on torch's
-# current stream of the tensor's device (as ProcessGroupNCCL orders on it). Everything else is
-# staged: copied to CPU tensors, run by the CPU path, copied back (see _staged).
+# all_reduce, broadcast, all_gather_into_tensor and reduce_scatter_tensor of CUDA tensors run on
+# device memory through the C entry points toroid_*_stream (Comm.*_stream_ptr), ordered on
+# torch's current stream of the tensor's device (as ProcessGroupNCCL orders on it). Everything
+# else is staged: copied to CPU tensors, run by the CPU path, copied back (see _staged).
 
 # The element types and ops of the stream path: the types src/gpu's tests run on the device.
 _STREAM_TYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64})
@@ -853,8 +856,33 @@ class ProcessGroupToroid(dist.ProcessGroup):
         per_input = [[outs[i] for outs in output_lists] for i in range(len(input_tensors))]
         return self._allgather_lists(per_input, input_tensors, "allgather_coalesced")
 
-    @_staged(outputs=("output",), inputs=("input",))
+    def _pair_on_stream(self, output, input, op: Optional[ReduceOp], out_per_in: int) -> bool:
+        """Whether an all-gather (op None; output = size x input) or a reduce-scatter (input =
+        size x output) of CUDA tensors takes the stream path: one dtype and device, both
+        contiguous, the sizes right, and stream_path allowing the type and op. Otherwise staged
+        (where the CPU path also reports wrong sizes and types)."""
+        small = input if op is None else output
+        return (isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor)
+                and output.layout == input.layout == torch.strided
+                and output.dtype == input.dtype and output.device == input.device
+                and output.is_contiguous() and input.is_contiguous()
+                and (output if op is None else input).numel() == out_per_in * small.numel()
+                and stream_path(small.dtype, op, True, small.numel()))
+
     def all_gather_single(self, output, input, opts=None):
+        """all_gather_into_tensor. CUDA tensors: on the stream path (toroid_all_gather_stream on
+        torch's current stream; CUDA IPC inside a host) when _pair_on_stream allows, else
+        staged."""
+        if _device_type([output, input]) == "cuda" and self._pair_on_stream(output, input, None, self.size()):
+            def call(t, stream):
+                self._comm.all_gather_stream_ptr(input.data_ptr(), output.data_ptr(), input.numel(), _dtype(input),
+                                                 stream)
+
+            return self._stream_work([output], "all_gather_single", call, _opt_timeout(opts))
+        return self._all_gather_single_host(output, input, opts)
+
+    @_staged(outputs=("output",), inputs=("input",))
+    def _all_gather_single_host(self, output, input, opts=None):
         w, o = self._gather_into(output, input)
         return self._work([w], output, o.copy_back, "all_gather_single")
 
@@ -890,8 +918,25 @@ class ProcessGroupToroid(dist.ProcessGroup):
             pairs.append(self._scatter_from(out, flat, op))
         return self._work([w for w, _ in pairs], output_tensors, lambda: [o.copy_back() for _, o in pairs], "reduce_scatter")
 
-    @_staged(outputs=("output",), inputs=("input",))
     def reduce_scatter_single(self, output, input, opts=None):
+        """reduce_scatter_tensor. CUDA tensors: on the stream path (toroid_reduce_scatter_stream
+        on torch's current stream; CUDA IPC inside a host) when _pair_on_stream allows, else
+        staged."""
+        if _device_type([output, input]) == "cuda":
+            try:
+                op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+            except ValueError:
+                op = None  # BAND/BOR/BXOR, PREMUL_SUM: staged (the CPU path runs or refuses it)
+            if op is not None and self._pair_on_stream(output, input, op, self.size()):
+                def call(t, stream):
+                    self._comm.reduce_scatter_stream_ptr(input.data_ptr(), output.data_ptr(), output.numel(),
+                                                         _dtype(output), op, stream)
+
+                return self._stream_work([output], "reduce_scatter_single", call, _opt_timeout(opts))
+        return self._reduce_scatter_single_host(output, input, opts)
+
+    @_staged(outputs=("output",), inputs=("input",))
+    def _reduce_scatter_single_host(self, output, input, opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         w, o = self._scatter_from(output, input, op)
         return self._work([w], output, o.copy_back, "reduce_scatter_single")

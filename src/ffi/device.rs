@@ -1,11 +1,12 @@
 //! Collectives on device memory from C, ordered on a CUDA stream as NCCL's are:
-//! `toroid_all_reduce_stream` and `toroid_broadcast_stream` take device pointers (recognised by
-//! their attributes) and a `cudaStream_t`/`CUstream` (opaque here; NULL is the legacy default
-//! stream), and run through CUDA IPC between the ranks of one host or staged through pinned host
-//! memory (`gpu::stream` picks; `gpu::ipc`, `gpu::staged`). Blocking for the host in
-//! this version: the result is in device memory when the call returns.
+//! `toroid_all_reduce_stream`, `toroid_broadcast_stream`, `toroid_all_gather_stream` and
+//! `toroid_reduce_scatter_stream` take device pointers (recognised by their attributes) and a
+//! `cudaStream_t`/`CUstream` (opaque here; NULL is the legacy default stream), and run through
+//! CUDA IPC between the ranks of one host or staged through pinned host memory (`gpu::stream`
+//! picks; `gpu::ipc`, `gpu::staged`). Blocking for the host in this version: the result is in
+//! device memory when the call returns.
 //!
-//! Without CUDA (no driver, or built without the `cuda` feature) both return
+//! Without CUDA (no driver, or built without the `cuda` feature) all return
 //! TOROID_UNSUPPORTED with a message saying so; host pointers on a machine with CUDA are
 //! TOROID_INVALID_ARGUMENT (the plain entry points take host memory).
 
@@ -109,6 +110,49 @@ pub unsafe extern "C" fn toroid_broadcast_stream(
             .map_err(|_| Error::InvalidArgument(format!("root {root} is negative").into()))
     };
     let a = Args { send: sendbuf, recv: recvbuf, count, dtype };
+    // SAFETY: the C contract above.
+    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream) } })
+}
+
+/// Gathers every rank's `sendcount` elements of `dtype` in device memory `sendbuf` into every
+/// rank's device memory `recvbuf` (size x sendcount elements, rank r's at r x sendcount),
+/// ordered on `stream` as toroid_all_reduce_stream. In place (NCCL's form): sendbuf == recvbuf +
+/// rank x sendcount elements; other overlaps are TOROID_INVALID_ARGUMENT. Errors as
+/// toroid_all_reduce_stream.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn toroid_all_gather_stream(
+    comm: *mut toroid_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    sendcount: usize,
+    dtype: RawDatatype,
+    stream: *mut c_void,
+) -> toroid_result {
+    const NAME: &str = "toroid_all_gather_stream";
+    let kind = || Ok(OpKind::AllGather);
+    let a = Args { send: sendbuf, recv: recvbuf, count: sendcount, dtype };
+    // SAFETY: the C contract above.
+    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream) } })
+}
+
+/// Reduces every rank's device memory `sendbuf` (size x recvcount elements of `dtype`, piece r
+/// at r x recvcount) with `op`; rank r receives piece r of the result in device memory
+/// `recvbuf` (recvcount elements), ordered on `stream` as toroid_all_reduce_stream. In place:
+/// recvbuf == sendbuf + rank x recvcount elements (NCCL's form) or recvbuf == sendbuf; other
+/// overlaps are TOROID_INVALID_ARGUMENT. Errors as toroid_all_reduce_stream.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn toroid_reduce_scatter_stream(
+    comm: *mut toroid_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    recvcount: usize,
+    dtype: RawDatatype,
+    op: RawRedop,
+    stream: *mut c_void,
+) -> toroid_result {
+    const NAME: &str = "toroid_reduce_scatter_stream";
+    let kind = || Ok(OpKind::ReduceScatter(op.get()?));
+    let a = Args { send: sendbuf, recv: recvbuf, count: recvcount, dtype };
     // SAFETY: the C contract above.
     ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream) } })
 }

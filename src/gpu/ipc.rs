@@ -497,6 +497,110 @@ impl IpcWindows {
         Ok(())
     }
 
+    /// Gathers every rank's `count` elements of `dtype` at `send` into every rank's `recv`
+    /// (`n x count` elements, rank k's at `k x count`), ordered on `stream`; blocking. In place
+    /// when `send` is `recv`'s piece of this rank (NCCL's form).
+    ///
+    /// # Safety
+    /// As [`Self::all_reduce`], `send` valid for `count` and `recv` for `n x count` elements,
+    /// overlapping only in NCCL's in-place form.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn all_gather(
+        &mut self,
+        comm: &Communicator,
+        stream: &CudaStream,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DataType,
+    ) -> Result<()> {
+        let (n, me, es) = (comm.size(), comm.rank(), dtype.size());
+        let mut call = Some(("all_gather", [count as u64, dtype as u64, u64::MAX]));
+        let per = HALF / es;
+        let mut at = 0;
+        while at < count {
+            let len = per.min(count - at);
+            let half = self.next_half();
+            // Each rank's chunk into its window; meet; every chunk from its owner's window.
+            Self::copy(stream, self.own.ptr + half, send + (at * es) as u64, len * es)?;
+            Self::meet(comm, stream, call.take())?;
+            for k in 0..n {
+                let dst = recv + ((k * count + at) * es) as u64;
+                let src = if k == me { send + (at * es) as u64 } else { self.windows[k].ptr() + half };
+                if src != dst {
+                    Self::copy(stream, dst, src, len * es)?;
+                }
+            }
+            at += len;
+        }
+        Ok(())
+    }
+
+    /// Reduces every rank's `send` (`n x count` elements, piece k at `k x count`) with `op`;
+    /// rank k receives piece k of the result in `recv` (`count` elements). Ordered on
+    /// `stream`; blocking. In place when `recv` is `send`'s piece of this rank (NCCL's form) or
+    /// `send` itself.
+    ///
+    /// # Safety
+    /// As [`Self::all_reduce`], `send` valid for `n x count` and `recv` for `count` elements.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn reduce_scatter(
+        &mut self,
+        comm: &Communicator,
+        stream: &CudaStream,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, me, es) = (comm.size(), comm.rank(), dtype.size());
+        let (kernel_op, scale) = match op {
+            ReduceOp::Avg => (ReduceOp::Sum, dtype.is_float().then_some(1.0 / n as f64)),
+            o => (o, None),
+        };
+        let mut call = Some(("reduce_scatter", [count as u64, dtype as u64, op as u64]));
+        if op == ReduceOp::Avg && scale.is_none() {
+            self.next_half();
+            Self::meet(comm, stream, call)?;
+            return Err(Error::Unsupported(format!("avg of {dtype}: averages take float types").into()));
+        }
+        // A chunk takes `len` elements of every piece: n x len in each window half.
+        let per = (HALF / es / n).max(1);
+        let mut at = 0;
+        while at < count {
+            let len = per.min(count - at);
+            let half = self.next_half();
+            let own = self.own.ptr + half;
+            for k in 0..n {
+                Self::copy(
+                    stream,
+                    own + (k * len * es) as u64,
+                    send + ((k * count + at) * es) as u64,
+                    len * es,
+                )?;
+            }
+            Self::meet(comm, stream, call.take())?;
+            // Piece `me` of every window, in rank order, into the output. No meeting after:
+            // this half is written again only after the next chunk's meeting.
+            let out = recv + (at * es) as u64;
+            let w = |k: usize| self.windows[k].ptr() + half + (me * len * es) as u64;
+            for k in 1..n {
+                let a = if k == 1 { w(0) } else { out };
+                // SAFETY: `out` is inside `recv` (len elements at `at`); `a` and `w(k)` are
+                // piece `me` of window halves holding n x len elements; `out` equals `a` or
+                // overlaps neither (the window is not the caller's memory).
+                unsafe { self.kernels.reduce_on(stream, dtype, kernel_op, out, a, w(k), len) }?;
+            }
+            if let Some(f) = scale {
+                // SAFETY: as above, in place.
+                unsafe { self.kernels.scale_on(stream, dtype, out, out, len, f) }?;
+            }
+            at += len;
+        }
+        Ok(())
+    }
+
     /// Broadcasts `count` elements of `dtype` from `root`'s `send` into every rank's `recv`
     /// (equal: in place), ordered on `stream`; blocking.
     ///

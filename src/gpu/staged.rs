@@ -220,4 +220,91 @@ impl DeviceCollectives {
         let synced = guard("synchronising", || stream.synchronize())?.map_err(driver_err("synchronising"));
         result.and(synced)
     }
+
+    /// All-gather (`count` elements from every rank into `n x count`) or reduce-scatter
+    /// (`n x count` into `count`) of device memory through the staging buffers, chunk by chunk
+    /// (`len` elements of every piece per chunk): the pieces are copied to the host, the host
+    /// collective runs, the result is copied back. Not pipelined (each chunk waits for its
+    /// copies): the path between hosts and where IPC is not available.
+    ///
+    /// # Safety
+    /// `send` and `recv` are device memory of this context valid for the sizes above, not used
+    /// by anything else until the call returns, overlapping only in the in-place forms the
+    /// stream entry points allow; `stream` is of this context.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn gathered(
+        &mut self,
+        comm: &Communicator,
+        stream: &Arc<CudaStream>,
+        kind: OpKind,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DataType,
+    ) -> Result<()> {
+        let (n, es) = (comm.size(), dtype.size());
+        let gather = matches!(kind, OpKind::AllGather);
+        let per = (CHUNK / es / n).max(1);
+        let cu = stream.cu_stream();
+        let DeviceCollectives { bufs: [b0, b1], .. } = self;
+        let raw = guard("mapping pinned memory", || -> Result<[*mut u8; 2]> {
+            Ok([
+                b0.as_mut_ptr().map_err(driver_err("pinned memory"))?,
+                b1.as_mut_ptr().map_err(driver_err("pinned memory"))?,
+            ])
+        })??;
+        let sync = || guard("synchronising", || stream.synchronize())?.map_err(driver_err("synchronising"));
+        let run = || -> Result<()> {
+            let mut at = 0;
+            while at < count {
+                let len = per.min(count - at);
+                let (ins, outs) = if gather { (1, n) } else { (n, 1) };
+                // SAFETY (both): the pinned buffers hold CHUNK >= n x len x es bytes each,
+                // owned by `self` and borrowed exclusively for this call; the device copies
+                // into and out of them are waited for before the host touches them.
+                let host_in = unsafe { std::slice::from_raw_parts_mut(raw[0], ins * len * es) };
+                let host_out = unsafe { std::slice::from_raw_parts_mut(raw[1], outs * len * es) };
+                for k in 0..ins {
+                    let src =
+                        if gather { send + (at * es) as u64 } else { send + ((k * count + at) * es) as u64 };
+                    guard("copying to the host", || {
+                        // SAFETY: `src` is `len` elements inside `send`; the host range is a
+                        // piece of the pinned buffer.
+                        unsafe {
+                            cudarc::driver::result::memcpy_dtoh_async(
+                                &mut host_in[k * len * es..(k + 1) * len * es],
+                                src,
+                                cu,
+                            )
+                        }
+                    })?
+                    .map_err(driver_err("copying to the host"))?;
+                }
+                sync()?;
+                comm.run_bytes(kind, dtype, Some(host_in), Some(host_out), CallOptions::default())?;
+                for k in 0..outs {
+                    let dst =
+                        if gather { recv + ((k * count + at) * es) as u64 } else { recv + (at * es) as u64 };
+                    guard("copying to the device", || {
+                        // SAFETY: `dst` is `len` elements inside `recv`; the host range is a
+                        // piece of the pinned buffer, not written before the sync below.
+                        unsafe {
+                            cudarc::driver::result::memcpy_htod_async(
+                                dst,
+                                &host_out[k * len * es..(k + 1) * len * es],
+                                cu,
+                            )
+                        }
+                    })?
+                    .map_err(driver_err("copying to the device"))?;
+                }
+                sync()?;
+                at += len;
+            }
+            Ok(())
+        };
+        let result = run();
+        // Also after a failure: no copy may still be in flight once this returns.
+        result.and(sync())
+    }
 }

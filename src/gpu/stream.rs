@@ -102,10 +102,12 @@ pub fn path(comm: &Communicator) -> Option<DevicePath> {
     comm.device_state().lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(DeviceState::path)
 }
 
-/// What a C caller asks: `kind` (an all-reduce or a broadcast) of `count` elements of `dtype`
-/// from device memory `send` into device memory `recv` (the same pointer: in place), ordered
-/// on the CUDA stream `stream` (a `CUstream`/`cudaStream_t` of the buffers' device's primary
-/// context; NULL: the legacy default stream). Blocking for the host.
+/// What a C caller asks: `kind` (an all-reduce, a broadcast, an all-gather or a reduce-scatter)
+/// of `count` elements of `dtype` (per rank: an all-gather's sendcount, a reduce-scatter's
+/// recvcount) from device memory `send` into device memory `recv` (in place: the same pointer,
+/// or NCCL's forms for the last two), ordered on the CUDA stream `stream` (a
+/// `CUstream`/`cudaStream_t` of the buffers' device's primary context; NULL: the legacy default
+/// stream). Blocking for the host.
 ///
 /// Without CUDA: `Unsupported` ("CUDA is not available ..."); pointers that are not device
 /// memory of one device, or of another device than the communicator's first such call:
@@ -125,11 +127,27 @@ pub unsafe fn on_stream(
     stream: *mut std::ffi::c_void,
 ) -> Result<()> {
     super::driver_available()?;
-    let bytes = count
-        .checked_mul(dtype.size())
-        .ok_or_else(|| Error::InvalidArgument(format!("{count} elements of {dtype} overflow").into()))?;
+    let (n, es) = (comm.size(), dtype.size());
+    let overflow = || Error::InvalidArgument(format!("{n} x {count} elements of {dtype} overflow").into());
+    let bytes = count.checked_mul(es).ok_or_else(overflow)?;
+    let all = bytes.checked_mul(n).ok_or_else(overflow)?;
     if count == 0 {
         return Ok(());
+    }
+    // The buffers' sizes, and which overlaps are the in-place forms (NCCL's, and for a
+    // reduce-scatter the result at the front of sendbuf).
+    let mine = (comm.rank() * bytes) as u64;
+    let (send_len, recv_len, in_place) = match kind {
+        OpKind::AllGather => (bytes, all, send == recv.wrapping_add(mine)),
+        OpKind::ReduceScatter(_) => (all, bytes, recv == send || recv == send.wrapping_add(mine)),
+        _ => (bytes, bytes, send == recv),
+    };
+    let overlap = send < recv.saturating_add(recv_len as u64) && recv < send.saturating_add(send_len as u64);
+    if overlap && !in_place {
+        return Err(Error::InvalidArgument(
+            format!("{kind:?} on device memory: sendbuf and recvbuf overlap, and not in an in-place form")
+                .into(),
+        ));
     }
     let ordinal = match (device_of(send), device_of(recv)) {
         (Some(a), Some(b)) if a == b => a,
@@ -163,17 +181,29 @@ pub unsafe fn on_stream(
     // alive by the caller for the call.
     let stream = unsafe { st.ctx.wrap_borrowed_stream(stream.cast()) };
     if let Some(ipc) = &mut st.ipc {
+        // SAFETY (each): forwarded contract (sizes and overlaps checked above); the stream is
+        // of the windows' context.
         let result = match kind {
-            // SAFETY (both): forwarded contract; the stream is of the windows' context.
             OpKind::AllReduce(op) => unsafe { ipc.all_reduce(comm, &stream, send, recv, count, dtype, op) },
             OpKind::Broadcast(root) => unsafe {
                 ipc.broadcast(comm, &stream, send, recv, count, dtype, root)
+            },
+            OpKind::AllGather => unsafe { ipc.all_gather(comm, &stream, send, recv, count, dtype) },
+            OpKind::ReduceScatter(op) => unsafe {
+                ipc.reduce_scatter(comm, &stream, send, recv, count, dtype, op)
             },
             other => Err(Error::Unsupported(format!("{other:?} on device memory").into())),
         };
         // Also after a failure: nothing may still write the caller's memory once this returns.
         let synced = guard("synchronising", || stream.synchronize())?.map_err(driver_err("synchronising"));
         return result.and(synced);
+    }
+    if matches!(kind, OpKind::AllGather | OpKind::ReduceScatter(_)) {
+        // SAFETY: forwarded contract (sizes and overlaps checked above).
+        return unsafe { st.staging.gathered(comm, &stream, kind, send, recv, count, dtype) };
+    }
+    if !matches!(kind, OpKind::AllReduce(_) | OpKind::Broadcast(_)) {
+        return Err(Error::Unsupported(format!("{kind:?} on device memory").into()));
     }
     if send != recv {
         guard("copying sendbuf to recvbuf", || {
