@@ -22,7 +22,8 @@ static const char *const ENTRY_POINTS[] = {
     "toroid_group_start", "toroid_group_end", "toroid_group_end_async", "toroid_all_reduce_init",
     "toroid_request_run", "toroid_request_free", "toroid_all_reduce_wire", "toroid_all_reduce_wire_async",
     "toroid_all_reduce_stream", "toroid_broadcast_stream", "toroid_all_gather_stream",
-    "toroid_reduce_scatter_stream",
+    "toroid_reduce_scatter_stream", "toroid_all_reduce_stream_async", "toroid_broadcast_stream_async",
+    "toroid_all_gather_stream_async", "toroid_reduce_scatter_stream_async",
     "toroid_get_error_string", "toroid_get_last_error",
     "toroid_version",
 };

@@ -136,6 +136,11 @@ static void argument_errors(toroid_comm *comm) {
     EXPECT_LAST(comm, "CUDA is not available");
     EXPECT_CODE(TOROID_UNSUPPORTED, toroid_reduce_scatter_stream(comm, a, b, 1, TOROID_FLOAT32, TOROID_SUM, NULL));
     EXPECT_LAST(comm, "CUDA is not available");
+    toroid_work *sw = (toroid_work *)&sw; /* set to NULL by the call */
+    EXPECT_CODE(TOROID_UNSUPPORTED, toroid_all_reduce_stream_async(comm, a, b, 8, TOROID_FLOAT32, TOROID_SUM, NULL, &sw));
+    EXPECT_LAST(comm, "CUDA is not available");
+    EXPECT(sw == NULL);
+    EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_all_gather_stream_async(comm, a, b, 1, TOROID_FLOAT32, NULL, NULL));
   } else {
     EXPECT_CODE(TOROID_INVALID_ARGUMENT, rs);
     EXPECT_LAST(comm, "host memory");

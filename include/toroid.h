@@ -696,6 +696,58 @@ enum toroid_result toroid_reduce_scatter_stream(struct toroid_comm *comm,
                                                 void *stream);
 
 /**
+ * toroid_all_reduce_stream, asynchronous for the host: returns once the collective is queued
+ * and `stream` made to wait for it (work queued on `stream` afterwards runs after it), with
+ * `*work` set to a work that completes when it has (wait on it, then free it), or to NULL when
+ * the call completed before returning (the staged path between hosts). The buffers must stay
+ * valid until the work completes. Errors as toroid_all_reduce_stream; a failure of the
+ * collective itself is the work's (and the communicator's: it is aborted).
+ */
+enum toroid_result toroid_all_reduce_stream_async(struct toroid_comm *comm,
+                                                  const void *sendbuf,
+                                                  void *recvbuf,
+                                                  size_t count,
+                                                  toroid_datatype dtype,
+                                                  toroid_redop op,
+                                                  void *stream,
+                                                  struct toroid_work **work);
+
+/**
+ * toroid_broadcast_stream, asynchronous for the host as toroid_all_reduce_stream_async.
+ */
+enum toroid_result toroid_broadcast_stream_async(struct toroid_comm *comm,
+                                                 const void *sendbuf,
+                                                 void *recvbuf,
+                                                 size_t count,
+                                                 toroid_datatype dtype,
+                                                 int root,
+                                                 void *stream,
+                                                 struct toroid_work **work);
+
+/**
+ * toroid_all_gather_stream, asynchronous for the host as toroid_all_reduce_stream_async.
+ */
+enum toroid_result toroid_all_gather_stream_async(struct toroid_comm *comm,
+                                                  const void *sendbuf,
+                                                  void *recvbuf,
+                                                  size_t sendcount,
+                                                  toroid_datatype dtype,
+                                                  void *stream,
+                                                  struct toroid_work **work);
+
+/**
+ * toroid_reduce_scatter_stream, asynchronous for the host as toroid_all_reduce_stream_async.
+ */
+enum toroid_result toroid_reduce_scatter_stream_async(struct toroid_comm *comm,
+                                                      const void *sendbuf,
+                                                      void *recvbuf,
+                                                      size_t recvcount,
+                                                      toroid_datatype dtype,
+                                                      toroid_redop op,
+                                                      void *stream,
+                                                      struct toroid_work **work);
+
+/**
  * Writes the stall report of `comm` to `buf` as NUL-terminated text, truncated to `len` bytes
  * including the NUL (at a character boundary): the conclusion line first, then one line per
  * rank (the last operation it completed, the one it is in with phase, step, whom it waits on

@@ -591,3 +591,85 @@ fn stream_collectives_through_ipc_and_staged_give_the_reference_on_every_rank() 
         });
     }
 }
+
+/// The asynchronous stream path (`gpu::stream::on_stream_async`, what the `_async` C entry
+/// points and the torch backend call) on 3 ranks as threads sharing device 0: 8 all-reduces
+/// and an all-gather issued back to back on one stream without waiting, each read back by a
+/// copy queued on the same stream right after the call (so the stream, not the host, must wait
+/// for the collective), every element against the reference; then every work completes, and a
+/// blocking call after them still gives the reference.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-check.sh runs it"]
+fn async_stream_collectives_order_the_callers_stream_and_complete() {
+    use gpu::stream::{self, DevicePath};
+    const TEST: &str = "async_stream_collectives_order_the_callers_stream_and_complete";
+    gpu::driver_available().expect("this test needs a CUDA driver");
+    let Some(_) = ptx(TEST) else { panic!("{TEST}: no NVRTC") };
+    let n = 3;
+    util::run_threads(n, &util::test_config(120.0), move |comm| {
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        let me = comm.rank();
+        let ctx = cudarc::driver::CudaContext::new(0).expect("device 0");
+        let s = ctx.new_stream().expect("a stream");
+        let raw = s.cu_stream() as *mut std::ffi::c_void;
+        let d = DataType::I64;
+        let counts = [1usize, 4099, 3_000_000, 17, 1 << 20, 5, 9_000_001, 64];
+        let inputs: Vec<Vec<Vec<u8>>> = counts
+            .iter()
+            .enumerate()
+            .map(|(j, &c)| (0..n).map(|r| exact_values(d, c, r, 1000 + j as u64)).collect())
+            .collect();
+        let mut bufs: Vec<_> = inputs.iter().map(|x| s.clone_htod(&x[me]).expect("copy in")).collect();
+        let mut works = Vec::new();
+        let mut outs = Vec::new();
+        for (j, &count) in counts.iter().enumerate() {
+            let p = bufs[j].device_ptr_mut(&s).0;
+            // SAFETY: `bufs[j]` holds `count` i64 and lives until every work has completed.
+            let w = unsafe {
+                stream::on_stream_async(&comm, toroid::OpKind::AllReduce(ReduceOp::Sum), p, p, count, d, raw)
+            }
+            .unwrap_or_else(|e| panic!("rank {me}: async all_reduce {count}: {e}"));
+            works.push(w.expect("the IPC path queues (a work)"));
+            // Queued on the stream right after the call: it must see the result.
+            outs.push(s.clone_dtoh(&bufs[j]).expect("copy out"));
+        }
+        let pieces: Vec<Vec<u8>> = (0..n).map(|r| exact_values(d, 4099, r, 2000)).collect();
+        let send = s.clone_htod(&pieces[me]).expect("copy in");
+        let mut gathered = s.alloc_zeros::<u8>(n * 4099 * 8).expect("alloc");
+        let (ps, pg) = (send.device_ptr(&s).0, gathered.device_ptr_mut(&s).0);
+        // SAFETY: `send` holds 4099, `gathered` n x 4099 i64; both live past the work.
+        let w = unsafe { stream::on_stream_async(&comm, toroid::OpKind::AllGather, ps, pg, 4099, d, raw) }
+            .expect("async all_gather")
+            .expect("a work");
+        let got_gather = s.clone_dtoh(&gathered).expect("copy out");
+        for (j, out) in outs.iter().enumerate() {
+            let want = reference(d, ReduceOp::Sum, &inputs[j]);
+            assert!(
+                *out == want,
+                "rank {me}: async all_reduce {j} ({} elements) read on the stream differs",
+                counts[j]
+            );
+        }
+        assert!(got_gather == pieces.concat(), "rank {me}: async all_gather read on the stream differs");
+        for w in works {
+            w.wait().expect("work");
+        }
+        w.wait().expect("all_gather work");
+        assert_eq!(stream::path(&comm), Some(DevicePath::Ipc));
+        // A blocking call after the asynchronous ones.
+        let ones = s.clone_htod(&vec![1.0f32; 5000]).expect("copy in");
+        let p = ones.device_ptr(&s).0;
+        // SAFETY: `ones` holds 5000 f32.
+        unsafe {
+            stream::on_stream(&comm, toroid::OpKind::AllReduce(ReduceOp::Sum), p, p, 5000, DataType::F32, raw)
+        }
+        .expect("blocking all_reduce");
+        assert!(s.clone_dtoh(&ones).expect("copy out").iter().all(|&x| x == n as f32), "rank {me}");
+        if me == 0 {
+            println!(
+                "{} asynchronous collectives per rank ordered the stream and matched on {n} ranks",
+                counts.len() + 1
+            );
+        }
+    });
+}

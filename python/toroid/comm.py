@@ -584,54 +584,74 @@ class Comm:
 
     # Device memory (CUDA) on a stream: toroid_{all_reduce,broadcast,all_gather,reduce_scatter}_stream.
 
-    def _stream_call(self, name: str, args: tuple) -> None:
+    def _stream_call(self, name: str, args: tuple, async_op: bool = False, refs: tuple = ()) -> Optional["Work"]:
         if self._group_depth:
             # The stream entry points run at once, not recorded: inside a group they would run
             # before the calls recorded ahead of them, so refuse instead of reordering.
             raise _lib.InvalidUsageError(name, _lib.Result.INVALID_USAGE, "not allowed inside a group",
                                          "the stream collectives cannot be recorded in a group")
         handle = self._live()
-        check(name, getattr(_lib.lib(), name)(handle, *args), handle)
+        if not async_op:
+            check(name, getattr(_lib.lib(), name)(handle, *args), handle)
+            return None
+        self._prune()
+        work = ctypes.c_void_p()
+        check(name + "_async", getattr(_lib.lib(), name + "_async")(handle, *args, ctypes.byref(work)), handle)
+        if work.value is None:
+            return None  # completed before returning (the staged path)
+        w = Work(self, work.value, refs, None, name + "_async")
+        with self._lock:
+            self._inflight.append(w)
+        return w
 
-    def all_reduce_stream_ptr(self, send: int, recv: int, count: int, dtype, op="sum", stream: int = 0) -> None:
+    def all_reduce_stream_ptr(self, send: int, recv: int, count: int, dtype, op="sum", stream: int = 0,
+                              async_op: bool = False, _refs: tuple = ()) -> Optional["Work"]:
         """All-reduces `count` elements of `dtype` from device memory `send` into device memory
         `recv` (the same address: in place) with `op` (toroid_all_reduce_stream).
 
         `stream` is a cudaStream_t/CUstream of the buffers' device as an int (torch:
         ``torch.cuda.current_stream(dev).cuda_stream``; 0: the legacy default stream). The
-        call reads `send` after the work already queued on `stream`, and returns when the result
-        is in `recv` (blocking for the host in this version; the stream is synchronised).
-        Every rank calls it with the same count, type and op.
+        call reads `send` after the work already queued on `stream`. Blocking (the default), it
+        returns when the result is in `recv`. With `async_op=True`
+        (toroid_all_reduce_stream_async) it returns once the collective is queued and `stream`
+        made to wait for it, with a Work that completes when it has (None when it completed
+        before returning: the staged path); the buffers (kept alive through `_refs`) must stay
+        valid until then. Every rank calls it with the same count, type and op.
 
         Without CUDA (no driver, or a library built without the `cuda` feature)
         toroid.UnsupportedError; host memory on a machine with CUDA, or buffers of two devices,
         toroid.InvalidArgumentError; inside ``comm.group()`` toroid.InvalidUsageError (these
         calls cannot be recorded)."""
-        self._stream_call("toroid_all_reduce_stream",
-                          (send, recv, count, DataType.of(dtype), ReduceOp.of(op), stream or None))
+        return self._stream_call("toroid_all_reduce_stream",
+                                 (send, recv, count, DataType.of(dtype), ReduceOp.of(op), stream or None), async_op, _refs)
 
-    def broadcast_stream_ptr(self, send: int, recv: int, count: int, dtype, root: int, stream: int = 0) -> None:
+    def broadcast_stream_ptr(self, send: int, recv: int, count: int, dtype, root: int, stream: int = 0,
+                             async_op: bool = False, _refs: tuple = ()) -> Optional["Work"]:
         """Broadcasts `count` elements of `dtype` from device memory `send` at `root` into device
         memory `recv` at every rank (the same address: in place; `send` is read at the root
-        only), ordered on `stream` and blocking as `all_reduce_stream_ptr`, with its errors
+        only), ordered on `stream`, blocking or not, as `all_reduce_stream_ptr`, with its errors
         (toroid_broadcast_stream)."""
-        self._stream_call("toroid_broadcast_stream", (send, recv, count, DataType.of(dtype), root, stream or None))
+        return self._stream_call("toroid_broadcast_stream", (send, recv, count, DataType.of(dtype), root, stream or None),
+                                 async_op, _refs)
 
-    def all_gather_stream_ptr(self, send: int, recv: int, sendcount: int, dtype, stream: int = 0) -> None:
+    def all_gather_stream_ptr(self, send: int, recv: int, sendcount: int, dtype, stream: int = 0,
+                              async_op: bool = False, _refs: tuple = ()) -> Optional["Work"]:
         """Gathers every rank's `sendcount` elements of `dtype` at device memory `send` into every
         rank's device memory `recv` (size x sendcount elements, rank r's at r x sendcount; in
-        place when `send` is `recv`'s piece of this rank), ordered on `stream` and blocking as
-        `all_reduce_stream_ptr`, with its errors (toroid_all_gather_stream)."""
-        self._stream_call("toroid_all_gather_stream", (send, recv, sendcount, DataType.of(dtype), stream or None))
+        place when `send` is `recv`'s piece of this rank), ordered on `stream`, blocking or not,
+        as `all_reduce_stream_ptr`, with its errors (toroid_all_gather_stream)."""
+        return self._stream_call("toroid_all_gather_stream", (send, recv, sendcount, DataType.of(dtype), stream or None),
+                                 async_op, _refs)
 
     def reduce_scatter_stream_ptr(self, send: int, recv: int, recvcount: int, dtype, op="sum",
-                                  stream: int = 0) -> None:
+                                  stream: int = 0, async_op: bool = False, _refs: tuple = ()) -> Optional["Work"]:
         """Reduces every rank's device memory `send` (size x recvcount elements) with `op`; rank r
         receives piece r in device memory `recv` (recvcount elements; in place when `recv` is
-        `send`'s piece of this rank or `send`), ordered on `stream` and blocking as
+        `send`'s piece of this rank or `send`), ordered on `stream`, blocking or not, as
         `all_reduce_stream_ptr`, with its errors (toroid_reduce_scatter_stream)."""
-        self._stream_call("toroid_reduce_scatter_stream",
-                          (send, recv, recvcount, DataType.of(dtype), ReduceOp.of(op), stream or None))
+        return self._stream_call("toroid_reduce_scatter_stream",
+                                 (send, recv, recvcount, DataType.of(dtype), ReduceOp.of(op), stream or None),
+                                 async_op, _refs)
 
     def barrier(self, async_op: bool = False):
         """Returns once every rank has entered the barrier."""

@@ -38,9 +38,10 @@ it passed on an NVIDIA H200 with torch 2.11):
   torch.cuda.current_stream(t.device), the stream ProcessGroupNCCL uses; between the ranks of
   one host through CUDA IPC with the reductions on the GPU, otherwise staged in the library
   through pinned host memory. The call reads the tensor after the work already queued on that
-  stream and is blocking for the host in this version: it returns (and the work is complete)
-  once the result is in device memory, so DDP's gradient all-reduces do not overlap its
-  backward pass on CUDA yet. Failures of the collective are the work's (wait() raises them, as
+  stream. On the IPC path it is asynchronous for the host: it returns once the collective is
+  queued and the stream made to wait for it on the device, so DDP's gradient all-reduces
+  overlap its backward pass; the work completes when the collective has (wait() blocks the
+  host until then). The staged path completes before returning. Failures of the collective are the work's (wait() raises them, as
   for CPU tensors); argument errors are raised at once. `stream_path` is the rule that picks
   this path.
 - Every other case is staged through host memory: each CUDA argument is copied with `.cpu()`
@@ -290,8 +291,9 @@ def _staged(outputs=(), inputs=()):
 
 
 class _Finished:
-    """A toroid call that has already run (the blocking stream entry points) as a work of a
-    ToroidWork: wait() raises its failure, if any."""
+    """A toroid call that has already run (a stream call that completed before returning, or
+    the failure that stopped issuing the others) as a work of a ToroidWork: wait() raises its
+    failure, if any."""
 
     _any_source = False
 
@@ -621,25 +623,28 @@ class ProcessGroupToroid(dist.ProcessGroup):
                    and stream_path(t.dtype, op, t.is_contiguous(), t.numel(), self._wire if op is not None else None)
                    for t in tensors)
 
-    def _stream_work(self, tensors, name: str, call: Callable[[torch.Tensor, int], None],
+    def _stream_work(self, tensors, name: str, call: Callable[[torch.Tensor, int], Any],
                      timeout: Optional[float] = None) -> ToroidWork:
-        """Runs `call(tensor, stream)` for each CUDA tensor on the current stream of its device
-        (one blocking stream call per tensor: each returns when its result is in device memory)
-        and returns a work that is complete. A refusal of the request (a toroid
+        """Runs `call(tensor, stream)` for each CUDA tensor on the current stream of its device:
+        one asynchronous stream call per tensor (toroid_*_stream_async: queued, the stream made
+        to wait for it on the device, the host free), each returning its toroid Work (None when
+        it completed before returning: the staged path between hosts). The returned work
+        completes when all of them have. A refusal of the request (a toroid
         InvalidArgumentError, UnsupportedError or InvalidUsageError) is raised here, as the CPU
         path raises them when issuing; a failure of the collective itself (a peer, a deadline)
         is the work's, raised by wait() and set on its future, as for an async CPU call."""
-        error = None
+        works: list = []
         for t in tensors:
             try:
-                call(t, torch.cuda.current_stream(t.device).cuda_stream)
+                w = call(t, torch.cuda.current_stream(t.device).cuda_stream)
             except (_lib.InvalidArgumentError, _lib.UnsupportedError, _lib.InvalidUsageError):
                 raise
             except _lib.ToroidError as e:
-                error = e  # the communicator is aborted: the other tensors would fail alike
+                works.append(_Finished(e))  # the communicator is aborted: the others would fail alike
                 break
+            works.append(w if w is not None else _Finished())
         self.stats[f"{name}:stream"] += 1
-        return self._work([_Finished(error)], tensors, None, name, timeout)
+        return self._work(works, tensors, None, name, timeout)
 
     def allreduce(self, tensors, opts=None):
         """In place, per tensor. CUDA tensors: on the stream path when stream_path allows it for
@@ -653,7 +658,7 @@ class ProcessGroupToroid(dist.ProcessGroup):
             if op is not None and self._on_stream(tensors, op):
                 def call(t, stream):
                     p = t.data_ptr()
-                    self._comm.all_reduce_stream_ptr(p, p, t.numel(), _dtype(t), op, stream)
+                    return self._comm.all_reduce_stream_ptr(p, p, t.numel(), _dtype(t), op, stream, True, (t,))
 
                 return self._stream_work(tensors, "allreduce", call, _opt_timeout(opts))
         return self._allreduce_host(tensors, opts)
@@ -750,7 +755,7 @@ class ProcessGroupToroid(dist.ProcessGroup):
             if len({t.dtype for t in tensors}) == 1 and self._on_stream(tensors, op):
                 def call(t, stream):
                     p = t.data_ptr()
-                    self._comm.all_reduce_stream_ptr(p, p, t.numel(), _dtype(t), op, stream)
+                    return self._comm.all_reduce_stream_ptr(p, p, t.numel(), _dtype(t), op, stream, True, (t,))
 
                 return self._stream_work(tensors, "allreduce_coalesced", call)
         return self._allreduce_coalesced_host(tensors, opts)
@@ -784,7 +789,7 @@ class ProcessGroupToroid(dist.ProcessGroup):
 
             def call(t, stream):
                 p = t.data_ptr()
-                self._comm.broadcast_stream_ptr(p, p, t.numel(), _dtype(t), root, stream)
+                return self._comm.broadcast_stream_ptr(p, p, t.numel(), _dtype(t), root, stream, True, (t,))
 
             return self._stream_work(tensors, "broadcast", call)
         return self._broadcast_host(tensors, opts)
@@ -875,8 +880,8 @@ class ProcessGroupToroid(dist.ProcessGroup):
         staged."""
         if _device_type([output, input]) == "cuda" and self._pair_on_stream(output, input, None, self.size()):
             def call(t, stream):
-                self._comm.all_gather_stream_ptr(input.data_ptr(), output.data_ptr(), input.numel(), _dtype(input),
-                                                 stream)
+                return self._comm.all_gather_stream_ptr(input.data_ptr(), output.data_ptr(), input.numel(),
+                                                        _dtype(input), stream, True, (input, output))
 
             return self._stream_work([output], "all_gather_single", call, _opt_timeout(opts))
         return self._all_gather_single_host(output, input, opts)
@@ -929,8 +934,8 @@ class ProcessGroupToroid(dist.ProcessGroup):
                 op = None  # BAND/BOR/BXOR, PREMUL_SUM: staged (the CPU path runs or refuses it)
             if op is not None and self._pair_on_stream(output, input, op, self.size()):
                 def call(t, stream):
-                    self._comm.reduce_scatter_stream_ptr(input.data_ptr(), output.data_ptr(), output.numel(),
-                                                         _dtype(output), op, stream)
+                    return self._comm.reduce_scatter_stream_ptr(input.data_ptr(), output.data_ptr(), output.numel(),
+                                                                _dtype(output), op, stream, True, (input, output))
 
                 return self._stream_work([output], "reduce_scatter_single", call, _opt_timeout(opts))
         return self._reduce_scatter_single_host(output, input, opts)

@@ -26,6 +26,8 @@ pub use api::OwnedBuffer;
 pub use group::Group;
 pub use pending::PendingComm;
 pub use persistent::{AllReducePlan, Persistent};
+#[cfg(feature = "cuda")]
+pub(crate) use queue::Inline;
 pub use queue::{Hook, Hooks, Work};
 pub(crate) use validate::validate;
 
@@ -177,6 +179,7 @@ impl Communicator {
     }
 
     /// The settings this communicator was made with.
+    #[cfg(feature = "cuda")]
     pub(crate) fn config(&self) -> &Config {
         &self.core.config
     }

@@ -10,7 +10,10 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use super::{Communicator, Core, RawOp, lock};
+use crate::collective::{CallOptions, OpKind};
+use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
+use crate::memory::{RawBufMut, RawBufs};
 use crate::transport::exchange::AbortSignal;
 
 /// The queue of operations not yet run.
@@ -217,6 +220,71 @@ impl Communicator {
             *w = Some(h);
         }
         Ok(())
+    }
+}
+
+/// Runs collectives on the engine directly, bypassing the queue: for a queued job's hook that
+/// must meet the other ranks several times (a collective on device memory, `gpu::stream`).
+/// While a hook runs, its job holds the queue, so nothing else runs on the communicator and the
+/// operations keep their place in issue order on every rank. Anywhere else it would overtake
+/// queued work: only hooks use it.
+#[derive(Clone)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct Inline(Arc<Core>);
+
+impl std::fmt::Debug for Inline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inline").field("rank", &self.0.rank).finish()
+    }
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+impl Communicator {
+    /// The direct runner of this communicator, for the hooks of its queued jobs.
+    pub(crate) fn inline(&self) -> Inline {
+        Inline(self.core.clone())
+    }
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+impl Inline {
+    /// This rank.
+    pub(crate) fn rank(&self) -> usize {
+        self.0.rank
+    }
+
+    /// Number of ranks.
+    pub(crate) fn size(&self) -> usize {
+        self.0.size
+    }
+
+    fn run(&self, kind: OpKind, dtype: DataType, buf: Option<&mut [u8]>) -> Result<()> {
+        let bufs = match buf {
+            Some(b) => RawBufs::InPlace(RawBufMut::new(b)),
+            None => RawBufs::None,
+        };
+        let op = RawOp { kind, dtype, bufs, opts: CallOptions::default(), source: None };
+        super::validate(&op, self.0.rank, self.0.size, self.0.has_window)?;
+        self.0.abort.check()?;
+        let r = self.0.execute(&op, 0);
+        self.0.recorder.end(r.is_ok());
+        r
+    }
+
+    /// A barrier.
+    pub(crate) fn barrier(&self) -> Result<()> {
+        self.run(OpKind::Barrier, DataType::U8, None)
+    }
+
+    /// An in-place all-reduce of `v` with `op`.
+    pub(crate) fn all_reduce_u64(&self, v: &mut [u64], op: ReduceOp) -> Result<()> {
+        self.run(OpKind::AllReduce(op), DataType::U64, Some(bytemuck::cast_slice_mut(v)))
+    }
+
+    /// Fails the communicator with `e` as a failed operation does: its links close (so every
+    /// peer's next step fails too) and later calls fail with `e`.
+    pub(crate) fn fail(&self, e: Error) -> Error {
+        self.0.failed(&mut lock(&self.0.engine), e)
     }
 }
 

@@ -3,8 +3,10 @@
 //! `toroid_reduce_scatter_stream` take device pointers (recognised by their attributes) and a
 //! `cudaStream_t`/`CUstream` (opaque here; NULL is the legacy default stream), and run through
 //! CUDA IPC between the ranks of one host or staged through pinned host memory (`gpu::stream`
-//! picks; `gpu::ipc`, `gpu::staged`). Blocking for the host in this version: the result is in
-//! device memory when the call returns.
+//! picks; `gpu::ipc`, `gpu::staged`). Blocking for the host: the result is in device memory
+//! when the call returns. Their `_async` forms return once the collective is queued and the
+//! stream made to wait for it, with a `toroid_work` (the IPC path; the staged path completes
+//! before returning and gives NULL).
 //!
 //! Without CUDA (no driver, or built without the `cuda` feature) all return
 //! TOROID_UNSUPPORTED with a message saying so; host pointers on a machine with CUDA are
@@ -12,16 +14,22 @@
 
 use std::ffi::{c_int, c_void};
 
-use super::boundary::{ffi_boundary, with_comm};
+#[cfg(feature = "cuda")]
+use std::sync::Arc;
+
+#[cfg(feature = "cuda")]
+use super::boundary::{Handle, WorkHandle};
+use super::boundary::{check_out, ffi_boundary, with_comm, write_out};
 use super::ops::Args;
-use super::types::{RawDatatype, RawRedop, toroid_comm, toroid_result};
+use super::types::{RawDatatype, RawRedop, toroid_comm, toroid_result, toroid_work};
 use crate::collective::OpKind;
 use crate::error::{Error, Result};
 
-/// Runs `kind` on device memory through `gpu::stream::on_stream`.
+/// Runs `kind` on device memory through `gpu::stream`: blocking when `work` is NULL, else
+/// queued with `*work` set to its work (NULL when the call completed before returning).
 ///
 /// # Safety
-/// The C contract of the two entry points below.
+/// The C contract of the entry points below.
 #[allow(unused_variables)]
 unsafe fn run(
     name: &'static str,
@@ -29,8 +37,14 @@ unsafe fn run(
     kind: impl FnOnce() -> Result<OpKind>,
     a: Args,
     stream: *mut c_void,
+    work: Option<*mut *mut toroid_work>,
 ) -> toroid_result {
     with_comm(name, comm, |h| {
+        if let Some(w) = work {
+            check_out(w, "work")?;
+            // SAFETY: non-NULL (checked) and valid (the caller's promise).
+            unsafe { write_out(w, std::ptr::null_mut()) };
+        }
         let (kind, dtype) = (kind()?, a.dtype.get()?);
         // The call runs at once: inside a group it would overtake the calls recorded there.
         super::group::refuse_in_group(h, "a stream collective")?;
@@ -43,18 +57,29 @@ unsafe fn run(
                     format!("root {root} is not a rank of {}", h.comm.size()).into(),
                 ));
             }
-            // SAFETY: forwarded from the C caller (buffers valid on their device, stream live).
-            unsafe {
-                crate::gpu::stream::on_stream(
-                    &h.comm,
-                    kind,
-                    a.send as u64,
-                    a.recv as u64,
-                    a.count,
-                    dtype,
-                    stream,
-                )
+            let (send, recv) = (a.send as u64, a.recv as u64);
+            let Some(out) = work else {
+                // SAFETY: forwarded from the C caller (buffers valid on their device, stream live).
+                return unsafe {
+                    crate::gpu::stream::on_stream(&h.comm, kind, send, recv, a.count, dtype, stream)
+                };
+            };
+            // SAFETY: forwarded from the C caller (buffers valid until the work completes).
+            let queued = unsafe {
+                crate::gpu::stream::on_stream_async(&h.comm, kind, send, recv, a.count, dtype, stream)
+            }?;
+            if let Some(w) = queued {
+                let handle = WorkHandle {
+                    work: w,
+                    earlier: Vec::new(),
+                    comm: Arc::downgrade(h),
+                    timeout: h.comm.timeout(),
+                    source: None,
+                };
+                // SAFETY: `out` was checked above.
+                unsafe { write_out(out, WorkHandle::into_handle(Arc::new(handle))) };
             }
+            Ok(())
         }
         #[cfg(not(feature = "cuda"))]
         {
@@ -87,7 +112,7 @@ pub unsafe extern "C" fn toroid_all_reduce_stream(
     let kind = || Ok(OpKind::AllReduce(op.get()?));
     let a = Args { send: sendbuf, recv: recvbuf, count, dtype };
     // SAFETY: the C contract above.
-    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream) } })
+    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, None) } })
 }
 
 /// Broadcasts `count` elements of `dtype` from device memory `sendbuf` at `root` into device
@@ -111,7 +136,7 @@ pub unsafe extern "C" fn toroid_broadcast_stream(
     };
     let a = Args { send: sendbuf, recv: recvbuf, count, dtype };
     // SAFETY: the C contract above.
-    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream) } })
+    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, None) } })
 }
 
 /// Gathers every rank's `sendcount` elements of `dtype` in device memory `sendbuf` into every
@@ -132,7 +157,7 @@ pub unsafe extern "C" fn toroid_all_gather_stream(
     let kind = || Ok(OpKind::AllGather);
     let a = Args { send: sendbuf, recv: recvbuf, count: sendcount, dtype };
     // SAFETY: the C contract above.
-    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream) } })
+    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, None) } })
 }
 
 /// Reduces every rank's device memory `sendbuf` (size x recvcount elements of `dtype`, piece r
@@ -154,5 +179,89 @@ pub unsafe extern "C" fn toroid_reduce_scatter_stream(
     let kind = || Ok(OpKind::ReduceScatter(op.get()?));
     let a = Args { send: sendbuf, recv: recvbuf, count: recvcount, dtype };
     // SAFETY: the C contract above.
-    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream) } })
+    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, None) } })
+}
+
+/// toroid_all_reduce_stream, asynchronous for the host: returns once the collective is queued
+/// and `stream` made to wait for it (work queued on `stream` afterwards runs after it), with
+/// `*work` set to a work that completes when it has (wait on it, then free it), or to NULL when
+/// the call completed before returning (the staged path between hosts). The buffers must stay
+/// valid until the work completes. Errors as toroid_all_reduce_stream; a failure of the
+/// collective itself is the work's (and the communicator's: it is aborted).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn toroid_all_reduce_stream_async(
+    comm: *mut toroid_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: RawDatatype,
+    op: RawRedop,
+    stream: *mut c_void,
+    work: *mut *mut toroid_work,
+) -> toroid_result {
+    const NAME: &str = "toroid_all_reduce_stream_async";
+    let kind = || Ok(OpKind::AllReduce(op.get()?));
+    let a = Args { send: sendbuf, recv: recvbuf, count, dtype };
+    // SAFETY: the C contract above.
+    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, Some(work)) } })
+}
+
+/// toroid_broadcast_stream, asynchronous for the host as toroid_all_reduce_stream_async.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn toroid_broadcast_stream_async(
+    comm: *mut toroid_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: RawDatatype,
+    root: c_int,
+    stream: *mut c_void,
+    work: *mut *mut toroid_work,
+) -> toroid_result {
+    const NAME: &str = "toroid_broadcast_stream_async";
+    let kind = || {
+        usize::try_from(root)
+            .map(OpKind::Broadcast)
+            .map_err(|_| Error::InvalidArgument(format!("root {root} is negative").into()))
+    };
+    let a = Args { send: sendbuf, recv: recvbuf, count, dtype };
+    // SAFETY: the C contract above.
+    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, Some(work)) } })
+}
+
+/// toroid_all_gather_stream, asynchronous for the host as toroid_all_reduce_stream_async.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn toroid_all_gather_stream_async(
+    comm: *mut toroid_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    sendcount: usize,
+    dtype: RawDatatype,
+    stream: *mut c_void,
+    work: *mut *mut toroid_work,
+) -> toroid_result {
+    const NAME: &str = "toroid_all_gather_stream_async";
+    let kind = || Ok(OpKind::AllGather);
+    let a = Args { send: sendbuf, recv: recvbuf, count: sendcount, dtype };
+    // SAFETY: the C contract above.
+    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, Some(work)) } })
+}
+
+/// toroid_reduce_scatter_stream, asynchronous for the host as toroid_all_reduce_stream_async.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn toroid_reduce_scatter_stream_async(
+    comm: *mut toroid_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    recvcount: usize,
+    dtype: RawDatatype,
+    op: RawRedop,
+    stream: *mut c_void,
+    work: *mut *mut toroid_work,
+) -> toroid_result {
+    const NAME: &str = "toroid_reduce_scatter_stream_async";
+    let kind = || Ok(OpKind::ReduceScatter(op.get()?));
+    let a = Args { send: sendbuf, recv: recvbuf, count: recvcount, dtype };
+    // SAFETY: the C contract above.
+    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, Some(work)) } })
 }

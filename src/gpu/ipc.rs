@@ -21,9 +21,9 @@
 //! broadcast copies the root's chunk into the root's window half, meets, and every other rank
 //! copies it out (one meeting per chunk).
 //!
-//! A meeting is a synchronisation of the caller's stream followed by a collective of the
-//! communicator (shared memory or TCP, with its deadlines and failure reports): the host waits,
-//! so the call is blocking, like the staged path. The first meeting of each call is an
+//! A meeting is a synchronisation of the stream the collective runs on followed by a collective
+//! of the communicator (shared memory or TCP, with its deadlines and failure reports), made by
+//! the communicator's worker thread in the collective's queued job ([`super::stream`]). The first meeting of each call is an
 //! all-reduce that checks every rank makes the same call (count, type, operation or root), so
 //! mismatched calls are an error on every rank, never a read past what a peer wrote.
 //!
@@ -38,6 +38,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use super::device::DeviceKernels;
 use super::{driver_err, guard};
 use crate::Communicator;
+use crate::comm::Inline;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 
@@ -385,11 +386,11 @@ impl IpcWindows {
     /// Waits for `stream`, then meets every rank. The first meeting of a call also checks that
     /// every rank makes the same call: one all-reduce of maxima over the values and their
     /// complements (so the minimum and maximum of each); later ones are barriers.
-    fn meet(comm: &Communicator, stream: &CudaStream, call: Option<(&str, [u64; 3])>) -> Result<()> {
+    fn meet(meet: &Inline, stream: &CudaStream, call: Option<(&str, [u64; 3])>) -> Result<()> {
         guard("synchronising", || stream.synchronize())?.map_err(driver_err("synchronising"))?;
-        let Some((what, vals)) = call else { return comm.barrier() };
+        let Some((what, vals)) = call else { return meet.barrier() };
         let mut v = [vals[0], vals[1], vals[2], !vals[0], !vals[1], !vals[2]];
-        comm.all_reduce(&mut v, ReduceOp::Max)?;
+        meet.all_reduce_u64(&mut v, ReduceOp::Max)?;
         if (0..3).any(|i| v[i] != !v[i + 3]) {
             return Err(Error::InvalidUsage(
                 format!(
@@ -430,9 +431,9 @@ impl IpcWindows {
     /// `send` and `recv` are device memory of this context valid for `count` elements of
     /// `dtype`, not used by anything else until the call returns; `stream` is of this context.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn all_reduce(
+    pub(crate) unsafe fn all_reduce(
         &mut self,
-        comm: &Communicator,
+        meet: &Inline,
         stream: &CudaStream,
         send: u64,
         recv: u64,
@@ -440,7 +441,7 @@ impl IpcWindows {
         dtype: DataType,
         op: ReduceOp,
     ) -> Result<()> {
-        let (n, me, es) = (comm.size(), comm.rank(), dtype.size());
+        let (n, me, es) = (meet.size(), meet.rank(), dtype.size());
         let (kernel_op, scale) = match op {
             ReduceOp::Avg => (ReduceOp::Sum, dtype.is_float().then_some(1.0 / n as f64)),
             o => (o, None),
@@ -450,7 +451,7 @@ impl IpcWindows {
             // Every rank refuses alike, after agreeing on the call, with its halves turned as
             // by a first chunk (a rank that disagrees ran one).
             self.next_half();
-            Self::meet(comm, stream, call)?;
+            Self::meet(meet, stream, call)?;
             return Err(Error::Unsupported(format!("avg of {dtype}: averages take float types").into()));
         }
         let per = HALF / es;
@@ -462,7 +463,7 @@ impl IpcWindows {
             let (src, dst) = (send + (at * es) as u64, recv + (at * es) as u64);
             // 1. This rank's chunk into its window.
             Self::copy(stream, own, src, len * es)?;
-            Self::meet(comm, stream, call.take())?;
+            Self::meet(meet, stream, call.take())?;
             // 2. Segment `me` from every window, in rank order, into the output, then into
             //    this rank's window for the others.
             let (s0, sl) = segment(len, n, me);
@@ -483,7 +484,7 @@ impl IpcWindows {
                 }
                 Self::copy(stream, own + off, out, sl * es)?;
             }
-            Self::meet(comm, stream, None)?;
+            Self::meet(meet, stream, None)?;
             // 3. Every other segment from its owner's window. No meeting after: the next chunk
             //    writes the other half, and this half again only after the next chunk's first
             //    meeting, which every rank reaches after these copies ran.
@@ -505,16 +506,16 @@ impl IpcWindows {
     /// As [`Self::all_reduce`], `send` valid for `count` and `recv` for `n x count` elements,
     /// overlapping only in NCCL's in-place form.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn all_gather(
+    pub(crate) unsafe fn all_gather(
         &mut self,
-        comm: &Communicator,
+        meet: &Inline,
         stream: &CudaStream,
         send: u64,
         recv: u64,
         count: usize,
         dtype: DataType,
     ) -> Result<()> {
-        let (n, me, es) = (comm.size(), comm.rank(), dtype.size());
+        let (n, me, es) = (meet.size(), meet.rank(), dtype.size());
         let mut call = Some(("all_gather", [count as u64, dtype as u64, u64::MAX]));
         let per = HALF / es;
         let mut at = 0;
@@ -523,7 +524,7 @@ impl IpcWindows {
             let half = self.next_half();
             // Each rank's chunk into its window; meet; every chunk from its owner's window.
             Self::copy(stream, self.own.ptr + half, send + (at * es) as u64, len * es)?;
-            Self::meet(comm, stream, call.take())?;
+            Self::meet(meet, stream, call.take())?;
             for k in 0..n {
                 let dst = recv + ((k * count + at) * es) as u64;
                 let src = if k == me { send + (at * es) as u64 } else { self.windows[k].ptr() + half };
@@ -544,9 +545,9 @@ impl IpcWindows {
     /// # Safety
     /// As [`Self::all_reduce`], `send` valid for `n x count` and `recv` for `count` elements.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn reduce_scatter(
+    pub(crate) unsafe fn reduce_scatter(
         &mut self,
-        comm: &Communicator,
+        meet: &Inline,
         stream: &CudaStream,
         send: u64,
         recv: u64,
@@ -554,7 +555,7 @@ impl IpcWindows {
         dtype: DataType,
         op: ReduceOp,
     ) -> Result<()> {
-        let (n, me, es) = (comm.size(), comm.rank(), dtype.size());
+        let (n, me, es) = (meet.size(), meet.rank(), dtype.size());
         let (kernel_op, scale) = match op {
             ReduceOp::Avg => (ReduceOp::Sum, dtype.is_float().then_some(1.0 / n as f64)),
             o => (o, None),
@@ -562,7 +563,7 @@ impl IpcWindows {
         let mut call = Some(("reduce_scatter", [count as u64, dtype as u64, op as u64]));
         if op == ReduceOp::Avg && scale.is_none() {
             self.next_half();
-            Self::meet(comm, stream, call)?;
+            Self::meet(meet, stream, call)?;
             return Err(Error::Unsupported(format!("avg of {dtype}: averages take float types").into()));
         }
         // A chunk takes `len` elements of every piece: n x len in each window half.
@@ -580,7 +581,7 @@ impl IpcWindows {
                     len * es,
                 )?;
             }
-            Self::meet(comm, stream, call.take())?;
+            Self::meet(meet, stream, call.take())?;
             // Piece `me` of every window, in rank order, into the output. No meeting after:
             // this half is written again only after the next chunk's meeting.
             let out = recv + (at * es) as u64;
@@ -607,9 +608,9 @@ impl IpcWindows {
     /// # Safety
     /// As [`Self::all_reduce`].
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn broadcast(
+    pub(crate) unsafe fn broadcast(
         &mut self,
-        comm: &Communicator,
+        meet: &Inline,
         stream: &CudaStream,
         send: u64,
         recv: u64,
@@ -617,7 +618,7 @@ impl IpcWindows {
         dtype: DataType,
         root: usize,
     ) -> Result<()> {
-        let (me, es) = (comm.rank(), dtype.size());
+        let (me, es) = (meet.rank(), dtype.size());
         let mut call = Some(("broadcast", [count as u64, dtype as u64, root as u64]));
         let per = HALF / es;
         let mut at = 0;
@@ -628,7 +629,7 @@ impl IpcWindows {
             if me == root {
                 Self::copy(stream, self.own.ptr + half, src, len * es)?;
             }
-            Self::meet(comm, stream, call.take())?;
+            Self::meet(meet, stream, call.take())?;
             if me != root {
                 Self::copy(stream, dst, self.windows[root].ptr() + half, len * es)?;
             } else if src != dst {
