@@ -696,11 +696,12 @@ enum toroid_result toroid_reduce_scatter_stream(struct toroid_comm *comm,
                                                 void *stream);
 
 /**
- * toroid_all_reduce_stream, asynchronous for the host: returns once the collective is queued
- * and `stream` made to wait for it (work queued on `stream` afterwards runs after it), with
- * `*work` set to a work that completes when it has (wait on it, then free it), or to NULL when
- * the call completed before returning (the staged path between hosts). The buffers must stay
- * valid until the work completes. Errors as toroid_all_reduce_stream; a failure of the
+ * toroid_all_reduce_stream, asynchronous for the host: returns once the collective is queued,
+ * with `*work` set to a work that completes when it has (wait on it, then free it), or to NULL
+ * when the call completed before returning (the staged path between hosts). The input is read
+ * after the work queued on `stream` before the call; `stream` is NOT made to wait for the
+ * collective: the output is ready once the work has completed, and until then nothing may
+ * read or write either buffer. Errors as toroid_all_reduce_stream; a failure of the
  * collective itself is the work's (and the communicator's: it is aborted).
  */
 enum toroid_result toroid_all_reduce_stream_async(struct toroid_comm *comm,

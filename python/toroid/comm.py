@@ -613,10 +613,10 @@ class Comm:
         ``torch.cuda.current_stream(dev).cuda_stream``; 0: the legacy default stream). The
         call reads `send` after the work already queued on `stream`. Blocking (the default), it
         returns when the result is in `recv`. With `async_op=True`
-        (toroid_all_reduce_stream_async) it returns once the collective is queued and `stream`
-        made to wait for it, with a Work that completes when it has (None when it completed
-        before returning: the staged path); the buffers (kept alive through `_refs`) must stay
-        valid until then. Every rank calls it with the same count, type and op.
+        (toroid_all_reduce_stream_async) it returns once the collective is queued, with a Work
+        that completes when it has (None when it completed before returning: the staged path);
+        `stream` is not made to wait for it: read the result after the Work's wait(). The
+        buffers (kept alive through `_refs`) must stay valid and untouched until then. Every rank calls it with the same count, type and op.
 
         Without CUDA (no driver, or a library built without the `cuda` feature)
         toroid.UnsupportedError; host memory on a machine with CUDA, or buffers of two devices,

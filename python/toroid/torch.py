@@ -39,9 +39,10 @@ it passed on an NVIDIA H200 with torch 2.11):
   one host through CUDA IPC with the reductions on the GPU, otherwise staged in the library
   through pinned host memory. The call reads the tensor after the work already queued on that
   stream. On the IPC path it is asynchronous for the host: it returns once the collective is
-  queued and the stream made to wait for it on the device, so DDP's gradient all-reduces
-  overlap its backward pass; the work completes when the collective has (wait() blocks the
-  host until then). The staged path completes before returning. Failures of the collective are the work's (wait() raises them, as
+  queued (it runs on toroid's own stream), so DDP's gradient all-reduces overlap its backward
+  pass; the work completes when the collective has, and wait() blocks the host until then
+  (torch's stream is not made to wait: read the result after wait(), as torch requires). The
+  staged path completes before returning. Failures of the collective are the work's (wait() raises them, as
   for CPU tensors); argument errors are raised at once. `stream_path` is the rule that picks
   this path.
 - Every other case is staged through host memory: each CUDA argument is copied with `.cpu()`
@@ -626,9 +627,9 @@ class ProcessGroupToroid(dist.ProcessGroup):
     def _stream_work(self, tensors, name: str, call: Callable[[torch.Tensor, int], Any],
                      timeout: Optional[float] = None) -> ToroidWork:
         """Runs `call(tensor, stream)` for each CUDA tensor on the current stream of its device:
-        one asynchronous stream call per tensor (toroid_*_stream_async: queued, the stream made
-        to wait for it on the device, the host free), each returning its toroid Work (None when
-        it completed before returning: the staged path between hosts). The returned work
+        one asynchronous stream call per tensor (toroid_*_stream_async: queued, the host free),
+        each returning its toroid Work (None when it completed before returning: the staged
+        path between hosts). The returned work
         completes when all of them have. A refusal of the request (a toroid
         InvalidArgumentError, UnsupportedError or InvalidUsageError) is raised here, as the CPU
         path raises them when issuing; a failure of the collective itself (a peer, a deadline)

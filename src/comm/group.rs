@@ -138,21 +138,6 @@ impl Communicator {
         // SAFETY: forwarded from the caller; each pack's buffer is kept by its own job.
         unsafe { self.submit_validated_jobs(jobs) }
     }
-
-    /// One operation of a group, with its hooks (the C ABI's layout moves).
-    ///
-    /// # Safety
-    /// As [`Communicator::run_group`].
-    unsafe fn run_with_hooks(&self, op: RawOp, hooks: Hooks) -> Result<()> {
-        if hooks.before.is_none() && hooks.after.is_none() {
-            // SAFETY: forwarded from the caller; returns after the operation.
-            return unsafe { self.run(op) };
-        }
-        // Moves within the buffer run on the worker thread, ordered with queued async work.
-        // SAFETY: the buffers stay valid until this returns, after the wait.
-        let w = unsafe { self.submit_raw_with_hooks(op, None, hooks)? };
-        w.wait_timeout(self.core.timeout)
-    }
 }
 
 impl<'a> Group<'a> {

@@ -94,6 +94,25 @@ impl Communicator {
     }
 
     fn run_inner(&self, op: RawOp, validate: bool) -> Result<()> {
+        self.run_inner_hooked(op, validate, Hooks::default())
+    }
+
+    /// [`Communicator::run`] with hooks around the operation, run where the operation runs: on
+    /// the caller's thread when nothing is queued, else on the worker after the queued work
+    /// (the caller waits either way).
+    ///
+    /// # Safety
+    /// As [`Communicator::run`]; the hooks may touch only what the caller keeps valid until
+    /// this returns.
+    pub(crate) unsafe fn run_with_hooks(&self, op: RawOp, hooks: Hooks) -> Result<()> {
+        let r = self.run_inner_hooked(op, true, hooks);
+        if let Err(e) = &r {
+            *lock(&self.core.last_error) = Some(e.to_string());
+        }
+        r
+    }
+
+    fn run_inner_hooked(&self, op: RawOp, validate: bool, mut hooks: Hooks) -> Result<()> {
         self.core.forked()?;
         if validate {
             super::validate(&op, self.core.rank, self.core.size, self.core.has_window)?;
@@ -104,14 +123,14 @@ impl Communicator {
             if q.jobs.is_empty() && !q.running {
                 q.running = true;
                 drop(q);
-                let r = self.core.execute_guarded(&op, &mut Hooks::default(), 0);
+                let r = self.core.execute_guarded(&op, &mut hooks, 0);
                 lock(&self.core.queue).running = false;
                 self.core.queue_cv.notify_all();
                 return r;
             }
         }
         // Queued behind async work: wait for it. The caller's borrows outlive this wait.
-        let done = self.enqueue(op, None, Hooks::default())?;
+        let done = self.enqueue(op, None, hooks)?;
         done.wait_done(&self.core.abort, self.core.timeout)
     }
 

@@ -4,9 +4,9 @@
 //! `cudaStream_t`/`CUstream` (opaque here; NULL is the legacy default stream), and run through
 //! CUDA IPC between the ranks of one host or staged through pinned host memory (`gpu::stream`
 //! picks; `gpu::ipc`, `gpu::staged`). Blocking for the host: the result is in device memory
-//! when the call returns. Their `_async` forms return once the collective is queued and the
-//! stream made to wait for it, with a `toroid_work` (the IPC path; the staged path completes
-//! before returning and gives NULL).
+//! when the call returns. Their `_async` forms return once the collective is queued, with a
+//! `toroid_work` that completes when it has (the IPC path; the staged path completes before
+//! returning and gives NULL); the stream is not made to wait for it.
 //!
 //! Without CUDA (no driver, or built without the `cuda` feature) all return
 //! TOROID_UNSUPPORTED with a message saying so; host pointers on a machine with CUDA are
@@ -182,11 +182,12 @@ pub unsafe extern "C" fn toroid_reduce_scatter_stream(
     ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, None) } })
 }
 
-/// toroid_all_reduce_stream, asynchronous for the host: returns once the collective is queued
-/// and `stream` made to wait for it (work queued on `stream` afterwards runs after it), with
-/// `*work` set to a work that completes when it has (wait on it, then free it), or to NULL when
-/// the call completed before returning (the staged path between hosts). The buffers must stay
-/// valid until the work completes. Errors as toroid_all_reduce_stream; a failure of the
+/// toroid_all_reduce_stream, asynchronous for the host: returns once the collective is queued,
+/// with `*work` set to a work that completes when it has (wait on it, then free it), or to NULL
+/// when the call completed before returning (the staged path between hosts). The input is read
+/// after the work queued on `stream` before the call; `stream` is NOT made to wait for the
+/// collective: the output is ready once the work has completed, and until then nothing may
+/// read or write either buffer. Errors as toroid_all_reduce_stream; a failure of the
 /// collective itself is the work's (and the communicator's: it is aborted).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn toroid_all_reduce_stream_async(

@@ -15,26 +15,29 @@
 //! communicator is bound to one device) and sets the path up: a collective, so every rank
 //! makes it; what was chosen and why is logged at INFO (target `toroid::gpu`).
 //!
-//! **Asynchronous on the IPC path** ([`on_stream_async`]). The call records an event on the
-//! caller's stream (its input is ready there), queues the collective on the communicator's
-//! queue (so it keeps its place in issue order among every other call, on every rank), and
-//! makes the caller's stream wait, on the device, until a page-locked counter mapped into the
-//! device reaches the call's sequence number (`cuStreamBatchMemOp`, wait-value). The
-//! communicator's worker thread runs the collective in a hook of that queued job: its own
-//! stream waits for the event, the protocol of [`super::ipc`] runs there with the meetings
-//! made directly on the engine (the job holds the queue), the stream is synchronised, and the
-//! counter is set, which releases the caller's stream, also after a failure (the communicator
-//! then fails with the error, as after a failed host collective, and the work reports it). The
-//! host is free meanwhile: the returned work completes when the collective has. At most
-//! [`IN_FLIGHT`] calls are in flight (one event each); a device without stream memory
-//! operations gets the same path, waited for before the call returns. The staged path stays
-//! blocking.
+//! **Asynchronous for the host on the IPC path** ([`on_stream_async`]). The call records an
+//! event on the caller's stream (its input is ready there) and queues the collective on the
+//! communicator's queue, so it keeps its place in issue order among every other call, on every
+//! rank; it returns at once with a work. The communicator's worker thread runs the collective
+//! in a hook of that queued job: its own stream waits for the event, the protocol of
+//! [`super::ipc`] runs there with the meetings made directly on the engine (the job holds the
+//! queue), and the stream is synchronised before the work completes. A failure fails the
+//! communicator with the error, as a failed host collective does, and the work reports it.
+//! The caller's stream is **not** made to wait for the collective: the output is ready once
+//! the work has completed (wait on it before reading the output or writing either buffer). A
+//! wait on the device (a stream memory operation on a counter the worker sets) was tried and
+//! dropped: when the caller's stream and the worker's share one of the device's hardware
+//! queues, the blocked wait holds the work that would release it, a deadlock (seen with 3
+//! ranks as threads on an H200). Ordering the caller's stream after the collective needs the
+//! whole collective enqueued at call time, with the ranks meeting on the device instead of
+//! the host (NCCL's design); not built. At most [`IN_FLIGHT`] calls are in flight (one event
+//! each). The staged path stays blocking.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::sys::{self as cu, CUresult};
+use cudarc::driver::sys as cu;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use super::device::DeviceKernels;
@@ -43,98 +46,13 @@ use super::staged::{DeviceCollectives, device_of};
 use super::{driver_err, guard};
 use crate::comm::RawOp;
 use crate::comm::{Hooks, Work};
-use crate::dtype::DataType;
+use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::memory::RawBufs;
 use crate::{CallOptions, Communicator, OpKind};
 
 /// Collectives on the IPC path in flight at most per communicator (one event each).
 pub const IN_FLIGHT: usize = 32;
-
-/// A page-locked host counter mapped into the device: the sequence number of the last
-/// collective on the IPC path that completed. Callers' streams wait for it on the device.
-#[derive(Debug)]
-struct DoneCounter {
-    ctx: Arc<CudaContext>,
-    host: *mut u64,
-    dev: u64,
-}
-
-// SAFETY: `host` points to 8 bytes of page-locked memory owned by this value until it is
-// dropped, and is only accessed as an atomic.
-unsafe impl Send for DoneCounter {}
-// SAFETY: as above; every access is atomic.
-unsafe impl Sync for DoneCounter {}
-
-impl DoneCounter {
-    fn new(ctx: &Arc<CudaContext>) -> Result<DoneCounter> {
-        guard("allocating the completion counter", || -> Result<DoneCounter> {
-            ctx.bind_to_thread().map_err(driver_err("binding the context"))?;
-            let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
-            let mut dev = 0u64;
-            // SAFETY: the driver writes a pointer to 8 page-locked bytes (page aligned) into `p`,
-            // then the device address of that memory into `dev`.
-            let ok = unsafe {
-                cu::cuMemHostAlloc(&mut p, 8, cu::CU_MEMHOSTALLOC_DEVICEMAP | cu::CU_MEMHOSTALLOC_PORTABLE)
-                    == CUresult::CUDA_SUCCESS
-                    && !p.is_null()
-                    && cu::cuMemHostGetDevicePointer_v2(&mut dev, p, 0) == CUresult::CUDA_SUCCESS
-            };
-            if !ok {
-                return Err(Error::Unsupported(
-                    "CUDA: cannot map a page-locked counter into the device".into(),
-                ));
-            }
-            let c = DoneCounter { ctx: ctx.clone(), host: p.cast(), dev };
-            c.atomic().store(0, Ordering::Release);
-            Ok(c)
-        })?
-    }
-
-    fn atomic(&self) -> &AtomicU64 {
-        // SAFETY: `host` is 8 page-aligned bytes owned by `self`, only accessed atomically.
-        unsafe { AtomicU64::from_ptr(self.host) }
-    }
-
-    fn load(&self) -> u64 {
-        self.atomic().load(Ordering::Acquire)
-    }
-
-    fn store(&self, v: u64) {
-        self.atomic().store(v, Ordering::Release);
-    }
-
-    /// Makes `stream` wait, on the device, until the counter is at least `v`.
-    fn wait_on(&self, stream: &CudaStream, v: u64) -> Result<()> {
-        // SAFETY: a plain-old-data union, every field of which is valid zeroed.
-        let mut p: cu::CUstreamBatchMemOpParams = unsafe { std::mem::zeroed() };
-        p.waitValue.operation = cu::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WAIT_VALUE_64;
-        p.waitValue.address = self.dev;
-        p.waitValue.__bindgen_anon_1.value64 = v;
-        p.waitValue.flags = cu::CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_GEQ as u32;
-        guard("waiting on the device", || {
-            // SAFETY: one valid wait operation on the device address of this counter, which
-            // outlives every stream waiting on it (the communicator waits for its collectives).
-            let r = unsafe { cu::cuStreamBatchMemOp_v2(stream.cu_stream(), 1, &mut p, 0) };
-            if r == CUresult::CUDA_SUCCESS {
-                Ok(())
-            } else {
-                Err(Error::System(format!("CUDA: making a stream wait for a collective: {r:?}").into()))
-            }
-        })?
-    }
-}
-
-impl Drop for DoneCounter {
-    fn drop(&mut self) {
-        let _ = guard("freeing the completion counter", || {
-            if self.ctx.bind_to_thread().is_ok() {
-                // SAFETY: `host` came from cuMemHostAlloc and nothing waits on it any more.
-                let _ = unsafe { cu::cuMemFreeHost(self.host.cast()) };
-            }
-        });
-    }
-}
 
 /// The IPC path's windows and the stream its collectives run on (the worker thread's).
 #[derive(Debug)]
@@ -159,14 +77,12 @@ pub struct DeviceState {
     ctx: Arc<CudaContext>,
     staging: DeviceCollectives,
     ipc: Option<Arc<Mutex<IpcRun>>>,
-    /// Completed IPC collectives (their sequence numbers), what callers' streams wait for.
-    done: Arc<DoneCounter>,
+    /// The sequence number of the last IPC collective that completed.
+    done: Arc<AtomicU64>,
     /// "The input is ready on the caller's stream", one per call in flight.
     ready: Arc<Vec<CudaEvent>>,
     /// IPC collectives issued (the last sequence number).
     issued: u64,
-    /// Whether the device has stream memory operations (else the host waits for each call).
-    mem_ops: bool,
 }
 
 /// The kernels of each device this process used, loaded on first use and shared by its
@@ -221,17 +137,13 @@ impl DeviceState {
             }
             None => None,
         };
-        let done = Arc::new(DoneCounter::new(&ctx)?);
+        let done = Arc::new(AtomicU64::new(0));
         let event = || {
             let flags = Some(cu::CUevent_flags::CU_EVENT_DISABLE_TIMING);
             guard("creating an event", || ctx.new_event(flags).map_err(driver_err("creating an event")))?
         };
         let ready = Arc::new((0..IN_FLIGHT).map(|_| event()).collect::<Result<Vec<_>>>()?);
-        let mem_ops = guard("reading a device attribute", || {
-            ctx.attribute(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS)
-        })?
-        .is_ok_and(|v| v == 1);
-        Ok(DeviceState { ordinal, ctx, staging, ipc, done, ready, issued: 0, mem_ops })
+        Ok(DeviceState { ordinal, ctx, staging, ipc, done, ready, issued: 0 })
     }
 
     /// The path this state's collectives take.
@@ -269,21 +181,19 @@ pub unsafe fn on_stream(
     dtype: DataType,
     stream: *mut std::ffi::c_void,
 ) -> Result<()> {
-    // SAFETY: forwarded contract; the buffers stay valid until the work below has completed.
-    match unsafe { on_stream_async(comm, kind, send, recv, count, dtype, stream) }? {
-        Some(work) => work.wait(),
-        None => Ok(()),
-    }
+    // SAFETY: forwarded contract; the buffers stay valid until this returns.
+    unsafe { issue(comm, kind, send, recv, count, dtype, stream, false) }.map(drop)
 }
 
 /// [`on_stream`], asynchronous for the host on the IPC path: returns once the collective is
-/// queued and the caller's stream made to wait for it (work queued on `stream` later runs after
-/// it), with the work that completes when it has. `None`: the call already completed (the
-/// staged path, or nothing to do).
+/// queued, with the work that completes when it has; the input is read after the work queued
+/// on `stream` before the call, and the output is ready when the work has completed (`stream`
+/// is not made to wait for it). `None`: the call already completed (the staged path, or
+/// nothing to do).
 ///
 /// # Safety
-/// As [`on_stream`], the buffers valid and untouched by anything but `stream`'s later work
-/// until the work completes (or, for `None`, until the call returns); `stream` live until then.
+/// As [`on_stream`], the buffers valid and neither read nor written by anything else until the
+/// work completes (or, for `None`, until the call returns); `stream` live until then.
 pub unsafe fn on_stream_async(
     comm: &Communicator,
     kind: OpKind,
@@ -293,6 +203,26 @@ pub unsafe fn on_stream_async(
     dtype: DataType,
     stream: *mut std::ffi::c_void,
 ) -> Result<Option<Work<()>>> {
+    // SAFETY: forwarded contract.
+    unsafe { issue(comm, kind, send, recv, count, dtype, stream, true) }
+}
+
+/// [`on_stream_async`] (`queue`) or [`on_stream`] (the IPC collective runs where the
+/// communicator's blocking calls run: on this thread when nothing is queued).
+///
+/// # Safety
+/// As [`on_stream_async`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn issue(
+    comm: &Communicator,
+    kind: OpKind,
+    send: u64,
+    recv: u64,
+    count: usize,
+    dtype: DataType,
+    stream: *mut std::ffi::c_void,
+    queue: bool,
+) -> Result<Option<Work<()>>> {
     super::driver_available()?;
     let (n, es) = (comm.size(), dtype.size());
     let overflow = || Error::InvalidArgument(format!("{n} x {count} elements of {dtype} overflow").into());
@@ -300,6 +230,11 @@ pub unsafe fn on_stream_async(
     let all = bytes.checked_mul(n).ok_or_else(overflow)?;
     if count == 0 {
         return Ok(None);
+    }
+    if matches!(kind, OpKind::AllReduce(ReduceOp::Avg) | OpKind::ReduceScatter(ReduceOp::Avg))
+        && !dtype.is_float()
+    {
+        return Err(Error::Unsupported(format!("avg of {dtype}: averages take float types").into()));
     }
     // The buffers' sizes, and which overlaps are the in-place forms (NCCL's, and for a
     // reduce-scatter the result at the front of sendbuf).
@@ -350,7 +285,7 @@ pub unsafe fn on_stream_async(
     let stream = unsafe { st.ctx.wrap_borrowed_stream(stream.cast()) };
     if st.ipc.is_some() {
         // SAFETY: forwarded contract.
-        return unsafe { st.queue_ipc(comm, &stream, kind, send, recv, count, dtype) };
+        return unsafe { st.queue_ipc(comm, &stream, kind, send, recv, count, dtype, queue) };
     }
     // The staged path, blocking (on the caller's thread, after the queued work).
     if matches!(kind, OpKind::AllGather | OpKind::ReduceScatter(_)) {
@@ -371,7 +306,8 @@ pub unsafe fn on_stream_async(
 }
 
 impl DeviceState {
-    /// Queues `kind` on the IPC path (see the module's documentation).
+    /// Queues `kind` on the IPC path (see the module's documentation), or with `queue` false
+    /// runs it as a blocking call of the communicator and returns `None` once it has.
     ///
     /// # Safety
     /// As [`on_stream_async`]; `stream` is the caller's.
@@ -385,6 +321,7 @@ impl DeviceState {
         recv: u64,
         count: usize,
         dtype: DataType,
+        queue: bool,
     ) -> Result<Option<Work<()>>> {
         let Some(ipc) = self.ipc.clone() else { return Err(Error::Internal("no IPC path".into())) };
         let seq = self.issued + 1;
@@ -393,7 +330,7 @@ impl DeviceState {
             let need = seq - IN_FLIGHT as u64;
             let deadline = Instant::now() + comm.timeout();
             let mut nap = Duration::from_micros(2);
-            while self.done.load() < need {
+            while self.done.load(Ordering::Acquire) < need {
                 if comm.is_aborted() {
                     return Err(Error::Aborted("the communicator was aborted".into()));
                 }
@@ -441,7 +378,7 @@ impl DeviceState {
             // Also after a failure: nothing may write the caller's memory once its stream runs on.
             let synced = guard("synchronising", || stream.synchronize())
                 .and_then(|r| r.map_err(driver_err("synchronising")));
-            done.store(seq);
+            done.store(seq, Ordering::Release);
             if let Err(e) = result.and(synced) {
                 // The communicator fails with it: the job's own step and every later call
                 // report it, on every rank (the links close).
@@ -457,18 +394,18 @@ impl DeviceState {
             opts: CallOptions::default(),
             source: None,
         };
+        let hooks = Hooks { before: Some(Box::new(job)), after: None };
+        if !queue {
+            // SAFETY: as below, the caller keeping the buffers valid until this returns.
+            let r = unsafe { comm.run_with_hooks(op, hooks) };
+            // (Issued if the hook ran: a call refused before it never sets the counter.)
+            self.issued = self.issued.max(self.done.load(Ordering::Acquire));
+            return r.map(|()| None);
+        }
         // SAFETY: a barrier has no buffers; the hook touches the caller's buffers, which the
         // caller keeps valid until the work completes (this function's contract).
-        let work = unsafe {
-            comm.submit_raw_with_hooks(op, None, Hooks { before: Some(Box::new(job)), after: None })
-        }?;
+        let work = unsafe { comm.submit_raw_with_hooks(op, None, hooks) }?;
         self.issued = seq;
-        if self.mem_ops {
-            self.done.wait_on(stream, seq)?;
-            Ok(Some(work))
-        } else {
-            work.wait()?;
-            Ok(None)
-        }
+        Ok(Some(work))
     }
 }
