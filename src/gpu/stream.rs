@@ -26,9 +26,9 @@
 //! The caller's stream is **not** made to wait for the collective: the output is ready once
 //! the work has completed (wait on it before reading the output or writing either buffer). A
 //! wait on the device (a stream memory operation on a counter the worker sets) was tried and
-//! dropped: when the caller's stream and the worker's share one of the device's hardware
-//! queues, the blocked wait holds the work that would release it, a deadlock (seen with 3
-//! ranks as threads on an H200). Ordering the caller's stream after the collective needs the
+//! dropped: it deadlocked in a test with 3 ranks as threads on an H200, most likely because a
+//! caller's stream and toroid's stream shared one of the device's hardware queues, where the
+//! blocked wait holds the work that would release it. Ordering the caller's stream after the collective needs the
 //! whole collective enqueued at call time, with the ranks meeting on the device instead of
 //! the host (NCCL's design); not built. At most [`IN_FLIGHT`] calls are in flight (one event
 //! each). The staged path stays blocking.
@@ -44,8 +44,7 @@ use super::device::DeviceKernels;
 use super::ipc::IpcWindows;
 use super::staged::{DeviceCollectives, device_of};
 use super::{driver_err, guard};
-use crate::comm::RawOp;
-use crate::comm::{Hooks, Work};
+use crate::comm::{Hooks, RawOp, Work};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::memory::RawBufs;
@@ -54,7 +53,7 @@ use crate::{CallOptions, Communicator, OpKind};
 /// Collectives on the IPC path in flight at most per communicator (one event each).
 pub const IN_FLIGHT: usize = 32;
 
-/// The IPC path's windows and the stream its collectives run on (the worker thread's).
+/// The IPC path's windows and the stream its collectives run on (toroid's own).
 #[derive(Debug)]
 struct IpcRun {
     windows: IpcWindows,
