@@ -202,6 +202,17 @@ pub fn segment(count: usize, n: usize, k: usize) -> (usize, usize) {
     (at(k), at(k + 1) - at(k))
 }
 
+/// The kernel that reduces with `op` and the scale after it (avg: a sum, then 1/n). An average
+/// of integers is refused (the stream entry points refuse it before any rank meets, so this
+/// never splits the ranks).
+fn kernel_op(op: ReduceOp, dtype: DataType, n: usize) -> Result<(ReduceOp, Option<f64>)> {
+    match op {
+        ReduceOp::Avg if dtype.is_float() => Ok((ReduceOp::Sum, Some(1.0 / n as f64))),
+        ReduceOp::Avg => Err(Error::Unsupported(format!("avg of {dtype}: averages take float types").into())),
+        o => Ok((o, None)),
+    }
+}
+
 /// One device allocation, freed when dropped.
 #[derive(Debug)]
 struct Allocation {
@@ -442,18 +453,8 @@ impl IpcWindows {
         op: ReduceOp,
     ) -> Result<()> {
         let (n, me, es) = (meet.size(), meet.rank(), dtype.size());
-        let (kernel_op, scale) = match op {
-            ReduceOp::Avg => (ReduceOp::Sum, dtype.is_float().then_some(1.0 / n as f64)),
-            o => (o, None),
-        };
+        let (kernel_op, scale) = kernel_op(op, dtype, n)?;
         let mut call = Some(("all_reduce", [count as u64, dtype as u64, op as u64]));
-        if op == ReduceOp::Avg && scale.is_none() {
-            // Every rank refuses alike, after agreeing on the call, with its halves turned as
-            // by a first chunk (a rank that disagrees ran one).
-            self.next_half();
-            Self::meet(meet, stream, call)?;
-            return Err(Error::Unsupported(format!("avg of {dtype}: averages take float types").into()));
-        }
         let per = HALF / es;
         let mut at = 0;
         while at < count {
@@ -556,16 +557,8 @@ impl IpcWindows {
         op: ReduceOp,
     ) -> Result<()> {
         let (n, me, es) = (meet.size(), meet.rank(), dtype.size());
-        let (kernel_op, scale) = match op {
-            ReduceOp::Avg => (ReduceOp::Sum, dtype.is_float().then_some(1.0 / n as f64)),
-            o => (o, None),
-        };
+        let (kernel_op, scale) = kernel_op(op, dtype, n)?;
         let mut call = Some(("reduce_scatter", [count as u64, dtype as u64, op as u64]));
-        if op == ReduceOp::Avg && scale.is_none() {
-            self.next_half();
-            Self::meet(meet, stream, call)?;
-            return Err(Error::Unsupported(format!("avg of {dtype}: averages take float types").into()));
-        }
         // A chunk takes `len` elements of every piece: n x len in each window half.
         let per = (HALF / es / n).max(1);
         let mut at = 0;
