@@ -27,6 +27,7 @@
 //!   [`Transport::zero_copy`] is true.
 
 pub mod exchange;
+pub mod ledger;
 pub mod shm;
 pub mod tcp;
 

@@ -2,10 +2,16 @@
 //!
 //! A ring is a control block and a data area of `cap` bytes (a power of two) in some shared
 //! memory ([`SharedMem`]): a pair segment in production, a heap buffer in the tests below.
+//!
+//! The counters' arithmetic (free space, spans, what to publish, which values of the peer's
+//! counter to accept) is the ring protocol's one state machine, [`crate::transport::ledger`],
+//! which the RDMA ring shares; this file moves the counters through shared memory and copies
+//! the bytes.
 
 use std::sync::atomic::{Ordering, fence};
 
 use super::segment::SharedMem;
+use crate::transport::ledger::{RecvLedger, SendLedger};
 
 /// Bytes before the ring data in a pair segment.
 const RING_DATA_OFFSET: usize = 4096;
@@ -57,74 +63,66 @@ pub(super) fn rings(cap: usize) -> [RingAt; 2] {
 #[derive(Debug)]
 pub(super) struct Producer {
     at: RingAt,
-    /// Bytes written (local copy of `head`, ahead of it between publishes).
-    head: u64,
-    published: u64,
-    tail_cache: u64,
+    /// `head`, what of it was published, and the consumer's `tail` as last loaded.
+    book: SendLedger,
 }
 
 /// The reading end of a ring.
 #[derive(Debug)]
 pub(super) struct Consumer {
     at: RingAt,
-    tail: u64,
-    released: u64,
-    head_cache: u64,
+    /// `tail`, what of it was released, and the producer's `head` as last loaded.
+    book: RecvLedger,
 }
 
 impl Producer {
     /// The writing end of the ring at `at`, at the start of its stream.
     pub(super) fn new(at: RingAt) -> Producer {
-        Producer { at, head: 0, published: 0, tail_cache: 0 }
+        Producer { at, book: SendLedger::new(at.cap) }
     }
 
     /// Bytes that fit now (reloads the consumer's `tail` only when the cached one says full).
     pub(super) fn free(&mut self, mem: SharedMem<'_>) -> usize {
-        let cap = self.at.cap as u64;
-        if self.head - self.tail_cache == cap {
-            self.tail_cache = mem.u64_at(self.at.ctl + TAIL).load(Ordering::Acquire);
+        if self.book.free() == 0 {
+            // A `tail` the protocol does not allow (a corrupted segment) is ignored: the ring
+            // stays full and the writer's wait ends at its deadline.
+            let _ = self.book.credit(mem.u64_at(self.at.ctl + TAIL).load(Ordering::Acquire));
         }
-        (cap - (self.head - self.tail_cache)) as usize
+        self.book.free()
     }
 
     /// Copies as much of `bufs` as fits; returns (bytes, reader needs a wake-up).
     pub(super) fn write(&mut self, mem: SharedMem<'_>, bufs: &[&[u8]]) -> (usize, bool) {
         let mut written = 0;
         let mut wake = false;
-        let mask = self.at.cap as u64 - 1;
         'outer: for b in bufs {
             let mut off = 0;
             while off < b.len() {
-                let mut free = self.free(mem);
-                if free == 0 {
+                if self.free(mem) == 0 {
                     // Let the reader drain what we have before giving up.
                     wake |= self.publish(mem);
-                    free = self.free(mem);
-                    if free == 0 {
+                    if self.free(mem) == 0 {
                         break 'outer;
                     }
                 }
-                let pos = (self.head & mask) as usize;
-                let unpublished = (self.head - self.published) as usize;
-                let n = free
-                    .min(b.len() - off)
-                    .min(self.at.cap - pos)
-                    .min(PUBLISH - unpublished.min(PUBLISH - 1));
+                let unpublished = self.book.unpublished();
+                let span = self.book.span((b.len() - off).min(PUBLISH - unpublished.min(PUBLISH - 1)));
+                let (pos, n) = (span.pos, span.len);
                 let dst = mem.ptr_at(self.at.data + pos, n);
                 // SAFETY: `dst` is `n` bytes of this ring's data area (`pos + n <= cap`, checked
                 // against the memory by `ptr_at`), and `off + n <= b.len()`; the consumer does
                 // not read these bytes before `head` is published past them, and `free` says it
                 // has consumed what was there.
                 unsafe { crate::reduce::copy_nonoverlapping(b.as_ptr().add(off), dst, n) };
-                self.head += n as u64;
+                self.book.advance(n);
                 off += n;
                 written += n;
-                if self.head - self.published >= PUBLISH as u64 {
+                if self.book.unpublished() >= PUBLISH {
                     wake |= self.publish(mem);
                 }
             }
         }
-        if self.head != self.published {
+        if self.book.unpublished() > 0 {
             wake |= self.publish(mem);
         }
         (written, wake)
@@ -132,11 +130,10 @@ impl Producer {
 
     /// Makes the written bytes visible; true when the reader sleeps and must be woken.
     fn publish(&mut self, mem: SharedMem<'_>) -> bool {
-        if self.head == self.published {
+        let Some(head) = self.book.publish() else {
             return false;
-        }
-        mem.u64_at(self.at.ctl + HEAD).store(self.head, Ordering::Release);
-        self.published = self.head;
+        };
+        mem.u64_at(self.at.ctl + HEAD).store(head, Ordering::Release);
         fence(Ordering::SeqCst);
         let w = mem.u32_at(self.at.ctl + READER_WAITING);
         w.load(Ordering::Relaxed) != 0 && w.swap(0, Ordering::AcqRel) != 0
@@ -175,15 +172,16 @@ impl Producer {
 impl Consumer {
     /// The reading end of the ring at `at`, at the start of its stream.
     pub(super) fn new(at: RingAt) -> Consumer {
-        Consumer { at, tail: 0, released: 0, head_cache: 0 }
+        Consumer { at, book: RecvLedger::new(at.cap) }
     }
 
     /// Bytes readable now (reloads the producer's `head` only when the cached one says empty).
     pub(super) fn available(&mut self, mem: SharedMem<'_>) -> usize {
-        if self.head_cache == self.tail {
-            self.head_cache = mem.u64_at(self.at.ctl + HEAD).load(Ordering::Acquire);
+        if self.book.available() == 0 {
+            // A `head` the protocol does not allow is ignored: the ring stays empty.
+            let _ = self.book.arrived(mem.u64_at(self.at.ctl + HEAD).load(Ordering::Acquire));
         }
-        (self.head_cache - self.tail) as usize
+        self.book.available()
     }
 
     /// True when the writer closed its end (it may have left data to read).
@@ -197,8 +195,8 @@ impl Consumer {
             return false;
         }
         // `head` was published before `closed`: reload it.
-        self.head_cache = mem.u64_at(self.at.ctl + HEAD).load(Ordering::Acquire);
-        self.head_cache == self.tail
+        let _ = self.book.arrived(mem.u64_at(self.at.ctl + HEAD).load(Ordering::Acquire));
+        self.book.available() == 0
     }
 
     /// Before the reader sleeps for data: raises `reader_waiting` and looks again (see
@@ -222,9 +220,9 @@ impl Consumer {
 
     /// The readable bytes at the tail that are contiguous in the ring (at most `max`).
     fn contiguous(&mut self, mem: SharedMem<'_>, max: usize) -> (usize, usize) {
-        let avail = self.available(mem).min(max);
-        let pos = (self.tail & (self.at.cap as u64 - 1)) as usize;
-        (pos, avail.min(self.at.cap - pos))
+        self.available(mem);
+        let span = self.book.span(max);
+        (span.pos, span.len)
     }
 
     /// Copies up to `dst.len()` bytes out; returns the count.
@@ -241,7 +239,7 @@ impl Consumer {
             // load of head) and does not overwrite them before `tail` passes them.
             unsafe { crate::reduce::copy_nonoverlapping(src, dst[got..].as_mut_ptr(), n) };
             got += n;
-            self.tail += n as u64;
+            self.book.consume(n);
         }
         got
     }
@@ -257,7 +255,7 @@ impl Consumer {
                 let n = self.read_into(mem, &mut b[off..off + chunk]);
                 off += n;
                 total += n;
-                if self.tail - self.released >= PUBLISH as u64 {
+                if self.book.unreleased() >= PUBLISH {
                     wake |= self.release(mem);
                 }
                 if n < chunk {
@@ -291,12 +289,7 @@ impl Consumer {
                 // stitch it with the start so that at least one whole element is offered.
                 let mut bounce = [0u8; 64];
                 let k = avail.min(64);
-                let mut peekc = Consumer {
-                    at: self.at,
-                    tail: self.tail,
-                    released: self.released,
-                    head_cache: self.head_cache,
-                };
+                let mut peekc = Consumer { at: self.at, book: self.book };
                 let got = peekc.read_into(mem, &mut bounce[..k]);
                 f(&bounce[..got]).min(got)
             } else {
@@ -312,15 +305,14 @@ impl Consumer {
                 // have published the rest since it was read (without this re-read the same
                 // partial element would be offered until the deadline).
                 let head = mem.u64_at(self.at.ctl + HEAD).load(Ordering::Acquire);
-                if head == self.head_cache {
+                if head == self.book.head() || self.book.arrived(head).is_err() {
                     break;
                 }
-                self.head_cache = head;
                 continue;
             }
-            self.tail += took as u64;
+            self.book.consume(took);
             total += took;
-            if self.tail - self.released >= PUBLISH as u64 {
+            if self.book.unreleased() >= PUBLISH {
                 wake |= self.release(mem);
             }
         }
@@ -330,20 +322,19 @@ impl Consumer {
 
     /// Copies available bytes without consuming them.
     pub(super) fn peek(&mut self, mem: SharedMem<'_>, buf: &mut [u8]) -> usize {
-        let mut c =
-            Consumer { at: self.at, tail: self.tail, released: self.released, head_cache: self.head_cache };
+        let mut c = Consumer { at: self.at, book: self.book };
         let n = c.read_into(mem, buf);
-        self.head_cache = c.head_cache;
+        // Keep what the copy learnt of the producer's head (allowed: it accepted it).
+        let _ = self.book.arrived(c.book.head());
         n
     }
 
     /// Frees consumed space; true when the writer sleeps and must be woken.
     fn release(&mut self, mem: SharedMem<'_>) -> bool {
-        if self.tail == self.released {
+        let Some(tail) = self.book.release() else {
             return false;
-        }
-        mem.u64_at(self.at.ctl + TAIL).store(self.tail, Ordering::Release);
-        self.released = self.tail;
+        };
+        mem.u64_at(self.at.ctl + TAIL).store(tail, Ordering::Release);
         fence(Ordering::SeqCst);
         let w = mem.u32_at(self.at.ctl + WRITER_WAITING);
         w.load(Ordering::Relaxed) != 0 && w.swap(0, Ordering::AcqRel) != 0
