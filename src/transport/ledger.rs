@@ -65,6 +65,12 @@ impl SendLedger {
         self.head
     }
 
+    /// The reader's `tail` as last accepted.
+    #[inline]
+    pub fn tail(&self) -> u64 {
+        self.tail
+    }
+
     /// Units that may be written now (the credits not yet used).
     #[inline]
     pub fn free(&self) -> usize {

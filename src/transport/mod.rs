@@ -28,6 +28,7 @@
 
 pub mod exchange;
 pub mod ledger;
+pub mod rdma;
 pub mod shm;
 pub mod tcp;
 

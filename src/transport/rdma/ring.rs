@@ -1,0 +1,624 @@
+//! The RDMA ring: one direction's byte stream as RDMA WRITEs with immediate into the peer's
+//! registered staging ring, under the ring protocol's credits ([`crate::transport::ledger`]).
+//!
+//! Each side registers two buffers of `slots x slot_bytes` once: a receive ring the peer
+//! writes into, and a send stage it writes from. Sending copies up to `slot_bytes` bytes into
+//! stage slot `head mod slots` and posts one WRITE_WITH_IMM of them into the peer's ring slot
+//! of the same number, the immediate saying "data, n bytes"; RC delivers writes in order, so
+//! the receiver knows the slot without it being named. A slot is one unit of the ledger: the
+//! writer holds a credit per free slot and writes nothing without one, so it never overwrites
+//! unread bytes, and never has more writes on their way than the receiver has receives posted.
+//! The receiver reads slots in order (a slot may be read in several pieces), and at the end of
+//! every read that emptied slots returns them with one zero-length WRITE_WITH_IMM, "credit,
+//! n slots". Shutting down sends "close" after the last data. Larger writes are split into
+//! slots; a slot is never shared by two writes (a small write wastes the rest of its slot,
+//! as NCCL's network steps do).
+//!
+//! Everything the peer sends is checked before use: the immediate's kind, a data length of
+//! 1..=slot_bytes (and equal to the bytes the completion reports), no slot beyond the credits
+//! given, credits only for slots sent. A failed completion (or a flushed receive, after the
+//! peer's failure moved the queue pair to the error state) fails the ring for good, with an
+//! error naming the peer. Every wait ends at its deadline with an error naming the peer.
+
+use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::ptr::NonNull;
+use std::time::{Duration, Instant};
+
+use super::verbs::{Completion, QpInfo, Region, RemoteRegion, Verbs, WcOp};
+use crate::error::{Error, Result};
+use crate::transport::ledger::{RecvLedger, SendLedger};
+
+/// Receive work requests carry this bit in their id (sends do not).
+pub const RECV_TAG: u64 = 1 << 63;
+/// Credit writes carry this bit in their id.
+const CREDIT_TAG: u64 = 1 << 62;
+
+/// The immediate: kind in bits 30-31, value in bits 0-29.
+const KIND_SHIFT: u32 = 30;
+const VALUE_MASK: u32 = (1 << KIND_SHIFT) - 1;
+const KIND_DATA: u32 = 0;
+const KIND_CREDIT: u32 = 1;
+const KIND_CLOSE: u32 = 2;
+
+/// The immediate of a write: `kind` and its value.
+fn imm(kind: u32, value: usize) -> u32 {
+    debug_assert!(value <= VALUE_MASK as usize);
+    (kind << KIND_SHIFT) | value as u32
+}
+
+/// The shape of a ring: `slots` slots of `slot_bytes` bytes each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    /// Slots, a power of two from 1 to 4096.
+    pub slots: usize,
+    /// Bytes per slot, 1 to 1 GiB.
+    pub slot_bytes: usize,
+}
+
+impl Geometry {
+    /// 16 slots of 64 KiB: 1 MiB per direction, so a 512 KiB frame is 8 writes in flight.
+    pub const DEFAULT: Geometry = Geometry { slots: 16, slot_bytes: 64 * 1024 };
+
+    /// Checks the bounds (also those a peer announces).
+    pub fn check(&self) -> Result<()> {
+        if !self.slots.is_power_of_two()
+            || self.slots > 4096
+            || self.slot_bytes == 0
+            || self.slot_bytes > 1 << 30
+        {
+            return Err(Error::InvalidArgument(
+                format!("RDMA ring of {} slots of {} bytes: slots must be a power of two up to 4096, slots 1 byte to 1 GiB", self.slots, self.slot_bytes).into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Bytes of one ring.
+    pub fn bytes(&self) -> usize {
+        self.slots * self.slot_bytes
+    }
+
+    /// Send-queue entries the ring may use: a write per slot, a credit write per slot, close.
+    pub fn send_depth(&self) -> usize {
+        2 * self.slots + 1
+    }
+
+    /// Receives it keeps posted: the peer's writes per slot, its credits per slot, its close.
+    pub fn recv_depth(&self) -> usize {
+        2 * self.slots + 1
+    }
+}
+
+/// What the peer needs to write into a ring: the queue pair, the receive ring's region, and
+/// its geometry. [`RingInfo::LEN`] bytes on the wire (through the store), little-endian.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingInfo {
+    /// The queue pair to connect to.
+    pub qp: QpInfo,
+    /// Where the writes go.
+    pub ring: RemoteRegion,
+    /// Its shape (both sides use the same).
+    pub geometry: Geometry,
+}
+
+const INFO_MAGIC: &[u8; 4] = b"TRIB";
+const INFO_VERSION: u16 = 1;
+
+impl RingInfo {
+    /// Encoded length.
+    pub const LEN: usize = 64;
+
+    /// The bytes the peer decodes.
+    pub fn encode(&self) -> [u8; RingInfo::LEN] {
+        let mut b = [0u8; RingInfo::LEN];
+        b[0..4].copy_from_slice(INFO_MAGIC);
+        b[4..6].copy_from_slice(&INFO_VERSION.to_le_bytes());
+        b[6] = self.qp.mtu;
+        b[8..12].copy_from_slice(&self.qp.qpn.to_le_bytes());
+        b[12..16].copy_from_slice(&self.qp.psn.to_le_bytes());
+        b[16..18].copy_from_slice(&self.qp.lid.to_le_bytes());
+        b[20..36].copy_from_slice(&self.qp.gid);
+        b[36..44].copy_from_slice(&self.ring.addr.to_le_bytes());
+        b[44..52].copy_from_slice(&(self.ring.len as u64).to_le_bytes());
+        b[52..56].copy_from_slice(&self.ring.rkey.to_le_bytes());
+        b[56..60].copy_from_slice(&(self.geometry.slots as u32).to_le_bytes());
+        b[60..64].copy_from_slice(&(self.geometry.slot_bytes as u32).to_le_bytes());
+        b
+    }
+
+    /// Decodes and checks a peer's bytes: magic, version, a valid geometry, a ring region
+    /// exactly that large, a known MTU.
+    pub fn decode(b: &[u8]) -> Result<RingInfo> {
+        let bad = |what: &str| Error::Remote(format!("bad RDMA ring description: {what}").into());
+        if b.len() != RingInfo::LEN {
+            return Err(bad(&format!("{} bytes, not {}", b.len(), RingInfo::LEN)));
+        }
+        if &b[0..4] != INFO_MAGIC {
+            return Err(bad("wrong magic"));
+        }
+        let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or([0; 8]));
+        if u16_at(4) != INFO_VERSION {
+            return Err(bad(&format!("version {}, this build speaks {INFO_VERSION}", u16_at(4))));
+        }
+        if !(1..=5).contains(&b[6]) {
+            return Err(bad(&format!("MTU code {}", b[6])));
+        }
+        let mut gid = [0u8; 16];
+        gid.copy_from_slice(&b[20..36]);
+        let qp = QpInfo { mtu: b[6], qpn: u32_at(8), psn: u32_at(12), lid: u16_at(16), gid };
+        let geometry = Geometry { slots: u32_at(56) as usize, slot_bytes: u32_at(60) as usize };
+        geometry.check().map_err(|e| bad(e.detail()))?;
+        let len = u64_at(44);
+        if len != geometry.bytes() as u64 || u64_at(36).checked_add(len).is_none() {
+            return Err(bad(&format!(
+                "a ring of {len} bytes for {} slots of {}",
+                geometry.slots, geometry.slot_bytes
+            )));
+        }
+        let ring = RemoteRegion { addr: u64_at(36), len: len as usize, rkey: u32_at(52) };
+        Ok(RingInfo { qp, ring, geometry })
+    }
+}
+
+/// Page-aligned, zeroed memory that the device (or the fake) may write while it is registered:
+/// touched only through raw pointers to the ranges a completion made ours.
+#[derive(Debug)]
+struct Buf {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: `Buf` owns its allocation (no aliasing handle exists outside the ring that owns it),
+// so moving it to another thread moves the only access.
+unsafe impl Send for Buf {}
+
+impl Buf {
+    fn new(len: usize) -> Result<Buf> {
+        let layout = Layout::from_size_align(len.max(1), 4096)
+            .map_err(|_| Error::InvalidArgument(format!("RDMA ring buffer of {len} bytes").into()))?;
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { alloc_zeroed(layout) };
+        let ptr = NonNull::new(ptr)
+            .ok_or_else(|| Error::System(format!("cannot allocate {len} bytes for an RDMA ring").into()))?;
+        Ok(Buf { ptr, layout })
+    }
+
+    /// Copies `src` to offset `at` (in bounds: checked).
+    fn write(&mut self, at: usize, src: &[u8]) {
+        assert!(
+            at.checked_add(src.len()).is_some_and(|e| e <= self.layout.size()),
+            "stage write out of bounds"
+        );
+        // SAFETY: in bounds (above); the stage's bytes are read by the device only after a
+        // post of this range, which happens after this copy on this thread.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(at), src.len()) };
+    }
+
+    /// Copies from offset `at` into `dst` (in bounds: checked).
+    fn read(&self, at: usize, dst: &mut [u8]) {
+        assert!(
+            at.checked_add(dst.len()).is_some_and(|e| e <= self.layout.size()),
+            "ring read out of bounds"
+        );
+        // SAFETY: in bounds (above); the caller reads only a slot whose write completed (its
+        // completion was polled), which the peer does not write again before it gets the slot
+        // back as a credit, after this read.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(at), dst.as_mut_ptr(), dst.len()) };
+    }
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout, freed once.
+        unsafe { dealloc(self.ptr.as_ptr(), self.layout) };
+    }
+}
+
+/// One peer's RDMA ring pair (this side's send direction and receive direction) over one
+/// queue pair.
+#[derive(Debug)]
+pub struct RdmaRing<V: Verbs> {
+    verbs: V,
+    peer: usize,
+    geo: Geometry,
+    stage: Buf,
+    stage_mr: Region,
+    ring: Buf,
+    ring_mr: Region,
+    remote: Option<RemoteRegion>,
+    tx: SendLedger,
+    rx: RecvLedger,
+    /// Bytes in each arrived slot.
+    lens: Vec<usize>,
+    /// Bytes already read of the slot at the receive tail.
+    rx_off: usize,
+    /// Send-queue entries posted and not completed.
+    sq: usize,
+    closed: bool,
+    peer_closed: bool,
+    failed: Option<Error>,
+    wcs: Vec<Completion>,
+}
+
+impl<V: Verbs> RdmaRing<V> {
+    /// Registers the two buffers on `verbs` and posts the receives; connect with the peer's
+    /// [`RingInfo`] next. `peer` is the peer's rank (for errors).
+    pub fn new(mut verbs: V, peer: usize, geo: Geometry) -> Result<RdmaRing<V>> {
+        geo.check()?;
+        let (mut stage, mut ring) = (Buf::new(geo.bytes())?, Buf::new(geo.bytes())?);
+        let reg = |v: &mut V, b: &mut Buf| {
+            // SAFETY: the buffer lives in the returned ring, whose Drop deregisters it before
+            // the buffer is freed (fields drop after `drop` returns).
+            unsafe { v.register(b.ptr.as_ptr(), geo.bytes()) }
+                .map_err(|e| Error::system("registering an RDMA ring buffer", e))
+        };
+        let stage_mr = reg(&mut verbs, &mut stage)?;
+        let ring_mr = match reg(&mut verbs, &mut ring) {
+            Ok(r) => r,
+            Err(e) => {
+                verbs.deregister(&stage_mr);
+                return Err(e);
+            }
+        };
+        let mut r = RdmaRing {
+            verbs,
+            peer,
+            geo,
+            stage,
+            stage_mr,
+            ring,
+            ring_mr,
+            remote: None,
+            tx: SendLedger::new(geo.slots),
+            rx: RecvLedger::new(geo.slots),
+            lens: vec![0; geo.slots],
+            rx_off: 0,
+            sq: 0,
+            closed: false,
+            peer_closed: false,
+            failed: None,
+            wcs: Vec::new(),
+        };
+        for i in 0..geo.recv_depth() {
+            r.verbs.post_recv(RECV_TAG | i as u64).map_err(|e| Error::system("posting RDMA receives", e))?;
+        }
+        Ok(r)
+    }
+
+    /// What the peer needs to connect to this ring.
+    pub fn info(&self) -> RingInfo {
+        RingInfo {
+            qp: self.verbs.local_qp(),
+            ring: RemoteRegion { addr: self.ring_mr.addr, len: self.ring_mr.len, rkey: self.ring_mr.rkey },
+            geometry: self.geo,
+        }
+    }
+
+    /// Connects to the peer's ring (decoded and checked by [`RingInfo::decode`]).
+    pub fn connect(&mut self, peer: &RingInfo) -> Result<()> {
+        if peer.geometry != self.geo {
+            return Err(Error::InvalidUsage(
+                format!(
+                    "rank {} has an RDMA ring of {} slots of {} bytes, this rank {} of {}",
+                    self.peer,
+                    peer.geometry.slots,
+                    peer.geometry.slot_bytes,
+                    self.geo.slots,
+                    self.geo.slot_bytes
+                )
+                .into(),
+            )
+            .with_peer(self.peer));
+        }
+        self.verbs
+            .connect(&peer.qp)
+            .map_err(|e| Error::system(format!("connecting the RDMA queue pair to rank {}", self.peer), e))?;
+        self.remote = Some(peer.ring);
+        Ok(())
+    }
+
+    /// The peer's rank.
+    pub fn peer(&self) -> usize {
+        self.peer
+    }
+
+    /// The send side's ledger (slots written, published, credited).
+    pub fn send_ledger(&self) -> &SendLedger {
+        &self.tx
+    }
+
+    /// The receive side's ledger (slots arrived, consumed, released).
+    pub fn recv_ledger(&self) -> &RecvLedger {
+        &self.rx
+    }
+
+    /// Send-queue entries in use.
+    pub fn send_queue_used(&self) -> usize {
+        self.sq
+    }
+
+    /// Fails the ring for good with `e` (kept for later calls) and returns it.
+    fn fail(&mut self, e: Error) -> Error {
+        let e = e.with_peer(self.peer);
+        self.failed.get_or_insert(e).clone()
+    }
+
+    fn protocol(&mut self, what: String) -> Error {
+        self.fail(Error::Remote(format!("RDMA ring from rank {}: {what}", self.peer).into()))
+    }
+
+    /// Polls the completion queue and applies what arrived: data, credits, close, failures.
+    pub fn progress(&mut self) -> Result<()> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let mut wcs = std::mem::take(&mut self.wcs);
+        wcs.clear();
+        let polled = self.verbs.poll(&mut wcs);
+        let r = polled
+            .map_err(|e| self.fail(Error::system("polling the RDMA completion queue", e)))
+            .and_then(|_| wcs.iter().try_for_each(|c| self.apply(c)));
+        self.wcs = wcs;
+        r?;
+        self.return_credits()
+    }
+
+    fn apply(&mut self, c: &Completion) -> Result<()> {
+        if let Err(status) = &c.status {
+            let what = if c.wr_id & RECV_TAG != 0 { "a receive" } else { "a write" };
+            return Err(self.fail(Error::Remote(
+                format!("RDMA with rank {}: {what} failed: {status}", self.peer).into(),
+            )));
+        }
+        match c.op {
+            WcOp::Write => {
+                self.sq = self.sq.saturating_sub(1);
+                Ok(())
+            }
+            WcOp::RecvImm { imm, len } => {
+                if let Err(e) = self.verbs.post_recv(c.wr_id) {
+                    return Err(self.fail(Error::system("reposting an RDMA receive", e)));
+                }
+                let value = (imm & VALUE_MASK) as usize;
+                match imm >> KIND_SHIFT {
+                    KIND_DATA => {
+                        if value == 0 || value > self.geo.slot_bytes || len as usize != value {
+                            return Err(self.protocol(format!(
+                                "a write of {len} bytes announced as {value} (slots hold {})",
+                                self.geo.slot_bytes
+                            )));
+                        }
+                        // RC keeps the writes in order: this one filled the slot at the head.
+                        let slot = (self.rx.head() % self.geo.slots as u64) as usize;
+                        if let Err(v) = self.rx.arrived(self.rx.head() + 1) {
+                            return Err(
+                                self.protocol(format!("a write beyond the credits it was given ({v})"))
+                            );
+                        }
+                        self.lens[slot] = value;
+                        Ok(())
+                    }
+                    KIND_CREDIT if len == 0 && value > 0 => {
+                        match self.tx.credit(self.tx.tail() + value as u64) {
+                            Ok(_) => Ok(()),
+                            Err(v) => Err(self.protocol(format!("credits for slots never sent ({v})"))),
+                        }
+                    }
+                    KIND_CLOSE if len == 0 => {
+                        self.peer_closed = true;
+                        Ok(())
+                    }
+                    _ => Err(self.protocol(format!("an immediate 0x{imm:08x} with {len} bytes"))),
+                }
+            }
+        }
+    }
+
+    /// Returns the slots consumed since the last credit, when the send queue has room.
+    fn return_credits(&mut self) -> Result<()> {
+        let (Some(remote), n) = (self.remote, self.rx.unreleased()) else {
+            return Ok(());
+        };
+        if n == 0 || self.sq >= self.geo.send_depth() {
+            return Ok(());
+        }
+        let posted = self.verbs.post_write_imm(
+            CREDIT_TAG | self.rx.tail(),
+            &self.stage_mr,
+            0,
+            0,
+            &remote,
+            0,
+            imm(KIND_CREDIT, n),
+        );
+        if let Err(e) = posted {
+            return Err(self.fail(Error::system(format!("returning credits to rank {}", self.peer), e)));
+        }
+        self.sq += 1;
+        self.rx.release();
+        Ok(())
+    }
+
+    /// Writes as much of `bufs` as the credits allow, one slot per write; returns the bytes
+    /// taken (0: no credit now). Never waits.
+    pub fn write(&mut self, bufs: &[&[u8]]) -> Result<usize> {
+        self.progress()?;
+        let Some(remote) = self.remote else {
+            return Err(Error::InvalidUsage("RDMA ring written before it was connected".into()));
+        };
+        if self.closed {
+            return Err(Error::InvalidUsage(
+                format!("RDMA ring to rank {} written after shutdown", self.peer).into(),
+            ));
+        }
+        let b = self.geo.slot_bytes;
+        let (mut written, mut i, mut off) = (0usize, 0usize, 0usize);
+        loop {
+            while i < bufs.len() && off == bufs[i].len() {
+                (i, off) = (i + 1, 0);
+            }
+            // One entry stays for the credits the receive side owes.
+            if i == bufs.len() || self.tx.free() == 0 || self.sq + 1 >= self.geo.send_depth() {
+                return Ok(written);
+            }
+            let slot = self.tx.span(1).pos;
+            let mut n = 0;
+            while i < bufs.len() && n < b {
+                let k = (bufs[i].len() - off).min(b - n);
+                self.stage.write(slot * b + n, &bufs[i][off..off + k]);
+                (n, off) = (n + k, off + k);
+                if off == bufs[i].len() {
+                    (i, off) = (i + 1, 0);
+                }
+            }
+            let at = slot * b;
+            let posted = self.verbs.post_write_imm(
+                self.tx.head(),
+                &self.stage_mr,
+                at,
+                n,
+                &remote,
+                at,
+                imm(KIND_DATA, n),
+            );
+            if let Err(e) = posted {
+                return Err(self.fail(Error::system(format!("RDMA write to rank {}", self.peer), e)));
+            }
+            self.sq += 1;
+            self.tx.advance(1);
+            self.tx.publish();
+            written += n;
+        }
+    }
+
+    /// Reads what has arrived into `bufs` in order; returns the bytes read (0: nothing now,
+    /// or the end of the stream: see [`RdmaRing::at_end`]). Never waits.
+    pub fn read(&mut self, bufs: &mut [&mut [u8]]) -> Result<usize> {
+        self.progress()?;
+        let b = self.geo.slot_bytes;
+        let mut total = 0;
+        for dst in bufs.iter_mut() {
+            let mut off = 0;
+            while off < dst.len() && self.rx.available() > 0 {
+                let slot = self.rx.span(1).pos;
+                let len = self.lens[slot];
+                let n = (len - self.rx_off).min(dst.len() - off);
+                self.ring.read(slot * b + self.rx_off, &mut dst[off..off + n]);
+                (off, self.rx_off) = (off + n, self.rx_off + n);
+                if self.rx_off == len {
+                    self.rx.consume(1);
+                    self.rx_off = 0;
+                }
+            }
+            total += off;
+        }
+        self.return_credits()?;
+        Ok(total)
+    }
+
+    /// True when the peer shut its side down and everything it wrote has been read.
+    pub fn at_end(&self) -> bool {
+        self.peer_closed && self.rx.available() == 0
+    }
+
+    /// Sends "close" after the data written so far: the peer reads end of stream after it.
+    pub fn shutdown(&mut self) -> Result<()> {
+        self.progress()?;
+        let Some(remote) = self.remote else {
+            return Ok(());
+        };
+        if !self.closed {
+            let posted = self.verbs.post_write_imm(
+                u64::MAX >> 2,
+                &self.stage_mr,
+                0,
+                0,
+                &remote,
+                0,
+                imm(KIND_CLOSE, 0),
+            );
+            if let Err(e) = posted {
+                return Err(
+                    self.fail(Error::system(format!("closing the RDMA ring to rank {}", self.peer), e))
+                );
+            }
+            self.sq += 1;
+            self.closed = true;
+        }
+        Ok(())
+    }
+
+    /// Writes all of `data`, waiting for credits until `deadline`.
+    pub fn write_all(&mut self, mut data: &[u8], deadline: Instant) -> Result<()> {
+        let mut idle = 0u32;
+        while !data.is_empty() {
+            let n = self.write(&[data])?;
+            data = &data[n..];
+            if n == 0 && !data.is_empty() {
+                self.pause(&mut idle, deadline, || "no credits (every slot is unread)")?;
+            } else {
+                idle = 0;
+            }
+        }
+        Ok(())
+    }
+
+    /// Fills `buf`, waiting for data until `deadline`.
+    pub fn read_exact(&mut self, buf: &mut [u8], deadline: Instant) -> Result<()> {
+        let (mut got, mut idle) = (0usize, 0u32);
+        while got < buf.len() {
+            let n = self.read(&mut [&mut buf[got..]])?;
+            got += n;
+            if n > 0 {
+                idle = 0;
+            } else if self.at_end() {
+                return Err(Error::Remote(
+                    format!("rank {} closed its RDMA ring after {got} of {} bytes", self.peer, buf.len())
+                        .into(),
+                )
+                .with_peer(self.peer));
+            } else {
+                self.pause(&mut idle, deadline, || "nothing arrived")?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One step of a wait: yields the CPU, then sleeps for growing intervals up to 1 ms;
+    /// at the deadline an error naming the peer and what was awaited.
+    fn pause(&mut self, idle: &mut u32, deadline: Instant, what: impl Fn() -> &'static str) -> Result<()> {
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(Error::Timeout(
+                format!(
+                    "RDMA ring with rank {}: {} until the deadline ({} of {} slots in flight to it, {} unread from it)",
+                    self.peer,
+                    what(),
+                    self.tx.in_flight(),
+                    self.geo.slots,
+                    self.rx.available()
+                )
+                .into(),
+            )
+            .with_peer(self.peer));
+        }
+        *idle += 1;
+        if *idle < 64 {
+            std::thread::yield_now();
+        } else {
+            let nap = Duration::from_micros(1 << (*idle - 64).min(10));
+            std::thread::sleep(nap.min(deadline - now));
+        }
+        Ok(())
+    }
+}
+
+impl<V: Verbs> Drop for RdmaRing<V> {
+    fn drop(&mut self) {
+        // Before the buffers are freed (they drop after this).
+        self.verbs.deregister(&self.ring_mr);
+        self.verbs.deregister(&self.stage_mr);
+    }
+}

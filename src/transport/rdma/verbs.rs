@@ -1,0 +1,197 @@
+//! The verbs the RDMA ring needs, as a trait: exactly those, so that an in-memory fake
+//! ([`super::fake`]) can stand in for a NIC in the tests and `sideway` ([`super::hca`], cargo
+//! feature `rdma`) drives real hardware with the same ring.
+//!
+//! The operations are the InfiniBand Architecture Specification's (volume 1, chapter 11, as
+//! rdma-core's libibverbs exposes them): register memory (`ibv_reg_mr`), post an RDMA WRITE
+//! with immediate (`IBV_WR_RDMA_WRITE_WITH_IMM`) and receives (`ibv_post_recv`), poll the
+//! completion queue (`ibv_poll_cq`), and bring a reliable-connected (RC) queue pair to
+//! ready-to-send with the peer's address (`ibv_modify_qp`). What RC guarantees and the ring
+//! relies on: writes arrive and complete in the order they were posted, each WRITE_WITH_IMM
+//! consumes one posted receive at the target and completes there with its immediate after its
+//! bytes are in place, and an error puts the queue pair in the error state, flushing every
+//! outstanding request with an error completion.
+
+use std::io;
+
+/// A registered memory region: its address and keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Region {
+    /// First byte (a virtual address for host memory).
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: usize,
+    /// Key for local access (in work requests of this endpoint).
+    pub lkey: u32,
+    /// Key the peer names in RDMA writes into this region.
+    pub rkey: u32,
+}
+
+impl Region {
+    /// True when `addr..addr + len` lies inside this region.
+    pub fn contains(&self, addr: u64, len: usize) -> bool {
+        addr >= self.addr
+            && addr.checked_add(len as u64).is_some_and(|end| end <= self.addr + self.len as u64)
+    }
+}
+
+/// A peer's region as the peer described it: where RDMA writes go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteRegion {
+    /// First byte.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: usize,
+    /// The peer's remote key.
+    pub rkey: u32,
+}
+
+/// What a queue pair's peer needs to connect to it (exchanged before connecting).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct QpInfo {
+    /// Queue pair number.
+    pub qpn: u32,
+    /// First packet sequence number.
+    pub psn: u32,
+    /// Local identifier (InfiniBand; 0 on RoCE).
+    pub lid: u16,
+    /// Global identifier of the port at `TOROID_IB_GID_INDEX` (RoCE, or routed InfiniBand).
+    pub gid: [u8; 16],
+    /// Path MTU as the verbs enum (1 = 256 bytes ... 5 = 4096 bytes).
+    pub mtu: u8,
+}
+
+/// What a completion completed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WcOp {
+    /// An RDMA WRITE this endpoint posted.
+    Write,
+    /// A posted receive, consumed by the peer's WRITE_WITH_IMM: its immediate and byte count.
+    RecvImm {
+        /// The immediate data.
+        imm: u32,
+        /// Bytes written into this endpoint's memory.
+        len: u32,
+    },
+}
+
+/// One work completion.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    /// The work request's id, as posted.
+    pub wr_id: u64,
+    /// What completed (meaningless when `status` is an error: flushed receives say `Write`).
+    pub op: WcOp,
+    /// `Err` with the status's name (`ibv_wc_status_str`) when it failed.
+    pub status: Result<(), String>,
+}
+
+/// One endpoint of one RC queue pair, with its protection domain and completion queue.
+pub trait Verbs: Send + std::fmt::Debug {
+    /// Registers `len` bytes at `ptr` for local access and remote writes.
+    ///
+    /// # Safety
+    ///
+    /// The memory must stay allocated until [`Verbs::deregister`] of the returned region, or
+    /// until this endpoint is dropped: the device (or the peer, through the fake) may write it
+    /// at any time until then.
+    unsafe fn register(&mut self, ptr: *mut u8, len: usize) -> io::Result<Region>;
+
+    /// Releases a registration: the device no longer touches the memory when this returns.
+    fn deregister(&mut self, region: &Region);
+
+    /// This endpoint's queue pair, for the peer's [`Verbs::connect`].
+    fn local_qp(&self) -> QpInfo;
+
+    /// Brings the queue pair to ready-to-send towards the peer described by `peer`.
+    fn connect(&mut self, peer: &QpInfo) -> io::Result<()>;
+
+    /// Posts an RDMA WRITE with immediate `imm` of `len` bytes at `offset` in `local` to
+    /// `remote_offset` in `remote` (signalled: it completes here as [`WcOp::Write`]). `len` may
+    /// be 0: then only the immediate travels. Fails (without posting) when the send queue is
+    /// full or the queue pair is not ready.
+    #[allow(clippy::too_many_arguments)]
+    fn post_write_imm(
+        &mut self,
+        wr_id: u64,
+        local: &Region,
+        offset: usize,
+        len: usize,
+        remote: &RemoteRegion,
+        remote_offset: usize,
+        imm: u32,
+    ) -> io::Result<()>;
+
+    /// Posts a receive (no buffer: it only takes a WRITE_WITH_IMM's immediate).
+    fn post_recv(&mut self, wr_id: u64) -> io::Result<()>;
+
+    /// Appends the completions there now (never waits).
+    fn poll(&mut self, out: &mut Vec<Completion>) -> io::Result<()>;
+}
+
+/// Registrations made once and reused: a buffer inside a cached region needs no new
+/// registration (pinning memory with `ibv_reg_mr` takes tens of microseconds per megabyte).
+/// For buffers that outlive many operations: staging rings, and device memory (GPUDirect)
+/// where the driver allows registering it.
+#[derive(Debug, Default)]
+pub struct MrCache {
+    regions: Vec<Region>,
+}
+
+impl MrCache {
+    /// An empty cache.
+    pub fn new() -> MrCache {
+        MrCache::default()
+    }
+
+    /// The cached region holding `ptr..ptr + len`, registered now when none does.
+    ///
+    /// # Safety
+    ///
+    /// As [`Verbs::register`]: the memory stays allocated until [`MrCache::evict`] of it or
+    /// [`MrCache::clear`] (with the same endpoint).
+    pub unsafe fn get<V: Verbs + ?Sized>(
+        &mut self,
+        verbs: &mut V,
+        ptr: *mut u8,
+        len: usize,
+    ) -> io::Result<Region> {
+        if let Some(r) = self.regions.iter().find(|r| r.contains(ptr as u64, len)) {
+            return Ok(*r);
+        }
+        // SAFETY: the caller's contract is register's.
+        let r = unsafe { verbs.register(ptr, len) }?;
+        self.regions.push(r);
+        Ok(r)
+    }
+
+    /// Deregisters every cached region overlapping `ptr..ptr + len` (before that memory is
+    /// freed).
+    pub fn evict<V: Verbs + ?Sized>(&mut self, verbs: &mut V, ptr: *mut u8, len: usize) {
+        let (start, end) = (ptr as u64, ptr as u64 + len as u64);
+        self.regions.retain(|r| {
+            let overlaps = r.addr < end && start < r.addr + r.len as u64;
+            if overlaps {
+                verbs.deregister(r);
+            }
+            !overlaps
+        });
+    }
+
+    /// Deregisters everything.
+    pub fn clear<V: Verbs + ?Sized>(&mut self, verbs: &mut V) {
+        for r in self.regions.drain(..) {
+            verbs.deregister(&r);
+        }
+    }
+
+    /// Cached regions.
+    pub fn len(&self) -> usize {
+        self.regions.len()
+    }
+
+    /// True when nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.regions.is_empty()
+    }
+}
