@@ -107,6 +107,8 @@ pub const TOROID_VARS: &[&str] = &[
     "TOROID_TEST_FLOW_RATE",
     "TOROID_NVRTC_PATH",
     "TOROID_CUDA_IPC",
+    "TOROID_IB_HCA",
+    "TOROID_IB_GID_INDEX",
 ];
 
 /// Settings of the library, from the environment or built by hand.
@@ -147,6 +149,13 @@ pub struct Config {
     /// Collectives on device memory between ranks of one host through CUDA IPC
     /// (`TOROID_CUDA_IPC`, default on); off, they are staged through pinned host memory.
     pub cuda_ipc: bool,
+    /// The RDMA device (and port) to use (`TOROID_IB_HCA`, `name` or `name:port`, e.g.
+    /// `mlx5_0:1`); unset, the first device's port 1. Read by the RDMA transport (cargo feature
+    /// `rdma`).
+    pub ib_hca: Option<String>,
+    /// The GID table index of the RDMA port (`TOROID_IB_GID_INDEX`, default 0; RoCE v2 often
+    /// needs 3).
+    pub ib_gid_index: u32,
     /// `SIGUSR1` prints the stall report of every live communicator to stderr
     /// (`TOROID_DUMP_ON_SIGNAL`, default on).
     pub dump_on_signal: bool,
@@ -231,6 +240,8 @@ impl Default for Config {
             cost_model: None,
             shm_disable: false,
             cuda_ipc: true,
+            ib_hca: None,
+            ib_gid_index: 0,
             dump_on_signal: true,
             wire: None,
             nsocks: 0,
@@ -343,6 +354,17 @@ impl Config {
         }
         if let Some(v) = get("TOROID_CUDA_IPC") {
             cfg.cuda_ipc = parse_bool("TOROID_CUDA_IPC", v)?;
+        }
+        cfg.ib_hca = get("TOROID_IB_HCA").map(str::to_string);
+        if let Some(v) = get("TOROID_IB_GID_INDEX") {
+            cfg.ib_gid_index = match parse_num::<u32>("TOROID_IB_GID_INDEX", v)? {
+                n @ 0..=255 => n,
+                _ => {
+                    return Err(Error::InvalidArgument(
+                        format!("TOROID_IB_GID_INDEX={v}: expected 0 to 255").into(),
+                    ));
+                }
+            };
         }
         if let Some(v) = get("TOROID_DUMP_ON_SIGNAL") {
             cfg.dump_on_signal = parse_bool("TOROID_DUMP_ON_SIGNAL", v)?;
@@ -616,6 +638,18 @@ mod tests {
         }
         assert!(cfg(&[("TOROID_TEST_FLOW_RATE", "fast")]).is_err());
         assert!(cfg(&[("TOROID_TEST_FLOW_RATE", "0gbit")]).is_err());
+    }
+
+    #[test]
+    fn rdma_device_and_gid_index() {
+        let c = cfg(&[]).unwrap();
+        assert_eq!((c.ib_hca.as_deref(), c.ib_gid_index), (None, 0));
+        let c = cfg(&[("TOROID_IB_HCA", "mlx5_0:1"), ("TOROID_IB_GID_INDEX", "3")]).unwrap();
+        assert_eq!((c.ib_hca.as_deref(), c.ib_gid_index), (Some("mlx5_0:1"), 3));
+        for bad in ["256", "-1", "x"] {
+            let e = cfg(&[("TOROID_IB_GID_INDEX", bad)]).unwrap_err().to_string();
+            assert!(e.contains("TOROID_IB_GID_INDEX"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -241,6 +241,13 @@ impl Communicator {
             id,
             deadline,
         )?;
+        // RDMA between hosts (cargo feature `rdma`): the communicator does not choose it yet;
+        // whether a device is there is checked and logged at INFO, and TCP carries the traffic
+        // (docs/ARCHITECTURE.md 5.6).
+        #[cfg(feature = "rdma")]
+        if topology.hosts > 1 {
+            let _ = crate::transport::rdma::hca::can_connect(cfg);
+        }
         let config = cfg.clone();
         let shm::ShmSetup { links: transports, window, shm_peers } = links;
         let cores = crate::sys::cpu::online_cpus();
