@@ -21,6 +21,7 @@ apt_packages=(
   openmpi-bin                # tests/launchers.rs: mpirun
   slurm-wlm munge            # tests/launchers.rs: srun on a one-node cluster the test starts
   python3 python3-pip        # the Python binding and torch tests, torchrun
+  cmake libclang-dev         # cargo feature rdma: sideway's rdma-mummy-sys (CMake, bindgen)
 )
 # Python packages (import name = pip name). torch from PyPI is the CUDA build, about 3 GB; it
 # runs on the CPU, and pip reuses its cache between runs. expecttest and hypothesis: torch's own

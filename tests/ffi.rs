@@ -6,7 +6,8 @@
 //!   a reference, on 2..=5 ranks and all three ways of creating a communicator;
 //! - `errors.c`: every error path of the ABI, each asserted;
 //! - `stats.c`: `toroid_comm_stats` counts exactly, sizes the caller's array and truncates;
-//! - `dlopen.c`: libtoroid.so loaded with dlopen, every entry point resolved with dlsym;
+//! - `dlopen.c`: libtoroid.so loaded with dlopen, every entry point resolved with dlsym; also
+//!   with libcuda, libnvrtc and libibverbs hidden from dlopen (`hide_libs.c`, an interposer);
 //! - `lifecycle.c` under valgrind: create -> collectives -> destroy, repeated, with no error,
 //!   no leak, and no memory still reachable that grows with the number of iterations;
 //! - `quickstart.c` (the C quick start of docs/C_AND_PYTHON.md), built with pkg-config's flags.
@@ -226,6 +227,40 @@ fn libtoroid_needs_no_cuda_nvrtc_or_verbs_library_to_load() {
         for lib in ["libcuda", "libnvrtc", "libcudart", "libibverbs"] {
             assert!(!l.contains(lib), "libtoroid.so needs {lib} at load time: {l}");
         }
+    }
+}
+
+#[test]
+fn libtoroid_loads_and_runs_with_cuda_and_verbs_hidden_from_the_loader() {
+    // As on a machine without CUDA or RDMA: an LD_PRELOAD interposer (ffi_tests/hide_libs.c)
+    // makes every dlopen of those libraries fail, then dlopen.c loads libtoroid and runs
+    // collectives. With the feature `rdma`, rdma-core-mummy's constructor tries libibverbs
+    // when libtoroid loads: it must be refused, and libtoroid must load and work all the same.
+    let dir = out_dir();
+    let hide = dir.join("hide_libs.so");
+    let mut cc = Command::new(std::env::var_os("CC").unwrap_or_else(|| "cc".into()));
+    cc.args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic", "-shared", "-fPIC"])
+        .arg(crate_dir().join("ffi_tests/hide_libs.c"))
+        .arg("-o")
+        .arg(&hide)
+        .arg("-ldl");
+    check(&cc.output().expect("the C compiler (cc) runs"), "compiling ffi_tests/hide_libs.c");
+    let exe = build("dlopen");
+    let so = lib_dir().join("libtoroid.so");
+    let preload = hide.display().to_string();
+    let env = [
+        ("LD_PRELOAD", preload.as_str()),
+        ("TOROID_TEST_HIDE", "libcuda,libnvrtc,libcudart,libibverbs,libmlx5,librdmacm,libibumad"),
+    ];
+    let out = run_ranks(2, 120, &env, &[exe.as_os_str(), so.as_os_str()]);
+    check(&out, "dlopen.c with CUDA and verbs hidden");
+    every_rank_says(&out, 2, "collectives passed");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if cfg!(feature = "rdma") {
+        assert!(
+            stderr.contains("hide_libs: refused libibverbs.so.1"),
+            "libibverbs was not even tried:\n{stderr}"
+        );
     }
 }
 
