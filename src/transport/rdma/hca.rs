@@ -147,13 +147,14 @@ pub fn can_connect(cfg: &Config) -> bool {
     }
 }
 
-/// One RC queue pair on a device, with its completion queue and registrations. Fields drop in
-/// order: the queue pair before the registrations and the completion queue it uses.
+/// One RC queue pair on a device, with its completion queue and registrations. The sideway
+/// objects are released in [`Drop`] behind the panic guard (sideway asserts in its drops), the
+/// queue pair before the registrations and the completion queue it uses.
 pub struct HcaVerbs {
-    qp: ExtendedQueuePair,
-    mrs: HashMap<u32, Arc<MemoryRegion>>,
-    cq: Arc<ExtendedCompletionQueue>,
-    dev: Device,
+    qp: std::mem::ManuallyDrop<ExtendedQueuePair>,
+    mrs: std::mem::ManuallyDrop<HashMap<u32, Arc<MemoryRegion>>>,
+    cq: std::mem::ManuallyDrop<Arc<ExtendedCompletionQueue>>,
+    dev: std::mem::ManuallyDrop<Device>,
     gid_index: u32,
     local: QpInfo,
 }
@@ -198,7 +199,7 @@ impl HcaVerbs {
     pub fn open(cfg: &Config, send_depth: usize, recv_depth: usize) -> Result<HcaVerbs> {
         let dev = open_device(cfg.ib_hca.as_deref())?;
         let gid_index = cfg.ib_gid_index;
-        guard("creating an RDMA queue pair", || {
+        let made = guard("creating an RDMA queue pair", || {
             let sys = |what: &str, e: &dyn std::fmt::Display| {
                 Error::System(format!("RDMA: {}: {what}: {e}", dev.name).into())
             };
@@ -236,8 +237,42 @@ impl HcaVerbs {
                 gid: gid.raw,
                 mtu: mtu_code(port.active_mtu()),
             };
-            Ok(HcaVerbs { qp, mrs: HashMap::new(), cq, dev, gid_index, local })
-        })?
+            Ok((qp, cq, local))
+        });
+        match made {
+            Ok(Ok((qp, cq, local))) => Ok(HcaVerbs {
+                qp: std::mem::ManuallyDrop::new(qp),
+                mrs: std::mem::ManuallyDrop::new(HashMap::new()),
+                cq: std::mem::ManuallyDrop::new(cq),
+                dev: std::mem::ManuallyDrop::new(dev),
+                gid_index,
+                local,
+            }),
+            Ok(Err(e)) | Err(e) => {
+                let _ = guard("closing the RDMA device", || drop(dev));
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Drop for HcaVerbs {
+    fn drop(&mut self) {
+        // SAFETY: each field is taken exactly once, here, and never used again.
+        let (qp, mrs, cq, dev) = unsafe {
+            (
+                std::mem::ManuallyDrop::take(&mut self.qp),
+                std::mem::ManuallyDrop::take(&mut self.mrs),
+                std::mem::ManuallyDrop::take(&mut self.cq),
+                std::mem::ManuallyDrop::take(&mut self.dev),
+            )
+        };
+        let _ = guard("closing the RDMA queue pair", move || {
+            drop(qp);
+            drop(mrs);
+            drop(cq);
+            drop(dev);
+        });
     }
 }
 

@@ -384,6 +384,9 @@ impl<V: Verbs> RdmaRing<V> {
                 let value = (imm & VALUE_MASK) as usize;
                 match imm >> KIND_SHIFT {
                     KIND_DATA => {
+                        if self.peer_closed {
+                            return Err(self.protocol("data after it closed its ring".into()));
+                        }
                         if value == 0 || value > self.geo.slot_bytes || len as usize != value {
                             return Err(self.protocol(format!(
                                 "a write of {len} bytes announced as {value} (slots hold {})",

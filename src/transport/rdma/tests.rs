@@ -268,6 +268,12 @@ fn a_peer_that_breaks_the_protocol_is_an_error_naming_it() {
         let e = a.read(&mut [&mut [0u8; 64]]).expect_err("bad length");
         assert!(e.to_string().contains("announced"), "{e}");
     }
+    // Data after close.
+    let (mut a, mut raw, region, remote) = ring_and_raw_peer(geo);
+    raw.post_write_imm(0, &region, 0, 0, &remote, 0, 2 << 30).expect("close");
+    raw.post_write_imm(1, &region, 0, 4, &remote, 0, 4).expect("data");
+    let e = a.read(&mut [&mut [0u8; 64]]).expect_err("data after close");
+    assert!(e.to_string().contains("after it closed"), "{e}");
     // Credits for slots never sent, and an unknown kind.
     for imm in [(1 << 30) | 1, 3 << 30] {
         let (mut a, mut raw, region, remote) = ring_and_raw_peer(geo);
