@@ -599,9 +599,9 @@ fn stream_collectives_through_ipc_and_staged_give_the_reference_on_every_rank() 
 /// element checked against the reference, and a blocking call after them.
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/gpu-check.sh runs it"]
-fn async_stream_collectives_order_the_callers_stream_and_complete() {
+fn async_stream_collectives_complete_with_the_reference() {
     use gpu::stream::{self, DevicePath};
-    const TEST: &str = "async_stream_collectives_order_the_callers_stream_and_complete";
+    const TEST: &str = "async_stream_collectives_complete_with_the_reference";
     gpu::driver_available().expect("this test needs a CUDA driver");
     let Some(_) = ptx(TEST) else { panic!("{TEST}: no NVRTC") };
     let n = 3;

@@ -389,11 +389,6 @@ impl IpcWindows {
         }
     }
 
-    /// The context the windows belong to.
-    pub fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
-    }
-
     /// Waits for `stream`, then meets every rank. The first meeting of a call also checks that
     /// every rank makes the same call: one all-reduce of maxima over the values and their
     /// complements (so the minimum and maximum of each); later ones are barriers.
