@@ -96,6 +96,7 @@ pub const TOROID_VARS: &[&str] = &[
     "TOROID_TORUS_SHAPE",
     "TOROID_COST_MODEL",
     "TOROID_SHM_DISABLE",
+    "TOROID_CONNECT",
     "TOROID_DUMP_ON_SIGNAL",
     "TOROID_SHM_DIR",
     "TOROID_SHM_RING_SIZE",
@@ -156,6 +157,10 @@ pub struct Config {
     /// The GID table index of the RDMA port (`TOROID_IB_GID_INDEX`, default 0; RoCE v2 often
     /// needs 3).
     pub ib_gid_index: u32,
+    /// Open connections between ranks on demand (`TOROID_CONNECT=lazy`, the default): a pair
+    /// connects the first time an operation needs it, and set-up reads O(1) store keys per
+    /// rank. `false` (`TOROID_CONNECT=mesh`): every pair connects at set-up, as before.
+    pub connect_lazy: bool,
     /// `SIGUSR1` prints the stall report of every live communicator to stderr
     /// (`TOROID_DUMP_ON_SIGNAL`, default on).
     pub dump_on_signal: bool,
@@ -242,6 +247,7 @@ impl Default for Config {
             cuda_ipc: true,
             ib_hca: None,
             ib_gid_index: 0,
+            connect_lazy: true,
             dump_on_signal: true,
             wire: None,
             nsocks: 0,
@@ -362,6 +368,17 @@ impl Config {
                 _ => {
                     return Err(Error::InvalidArgument(
                         format!("TOROID_IB_GID_INDEX={v}: expected 0 to 255").into(),
+                    ));
+                }
+            };
+        }
+        if let Some(v) = get("TOROID_CONNECT") {
+            cfg.connect_lazy = match v.to_ascii_lowercase().as_str() {
+                "lazy" => true,
+                "mesh" => false,
+                _ => {
+                    return Err(Error::InvalidArgument(
+                        format!("TOROID_CONNECT={v}: expected lazy or mesh").into(),
                     ));
                 }
             };
@@ -620,6 +637,10 @@ mod tests {
         assert!(c.shm_disable);
         assert_eq!((c.shm_ring_size, c.shm_chunk_size), (1 << 20, 0));
         assert!(!cfg(&[("TOROID_SHM_DISABLE", "off")]).unwrap().shm_disable);
+        assert!(c.connect_lazy);
+        assert!(!cfg(&[("TOROID_CONNECT", "mesh")]).unwrap().connect_lazy);
+        assert!(cfg(&[("TOROID_CONNECT", "LAZY")]).unwrap().connect_lazy);
+        assert!(cfg(&[("TOROID_CONNECT", "star")]).is_err());
         assert!(cfg(&[("TOROID_SHM_DISABLE", "maybe")]).is_err());
         assert!(cfg(&[("TOROID_SHM_RING_SIZE", "100")]).is_err());
     }

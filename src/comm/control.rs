@@ -37,7 +37,7 @@ type Served = (ForkGuarded<TcpListener>, Vec<wire::Parked>);
 pub(crate) struct Control {
     ctx: wire::ControlCtx,
     /// Every rank's listening address (index = rank).
-    addrs: Vec<SocketAddr>,
+    addrs: Arc<[SocketAddr]>,
     ifname: String,
     stop: Arc<EventFd>,
     thread: Mutex<Option<JoinHandle<Served>>>,
@@ -52,11 +52,15 @@ impl std::fmt::Debug for Control {
 
 impl Control {
     /// Starts serving `endpoint` for the communicator of `ctx` whose ranks listen at `addrs`.
+    ///
+    /// With `inbox` (connections on demand) the thread also takes the links peers open to this
+    /// rank and hands them to the engine (`transport::tcp::lazy`).
     pub(crate) fn start(
         endpoint: tcp::Endpoint,
         ctx: wire::ControlCtx,
-        addrs: Vec<SocketAddr>,
+        addrs: Arc<[SocketAddr]>,
         snapshot: SnapshotFn,
+        inbox: Option<Arc<tcp::lazy::Inbox>>,
     ) -> Result<Control> {
         let stop = Arc::new(EventFd::new().map_err(|e| Error::system("eventfd for the control thread", e))?);
         // A forked child must not keep the listener: a peer would then find it listening after
@@ -67,7 +71,7 @@ impl Control {
             .name(format!("toroid-ctl{}", ctx.rank))
             .spawn(move || {
                 let answer = |_request: u8, _from: usize| t_snap().encode();
-                let parked = wire::serve(&listener, &t_ctx, t_stop.as_raw_fd(), &answer);
+                let parked = wire::serve(&listener, &t_ctx, t_stop.as_raw_fd(), &answer, inbox.as_deref());
                 (listener, parked)
             })
             .map_err(|e| Error::system("spawning the control thread", e))?;

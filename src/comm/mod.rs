@@ -114,6 +114,8 @@ struct Core {
     iface: tcp::Interface,
     /// TCP connections to each rank (1, or the lanes of a striped link).
     lanes: Vec<usize>,
+    /// Whether each rank allows shared memory (`TOROID_SHM_DISABLE` unset there).
+    shm_ok: Vec<bool>,
     abort: Arc<AbortSignal>,
     /// Every rank is on this host and maps the shared window (`shm_direct` can run).
     has_window: bool,
@@ -258,6 +260,21 @@ impl Communicator {
     pub fn transport_to(&self, peer: usize) -> Option<&'static str> {
         self.core.forked().ok()?;
         lock(&self.core.engine).peers.link_kind(peer)
+    }
+
+    /// The ranks this rank has a link to now, in rank order. With connections on demand
+    /// (`TOROID_CONNECT=lazy`) these are the shared-memory peers plus the peers the operations
+    /// so far needed; with a mesh, every other rank. Waits for a running operation to finish.
+    pub fn connected_peers(&self) -> Vec<usize> {
+        if self.core.forked().is_err() {
+            return Vec::new();
+        }
+        lock(&self.core.engine).peers.connected()
+    }
+
+    /// True when this communicator opens its links on demand (`TOROID_CONNECT=lazy`).
+    pub fn connects_on_demand(&self) -> bool {
+        self.core.forked().is_ok() && lock(&self.core.engine).peers.connects_on_demand()
     }
 
     /// True when every rank is on this host and maps the shared window, so that `shm_direct`

@@ -1,6 +1,18 @@
 //! Creating communicators: joining a job through a store, and splitting one. Both (and
-//! `shrink`, in `shrink.rs`) end in the same connect sequence ([`Communicator::connect`]): a TCP mesh, the topology, same-host links
-//! moved to shared memory, the communicator, and its cost model (probed or given).
+//! `shrink`, in `shrink.rs`) end in the same connect sequence ([`Communicator::connect`]): TCP
+//! links, the topology, same-host links moved to shared memory, the communicator, and its cost
+//! model (probed or given).
+//!
+//! Two ways to link the ranks (`TOROID_CONNECT`):
+//!
+//! - `lazy` (default): set-up opens only the links shared memory pairs over (ranks of one host,
+//!   both allowing it); every other pair connects the first time an operation needs it
+//!   (`transport::tcp::lazy`), so a torus2d all-reduce opens its row and column, a ring its two
+//!   neighbours. The store's load per rank stays constant: each rank publishes its address and
+//!   host once and reads one roster that rank 0 assembles (in chunks of at most
+//!   [`ROSTER_CHUNK`] bytes, the TCP store's value limit), instead of every rank reading
+//!   every rank's keys (`N^2` reads in all).
+//! - `mesh`: every pair connects at set-up and every rank reads every rank's keys, as before.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Condvar, Mutex};
@@ -18,6 +30,7 @@ use crate::topology::{Layout, Topology};
 use crate::trace::Recorder;
 use crate::transport::exchange::{AbortSignal, SpinPolicy};
 use crate::transport::tcp::control::ControlCtx;
+use crate::transport::tcp::lazy::{Dialer, Inbox, LazyCtx};
 use crate::transport::tcp::striped::{LinkPrefs, lanes_for};
 use crate::transport::{Peers, shm, tcp};
 use crate::tuning::{AlgoFilter, CostModel, Shape};
@@ -34,6 +47,148 @@ pub(super) struct Members<'a> {
     pub machines: &'a [String],
     /// TCP connections to each member (`transport::tcp::striped::lanes_for`; ignored at `rank`).
     pub lanes: &'a [usize],
+    /// Whether each member allows shared memory.
+    pub shm_ok: &'a [bool],
+    /// Connect pairs on demand (`TOROID_CONNECT=lazy`) rather than all at set-up.
+    pub lazy: bool,
+}
+
+/// Largest roster chunk in the store (below the TCP store's 64 KiB value limit).
+const ROSTER_CHUNK: usize = 60 << 10;
+
+/// What every rank publishes at set-up: where it listens and its host record.
+struct Published {
+    addrs: Vec<SocketAddr>,
+    hosts: Vec<String>,
+    machines: Vec<String>,
+    prefs: Vec<LinkPrefs>,
+}
+
+impl Published {
+    fn with_capacity(n: usize) -> Published {
+        Published {
+            addrs: Vec::with_capacity(n),
+            hosts: Vec::with_capacity(n),
+            machines: Vec::with_capacity(n),
+            prefs: Vec::with_capacity(n),
+        }
+    }
+
+    /// Adds rank `r`'s address and host record as published in the store.
+    fn push(&mut self, r: usize, addr: &[u8], host: &[u8]) -> Result<()> {
+        let a = String::from_utf8_lossy(addr)
+            .parse::<SocketAddr>()
+            .map_err(|e| Error::Remote(format!("rank {r} published a bad address: {e}").into()))?;
+        self.addrs.push(a);
+        let ids = String::from_utf8_lossy(host).into_owned();
+        let mut lines = ids.splitn(3, '\n');
+        let (h, m, p) = (lines.next().unwrap_or(""), lines.next(), lines.next());
+        self.hosts.push(h.to_string());
+        self.machines.push(m.unwrap_or(h).to_string());
+        self.prefs.push(p.and_then(LinkPrefs::decode).ok_or_else(|| {
+            Error::Remote(format!("rank {r} published malformed link settings {p:?}").into())
+        })?);
+        Ok(())
+    }
+}
+
+/// Every rank's keys, each rank reading all of them (`TOROID_CONNECT=mesh`).
+fn read_all(store: &dyn Store, prefix: &str, size: usize, deadline: Instant) -> Result<Published> {
+    let mut out = Published::with_capacity(size);
+    for r in 0..size {
+        let a = get_key(store, &format!("{prefix}/addr/{r}"), deadline).map_err(|e| not_joined(e, r))?;
+        let h = get_key(store, &format!("{prefix}/host/{r}"), deadline).map_err(|e| not_joined(e, r))?;
+        out.push(r, &a, &h)?;
+    }
+    Ok(out)
+}
+
+/// Every rank's keys through the roster (`TOROID_CONNECT=lazy`): rank 0 reads every rank's keys
+/// and publishes them as `roster/<c>` chunks (each a run of `u32` length-prefixed address and
+/// host record pairs) and then `roster/n`, their number; the others read `roster/n` and the
+/// chunks, a constant number of reads per rank up to a few hundred ranks (one more per 60 KiB).
+/// Each non-zero rank then counts itself in `roster/read`; the last one sets `roster/done`,
+/// which rank 0 waits for before its store may stop serving ([`finish_roster`]).
+fn read_roster(
+    store: &dyn Store,
+    prefix: &str,
+    rank: usize,
+    size: usize,
+    deadline: Instant,
+) -> Result<Published> {
+    let mut chunks: Vec<Vec<u8>> = Vec::new();
+    if rank == 0 {
+        let mut cur: Vec<u8> = Vec::new();
+        for r in 0..size {
+            let a = get_key(store, &format!("{prefix}/addr/{r}"), deadline).map_err(|e| not_joined(e, r))?;
+            let h = get_key(store, &format!("{prefix}/host/{r}"), deadline).map_err(|e| not_joined(e, r))?;
+            let rec = 8 + a.len() + h.len();
+            if !cur.is_empty() && cur.len() + rec > ROSTER_CHUNK {
+                chunks.push(std::mem::take(&mut cur));
+            }
+            for part in [&a, &h] {
+                cur.extend_from_slice(&(part.len() as u32).to_le_bytes());
+                cur.extend_from_slice(part);
+            }
+        }
+        chunks.push(cur);
+        for (c, bytes) in chunks.iter().enumerate() {
+            store.set(&format!("{prefix}/roster/{c}"), bytes)?;
+        }
+        store.set(&format!("{prefix}/roster/n"), chunks.len().to_string().as_bytes())?;
+    } else {
+        let n = get_key(store, &format!("{prefix}/roster/n"), deadline).map_err(|e| not_joined(e, 0))?;
+        let n: usize = String::from_utf8_lossy(&n)
+            .parse()
+            .map_err(|_| Error::Remote("rank 0 published a bad roster".into()))?;
+        for c in 0..n {
+            chunks.push(
+                get_key(store, &format!("{prefix}/roster/{c}"), deadline).map_err(|e| not_joined(e, 0))?,
+            );
+        }
+        if store.add(&format!("{prefix}/roster/read"), 1)? == (size - 1) as i64 {
+            store.set(&format!("{prefix}/roster/done"), b"1")?;
+        }
+    }
+    let bad = || Error::Remote("rank 0 published a malformed roster".into());
+    let mut out = Published::with_capacity(size);
+    for chunk in &chunks {
+        let mut rest: &[u8] = chunk;
+        let field = |rest: &mut &[u8]| -> Result<Vec<u8>> {
+            let len = rest.get(..4).ok_or_else(bad)?;
+            let len = u32::from_le_bytes([len[0], len[1], len[2], len[3]]) as usize;
+            let v = rest.get(4..4 + len).ok_or_else(bad)?.to_vec();
+            *rest = &rest[4 + len..];
+            Ok(v)
+        };
+        loop {
+            let a = field(&mut rest)?;
+            let h = field(&mut rest)?;
+            let r = out.addrs.len();
+            if r >= size {
+                return Err(bad());
+            }
+            out.push(r, &a, &h)?;
+            if rest.is_empty() {
+                break;
+            }
+        }
+    }
+    if out.addrs.len() != size {
+        return Err(bad());
+    }
+    Ok(out)
+}
+
+/// Rank 0 of a lazy set-up: waits until every rank has read the roster, so that the store it
+/// serves can stop (`Communicator::from_launch`).
+fn finish_roster(store: &dyn Store, prefix: &str, rank: usize, size: usize, deadline: Instant) -> Result<()> {
+    if rank != 0 || size < 2 {
+        return Ok(());
+    }
+    get_key(store, &format!("{prefix}/roster/done"), deadline)
+        .map(|_| ())
+        .map_err(|e| e.context("waiting for every rank to read the roster"))
 }
 
 /// A failed wait for rank `r`'s keys in the store becomes an error naming that rank: it did not
@@ -97,9 +252,10 @@ impl Communicator {
         let comm =
             Communicator::build(launch.rank, launch.size, opened.store.clone(), cfg, store_host.as_deref())?;
         // Rank 0's store server is needed no longer: every rank reads every address from the
-        // store before it connects to anyone, and rank 0's connect sequence returns only after
-        // every higher rank has connected to it (it accepts them all), so by now no rank has a
-        // read left. Stopping it now closes the port a stranger could probe for the rest of the
+        // store (or the roster) before it connects to anyone, and rank 0's set-up returns only
+        // after every higher rank has connected to it (a mesh: it accepts them all) or has
+        // counted itself as having read the roster (on demand), so by now no rank has a read
+        // left. Stopping it now closes the port a stranger could probe for the rest of the
         // job. (A failed set-up drops `opened`, which stops it too.)
         opened.stop_serving();
         Ok(comm)
@@ -157,36 +313,42 @@ impl Communicator {
         let host = format!("{}\n{}\n{}", host_identity(cfg), machine_identity(), prefs.encode());
         store.set(&format!("{prefix}/addr/{rank}"), endpoint.addr.to_string().as_bytes())?;
         store.set(&format!("{prefix}/host/{rank}"), host.as_bytes())?;
-        let mut addrs = Vec::with_capacity(size);
-        let (mut hosts, mut machines) = (Vec::with_capacity(size), Vec::with_capacity(size));
-        let mut all_prefs = Vec::with_capacity(size);
-        for r in 0..size {
-            let a =
-                get_key(&*store, &format!("{prefix}/addr/{r}"), deadline).map_err(|e| not_joined(e, r))?;
-            let a = String::from_utf8_lossy(&a)
-                .parse::<SocketAddr>()
-                .map_err(|e| Error::Remote(format!("rank {r} published a bad address: {e}").into()))?;
-            addrs.push(a);
-            let ids = String::from_utf8_lossy(
-                &get_key(&*store, &format!("{prefix}/host/{r}"), deadline).map_err(|e| not_joined(e, r))?,
-            )
-            .into_owned();
-            let mut lines = ids.splitn(3, '\n');
-            let (h, m, p) = (lines.next().unwrap_or(""), lines.next(), lines.next());
-            hosts.push(h.to_string());
-            machines.push(m.unwrap_or(h).to_string());
-            all_prefs.push(p.and_then(LinkPrefs::decode).ok_or_else(|| {
-                Error::Remote(format!("rank {r} published malformed link settings {p:?}").into())
-            })?);
-        }
+        let lazy = cfg.connect_lazy && size > 1;
+        let Published { addrs, hosts, machines, prefs: all_prefs } = if lazy {
+            read_roster(&*store, &prefix, rank, size, deadline)?
+        } else {
+            read_all(&*store, &prefix, size, deadline)?
+        };
         let lanes: Vec<usize> = (0..size)
             .map(|r| {
                 let loopback = addrs[r].ip().is_loopback() || addrs[rank].ip().is_loopback();
                 lanes_for(&prefs, &all_prefs[r], hosts[r] == hosts[rank], loopback)
             })
             .collect();
-        let members = Members { rank, addrs: &addrs, hosts: &hosts, machines: &machines, lanes: &lanes };
-        Communicator::connect(members, endpoint, Vec::new(), id, cfg, iface, Some(store), deadline)
+        let shm_ok: Vec<bool> = all_prefs.iter().map(|p| p.shm).collect();
+        let members = Members {
+            rank,
+            addrs: &addrs,
+            hosts: &hosts,
+            machines: &machines,
+            lanes: &lanes,
+            shm_ok: &shm_ok,
+            lazy,
+        };
+        let comm = Communicator::connect(
+            members,
+            endpoint,
+            Vec::new(),
+            id,
+            cfg,
+            iface,
+            Some(store.clone()),
+            deadline,
+        )?;
+        if lazy {
+            finish_roster(&*store, &prefix, rank, size, deadline)?;
+        }
+        Ok(comm)
     }
 
     /// The connect sequence that creation and `split` share: a full TCP mesh between the
@@ -203,44 +365,68 @@ impl Communicator {
         store: Option<Arc<dyn Store>>,
         deadline: Instant,
     ) -> Result<Communicator> {
-        let Members { rank, addrs, hosts, machines, lanes } = members;
+        let Members { rank, addrs, hosts, machines, lanes, shm_ok, lazy } = members;
         let size = addrs.len();
+        let lazy = lazy && size > 1;
         // Before any link exists: a child forked from now on closes them (see `sys::fork`).
         crate::sys::fork::install();
-        let transports = tcp::connect_mesh(
-            rank,
-            addrs,
-            &endpoint,
-            accepted,
-            id,
-            lanes,
-            &tcp::SocketOptions::from_config(cfg),
-            cfg.auth_token.as_ref(),
-            deadline,
-        )?;
         let recorder = Arc::new(Recorder::new(rank, size, id, cfg.trace_buffer));
         if let Some(hook) =
             cfg.timeline.as_deref().and_then(|p| crate::trace::timeline::hook(p, rank, size, id))
         {
             recorder.set_on_end(hook);
         }
-        // Every peer is connected: from now on the listener serves the control plane.
+        let abort = Arc::new(AbortSignal::new()?);
+        // A non-blocking set-up cancelled from now on wakes the waits for links and the
+        // calibration's too.
+        let signal = abort.clone();
+        crate::cancel::on_cancel(Box::new(move || {
+            signal.fire(Error::Aborted("set-up aborted by its caller while connecting or calibrating".into()))
+        }));
         let snapshot = recorder.clone();
-        let control = Control::start(
-            endpoint,
-            ControlCtx { rank, size, comm_id: id, auth: cfg.auth_token.clone() },
-            addrs.to_vec(),
-            Arc::new(move || snapshot.snapshot()),
-        )?;
+        let snapshot: super::control::SnapshotFn = Arc::new(move || snapshot.snapshot());
+        let ctl_ctx = ControlCtx { rank, size, comm_id: id, auth: cfg.auth_token.clone() };
+        let shared_addrs: Arc<[SocketAddr]> = addrs.into();
+        let opts = tcp::SocketOptions::from_config(cfg);
         let topology = Topology::from_ids(rank, hosts, machines);
-        let links = shm::connect(
-            rank,
-            &topology.host_of,
-            transports,
-            &shm::ShmOptions::from_config(cfg),
-            id,
-            deadline,
-        )?;
+        let (transports, control, dialer, shm_host_of) = if lazy {
+            // The listener serves the control plane and takes the links peers open from the
+            // start: a peer may dial as soon as its own set-up is done.
+            let lctx =
+                LazyCtx { rank, size, comm_id: id, auth: cfg.auth_token.clone(), lanes: lanes.to_vec() };
+            let inbox = Arc::new(Inbox::new(lctx.clone())?);
+            let control =
+                Control::start(endpoint, ctl_ctx, shared_addrs.clone(), snapshot, Some(inbox.clone()))?;
+            let mut dialer = Dialer::new(lctx, shared_addrs.clone(), opts, inbox);
+            // Linked now: the ranks of this host that shared memory pairs with (both allow
+            // it). Every other rank looks like another host to the shared-memory set-up.
+            let shm_pair = |p: usize| {
+                p != rank && topology.host_of[p] == topology.host_of[rank] && shm_ok[p] && shm_ok[rank]
+            };
+            let now: Vec<usize> = (0..size).filter(|&p| shm_pair(p)).collect();
+            let transports = dialer.link_now(&now, deadline, &abort)?;
+            let host_of: Vec<usize> = (0..size)
+                .map(|p| if p == rank || shm_pair(p) { topology.host_of[p] } else { size + p })
+                .collect();
+            (transports, control, Some(dialer), host_of)
+        } else {
+            let transports = tcp::connect_mesh(
+                rank,
+                addrs,
+                &endpoint,
+                accepted,
+                id,
+                lanes,
+                &opts,
+                cfg.auth_token.as_ref(),
+                deadline,
+            )?;
+            // Every peer is connected: from now on the listener serves the control plane.
+            let control = Control::start(endpoint, ctl_ctx, shared_addrs.clone(), snapshot, None)?;
+            (transports, control, None, topology.host_of.clone())
+        };
+        let links =
+            shm::connect(rank, &shm_host_of, transports, &shm::ShmOptions::from_config(cfg), id, deadline)?;
         // RDMA between hosts (cargo feature `rdma`): the communicator does not choose it yet;
         // whether a device is there is checked and logged at INFO, and TCP carries the traffic
         // (docs/ARCHITECTURE.md 5.6).
@@ -260,14 +446,11 @@ impl Communicator {
             }),
             yield_between: true,
         };
-        let abort = Arc::new(AbortSignal::new()?);
-        // A non-blocking set-up cancelled from now on wakes the calibration's waits too.
-        let signal = abort.clone();
-        crate::cancel::on_cancel(Box::new(move || {
-            signal.fire(Error::Aborted("set-up aborted by its caller while calibrating".into()))
-        }));
         let mut peers = Peers::new(rank, transports, abort.clone(), spin, config.segment_size);
         peers.set_progress(recorder.progress());
+        if let Some(d) = dialer {
+            peers.set_connector(Box::new(d));
+        }
         let has_window = window.is_some();
         tracing::info!(target: "toroid::init",
             "rank {rank}/{size}: connected; host {} of {}, local rank {}/{}, spin {:?}{}; shared memory with {shm_peers} peers{}",
@@ -306,6 +489,7 @@ impl Communicator {
             logged: Mutex::new(std::collections::HashSet::new()),
             iface,
             lanes: lanes.to_vec(),
+            shm_ok: shm_ok.to_vec(),
             abort,
             has_window,
             engine: Mutex::new(Engine {
@@ -417,6 +601,7 @@ impl Communicator {
         let hosts: Vec<String> = members.iter().map(|(_, r)| t.host_of[*r].to_string()).collect();
         let machines: Vec<String> = members.iter().map(|(_, r)| t.machine_of[*r].to_string()).collect();
         let lanes: Vec<usize> = members.iter().map(|(_, r)| self.core.lanes[*r]).collect();
+        let shm_ok: Vec<bool> = members.iter().map(|(_, r)| self.core.shm_ok[*r]).collect();
         tracing::info!(target: "toroid::init", "rank {} split (color {color:?}, key {key}) into rank {new_rank} of {}", self.rank(), members.len());
         let members = Members {
             rank: new_rank,
@@ -424,6 +609,8 @@ impl Communicator {
             hosts: &hosts,
             machines: &machines,
             lanes: &lanes,
+            shm_ok: &shm_ok,
+            lazy: self.core.config.connect_lazy,
         };
         Communicator::connect(
             members,

@@ -90,8 +90,18 @@ impl Core {
         let machines: Vec<String> = survivors.iter().map(|r| t.machine_of[*r].to_string()).collect();
         tracing::info!(target: "toroid::init", "{what}: rank {new_rank} of {}", survivors.len());
         let lanes: Vec<usize> = survivors.iter().map(|r| self.lanes[*r]).collect();
-        let members =
-            Members { rank: new_rank, addrs: &addrs, hosts: &hosts, machines: &machines, lanes: &lanes };
+        let shm_ok: Vec<bool> = survivors.iter().map(|r| self.shm_ok[*r]).collect();
+        // The survivors connect as a full mesh: the connections other survivors already made
+        // were parked for this shrink, and it must not wait for links on demand.
+        let members = Members {
+            rank: new_rank,
+            addrs: &addrs,
+            hosts: &hosts,
+            machines: &machines,
+            lanes: &lanes,
+            shm_ok: &shm_ok,
+            lazy: false,
+        };
         let comm = Communicator::connect(
             members,
             endpoint,

@@ -25,6 +25,14 @@ impl EventFd {
         // SAFETY: writes 8 bytes from a live u64 to our own descriptor.
         unsafe { libc::write(self.fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
     }
+
+    /// Resets the counter, so that the descriptor is readable again only after the next
+    /// [`EventFd::signal`]. Never blocks (the descriptor is non-blocking).
+    pub fn drain(&self) {
+        let mut v: u64 = 0;
+        // SAFETY: reads at most 8 bytes into a live u64 from our own descriptor.
+        unsafe { libc::read(self.fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+    }
 }
 
 impl AsRawFd for EventFd {
@@ -47,5 +55,8 @@ mod tests {
         e.signal();
         assert_eq!(poll(&mut fds, 1000).unwrap(), 1);
         assert!(fds[0].revents() & PollFd::IN != 0);
+        e.drain();
+        assert_eq!(poll(&mut fds, 0).unwrap(), 0);
+        e.drain();
     }
 }

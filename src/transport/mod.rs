@@ -37,10 +37,40 @@ pub use shm::window;
 
 use std::io;
 use std::os::fd::RawFd;
+use std::time::Instant;
 
 use crate::sys::poll::{Events, PollFd};
 
-pub use exchange::{Peers, Sink, Source};
+pub use exchange::{AbortSignal, Peers, Sink, Source};
+
+/// Opens links on demand (`TOROID_CONNECT=lazy`): the progress engine asks for a link to a
+/// peer the first time an operation needs it. Of each pair the higher rank opens the
+/// connection ([`Connector::dial`]) and the lower one takes it from a background acceptor
+/// ([`Connector::arrived`]), so two ranks never connect to each other twice and neither waits
+/// for the other's engine to accept. The handshake, its checks and its errors are those of
+/// set-up.
+pub trait Connector: Send + std::fmt::Debug {
+    /// True when this rank opens the connection to `peer`; otherwise `peer` opens it.
+    fn dials(&self, peer: usize) -> bool;
+    /// Opens, checks and returns the link to `peer` by `deadline`, giving up when `abort` fires.
+    fn dial(
+        &mut self,
+        peer: usize,
+        deadline: Instant,
+        abort: &AbortSignal,
+    ) -> crate::error::Result<Box<dyn Transport>>;
+    /// The links peers opened to this rank since the last call (every lane checked).
+    fn arrived(&mut self) -> crate::error::Result<Vec<(usize, Box<dyn Transport>)>>;
+    /// Readable once [`Connector::arrived`] has something.
+    fn arrival_fd(&self) -> RawFd;
+    /// `Some(why)` when `peer`'s process is gone (its listener refuses connections).
+    fn peer_gone(&self, peer: usize) -> Option<String>;
+    /// This rank failed: every link that arrives from now on is answered with `abort_frame`
+    /// and closed, so a peer that connects later learns why at once.
+    fn close(&mut self, abort_frame: &[u8]);
+    /// Connections (lanes included) this rank opened or accepted so far.
+    fn sockets(&self) -> usize;
+}
 
 /// One connected peer. See the module documentation for the contract.
 pub trait Transport: Send + std::fmt::Debug {

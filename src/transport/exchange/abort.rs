@@ -33,6 +33,12 @@ impl AbortSignal {
         self.event.signal();
     }
 
+    /// The event descriptor (readable once fired), for waits outside the engine.
+    pub fn event_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.event.as_raw_fd()
+    }
+
     /// True once fired.
     pub fn is_fired(&self) -> bool {
         self.flag.load(Ordering::Acquire)

@@ -38,6 +38,9 @@ impl Peers {
     /// signal, and when every peer has closed its link.
     pub fn wait_any_send(&mut self, received: &[u64], deadline: Instant) -> Result<usize> {
         let mut last_look = Instant::now();
+        // Whichever rank sends must find a link: open those this rank dials (the others dial
+        // this rank, and their links are taken in as they arrive).
+        self.dial_all(deadline)?;
         let mut heads = std::mem::take(&mut self.heads);
         heads.clear();
         heads.resize(self.links.len(), Head::Open);
@@ -58,7 +61,10 @@ impl Peers {
             if let Some(p) = self.find_send(received, heads)? {
                 return Ok(p);
             }
-            let live = |r: usize| self.links[r].is_some() && heads[r] != Head::Closed;
+            let live = |r: usize| {
+                (self.links[r].is_some() && heads[r] != Head::Closed)
+                    || (r != self.rank && self.may_connect(r))
+            };
             if !(0..self.links.len()).any(live) {
                 return Err(Error::Remote(
                     "receive from any source: every peer closed its connection without sending".into(),
@@ -123,10 +129,15 @@ impl Peers {
     /// Sleeps in poll(2) until a link shows something new, the abort event fires, or the
     /// deadline (capped) passes. Links that hang up without the send are marked closed.
     fn sleep_any(&mut self, heads: &mut [Head], deadline: Instant) -> Result<()> {
+        self.adopt_arrived()?;
         self.pollfds.clear();
         self.poll_ranks.clear();
         self.pollfds.push(PollFd::new(self.abort.event.as_raw_fd(), PollFd::IN));
         self.poll_ranks.push(usize::MAX);
+        if let Some(c) = self.connector.as_ref().filter(|_| !self.closed) {
+            self.pollfds.push(PollFd::new(c.arrival_fd(), PollFd::IN));
+            self.poll_ranks.push(super::wait::ARRIVAL);
+        }
         for (r, link) in self.links.iter_mut().enumerate() {
             let Some(link) = link else { continue };
             if heads[r] == Head::Closed {
@@ -155,6 +166,9 @@ impl Peers {
                 continue;
             }
             let r = self.poll_ranks[i];
+            if r == super::wait::ARRIVAL {
+                continue;
+            }
             let Some(link) = self.links[r].as_mut() else { continue };
             let mut h = [0u8; HEADER_LEN];
             // A peer that hung up right after sending is still a source until its bytes are

@@ -28,9 +28,18 @@
 //! cores), then sleeps in `poll(2)` on the active links, the abort event and every idle link
 //! (a peer that closes, aborts or sends a frame of another collective is noticed at once).
 //! Every wait ends at the collective's deadline with [`Error::Timeout`] naming the awaited rank.
+//!
+//! ## Links on demand
+//!
+//! With a [`Connector`] (`TOROID_CONNECT=lazy`) a rank starts with no links (or only its
+//! shared-memory ones) and every step first makes sure its peers are linked (`connect.rs`):
+//! the higher rank of a pair dials, the lower one waits for the link its acceptor hands over,
+//! watching its other links, the abort event and whether the awaited peer's process still
+//! exists while it waits.
 
 mod abort;
 mod any;
+mod connect;
 pub(crate) mod frame;
 mod rx;
 mod step;
@@ -45,7 +54,7 @@ use std::io;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::Transport;
+use super::{Connector, Transport};
 use crate::collective::{CollKind, Fingerprint};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
@@ -173,6 +182,10 @@ pub struct Peers {
     token: u64,
     /// The running operation's live state for the flight recorder (`trace::Progress`).
     progress: Arc<Progress>,
+    /// Opens missing links on demand (`None`: every link was made at set-up).
+    connector: Option<Box<dyn Connector>>,
+    /// Set by [`Peers::poison`]: no link is used or opened any more.
+    closed: bool,
 }
 
 impl fmt::Debug for Peers {
@@ -221,7 +234,29 @@ impl Peers {
             heads: Vec::new(),
             token: 0,
             progress: Arc::default(),
+            connector: None,
+            closed: false,
         }
+    }
+
+    /// Opens the links that are missing on demand through `connector` (`TOROID_CONNECT=lazy`).
+    pub fn set_connector(&mut self, connector: Box<dyn Connector>) {
+        self.connector = Some(connector);
+    }
+
+    /// The peers this rank has a link to now, in rank order.
+    pub fn connected(&self) -> Vec<usize> {
+        (0..self.links.len()).filter(|&r| self.links[r].is_some()).collect()
+    }
+
+    /// Connections (lanes included) opened on demand so far (0 without a connector).
+    pub fn sockets_opened(&self) -> usize {
+        self.connector.as_ref().map_or(0, |c| c.sockets())
+    }
+
+    /// True when links are opened on demand.
+    pub fn connects_on_demand(&self) -> bool {
+        self.connector.is_some()
     }
 
     /// Reports the running operation's progress to `progress` (a communicator's recorder).
@@ -241,7 +276,18 @@ impl Peers {
 
     /// The kind of transport to `peer` ("shm", "tcp"), or `None` without a link.
     pub fn link_kind(&self, peer: usize) -> Option<&'static str> {
-        self.links.get(peer).and_then(Option::as_ref).map(|l| l.transport.kind())
+        match self.links.get(peer).and_then(Option::as_ref) {
+            Some(l) => Some(l.transport.kind()),
+            // Not linked yet: the connector opens a TCP link when an operation needs one.
+            None if !self.closed
+                && self.connector.is_some()
+                && peer != self.rank
+                && peer < self.links.len() =>
+            {
+                Some("tcp")
+            }
+            None => None,
+        }
     }
 
     /// This rank.
@@ -294,11 +340,18 @@ impl Peers {
         for l in self.links.iter_mut() {
             *l = None;
         }
+        if let Some(c) = self.connector.as_mut() {
+            let mut frame = header.to_vec();
+            frame.extend_from_slice(text);
+            c.close(&frame);
+        }
+        self.closed = true;
     }
 
-    /// True when every link is gone (after [`Peers::poison`]).
+    /// True when every link is gone (after [`Peers::poison`]; without a connector, also when
+    /// there never were any).
     pub fn is_closed(&self) -> bool {
-        self.links.iter().all(Option::is_none)
+        self.closed || (self.connector.is_none() && self.links.iter().all(Option::is_none))
     }
 }
 

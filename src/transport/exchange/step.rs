@@ -23,6 +23,14 @@ impl Peers {
         send: Option<(usize, Source<'_>)>,
         recv: Option<(usize, Sink<'_>)>,
     ) -> Result<()> {
+        let peers = [send.as_ref().map(|(p, _)| *p), recv.as_ref().map(|(p, _)| *p)];
+        for p in peers.into_iter().flatten() {
+            self.check_peer(p)?;
+        }
+        let (a, b) = (peers[0].or(peers[1]), peers[1].or(peers[0]));
+        if let (Some(a), Some(b)) = (a, b) {
+            self.ensure(&[a, b], fp, step, deadline)?;
+        }
         let recv_len = recv.as_ref().map(|(_, s)| s.len());
         let mut tx = match send {
             Some((peer, src)) => {
@@ -133,6 +141,7 @@ impl Peers {
         }
         self.check_peer(plan.left)?;
         self.check_peer(plan.right)?;
+        self.ensure(&[plan.left, plan.right], fp, plan.first_step as u16, deadline)?;
         if plan.reduce_steps > 0 {
             let words = self.segment / 8;
             if self.scratch.len() < words {

@@ -12,6 +12,9 @@ use crate::collective::{CollKind, Fingerprint};
 use crate::error::{Error, Result};
 use crate::sys::poll::{Events, PollFd, poll};
 
+/// The entry of the poll set that is the connector's arrivals (not a rank).
+pub(super) const ARRIVAL: usize = usize::MAX - 1;
+
 impl Peers {
     /// Checks, without blocking, every link for what an idle link can show (an abort frame, a
     /// frame of a mismatched collective, a closed connection) while this rank waits outside the
@@ -68,10 +71,16 @@ impl Peers {
         want_read: Option<usize>,
         deadline: Instant,
     ) -> Result<()> {
+        // Links that peers opened meanwhile join the watched ones; more arriving wake us.
+        self.adopt_arrived()?;
         self.pollfds.clear();
         self.poll_ranks.clear();
         self.pollfds.push(PollFd::new(self.abort.event.as_raw_fd(), PollFd::IN));
         self.poll_ranks.push(usize::MAX);
+        if let Some(c) = self.connector.as_ref().filter(|_| !self.closed) {
+            self.pollfds.push(PollFd::new(c.arrival_fd(), PollFd::IN));
+            self.poll_ranks.push(ARRIVAL);
+        }
         // Transports say what to poll for (`Transport::arm`).
         let mut ready_idle: Option<usize> = None;
         let mut can_progress = false;
@@ -118,7 +127,7 @@ impl Peers {
         for i in 1..self.pollfds.len() {
             let r = self.poll_ranks[i];
             let revents = self.pollfds[i].revents();
-            if revents == 0 || Some(r) == want_write || Some(r) == want_read {
+            if revents == 0 || r == ARRIVAL || Some(r) == want_write || Some(r) == want_read {
                 continue;
             }
             self.inspect_idle(r, fp, revents).map_err(|e| e.with_peer(r))?;

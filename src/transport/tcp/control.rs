@@ -110,15 +110,20 @@ enum Next {
     Wait,
     Close(Option<String>),
     Park(u64),
+    /// A hello of the communicator itself: a link on demand, for the inbox.
+    Data,
 }
 
 /// Serves the listener until `stop` becomes readable; returns the connections parked for
-/// shrinks. `answer(request, from_rank)` produces the bytes of an answer.
+/// shrinks. `answer(request, from_rank)` produces the bytes of an answer. With `inbox`
+/// (connections on demand), a hello carrying the communicator's own id goes to the inbox,
+/// which runs the rest of its handshake in this loop (`super::lazy`).
 pub fn serve(
     listener: &TcpListener,
     ctx: &ControlCtx,
     stop: RawFd,
     answer: &dyn Fn(u8, usize) -> Vec<u8>,
+    inbox: Option<&super::lazy::Inbox>,
 ) -> Vec<Parked> {
     let mut conns: Vec<Conn> = Vec::new();
     let mut parked: Vec<Parked> = Vec::new();
@@ -143,8 +148,17 @@ pub fn serve(
             };
             fds.push(PollFd::new(c.stream.as_raw_fd(), ev | PollFd::RDHUP));
         }
+        let data_from = fds.len();
+        for (fd, ev) in inbox.map(|i| i.interest()).unwrap_or_default() {
+            fds.push(PollFd::new(fd, ev | PollFd::RDHUP));
+        }
         let now = Instant::now();
-        let wake = conns.iter().map(|c| c.deadline).min().unwrap_or(now + Duration::from_secs(3600));
+        let wake = conns
+            .iter()
+            .map(|c| c.deadline)
+            .chain(inbox.and_then(|i| i.wake_at()))
+            .min()
+            .unwrap_or(now + Duration::from_secs(3600));
         let ms = wake.saturating_duration_since(now).as_millis().clamp(1, 60_000) as i32;
         if poll(&mut fds, ms).is_err() {
             std::thread::sleep(Duration::from_millis(10)); // EINTR or ENOMEM: try again
@@ -159,16 +173,26 @@ pub fn serve(
             }
             return parked;
         }
-        let ready: Vec<bool> = fds[2..].iter().map(|f| f.revents() != 0).collect();
+        let ready: Vec<bool> = fds[2..data_from].iter().map(|f| f.revents() != 0).collect();
         let now = Instant::now();
+        if let Some(i) = inbox {
+            // Cheap: only connections in handshake, each read or written once.
+            i.advance(now);
+        }
         let mut keep = Vec::with_capacity(conns.len());
         for (i, mut c) in conns.drain(..).enumerate() {
-            let next = if ready[i] { c.step(ctx, answer) } else { Next::Wait };
+            let data = inbox.map(|i| i.comm_id());
+            let next = if ready[i] { c.step(ctx, answer, data) } else { Next::Wait };
             match next {
                 Next::Wait if now < c.deadline => keep.push(c),
                 Next::Wait => warn(c.from, "did not finish within its allowance"),
                 Next::Close(Some(why)) => warn(c.from, &why),
                 Next::Close(None) => {}
+                Next::Data => {
+                    if let Some(i) = inbox {
+                        i.take(c.stream, c.from);
+                    }
+                }
                 Next::Park(attempt) => {
                     if parked.len() >= MAX_PARKED {
                         parked.remove(0);
@@ -212,7 +236,7 @@ fn accept_all(listener: &TcpListener, conns: &mut Vec<Conn>, warn: &mut dyn FnMu
 }
 
 impl Conn {
-    fn step(&mut self, ctx: &ControlCtx, answer: &dyn Fn(u8, usize) -> Vec<u8>) -> Next {
+    fn step(&mut self, ctx: &ControlCtx, answer: &dyn Fn(u8, usize) -> Vec<u8>, data: Option<u64>) -> Next {
         loop {
             match &mut self.phase {
                 Phase::Peek => {
@@ -230,6 +254,9 @@ impl Conn {
                     let id = u64::from_le_bytes(idb);
                     if let Some(a) = (1..=MAX_SHRINK_ATTEMPTS).find(|a| shrink_id(ctx.comm_id, *a) == id) {
                         return Next::Park(a);
+                    }
+                    if Some(id) == data {
+                        return Next::Data;
                     }
                     if id != control_id(ctx.comm_id) {
                         return Next::Close(Some(format!("hello for communicator {id:#x}")));
@@ -441,7 +468,7 @@ mod tests {
         let s2 = stop.clone();
         let h = std::thread::spawn(move || {
             let answer = |req: u8, from: usize| format!("request {req} from rank {from}").into_bytes();
-            serve(&l, &c, s2.as_raw_fd(), &answer)
+            serve(&l, &c, s2.as_raw_fd(), &answer, None)
         });
         (addr, move || {
             stop.signal();

@@ -51,11 +51,11 @@ const MIN_BACKLOG: usize = 1024;
 /// delay; 5 s covers a heavily oversubscribed host. The allowance never delays set-up (which
 /// ends as soon as the expected peers are in); it only bounds how long a silent or dripping
 /// stranger holds a descriptor and a slot of [`MAX_STRANGERS`].
-const HANDSHAKE_ALLOWANCE: Duration = Duration::from_secs(5);
+pub(super) const HANDSHAKE_ALLOWANCE: Duration = Duration::from_secs(5);
 /// Incoming connections in handshake beyond the ranks still expected: past this, the oldest
 /// one still reading is dropped. A genuine peer's hello arrives within a round trip, so only a
 /// flood of more than this many connections inside one round trip could push one out.
-const MAX_STRANGERS: usize = 64;
+pub(super) const MAX_STRANGERS: usize = 64;
 /// Connections accepted per round at most, so that a flood cannot keep the loop in `accept`.
 const ACCEPTS_PER_ROUND: usize = 256;
 /// Dropped connections logged one by one; past this only their number is logged, at the end.
@@ -99,18 +99,27 @@ pub fn connect_mesh(
     }
     let streams = mesh.run()?;
     let mut out: Vec<Option<Box<dyn Transport>>> = Vec::with_capacity(size);
-    for mut lanes in streams {
-        out.push(match lanes.len() {
-            0 => None,
-            1 => lanes
-                .pop()
-                .map(|s| TcpTransport::new(s, opts))
-                .transpose()?
-                .map(|t| Box::new(t) as Box<dyn Transport>),
-            _ => Some(Box::new(StripedTransport::new(lanes, opts)?) as Box<dyn Transport>),
-        });
+    for lanes in streams {
+        out.push(transport_of(lanes, opts)?);
     }
     Ok(out)
+}
+
+/// The transport over the checked connections of one peer, in lane order: none, one
+/// [`TcpTransport`], or a [`StripedTransport`] over several.
+pub(super) fn transport_of(
+    mut lanes: Vec<TcpStream>,
+    opts: &SocketOptions,
+) -> Result<Option<Box<dyn Transport>>> {
+    Ok(match lanes.len() {
+        0 => None,
+        1 => lanes
+            .pop()
+            .map(|s| TcpTransport::new(s, opts))
+            .transpose()?
+            .map(|t| Box::new(t) as Box<dyn Transport>),
+        _ => Some(Box::new(StripedTransport::new(lanes, opts)?) as Box<dyn Transport>),
+    })
 }
 
 /// Who one entry of the poll set belongs to.

@@ -23,7 +23,8 @@
 //! | part | what |
 //! |---|---|
 //! | `interface` | which address to listen on (`TOROID_SOCKET_IFNAME`, the route to the store) |
-//! | `mesh` | listening, connecting and accepting every peer |
+//! | `mesh` | listening, connecting and accepting every peer (`TOROID_CONNECT=mesh`) |
+//! | `lazy` | connecting a pair the first time an operation needs it (`TOROID_CONNECT=lazy`) |
 //! | `handshake` | the hello and ack bytes and their MACs |
 //! | `pending` | one connection whose handshake is under way, on a non-blocking socket |
 //! | `striped` | one byte stream over several connections (lanes), and how many a pair uses |
@@ -42,6 +43,7 @@ use crate::sys::socket;
 pub mod control;
 pub(crate) mod handshake;
 mod interface;
+pub mod lazy;
 mod mesh;
 mod pending;
 pub mod striped;

@@ -151,6 +151,14 @@ impl Outgoing {
         self.stream.as_ref().map(|s| (s.as_raw_fd(), ev))
     }
 
+    /// Why the last connect failed, while it waits to try again (refused: nothing listens).
+    pub fn refusal(&self) -> Option<&io::Error> {
+        match self.phase {
+            OutPhase::Retry(_) => self.last_refusal.as_ref(),
+            _ => None,
+        }
+    }
+
     /// When this connection wants to run without an event (a retry).
     pub fn wake_at(&self) -> Option<Instant> {
         match self.phase {

@@ -1,0 +1,398 @@
+//! Connections on demand (`TOROID_CONNECT=lazy`, the default): a pair of ranks connects the
+//! first time an operation needs it, not at set-up.
+//!
+//! Why: a full mesh costs every rank `N - 1` sockets and `N - 1` handshakes at start-up, and
+//! every rank reading every other rank's address from the store (Gloo's full mesh fails above
+//! about 1,000 ranks, pytorch/gloo#327). An all-reduce needs far fewer peers: a ring its two
+//! neighbours, torus2d its row and column, halving-doubling its log2 N partners.
+//!
+//! Who connects: the higher rank of a pair dials ([`Dialer`], the progress engine's
+//! [`Connector`]), with the hello, ack, MAC and lane checks of set-up ([`super::pending`]). The
+//! lower rank never dials it: its listener is served for the communicator's life by the
+//! control thread (`comm::control`), which recognises a hello carrying the communicator's own
+//! id, runs the accepting half of the handshake in its poll loop ([`Inbox`]) and hands the
+//! checked connections over, every lane of a peer at once, waking the engine through an event
+//! descriptor. Accepting never waits for the engine, so a dial completes in a round trip
+//! whatever the lower rank is doing, and two ranks never both dial each other.
+//!
+//! Strangers meet the bounds of set-up: at most [`MAX_PENDING`] connections in handshake (the
+//! oldest goes), each with the set-up allowance to finish, a rank and lane claimed once. After
+//! this rank failed ([`Inbox::close`]), a peer that connects gets the abort frame with the
+//! reason and a closed connection, so it fails at once with this rank's reason.
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use super::mesh::{HANDSHAKE_ALLOWANCE, transport_of};
+use super::pending::{Ctx, Incoming, Outgoing};
+use super::{SocketOptions, control};
+use crate::config::AuthToken;
+use crate::error::{Error, Result};
+use crate::sys::eventfd::EventFd;
+use crate::sys::poll::{Events, PollFd, poll};
+use crate::transport::{AbortSignal, Connector, Transport};
+
+/// Incoming connections in handshake at most; past this the oldest is dropped.
+pub const MAX_PENDING: usize = 64;
+/// Dropped connections logged one by one (then every 1000th).
+const WARNS: usize = 16;
+/// Longest sleep of a dial, so that cancellation and the abort signal are seen promptly.
+const DIAL_SLICE: Duration = Duration::from_millis(100);
+/// How long [`Dialer::peer_gone`] waits for a verdict.
+const GONE_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// Who this rank is, for both halves of the handshake.
+#[derive(Debug, Clone)]
+pub struct LazyCtx {
+    /// This rank.
+    pub rank: usize,
+    /// Ranks in the communicator.
+    pub size: usize,
+    /// The communicator's id.
+    pub comm_id: u64,
+    /// `TOROID_AUTH_TOKEN`.
+    pub auth: Option<AuthToken>,
+    /// Connections (lanes) per peer, as at set-up.
+    pub lanes: Vec<usize>,
+}
+
+impl LazyCtx {
+    fn ctx(&self) -> Ctx<'_> {
+        Ctx {
+            rank: self.rank,
+            size: self.size,
+            comm_id: self.comm_id,
+            auth: self.auth.as_ref(),
+            lanes: &self.lanes,
+        }
+    }
+}
+
+#[derive(Default)]
+struct InState {
+    pending: Vec<Incoming>,
+    /// Lanes (bit `l`) of each rank that a connection holds or held (2 bytes per rank, as
+    /// the addresses every rank keeps).
+    claimed: Vec<u16>,
+    /// Checked lanes of ranks not all of whose lanes are in yet.
+    partial: HashMap<usize, Vec<Option<TcpStream>>>,
+    /// Peers whose every lane is in, for the engine to take.
+    ready: Vec<(usize, Vec<TcpStream>)>,
+    /// The abort frame to answer with once this rank failed.
+    closed: Option<Vec<u8>>,
+    dropped: usize,
+}
+
+/// The accepting half: connections the control thread took whose hello carries this
+/// communicator's id, until their handshake is done and the engine takes them.
+pub struct Inbox {
+    ctx: LazyCtx,
+    state: Mutex<InState>,
+    event: EventFd,
+}
+
+impl std::fmt::Debug for Inbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inbox").field("rank", &self.ctx.rank).finish_non_exhaustive()
+    }
+}
+
+impl Inbox {
+    /// An empty inbox for this rank.
+    pub fn new(ctx: LazyCtx) -> Result<Inbox> {
+        let event = EventFd::new().map_err(|e| Error::system("eventfd for connections on demand", e))?;
+        let state = InState { claimed: vec![0; ctx.size], ..InState::default() };
+        Ok(Inbox { ctx, state: Mutex::new(state), event })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, InState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The communicator id a data hello carries.
+    pub fn comm_id(&self) -> u64 {
+        self.ctx.comm_id
+    }
+
+    /// Takes a connection accepted on the listener whose hello (not yet consumed) carries this
+    /// communicator's id: a stranger until its hello checks out.
+    pub fn take(&self, stream: TcpStream, from: SocketAddr) {
+        let now = Instant::now();
+        let mut st = self.lock();
+        if st.pending.len() >= MAX_PENDING {
+            let old = st.pending.remove(0);
+            Self::drop_one(
+                &mut st,
+                self.ctx.rank,
+                old,
+                "too many connections in handshake at once (the oldest goes)",
+            );
+        }
+        st.pending.push(Incoming::new(stream, from, now, now + HANDSHAKE_ALLOWANCE));
+        drop(st);
+        self.advance(now);
+    }
+
+    /// What the control thread polls for: the connections in handshake.
+    pub fn interest(&self) -> Vec<(RawFd, Events)> {
+        self.lock().pending.iter().filter_map(Incoming::interest).collect()
+    }
+
+    /// The earliest handshake deadline, if any connection is in handshake.
+    pub fn wake_at(&self) -> Option<Instant> {
+        self.lock().pending.iter().map(|c| c.deadline).min()
+    }
+
+    /// Moves every connection in handshake on as far as its socket allows; hands the peers
+    /// whose every lane is checked to the engine (or, after [`Inbox::close`], answers them
+    /// with the abort frame and closes them).
+    pub fn advance(&self, now: Instant) {
+        let ctx = self.ctx.ctx();
+        let mut st = self.lock();
+        let st = &mut *st;
+        let mut i = 0;
+        let mut delivered = false;
+        while i < st.pending.len() {
+            let res = st.pending[i].advance(ctx, &mut st.claimed);
+            match res {
+                Err(why) => {
+                    let c = st.pending.swap_remove(i);
+                    if let Some((r, l)) = c.claimed()
+                        && let Some(bits) = st.claimed.get_mut(r)
+                    {
+                        *bits &= !(1 << l);
+                    }
+                    Self::drop_one(st, ctx.rank, c, &why);
+                }
+                Ok(()) if st.pending[i].interest().is_none() => {
+                    let c = st.pending.swap_remove(i);
+                    if let Some((r, l, s)) = c.into_link() {
+                        let n = ctx.lanes.get(r).copied().unwrap_or(1);
+                        let lanes = st.partial.entry(r).or_insert_with(|| (0..n).map(|_| None).collect());
+                        if let Some(slot) = lanes.get_mut(l) {
+                            *slot = Some(s);
+                        }
+                        if lanes.iter().all(Option::is_some) {
+                            let lanes: Vec<TcpStream> =
+                                st.partial.remove(&r).unwrap_or_default().into_iter().flatten().collect();
+                            match &st.closed {
+                                Some(frame) => refuse(lanes, frame),
+                                None => {
+                                    st.ready.push((r, lanes));
+                                    delivered = true;
+                                }
+                            }
+                        }
+                    }
+                }
+                Ok(()) if now >= st.pending[i].deadline => {
+                    let c = st.pending.swap_remove(i);
+                    if let Some((r, l)) = c.claimed()
+                        && let Some(bits) = st.claimed.get_mut(r)
+                    {
+                        *bits &= !(1 << l);
+                    }
+                    Self::drop_one(st, ctx.rank, c, "no complete hello before its handshake deadline");
+                }
+                Ok(()) => i += 1,
+            }
+        }
+        if delivered {
+            self.event.signal();
+        }
+    }
+
+    fn drop_one(st: &mut InState, rank: usize, c: Incoming, why: &str) {
+        st.dropped += 1;
+        if st.dropped <= WARNS || st.dropped.is_multiple_of(1000) {
+            tracing::warn!(target: "toroid::net", "rank {rank}: dropped connection from {}: {why} ({} dropped so far)",
+                c.from_addr, st.dropped);
+        }
+    }
+
+    /// The peers whose links are in since the last call, with their lanes in order.
+    fn take_ready(&self) -> Vec<(usize, Vec<TcpStream>)> {
+        self.event.drain();
+        std::mem::take(&mut self.lock().ready)
+    }
+
+    /// This rank failed: links handed over but not taken, and those that arrive later, get
+    /// `frame` (an abort frame) and are closed.
+    fn close(&self, frame: &[u8]) {
+        let mut st = self.lock();
+        for (_, lanes) in std::mem::take(&mut st.ready) {
+            refuse(lanes, frame);
+        }
+        st.closed = Some(frame.to_vec());
+    }
+}
+
+/// Best effort: the abort frame on the first lane, then every lane closed.
+fn refuse(lanes: Vec<TcpStream>, frame: &[u8]) {
+    use std::io::Write;
+    if let Some(mut s) = lanes.first() {
+        let _ = s.write(frame);
+    }
+    for s in lanes {
+        let _ = s.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+/// The dialing half, and the engine's [`Connector`].
+#[derive(Debug)]
+pub struct Dialer {
+    ctx: LazyCtx,
+    addrs: std::sync::Arc<[SocketAddr]>,
+    opts: SocketOptions,
+    inbox: std::sync::Arc<Inbox>,
+    sockets: AtomicUsize,
+}
+
+impl Dialer {
+    /// Dials the peers at `addrs` (index = rank) for the communicator of `ctx`; links they
+    /// open arrive through `inbox` (served by the control thread).
+    pub fn new(
+        ctx: LazyCtx,
+        addrs: std::sync::Arc<[SocketAddr]>,
+        opts: SocketOptions,
+        inbox: std::sync::Arc<Inbox>,
+    ) -> Dialer {
+        Dialer { ctx, addrs, opts, inbox, sockets: AtomicUsize::new(0) }
+    }
+
+    /// Links every rank of `peers` now (set-up: the ranks shared memory pairs with), dialing
+    /// the lower ones and waiting for the higher ones; one transport per rank (`None` for
+    /// ranks not in `peers`).
+    pub fn link_now(
+        &mut self,
+        peers: &[usize],
+        deadline: Instant,
+        abort: &AbortSignal,
+    ) -> Result<Vec<Option<Box<dyn Transport>>>> {
+        let mut out: Vec<Option<Box<dyn Transport>>> = (0..self.ctx.size).map(|_| None).collect();
+        for &p in peers {
+            if self.dials(p) {
+                out[p] = Some(self.dial(p, deadline, abort)?);
+            }
+        }
+        loop {
+            for (p, t) in self.arrived()? {
+                if let Some(slot) = out.get_mut(p) {
+                    *slot = Some(t);
+                }
+            }
+            let missing: Vec<usize> = peers.iter().copied().filter(|&p| out[p].is_none()).collect();
+            if missing.is_empty() {
+                return Ok(out);
+            }
+            abort.check()?;
+            crate::cancel::check("connecting to the ranks of this host")?;
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Timeout(
+                    format!(
+                        "rank {}: ranks {missing:?} of this host never connected before the set-up deadline",
+                        self.ctx.rank
+                    )
+                    .into(),
+                )
+                .with_peer(missing[0]));
+            }
+            let mut fds = [
+                PollFd::new(self.inbox.event.as_raw_fd(), PollFd::IN),
+                PollFd::new(abort.event_fd(), PollFd::IN),
+            ];
+            let ms = deadline.saturating_duration_since(now).min(DIAL_SLICE).as_millis().max(1) as i32;
+            poll(&mut fds, ms).map_err(|e| Error::system("poll while connecting", e))?;
+        }
+    }
+}
+
+impl Connector for Dialer {
+    fn dials(&self, peer: usize) -> bool {
+        peer < self.ctx.rank
+    }
+
+    fn dial(&mut self, peer: usize, deadline: Instant, abort: &AbortSignal) -> Result<Box<dyn Transport>> {
+        let ctx = self.ctx.ctx();
+        let addr = *self.addrs.get(peer).ok_or_else(|| {
+            Error::Internal(format!("rank {} has no address for rank {peer}", ctx.rank).into())
+        })?;
+        let n = ctx.lanes.get(peer).copied().unwrap_or(1);
+        let mut out: Vec<Outgoing> =
+            (0..n).map(|l| Outgoing::new(ctx, peer, l, addr)).collect::<Result<_>>()?;
+        let mut fds: Vec<PollFd> = Vec::with_capacity(n + 1);
+        loop {
+            let now = Instant::now();
+            for o in &mut out {
+                o.advance(ctx, now)?;
+                // The peer published this address after it started listening, and its listener
+                // stays open for the communicator's life: a refusal means its process is gone.
+                if let Some(e) = o.refusal() {
+                    return Err(Error::Remote(
+                        format!(
+                            "rank {}: could not connect to rank {peer} at {addr}: {e} (its process is gone)",
+                            ctx.rank
+                        )
+                        .into(),
+                    ));
+                }
+            }
+            if out.iter().all(Outgoing::is_done) {
+                let lanes: Vec<TcpStream> = out.into_iter().filter_map(Outgoing::into_stream).collect();
+                self.sockets.fetch_add(lanes.len(), Ordering::Relaxed);
+                return transport_of(lanes, &self.opts)?
+                    .ok_or_else(|| Error::Internal("a dial produced no connection".into()));
+            }
+            abort.check()?;
+            crate::cancel::check("connecting to a peer")?;
+            if now >= deadline {
+                let parts: Vec<String> =
+                    out.iter().filter(|o| !o.is_done()).map(|o| o.describe_unfinished(ctx.rank)).collect();
+                return Err(Error::Timeout(parts.join("; ").into()));
+            }
+            fds.clear();
+            fds.push(PollFd::new(abort.event_fd(), PollFd::IN));
+            for o in &out {
+                if let Some((fd, ev)) = o.interest() {
+                    fds.push(PollFd::new(fd, ev));
+                }
+            }
+            let wake =
+                out.iter().filter_map(Outgoing::wake_at).fold(deadline, Instant::min).min(now + DIAL_SLICE);
+            let ms = wake.saturating_duration_since(now).as_millis().max(1) as i32;
+            poll(&mut fds, ms).map_err(|e| Error::system("poll while connecting", e))?;
+        }
+    }
+
+    fn arrived(&mut self) -> Result<Vec<(usize, Box<dyn Transport>)>> {
+        let mut out = Vec::new();
+        for (p, lanes) in self.inbox.take_ready() {
+            self.sockets.fetch_add(lanes.len(), Ordering::Relaxed);
+            if let Some(t) = transport_of(lanes, &self.opts)? {
+                out.push((p, t));
+            }
+        }
+        Ok(out)
+    }
+
+    fn arrival_fd(&self) -> RawFd {
+        self.inbox.event.as_raw_fd()
+    }
+
+    fn peer_gone(&self, peer: usize) -> Option<String> {
+        control::is_gone(*self.addrs.get(peer)?, GONE_TIMEOUT)
+    }
+
+    fn close(&mut self, abort_frame: &[u8]) {
+        self.inbox.close(abort_frame);
+    }
+
+    fn sockets(&self) -> usize {
+        self.sockets.load(Ordering::Relaxed)
+    }
+}
