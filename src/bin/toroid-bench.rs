@@ -98,6 +98,12 @@ struct Cli {
     /// them) and as persistent requests started one by one (`all_reduce_init`), with the ratios.
     #[arg(long = "calls")]
     calls: Option<usize>,
+    /// Set-up cost instead of the size sweep: each rank times its set-up (`from_env`) and one
+    /// float sum all-reduce of the `-b` size (checked), then prints one `SETUP` line with those
+    /// times, its linked peers, its open sockets (`/proc/self/fd`) and its memory
+    /// (`scripts/setup-scale.py` gathers them; `TOROID_CONNECT=mesh|lazy` compares the two).
+    #[arg(long = "setup")]
+    setup: bool,
 }
 
 fn size(s: &str) -> Result<usize, String> {
@@ -375,8 +381,13 @@ fn run(cli: Cli) -> toroid::Result<u64> {
         ),
         None => None,
     };
+    let started = Instant::now();
+    let started_unix = unix_ms();
     let comm = Communicator::from_env()?;
     let opts = CallOptions { timeout: cli.timeout.map(Duration::from_secs_f64), algorithm, wire: None };
+    if cli.setup {
+        return setup_report(&comm, started_unix, started.elapsed(), cli.min_bytes, opts);
+    }
     let n = comm.size();
     let bench = Bench { comm, cli, dtype, op, opts };
     if let Some(k) = bench.cli.calls {
@@ -638,4 +649,55 @@ impl Bench {
 
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_default()
+}
+
+/// `--setup`: one float sum all-reduce after set-up, checked, and this rank's `SETUP` line.
+fn setup_report(
+    comm: &Communicator,
+    started_unix: f64,
+    setup: Duration,
+    bytes: usize,
+    opts: CallOptions,
+) -> toroid::Result<u64> {
+    let (n, me) = (comm.size(), comm.rank());
+    let count = (bytes / 4).max(1);
+    let mut recv: Vec<f32> = (0..count).map(|i| ((me + i) % 7) as f32).collect();
+    let t = Instant::now();
+    comm.all_reduce_with(&mut recv, ReduceOp::Sum, opts)?;
+    let first = t.elapsed();
+    let ready_unix = unix_ms();
+    let wrong =
+        (0..count).filter(|&i| recv[i] != (0..n).map(|r| ((r + i) % 7) as f32).sum::<f32>()).count() as u64;
+    let sockets = std::fs::read_dir("/proc/self/fd")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter(|e| {
+                    std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy().starts_with("socket:"))
+                })
+                .count()
+        })
+        .unwrap_or(0);
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kb = |key: &str| -> u64 {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    println!(
+        "SETUP rank={me} size={n} start_unix_ms={started_unix:.3} ready_unix_ms={ready_unix:.3} setup_ms={:.3} first_ms={:.3} peers={} sockets={sockets} rss_kb={} hwm_kb={} wrong={wrong}",
+        setup.as_secs_f64() * 1e3,
+        first.as_secs_f64() * 1e3,
+        comm.connected_peers().len(),
+        kb("VmRSS:"),
+        kb("VmHWM:"),
+    );
+    Ok(wrong)
+}
+
+/// Milliseconds since the Unix epoch (the ranks of one host share the clock).
+fn unix_ms() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3)
 }

@@ -70,6 +70,8 @@ pub trait Connector: Send + std::fmt::Debug {
     fn close(&mut self, abort_frame: &[u8]);
     /// Connections (lanes included) this rank opened or accepted so far.
     fn sockets(&self) -> usize;
+    /// The [`Transport::kind`] the link to `peer` will have once opened.
+    fn kind_of(&self, peer: usize) -> &'static str;
 }
 
 /// One connected peer. See the module documentation for the contract.

@@ -279,12 +279,8 @@ impl Peers {
         match self.links.get(peer).and_then(Option::as_ref) {
             Some(l) => Some(l.transport.kind()),
             // Not linked yet: the connector opens a TCP link when an operation needs one.
-            None if !self.closed
-                && self.connector.is_some()
-                && peer != self.rank
-                && peer < self.links.len() =>
-            {
-                Some("tcp")
+            None if !self.closed && peer != self.rank && peer < self.links.len() => {
+                self.connector.as_ref().map(|c| c.kind_of(peer))
             }
             None => None,
         }

@@ -395,4 +395,8 @@ impl Connector for Dialer {
     fn sockets(&self) -> usize {
         self.sockets.load(Ordering::Relaxed)
     }
+
+    fn kind_of(&self, peer: usize) -> &'static str {
+        if self.ctx.lanes.get(peer).is_some_and(|&l| l > 1) { "tcp-striped" } else { "tcp" }
+    }
 }
