@@ -364,3 +364,30 @@ fn a_rank_waiting_for_a_dead_peer_to_connect_fails_within_seconds() {
     assert!(ms < 10_000, "rank 0 waited {ms} ms: {line}");
     assert!(line.contains("rank 1") && line.contains("gone"), "{line}");
 }
+
+#[test]
+fn split_children_connect_on_demand_too() {
+    if util::is_child() {
+        return;
+    }
+    // 6 ranks split into evens and odds; each child (3 ranks) runs a ring all-reduce and links
+    // only its two ring neighbours, while the parent keeps the links its split exchange used.
+    let n = 6;
+    let cfg = lazy_config("ring", None, false);
+    util::run_threads(n, &cfg, move |comm| {
+        let r = comm.rank();
+        let child = comm.split(Some((r % 2) as u32), r as i64).unwrap().expect("a member");
+        assert!(child.connects_on_demand());
+        assert!(child.connected_peers().is_empty());
+        let mut v = vec![r as i64; 1000];
+        child.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+        let want: i64 = (0..n).filter(|p| p % 2 == r % 2).map(|p| p as i64).sum();
+        assert!(v.iter().all(|x| *x == want), "rank {r}");
+        assert_eq!(child.connected_peers().len(), 2, "rank {r}");
+        for p in 0..child.size() {
+            if p != child.rank() {
+                assert_eq!(child.transport_to(p), Some("tcp"));
+            }
+        }
+    });
+}
