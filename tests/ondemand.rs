@@ -99,9 +99,12 @@ fn all_reduces_on_demand_match_the_reference_and_open_only_their_links() {
             util::run_threads(n, &cfg, move |comm| {
                 let r = comm.rank();
                 assert!(comm.connects_on_demand());
+                // No link at set-up but those a peer already opened for the first all-reduce.
+                let want = expected_peers(algo, r, n, shape);
+                let early: BTreeSet<usize> = comm.connected_peers().into_iter().collect();
                 assert!(
-                    comm.connected_peers().is_empty(),
-                    "rank {r}: linked at set-up without shared memory"
+                    early.is_subset(&want),
+                    "rank {r}: linked at set-up to {early:?}, needs only {want:?}"
                 );
                 for (id, (dtype, op, count, in_place)) in [
                     (DataType::F32, ReduceOp::Sum, 4099, true),
@@ -117,7 +120,6 @@ fn all_reduces_on_demand_match_the_reference_and_open_only_their_links() {
                         .unwrap_or_else(|e| panic!("{n} ranks, {algo:?}: {e}"));
                 }
                 let got: BTreeSet<usize> = comm.connected_peers().into_iter().collect();
-                let want = expected_peers(algo, r, n, shape);
                 assert_eq!(got, want, "{n} ranks, {algo:?}, shape {shape:?}: rank {r}'s links");
             });
         }
@@ -378,7 +380,8 @@ fn split_children_connect_on_demand_too() {
         let r = comm.rank();
         let child = comm.split(Some((r % 2) as u32), r as i64).unwrap().expect("a member");
         assert!(child.connects_on_demand());
-        assert!(child.connected_peers().is_empty());
+        // At most the ring neighbours (a neighbour may have dialed during set-up).
+        assert!(child.connected_peers().len() <= 2);
         let mut v = vec![r as i64; 1000];
         child.all_reduce(&mut v, ReduceOp::Sum).unwrap();
         let want: i64 = (0..n).filter(|p| p % 2 == r % 2).map(|p| p as i64).sum();

@@ -119,9 +119,23 @@ fn read_roster(
     let mut chunks: Vec<Vec<u8>> = Vec::new();
     if rank == 0 {
         let mut cur: Vec<u8> = Vec::new();
+        // A rank that never publishes fails rank 0 at its deadline: it tells the others which
+        // one (they wait for the roster, and its store goes away as it exits).
+        // It gives up a little before its own deadline, so that the others, which started
+        // waiting at about the same time, are still waiting when it tells them.
+        let left = deadline.saturating_duration_since(Instant::now());
+        let early =
+            deadline.checked_sub((left / 10).min(std::time::Duration::from_secs(1))).unwrap_or(deadline);
+        let gather = |key: String, r: usize| {
+            get_key(store, &key, early).map_err(|e| {
+                let e = not_joined(e, r);
+                let _ = store.set(&format!("{prefix}/roster/n"), format!("error {r} {e}").as_bytes());
+                e
+            })
+        };
         for r in 0..size {
-            let a = get_key(store, &format!("{prefix}/addr/{r}"), deadline).map_err(|e| not_joined(e, r))?;
-            let h = get_key(store, &format!("{prefix}/host/{r}"), deadline).map_err(|e| not_joined(e, r))?;
+            let a = gather(format!("{prefix}/addr/{r}"), r)?;
+            let h = gather(format!("{prefix}/host/{r}"), r)?;
             let rec = 8 + a.len() + h.len();
             if !cur.is_empty() && cur.len() + rec > ROSTER_CHUNK {
                 chunks.push(std::mem::take(&mut cur));
@@ -137,10 +151,15 @@ fn read_roster(
         }
         store.set(&format!("{prefix}/roster/n"), chunks.len().to_string().as_bytes())?;
     } else {
-        let n = get_key(store, &format!("{prefix}/roster/n"), deadline).map_err(|e| not_joined(e, 0))?;
-        let n: usize = String::from_utf8_lossy(&n)
-            .parse()
-            .map_err(|_| Error::Remote("rank 0 published a bad roster".into()))?;
+        let n = match get_key(store, &format!("{prefix}/roster/n"), deadline) {
+            Ok(n) => n,
+            Err(e) => return Err(missing_rank(store, prefix, size, e)),
+        };
+        let n = String::from_utf8_lossy(&n).into_owned();
+        if let Some(e) = roster_error(&n) {
+            return Err(e);
+        }
+        let n: usize = n.parse().map_err(|_| Error::Remote("rank 0 published a bad roster".into()))?;
         for c in 0..n {
             chunks.push(
                 get_key(store, &format!("{prefix}/roster/{c}"), deadline).map_err(|e| not_joined(e, 0))?,
@@ -178,6 +197,37 @@ fn read_roster(
         return Err(bad());
     }
     Ok(out)
+}
+
+/// Why the roster did not come: the first rank whose address is not in the store (rank 0
+/// waits for it), found by asking for each key in turn without waiting (this runs only once
+/// set-up has failed, so its `N` reads cost nothing while the job is healthy), else rank 0.
+fn missing_rank(store: &dyn Store, prefix: &str, size: usize, e: Error) -> Error {
+    if !matches!(e, Error::Timeout(_)) {
+        return not_joined(e, 0);
+    }
+    let quick = std::time::Duration::from_millis(1);
+    // Rank 0 may have named the missing rank just now.
+    if let Ok(v) = store.get(&format!("{prefix}/roster/n"), quick)
+        && let Some(e) = roster_error(&String::from_utf8_lossy(&v))
+    {
+        return e;
+    }
+    for r in 0..size {
+        match store.get(&format!("{prefix}/addr/{r}"), quick) {
+            Ok(_) => {}
+            Err(Error::Timeout(_)) => return not_joined(e, r),
+            Err(_) => break, // the store went away: rank 0 gave up
+        }
+    }
+    not_joined(e, 0)
+}
+
+/// The failure rank 0 published in place of the roster (`error <rank> <message>`), if any.
+fn roster_error(n: &str) -> Option<Error> {
+    let why = n.strip_prefix("error ")?;
+    let (r, why) = why.split_once(' ').unwrap_or(("0", why));
+    Some(Error::Timeout(format!("rank 0's set-up failed: {why}").into()).with_peer(r.parse().unwrap_or(0)))
 }
 
 /// Rank 0 of a lazy set-up: waits until every rank has read the roster, so that the store it

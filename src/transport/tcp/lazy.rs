@@ -268,7 +268,8 @@ impl Dialer {
 
     /// Links every rank of `peers` now (set-up: the ranks shared memory pairs with), dialing
     /// the lower ones and waiting for the higher ones; one transport per rank (`None` for
-    /// ranks not in `peers`).
+    /// ranks not in `peers`, unless such a rank already opened its link to this one for its
+    /// first operation: that link is kept too).
     pub fn link_now(
         &mut self,
         peers: &[usize],
