@@ -277,10 +277,9 @@ impl Dialer {
         abort: &AbortSignal,
     ) -> Result<Vec<Option<Box<dyn Transport>>>> {
         let mut out: Vec<Option<Box<dyn Transport>>> = (0..self.ctx.size).map(|_| None).collect();
-        for &p in peers {
-            if self.dials(p) {
-                out[p] = Some(self.dial(p, deadline, abort)?);
-            }
+        let lower: Vec<usize> = peers.iter().copied().filter(|&p| self.dials(p)).collect();
+        for (p, t) in self.dial_many(&lower, deadline, abort)? {
+            out[p] = Some(t);
         }
         loop {
             for (p, t) in self.arrived()? {
@@ -313,50 +312,68 @@ impl Dialer {
             poll(&mut fds, ms).map_err(|e| Error::system("poll while connecting", e))?;
         }
     }
-}
 
-impl Connector for Dialer {
-    fn dials(&self, peer: usize) -> bool {
-        peer < self.ctx.rank
-    }
-
-    fn dial(&mut self, peer: usize, deadline: Instant, abort: &AbortSignal) -> Result<Box<dyn Transport>> {
+    /// Dials every rank of `peers` (all lower than this rank) at once, every lane, in one poll
+    /// loop, and returns their transports in the order given.
+    fn dial_many(
+        &mut self,
+        peers: &[usize],
+        deadline: Instant,
+        abort: &AbortSignal,
+    ) -> Result<Vec<(usize, Box<dyn Transport>)>> {
         let ctx = self.ctx.ctx();
-        let addr = *self.addrs.get(peer).ok_or_else(|| {
-            Error::Internal(format!("rank {} has no address for rank {peer}", ctx.rank).into())
-        })?;
-        let n = ctx.lanes.get(peer).copied().unwrap_or(1);
-        let mut out: Vec<Outgoing> =
-            (0..n).map(|l| Outgoing::new(ctx, peer, l, addr)).collect::<Result<_>>()?;
-        let mut fds: Vec<PollFd> = Vec::with_capacity(n + 1);
+        let mut out: Vec<Outgoing> = Vec::new();
+        for &peer in peers {
+            let addr = *self.addrs.get(peer).ok_or_else(|| {
+                Error::Internal(format!("rank {} has no address for rank {peer}", ctx.rank).into())
+            })?;
+            for l in 0..ctx.lanes.get(peer).copied().unwrap_or(1) {
+                out.push(Outgoing::new(ctx, peer, l, addr)?);
+            }
+        }
+        let mut fds: Vec<PollFd> = Vec::with_capacity(out.len() + 1);
         loop {
             let now = Instant::now();
             for o in &mut out {
-                o.advance(ctx, now)?;
+                o.advance(ctx, now).map_err(|e| e.with_peer(o.peer))?;
                 // The peer published this address after it started listening, and its listener
                 // stays open for the communicator's life: a refusal means its process is gone.
                 if let Some(e) = o.refusal() {
                     return Err(Error::Remote(
                         format!(
-                            "rank {}: could not connect to rank {peer} at {addr}: {e} (its process is gone)",
-                            ctx.rank
+                            "rank {}: could not connect to rank {} at {}: {e} (its process is gone)",
+                            ctx.rank, o.peer, self.addrs[o.peer]
                         )
                         .into(),
-                    ));
+                    )
+                    .with_peer(o.peer));
                 }
             }
             if out.iter().all(Outgoing::is_done) {
-                let lanes: Vec<TcpStream> = out.into_iter().filter_map(Outgoing::into_stream).collect();
-                self.sockets.fetch_add(lanes.len(), Ordering::Relaxed);
-                return transport_of(lanes, &self.opts)?
-                    .ok_or_else(|| Error::Internal("a dial produced no connection".into()));
+                let mut links = Vec::with_capacity(peers.len());
+                let mut lanes = out.into_iter();
+                for &peer in peers {
+                    let n = ctx.lanes.get(peer).copied().unwrap_or(1);
+                    let streams: Vec<TcpStream> =
+                        lanes.by_ref().take(n).filter_map(Outgoing::into_stream).collect();
+                    self.sockets.fetch_add(streams.len(), Ordering::Relaxed);
+                    let t = transport_of(streams, &self.opts)?
+                        .ok_or_else(|| Error::Internal("a dial produced no connection".into()))?;
+                    links.push((peer, t));
+                }
+                return Ok(links);
             }
             abort.check()?;
             crate::cancel::check("connecting to a peer")?;
             if now >= deadline {
                 let parts: Vec<String> =
                     out.iter().filter(|o| !o.is_done()).map(|o| o.describe_unfinished(ctx.rank)).collect();
-                return Err(Error::Timeout(parts.join("; ").into()));
+                let first = out.iter().find(|o| !o.is_done()).map(|o| o.peer);
+                let e = Error::Timeout(parts.join("; ").into());
+                return Err(match first {
+                    Some(p) => e.with_peer(p),
+                    None => e,
+                });
             }
             fds.clear();
             fds.push(PollFd::new(abort.event_fd(), PollFd::IN));
@@ -370,6 +387,19 @@ impl Connector for Dialer {
             let ms = wake.saturating_duration_since(now).as_millis().max(1) as i32;
             poll(&mut fds, ms).map_err(|e| Error::system("poll while connecting", e))?;
         }
+    }
+}
+
+impl Connector for Dialer {
+    fn dials(&self, peer: usize) -> bool {
+        peer < self.ctx.rank
+    }
+
+    fn dial(&mut self, peer: usize, deadline: Instant, abort: &AbortSignal) -> Result<Box<dyn Transport>> {
+        self.dial_many(&[peer], deadline, abort)?
+            .pop()
+            .map(|(_, t)| t)
+            .ok_or_else(|| Error::Internal("a dial produced no connection".into()))
     }
 
     fn arrived(&mut self) -> Result<Vec<(usize, Box<dyn Transport>)>> {
