@@ -107,8 +107,8 @@ fn read_all(store: &dyn Store, prefix: &str, size: usize, deadline: Instant) -> 
 /// and publishes them as `roster/<c>` chunks (each a run of `u32` length-prefixed address and
 /// host record pairs) and then `roster/n`, their number; the others read `roster/n` and the
 /// chunks, a constant number of reads per rank up to a few hundred ranks (one more per 60 KiB).
-/// Each non-zero rank then counts itself in `roster/read`; the last one sets `roster/done`,
-/// which rank 0 waits for before its store may stop serving ([`finish_roster`]).
+/// Each non-zero rank then sets `roster/read/<r>`, which rank 0 waits for before its store may
+/// stop serving ([`finish_roster`]).
 fn read_roster(
     store: &dyn Store,
     prefix: &str,
@@ -165,9 +165,8 @@ fn read_roster(
                 get_key(store, &format!("{prefix}/roster/{c}"), deadline).map_err(|e| not_joined(e, 0))?,
             );
         }
-        if store.add(&format!("{prefix}/roster/read"), 1)? == (size - 1) as i64 {
-            store.set(&format!("{prefix}/roster/done"), b"1")?;
-        }
+        // A key of its own (a caller's store may not add atomically, `ffi::store`).
+        store.set(&format!("{prefix}/roster/read/{rank}"), b"1")?;
     }
     let bad = || Error::Remote("rank 0 published a malformed roster".into());
     let mut out = Published::with_capacity(size);
@@ -236,9 +235,11 @@ fn finish_roster(store: &dyn Store, prefix: &str, rank: usize, size: usize, dead
     if rank != 0 || size < 2 {
         return Ok(());
     }
-    get_key(store, &format!("{prefix}/roster/done"), deadline)
-        .map(|_| ())
-        .map_err(|e| e.context("waiting for every rank to read the roster"))
+    for r in 1..size {
+        get_key(store, &format!("{prefix}/roster/read/{r}"), deadline)
+            .map_err(|e| e.context(&format!("waiting for rank {r} to read the roster")).with_peer(r))?;
+    }
+    Ok(())
 }
 
 /// A failed wait for rank `r`'s keys in the store becomes an error naming that rank: it did not
@@ -304,7 +305,7 @@ impl Communicator {
         // Rank 0's store server is needed no longer: every rank reads every address from the
         // store (or the roster) before it connects to anyone, and rank 0's set-up returns only
         // after every higher rank has connected to it (a mesh: it accepts them all) or has
-        // counted itself as having read the roster (on demand), so by now no rank has a read
+        // marked the roster read (on demand), so by now no rank has a read
         // left. Stopping it now closes the port a stranger could probe for the rest of the
         // job. (A failed set-up drops `opened`, which stops it too.)
         opened.stop_serving();
