@@ -104,9 +104,10 @@ fn read_all(store: &dyn Store, prefix: &str, size: usize, deadline: Instant) -> 
 }
 
 /// Every rank's keys through the roster (`TOROID_CONNECT=lazy`): rank 0 reads every rank's keys
-/// and publishes them as `roster/<c>` chunks (each a run of `u32` length-prefixed address and
-/// host record pairs) and then `roster/n`, their number; the others read `roster/n` and the
-/// chunks, a constant number of reads per rank up to a few hundred ranks (one more per 60 KiB).
+/// and publishes them ([`parse_roster`] for the bytes) as `roster/<c>` chunks of at most
+/// [`ROSTER_CHUNK`] bytes and then `roster/n`, their number; the others read `roster/n` and the
+/// chunks, a constant number of reads per rank up to a couple of thousand ranks (one more per
+/// 60 KiB).
 /// Each non-zero rank then sets `roster/read/<r>`, which rank 0 waits for before its store may
 /// stop serving ([`finish_roster`]).
 fn read_roster(
@@ -116,9 +117,7 @@ fn read_roster(
     size: usize,
     deadline: Instant,
 ) -> Result<Published> {
-    let mut chunks: Vec<Vec<u8>> = Vec::new();
-    if rank == 0 {
-        let mut cur: Vec<u8> = Vec::new();
+    let stream: Vec<u8> = if rank == 0 {
         // A rank that never publishes fails rank 0 at its deadline: it tells the others which
         // one (they wait for the roster, and its store goes away as it exits).
         // It gives up a little before its own deadline, so that the others, which started
@@ -133,23 +132,34 @@ fn read_roster(
                 e
             })
         };
+        // Host records repeat (every rank of a host publishes the same one): each goes in once
+        // and ranks refer to it by index, so the roster stays about 25 bytes a rank.
+        let mut records: Vec<Vec<u8>> = Vec::new();
+        let mut index: std::collections::HashMap<Vec<u8>, u32> = std::collections::HashMap::new();
+        let mut ranks: Vec<u8> = Vec::with_capacity(size * 28);
         for r in 0..size {
             let a = gather(format!("{prefix}/addr/{r}"), r)?;
             let h = gather(format!("{prefix}/host/{r}"), r)?;
-            let rec = 8 + a.len() + h.len();
-            if !cur.is_empty() && cur.len() + rec > ROSTER_CHUNK {
-                chunks.push(std::mem::take(&mut cur));
-            }
-            for part in [&a, &h] {
-                cur.extend_from_slice(&(part.len() as u32).to_le_bytes());
-                cur.extend_from_slice(part);
-            }
+            let i = *index.entry(h.clone()).or_insert_with(|| {
+                records.push(h);
+                (records.len() - 1) as u32
+            });
+            put(&mut ranks, &a);
+            ranks.extend_from_slice(&i.to_le_bytes());
         }
-        chunks.push(cur);
+        let mut stream =
+            Vec::with_capacity(4 + ranks.len() + records.iter().map(|h| 4 + h.len()).sum::<usize>());
+        stream.extend_from_slice(&(records.len() as u32).to_le_bytes());
+        for h in &records {
+            put(&mut stream, h);
+        }
+        stream.extend_from_slice(&ranks);
+        let chunks: Vec<&[u8]> = stream.chunks(ROSTER_CHUNK).collect();
         for (c, bytes) in chunks.iter().enumerate() {
             store.set(&format!("{prefix}/roster/{c}"), bytes)?;
         }
         store.set(&format!("{prefix}/roster/n"), chunks.len().to_string().as_bytes())?;
+        stream
     } else {
         let n = match get_key(store, &format!("{prefix}/roster/n"), deadline) {
             Ok(n) => n,
@@ -160,39 +170,53 @@ fn read_roster(
             return Err(e);
         }
         let n: usize = n.parse().map_err(|_| Error::Remote("rank 0 published a bad roster".into()))?;
+        let mut stream = Vec::new();
         for c in 0..n {
-            chunks.push(
+            stream.extend(
                 get_key(store, &format!("{prefix}/roster/{c}"), deadline).map_err(|e| not_joined(e, 0))?,
             );
         }
         // A key of its own (a caller's store may not add atomically, `ffi::store`).
         store.set(&format!("{prefix}/roster/read/{rank}"), b"1")?;
-    }
+        stream
+    };
+    parse_roster(&stream, size)
+}
+
+/// Appends `v` as a `u32` length and its bytes.
+fn put(out: &mut Vec<u8>, v: &[u8]) {
+    out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+    out.extend_from_slice(v);
+}
+
+/// The roster's bytes (the chunks joined): `u32` H, H host records (`u32` length + bytes),
+/// then per rank its address (`u32` length + bytes) and the `u32` index of its host record.
+fn parse_roster(mut rest: &[u8], size: usize) -> Result<Published> {
     let bad = || Error::Remote("rank 0 published a malformed roster".into());
-    let mut out = Published::with_capacity(size);
-    for chunk in &chunks {
-        let mut rest: &[u8] = chunk;
-        let field = |rest: &mut &[u8]| -> Result<Vec<u8>> {
-            let len = rest.get(..4).ok_or_else(bad)?;
-            let len = u32::from_le_bytes([len[0], len[1], len[2], len[3]]) as usize;
-            let v = rest.get(4..4 + len).ok_or_else(bad)?.to_vec();
-            *rest = &rest[4 + len..];
-            Ok(v)
-        };
-        loop {
-            let a = field(&mut rest)?;
-            let h = field(&mut rest)?;
-            let r = out.addrs.len();
-            if r >= size {
-                return Err(bad());
-            }
-            out.push(r, &a, &h)?;
-            if rest.is_empty() {
-                break;
-            }
-        }
+    let u32_of = |rest: &mut &[u8]| -> Result<usize> {
+        let b = rest.get(..4).ok_or_else(bad)?;
+        let v = u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize;
+        *rest = &rest[4..];
+        Ok(v)
+    };
+    let field = |rest: &mut &[u8]| -> Result<Vec<u8>> {
+        let len = u32_of(rest)?;
+        let v = rest.get(..len).ok_or_else(bad)?.to_vec();
+        *rest = &rest[len..];
+        Ok(v)
+    };
+    let h = u32_of(&mut rest)?;
+    if h > size {
+        return Err(bad());
     }
-    if out.addrs.len() != size {
+    let records = (0..h).map(|_| field(&mut rest)).collect::<Result<Vec<_>>>()?;
+    let mut out = Published::with_capacity(size);
+    for r in 0..size {
+        let a = field(&mut rest)?;
+        let i = u32_of(&mut rest)?;
+        out.push(r, &a, records.get(i).ok_or_else(bad)?)?;
+    }
+    if !rest.is_empty() {
         return Err(bad());
     }
     Ok(out)
@@ -674,5 +698,69 @@ impl Communicator {
             deadline,
         )
         .map(Some)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rendezvous::MemStore;
+
+    #[test]
+    fn the_roster_gives_every_rank_every_address_and_host_in_several_chunks() {
+        // 3000 ranks on 375 hosts: about 75 KB of roster, two chunks.
+        let n = 3000;
+        let store = MemStore::new();
+        let p = "toroid/gen1";
+        for r in 0..n {
+            store
+                .set(
+                    &format!("{p}/addr/{r}"),
+                    format!("10.0.{}.{}:{}", r / 250, r % 250, 20000 + r).as_bytes(),
+                )
+                .unwrap();
+            let host = format!("h{}\nm{}\nnsocks=0 shm={} auto=1", r / 8, r / 8, r % 2);
+            store.set(&format!("{p}/host/{r}"), host.as_bytes()).unwrap();
+        }
+        let deadline = Instant::now() + std::time::Duration::from_secs(10);
+        let zero = read_roster(&store, p, 0, n, deadline).unwrap();
+        let chunks: usize =
+            String::from_utf8(store.get(&format!("{p}/roster/n"), deadline - Instant::now()).unwrap())
+                .unwrap()
+                .parse()
+                .unwrap();
+        assert_eq!(chunks, 2);
+        let other = read_roster(&store, p, 1234, n, deadline).unwrap();
+        for got in [&zero, &other] {
+            assert_eq!(got.addrs.len(), n);
+            for r in [0, 7, 8, 1999, n - 1] {
+                assert_eq!(got.addrs[r].to_string(), format!("10.0.{}.{}:{}", r / 250, r % 250, 20000 + r));
+                assert_eq!(got.hosts[r], format!("h{}", r / 8));
+                assert_eq!(got.machines[r], format!("m{}", r / 8));
+                assert_eq!(got.prefs[r].shm, r % 2 == 1);
+            }
+        }
+        assert!(store.get(&format!("{p}/roster/read/1234"), std::time::Duration::ZERO).is_ok());
+    }
+
+    #[test]
+    fn a_malformed_roster_is_an_error_not_a_panic() {
+        let mut good = Vec::new();
+        good.extend_from_slice(&1u32.to_le_bytes());
+        put(&mut good, b"h\nm\nnsocks=0 shm=1 auto=1");
+        put(&mut good, b"127.0.0.1:5");
+        good.extend_from_slice(&0u32.to_le_bytes());
+        assert!(parse_roster(&good, 1).is_ok());
+        for cut in 0..good.len() {
+            assert!(parse_roster(&good[..cut], 1).is_err(), "cut at {cut}");
+        }
+        assert!(parse_roster(&good, 2).is_err());
+        let mut bad_index = good.clone();
+        let l = bad_index.len();
+        bad_index[l - 4] = 9;
+        assert!(parse_roster(&bad_index, 1).is_err());
+        let mut huge = good.clone();
+        huge[..4].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(parse_roster(&huge, 1).is_err());
     }
 }
