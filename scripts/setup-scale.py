@@ -6,7 +6,8 @@ For each world size and each TOROID_CONNECT mode, starts that many ranks of
 torus2d all-reduce of a small buffer, and prints per mode and size: the job's wall time, each
 rank's set-up time (`from_env`, init to ready) and its first all-reduce (which opens the links
 on demand), the peers it linked to, the sockets it holds (/proc/self/fd: links, listener, store
-connection; rank 0 also serves the store) and its memory (VmRSS, VmHWM), as median and maximum
+connection; rank 0 also serves the store), its CPU time (user and system, all threads) until
+set-up returned and in all (summed over ranks), and its memory (VmRSS, VmHWM), as median and maximum
 over ranks; the launch spread (first to last rank's start: toroid-run starting the
 processes) and the time from the last rank's start until every rank is ready (what set-up
 itself costs once everyone is there). Each run is bounded by --timeout; a run that fails or times out is reported as such.
@@ -77,6 +78,9 @@ def summary(res):
     starts, readies = col("start_unix_ms"), col("ready_unix_ms")
     return {
         "spread": max(starts) - min(starts),
+        "cpu_med": med(col("setup_cpu_ms")),
+        "cpu_max": max(col("setup_cpu_ms")),
+        "cpu_total": sum(col("cpu_ms")) / 1e3,
         "after_last": max(readies) - max(starts),
         "wall": res["wall_s"],
         "setup_med": med(col("setup_ms")),
@@ -119,19 +123,20 @@ def main():
             json.dump(results, f)
     print()
     print("| ranks | connect | grid | job wall s | launch spread ms | last start to all ready ms | set-up ms median / max "
-          "| first all-reduce ms max | ready ms max | peers max | sockets median / max | RSS MiB median | peak RSS MiB max |")
-    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| set-up CPU ms median / max | job CPU s | first all-reduce ms max | ready ms max | peers max "
+          "| sockets median / max | RSS MiB median | peak RSS MiB max |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in sizes:
         for mode in modes:
             runs = [r for r in results if r["n"] == n and r["mode"] == mode and r["ok"]]
             if not runs:
-                print(f"| {n} | {mode} | | failed | | | | | | | | | |")
+                print(f"| {n} | {mode} | | failed | | | | | | | | | | | |")
                 continue
             runs.sort(key=lambda r: summary(r)["ready_max"])
             r = runs[len(runs) // 2]
             s = summary(r)
             print(f"| {n} | {mode} | {r['grid'][0]}x{r['grid'][1]} | {s['wall']:.1f} | {s['spread']:.0f} | {s['after_last']:.0f} "
-                  f"| {s['setup_med']:.0f} / {s['setup_max']:.0f} "
+                  f"| {s['setup_med']:.0f} / {s['setup_max']:.0f} | {s['cpu_med']:.0f} / {s['cpu_max']:.0f} | {s['cpu_total']:.1f} "
                   f"| {s['first_max']:.0f} | {s['ready_max']:.0f} | {s['peers_max']:.0f} "
                   f"| {s['sockets_med']:.0f} / {s['sockets_max']:.0f} | {s['rss_med']:.1f} | {s['hwm_max']:.1f} |")
 

@@ -384,9 +384,10 @@ fn run(cli: Cli) -> toroid::Result<u64> {
     let started = Instant::now();
     let started_unix = unix_ms();
     let comm = Communicator::from_env()?;
+    let setup_cpu = cpu_ms();
     let opts = CallOptions { timeout: cli.timeout.map(Duration::from_secs_f64), algorithm, wire: None };
     if cli.setup {
-        return setup_report(&comm, started_unix, started.elapsed(), cli.min_bytes, opts);
+        return setup_report(&comm, started_unix, started.elapsed(), setup_cpu, cli.min_bytes, opts);
     }
     let n = comm.size();
     let bench = Bench { comm, cli, dtype, op, opts };
@@ -656,6 +657,7 @@ fn setup_report(
     comm: &Communicator,
     started_unix: f64,
     setup: Duration,
+    setup_cpu: f64,
     bytes: usize,
     opts: CallOptions,
 ) -> toroid::Result<u64> {
@@ -687,7 +689,8 @@ fn setup_report(
             .unwrap_or(0)
     };
     println!(
-        "SETUP rank={me} size={n} start_unix_ms={started_unix:.3} ready_unix_ms={ready_unix:.3} setup_ms={:.3} first_ms={:.3} peers={} sockets={sockets} rss_kb={} hwm_kb={} wrong={wrong}",
+        "SETUP rank={me} size={n} start_unix_ms={started_unix:.3} ready_unix_ms={ready_unix:.3} setup_cpu_ms={setup_cpu:.3} cpu_ms={:.3} setup_ms={:.3} first_ms={:.3} peers={} sockets={sockets} rss_kb={} hwm_kb={} wrong={wrong}",
+        cpu_ms(),
         setup.as_secs_f64() * 1e3,
         first.as_secs_f64() * 1e3,
         comm.connected_peers().len(),
@@ -700,4 +703,17 @@ fn setup_report(
 /// Milliseconds since the Unix epoch (the ranks of one host share the clock).
 fn unix_ms() -> f64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3)
+}
+
+/// CPU time (user and system, every thread) this process used so far, in milliseconds.
+fn cpu_ms() -> f64 {
+    // SAFETY: `rusage` is plain data (zeroes are a valid value), and getrusage only writes into
+    // the struct we pass for the duration of the call.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; RUSAGE_SELF is a valid `who`.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+        return 0.0;
+    }
+    let ms = |t: libc::timeval| t.tv_sec as f64 * 1e3 + t.tv_usec as f64 / 1e3;
+    ms(u.ru_utime) + ms(u.ru_stime)
 }
