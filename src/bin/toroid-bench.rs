@@ -707,13 +707,5 @@ fn unix_ms() -> f64 {
 
 /// CPU time (user and system, every thread) this process used so far, in milliseconds.
 fn cpu_ms() -> f64 {
-    // SAFETY: `rusage` is plain data (zeroes are a valid value), and getrusage only writes into
-    // the struct we pass for the duration of the call.
-    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: as above; RUSAGE_SELF is a valid `who`.
-    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
-        return 0.0;
-    }
-    let ms = |t: libc::timeval| t.tv_sec as f64 * 1e3 + t.tv_usec as f64 / 1e3;
-    ms(u.ru_utime) + ms(u.ru_stime)
+    toroid::internals::sys::cpu::process_cpu_time().map_or(0.0, |d| d.as_secs_f64() * 1e3)
 }
