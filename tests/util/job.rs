@@ -77,6 +77,17 @@ impl Rank {
     pub fn output(&self) -> String {
         self.lines.lock().unwrap().join("\n")
     }
+
+    /// After the process exited: waits (at most 2 s) until its output has been read to the end,
+    /// so that the events it printed last are seen (the exit can be noticed before the readers
+    /// take its last lines from the pipes). A child it left holding the pipes keeps them open:
+    /// then whatever arrived within the bound is what there is.
+    fn drain(&self) {
+        let t = Instant::now();
+        while !self.readers.iter().all(|h| h.is_finished()) && t.elapsed() < Duration::from_secs(2) {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
 }
 
 fn reader(src: impl Read + Send + 'static, lines: Arc<Mutex<Vec<String>>>) -> JoinHandle<()> {
@@ -149,6 +160,11 @@ impl Job {
         loop {
             let all = which.iter().all(|&r| self.ranks[r].event(name).is_some() || !self.running(r));
             if all {
+                // An exited rank's last lines may still be in the pipe.
+                which
+                    .iter()
+                    .filter(|&&r| self.ranks[r].event(name).is_none())
+                    .for_each(|&r| self.ranks[r].drain());
                 return which.iter().all(|&r| self.ranks[r].event(name).is_some());
             }
             if Instant::now() >= deadline {
@@ -174,6 +190,8 @@ impl Job {
             rank.status = crate::util::wait_until(&mut rank.child, deadline);
             if rank.status.is_none() {
                 hung.push(r);
+            } else {
+                rank.drain();
             }
         }
         hung
