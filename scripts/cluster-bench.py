@@ -17,6 +17,15 @@ link carries the 2 (H-1)/H of the buffer that any all-reduce must move, over the
 and the cost model's
 prediction (the probe measures the striped link, so the model predicts the striped case).
 
+With --wire f32,bf16 (any of f32, bf16, f16), measures the automatic choice once per wire type
+(TOROID_WIRE_DTYPE; f32 leaves it unset): per size, time, the model's prediction of that form
+(the compressed one: exact within hosts, narrow between them), and the speed-up over the first
+type, measured and predicted.
+
+With --calls K, measures a step of K float all-reduces of the first size (toroid-bench --calls):
+one by one, as one group, and as K persistent requests, each with the model's prediction
+(persistent: the same as separate calls, the model prices no per-call work), and the speed-ups.
+
 The ranks inherit the environment: where the kernel's default congestion control is BBR, run
 with TOROID_TCP_CONGESTION=cubic (BBR stalls halving-doubling's bursts on the shaped links for
 tens of milliseconds now and then; see docs/ENV.md).
@@ -27,13 +36,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALGOS = ["ring", "hring", "torus2d", "hd", "rd"]
 
 
-def run(args, algo, out, env=None):
+def run(args, algo, out, env=None, extra=()):
     flow = ["-f", args.flow_rate] if args.flow_rate else []
     cmd = [os.path.join(ROOT, "scripts/emulated-cluster.sh"), "-H", str(args.hosts), "-K", str(args.per_host),
            "-r", args.rate, "-b", args.burst, *flow, "-t", str(args.timeout), "--",
            os.path.join(ROOT, "target/release/toroid-bench"),
            "-b", args.sizes[0], "-e", args.sizes[-1], "-f", str(args.factor), "-n", str(args.iters),
-           "-w", "2", "-c", "1", "-J", out]
+           "-w", "2", "-c", "1", "-J", out, *extra]
     if algo != "auto":
         cmd += ["-a", algo]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
@@ -57,10 +66,16 @@ def main():
     p.add_argument("--json", help="write all results here")
     p.add_argument("--nsocks", help="comma list of TOROID_NSOCKS values: measure striping instead")
     p.add_argument("--flow-rate", help="cap every connection at this rate (emulated-cluster.sh -f)")
+    p.add_argument("--wire", help="comma list of wire types (f32, bf16, f16): measure compression instead")
+    p.add_argument("--calls", type=int, help="all-reduces per step: measure separate, grouped and persistent")
     args = p.parse_args()
     args.sizes = args.sizes.split(",")
     if args.nsocks:
         return striping(args)
+    if args.wire:
+        return compression(args)
+    if args.calls:
+        return calls(args)
     results = {}
     with tempfile.TemporaryDirectory() as d:
         # Interleave the algorithms across repetitions so that load changes hit them alike.
@@ -158,6 +173,68 @@ def striping(args):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(table, f, indent=1)
+
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def compression(args):
+    """The automatic choice once per wire type, repetitions interleaved."""
+    types = args.wire.split(",")
+    runs = {w: [] for w in types}
+    with tempfile.TemporaryDirectory() as d:
+        for rep in range(args.reps):
+            for w in types:
+                env = {} if w == "f32" else {"TOROID_WIRE_DTYPE": w}
+                runs[w].append(run(args, "auto", os.path.join(d, f"{w}-{rep}.json"), env))
+    print(f"# {args.hosts} hosts x {args.per_host} ranks, host links {args.rate}; float sum all-reduce, "
+          f"automatic choice, wire type as TOROID_WIRE_DTYPE; median of {args.reps}")
+    print(f"{'size':>10} {'wire':>5} {'algo':>8} {'time ms':>9} {'pred ms':>8} {'meas/pred':>9} "
+          f"{'speed-up':>8} {'pred speed-up':>13}")
+    table = []
+    for i in range(len(runs[types[0]][0]["results"])):
+        base = None
+        for w in types:
+            rows = [r["results"][i] for r in runs[w]]
+            t = median(min(r["out_of_place"]["time_us"], r["in_place"]["time_us"]) for r in rows) / 1e6
+            wrong = sum(r["out_of_place"]["wrong"] + r["in_place"]["wrong"] for r in rows)
+            if wrong:
+                # toroid-bench's check values are small integers, exact in bf16 and f16 too.
+                sys.exit(f"wire {w} at {rows[0]['size']}: {wrong} wrong values")
+            pred = rows[0]["predicted_us"] / 1e6
+            base = base or (t, pred)
+            print(f"{rows[0]['size']:>10} {w:>5} {rows[0]['algorithm']:>8} {t * 1e3:9.2f} {pred * 1e3:8.2f} "
+                  f"{t / pred:9.2f} {base[0] / t:8.2f} {base[1] / pred:13.2f}")
+            table.append({"size": rows[0]["size"], "wire": w, "algorithm": rows[0]["algorithm"], "time_s": t,
+                          "predicted_s": pred})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(table, f, indent=1)
+
+
+def calls(args):
+    """A step of --calls all-reduces: separate, grouped, persistent, repetitions kept apart."""
+    got = []
+    with tempfile.TemporaryDirectory() as d:
+        for rep in range(args.reps):
+            got.append(run(args, "auto", os.path.join(d, f"calls-{rep}.json"), extra=["--calls", str(args.calls)]))
+    if any(g["wrong"] for g in got):
+        sys.exit(f"wrong values: {[g['wrong'] for g in got]}")
+    m = {k: median(g[k] for g in got) for k in ("separate_us", "grouped_us", "persistent_us")}
+    p = got[0]
+    print(f"# {args.hosts} hosts x {args.per_host} ranks, host links {args.rate}; a step of {p['calls']} float sum "
+          f"all-reduces of {p['size']} B; median of {args.reps}; ms")
+    print(f"{'form':>10} {'time ms':>9} {'pred ms':>8} {'meas/pred':>9} {'speed-up':>8} {'pred speed-up':>13}")
+    pred = {"separate_us": p["predicted_separate_us"], "grouped_us": p["predicted_grouped_us"],
+            "persistent_us": p["predicted_separate_us"]}
+    for k in ("separate_us", "grouped_us", "persistent_us"):
+        print(f"{k[:-3]:>10} {m[k] / 1e3:9.2f} {pred[k] / 1e3:8.2f} {m[k] / pred[k]:9.2f} "
+              f"{m['separate_us'] / m[k]:8.2f} {pred['separate_us'] / pred[k]:13.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"runs": got, "median": m, "predicted": pred}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -278,6 +278,30 @@ impl CostModel {
 
     /// Predicts an all-reduce of `bytes` with `algo` on `shape`.
     pub fn predict(&self, algo: Algorithm, bytes: usize, shape: &Shape) -> Prediction {
+        self.predict_narrowed(algo, bytes, shape, None)
+    }
+
+    /// Predicts the compressed all-reduce (`comm/wire.rs`) of `bytes` of data whose elements
+    /// travel at `ratio` of their size (1/2 for f32 as bf16). As it runs: with several ranks on
+    /// each of several hosts, the 2D torus compressed in its column phase only (exact rows);
+    /// otherwise the flat form, an all-to-all and an all-gather, the ring's steps and bytes
+    /// (times `ratio`). Rounding the input and widening the output cost a reduction's time per
+    /// byte of the data's own type.
+    pub fn predict_compressed(&self, bytes: usize, ratio: f64, shape: &Shape) -> Prediction {
+        let torus = shape.hosts > 1 && shape.grid.0 > 1 && shape.grid.1 > 1;
+        let algo = if torus { Algorithm::Torus2d } else { Algorithm::Ring };
+        self.predict_narrowed(algo, bytes, shape, Some(ratio.clamp(0.0, 1.0)))
+    }
+
+    /// [`predict`](Self::predict), with `narrow` the compressed form's byte ratio (ring and
+    /// torus2d only: the algorithms the compressed all-reduce runs as).
+    fn predict_narrowed(
+        &self,
+        algo: Algorithm,
+        bytes: usize,
+        shape: &Shape,
+        narrow: Option<f64>,
+    ) -> Prediction {
         let n = shape.n.max(1);
         let b = bytes as f64;
         let cross = shape.hosts > 1;
@@ -326,8 +350,12 @@ impl CostModel {
         match algo {
             Algorithm::Ring => {
                 // One stream per link; a ring of consecutive ranks crosses each host link once.
-                phase(2 * (n - 1), worst, 2.0 * (nf - 1.0) / nf * b, cross);
-                reduced = (nf - 1.0) / nf * b;
+                // Compressed: an all-to-all and an all-gather of the narrowed pieces instead,
+                // the same steps and bytes per link; the whole input is rounded and the whole
+                // output widened.
+                let r = narrow.unwrap_or(1.0);
+                phase(2 * (n - 1), worst, r * 2.0 * (nf - 1.0) / nf * b, cross);
+                reduced = (nf - 1.0) / nf * b + narrow.map_or(0.0, |_| 2.0 * b);
             }
             Algorithm::Doubling | Algorithm::HalvingDoubling => {
                 let p = 1usize << log2_floor(n);
@@ -384,9 +412,13 @@ impl CostModel {
                 let streams = x.min(k);
                 let col_share = streams as f64 / streams.min(shape.nics.max(1)) as f64;
                 let col = if cross { shared(col_share) } else { intra };
-                phase(2 * (y - 1), col, col_share * 2.0 * (yf - 1.0) / yf * b / xf, cross);
+                // Compressed: the column's all-to-all and all-gather carry the narrowed piece
+                // (the ring's steps and bytes, times the ratio), rounded and widened once.
+                let r = narrow.unwrap_or(1.0);
+                phase(2 * (y - 1), col, r * col_share * 2.0 * (yf - 1.0) / yf * b / xf, cross);
                 phase(x - 1, row, (xf - 1.0) / xf * b, row_crosses);
-                reduced = (xf - 1.0) / xf * b + (yf - 1.0) / yf * b / xf;
+                reduced =
+                    (xf - 1.0) / xf * b + (yf - 1.0) / yf * b / xf + narrow.map_or(0.0, |_| 2.0 * b / xf);
             }
             Algorithm::Chain => {
                 // Pipelined: n - 1 frame latencies (the fill), then the whole message once.
@@ -685,6 +717,33 @@ mod tests {
         // Two interfaces per host carry the shared column traffic in parallel.
         let two = Shape { nics: 2, ..shape((8, 2)) };
         assert!(m.predict(Algorithm::Torus2d, b, &two).time < t.time);
+    }
+
+    #[test]
+    fn compressed_all_reduces_halve_the_bytes_between_hosts_only() {
+        let m = model();
+        let b = 1usize << 24;
+        // 4 hosts x 2 ranks: the torus, exact rows, the column's bytes halved.
+        let s = Shape::uniform(8, 4);
+        let exact = m.predict(Algorithm::Torus2d, b, &s);
+        let half = m.predict_compressed(b, 0.5, &s);
+        assert_eq!((half.algo, half.steps), (Algorithm::Torus2d, exact.steps));
+        assert!((half.inter_bytes - exact.inter_bytes / 2.0).abs() < 1.0, "{half:?} vs {exact:?}");
+        assert!(half.time < exact.time);
+        // The time saved is the column's halved bytes less the rounding and widening.
+        let col = exact.inter_bytes / 2.0 * m.inter.beta;
+        let convert = 2.0 * b as f64 / 2.0 * m.gamma;
+        assert!((exact.time - half.time - (col - convert)).abs() < 1e-9, "{half:?} vs {exact:?}");
+        // One rank per host, or one host: the flat form, the ring's steps at half the bytes.
+        for s in [Shape::uniform(4, 4), Shape::uniform(4, 1)] {
+            let ring = m.predict(Algorithm::Ring, b, &s);
+            let half = m.predict_compressed(b, 0.5, &s);
+            assert_eq!((half.algo, half.steps), (Algorithm::Ring, ring.steps));
+            assert!((half.inter_bytes - ring.inter_bytes / 2.0).abs() < 1.0);
+        }
+        // A ratio of 1 costs only the conversions.
+        let same = m.predict_compressed(b, 1.0, &s);
+        assert!((same.time - exact.time - 2.0 * b as f64 / 2.0 * m.gamma).abs() < 1e-9);
     }
 
     #[test]

@@ -148,6 +148,16 @@ struct Bench {
 }
 
 impl Bench {
+    /// The cost model's seconds for a row: the compressed form when `TOROID_WIRE_DTYPE`
+    /// compresses this all-reduce, else `algo`'s.
+    fn predict(&self, algo: Algorithm, bytes: usize) -> f64 {
+        let compressed = match self.cli.collective {
+            Collective::AllReduce => self.comm.predict_compressed(bytes, self.dtype),
+            _ => None,
+        };
+        compressed.unwrap_or_else(|| self.comm.predict(algo, bytes))
+    }
+
     fn kind(&self) -> OpKind {
         match self.cli.collective {
             Collective::AllReduce => OpKind::AllReduce(self.op),
@@ -488,7 +498,7 @@ fn run(cli: Cli) -> toroid::Result<u64> {
             }
             line.push_str(&format!("  {}", row.algorithm));
             if cli.predict {
-                let t = bench.comm.predict(row.algorithm, row.bytes);
+                let t = bench.predict(row.algorithm, row.bytes);
                 line.push_str(&format!("  {:>9}", fit(t * 1e6, 9)));
             }
             p(line);
@@ -523,7 +533,7 @@ fn run(cli: Cli) -> toroid::Result<u64> {
                 "size": r.bytes,
                 "count": r.count,
                 "algorithm": r.algorithm.name(),
-                "predicted_us": bench.comm.predict(r.algorithm, r.bytes) * 1e6,
+                "predicted_us": bench.predict(r.algorithm, r.bytes) * 1e6,
                 "out_of_place": {"time_us": r.results[0].0, "algbw": r.results[0].1, "busbw": r.results[0].2, "wrong": r.results[0].3},
                 "in_place": {"time_us": r.results[1].0, "algbw": r.results[1].1, "busbw": r.results[1].2, "wrong": r.results[1].3},
             })).collect::<Vec<_>>(),
@@ -615,14 +625,15 @@ impl Bench {
             }
         }
         c.all_reduce(&mut wrong, ReduceOp::Sum)?;
+        let (sep_pred, grp_pred) = self.predict_calls(k, count * 4);
         if me == 0 {
             println!(
-                "# toroid-bench {}: a step of {k} all-reduces of {} B (float, sum), {n} ranks",
+                "# toroid-bench {}: a step of {k} all-reduces of {} B (float, sum), {n} ranks; predicted: the cost model (persistent: as separate, it prices no per-call work)",
                 env!("CARGO_PKG_VERSION"),
                 count * 4
             );
             println!(
-                "#{:>7}  {:>10}  {:>14}  {:>14}  {:>9}  {:>16}  {:>9}  {:>6}",
+                "#{:>7}  {:>10}  {:>14}  {:>14}  {:>9}  {:>16}  {:>9}  {:>11}  {:>11}  {:>6}",
                 "calls",
                 "size (B)",
                 "separate (us)",
@@ -630,10 +641,12 @@ impl Bench {
                 "speed-up",
                 "persistent (us)",
                 "speed-up",
+                "pred sep us",
+                "pred grp us",
                 "#wrong"
             );
             println!(
-                "{:>8}  {:>10}  {:>14.1}  {:>14.1}  {:>8.2}x  {:>16.1}  {:>8.2}x  {:>6}",
+                "{:>8}  {:>10}  {:>14.1}  {:>14.1}  {:>8.2}x  {:>16.1}  {:>8.2}x  {:>11.1}  {:>11.1}  {:>6}",
                 k,
                 count * 4,
                 us[0],
@@ -641,10 +654,38 @@ impl Bench {
                 us[0] / us[1],
                 us[2],
                 us[0] / us[2],
+                sep_pred * 1e6,
+                grp_pred * 1e6,
                 if cli.check != 0 { wrong[0].to_string() } else { "N/A".into() }
             );
         }
+        if let (Some(path), 0) = (&cli.json, me) {
+            let json = serde_json::json!({
+                "calls": k, "size": count * 4, "ranks": n, "wrong": wrong[0],
+                "separate_us": us[0], "grouped_us": us[1], "persistent_us": us[2],
+                "predicted_separate_us": sep_pred * 1e6, "predicted_grouped_us": grp_pred * 1e6,
+            });
+            std::fs::write(path, serde_json::to_string_pretty(&json).unwrap_or_default())
+                .map_err(|e| toroid::Error::system(format!("writing {path}"), e))?;
+        }
         Ok(wrong[0])
+    }
+
+    /// The cost model's seconds for `k` float sum all-reduces of `bytes` each: one by one, and
+    /// grouped as the group packs them (calls of at most `Group::FUSE_EACH` bytes in packs of
+    /// at most `Group::FUSE_MAX`, each pack one all-reduce of the algorithm chosen for its
+    /// size; larger calls back to back).
+    fn predict_calls(&self, k: usize, bytes: usize) -> (f64, f64) {
+        let c = &self.comm;
+        let one = |b: usize| c.predict(c.algorithm_for(OpKind::AllReduce(ReduceOp::Sum), b, &self.opts), b);
+        let separate = k as f64 * one(bytes);
+        if bytes == 0 || bytes > toroid::Group::FUSE_EACH {
+            return (separate, separate);
+        }
+        let per_pack = (toroid::Group::FUSE_MAX / bytes).max(1);
+        let (full, rest) = (k / per_pack, k % per_pack);
+        let grouped = full as f64 * one(per_pack * bytes) + if rest > 0 { one(rest * bytes) } else { 0.0 };
+        (separate, grouped)
     }
 }
 

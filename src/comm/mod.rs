@@ -193,6 +193,16 @@ impl Communicator {
         m.predict(algo, bytes, s).time
     }
 
+    /// Seconds the cost model predicts for a float all-reduce of `bytes` of `dtype` compressed
+    /// on the wire as the communicator's `TOROID_WIRE_DTYPE` asks; `None` when it would not be
+    /// compressed (no wire type, or not f32/f64, or one rank).
+    pub fn predict_compressed(&self, bytes: usize, dtype: DataType) -> Option<f64> {
+        let wire = self.core.config.wire?;
+        let (m, s) = self.cost_model();
+        wire::compressible(dtype, wire, self.core.size)
+            .then(|| m.predict_compressed(bytes, wire.size() as f64 / dtype.size() as f64, s).time)
+    }
+
     /// The cost model and shape the algorithm choice uses.
     pub fn cost_model(&self) -> (&CostModel, &Shape) {
         let (m, s) = self.core.tuning.get().unwrap_or(&self.core.untuned);

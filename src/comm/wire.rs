@@ -40,17 +40,21 @@ use crate::dtype::DataType;
 use crate::error::Result;
 use crate::memory::{RawBuf, RawBufMut, RawBufs};
 
+/// Whether an all-reduce of `dtype` on `size` ranks travels compressed as `wire`: a float type
+/// (f32, f64) narrowed to a 16-bit float, on more than one rank.
+pub(super) fn compressible(dtype: DataType, wire: DataType, size: usize) -> bool {
+    matches!(dtype, DataType::F32 | DataType::F64)
+        && matches!(wire, DataType::BF16 | DataType::F16)
+        && size > 1
+}
+
 impl Core {
     /// The wire type `op` travels in, when it is compressed: a float all-reduce (f32, f64) on
     /// more than one rank, with a 16-bit float wire type asked for by the call or the
     /// communicator.
     pub(super) fn wire_of(&self, op: &RawOp) -> Option<DataType> {
         let wire = op.opts.wire.or(self.config.wire)?;
-        let compressible = matches!(op.kind, OpKind::AllReduce(_))
-            && matches!(op.dtype, DataType::F32 | DataType::F64)
-            && matches!(wire, DataType::BF16 | DataType::F16)
-            && self.size > 1;
-        compressible.then_some(wire)
+        (matches!(op.kind, OpKind::AllReduce(_)) && compressible(op.dtype, wire, self.size)).then_some(wire)
     }
 
     /// Runs the all-reduce `op` as an all-to-all and an all-gather in `wire` (see the module
