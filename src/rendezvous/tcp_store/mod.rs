@@ -56,9 +56,11 @@
 //!
 //! # Server
 //!
-//! One thread runs a `poll(2)` loop over non-blocking sockets. A GET or WAIT whose keys are
+//! One thread runs an `epoll(7)` loop over non-blocking sockets. A GET or WAIT whose keys are
 //! missing parks its connection (later requests on it stay buffered) until a SET or ADD supplies
-//! them or its deadline passes, so clients never poll. Dropping the [`TcpStore`] that owns the
+//! them or its deadline passes, so clients never poll. A request costs the same however many
+//! connections are open (only ready connections and the requests parked on a key just set are
+//! looked at), so rank 0's store serves a job of `N` ranks in `O(N)`. Dropping the [`TcpStore`] that owns the
 //! server (or [`TcpStore::stop_serving`]) closes one end of a socket pair the loop watches; the
 //! thread then drops every connection and is joined, and clients blocked on it see the
 //! connection close.
@@ -68,7 +70,7 @@
 //! | `protocol` | constants and limits, frame encoder and decoder, the hello |
 //! | `auth` | the challenge-response with `TOROID_AUTH_TOKEN` |
 //! | `client` | one connection: hello, then a request and its answer at a time |
-//! | `server` | the `poll(2)` loop: connections, their buffers and deadlines |
+//! | `server` | the `epoll(7)` loop: connections, their buffers, parked requests by key, deadlines |
 //! | `requests` | the bounded table, the operations, parked requests |
 //! | this file | [`TcpStore`]: addresses, serving, connecting with backoff, the [`Store`] calls |
 

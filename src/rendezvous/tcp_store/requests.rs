@@ -14,6 +14,8 @@ use super::protocol::{
 pub(crate) struct Table {
     map: HashMap<Vec<u8>, Vec<u8>>,
     bytes: usize,
+    /// Keys set or added since the last [`Table::take_changed`]: what parked requests wait on.
+    changed: Vec<Vec<u8>>,
 }
 
 fn cost(key: &[u8], value: &[u8]) -> usize {
@@ -42,7 +44,14 @@ impl Table {
         }
         self.bytes = new;
         self.map.insert(key.to_vec(), value);
+        self.changed.push(key.to_vec());
         Ok(())
+    }
+
+    /// The keys set or added since the last call (the server wakes the requests parked on
+    /// them, and only those).
+    pub(super) fn take_changed(&mut self) -> Vec<Vec<u8>> {
+        std::mem::take(&mut self.changed)
     }
 
     fn remove(&mut self, key: &[u8]) -> bool {
@@ -74,6 +83,14 @@ pub(crate) struct Pending {
 }
 
 impl Pending {
+    /// The first key it waits for that `table` lacks (`None`: it can be answered now).
+    pub(super) fn first_missing<'a>(&'a self, table: &Table) -> Option<&'a [u8]> {
+        match &self.want {
+            Want::Get(k) => (!table.contains(k)).then_some(k.as_slice()),
+            Want::Wait(keys) => keys.iter().find(|k| !table.contains(k)).map(Vec::as_slice),
+        }
+    }
+
     /// The answer, once the keys are there or the deadline passed.
     pub(super) fn answer(&self, table: &Table, now: Instant) -> Option<Vec<u8>> {
         match &self.want {

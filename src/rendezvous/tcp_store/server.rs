@@ -1,4 +1,4 @@
-//! The store's server: one thread runs a `poll(2)` loop over non-blocking sockets.
+//! The store's server: one thread runs an `epoll(7)` loop over non-blocking sockets.
 //!
 //! A new connection must complete its hello (with a token, the challenge-response of `auth`)
 //! within [`HANDSHAKE_DEADLINE`] or it is closed; until then its frames are capped at a few
@@ -8,15 +8,24 @@
 //!
 //! A GET or WAIT whose keys are missing parks its connection (later requests on it stay
 //! buffered) until a SET or ADD supplies them or its deadline passes, so clients never poll.
+//!
+//! A round of the loop costs what happened in it, not the number of connections: the epoll
+//! set reports the connections with input or room for output, a SET or ADD wakes only the
+//! connections parked on its key (each parked one is listed under the first key it lacks),
+//! and deadlines wait in a heap. Rank 0 of a job of `N` ranks serves `O(N)` requests, so its
+//! store costs `O(N)` in all rather than `O(N^2)` (a `poll(2)` over every connection per
+//! request, which is what an earlier version did).
 //! Input is read only while a connection holds less than one frame's worth and its unsent
 //! output is under [`MAX_OUTPUT`] (backpressure: a peer that sends requests without reading the
 //! answers gets one answer queued, then nothing is read from it). Dropping the [`ServerHandle`]
 //! closes one end of a socket pair the loop watches; the thread then drops every connection and
 //! is joined, and clients blocked on it see the connection close.
 
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -29,7 +38,7 @@ use super::protocol::{
 use super::requests::{Handled, Pending, Table, handle};
 use crate::config::AuthToken;
 use crate::error::{Error, Result};
-use crate::sys::poll::{PollFd, poll};
+use crate::sys::epoll::{self, EpollSet, Interest, ReadyList};
 
 /// Starts the server thread on `listener` (bound to `bound`); it serves until the handle drops.
 /// With `auth`, every connection must prove it holds that token before any request. At most
@@ -43,7 +52,20 @@ pub(super) fn start(
     listener.set_nonblocking(true).map_err(|e| Error::system("store: set_nonblocking", e))?;
     let (wake_tx, wake_rx) = UnixStream::pair().map_err(|e| Error::system("store: socketpair", e))?;
     let ctx = Ctx { table: Table::default(), auth, log: Throttle::default() };
-    let server = Server { listener, wake: wake_rx, conns: Vec::new(), ctx, max_connections };
+    let epoll = EpollSet::new().map_err(|e| Error::system("store: epoll_create", e))?;
+    epoll.add(wake_rx.as_raw_fd(), epoll::IN).map_err(|e| Error::system("store: epoll_ctl", e))?;
+    epoll.add(listener.as_raw_fd(), epoll::IN).map_err(|e| Error::system("store: epoll_ctl", e))?;
+    let server = Server {
+        listener,
+        wake: wake_rx,
+        conns: HashMap::new(),
+        epoll,
+        accepting: true,
+        waiters: HashMap::new(),
+        deadlines: BinaryHeap::new(),
+        ctx,
+        max_connections,
+    };
     let thread = std::thread::Builder::new()
         .name("toroid-store".into())
         .spawn(move || server.run())
@@ -118,7 +140,18 @@ struct Ctx {
 struct Server {
     listener: TcpListener,
     wake: UnixStream,
-    conns: Vec<Conn>,
+    /// The connections, by descriptor (what the epoll set reports).
+    conns: HashMap<RawFd, Conn>,
+    epoll: EpollSet,
+    /// Whether the listener is armed: off while `max_connections` are open, so that new
+    /// connections wait in the backlog.
+    accepting: bool,
+    /// Parked connections by the first key they lack (a connection is under one key at most:
+    /// [`Conn::parked_on`]).
+    waiters: HashMap<Vec<u8>, HashSet<RawFd>>,
+    /// Handshake, closing and parked-request deadlines: (when, connection). An entry comes due
+    /// once; one whose connection has gone or moved its deadline only costs a look.
+    deadlines: BinaryHeap<Reverse<(Instant, RawFd)>>,
     ctx: Ctx,
     max_connections: usize,
 }
@@ -153,6 +186,12 @@ struct Conn {
     deadline: Option<Instant>,
     eof: bool,
     write_shut: bool,
+    /// What the epoll set watches it for.
+    interest: Interest,
+    /// The key it is listed under in [`Server::waiters`].
+    parked_on: Option<Vec<u8>>,
+    /// Its earliest deadline in [`Server::deadlines`].
+    scheduled: Option<Instant>,
 }
 
 /// Buffers that grew past this are freed once empty, so an idle connection costs little.
@@ -166,68 +205,153 @@ impl Server {
     }
 
     fn serve(&mut self) -> io::Result<()> {
-        let mut fds = Vec::new();
+        let mut ready = ReadyList::with_capacity(256);
+        // Connections to look at this round; those with requests read but not yet answered
+        // (their output was over the cap) carry over to the next round without waiting.
+        let mut touched: Vec<RawFd> = Vec::new();
+        let mut again: Vec<RawFd> = Vec::new();
         loop {
             let now = Instant::now();
-            let next = self
-                .conns
-                .iter()
-                .flat_map(|c| [c.pending.as_ref().map(|p| p.deadline), c.deadline])
-                .flatten()
-                .min();
-            // A connection whose output drained below the cap in the last round may hold
-            // requests already read: answer them without waiting for an event.
-            let next = if self.conns.iter().any(Conn::has_work) { Some(now) } else { next };
-            let timeout_ms = next.map_or(-1, |d| {
-                // Rounded up, so that we wake after the deadline rather than just before.
-                let ms = d.saturating_duration_since(now).as_nanos().div_ceil(1_000_000);
-                i32::try_from(ms).unwrap_or(i32::MAX)
-            });
-            fds.clear();
-            fds.push(PollFd::new(self.wake.as_raw_fd(), PollFd::IN));
-            // When full, leave new connections in the backlog until a slot frees (a stranger's
-            // slot frees at its handshake deadline at the latest).
-            let accepting = self.conns.len() < self.max_connections;
-            fds.push(PollFd::new(self.listener.as_raw_fd(), if accepting { PollFd::IN } else { 0 }));
-            for c in &self.conns {
-                let inp = if c.wants_input() { PollFd::IN } else { 0 };
-                let out = if c.wpos < c.wbuf.len() { PollFd::OUT } else { 0 };
-                fds.push(PollFd::new(c.stream.as_raw_fd(), inp | out));
-            }
-            // An interrupted poll reports nothing: the loop then re-checks every deadline.
-            poll(&mut fds, timeout_ms)?;
-            if fds[0].revents() != 0 {
-                return Ok(()); // the owner dropped its end
-            }
-            for (c, fd) in self.conns.iter_mut().zip(&fds[2..]) {
-                if fd.revents() != 0 {
+            let timeout_ms = if again.is_empty() {
+                self.deadlines.peek().map_or(-1, |Reverse((d, _))| {
+                    // Rounded up, so that we wake after the deadline rather than just before.
+                    let ms = d.saturating_duration_since(now).as_nanos().div_ceil(1_000_000);
+                    i32::try_from(ms).unwrap_or(i32::MAX)
+                })
+            } else {
+                0
+            };
+            self.epoll.wait(&mut ready, timeout_ms)?;
+            touched.clear();
+            touched.append(&mut again);
+            let mut accept = false;
+            for (fd, _) in ready.iter() {
+                if fd == self.wake.as_raw_fd() {
+                    return Ok(()); // the owner dropped its end
+                } else if fd == self.listener.as_raw_fd() {
+                    accept = true;
+                } else if let Some(c) = self.conns.get_mut(&fd) {
                     c.fill();
+                    touched.push(fd);
                 }
             }
-            if accepting && fds[1].revents() != 0 {
-                self.accept();
+            if accept {
+                self.accept(&mut touched)?;
             }
-            // A SET on one connection can complete a GET parked on another: repeat until quiet.
             let now = Instant::now();
-            while self.conns.iter_mut().fold(false, |m, c| c.drive(&mut self.ctx, now) | m) {}
-            for c in &mut self.conns {
-                c.flush();
-                c.expire(&mut self.ctx.log, now);
-                if c.eof && !matches!(c.state, State::Dead) {
-                    match c.state {
-                        State::New | State::Proving { .. } => {
-                            self.ctx.log.warn(c.peer, "closed the connection before completing the hello")
+            while let Some(&Reverse((d, fd))) = self.deadlines.peek() {
+                if d > now {
+                    break;
+                }
+                self.deadlines.pop();
+                if let Some(c) = self.conns.get_mut(&fd)
+                    && c.scheduled == Some(d)
+                {
+                    c.scheduled = None;
+                }
+                touched.push(fd);
+            }
+            // A SET on one connection can complete a GET parked on another, whose buffered
+            // requests may set more: the woken join the list as it is walked.
+            let mut i = 0;
+            while i < touched.len() {
+                let fd = touched[i];
+                i += 1;
+                if let Some(c) = self.conns.get_mut(&fd) {
+                    c.drive(&mut self.ctx, now);
+                    for key in self.ctx.table.take_changed() {
+                        if let Some(parked) = self.waiters.get(&key) {
+                            touched.extend(parked.iter().copied());
                         }
-                        _ => tracing::debug!(target: "toroid::store", "store client {} disconnected", c.peer),
                     }
-                    c.state = State::Dead;
                 }
             }
-            self.conns.retain(|c| !matches!(c.state, State::Dead));
+            touched.sort_unstable();
+            touched.dedup();
+            for &fd in &touched {
+                self.settle(fd, now, &mut again)?;
+            }
+            self.arm_listener()?;
+            if self.deadlines.len() > 4 * self.conns.len() + 1024 {
+                // Entries left by deadlines that moved: rebuild from the live ones.
+                self.deadlines =
+                    self.conns.iter().filter_map(|(&fd, c)| c.scheduled.map(|d| Reverse((d, fd)))).collect();
+            }
         }
     }
 
-    fn accept(&mut self) {
+    /// After a round: sends what the connection's socket takes, drops it if it died or its
+    /// deadline passed, and updates what it is listed under (waiters, deadlines, epoll).
+    fn settle(&mut self, fd: RawFd, now: Instant, again: &mut Vec<RawFd>) -> io::Result<()> {
+        let Some(c) = self.conns.get_mut(&fd) else { return Ok(()) };
+        c.flush();
+        c.expire(&mut self.ctx.log, now);
+        if c.eof && !matches!(c.state, State::Dead) {
+            match c.state {
+                State::New | State::Proving { .. } => {
+                    self.ctx.log.warn(c.peer, "closed the connection before completing the hello")
+                }
+                _ => tracing::debug!(target: "toroid::store", "store client {} disconnected", c.peer),
+            }
+            c.state = State::Dead;
+        }
+        let dead = matches!(c.state, State::Dead);
+        let want = if dead {
+            None
+        } else {
+            c.pending.as_ref().and_then(|p| p.first_missing(&self.ctx.table)).map(<[u8]>::to_vec)
+        };
+        if want != c.parked_on {
+            if let Some(old) = c.parked_on.take()
+                && let Some(set) = self.waiters.get_mut(&old)
+            {
+                set.remove(&fd);
+                if set.is_empty() {
+                    self.waiters.remove(&old);
+                }
+            }
+            if let Some(key) = &want {
+                self.waiters.entry(key.clone()).or_default().insert(fd);
+            }
+            c.parked_on = want;
+        }
+        if dead {
+            // Dropping the stream closes it, which also takes it out of the epoll set.
+            self.conns.remove(&fd);
+            return Ok(());
+        }
+        let next = [c.pending.as_ref().map(|p| p.deadline), c.deadline].into_iter().flatten().min();
+        if next.is_some() && next != c.scheduled {
+            if let Some(d) = next {
+                self.deadlines.push(Reverse((d, fd)));
+            }
+            c.scheduled = next;
+        }
+        let interest =
+            if c.wants_input() { epoll::IN } else { 0 } | if c.wpos < c.wbuf.len() { epoll::OUT } else { 0 };
+        if interest != c.interest {
+            self.epoll.modify(fd, interest)?;
+            c.interest = interest;
+        }
+        if c.has_work() {
+            again.push(fd);
+        }
+        Ok(())
+    }
+
+    /// Arms the listener while there is room for a connection, disarms it at the cap (new
+    /// connections then wait in the backlog until a slot frees; a stranger's slot frees at its
+    /// handshake deadline at the latest).
+    fn arm_listener(&mut self) -> io::Result<()> {
+        let accepting = self.conns.len() < self.max_connections;
+        if accepting != self.accepting {
+            self.epoll.modify(self.listener.as_raw_fd(), if accepting { epoll::IN } else { 0 })?;
+            self.accepting = accepting;
+        }
+        Ok(())
+    }
+
+    fn accept(&mut self, touched: &mut Vec<RawFd>) -> io::Result<()> {
         while self.conns.len() < self.max_connections {
             match self.listener.accept() {
                 Ok((stream, peer)) => {
@@ -236,33 +360,44 @@ impl Server {
                         continue;
                     }
                     let _ = stream.set_nodelay(true);
+                    let fd = stream.as_raw_fd();
+                    self.epoll.add(fd, epoll::IN)?;
                     tracing::debug!(target: "toroid::store", "store client {peer} connected");
-                    self.conns.push(Conn {
-                        stream,
-                        peer,
-                        state: State::New,
-                        rbuf: Vec::new(),
-                        rpos: 0,
-                        wbuf: Vec::new(),
-                        wpos: 0,
-                        pending: None,
-                        deadline: Some(Instant::now() + HANDSHAKE_DEADLINE),
-                        eof: false,
-                        write_shut: false,
-                    });
+                    self.conns.insert(
+                        fd,
+                        Conn {
+                            stream,
+                            peer,
+                            state: State::New,
+                            rbuf: Vec::new(),
+                            rpos: 0,
+                            wbuf: Vec::new(),
+                            wpos: 0,
+                            pending: None,
+                            deadline: Some(Instant::now() + HANDSHAKE_DEADLINE),
+                            eof: false,
+                            write_shut: false,
+                            interest: epoll::IN,
+                            parked_on: None,
+                            scheduled: None,
+                        },
+                    );
+                    // Settled this round: its handshake deadline goes in the heap.
+                    touched.push(fd);
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
-                    // Out of descriptors and the like: back off instead of spinning on poll.
+                    // Out of descriptors and the like: back off instead of spinning on epoll.
                     tracing::warn!(target: "toroid::store", "store: accept failed: {e}");
                     std::thread::sleep(Duration::from_millis(10));
-                    return;
+                    return Ok(());
                 }
             }
         }
         tracing::warn!(target: "toroid::store",
             "store: {} connections open; new ones wait until one closes", self.max_connections);
+        Ok(())
     }
 }
 
@@ -782,5 +917,57 @@ mod tests {
         c.set("k", b"v").unwrap();
         assert_eq!(c.get("k", T).unwrap(), b"v");
         assert!(super::super::MAX_CONNECTIONS >= cap);
+    }
+
+    /// Sends a GET of `key` (parked until it is set) without reading the answer.
+    fn park_get(c: &mut TcpStream, key: &str) {
+        let mut e = Enc::new(OP_GET);
+        e.u64(T.as_millis() as u64);
+        e.bytes(key.as_bytes());
+        c.write_all(&e.finish().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn parked_requests_on_many_connections_each_get_their_own_key() {
+        let s = server();
+        let addr = s.server_addr().unwrap();
+        let hello = Enc::hello(None).finish().unwrap();
+        let n = 200;
+        // Connection i parks a GET of key i, then (pipelined behind it) a GET of key "all".
+        let mut conns: Vec<TcpStream> = (0..n)
+            .map(|i| {
+                let mut c = raw(addr);
+                c.write_all(&hello).unwrap();
+                assert_eq!(raw_read(&mut c), [ST_OK, 0]);
+                park_get(&mut c, &format!("key/{i}"));
+                park_get(&mut c, "all");
+                c
+            })
+            .collect();
+        // One more connection parks on a key and closes before it is set: its listing goes.
+        let mut gone = raw(addr);
+        gone.write_all(&hello).unwrap();
+        assert_eq!(raw_read(&mut gone), [ST_OK, 0]);
+        park_get(&mut gone, "key/0");
+        drop(gone);
+        // A WAIT on three keys that arrive one by one from different connections.
+        let w = TcpStore::connect(&addr.to_string(), T).unwrap();
+        let waiter = std::thread::spawn(move || w.wait(&["w/0", "w/1", "w/2"], T));
+        // Set the keys in reverse order: each connection gets its own value, and nothing else
+        // before "all".
+        for i in (0..n).rev() {
+            s.set(&format!("key/{i}"), format!("value {i}").as_bytes()).unwrap();
+            let a = raw_read(&mut conns[i]);
+            assert_eq!((a[0], &a[1..]), (ST_OK, format!("value {i}").as_bytes()), "connection {i}");
+        }
+        for i in 0..3 {
+            TcpStore::connect(&addr.to_string(), T).unwrap().set(&format!("w/{i}"), b"").unwrap();
+        }
+        waiter.join().unwrap().unwrap();
+        s.set("all", b"done").unwrap();
+        for (i, c) in conns.iter_mut().enumerate() {
+            let a = raw_read(c);
+            assert_eq!((a[0], &a[1..]), (ST_OK, &b"done"[..]), "connection {i}");
+        }
     }
 }
