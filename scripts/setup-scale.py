@@ -9,8 +9,9 @@ on demand), the peers it linked to, the sockets it holds (/proc/self/fd: links, 
 connection; rank 0 also serves the store), its CPU time (user and system, all threads) until
 set-up returned and in all (summed over ranks), and its memory (VmRSS, VmHWM), as median and maximum
 over ranks; the launch spread (first to last rank's start: toroid-run starting the
-processes) and the time from the last rank's start until every rank is ready (what set-up
-itself costs once everyone is there). Each run is bounded by --timeout; a run that fails or times out is reported as such.
+processes) and the time from the last rank's start until every rank has returned from set-up
+and until every rank is ready (its all-reduce done): what set-up itself costs once everyone is
+there. Each run is bounded by --timeout; a run that fails or times out is reported as such.
 
     cargo build --release
     scripts/setup-scale.py --sizes 16,64,256 --modes mesh,lazy --runs 3
@@ -82,6 +83,7 @@ def summary(res):
         "cpu_max": max(col("setup_cpu_ms")),
         "cpu_total": sum(col("cpu_ms")) / 1e3,
         "after_last": max(readies) - max(starts),
+        "setup_after_last": max(r["start_unix_ms"] + r["setup_ms"] for r in rs) - max(starts),
         "wall": res["wall_s"],
         "setup_med": med(col("setup_ms")),
         "setup_max": max(col("setup_ms")),
@@ -122,20 +124,20 @@ def main():
         with open(args.json, "w") as f:
             json.dump(results, f)
     print()
-    print("| ranks | connect | grid | job wall s | launch spread ms | last start to all ready ms | set-up ms median / max "
+    print("| ranks | connect | grid | job wall s | launch spread ms | last start to all set up ms | last start to all ready ms | set-up ms median / max "
           "| set-up CPU ms median / max | job CPU s | first all-reduce ms max | ready ms max | peers max "
           "| sockets median / max | RSS MiB median | peak RSS MiB max |")
-    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in sizes:
         for mode in modes:
             runs = [r for r in results if r["n"] == n and r["mode"] == mode and r["ok"]]
             if not runs:
-                print(f"| {n} | {mode} | | failed | | | | | | | | | | | |")
+                print(f"| {n} | {mode} | | failed | | | | | | | | | | | | |")
                 continue
             runs.sort(key=lambda r: summary(r)["ready_max"])
             r = runs[len(runs) // 2]
             s = summary(r)
-            print(f"| {n} | {mode} | {r['grid'][0]}x{r['grid'][1]} | {s['wall']:.1f} | {s['spread']:.0f} | {s['after_last']:.0f} "
+            print(f"| {n} | {mode} | {r['grid'][0]}x{r['grid'][1]} | {s['wall']:.1f} | {s['spread']:.0f} | {s['setup_after_last']:.0f} | {s['after_last']:.0f} "
                   f"| {s['setup_med']:.0f} / {s['setup_max']:.0f} | {s['cpu_med']:.0f} / {s['cpu_max']:.0f} | {s['cpu_total']:.1f} "
                   f"| {s['first_max']:.0f} | {s['ready_max']:.0f} | {s['peers_max']:.0f} "
                   f"| {s['sockets_med']:.0f} / {s['sockets_max']:.0f} | {s['rss_med']:.1f} | {s['hwm_max']:.1f} |")

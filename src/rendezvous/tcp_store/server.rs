@@ -259,6 +259,8 @@ impl Server {
                 i += 1;
                 if let Some(c) = self.conns.get_mut(&fd) {
                     c.drive(&mut self.ctx, now);
+                    // Listed at once, so that a SET later in this round wakes it.
+                    self.list_parked(fd);
                     for key in self.ctx.table.take_changed() {
                         if let Some(parked) = self.waiters.get(&key) {
                             touched.extend(parked.iter().copied());
@@ -295,31 +297,14 @@ impl Server {
             }
             c.state = State::Dead;
         }
-        let dead = matches!(c.state, State::Dead);
-        let want = if dead {
-            None
-        } else {
-            c.pending.as_ref().and_then(|p| p.first_missing(&self.ctx.table)).map(<[u8]>::to_vec)
-        };
-        if want != c.parked_on {
-            if let Some(old) = c.parked_on.take()
-                && let Some(set) = self.waiters.get_mut(&old)
-            {
-                set.remove(&fd);
-                if set.is_empty() {
-                    self.waiters.remove(&old);
-                }
-            }
-            if let Some(key) = &want {
-                self.waiters.entry(key.clone()).or_default().insert(fd);
-            }
-            c.parked_on = want;
-        }
-        if dead {
+        if matches!(c.state, State::Dead) {
+            self.list_parked(fd);
             // Dropping the stream closes it, which also takes it out of the epoll set.
             self.conns.remove(&fd);
             return Ok(());
         }
+        self.list_parked(fd);
+        let Some(c) = self.conns.get_mut(&fd) else { return Ok(()) };
         let next = [c.pending.as_ref().map(|p| p.deadline), c.deadline].into_iter().flatten().min();
         if next.is_some() && next != c.scheduled {
             if let Some(d) = next {
@@ -337,6 +322,31 @@ impl Server {
             again.push(fd);
         }
         Ok(())
+    }
+
+    /// Lists connection `fd` in [`Server::waiters`] under the first key its parked request
+    /// lacks, or nowhere (nothing parked, or it died).
+    fn list_parked(&mut self, fd: RawFd) {
+        let Some(c) = self.conns.get_mut(&fd) else { return };
+        let want = match (&c.pending, &c.state) {
+            (_, State::Dead) | (None, _) => None,
+            (Some(p), _) => p.first_missing(&self.ctx.table).map(<[u8]>::to_vec),
+        };
+        if want == c.parked_on {
+            return;
+        }
+        if let Some(old) = c.parked_on.take()
+            && let Some(set) = self.waiters.get_mut(&old)
+        {
+            set.remove(&fd);
+            if set.is_empty() {
+                self.waiters.remove(&old);
+            }
+        }
+        if let Some(key) = &want {
+            self.waiters.entry(key.clone()).or_default().insert(fd);
+        }
+        c.parked_on = want;
     }
 
     /// Arms the listener while there is room for a connection, disarms it at the cap (new
@@ -919,12 +929,39 @@ mod tests {
         assert!(super::super::MAX_CONNECTIONS >= cap);
     }
 
-    /// Sends a GET of `key` (parked until it is set) without reading the answer.
+    /// Sends a GET of `key` (parked until it is set, for at most a minute) without reading
+    /// the answer.
     fn park_get(c: &mut TcpStream, key: &str) {
         let mut e = Enc::new(OP_GET);
-        e.u64(T.as_millis() as u64);
+        e.u64(60_000);
         e.bytes(key.as_bytes());
         c.write_all(&e.finish().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn a_set_read_in_the_same_round_as_the_get_it_answers_wakes_it() {
+        let s = server();
+        let addr = s.server_addr().unwrap();
+        let hello = Enc::hello(None).finish().unwrap();
+        let open = || {
+            let mut c = raw(addr);
+            c.write_all(&hello).unwrap();
+            assert_eq!(raw_read(&mut c), [ST_OK, 0]);
+            c
+        };
+        let (mut a, mut b) = (open(), open());
+        // The GET parks; were it not woken by the SET read just after it in the same round,
+        // it would be answered only at its deadline, a minute away, and reading its answer
+        // would fail after T.
+        for i in 0..50 {
+            park_get(&mut a, &format!("race/{i}"));
+            let mut e = Enc::new(OP_SET);
+            e.bytes(format!("race/{i}").as_bytes());
+            e.bytes(b"v");
+            b.write_all(&e.finish().unwrap()).unwrap();
+            assert_eq!(raw_read(&mut b), [ST_OK]);
+            assert_eq!(raw_read(&mut a), [ST_OK, b'v'], "round {i}");
+        }
     }
 
     #[test]
