@@ -203,7 +203,8 @@ def compression(args):
             if wrong:
                 # toroid-bench's check values are small integers, exact in bf16 and f16 too.
                 sys.exit(f"wire {w} at {rows[0]['size']}: {wrong} wrong values")
-            pred = rows[0]["predicted_us"] / 1e6
+            # Each run probes its own cost model on the shaped links: the median prediction.
+            pred = median(r["predicted_us"] for r in rows) / 1e6
             base = base or (t, pred)
             print(f"{rows[0]['size']:>10} {w:>5} {rows[0]['algorithm']:>8} {t * 1e3:9.2f} {pred * 1e3:8.2f} "
                   f"{t / pred:9.2f} {base[0] / t:8.2f} {base[1] / pred:13.2f}")

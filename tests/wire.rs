@@ -162,6 +162,28 @@ fn bf16_wire_is_within_the_bound_and_identical_on_every_rank() {
     }
 }
 
+#[test]
+fn the_probe_agrees_its_link_costs_exactly_under_an_f16_wire() {
+    if util::is_child() {
+        return;
+    }
+    // The ranks agree the probe's measurements (microseconds, nanoseconds per byte) by an
+    // all-reduce of f64 maxima: in f16 they would flush to zero and the model fall back to its
+    // defaults for every link.
+    let cfg = Config { wire: Some(DataType::F16), ..util::test_config(60.0) };
+    util::run_threads(2, &cfg, |comm| {
+        let (m, _) = comm.cost_model();
+        let d = toroid::internals::tuning::CostModel::default();
+        assert_eq!(m.source, "probe");
+        assert!(
+            m.intra != d.intra && m.gamma != d.gamma,
+            "rank {}: the probe's costs were lost: {m}",
+            comm.rank()
+        );
+        assert!(m.intra.beta > 1e-12 && m.gamma > 1e-12, "{m}");
+    });
+}
+
 /// All-reduces that ran as the 2D torus.
 fn torus_count(comm: &Communicator) -> u64 {
     let torus = toroid::Algorithm::Torus2d as u8;

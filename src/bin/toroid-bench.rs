@@ -148,14 +148,19 @@ struct Bench {
 }
 
 impl Bench {
+    /// How the call of a row runs when `TOROID_WIRE_DTYPE` compresses it, and the cost
+    /// model's seconds for it.
+    fn compressed(&self, bytes: usize) -> Option<(Algorithm, f64)> {
+        match self.cli.collective {
+            Collective::AllReduce => self.comm.predict_compressed(bytes, self.dtype),
+            _ => None,
+        }
+    }
+
     /// The cost model's seconds for a row: the compressed form when `TOROID_WIRE_DTYPE`
     /// compresses this all-reduce, else `algo`'s.
     fn predict(&self, algo: Algorithm, bytes: usize) -> f64 {
-        let compressed = match self.cli.collective {
-            Collective::AllReduce => self.comm.predict_compressed(bytes, self.dtype),
-            _ => None,
-        };
-        compressed.unwrap_or_else(|| self.comm.predict(algo, bytes))
+        self.compressed(bytes).map_or_else(|| self.comm.predict(algo, bytes), |(_, t)| t)
     }
 
     fn kind(&self) -> OpKind {
@@ -309,7 +314,7 @@ impl Bench {
                 self.run_once(&send, recv, in_place)?;
             }
             let mut secs = [t.elapsed().as_secs_f64() / self.cli.iters.max(1) as f64];
-            self.comm.all_reduce(&mut secs, ReduceOp::Avg)?;
+            self.comm.all_reduce_with(&mut secs, ReduceOp::Avg, EXACT)?;
             let mut wrong = [0u64];
             if self.cli.check != 0 {
                 prepare(&mut send, recv);
@@ -322,7 +327,10 @@ impl Bench {
             let busbw = algbw * bus_factor(self.cli.collective, n);
             results[slot] = (secs[0] * 1e6, algbw, busbw, wrong[0]);
         }
-        let algorithm = self.comm.algorithm_for(self.kind(), total * s, &self.opts);
+        let algorithm = match self.compressed(total * s) {
+            Some((compressed, _)) => compressed,
+            None => self.comm.algorithm_for(self.kind(), total * s, &self.opts),
+        };
         Ok(Some(Row { bytes: total * s, count: self.param_count(total), algorithm, results }))
     }
 }
@@ -581,7 +589,7 @@ impl Bench {
                 step(grouped, &mut recv)?;
             }
             let mut secs = [t.elapsed().as_secs_f64() / cli.iters.max(1) as f64];
-            c.all_reduce(&mut secs, ReduceOp::Avg)?;
+            c.all_reduce_with(&mut secs, ReduceOp::Avg, EXACT)?;
             us[slot] = secs[0] * 1e6;
             if cli.check != 0 {
                 recv.iter_mut().for_each(|r| r.fill(-1.0));
@@ -609,7 +617,7 @@ impl Bench {
             reqs.iter_mut().try_for_each(|r| r.start())?;
         }
         let mut secs = [t.elapsed().as_secs_f64() / cli.iters.max(1) as f64];
-        c.all_reduce(&mut secs, ReduceOp::Avg)?;
+        c.all_reduce_with(&mut secs, ReduceOp::Avg, EXACT)?;
         us[2] = secs[0] * 1e6;
         if cli.check != 0 {
             for (r, s) in reqs.iter_mut().zip(&send) {
@@ -688,6 +696,10 @@ impl Bench {
         (separate, grouped)
     }
 }
+
+/// The benchmark's own timing all-reduces travel in their own type (f64), whatever
+/// `TOROID_WIRE_DTYPE` does to the measured ones.
+const EXACT: CallOptions = CallOptions { timeout: None, algorithm: None, wire: Some(DataType::F64) };
 
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_default()

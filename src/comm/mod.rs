@@ -193,14 +193,18 @@ impl Communicator {
         m.predict(algo, bytes, s).time
     }
 
-    /// Seconds the cost model predicts for a float all-reduce of `bytes` of `dtype` compressed
-    /// on the wire as the communicator's `TOROID_WIRE_DTYPE` asks; `None` when it would not be
-    /// compressed (no wire type, or not f32/f64, or one rank).
-    pub fn predict_compressed(&self, bytes: usize, dtype: DataType) -> Option<f64> {
+    /// How a float all-reduce of `bytes` of `dtype` compressed on the wire as the
+    /// communicator's `TOROID_WIRE_DTYPE` asks would run (torus2d between several hosts of
+    /// several ranks, else the flat form, shown as ring: its steps and bytes) and the seconds
+    /// the cost model predicts; `None` when it would not be compressed (no wire type, not
+    /// f32/f64, or one rank).
+    pub fn predict_compressed(&self, bytes: usize, dtype: DataType) -> Option<(Algorithm, f64)> {
         let wire = self.core.config.wire?;
         let (m, s) = self.cost_model();
-        wire::compressible(dtype, wire, self.core.size)
-            .then(|| m.predict_compressed(bytes, wire.size() as f64 / dtype.size() as f64, s).time)
+        wire::compressible(dtype, wire, self.core.size).then(|| {
+            let p = m.predict_compressed(bytes, wire.size() as f64 / dtype.size() as f64, s);
+            (p.algo, p.time)
+        })
     }
 
     /// The cost model and shape the algorithm choice uses.

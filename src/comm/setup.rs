@@ -21,7 +21,7 @@ use std::time::Instant;
 use super::control::Control;
 use super::{Communicator, Core, Engine, Queue, lock};
 use crate::algorithm::Scratch;
-use crate::collective::OpKind;
+use crate::collective::{CallOptions, OpKind};
 use crate::config::Config;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
@@ -604,7 +604,10 @@ impl Communicator {
             None => {
                 let mut r = [0f64; crate::tuning::PROBE_LEN];
                 self.go(OpKind::Probe, DataType::F64, None, Some(bytemuck::cast_slice_mut(&mut r)))?;
-                self.all_reduce(&mut r, ReduceOp::Max)?;
+                // Exact, whatever TOROID_WIRE_DTYPE says: f16 would flush the link costs
+                // (microseconds, nanoseconds per byte) to zero.
+                let exact = CallOptions { wire: Some(DataType::F64), ..CallOptions::default() };
+                self.all_reduce_with(&mut r, ReduceOp::Max, exact)?;
                 (CostModel::from_probe(&r), Shape { cpu_share: r[5].max(1.0), ..shape })
             }
         };
