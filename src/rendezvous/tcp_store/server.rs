@@ -952,8 +952,9 @@ mod tests {
         let (mut a, mut b) = (open(), open());
         // The GET parks; were it not woken by the SET read just after it in the same round,
         // it would be answered only at its deadline, a minute away, and reading its answer
-        // would fail after T.
-        for i in 0..50 {
+        // would fail after T. Each answered GET leaves its deadline in the heap: 1,500 of them
+        // pass the point where the heap is rebuilt from the live deadlines.
+        for i in 0..1500 {
             park_get(&mut a, &format!("race/{i}"));
             let mut e = Enc::new(OP_SET);
             e.bytes(format!("race/{i}").as_bytes());
