@@ -394,3 +394,33 @@ fn split_children_connect_on_demand_too() {
         }
     });
 }
+
+#[test]
+fn ranks_that_link_their_pairs_differently_all_fail_at_once_naming_toroid_connect() {
+    if util::is_child() {
+        return;
+    }
+    use std::sync::Arc;
+    use toroid::rendezvous::{MemStore, Store};
+    // One rank with the full mesh among ranks on demand: rank 0 itself, or another. With a
+    // deadline of a minute, an error that only came from waiting would name no TOROID_CONNECT.
+    for mesh_rank in [0usize, 2] {
+        let n = 3;
+        let store: Arc<dyn Store> = Arc::new(MemStore::new());
+        let handles: Vec<_> = (0..n)
+            .map(|r| {
+                let store = store.clone();
+                let cfg = Config { connect_lazy: r != mesh_rank, ..lazy_config("ring", None, false) };
+                std::thread::spawn(move || Communicator::with_store(r, n, store, &cfg).map(|_| ()))
+            })
+            .collect();
+        for (r, h) in handles.into_iter().enumerate() {
+            let got = h.join().expect("no panic");
+            let e = got.expect_err("a rank with another TOROID_CONNECT must fail set-up");
+            assert!(
+                matches!(e, toroid::Error::InvalidUsage(_)) && e.to_string().contains("TOROID_CONNECT"),
+                "mesh rank {mesh_rank}, rank {r}: {e}"
+            );
+        }
+    }
+}

@@ -74,15 +74,21 @@ impl Published {
         }
     }
 
-    /// Adds rank `r`'s address and host record as published in the store.
-    fn push(&mut self, r: usize, addr: &[u8], host: &[u8]) -> Result<()> {
+    /// Adds rank `r`'s address and host record as published in the store, checking that it
+    /// links its pairs as this rank does (`lazy`: `TOROID_CONNECT`).
+    fn push(&mut self, r: usize, addr: &[u8], host: &[u8], lazy: bool) -> Result<()> {
         let a = String::from_utf8_lossy(addr)
             .parse::<SocketAddr>()
             .map_err(|e| Error::Remote(format!("rank {r} published a bad address: {e}").into()))?;
         self.addrs.push(a);
         let ids = String::from_utf8_lossy(host).into_owned();
-        let mut lines = ids.splitn(3, '\n');
+        let mut lines = ids.splitn(4, '\n');
         let (h, m, p) = (lines.next().unwrap_or(""), lines.next(), lines.next());
+        if let Some(theirs) = lines.next().and_then(|c| c.strip_prefix("connect="))
+            && theirs != connect_mode(lazy)
+        {
+            return Err(connect_mismatch(r, theirs, lazy));
+        }
         self.hosts.push(h.to_string());
         self.machines.push(m.unwrap_or(h).to_string());
         self.prefs.push(p.and_then(LinkPrefs::decode).ok_or_else(|| {
@@ -92,13 +98,43 @@ impl Published {
     }
 }
 
-/// Every rank's keys, each rank reading all of them (`TOROID_CONNECT=mesh`).
-fn read_all(store: &dyn Store, prefix: &str, size: usize, deadline: Instant) -> Result<Published> {
+/// `TOROID_CONNECT`'s value as published in the host record.
+fn connect_mode(lazy: bool) -> &'static str {
+    if lazy { "lazy" } else { "mesh" }
+}
+
+/// Rank `r` links its pairs another way (`theirs`) than this rank.
+fn connect_mismatch(r: usize, theirs: &str, lazy: bool) -> Error {
+    Error::InvalidUsage(
+        format!(
+            "rank {r} uses TOROID_CONNECT={theirs} and this rank {}: every rank must use the same",
+            connect_mode(lazy)
+        )
+        .into(),
+    )
+    .with_peer(r)
+}
+
+/// Every rank's keys, each rank reading all of them (`TOROID_CONNECT=mesh`). Rank 0 that finds
+/// a rank linking on demand says so in place of the roster that rank waits for, so that it
+/// fails at once too.
+fn read_all(
+    store: &dyn Store,
+    prefix: &str,
+    rank: usize,
+    size: usize,
+    deadline: Instant,
+) -> Result<Published> {
     let mut out = Published::with_capacity(size);
     for r in 0..size {
         let a = get_key(store, &format!("{prefix}/addr/{r}"), deadline).map_err(|e| not_joined(e, r))?;
         let h = get_key(store, &format!("{prefix}/host/{r}"), deadline).map_err(|e| not_joined(e, r))?;
-        out.push(r, &a, &h)?;
+        if let Err(e) = out.push(r, &a, &h, false) {
+            if rank == 0 && matches!(e, Error::InvalidUsage(_)) {
+                let _ = store.set(&format!("{prefix}/roster/n"), format!("mismatch {r} {e}").as_bytes());
+            }
+            return Err(e);
+        }
     }
     Ok(out)
 }
@@ -180,7 +216,7 @@ fn read_roster(
         store.set(&format!("{prefix}/roster/read/{rank}"), b"1")?;
         stream
     };
-    parse_roster(&stream, size)
+    parse_roster(&stream, size, true)
 }
 
 /// Appends `v` as a `u32` length and its bytes.
@@ -191,7 +227,7 @@ fn put(out: &mut Vec<u8>, v: &[u8]) {
 
 /// The roster's bytes (the chunks joined): `u32` H, H host records (`u32` length + bytes),
 /// then per rank its address (`u32` length + bytes) and the `u32` index of its host record.
-fn parse_roster(mut rest: &[u8], size: usize) -> Result<Published> {
+fn parse_roster(mut rest: &[u8], size: usize, lazy: bool) -> Result<Published> {
     let bad = || Error::Remote("rank 0 published a malformed roster".into());
     let u32_of = |rest: &mut &[u8]| -> Result<usize> {
         let b = rest.get(..4).ok_or_else(bad)?;
@@ -214,7 +250,7 @@ fn parse_roster(mut rest: &[u8], size: usize) -> Result<Published> {
     for r in 0..size {
         let a = field(&mut rest)?;
         let i = u32_of(&mut rest)?;
-        out.push(r, &a, records.get(i).ok_or_else(bad)?)?;
+        out.push(r, &a, records.get(i).ok_or_else(bad)?, lazy)?;
     }
     if !rest.is_empty() {
         return Err(bad());
@@ -246,11 +282,19 @@ fn missing_rank(store: &dyn Store, prefix: &str, size: usize, e: Error) -> Error
     not_joined(e, 0)
 }
 
-/// The failure rank 0 published in place of the roster (`error <rank> <message>`), if any.
+/// The failure rank 0 published in place of the roster, if any: `error <rank> <message>` (a
+/// rank that never joined) or `mismatch <rank> <message>` (a rank with another
+/// `TOROID_CONNECT`).
 fn roster_error(n: &str) -> Option<Error> {
-    let why = n.strip_prefix("error ")?;
+    let (mismatch, why) = match (n.strip_prefix("error "), n.strip_prefix("mismatch ")) {
+        (Some(why), _) => (false, why),
+        (None, Some(why)) => (true, why),
+        (None, None) => return None,
+    };
     let (r, why) = why.split_once(' ').unwrap_or(("0", why));
-    Some(Error::Timeout(format!("rank 0's set-up failed: {why}").into()).with_peer(r.parse().unwrap_or(0)))
+    let why = format!("rank 0's set-up failed: {why}");
+    let e = if mismatch { Error::InvalidUsage(why.into()) } else { Error::Timeout(why.into()) };
+    Some(e.with_peer(r.parse().unwrap_or(0)))
 }
 
 /// Rank 0 of a lazy set-up: waits until every rank has read the roster, so that the store it
@@ -385,14 +429,20 @@ impl Communicator {
         // Logical host (what the algorithms group by), physical machine (whose cores ranks
         // share) and what the rank asks of its TCP links, one per line.
         let prefs = LinkPrefs::local(cfg, &iface.name, size);
-        let host = format!("{}\n{}\n{}", host_identity(cfg), machine_identity(), prefs.encode());
+        let lazy = cfg.connect_lazy && size > 1;
+        let host = format!(
+            "{}\n{}\n{}\nconnect={}",
+            host_identity(cfg),
+            machine_identity(),
+            prefs.encode(),
+            connect_mode(lazy)
+        );
         store.set(&format!("{prefix}/addr/{rank}"), endpoint.addr.to_string().as_bytes())?;
         store.set(&format!("{prefix}/host/{rank}"), host.as_bytes())?;
-        let lazy = cfg.connect_lazy && size > 1;
         let Published { addrs, hosts, machines, prefs: all_prefs } = if lazy {
             read_roster(&*store, &prefix, rank, size, deadline)?
         } else {
-            read_all(&*store, &prefix, size, deadline)?
+            read_all(&*store, &prefix, rank, size, deadline)?
         };
         let lanes: Vec<usize> = (0..size)
             .map(|r| {
@@ -753,17 +803,17 @@ mod tests {
         put(&mut good, b"h\nm\nnsocks=0 shm=1 auto=1");
         put(&mut good, b"127.0.0.1:5");
         good.extend_from_slice(&0u32.to_le_bytes());
-        assert!(parse_roster(&good, 1).is_ok());
+        assert!(parse_roster(&good, 1, true).is_ok());
         for cut in 0..good.len() {
-            assert!(parse_roster(&good[..cut], 1).is_err(), "cut at {cut}");
+            assert!(parse_roster(&good[..cut], 1, true).is_err(), "cut at {cut}");
         }
-        assert!(parse_roster(&good, 2).is_err());
+        assert!(parse_roster(&good, 2, true).is_err());
         let mut bad_index = good.clone();
         let l = bad_index.len();
         bad_index[l - 4] = 9;
-        assert!(parse_roster(&bad_index, 1).is_err());
+        assert!(parse_roster(&bad_index, 1, true).is_err());
         let mut huge = good.clone();
         huge[..4].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert!(parse_roster(&huge, 1).is_err());
+        assert!(parse_roster(&huge, 1, true).is_err());
     }
 }
