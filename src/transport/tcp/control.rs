@@ -367,10 +367,28 @@ pub fn ask(ctx: &ControlCtx, peer: usize, addr: SocketAddr, request: u8, grace: 
         Ok(a) => Reply::Answer(a),
         Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => Reply::Silent,
         // Dead means nothing listens: a listener that took the connection and then dropped it
-        // belongs to a live process (one whose listener went on to a shrink, say).
+        // belongs to a live process (one whose listener went on to a shrink, say), or to one
+        // that is exiting: the kernel put the connection in the backlog of a listener the exit
+        // then closed. Asking the kernel again, briefly, tells the two apart.
+        Err(e) if matches!(e.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::UnexpectedEof) => {
+            for _ in 0..4 {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                std::thread::sleep(EXIT_RECHECK.min(left));
+                if let Some(why) = is_gone(addr, deadline.saturating_duration_since(Instant::now())) {
+                    return Reply::Dead(why);
+                }
+            }
+            Reply::Failed(e.to_string())
+        }
         Err(e) => Reply::Failed(e.to_string()),
     }
 }
+
+/// Pause before asking again whether a peer that dropped the connection still listens.
+const EXIT_RECHECK: Duration = Duration::from_millis(25);
 
 fn exchange(
     s: &mut TcpStream,
@@ -529,6 +547,32 @@ mod tests {
         );
         assert_eq!(r, Reply::Silent);
         assert!(t0.elapsed() < Duration::from_secs(2));
+    }
+
+    #[test]
+    fn a_rank_whose_listener_closes_while_asked_is_dead() {
+        // An exiting process: the kernel takes the connection into the listener's backlog,
+        // then the listener closes (the connection is reset) and nothing listens any more.
+        let exiting = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let addr = exiting.local_addr().unwrap();
+        let closer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            drop(exiting);
+        });
+        let r = ask(&ctx(1, None), 2, addr, REQUEST_SNAPSHOT, Duration::from_secs(5));
+        closer.join().unwrap();
+        assert!(matches!(r, Reply::Dead(_)), "{r:?}");
+        // A live listener that takes the connection and drops it unanswered stays a failure.
+        let live = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let addr = live.local_addr().unwrap();
+        let dropper = std::thread::spawn(move || {
+            let (s, _) = live.accept().unwrap();
+            drop(s);
+            live // keeps listening until joined
+        });
+        let r = ask(&ctx(1, None), 2, addr, REQUEST_SNAPSHOT, Duration::from_secs(5));
+        let _live = dropper.join().unwrap();
+        assert!(matches!(r, Reply::Failed(_)), "{r:?}");
     }
 
     #[test]
