@@ -31,6 +31,8 @@ pub mod ledger;
 pub mod rdma;
 pub mod shm;
 pub mod tcp;
+#[cfg(test)]
+mod testutil;
 
 /// The shared window lives beside the shared-memory transport; this is its path for callers.
 pub use shm::window;

@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 use super::fake::{FakeControl, FakeVerbs};
 use super::*;
 use crate::error::Error;
+use crate::transport::testutil::{Rng, bytes};
 
 fn pair(geo: Geometry) -> (RdmaRing<FakeVerbs>, RdmaRing<FakeVerbs>, FakeControl) {
     let (va, vb, ctl) = FakeVerbs::pair(geo.send_depth());
@@ -15,31 +16,6 @@ fn pair(geo: Geometry) -> (RdmaRing<FakeVerbs>, RdmaRing<FakeVerbs>, FakeControl
     a.connect(&RingInfo::decode(&ib).expect("b's info")).expect("connect a");
     b.connect(&RingInfo::decode(&ia).expect("a's info")).expect("connect b");
     (a, b, ctl)
-}
-
-fn pattern(i: u64) -> u8 {
-    (i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8
-}
-
-fn bytes(from: u64, n: usize) -> Vec<u8> {
-    (from..from + n as u64).map(pattern).collect()
-}
-
-/// splitmix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn upto(&mut self, max: usize) -> usize {
-        (self.next() % (max as u64 + 1)) as usize
-    }
 }
 
 /// The bounds every state must keep: nothing beyond the ring, from either side's view.

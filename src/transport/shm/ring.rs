@@ -344,6 +344,7 @@ impl Consumer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::transport::testutil::{Rng, bytes};
     use std::collections::VecDeque;
     use std::sync::atomic::AtomicU64;
 
@@ -412,32 +413,6 @@ mod tests {
                     );
                 }
             }
-        }
-    }
-
-    fn pattern(i: u64) -> u8 {
-        (i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8
-    }
-
-    fn bytes(from: u64, n: usize) -> Vec<u8> {
-        (from..from + n as u64).map(pattern).collect()
-    }
-
-    /// A seeded generator (splitmix64): the same steps on every run.
-    struct Rng(u64);
-
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        }
-
-        /// Uniform in `0..=max`.
-        fn upto(&mut self, max: usize) -> usize {
-            (self.next() % (max as u64 + 1)) as usize
         }
     }
 
