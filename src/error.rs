@@ -13,6 +13,11 @@ use std::ops::Deref;
 /// Result alias used throughout toroid.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// The message a panic carried (`panic!` with a literal or a formatted string), if any.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> Option<&str> {
+    payload.downcast_ref::<&str>().copied().or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+}
+
 /// The message of an [`Error`] and the structured facts known about it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Detail {

@@ -402,11 +402,7 @@ impl Core {
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)) {
             Ok(r) => r,
             Err(payload) => {
-                let what = payload
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| payload.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "a panic without a message".to_string());
+                let what = crate::error::panic_message(&*payload).unwrap_or("a panic without a message");
                 let e = Error::Internal(
                     format!(
                         "rank {}: panic during {:?}: {what} (the communicator is aborted)",

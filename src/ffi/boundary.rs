@@ -50,12 +50,8 @@ pub(crate) trait PanicDefault {
     fn on_panic(name: &'static str, payload: Box<dyn std::any::Any + Send>) -> Self;
 }
 
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".into())
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
+    crate::error::panic_message(payload).unwrap_or("unknown panic")
 }
 
 impl PanicDefault for toroid_result {

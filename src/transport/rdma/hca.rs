@@ -47,11 +47,7 @@ pub const LIBIBVERBS: &str = "libibverbs.so.1";
 /// Runs `f`, a call into sideway, turning a panic into [`Error::Unsupported`] naming `what`.
 pub fn guard<T>(what: &str, f: impl FnOnce() -> T) -> Result<T> {
     catch_unwind(AssertUnwindSafe(f)).map_err(|p| {
-        let msg = p
-            .downcast_ref::<String>()
-            .map(String::as_str)
-            .or_else(|| p.downcast_ref::<&str>().copied())
-            .unwrap_or("a panic");
+        let msg = crate::error::panic_message(&*p).unwrap_or("a panic");
         Error::Unsupported(format!("{what}: RDMA verbs failed: {msg}").into())
     })
 }
