@@ -12,15 +12,27 @@
 //! (writes to it fail with "retry exceeded"). It never reorders one direction's writes: RC
 //! does not, and the ring relies on it.
 //!
-//! Delivery happens when either endpoint polls, under one lock, which also orders the
-//! target's reads of its memory after the fake's writes into it.
+//! Delivery happens when a write or a receive is posted and when either endpoint polls, under
+//! one lock, which also orders the target's reads of its memory after the fake's writes into
+//! it. Each endpoint has an event descriptor ([`Verbs::notify_fd`]) signalled with every
+//! completion queued for it, as a completion channel is, so a communicator's progress engine
+//! sleeps on it. A write given a delay lands only when someone posts or polls after it is due:
+//! delays are for tests that poll.
+//!
+//! [`FakeVerbs::fabric`] pairs endpoints across the ranks of one process (communicators whose
+//! ranks are threads): the first of two ranks to open its end of a pair creates the pair and
+//! leaves the other end for the second. Its queue pairs carry the process's fabric number as
+//! their GID, and [`Verbs::connect`] refuses a peer from another fabric: ranks in different
+//! processes cannot share memory, so they learn it at connection time and keep TCP.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::io;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::verbs::{Completion, QpInfo, Region, RemoteRegion, Verbs, WcOp};
+use crate::sys::eventfd::EventFd;
 
 const REM_ACCESS_ERR: &str = "remote access error";
 const RETRY_EXC_ERR: &str = "transport retry counter exceeded";
@@ -54,6 +66,8 @@ struct Ep {
     outstanding: usize,
     /// (addr, len, key, live) of this endpoint's registrations.
     regions: Vec<(u64, usize, u32, bool)>,
+    /// Signalled with every completion queued here.
+    notify: Option<Arc<EventFd>>,
 }
 
 #[derive(Debug, Default)]
@@ -69,10 +83,18 @@ struct Net {
 }
 
 impl Ep {
+    /// Queues a completion and signals the endpoint's descriptor.
+    fn push(&mut self, c: Completion) {
+        self.cq.push_back(c);
+        if let Some(n) = &self.notify {
+            n.signal();
+        }
+    }
+
     /// A completion of one of this endpoint's writes: frees its send-queue entry.
     fn sent(&mut self, c: Completion) {
         self.outstanding = self.outstanding.saturating_sub(1);
-        self.cq.push_back(c);
+        self.push(c);
     }
 }
 
@@ -82,7 +104,7 @@ impl Net {
         let e = &mut self.eps[ep];
         e.error = true;
         while let Some(wr_id) = e.recvs.pop_front() {
-            e.cq.push_back(Completion { wr_id, op: WcOp::Write, status: Err(WR_FLUSH_ERR.into()) });
+            e.push(Completion { wr_id, op: WcOp::Write, status: Err(WR_FLUSH_ERR.into()) });
         }
     }
 
@@ -136,7 +158,7 @@ impl Net {
                     unsafe { std::ptr::copy_nonoverlapping(p.bytes.as_ptr(), dst, p.bytes.len()) };
                 }
                 let len = p.bytes.len() as u32;
-                self.eps[to].cq.push_back(Completion {
+                self.eps[to].push(Completion {
                     wr_id: recv,
                     op: WcOp::RecvImm { imm: p.imm, len },
                     status: Ok(()),
@@ -157,6 +179,31 @@ impl Net {
 pub struct FakeVerbs {
     net: Arc<Mutex<Net>>,
     me: usize,
+    notify: Arc<EventFd>,
+    /// Set on an end [`FakeVerbs::fabric`] returned: dropping it withdraws the other end if
+    /// no rank took it.
+    fabric_key: Option<PairKey>,
+}
+
+/// A pair on the fabric: communicator id, lower rank, higher rank.
+type PairKey = (u64, usize, usize);
+
+/// Ends created by one rank and left for the other, per pair.
+fn fabric_table() -> MutexGuard<'static, HashMap<PairKey, FakeVerbs>> {
+    static TABLE: OnceLock<Mutex<HashMap<PairKey, FakeVerbs>>> = OnceLock::new();
+    let t = TABLE.get_or_init(|| Mutex::new(HashMap::new()));
+    t.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// This process's fabric number (the GID of its fake queue pairs).
+fn fabric_gid() -> [u8; 16] {
+    static GID: OnceLock<[u8; 16]> = OnceLock::new();
+    *GID.get_or_init(|| {
+        let mut g = [0u8; 16];
+        g[..8].copy_from_slice(b"toroidfk");
+        g[8..].copy_from_slice(&crate::sys::random::id().to_le_bytes());
+        g
+    })
 }
 
 /// Fault injection for a fake pair.
@@ -174,9 +221,39 @@ fn lock(net: &Mutex<Net>) -> MutexGuard<'_, Net> {
 impl FakeVerbs {
     /// Two endpoints of one queue pair (not yet connected) and their fault injection;
     /// `max_send` is each send queue's depth.
+    ///
+    /// # Panics
+    ///
+    /// When the process is out of descriptors for the endpoints' event descriptors (tests).
     pub fn pair(max_send: usize) -> (FakeVerbs, FakeVerbs, FakeControl) {
+        Self::try_pair(max_send).expect("event descriptors for a fake queue pair")
+    }
+
+    fn try_pair(max_send: usize) -> io::Result<(FakeVerbs, FakeVerbs, FakeControl)> {
         let net = Arc::new(Mutex::new(Net { max_send, next_key: 0x100, ..Net::default() }));
-        (FakeVerbs { net: net.clone(), me: 0 }, FakeVerbs { net: net.clone(), me: 1 }, FakeControl { net })
+        let end = |me: usize| -> io::Result<FakeVerbs> {
+            let notify = Arc::new(EventFd::new()?);
+            lock(&net).eps[me].notify = Some(notify.clone());
+            Ok(FakeVerbs { net: net.clone(), me, notify, fabric_key: None })
+        };
+        let (a, b) = (end(0)?, end(1)?);
+        Ok((a, b, FakeControl { net: net.clone() }))
+    }
+
+    /// This rank's end of the queue pair between `rank` and `peer` of communicator `comm_id`
+    /// on the process's fabric (see the module documentation); `max_send` is the send queue's
+    /// depth. The lower rank holds endpoint 0.
+    pub fn fabric(comm_id: u64, rank: usize, peer: usize, max_send: usize) -> io::Result<FakeVerbs> {
+        let key = (comm_id, rank.min(peer), rank.max(peer));
+        let mut table = fabric_table();
+        if let Some(mine) = table.remove(&key) {
+            return Ok(mine);
+        }
+        let (a, b, _) = Self::try_pair(max_send)?;
+        let (mut mine, theirs) = if rank < peer { (a, b) } else { (b, a) };
+        mine.fabric_key = Some(key);
+        table.insert(key, theirs);
+        Ok(mine)
     }
 }
 
@@ -212,13 +289,18 @@ impl FakeControl {
 
 impl Drop for FakeVerbs {
     fn drop(&mut self) {
-        let mut n = lock(&self.net);
-        let e = &mut n.eps[self.me];
-        e.gone = true;
-        // Its memory is about to be freed: nothing may write it any more.
-        for r in &mut e.regions {
-            r.3 = false;
+        {
+            let mut n = lock(&self.net);
+            let e = &mut n.eps[self.me];
+            e.gone = true;
+            // Its memory is about to be freed: nothing may write it any more.
+            for r in &mut e.regions {
+                r.3 = false;
+            }
         }
+        // The other end, if no rank took it, goes too (dropped outside the table's lock).
+        let left = self.fabric_key.and_then(|k| fabric_table().remove(&k));
+        drop(left);
     }
 }
 
@@ -241,10 +323,16 @@ impl Verbs for FakeVerbs {
     }
 
     fn local_qp(&self) -> QpInfo {
-        QpInfo { qpn: self.me as u32 + 1, psn: 0, lid: 0, gid: [0; 16], mtu: 5 }
+        QpInfo { qpn: self.me as u32 + 1, psn: 0, lid: 0, gid: fabric_gid(), mtu: 5 }
     }
 
     fn connect(&mut self, peer: &QpInfo) -> io::Result<()> {
+        if peer.gid != fabric_gid() {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "the peer's queue pair is on another process's fake fabric (TOROID_RDMA=fake joins only ranks that are threads of one process)",
+            ));
+        }
         if peer.qpn != (1 - self.me) as u32 + 1 {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "not this fake pair's other end"));
         }
@@ -292,6 +380,7 @@ impl Verbs for FakeVerbs {
         let data = n.eps[me].wire.iter().filter(|p| !p.bytes.is_empty()).count();
         n.max_in_flight[me] = n.max_in_flight[me].max(data);
         n.eps[me].outstanding += 1;
+        n.deliver();
         Ok(())
     }
 
@@ -299,10 +388,12 @@ impl Verbs for FakeVerbs {
         let mut n = lock(&self.net);
         let e = &mut n.eps[self.me];
         if e.error {
-            e.cq.push_back(Completion { wr_id, op: WcOp::Write, status: Err(WR_FLUSH_ERR.into()) });
-        } else {
-            e.recvs.push_back(wr_id);
+            e.push(Completion { wr_id, op: WcOp::Write, status: Err(WR_FLUSH_ERR.into()) });
+            return Ok(());
         }
+        e.recvs.push_back(wr_id);
+        // A write waiting for a receive (RNR) lands now.
+        n.deliver();
         Ok(())
     }
 
@@ -310,6 +401,17 @@ impl Verbs for FakeVerbs {
         let mut n = lock(&self.net);
         n.deliver();
         out.extend(n.eps[self.me].cq.drain(..));
+        Ok(())
+    }
+
+    fn notify_fd(&self) -> RawFd {
+        self.notify.as_raw_fd()
+    }
+
+    fn arm_notify(&mut self) -> io::Result<()> {
+        // Level-triggered: the descriptor is readable while a signal is pending, and every
+        // completion signals, so consuming what was signalled is all arming takes.
+        self.notify.drain();
         Ok(())
     }
 }

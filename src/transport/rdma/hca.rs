@@ -12,8 +12,8 @@
 //! the GID at `TOROID_IB_GID_INDEX` addresses RoCE ports (and InfiniBand ones across subnets).
 //! One [`HcaVerbs`] is one RC queue pair with its own device context, protection domain and
 //! completion queue (sharing one context per device among a process's queue pairs is left for
-//! when the communicator uses them), memory regions registered once per buffer and kept until
-//! deregistered.
+//! later), memory regions registered once per buffer and kept until deregistered. Its
+//! completion queue reports to a completion channel, whose descriptor a waiting rank sleeps on.
 //!
 //! GPUDirect RDMA: [`HcaVerbs::register`] accepts any address `ibv_reg_mr` accepts, device
 //! memory included where the driver allows it (NVIDIA's `nvidia-peermem` module loaded); where
@@ -22,12 +22,15 @@
 
 use std::collections::HashMap;
 use std::io;
+use std::os::fd::{AsRawFd, RawFd};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, OnceLock};
 
 use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
-use sideway::ibverbs::completion::{ExtendedCompletionQueue, GenericCompletionQueue, WorkCompletionStatus};
+use sideway::ibverbs::completion::{
+    CompletionChannel, CompletionQueue, ExtendedCompletionQueue, GenericCompletionQueue, WorkCompletionStatus,
+};
 use sideway::ibverbs::device::{DeviceInfo, DeviceList};
 use sideway::ibverbs::device_context::{DeviceContext, Mtu, PortState};
 use sideway::ibverbs::memory_region::MemoryRegion;
@@ -133,7 +136,7 @@ pub fn probe(cfg: &Config) -> Result<String> {
 pub fn can_connect(cfg: &Config) -> bool {
     match probe(cfg) {
         Ok(dev) => {
-            tracing::info!(target: "toroid::net", "RDMA device {dev} available (the communicator does not use it yet: TCP between hosts)");
+            tracing::info!(target: "toroid::net", "RDMA device {dev} available: RDMA between hosts");
             true
         }
         Err(e) => {
@@ -150,6 +153,7 @@ pub struct HcaVerbs {
     qp: std::mem::ManuallyDrop<ExtendedQueuePair>,
     mrs: std::mem::ManuallyDrop<HashMap<u32, Arc<MemoryRegion>>>,
     cq: std::mem::ManuallyDrop<Arc<ExtendedCompletionQueue>>,
+    channel: std::mem::ManuallyDrop<Arc<CompletionChannel>>,
     dev: std::mem::ManuallyDrop<Device>,
     gid_index: u32,
     local: QpInfo,
@@ -200,10 +204,13 @@ impl HcaVerbs {
                 Error::System(format!("RDMA: {}: {what}: {e}", dev.name).into())
             };
             let depth = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+            let channel = CompletionChannel::new(&dev.ctx).map_err(|e| sys("completion channel", &e))?;
+            channel.set_nonblocking(true).map_err(|e| sys("completion channel", &e))?;
             let cq = dev
                 .ctx
                 .create_cq_builder()
                 .setup_cqe(depth(send_depth + recv_depth))
+                .setup_comp_channel(&channel, 0)
                 .build_ex()
                 .map_err(|e| sys("completion queue", &e))?;
             let handle = GenericCompletionQueue::from(Arc::clone(&cq));
@@ -233,13 +240,14 @@ impl HcaVerbs {
                 gid: gid.raw,
                 mtu: mtu_code(port.active_mtu()),
             };
-            Ok((qp, cq, local))
+            Ok((qp, cq, channel, local))
         });
         match made {
-            Ok(Ok((qp, cq, local))) => Ok(HcaVerbs {
+            Ok(Ok((qp, cq, channel, local))) => Ok(HcaVerbs {
                 qp: std::mem::ManuallyDrop::new(qp),
                 mrs: std::mem::ManuallyDrop::new(HashMap::new()),
                 cq: std::mem::ManuallyDrop::new(cq),
+                channel: std::mem::ManuallyDrop::new(channel),
                 dev: std::mem::ManuallyDrop::new(dev),
                 gid_index,
                 local,
@@ -255,11 +263,12 @@ impl HcaVerbs {
 impl Drop for HcaVerbs {
     fn drop(&mut self) {
         // SAFETY: each field is taken exactly once, here, and never used again.
-        let (qp, mrs, cq, dev) = unsafe {
+        let (qp, mrs, cq, channel, dev) = unsafe {
             (
                 std::mem::ManuallyDrop::take(&mut self.qp),
                 std::mem::ManuallyDrop::take(&mut self.mrs),
                 std::mem::ManuallyDrop::take(&mut self.cq),
+                std::mem::ManuallyDrop::take(&mut self.channel),
                 std::mem::ManuallyDrop::take(&mut self.dev),
             )
         };
@@ -267,6 +276,7 @@ impl Drop for HcaVerbs {
             drop(qp);
             drop(mrs);
             drop(cq);
+            drop(channel);
             drop(dev);
         });
     }
@@ -396,6 +406,40 @@ impl Verbs for HcaVerbs {
                 out.push(Completion { wr_id: wc.wr_id(), op, status });
             }
             Ok(())
+        })
+    }
+
+    fn notify_fd(&self) -> RawFd {
+        self.channel.as_raw_fd()
+    }
+
+    fn arm_notify(&mut self) -> io::Result<()> {
+        let (cq, channel) = (Arc::clone(&self.cq), Arc::clone(&self.channel));
+        guard_io("arming the completion channel", || {
+            use rdma_mummy_sys::{ibv_ack_cq_events, ibv_get_cq_event, ibv_req_notify_cq};
+            // SAFETY: `cq` and `channel` are live (held by the Arcs above for the whole block);
+            // an extended completion queue begins with the basic one (rdma-core's
+            // `ibv_cq_ex_to_cq` is this cast, as sideway's `cq()` does).
+            let (cq, ch) = unsafe { (cq.cq().as_ptr(), channel.comp_channel().as_ptr()) };
+            let mut events = 0u32;
+            loop {
+                let (mut from, mut ctx) = (std::ptr::null_mut(), std::ptr::null_mut());
+                // SAFETY: `ch` is a live channel; the out-pointers are valid locals. The
+                // channel's descriptor is non-blocking: with no event it fails with EAGAIN.
+                if unsafe { ibv_get_cq_event(ch, &mut from, &mut ctx) } != 0 {
+                    break;
+                }
+                events += 1;
+            }
+            if events > 0 {
+                // SAFETY: acknowledges the events just taken from this queue's channel.
+                unsafe { ibv_ack_cq_events(cq, events) };
+            }
+            // SAFETY: `cq` is a live completion queue of an open device context.
+            match unsafe { ibv_req_notify_cq(cq, 0) } {
+                0 => Ok(()),
+                e => Err(io_err("ibv_req_notify_cq", io::Error::from_raw_os_error(e))),
+            }
         })
     }
 }

@@ -239,6 +239,9 @@ pub struct RdmaRing<V: Verbs> {
     closed: bool,
     peer_closed: bool,
     failed: Option<Error>,
+    /// The failure was the connection's (a failed completion), not the peer breaking the
+    /// protocol: bytes that arrived before it are still read.
+    lost: bool,
     wcs: Vec<Completion>,
 }
 
@@ -279,6 +282,7 @@ impl<V: Verbs> RdmaRing<V> {
             closed: false,
             peer_closed: false,
             failed: None,
+            lost: false,
             wcs: Vec::new(),
         };
         for i in 0..geo.recv_depth() {
@@ -351,6 +355,11 @@ impl<V: Verbs> RdmaRing<V> {
 
     /// Polls the completion queue and applies what arrived: data, credits, close, failures.
     pub fn progress(&mut self) -> Result<()> {
+        self.poll_completions()?;
+        self.return_credits()
+    }
+
+    fn poll_completions(&mut self) -> Result<()> {
         if let Some(e) = &self.failed {
             return Err(e.clone());
         }
@@ -361,13 +370,22 @@ impl<V: Verbs> RdmaRing<V> {
             .map_err(|e| self.fail(Error::system("polling the RDMA completion queue", e)))
             .and_then(|_| wcs.iter().try_for_each(|c| self.apply(c)));
         self.wcs = wcs;
-        r?;
-        self.return_credits()
+        r
+    }
+
+    /// A post failed: the cause is usually a failed completion already queued (the queue
+    /// pair went to the error state), which names what happened better than the post's error.
+    fn post_failed(&mut self, what: String, e: std::io::Error) -> Error {
+        match self.poll_completions() {
+            Err(cause) => cause,
+            Ok(()) => self.fail(Error::system(what, e)),
+        }
     }
 
     fn apply(&mut self, c: &Completion) -> Result<()> {
         if let Err(status) = &c.status {
             let what = if c.wr_id & RECV_TAG != 0 { "a receive" } else { "a write" };
+            self.lost = self.failed.is_none();
             return Err(self.fail(Error::Remote(
                 format!("RDMA with rank {}: {what} failed: {status}", self.peer).into(),
             )));
@@ -421,6 +439,9 @@ impl<V: Verbs> RdmaRing<V> {
 
     /// Returns the slots consumed since the last credit, when the send queue has room.
     fn return_credits(&mut self) -> Result<()> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
         let (Some(remote), n) = (self.remote, self.rx.unreleased()) else {
             return Ok(());
         };
@@ -437,7 +458,7 @@ impl<V: Verbs> RdmaRing<V> {
             imm(KIND_CREDIT, n),
         );
         if let Err(e) = posted {
-            return Err(self.fail(Error::system(format!("returning credits to rank {}", self.peer), e)));
+            return Err(self.post_failed(format!("returning credits to rank {}", self.peer), e));
         }
         self.sq += 1;
         self.rx.release();
@@ -487,7 +508,7 @@ impl<V: Verbs> RdmaRing<V> {
                 imm(KIND_DATA, n),
             );
             if let Err(e) = posted {
-                return Err(self.fail(Error::system(format!("RDMA write to rank {}", self.peer), e)));
+                return Err(self.post_failed(format!("RDMA write to rank {}", self.peer), e));
             }
             self.sq += 1;
             self.tx.advance(1);
@@ -497,9 +518,15 @@ impl<V: Verbs> RdmaRing<V> {
     }
 
     /// Reads what has arrived into `bufs` in order; returns the bytes read (0: nothing now,
-    /// or the end of the stream: see [`RdmaRing::at_end`]). Never waits.
+    /// or the end of the stream: see [`RdmaRing::at_end`]). Never waits. Bytes that arrived
+    /// before the connection failed are still read (a peer that wrote its last bytes and
+    /// exited fails only the credits returned to it); the failure is reported once none are
+    /// left. A peer that broke the protocol is an error at once.
     pub fn read(&mut self, bufs: &mut [&mut [u8]]) -> Result<usize> {
-        self.progress()?;
+        let progressed = self.progress();
+        if self.rx.available() == 0 || !self.lost {
+            progressed?;
+        }
         let b = self.geo.slot_bytes;
         let mut total = 0;
         for dst in bufs.iter_mut() {
@@ -517,8 +544,76 @@ impl<V: Verbs> RdmaRing<V> {
             }
             total += off;
         }
-        self.return_credits()?;
+        let credited = self.return_credits();
+        if total == 0 {
+            credited?;
+        }
         Ok(total)
+    }
+
+    /// Copies up to `buf.len()` arrived bytes without consuming them (across slots); applies
+    /// what completed first. Never waits.
+    pub fn peek(&mut self, buf: &mut [u8]) -> Result<usize> {
+        let progressed = self.progress();
+        if self.rx.available() == 0 || !self.lost {
+            progressed?;
+        }
+        let (b, slots) = (self.geo.slot_bytes, self.geo.slots);
+        let first = (self.rx.tail() % slots as u64) as usize;
+        let (mut got, mut off) = (0usize, self.rx_off);
+        for k in 0..self.rx.available() {
+            if got == buf.len() {
+                break;
+            }
+            let slot = (first + k) % slots;
+            let n = (self.lens[slot] - off).min(buf.len() - got);
+            self.ring.read(slot * b + off, &mut buf[got..got + n]);
+            (got, off) = (got + n, 0);
+        }
+        Ok(got)
+    }
+
+    /// True when a read would return bytes or the end of the stream, or the ring has failed
+    /// (the next call reports it): applies what completed first.
+    pub fn readable(&mut self) -> bool {
+        let _ = self.progress();
+        self.failed.is_some() || self.rx.available() > 0 || self.peer_closed
+    }
+
+    /// True when a write would take bytes now, or the ring has failed: applies what completed
+    /// first.
+    pub fn writable(&mut self) -> bool {
+        let _ = self.progress();
+        self.failed.is_some() || (self.tx.free() > 0 && self.sq + 1 < self.geo.send_depth())
+    }
+
+    /// Waits (polling, until `deadline`) for every write posted so far to complete: the peer
+    /// then has the bytes, and the queue pair can go without losing them.
+    pub fn flush(&mut self, deadline: Instant) -> Result<()> {
+        let mut idle = 0u32;
+        loop {
+            self.progress()?;
+            if self.sq == 0 {
+                return Ok(());
+            }
+            self.pause(&mut idle, deadline, || "writes not yet completed")?;
+        }
+    }
+
+    /// True when the ring failed because the connection did (a failed completion: the peer
+    /// is gone or unreachable), not because the peer broke the protocol.
+    pub fn lost(&self) -> bool {
+        self.lost && self.failed.is_some()
+    }
+
+    /// The verbs endpoint (for its notifications).
+    pub fn verbs_mut(&mut self) -> &mut V {
+        &mut self.verbs
+    }
+
+    /// The verbs endpoint.
+    pub fn verbs(&self) -> &V {
+        &self.verbs
     }
 
     /// True when the peer shut its side down and everything it wrote has been read.
@@ -543,9 +638,7 @@ impl<V: Verbs> RdmaRing<V> {
                 imm(KIND_CLOSE, 0),
             );
             if let Err(e) = posted {
-                return Err(
-                    self.fail(Error::system(format!("closing the RDMA ring to rank {}", self.peer), e))
-                );
+                return Err(self.post_failed(format!("closing the RDMA ring to rank {}", self.peer), e));
             }
             self.sq += 1;
             self.closed = true;

@@ -161,19 +161,24 @@ fn a_failed_write_is_an_error_on_both_sides() {
 }
 
 #[test]
-fn a_peer_that_is_gone_fails_the_writer_and_the_reader_once_it_returns_credits() {
+fn a_peer_that_is_gone_fails_the_writer_and_the_reader_once_its_bytes_are_read() {
     let geo = Geometry { slots: 2, slot_bytes: 16 };
     let (mut a, b, _ctl) = pair(geo);
     drop(b);
     let e = a.write_all(&[7u8; 40], Instant::now() + Duration::from_secs(5)).expect_err("peer gone");
     assert!(e.to_string().contains("retry counter exceeded") && e.peer() == Some(1), "{e}");
     let (mut a, mut b, _ctl) = pair(geo);
-    a.write_all(b"abc", Instant::now() + Duration::from_secs(5)).expect("write");
+    // Two slots' worth, then the writer goes.
+    a.write_all(b"abcdefghijklmnopqrst", Instant::now() + Duration::from_secs(5)).expect("write");
     drop(a);
-    let mut buf = [0u8; 3];
-    b.read_exact(&mut buf, Instant::now() + Duration::from_secs(5)).expect("data before the loss");
-    assert_eq!(&buf, b"abc");
-    // Its credits for those bytes cannot reach the peer: the next wait fails at once.
+    let mut first = [0u8; 16];
+    b.read_exact(&mut first, Instant::now() + Duration::from_secs(5)).expect("data before the loss");
+    assert_eq!(&first, b"abcdefghijklmnop");
+    // The credit for the first slot failed, yet the second slot, which arrived before, is read.
+    let mut buf = [0u8; 4];
+    b.read_exact(&mut buf, Instant::now() + Duration::from_secs(5)).expect("the rest");
+    assert_eq!(&buf, b"qrst");
+    // Its credits cannot reach the peer and nothing is left: the next wait fails at once.
     let e = b.read_exact(&mut buf, Instant::now() + Duration::from_secs(5)).expect_err("peer gone");
     assert!(matches!(e, Error::Remote(_)) && e.peer() == Some(0), "{e}");
     assert!(e.to_string().contains("retry counter exceeded"), "{e}");

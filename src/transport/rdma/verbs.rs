@@ -13,6 +13,7 @@
 //! outstanding request with an error completion.
 
 use std::io;
+use std::os::fd::RawFd;
 
 /// A registered memory region: its address and keys.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,6 +128,16 @@ pub trait Verbs: Send + std::fmt::Debug {
 
     /// Appends the completions there now (never waits).
     fn poll(&mut self, out: &mut Vec<Completion>) -> io::Result<()>;
+
+    /// A descriptor that becomes readable when a completion arrives after
+    /// [`Verbs::arm_notify`] (a completion channel: `ibv_create_comp_channel`), so that a
+    /// waiting rank sleeps in `poll(2)` instead of polling the completion queue.
+    fn notify_fd(&self) -> RawFd;
+
+    /// Consumes the notifications delivered so far and asks for one at the next completion
+    /// (`ibv_get_cq_event`, `ibv_ack_cq_events`, `ibv_req_notify_cq`). A completion queued
+    /// before this call may not notify: poll once after arming, then sleep.
+    fn arm_notify(&mut self) -> io::Result<()>;
 }
 
 /// Registrations made once and reused: a buffer inside a cached region needs no new
