@@ -12,25 +12,30 @@
 //! Nothing here has run on RDMA hardware: no machine with an RDMA device was available. The
 //! ring runs in the unit tests over [`fake::FakeVerbs`], an in-memory queue pair that keeps
 //! RC's ordering and error rules and injects delays, held-back completions, failed writes
-//! and a vanished peer.
+//! and a vanished peer; `tests/rdma.rs` runs communicators over its fabric (ranks as threads,
+//! `TOROID_RDMA=fake`).
 //!
 //! | part | what |
 //! |---|---|
 //! | [`verbs`] | the [`Verbs`] trait: exactly the verbs the ring uses; [`MrCache`] |
 //! | [`ring`] | [`RdmaRing`]: send and receive over one queue pair; [`RingInfo`], exchanged before connecting |
-//! | [`fake`] | the in-memory fake of the verbs |
-//! | `hca` | the verbs on a real device through `sideway` (cargo feature `rdma`): presence check, `can_connect` |
+//! | [`link`] | [`RdmaTransport`]: the ring as a [`crate::transport::Transport`], the pair's TCP link as liveness channel |
+//! | [`setup`] | moving a communicator's links between hosts to RDMA at set-up (`TOROID_RDMA`) |
+//! | [`fake`] | the in-memory fake of the verbs, and its in-process fabric |
+//! | `hca` | the verbs on a real device through `sideway` (cargo feature `rdma`): presence check, completion channel |
 //!
-//! Not done yet: choosing this transport for a pair in the communicator (the hook is
-//! [`ring::RdmaRing`] plus `hca::can_connect` under the feature; the communicator keeps TCP
-//! and says so at INFO), and sleeping on a completion channel instead of polling with pauses.
+//! Not done yet: receiving in place or writing from registered user buffers (the ring copies
+//! through its own registered buffers).
 
 pub mod fake;
 #[cfg(feature = "rdma")]
 pub mod hca;
+pub mod link;
 pub mod ring;
+pub mod setup;
 pub mod verbs;
 
+pub use link::RdmaTransport;
 pub use ring::{Geometry, RdmaRing, RingInfo};
 pub use verbs::{Completion, MrCache, QpInfo, Region, RemoteRegion, Verbs, WcOp};
 
