@@ -110,6 +110,7 @@ pub const TOROID_VARS: &[&str] = &[
     "TOROID_CUDA_IPC",
     "TOROID_IB_HCA",
     "TOROID_IB_GID_INDEX",
+    "TOROID_RDMA",
 ];
 
 /// Settings of the library, from the environment or built by hand.
@@ -157,6 +158,8 @@ pub struct Config {
     /// The GID table index of the RDMA port (`TOROID_IB_GID_INDEX`, default 0; RoCE v2 often
     /// needs 3).
     pub ib_gid_index: u32,
+    /// Whether pairs of ranks on different hosts use RDMA (`TOROID_RDMA`).
+    pub rdma: RdmaMode,
     /// Open connections between ranks on demand (`TOROID_CONNECT=lazy`, the default): a pair
     /// connects the first time an operation needs it, and set-up reads O(1) store keys per
     /// rank. `false` (`TOROID_CONNECT=mesh`): every pair connects at set-up, as before.
@@ -182,6 +185,19 @@ pub struct Config {
     pub test_flow_rate: u64,
     /// Every variable read, by name (for `rendezvous::env` and the one-time log).
     pub vars: BTreeMap<String, String>,
+}
+
+/// Whether pairs of ranks on different hosts use RDMA (`TOROID_RDMA`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RdmaMode {
+    /// TCP between hosts (`off`).
+    Off,
+    /// RDMA where both ranks of a pair have a usable device (cargo feature `rdma`), else TCP
+    /// (`auto`, the default).
+    Auto,
+    /// The in-process fake of the verbs (`fake`): for tests whose ranks are threads of one
+    /// process; ranks in different processes find they cannot pair and keep TCP.
+    Fake,
 }
 
 /// Default directory of shared-memory segments.
@@ -247,6 +263,7 @@ impl Default for Config {
             cuda_ipc: true,
             ib_hca: None,
             ib_gid_index: 0,
+            rdma: RdmaMode::Auto,
             connect_lazy: true,
             dump_on_signal: true,
             wire: None,
@@ -368,6 +385,18 @@ impl Config {
                 _ => {
                     return Err(Error::InvalidArgument(
                         format!("TOROID_IB_GID_INDEX={v}: expected 0 to 255").into(),
+                    ));
+                }
+            };
+        }
+        if let Some(v) = get("TOROID_RDMA") {
+            cfg.rdma = match v.to_ascii_lowercase().as_str() {
+                "auto" | "1" | "on" => RdmaMode::Auto,
+                "0" | "off" => RdmaMode::Off,
+                "fake" => RdmaMode::Fake,
+                _ => {
+                    return Err(Error::InvalidArgument(
+                        format!("TOROID_RDMA={v}: expected auto, off or fake").into(),
                     ));
                 }
             };
@@ -671,6 +700,14 @@ mod tests {
             let e = cfg(&[("TOROID_IB_GID_INDEX", bad)]).unwrap_err().to_string();
             assert!(e.contains("TOROID_IB_GID_INDEX"), "{bad}: {e}");
         }
+        assert_eq!(c.rdma, RdmaMode::Auto);
+        for (v, want) in
+            [("off", RdmaMode::Off), ("0", RdmaMode::Off), ("FAKE", RdmaMode::Fake), ("auto", RdmaMode::Auto)]
+        {
+            assert_eq!(cfg(&[("TOROID_RDMA", v)]).unwrap().rdma, want, "{v}");
+        }
+        let e = cfg(&[("TOROID_RDMA", "yes please")]).unwrap_err().to_string();
+        assert!(e.contains("TOROID_RDMA"), "{e}");
     }
 
     #[test]

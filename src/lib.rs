@@ -35,7 +35,7 @@ mod tuning;
 
 pub use collective::{Algorithm, CallOptions, OpKind};
 pub use comm::{Communicator, Group, OwnedBuffer, PendingComm, Persistent, Work};
-pub use config::{AuthToken, Config};
+pub use config::{AuthToken, Config, RdmaMode};
 pub use dtype::{DataType, Element, ReduceOp};
 pub use error::{Error, Result};
 pub use topology::Topology;

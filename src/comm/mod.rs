@@ -116,6 +116,8 @@ struct Core {
     lanes: Vec<usize>,
     /// Whether each rank allows shared memory (`TOROID_SHM_DISABLE` unset there).
     shm_ok: Vec<bool>,
+    /// Whether each rank can use RDMA towards other hosts (`transport::rdma::setup::wanted`).
+    rdma_ok: Vec<bool>,
     abort: Arc<AbortSignal>,
     /// Every rank is on this host and maps the shared window (`shm_direct` can run).
     has_window: bool,
@@ -269,7 +271,8 @@ impl Communicator {
         self.core.queue_cv.notify_all();
     }
 
-    /// The transport linking this rank to `peer` (`"shm"` or `"tcp"`); `None` for this rank
+    /// The transport linking this rank to `peer` (`"shm"`, `"rdma"`, `"tcp"` or `"tcp-striped"`;
+    /// a peer not linked yet: what its link will be); `None` for this rank
     /// itself and once the communicator is closed. Waits for a running operation to finish.
     pub fn transport_to(&self, peer: usize) -> Option<&'static str> {
         self.core.forked().ok()?;

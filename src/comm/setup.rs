@@ -32,7 +32,7 @@ use crate::transport::exchange::{AbortSignal, SpinPolicy};
 use crate::transport::tcp::control::ControlCtx;
 use crate::transport::tcp::lazy::{Dialer, Inbox, LazyCtx};
 use crate::transport::tcp::striped::{LinkPrefs, lanes_for};
-use crate::transport::{Peers, shm, tcp};
+use crate::transport::{Peers, rdma, shm, tcp};
 use crate::tuning::{AlgoFilter, CostModel, Shape};
 
 /// The members of a communicator being connected, in rank order, and where each listens.
@@ -49,6 +49,8 @@ pub(super) struct Members<'a> {
     pub lanes: &'a [usize],
     /// Whether each member allows shared memory.
     pub shm_ok: &'a [bool],
+    /// Whether each member can use RDMA towards other hosts.
+    pub rdma_ok: &'a [bool],
     /// Connect pairs on demand (`TOROID_CONNECT=lazy`) rather than all at set-up.
     pub lazy: bool,
 }
@@ -428,7 +430,8 @@ impl Communicator {
             endpoint.addr, if iface.name.is_empty() { "route to store" } else { &iface.name });
         // Logical host (what the algorithms group by), physical machine (whose cores ranks
         // share) and what the rank asks of its TCP links, one per line.
-        let prefs = LinkPrefs::local(cfg, &iface.name, size);
+        let mut prefs = LinkPrefs::local(cfg, &iface.name, size);
+        prefs.rdma = size > 1 && rdma::setup::wanted(cfg);
         let lazy = cfg.connect_lazy && size > 1;
         let host = format!(
             "{}\n{}\n{}\nconnect={}",
@@ -451,6 +454,7 @@ impl Communicator {
             })
             .collect();
         let shm_ok: Vec<bool> = all_prefs.iter().map(|p| p.shm).collect();
+        let rdma_ok: Vec<bool> = all_prefs.iter().map(|p| p.rdma).collect();
         let members = Members {
             rank,
             addrs: &addrs,
@@ -458,6 +462,7 @@ impl Communicator {
             machines: &machines,
             lanes: &lanes,
             shm_ok: &shm_ok,
+            rdma_ok: &rdma_ok,
             lazy,
         };
         let comm = Communicator::connect(
@@ -490,7 +495,7 @@ impl Communicator {
         store: Option<Arc<dyn Store>>,
         deadline: Instant,
     ) -> Result<Communicator> {
-        let Members { rank, addrs, hosts, machines, lanes, shm_ok, lazy } = members;
+        let Members { rank, addrs, hosts, machines, lanes, shm_ok, rdma_ok, lazy } = members;
         let size = addrs.len();
         let lazy = lazy && size > 1;
         // Before any link exists: a child forked from now on closes them (see `sys::fork`).
@@ -514,11 +519,24 @@ impl Communicator {
         let shared_addrs: Arc<[SocketAddr]> = addrs.into();
         let opts = tcp::SocketOptions::from_config(cfg);
         let topology = Topology::from_ids(rank, hosts, machines);
+        // RDMA between hosts, where both ranks of a pair can (docs/ARCHITECTURE.md 5.6).
+        let rdma_peer = |p: usize| {
+            p != rank && rdma_ok[p] && rdma_ok[rank] && topology.host_of[p] != topology.host_of[rank]
+        };
         let (transports, control, dialer, shm_host_of) = if lazy {
             // The listener serves the control plane and takes the links peers open from the
             // start: a peer may dial as soon as its own set-up is done.
-            let lctx =
-                LazyCtx { rank, size, comm_id: id, auth: cfg.auth_token.clone(), lanes: lanes.to_vec() };
+            let rdma: Vec<bool> = (0..size).map(rdma_peer).collect();
+            let rdma_cfg = rdma.contains(&true).then(|| Arc::new(cfg.clone()));
+            let lctx = LazyCtx {
+                rank,
+                size,
+                comm_id: id,
+                auth: cfg.auth_token.clone(),
+                lanes: lanes.to_vec(),
+                rdma,
+                rdma_cfg,
+            };
             let inbox = Arc::new(Inbox::new(lctx.clone())?);
             let control =
                 Control::start(endpoint, ctl_ctx, shared_addrs.clone(), snapshot, Some(inbox.clone()))?;
@@ -552,15 +570,13 @@ impl Communicator {
         };
         let links =
             shm::connect(rank, &shm_host_of, transports, &shm::ShmOptions::from_config(cfg), id, deadline)?;
-        // RDMA between hosts (cargo feature `rdma`): the communicator does not choose it yet;
-        // whether a device is there is checked and logged at INFO, and TCP carries the traffic
-        // (docs/ARCHITECTURE.md 5.6).
-        #[cfg(feature = "rdma")]
-        if topology.hosts > 1 {
-            let _ = crate::transport::rdma::hca::can_connect(cfg);
-        }
         let config = cfg.clone();
-        let shm::ShmSetup { links: transports, window, shm_peers } = links;
+        let shm::ShmSetup { links: mut transports, window, shm_peers } = links;
+        // Links on demand move to RDMA as they open (the connector's exchange).
+        if !lazy {
+            let rdma_peers: Vec<usize> = (0..size).filter(|&p| rdma_peer(p)).collect();
+            rdma::setup::connect(rank, &rdma_peers, &mut transports, cfg, id, deadline)?;
+        }
         let cores = crate::sys::cpu::online_cpus();
         let oversubscribed = topology.machine_ranks(rank) > cores;
         let spin = SpinPolicy {
@@ -615,6 +631,7 @@ impl Communicator {
             iface,
             lanes: lanes.to_vec(),
             shm_ok: shm_ok.to_vec(),
+            rdma_ok: rdma_ok.to_vec(),
             abort,
             has_window,
             engine: Mutex::new(Engine {
@@ -730,6 +747,7 @@ impl Communicator {
         let machines: Vec<String> = members.iter().map(|(_, r)| t.machine_of[*r].to_string()).collect();
         let lanes: Vec<usize> = members.iter().map(|(_, r)| self.core.lanes[*r]).collect();
         let shm_ok: Vec<bool> = members.iter().map(|(_, r)| self.core.shm_ok[*r]).collect();
+        let rdma_ok: Vec<bool> = members.iter().map(|(_, r)| self.core.rdma_ok[*r]).collect();
         tracing::info!(target: "toroid::init", "rank {} split (color {color:?}, key {key}) into rank {new_rank} of {}", self.rank(), members.len());
         let members = Members {
             rank: new_rank,
@@ -738,6 +756,7 @@ impl Communicator {
             machines: &machines,
             lanes: &lanes,
             shm_ok: &shm_ok,
+            rdma_ok: &rdma_ok,
             lazy: self.core.config.connect_lazy,
         };
         Communicator::connect(

@@ -91,6 +91,7 @@ impl Core {
         tracing::info!(target: "toroid::init", "{what}: rank {new_rank} of {}", survivors.len());
         let lanes: Vec<usize> = survivors.iter().map(|r| self.lanes[*r]).collect();
         let shm_ok: Vec<bool> = survivors.iter().map(|r| self.shm_ok[*r]).collect();
+        let rdma_ok: Vec<bool> = survivors.iter().map(|r| self.rdma_ok[*r]).collect();
         // The survivors connect as a full mesh: the connections other survivors already made
         // were parked for this shrink, and it must not wait for links on demand.
         let members = Members {
@@ -100,6 +101,7 @@ impl Core {
             machines: &machines,
             lanes: &lanes,
             shm_ok: &shm_ok,
+            rdma_ok: &rdma_ok,
             lazy: false,
         };
         let comm = Communicator::connect(

@@ -18,7 +18,8 @@
 //! failure propagation live in [`exchange`], which every algorithm goes through.
 //!
 //! Transports are chosen per peer: [`shm`] between ranks with the same host identity (unless
-//! `TOROID_SHM_DISABLE=1` or shared memory cannot be set up), [`tcp`] otherwise.
+//! `TOROID_SHM_DISABLE=1` or shared memory cannot be set up), [`rdma`] between hosts where both
+//! ranks can use it (`TOROID_RDMA`), [`tcp`] otherwise.
 //!
 //! Optional parts of the contract (defaults suit sockets):
 //! - [`Transport::arm`] says what to `poll(2)` for before the engine sleeps (a shared-memory

@@ -274,7 +274,8 @@ impl Peers {
         self.spin
     }
 
-    /// The kind of transport to `peer` ("shm", "tcp"), or `None` without a link.
+    /// The kind of transport to `peer` ("shm", "rdma", "tcp", "tcp-striped"), or `None`
+    /// without a link.
     pub fn link_kind(&self, peer: usize) -> Option<&'static str> {
         match self.links.get(peer).and_then(Option::as_ref) {
             Some(l) => Some(l.transport.kind()),

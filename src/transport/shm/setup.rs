@@ -100,47 +100,64 @@ pub(crate) fn decode_msg(m: &[u8; MSG_LEN]) -> Result<Msg> {
     })
 }
 
+/// What the shared-memory set-up's messages are for (in errors).
+const SHM_SETUP: &str = "shared-memory set-up";
+
 fn send_msg(t: &mut dyn Transport, peer: usize, msg: &[u8; MSG_LEN], deadline: Instant) -> Result<()> {
+    send_msg_as(SHM_SETUP, t, peer, msg, deadline)
+}
+
+fn recv_msg(t: &mut dyn Transport, peer: usize, deadline: Instant) -> Result<Msg> {
+    recv_msg_as(SHM_SETUP, t, peer, deadline)
+}
+
+/// Sends one set-up message on a fresh link; `what` names the set-up in errors.
+pub(crate) fn send_msg_as(
+    what: &str,
+    t: &mut dyn Transport,
+    peer: usize,
+    msg: &[u8; MSG_LEN],
+    deadline: Instant,
+) -> Result<()> {
     let mut done = 0;
     while done < MSG_LEN {
         match t.try_write(&[&msg[done..]]) {
             Ok(n) => done += n,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                crate::cancel::check("setting up shared memory")?;
-                wait_ready(t, false, true, deadline).map_err(|e| setup_error(peer, e))?;
+                crate::cancel::check(&format!("in {what}"))?;
+                wait_ready(t, false, true, deadline).map_err(|e| setup_error(what, peer, e))?;
             }
-            Err(e) => return Err(setup_error(peer, e)),
+            Err(e) => return Err(setup_error(what, peer, e)),
         }
     }
     Ok(())
 }
 
-fn recv_msg(t: &mut dyn Transport, peer: usize, deadline: Instant) -> Result<Msg> {
+/// Receives one set-up message (checked by [`decode_msg`]); `what` names the set-up in errors.
+pub(crate) fn recv_msg_as(what: &str, t: &mut dyn Transport, peer: usize, deadline: Instant) -> Result<Msg> {
     let mut m = [0u8; MSG_LEN];
     let mut got = 0;
     while got < MSG_LEN {
         match t.try_read(&mut [&mut m[got..]]) {
             Ok(0) => {
-                return Err(Error::Remote(
-                    format!("rank {peer} closed its connection during shared-memory set-up").into(),
-                ));
+                return Err(Error::Remote(format!("rank {peer} closed its connection during {what}").into()));
             }
             Ok(n) => got += n,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                crate::cancel::check("setting up shared memory")?;
-                wait_ready(t, true, false, deadline).map_err(|e| setup_error(peer, e))?;
+                crate::cancel::check(&format!("in {what}"))?;
+                wait_ready(t, true, false, deadline).map_err(|e| setup_error(what, peer, e))?;
             }
-            Err(e) => return Err(setup_error(peer, e)),
+            Err(e) => return Err(setup_error(what, peer, e)),
         }
     }
     decode_msg(&m)
 }
 
-fn setup_error(peer: usize, e: io::Error) -> Error {
+fn setup_error(what: &str, peer: usize, e: io::Error) -> Error {
     if e.kind() == io::ErrorKind::TimedOut {
-        Error::Timeout(format!("shared-memory set-up with rank {peer}: deadline passed").into())
+        Error::Timeout(format!("{what} with rank {peer}: deadline passed").into())
     } else {
-        Error::Remote(format!("shared-memory set-up with rank {peer} failed: {e}").into())
+        Error::Remote(format!("{what} with rank {peer} failed: {e}").into())
     }
 }
 

@@ -15,6 +15,12 @@
 //! descriptor. Accepting never waits for the engine, so a dial completes in a round trip
 //! whatever the lower rank is doing, and two ranks never both dial each other.
 //!
+//! Pairs on different hosts where both ranks can use RDMA (`LazyCtx::rdma`) move the new link
+//! to RDMA before using it, with the exchange of `transport::rdma::setup`: the dialing rank
+//! offers and confirms in [`Connector::dial`]; the accepting rank answers and settles in the
+//! control thread's poll loop, without blocking it ([`Inbox::advance`]), before the engine
+//! takes the link.
+//!
 //! Strangers meet the bounds of set-up: at most [`MAX_PENDING`] connections in handshake (the
 //! oldest goes), each with the set-up allowance to finish, a rank and lane claimed once. After
 //! this rank failed ([`Inbox::close`]), a peer that connects gets the abort frame with the
@@ -30,10 +36,11 @@ use std::time::{Duration, Instant};
 use super::mesh::{HANDSHAKE_ALLOWANCE, transport_of};
 use super::pending::{Ctx, Incoming, Outgoing};
 use super::{SocketOptions, control};
-use crate::config::AuthToken;
+use crate::config::{AuthToken, Config};
 use crate::error::{Error, Result};
 use crate::sys::eventfd::EventFd;
 use crate::sys::poll::{Events, PollFd, poll};
+use crate::transport::rdma::setup as rdma;
 use crate::transport::{AbortSignal, Connector, Transport};
 
 /// Incoming connections in handshake at most; past this the oldest is dropped. A genuine
@@ -60,9 +67,18 @@ pub struct LazyCtx {
     pub auth: Option<AuthToken>,
     /// Connections (lanes) per peer, as at set-up.
     pub lanes: Vec<usize>,
+    /// Peers whose links move to RDMA once open (both ranks can, different hosts); empty: none.
+    pub rdma: Vec<bool>,
+    /// The settings rings open with, when `rdma` names any peer.
+    pub rdma_cfg: Option<std::sync::Arc<Config>>,
 }
 
 impl LazyCtx {
+    /// The settings to move the link to `peer` to RDMA with, if it moves.
+    fn rdma_for(&self, peer: usize) -> Option<&Config> {
+        self.rdma_cfg.as_deref().filter(|_| self.rdma.get(peer).copied().unwrap_or(false))
+    }
+
     fn ctx(&self) -> Ctx<'_> {
         Ctx {
             rank: self.rank,
@@ -82,11 +98,57 @@ struct InState {
     claimed: Vec<u16>,
     /// Checked lanes of ranks not all of whose lanes are in yet.
     partial: HashMap<usize, Vec<Option<TcpStream>>>,
-    /// Peers whose every lane is in, for the engine to take.
-    ready: Vec<(usize, Vec<TcpStream>)>,
+    /// Peers whose every lane is in and whose RDMA exchange is underway.
+    upgrading: Vec<Accepting>,
+    /// Peers whose every lane is in (and exchange done), for the engine to take.
+    ready: Vec<Ready>,
     /// The abort frame to answer with once this rank failed.
     closed: Option<Vec<u8>>,
     dropped: usize,
+}
+
+/// A linked peer for the engine: its lanes, and the agreed RDMA ring if the link moves.
+type Ready = (usize, Vec<TcpStream>, Option<rdma::Upgrade>);
+
+/// The accepting side of a link's RDMA exchange: reading the offer, then the verdict.
+struct Accepting {
+    peer: usize,
+    lanes: Vec<TcpStream>,
+    msg: Box<[u8; rdma::MSG_LEN]>,
+    got: usize,
+    /// Set once the offer is answered.
+    answered: Option<rdma::Upgrade>,
+    deadline: Instant,
+}
+
+impl Accepting {
+    /// Reads what arrived; `Ok(Some(msg))` once a whole message is in.
+    fn read(&mut self) -> std::result::Result<Option<rdma::Msg>, String> {
+        use std::io::Read;
+        let Some(mut s) = self.lanes.first() else { return Err("no connection".into()) };
+        while self.got < rdma::MSG_LEN {
+            match s.read(&mut self.msg[self.got..]) {
+                Ok(0) => return Err("closed during the RDMA exchange".into()),
+                Ok(n) => self.got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(None),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(format!("RDMA exchange: {e}")),
+            }
+        }
+        self.got = 0;
+        rdma::decode_msg(&self.msg).map(Some).map_err(|e| e.to_string())
+    }
+
+    /// Sends a whole message: a few hundred bytes into a fresh connection's empty buffer.
+    fn send(&self, msg: &[u8; rdma::MSG_LEN]) -> std::result::Result<(), String> {
+        use std::io::Write;
+        let Some(mut s) = self.lanes.first() else { return Err("no connection".into()) };
+        match s.write(msg) {
+            Ok(n) if n == msg.len() => Ok(()),
+            Ok(n) => Err(format!("RDMA exchange: only {n} bytes of an answer went")),
+            Err(e) => Err(format!("RDMA exchange: {e}")),
+        }
+    }
 }
 
 /// The accepting half: connections the control thread took whose hello carries this
@@ -141,12 +203,16 @@ impl Inbox {
 
     /// What the control thread polls for: the connections in handshake.
     pub fn interest(&self) -> Vec<(RawFd, Events)> {
-        self.lock().pending.iter().filter_map(Incoming::interest).collect()
+        let st = self.lock();
+        let exchanging =
+            st.upgrading.iter().filter_map(|a| a.lanes.first()).map(|s| (s.as_raw_fd(), PollFd::IN));
+        st.pending.iter().filter_map(Incoming::interest).chain(exchanging).collect()
     }
 
     /// The earliest handshake deadline, if any connection is in handshake.
     pub fn wake_at(&self) -> Option<Instant> {
-        self.lock().pending.iter().map(|c| c.deadline).min()
+        let st = self.lock();
+        st.pending.iter().map(|c| c.deadline).chain(st.upgrading.iter().map(|a| a.deadline)).min()
     }
 
     /// Moves every connection in handshake on as far as its socket allows; hands the peers
@@ -183,8 +249,16 @@ impl Inbox {
                                 st.partial.remove(&r).unwrap_or_default().into_iter().flatten().collect();
                             match &st.closed {
                                 Some(frame) => refuse(lanes, frame),
+                                None if self.ctx.rdma_for(r).is_some() => st.upgrading.push(Accepting {
+                                    peer: r,
+                                    lanes,
+                                    msg: Box::new([0; rdma::MSG_LEN]),
+                                    got: 0,
+                                    answered: None,
+                                    deadline: now + HANDSHAKE_ALLOWANCE,
+                                }),
                                 None => {
-                                    st.ready.push((r, lanes));
+                                    st.ready.push((r, lanes, None));
                                     delivered = true;
                                 }
                             }
@@ -203,9 +277,64 @@ impl Inbox {
                 Ok(()) => i += 1,
             }
         }
+        delivered |= self.exchange(st, now);
         if delivered {
             self.event.signal();
         }
+    }
+
+    /// Moves the RDMA exchanges on (answer the offer, then take the verdict); returns true
+    /// when a link became ready. A peer that breaks the exchange or misses its deadline is
+    /// dropped: its dial fails.
+    fn exchange(&self, st: &mut InState, now: Instant) -> bool {
+        let Some(cfg) = self.ctx.rdma_cfg.as_deref() else { return false };
+        let rank = self.ctx.rank;
+        let mut delivered = false;
+        let mut i = 0;
+        while i < st.upgrading.len() {
+            let a = &mut st.upgrading[i];
+            let step = match a.read() {
+                Ok(None) if now < a.deadline => {
+                    i += 1;
+                    continue;
+                }
+                Ok(None) => Err("no RDMA exchange before its deadline".to_string()),
+                Err(why) => Err(why),
+                Ok(Some(m)) => match a.answered.take() {
+                    None => rdma::answer(cfg, self.ctx.comm_id, rank, a.peer, &m)
+                        .map_err(|e| e.to_string())
+                        .and_then(|(up, reply)| a.send(&reply).map(|()| (Some(up), false))),
+                    Some(up) => {
+                        rdma::settle(up, a.peer, &m).map(|up| (Some(up), true)).map_err(|e| e.to_string())
+                    }
+                },
+            };
+            match step {
+                Ok((up, false)) => {
+                    st.upgrading[i].answered = up;
+                    i += 1;
+                }
+                Ok((up, true)) => {
+                    let a = st.upgrading.swap_remove(i);
+                    if let Some(why) = up.as_ref().and_then(|u| u.failure.as_ref()) {
+                        tracing::warn!(target: "toroid::net", "rank {rank}: link from rank {} stays TCP: {why}", a.peer);
+                    }
+                    match &st.closed {
+                        Some(frame) => refuse(a.lanes, frame),
+                        None => {
+                            st.ready.push((a.peer, a.lanes, up));
+                            delivered = true;
+                        }
+                    }
+                }
+                Err(why) => {
+                    let a = st.upgrading.swap_remove(i);
+                    tracing::warn!(target: "toroid::net", "rank {rank}: dropped the link from rank {}: {why}", a.peer);
+                    drop(a.lanes);
+                }
+            }
+        }
+        delivered
     }
 
     fn drop_one(st: &mut InState, rank: usize, c: Incoming, why: &str) {
@@ -217,7 +346,7 @@ impl Inbox {
     }
 
     /// The peers whose links are in since the last call, with their lanes in order.
-    fn take_ready(&self) -> Vec<(usize, Vec<TcpStream>)> {
+    fn take_ready(&self) -> Vec<Ready> {
         self.event.drain();
         std::mem::take(&mut self.lock().ready)
     }
@@ -226,8 +355,11 @@ impl Inbox {
     /// `frame` (an abort frame) and are closed.
     fn close(&self, frame: &[u8]) {
         let mut st = self.lock();
-        for (_, lanes) in std::mem::take(&mut st.ready) {
+        for (_, lanes, _) in std::mem::take(&mut st.ready) {
             refuse(lanes, frame);
+        }
+        for a in std::mem::take(&mut st.upgrading) {
+            refuse(a.lanes, frame);
         }
         st.closed = Some(frame.to_vec());
     }
@@ -396,18 +528,29 @@ impl Connector for Dialer {
     }
 
     fn dial(&mut self, peer: usize, deadline: Instant, abort: &AbortSignal) -> Result<Box<dyn Transport>> {
-        self.dial_many(&[peer], deadline, abort)?
+        let t = self
+            .dial_many(&[peer], deadline, abort)?
             .pop()
             .map(|(_, t)| t)
-            .ok_or_else(|| Error::Internal("a dial produced no connection".into()))
+            .ok_or_else(|| Error::Internal("a dial produced no connection".into()))?;
+        match self.ctx.rdma_for(peer) {
+            Some(cfg) => rdma::dial_side(cfg, self.ctx.comm_id, self.ctx.rank, peer, t, deadline),
+            None => Ok(t),
+        }
     }
 
     fn arrived(&mut self) -> Result<Vec<(usize, Box<dyn Transport>)>> {
         let mut out = Vec::new();
-        for (p, lanes) in self.inbox.take_ready() {
+        for (p, lanes, up) in self.inbox.take_ready() {
             self.sockets.fetch_add(lanes.len(), Ordering::Relaxed);
             if let Some(t) = transport_of(lanes, &self.opts)? {
-                out.push((p, t));
+                out.push((
+                    p,
+                    match up {
+                        Some(up) => up.finish(t)?,
+                        None => t,
+                    },
+                ));
             }
         }
         Ok(out)
@@ -430,7 +573,13 @@ impl Connector for Dialer {
     }
 
     fn kind_of(&self, peer: usize) -> &'static str {
-        if self.ctx.lanes.get(peer).is_some_and(|&l| l > 1) { "tcp-striped" } else { "tcp" }
+        if self.ctx.rdma_for(peer).is_some() {
+            "rdma"
+        } else if self.ctx.lanes.get(peer).is_some_and(|&l| l > 1) {
+            "tcp-striped"
+        } else {
+            "tcp"
+        }
     }
 }
 
@@ -452,6 +601,8 @@ mod tests {
             comm_id: COMM,
             auth: auth.map(|t| AuthToken::new(t.as_bytes())),
             lanes: vec![1; size],
+            rdma: Vec::new(),
+            rdma_cfg: None,
         }
     }
 

@@ -43,6 +43,8 @@ pub struct LinkPrefs {
     pub shm: bool,
     /// Lanes this rank would choose towards another host: from its interface's speed.
     pub auto: usize,
+    /// This rank can reach other hosts through RDMA (`transport::rdma::setup::wanted`).
+    pub rdma: bool,
 }
 
 impl LinkPrefs {
@@ -64,22 +66,29 @@ impl LinkPrefs {
         if crate::sys::process::open_files_limit().is_some_and(|limit| need > limit) {
             auto = 1;
         }
-        LinkPrefs { nsocks: cfg.nsocks, shm: !cfg.shm_disable, auto }
+        LinkPrefs { nsocks: cfg.nsocks, shm: !cfg.shm_disable, auto, rdma: false }
     }
 
     /// The published form.
     pub fn encode(&self) -> String {
-        format!("nsocks={} shm={} auto={}", self.nsocks, u8::from(self.shm), self.auto)
+        format!(
+            "nsocks={} shm={} auto={} rdma={}",
+            self.nsocks,
+            u8::from(self.shm),
+            self.auto,
+            u8::from(self.rdma)
+        )
     }
 
     /// Parses [`LinkPrefs::encode`]'s form; `None` when malformed or out of range.
     pub fn decode(s: &str) -> Option<LinkPrefs> {
-        let mut p = LinkPrefs { nsocks: usize::MAX, shm: false, auto: usize::MAX };
+        let mut p = LinkPrefs { nsocks: usize::MAX, shm: false, auto: usize::MAX, rdma: false };
         let mut shm = None;
         for kv in s.split_ascii_whitespace() {
             match kv.split_once('=')? {
                 ("nsocks", v) => p.nsocks = v.parse().ok()?,
                 ("shm", v) => shm = Some(v == "1"),
+                ("rdma", v) => p.rdma = v == "1",
                 ("auto", v) => p.auto = v.parse().ok()?,
                 _ => return None,
             }
@@ -450,7 +459,7 @@ mod tests {
 
     #[test]
     fn both_ends_of_a_pair_choose_the_same_lanes() {
-        let p = |nsocks, shm, auto| LinkPrefs { nsocks, shm, auto };
+        let p = |nsocks, shm, auto| LinkPrefs { nsocks, shm, auto, rdma: false };
         let (auto2, set4, noshm) = (p(0, true, 2), p(4, true, 1), p(0, false, 1));
         for (a, b, same, lo, want) in [
             (auto2, auto2, true, false, 1),  // shared memory carries it
@@ -464,7 +473,7 @@ mod tests {
             assert_eq!(lanes_for(&a, &b, same, lo), want, "{a:?} {b:?} same host {same} loopback {lo}");
             assert_eq!(lanes_for(&b, &a, same, lo), want, "symmetric");
         }
-        for q in [auto2, set4, noshm] {
+        for q in [auto2, set4, noshm, LinkPrefs { rdma: true, ..auto2 }] {
             assert_eq!(LinkPrefs::decode(&q.encode()), Some(q));
         }
         for bad in ["", "nsocks=1", "nsocks=17 shm=1 auto=1", "nsocks=1 shm=1 auto=0", "x=1 shm=1 auto=1"] {
