@@ -10,10 +10,11 @@
 //!
 //! Device and port: `TOROID_IB_HCA` (`name` or `name:port`), else the first device, port 1;
 //! the GID at `TOROID_IB_GID_INDEX` addresses RoCE ports (and InfiniBand ones across subnets).
-//! One [`HcaVerbs`] is one RC queue pair with its own device context, protection domain and
-//! completion queue (sharing one context per device among a process's queue pairs is left for
-//! later), memory regions registered once per buffer and kept until deregistered. Its
-//! completion queue reports to a completion channel, whose descriptor a waiting rank sleeps on.
+//! One [`HcaVerbs`] is one RC queue pair with its own completion queue, which reports to its
+//! own completion channel (whose descriptor a waiting rank sleeps on), and memory regions
+//! registered once per buffer and kept until deregistered. The device context and protection
+//! domain are shared by every queue pair of the process: a rank linked to hundreds of peers
+//! opens its device once (the last queue pair to go closes it).
 //!
 //! GPUDirect RDMA: [`HcaVerbs::register`] accepts any address `ibv_reg_mr` accepts, device
 //! memory included where the driver allows it (NVIDIA's `nvidia-peermem` module loaded); where
@@ -117,15 +118,35 @@ fn open_device(hca: Option<&str>) -> Result<Device> {
     })?
 }
 
+/// The device `hca` names, opened once per process while any queue pair uses it.
+fn shared_device(hca: Option<&str>) -> Result<Arc<Device>> {
+    type Open = Option<(Option<String>, std::sync::Weak<Device>)>;
+    static OPEN: std::sync::Mutex<Open> = std::sync::Mutex::new(None);
+    let mut open = OPEN.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((name, weak)) = open.as_ref()
+        && name.as_deref() == hca
+        && let Some(dev) = weak.upgrade()
+    {
+        return Ok(dev);
+    }
+    let dev = Arc::new(open_device(hca)?);
+    *open = Some((hca.map(str::to_string), Arc::downgrade(&dev)));
+    Ok(dev)
+}
+
 /// Whether this process can use RDMA: libibverbs loads and the device (`TOROID_IB_HCA`, else
 /// the first) has an active port. Checked once per process; `Err(Unsupported)` says why not.
 pub fn probe(cfg: &Config) -> Result<String> {
     static PROBE: OnceLock<std::result::Result<String, String>> = OnceLock::new();
     PROBE
-        .get_or_init(|| {
-            open_device(cfg.ib_hca.as_deref())
-                .map(|d| format!("{} port {}", d.name, d.port))
-                .map_err(|e| e.to_string())
+        .get_or_init(|| match open_device(cfg.ib_hca.as_deref()) {
+            Ok(d) => {
+                let what = format!("{} port {}", d.name, d.port);
+                // sideway asserts in its drops: closing runs behind the guard too.
+                let _ = guard("closing the RDMA device", move || drop(d));
+                Ok(what)
+            }
+            Err(e) => Err(e.to_string()),
         })
         .clone()
         .map_err(|e| Error::Unsupported(e.into()))
@@ -154,7 +175,7 @@ pub struct HcaVerbs {
     mrs: std::mem::ManuallyDrop<HashMap<u32, Arc<MemoryRegion>>>,
     cq: std::mem::ManuallyDrop<Arc<ExtendedCompletionQueue>>,
     channel: std::mem::ManuallyDrop<Arc<CompletionChannel>>,
-    dev: std::mem::ManuallyDrop<Device>,
+    dev: std::mem::ManuallyDrop<Arc<Device>>,
     gid_index: u32,
     local: QpInfo,
 }
@@ -197,7 +218,7 @@ impl HcaVerbs {
     /// A queue pair in the INIT state on the configured device, with room for `send_depth`
     /// and `recv_depth` outstanding requests.
     pub fn open(cfg: &Config, send_depth: usize, recv_depth: usize) -> Result<HcaVerbs> {
-        let dev = open_device(cfg.ib_hca.as_deref())?;
+        let dev = shared_device(cfg.ib_hca.as_deref())?;
         let gid_index = cfg.ib_gid_index;
         let made = guard("creating an RDMA queue pair", || {
             let sys = |what: &str, e: &dyn std::fmt::Display| {

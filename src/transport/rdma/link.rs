@@ -129,6 +129,21 @@ impl<V: Verbs> Transport for RdmaTransport<V> {
         nothing(&self.ring, self.peer_gone, r)
     }
 
+    fn zero_copy(&self) -> bool {
+        true
+    }
+
+    fn read_with(&mut self, max: usize, f: &mut dyn FnMut(&[u8]) -> usize) -> io::Result<usize> {
+        match self.ring.read_with(max, f) {
+            Ok(0) if !self.ring.at_end() => {}
+            r => return nothing(&self.ring, false, r),
+        }
+        self.watch_tcp();
+        // Once the writer closed or went, what is left is all there will be: a last look.
+        let r = self.ring.read_with(max, f);
+        nothing(&self.ring, self.peer_gone, r)
+    }
+
     fn pollable(&self) -> RawFd {
         self.poll_set.as_raw_fd()
     }
@@ -262,6 +277,40 @@ mod tests {
         let a = writer.join().expect("writer");
         assert!(got == want, "{} bytes arrived, {} sent", got.len(), want.len());
         drop((a, b));
+    }
+
+    #[test]
+    fn lent_bytes_stitch_elements_across_slots() {
+        // Slots of 10 bytes: 8-byte elements straddle every slot boundary.
+        let geo = Geometry { slots: 4, slot_bytes: 10 };
+        let (mut a, mut b) = pair(geo);
+        let want: Vec<u8> = bytes(3, 8 * 1000);
+        let mut got: Vec<u8> = Vec::new();
+        let (mut sent, mut offers) = (0usize, 0usize);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while got.len() < want.len() {
+            assert!(Instant::now() < deadline, "stuck after {} bytes", got.len());
+            if sent < want.len() {
+                match a.try_write(&[&want[sent..(sent + 17).min(want.len())]]) {
+                    Ok(n) => sent += n,
+                    Err(e) => assert_eq!(e.kind(), io::ErrorKind::WouldBlock),
+                }
+            }
+            // Takes whole 8-byte elements only, as the engine's reductions do.
+            let left = want.len() - got.len();
+            let mut take = |s: &[u8]| {
+                offers += 1;
+                let k = s.len() - s.len() % 8;
+                got.extend_from_slice(&s[..k]);
+                k
+            };
+            match b.read_with(left, &mut take) {
+                Ok(n) => assert!(n > 0 && n % 8 == 0, "took {n}"),
+                Err(e) => assert_eq!(e.kind(), io::ErrorKind::WouldBlock),
+            }
+        }
+        assert!(got == want, "the lent stream differs");
+        assert!(b.zero_copy() && offers > 0);
     }
 
     #[test]

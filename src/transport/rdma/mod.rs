@@ -24,8 +24,8 @@
 //! | [`fake`] | the in-memory fake of the verbs, and its in-process fabric |
 //! | `hca` | the verbs on a real device through `sideway` (cargo feature `rdma`): presence check, completion channel |
 //!
-//! Not done yet: receiving in place or writing from registered user buffers (the ring copies
-//! through its own registered buffers).
+//! Not done yet: writing straight from registered user buffers (the sender copies into its
+//! registered stage; the receiver lends the bytes where they landed).
 
 pub mod fake;
 #[cfg(feature = "rdma")]

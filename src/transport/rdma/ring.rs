@@ -196,6 +196,15 @@ impl Buf {
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(at), src.len()) };
     }
 
+    /// The `len` bytes at offset `at` (in bounds: checked), lent in place.
+    fn slice(&self, at: usize, len: usize) -> &[u8] {
+        assert!(at.checked_add(len).is_some_and(|e| e <= self.layout.size()), "ring lend out of bounds");
+        // SAFETY: in bounds (above); the caller lends only bytes of a slot whose write
+        // completed, which the peer does not write again before it gets the slot back as a
+        // credit, after the borrow ends (credits go out only from `&mut self` calls).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(at), len) }
+    }
+
     /// Copies from offset `at` into `dst` (in bounds: checked).
     fn read(&self, at: usize, dst: &mut [u8]) {
         assert!(
@@ -558,19 +567,7 @@ impl<V: Verbs> RdmaRing<V> {
         if self.rx.available() == 0 || !self.lost {
             progressed?;
         }
-        let (b, slots) = (self.geo.slot_bytes, self.geo.slots);
-        let first = (self.rx.tail() % slots as u64) as usize;
-        let (mut got, mut off) = (0usize, self.rx_off);
-        for k in 0..self.rx.available() {
-            if got == buf.len() {
-                break;
-            }
-            let slot = (first + k) % slots;
-            let n = (self.lens[slot] - off).min(buf.len() - got);
-            self.ring.read(slot * b + off, &mut buf[got..got + n]);
-            (got, off) = (got + n, 0);
-        }
-        Ok(got)
+        Ok(self.peek_arrived(buf))
     }
 
     /// True when a read would return bytes or the end of the stream, or the ring has failed
@@ -614,6 +611,73 @@ impl<V: Verbs> RdmaRing<V> {
     /// The verbs endpoint.
     pub fn verbs(&self) -> &V {
         &self.verbs
+    }
+
+    /// Zero-copy read: offers up to `max` arrived bytes to `f` where they lie in the ring, one
+    /// slot's run at a time; `f` returns how many it took (it may take fewer, e.g. whole
+    /// elements only) and those are consumed. Where a slot ends within the first 64 bytes
+    /// offered and more has arrived, the bytes are stitched across the slots into a small
+    /// buffer, so that a whole element is always offered. Returns the bytes taken (0: nothing,
+    /// or nothing `f` took). Failures as for [`RdmaRing::read`].
+    pub fn read_with(&mut self, max: usize, f: &mut dyn FnMut(&[u8]) -> usize) -> Result<usize> {
+        let progressed = self.progress();
+        if self.rx.available() == 0 || !self.lost {
+            progressed?;
+        }
+        let b = self.geo.slot_bytes;
+        let mut total = 0;
+        while total < max && self.rx.available() > 0 {
+            let slot = (self.rx.tail() % self.geo.slots as u64) as usize;
+            let run = (self.lens[slot] - self.rx_off).min(max - total);
+            let took = if run < 64 && self.rx.available() > 1 {
+                let mut bounce = [0u8; 64];
+                let k = (max - total).min(64);
+                let got = self.peek_arrived(&mut bounce[..k]);
+                f(&bounce[..got]).min(got)
+            } else {
+                f(self.ring.slice(slot * b + self.rx_off, run)).min(run)
+            };
+            if took == 0 {
+                break;
+            }
+            self.consume_bytes(took);
+            total += took;
+        }
+        let credited = self.return_credits();
+        if total == 0 {
+            credited?;
+        }
+        Ok(total)
+    }
+
+    /// Copies arrived bytes from the read position on, across slots, without consuming them.
+    fn peek_arrived(&self, buf: &mut [u8]) -> usize {
+        let (b, slots) = (self.geo.slot_bytes, self.geo.slots);
+        let first = (self.rx.tail() % slots as u64) as usize;
+        let (mut got, mut off) = (0usize, self.rx_off);
+        for k in 0..self.rx.available() {
+            if got == buf.len() {
+                break;
+            }
+            let slot = (first + k) % slots;
+            let n = (self.lens[slot] - off).min(buf.len() - got);
+            self.ring.read(slot * b + off, &mut buf[got..got + n]);
+            (got, off) = (got + n, 0);
+        }
+        got
+    }
+
+    /// Consumes `n` arrived bytes from the read position on, across slots.
+    fn consume_bytes(&mut self, mut n: usize) {
+        while n > 0 && self.rx.available() > 0 {
+            let slot = (self.rx.tail() % self.geo.slots as u64) as usize;
+            let k = (self.lens[slot] - self.rx_off).min(n);
+            (self.rx_off, n) = (self.rx_off + k, n - k);
+            if self.rx_off == self.lens[slot] {
+                self.rx.consume(1);
+                self.rx_off = 0;
+            }
+        }
     }
 
     /// True when the peer shut its side down and everything it wrote has been read.

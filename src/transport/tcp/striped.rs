@@ -99,11 +99,13 @@ impl LinkPrefs {
 }
 
 /// Connections between two ranks with preferences `a` and `b` (symmetric, so both ends agree):
-/// one where shared memory will carry the pair (same host, both allow it); else the larger of
+/// one where shared memory will carry the pair (same host, both allow it) or RDMA will (other
+/// hosts, both can: the connection only watches the peer, and if RDMA then fails to connect the
+/// pair runs on that one connection, with a WARN); else the larger of
 /// what the two ask, where a rank that did not set `TOROID_NSOCKS` asks 1 inside a host and on
 /// loopback and its [`LinkPrefs::auto`] between hosts.
 pub fn lanes_for(a: &LinkPrefs, b: &LinkPrefs, same_host: bool, loopback: bool) -> usize {
-    if same_host && a.shm && b.shm {
+    if (same_host && a.shm && b.shm) || (!same_host && a.rdma && b.rdma) {
         return 1;
     }
     let want = |p: &LinkPrefs| match p.nsocks {
@@ -461,6 +463,7 @@ mod tests {
     fn both_ends_of_a_pair_choose_the_same_lanes() {
         let p = |nsocks, shm, auto| LinkPrefs { nsocks, shm, auto, rdma: false };
         let (auto2, set4, noshm) = (p(0, true, 2), p(4, true, 1), p(0, false, 1));
+        let rdma = LinkPrefs { rdma: true, ..auto2 };
         for (a, b, same, lo, want) in [
             (auto2, auto2, true, false, 1),  // shared memory carries it
             (set4, set4, true, false, 1),    // even when striping is asked for
@@ -469,11 +472,14 @@ mod tests {
             (auto2, set4, false, true, 4),   // asked for: honoured on loopback too
             (noshm, set4, true, false, 4),   // one side keeps TCP inside the host
             (noshm, noshm, true, false, 1),
+            (rdma, rdma, false, false, 1),  // RDMA carries it
+            (rdma, auto2, false, false, 2), // one side cannot: TCP, striped
+            (rdma, set4, true, false, 1),   // inside a host: shared memory
         ] {
             assert_eq!(lanes_for(&a, &b, same, lo), want, "{a:?} {b:?} same host {same} loopback {lo}");
             assert_eq!(lanes_for(&b, &a, same, lo), want, "symmetric");
         }
-        for q in [auto2, set4, noshm, LinkPrefs { rdma: true, ..auto2 }] {
+        for q in [auto2, set4, noshm, rdma] {
             assert_eq!(LinkPrefs::decode(&q.encode()), Some(q));
         }
         for bad in ["", "nsocks=1", "nsocks=17 shm=1 auto=1", "nsocks=1 shm=1 auto=0", "x=1 shm=1 auto=1"] {
