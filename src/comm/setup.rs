@@ -482,8 +482,10 @@ impl Communicator {
     }
 
     /// The connect sequence that creation and `split` share: a full TCP mesh between the
-    /// members, their topology, same-host links moved to shared memory (and the window when
-    /// every member is on one host), then the communicator around them and its cost model.
+    /// members (or the links to this host's ranks, with the rest on demand), their topology,
+    /// same-host links moved to shared memory (and the window when every member is on one
+    /// host), links to other hosts moved to RDMA where both ranks can, then the communicator
+    /// around them and its cost model.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn connect(
         members: Members<'_>,

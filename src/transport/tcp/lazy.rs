@@ -201,7 +201,8 @@ impl Inbox {
         self.advance(now);
     }
 
-    /// What the control thread polls for: the connections in handshake.
+    /// What the control thread polls for: the connections in handshake or in their RDMA
+    /// exchange.
     pub fn interest(&self) -> Vec<(RawFd, Events)> {
         let st = self.lock();
         let exchanging =
@@ -209,7 +210,7 @@ impl Inbox {
         st.pending.iter().filter_map(Incoming::interest).chain(exchanging).collect()
     }
 
-    /// The earliest handshake deadline, if any connection is in handshake.
+    /// The earliest deadline of a handshake or an RDMA exchange, if any is underway.
     pub fn wake_at(&self) -> Option<Instant> {
         let st = self.lock();
         st.pending.iter().map(|c| c.deadline).chain(st.upgrading.iter().map(|a| a.deadline)).min()
@@ -300,29 +301,28 @@ impl Inbox {
                 }
                 Ok(None) => Err("no RDMA exchange before its deadline".to_string()),
                 Err(why) => Err(why),
+                // The offer: answer it. The verdict: the exchange is done.
                 Ok(Some(m)) => match a.answered.take() {
                     None => rdma::answer(cfg, self.ctx.comm_id, rank, a.peer, &m)
                         .map_err(|e| e.to_string())
-                        .and_then(|(up, reply)| a.send(&reply).map(|()| (Some(up), false))),
-                    Some(up) => {
-                        rdma::settle(up, a.peer, &m).map(|up| (Some(up), true)).map_err(|e| e.to_string())
-                    }
+                        .and_then(|(up, reply)| a.send(&reply).map(|()| (up, false))),
+                    Some(up) => rdma::settle(up, a.peer, &m).map(|up| (up, true)).map_err(|e| e.to_string()),
                 },
             };
             match step {
                 Ok((up, false)) => {
-                    st.upgrading[i].answered = up;
+                    st.upgrading[i].answered = Some(up);
                     i += 1;
                 }
                 Ok((up, true)) => {
                     let a = st.upgrading.swap_remove(i);
-                    if let Some(why) = up.as_ref().and_then(|u| u.failure.as_ref()) {
+                    if let Some(why) = &up.failure {
                         tracing::warn!(target: "toroid::net", "rank {rank}: link from rank {} stays TCP: {why}", a.peer);
                     }
                     match &st.closed {
                         Some(frame) => refuse(a.lanes, frame),
                         None => {
-                            st.ready.push((a.peer, a.lanes, up));
+                            st.ready.push((a.peer, a.lanes, Some(up)));
                             delivered = true;
                         }
                     }
