@@ -4,7 +4,7 @@
 //! RDMA and those inside a host on shared memory; a rank that cannot use RDMA keeps TCP with
 //! everyone while the others use RDMA among themselves; ranks in different processes find they
 //! cannot pair and keep TCP; a peer that goes away is an error within seconds, not at the
-//! deadline.
+//! deadline; a mismatch and an abort reach every rank through the RDMA links.
 //!
 //! No RDMA hardware ran any of this: the verbs are the fake's (src/transport/rdma/fake.rs).
 
@@ -166,4 +166,54 @@ fn ranks_in_different_processes_cannot_share_the_fake_and_keep_tcp() {
         );
         assert!(stderr.contains("another process's fake fabric"), "{connect}: the WARN says why: {stderr}");
     }
+}
+
+#[test]
+fn a_mismatch_and_an_abort_reach_every_rank_over_rdma() {
+    if util::is_child() {
+        return;
+    }
+    // Mismatched counts: both ranks name the mismatch, within seconds.
+    util::run_threads_with(
+        3,
+        |r| config(r, RdmaMode::Fake),
+        |comm: Communicator| {
+            assert_eq!(comm.transport_to((comm.rank() + 1) % 3), Some("rdma"));
+            let count = if comm.rank() == 1 { 200 } else { 100 };
+            let mut buf = vec![1.0f32; count];
+            let t = Instant::now();
+            let e = comm.all_reduce(&mut buf, ReduceOp::Sum).expect_err("mismatch");
+            assert!(t.elapsed() < Duration::from_secs(10), "after {:?}: {e}", t.elapsed());
+            let msg = e.to_string();
+            assert!(msg.contains("mismatch") || msg.contains("abort"), "rank {}: {msg}", comm.rank());
+            assert!(comm.is_aborted());
+        },
+    );
+    // An abort while the peer has not joined: the abort frame travels over RDMA.
+    util::run_threads_with(
+        2,
+        |r| config(r, RdmaMode::Fake),
+        |comm: Communicator| {
+            let comm = std::sync::Arc::new(comm);
+            if comm.rank() == 0 {
+                let c2 = comm.clone();
+                let aborter = std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(200));
+                    c2.abort();
+                });
+                let e = comm.barrier().expect_err("aborted");
+                assert!(matches!(e, toroid::Error::Aborted(_)), "{e}");
+                aborter.join().expect("aborter");
+            } else {
+                std::thread::sleep(Duration::from_millis(600));
+                let t = Instant::now();
+                let e = match comm.barrier() {
+                    Err(e) => e,
+                    Ok(()) => comm.barrier().expect_err("the abort behind the first barrier"),
+                };
+                assert!(t.elapsed() < Duration::from_secs(10), "after {:?}: {e}", t.elapsed());
+                assert!(e.to_string().contains("abort"), "{e}");
+            }
+        },
+    );
 }
