@@ -178,8 +178,8 @@ mod tests {
     use super::*;
     use crate::sys::poll::poll;
     use crate::sys::socketpair;
+    use crate::transport::rdma::Geometry;
     use crate::transport::rdma::fake::FakeVerbs;
-    use crate::transport::rdma::{Geometry, RingInfo};
     use crate::transport::testutil::bytes;
     use std::os::fd::{AsFd, OwnedFd};
 
@@ -212,12 +212,7 @@ mod tests {
     }
 
     fn pair(geo: Geometry) -> (RdmaTransport<FakeVerbs>, RdmaTransport<FakeVerbs>) {
-        let (va, vb, _) = FakeVerbs::pair(geo.send_depth());
-        let mut a = RdmaRing::new(va, 1, geo).expect("ring a");
-        let mut b = RdmaRing::new(vb, 0, geo).expect("ring b");
-        let (ia, ib) = (a.info().encode(), b.info().encode());
-        a.connect(&RingInfo::decode(&ib).expect("b")).expect("connect a");
-        b.connect(&RingInfo::decode(&ia).expect("a")).expect("connect b");
+        let (a, b, _) = crate::transport::rdma::tests::pair(geo);
         let (sa, sb) = socketpair::stream_pair().expect("socket pair");
         (
             RdmaTransport::new(a, Box::new(Sock(sa))).expect("transport a"),

@@ -7,7 +7,8 @@ use super::*;
 use crate::error::Error;
 use crate::transport::testutil::{Rng, bytes};
 
-fn pair(geo: Geometry) -> (RdmaRing<FakeVerbs>, RdmaRing<FakeVerbs>, FakeControl) {
+/// Two connected rings over a fake queue pair (ring `a` is rank 0's, towards rank 1).
+pub(super) fn pair(geo: Geometry) -> (RdmaRing<FakeVerbs>, RdmaRing<FakeVerbs>, FakeControl) {
     let (va, vb, ctl) = FakeVerbs::pair(geo.send_depth());
     let mut a = RdmaRing::new(va, 1, geo).expect("ring a");
     let mut b = RdmaRing::new(vb, 0, geo).expect("ring b");
