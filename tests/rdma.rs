@@ -4,7 +4,8 @@
 //! RDMA and those inside a host on shared memory; a rank that cannot use RDMA keeps TCP with
 //! everyone while the others use RDMA among themselves; ranks in different processes find they
 //! cannot pair and keep TCP; a peer that goes away is an error within seconds, not at the
-//! deadline; a mismatch and an abort reach every rank through the RDMA links.
+//! deadline; a mismatch and an abort reach every rank through the RDMA links; a link on demand
+//! moves to RDMA without waiting for the accepting rank's engine.
 //!
 //! No RDMA hardware ran any of this: the verbs are the fake's (src/transport/rdma/fake.rs).
 
@@ -213,6 +214,42 @@ fn a_mismatch_and_an_abort_reach_every_rank_over_rdma() {
                 };
                 assert!(t.elapsed() < Duration::from_secs(10), "after {:?}: {e}", t.elapsed());
                 assert!(e.to_string().contains("abort"), "{e}");
+            }
+        },
+    );
+}
+
+#[test]
+fn a_link_on_demand_moves_to_rdma_while_the_accepting_rank_is_busy() {
+    if util::is_child() {
+        return;
+    }
+    // Rank 2 dials rank 0 for a send while rank 0's engine waits in a receive from rank 1:
+    // the accepting half of the exchange runs in rank 0's control thread, so the send lands
+    // in the RDMA ring without waiting for rank 0's engine.
+    util::run_threads_with(
+        3,
+        |r| Config { connect_lazy: true, ..config(r, RdmaMode::Fake) },
+        |comm: Communicator| match comm.rank() {
+            0 => {
+                let mut from1 = [0u32; 4];
+                comm.recv(&mut from1, 1).expect("from rank 1");
+                assert_eq!(from1, [1; 4]);
+                let mut from2 = [0u32; 4];
+                comm.recv(&mut from2, 2).expect("from rank 2");
+                assert_eq!(from2, [2; 4]);
+                assert_eq!(comm.transport_to(2), Some("rdma"));
+            }
+            1 => {
+                std::thread::sleep(Duration::from_millis(1500));
+                comm.send(&[1u32; 4], 0).expect("to rank 0");
+            }
+            _ => {
+                let t = Instant::now();
+                comm.send(&[2u32; 4], 0).expect("to rank 0");
+                let took = t.elapsed();
+                assert!(took < Duration::from_millis(1000), "the send waited {took:?} for rank 0's engine");
+                assert_eq!(comm.transport_to(0), Some("rdma"));
             }
         },
     );
