@@ -50,17 +50,6 @@ fn io_error(e: Error) -> io::Error {
     io::Error::other(e.to_string())
 }
 
-/// A read or peek that found nothing: the end of the stream once the connection is lost or
-/// the peer's process is gone (as a closed socket reads), else an error or "nothing now".
-fn nothing<V: Verbs>(ring: &RdmaRing<V>, gone: bool, r: Result<usize, Error>) -> io::Result<usize> {
-    match r {
-        Err(_) if ring.lost() => Ok(0),
-        Err(e) => Err(io_error(e)),
-        Ok(n) if n > 0 || gone || ring.at_end() => Ok(n),
-        Ok(_) => Err(io::ErrorKind::WouldBlock.into()),
-    }
-}
-
 impl<V: Verbs> RdmaTransport<V> {
     /// Wraps a connected ring and the pair's TCP connection.
     pub fn new(ring: RdmaRing<V>, tcp: Box<dyn Transport>) -> io::Result<RdmaTransport<V>> {
@@ -80,6 +69,21 @@ impl<V: Verbs> RdmaTransport<V> {
         match self.tcp.peek(&mut b) {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => {}
             _ => self.peer_gone = true,
+        }
+    }
+
+    /// What a read, peek or lend `f` got from the ring. When nothing: the end of the stream
+    /// once the connection is lost or the peer's process is known to be gone (as a closed
+    /// socket reads; what arrived before is read first), else "nothing now". The TCP
+    /// connection is looked at when the engine arms or peeks, not on every empty read.
+    fn look(&mut self, f: impl FnOnce(&mut RdmaRing<V>) -> Result<usize, Error>) -> io::Result<usize> {
+        // Known before the look, so this look is the last one after the peer went.
+        let gone = self.peer_gone;
+        match f(&mut self.ring) {
+            Err(_) if self.ring.lost() => Ok(0),
+            Err(e) => Err(io_error(e)),
+            Ok(n) if n > 0 || gone || self.ring.at_end() => Ok(n),
+            Ok(_) => Err(io::ErrorKind::WouldBlock.into()),
         }
     }
 
@@ -109,24 +113,17 @@ impl<V: Verbs> Transport for RdmaTransport<V> {
         if bufs.iter().all(|b| b.is_empty()) {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty read"));
         }
-        match self.ring.read(bufs) {
-            Ok(0) if !self.ring.at_end() => {}
-            r => return nothing(&self.ring, false, r),
-        }
-        self.watch_tcp();
-        // After the peer went, a last look: what it wrote before is still read first.
-        let r = self.ring.read(bufs);
-        nothing(&self.ring, self.peer_gone, r)
+        self.look(|ring| ring.read(bufs))
     }
 
     fn peek(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        match self.ring.peek(buf) {
-            Ok(0) if !self.ring.at_end() => {}
-            r => return nothing(&self.ring, false, r),
+        match self.look(|ring| ring.peek(buf)) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                self.watch_tcp();
+                self.look(|ring| ring.peek(buf))
+            }
+            r => r,
         }
-        self.watch_tcp();
-        let r = self.ring.peek(buf);
-        nothing(&self.ring, self.peer_gone, r)
     }
 
     fn zero_copy(&self) -> bool {
@@ -134,14 +131,7 @@ impl<V: Verbs> Transport for RdmaTransport<V> {
     }
 
     fn read_with(&mut self, max: usize, f: &mut dyn FnMut(&[u8]) -> usize) -> io::Result<usize> {
-        match self.ring.read_with(max, f) {
-            Ok(0) if !self.ring.at_end() => {}
-            r => return nothing(&self.ring, false, r),
-        }
-        self.watch_tcp();
-        // Once the writer closed or went, what is left is all there will be: a last look.
-        let r = self.ring.read_with(max, f);
-        nothing(&self.ring, self.peer_gone, r)
+        self.look(|ring| ring.read_with(max, f))
     }
 
     fn pollable(&self) -> RawFd {
