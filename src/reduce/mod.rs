@@ -49,7 +49,7 @@ mod kernels;
 mod ops;
 mod scale;
 #[cfg(test)]
-mod testutil;
+pub(crate) mod testutil;
 
 pub use copy::{copy, copy_nonoverlapping};
 pub use scale::{scale_inplace, scale_into};

@@ -9,16 +9,22 @@ use crate::dtype::DataType;
 /// and lengths long enough for the main loops with a remainder.
 pub(super) const LENS: [usize; 6] = [0, 1, 7, 31, 1000, 4099];
 
-/// splitmix64: tiny, fast and good enough to fill test buffers.
-pub(super) struct Rng(pub(super) u64);
+/// splitmix64: tiny, fast and good enough to fill test buffers (the transports' tests use it
+/// too, through `transport::testutil`).
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
-    pub(super) fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..=max`.
+    pub(crate) fn upto(&mut self, max: usize) -> usize {
+        (self.next() % (max as u64 + 1)) as usize
     }
 
     /// Uniform in [0, 1).

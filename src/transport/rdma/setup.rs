@@ -142,11 +142,11 @@ impl Upgrade {
     }
 }
 
-/// Step 1, in the higher rank: its ring and the message that offers it (or declines).
-pub(crate) fn offer(cfg: &Config, comm_id: u64, rank: usize, peer: usize) -> (Upgrade, [u8; MSG_LEN]) {
-    match open(cfg, comm_id, rank, peer, Geometry::DEFAULT) {
+/// A ring made (message `kind` describing it), or why not (`DECLINE` with the reason).
+fn described(made: Result<Box<dyn Pending>>, kind: u8) -> (Upgrade, [u8; MSG_LEN]) {
+    match made {
         Ok(ring) => {
-            let msg = encode_msg(OFFER, 0, 0, &hex(&ring.info().encode()));
+            let msg = encode_msg(kind, 0, 0, &hex(&ring.info().encode()));
             (Upgrade { ring: Some(ring), failure: None }, msg)
         }
         Err(e) => {
@@ -155,6 +155,11 @@ pub(crate) fn offer(cfg: &Config, comm_id: u64, rank: usize, peer: usize) -> (Up
             (Upgrade::failed(why), msg)
         }
     }
+}
+
+/// Step 1, in the higher rank: its ring and the message that offers it (or declines).
+pub(crate) fn offer(cfg: &Config, comm_id: u64, rank: usize, peer: usize) -> (Upgrade, [u8; MSG_LEN]) {
+    described(open(cfg, comm_id, rank, peer, Geometry::DEFAULT), OFFER)
 }
 
 /// The peer's ring in an `OFFER` or `ACCEPT` (`Ok(None)`: it declined, with its reason).
@@ -187,17 +192,7 @@ pub(crate) fn answer(
         ring.connect(&theirs)?;
         Ok(ring)
     });
-    Ok(match made {
-        Ok(ring) => {
-            let msg = encode_msg(ACCEPT, 0, 0, &hex(&ring.info().encode()));
-            (Upgrade { ring: Some(ring), failure: None }, msg)
-        }
-        Err(e) => {
-            let why = e.to_string();
-            let msg = encode_msg(DECLINE, 0, 0, &why);
-            (Upgrade::failed(why), msg)
-        }
-    })
+    Ok(described(made, ACCEPT))
 }
 
 /// Step 3, in the higher rank: connects to the accepted ring; the verdict to send.
