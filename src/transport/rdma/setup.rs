@@ -337,24 +337,22 @@ mod tests {
         let fake = Config { rdma: RdmaMode::Fake, ..Config::default() };
         let off = Config { rdma: RdmaMode::Off, ..Config::default() };
         // Both can: offer, answer, confirm, settle.
-        let (up_hi, m1) = offer(&fake, 77, 1, 0);
-        let (up_lo, m2) = answer(&fake, 77, 0, 1, &msg(&m1)).expect("answer");
-        assert!(up_hi.agreed() && up_lo.agreed());
-        let (up_hi, m3) = confirm(up_hi, 0, &msg(&m2)).expect("confirm");
-        let up_lo = settle(up_lo, 1, &msg(&m3)).expect("settle");
+        // The four steps between a higher rank with `hi` and a lower rank with `lo`.
+        let exchange = |hi: &Config, lo: &Config, comm: u64| {
+            let (up_hi, m1) = offer(hi, comm, 1, 0);
+            let (up_lo, m2) = answer(lo, comm, 0, 1, &msg(&m1)).expect("answer");
+            let (up_hi, m3) = confirm(up_hi, 0, &msg(&m2)).expect("confirm");
+            (up_hi, settle(up_lo, 1, &msg(&m3)).expect("settle"))
+        };
+        // Both can.
+        let (up_hi, up_lo) = exchange(&fake, &fake, 77);
         assert!(up_hi.agreed() && up_lo.agreed() && up_hi.failure.is_none() && up_lo.failure.is_none());
         // The offering side cannot: the answer declines, the verdict fails, both keep TCP.
-        let (up_hi, m1) = offer(&off, 78, 1, 0);
-        let (up_lo, m2) = answer(&fake, 78, 0, 1, &msg(&m1)).expect("answer");
-        let (up_hi, m3) = confirm(up_hi, 0, &msg(&m2)).expect("confirm");
-        let up_lo = settle(up_lo, 1, &msg(&m3)).expect("settle");
+        let (up_hi, up_lo) = exchange(&off, &fake, 78);
         assert!(!up_hi.agreed() && !up_lo.agreed());
         assert!(up_lo.failure.as_deref().is_some_and(|w| w.contains("TOROID_RDMA=off")), "{up_lo:?}");
         // The answering side cannot.
-        let (up_hi, m1) = offer(&fake, 79, 1, 0);
-        let (up_lo, m2) = answer(&off, 79, 0, 1, &msg(&m1)).expect("answer");
-        let (up_hi, m3) = confirm(up_hi, 0, &msg(&m2)).expect("confirm");
-        let up_lo = settle(up_lo, 1, &msg(&m3)).expect("settle");
+        let (up_hi, up_lo) = exchange(&fake, &off, 79);
         assert!(!up_hi.agreed() && !up_lo.agreed());
         assert!(up_hi.failure.as_deref().is_some_and(|w| w.contains("rank 0")), "{up_hi:?}");
     }
