@@ -6,7 +6,7 @@ mod util;
 
 use std::time::Instant;
 
-use toroid::Communicator;
+use toroid::{Communicator, Config};
 use util::cases::run_matrix;
 
 #[test]
@@ -56,5 +56,49 @@ fn all_collectives_in_processes() {
         let report = String::from_utf8_lossy(&out.stdout);
         let line = report.lines().find(|l| l.contains("cases in")).unwrap_or("(no report)");
         println!("{what}: {line} (job {:.1?})", t.elapsed());
+    }
+}
+
+/// The all-to-all keeps up to `WINDOW` (8) steps in flight and opens step `s` once step
+/// `s - WINDOW` is complete; the matrix above (at most 9 ranks) never slides that window. Here
+/// it slides at 10, 13 and 19 ranks, over shared memory, TCP set up as a mesh and TCP on demand,
+/// with blocks of several frames (64 KiB frames, blocks of 200,003 bytes) and one-byte blocks:
+/// every byte of every block, out of place and in place, against what its sender put there.
+#[test]
+fn all_to_all_slides_its_window_of_steps_in_flight() {
+    if util::is_child() {
+        return;
+    }
+    for (n, shm_disable, connect_lazy) in [(10, false, true), (13, true, false), (19, true, true)] {
+        let cfg = Config { shm_disable, connect_lazy, segment_size: 64 << 10, ..util::test_config(60.0) };
+        util::run_threads(n, &cfg, move |comm| {
+            let (me, n) = (comm.rank(), comm.size());
+            // Byte `i` of the block rank `from` sends to rank `to`.
+            let byte = |from: usize, to: usize, i: usize| {
+                util::data::mix(((from * 64 + to) as u64) << 32 | i as u64) as u8
+            };
+            for (block, in_place) in [(200_003, false), (1, false), (70_001, true)] {
+                let send: Vec<u8> = (0..n * block).map(|k| byte(me, k / block, k % block)).collect();
+                let got = if in_place {
+                    let mut buf = send.clone();
+                    comm.all_to_all_in_place(&mut buf).expect("all_to_all_in_place");
+                    buf
+                } else {
+                    let mut recv = vec![0u8; n * block];
+                    comm.all_to_all(&send, &mut recv).expect("all_to_all");
+                    recv
+                };
+                for (k, &b) in got.iter().enumerate() {
+                    let (from, i) = (k / block, k % block);
+                    assert_eq!(
+                        b,
+                        byte(from, me, i),
+                        "{n} ranks (shm {}, lazy {connect_lazy}), block {block}, in place {in_place}: \
+                         rank {me} byte {i} of the block from rank {from}",
+                        !shm_disable
+                    );
+                }
+            }
+        });
     }
 }

@@ -35,7 +35,7 @@ use crate::collective::{Bufs, Fingerprint};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::reduce;
-use crate::transport::exchange::RingPlan;
+use crate::transport::exchange::{AllToAllPlan, RingPlan};
 use crate::transport::window::Window;
 use crate::transport::{Peers, Sink, Source};
 
@@ -84,6 +84,23 @@ impl Wire<'_> {
     /// A whole ring schedule as one stream (see [`RingPlan`]).
     pub fn ring(&mut self, plan: &RingPlan<'_>, work: &mut [u8], src: Option<&[u8]>) -> Result<()> {
         self.peers.ring(&self.fp, self.deadline, plan, work, src)
+    }
+
+    /// The pairwise all-to-all of `group`, this rank being member `me`, blocks of `block`
+    /// bytes, several steps in flight (see [`AllToAllPlan`]). Uses steps
+    /// `first_step .. first_step + n - 1`; this rank's own block is the caller's to copy.
+    pub fn all_to_all(
+        &mut self,
+        group: Group<'_>,
+        me: usize,
+        first_step: usize,
+        block: usize,
+        src: &[u8],
+        dst: &mut [u8],
+    ) -> Result<()> {
+        let member = |j: usize| group.rank(j);
+        let plan = AllToAllPlan { n: group.len(), me, member: &member, first_step, block };
+        self.peers.all_to_all(&self.fp, self.deadline, &plan, src, dst)
     }
 }
 

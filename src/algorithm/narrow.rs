@@ -4,7 +4,8 @@
 //! the 2D torus's column phase (`torus2d.rs`, between hosts) are made of:
 //!
 //! 1. round the data to the wire type, in `n` pieces of `c = ceil(count / n)` elements;
-//! 2. all-to-all within the group: piece `j` to member `j` (pairwise exchange);
+//! 2. all-to-all within the group: piece `j` to member `j` (pairwise exchange, several steps in
+//!    flight);
 //! 3. member `j` reduces the `n` pieces `j` it received, in member order, in the data's own
 //!    type, and rounds the result once;
 //! 4. ring all-gather of the rounded pieces within the group, widened into the output; the
@@ -51,16 +52,14 @@ pub fn all_reduce_phase(
     // All-to-all within the group.
     w.phase(Stage::Exchange);
     received[me * c..(me + 1) * c].copy_from_slice(&pieces[me * c..(me + 1) * c]);
-    for s in 1..n {
-        let (to, from) = ((me + s) % n, (me + n - s) % n);
-        let send: &[u8] = bytemuck::cast_slice(&pieces[to * c..(to + 1) * c]);
-        let recv: &mut [u8] = bytemuck::cast_slice_mut(&mut received[from * c..(from + 1) * c]);
-        w.exchange(
-            step0 + s - 1,
-            Some((group[to], crate::transport::Source::Bytes(send))),
-            Some((group[from], crate::transport::Sink::Copy(recv))),
-        )?;
-    }
+    w.all_to_all(
+        Group::Ranks(group),
+        me,
+        step0,
+        2 * c,
+        bytemuck::cast_slice(&pieces[..n * c]),
+        bytemuck::cast_slice_mut(&mut received[..n * c]),
+    )?;
     // This member's piece, reduced wide and rounded once.
     let mine = count.saturating_sub(me * c).min(c);
     reduce_pieces(wire, dtype, op, &received[..n * c], n, c, &mut pieces[me * c..me * c + mine]);

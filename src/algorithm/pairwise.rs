@@ -1,14 +1,15 @@
 //! All-to-all by pairwise exchange, barrier by dissemination, and point-to-point.
 //!
 //! **Pairwise all-to-all**: in step `s = 1 .. n-1` rank `r` sends its block for `r + s` and
-//! receives the block from `r - s` (mod `n`) in one full-duplex exchange; every link carries
-//! one block each way and no rank ever waits on two peers at once.
+//! receives the block from `r - s` (mod `n`); every link carries one block each way, and up to
+//! [`WINDOW`](crate::transport::exchange::WINDOW) steps are in flight at once
+//! (`Peers::all_to_all`), so a slow pair does not hold the others' next steps back.
 //!
 //! **Dissemination barrier**: in round `k` rank `r` sends an empty frame to `r + 2^k` and waits
 //! for one from `r - 2^k`; after `ceil(log2 n)` rounds every rank has (transitively) heard from
 //! every other, whatever `n`.
 
-use super::{Bufs, Scratch, Wire};
+use super::{Bufs, Group, Scratch, Wire};
 use crate::error::Result;
 use crate::transport::{Sink, Source};
 
@@ -29,16 +30,7 @@ pub fn all_to_all(wire: &mut Wire<'_>, scratch: &mut Scratch, bufs: Bufs<'_>) ->
     let block = dst.len() / n;
     let at = |j: usize| j * block..(j + 1) * block;
     dst[at(r)].copy_from_slice(&src[at(r)]);
-    for s in 1..n {
-        let to = (r + s) % n;
-        let from = (r + n - s) % n;
-        wire.exchange(
-            s,
-            Some((to, Source::Bytes(&src[at(to)]))),
-            Some((from, Sink::Copy(&mut dst[at(from)]))),
-        )?;
-    }
-    Ok(())
+    wire.all_to_all(Group::World(n), r, 1, block, src, dst)
 }
 
 /// Dissemination barrier.

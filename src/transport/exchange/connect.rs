@@ -81,7 +81,7 @@ impl Peers {
                 }
             }
             self.progress.waiting(Some(p), step as usize);
-            self.sleep(fp, None, None, deadline.min(next_check))?;
+            self.sleep(fp, &[], &[], deadline.min(next_check))?;
         }
     }
 

@@ -5,6 +5,8 @@
 //! One thread drives both directions without blocking, so a step is full duplex; received bytes
 //! are reduced as soon as whole elements are in, so the reduction of one piece overlaps the
 //! transfer of the next; [`Source::Forward`] re-sends what was just received (pipelined chains).
+//! Two schedules run as one stream instead of step by step: a whole ring ([`Peers::ring`]) and a
+//! pairwise all-to-all with several steps in flight ([`Peers::all_to_all`], `pairwise.rs`).
 //!
 //! ## Frames
 //!
@@ -41,6 +43,7 @@ mod abort;
 mod any;
 mod connect;
 pub(crate) mod frame;
+mod pairwise;
 mod rx;
 mod step;
 mod tx;
@@ -48,6 +51,7 @@ mod wait;
 
 pub use abort::AbortSignal;
 pub use frame::HEADER_LEN;
+pub use pairwise::{AllToAllPlan, WINDOW};
 
 use std::fmt;
 use std::io;

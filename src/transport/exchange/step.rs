@@ -120,7 +120,7 @@ impl Peers {
             let want_write = tx.as_ref().filter(|t| !t.done && !t.starved(forward_avail)).map(|t| t.peer);
             let want_read = rx.as_ref().filter(|r| !r.done).map(|r| r.peer);
             self.progress.waiting(want_read.or(want_write), step as usize);
-            self.sleep(fp, want_write, want_read, deadline)?;
+            self.sleep(fp, want_write.as_slice(), want_read.as_slice(), deadline)?;
             last_progress = Instant::now();
         }
     }
@@ -237,7 +237,7 @@ impl Peers {
             let want_write = (ts < plan.steps && !tx.starved(tx_avail)).then_some(plan.right);
             let want_read = (rs < plan.steps && (rs < plan.lag || ts > rs - plan.lag)).then_some(plan.left);
             self.progress.waiting(want_read.or(want_write), plan.first_step + rs.min(ts));
-            self.sleep(fp, want_write, want_read, deadline)?;
+            self.sleep(fp, want_write.as_slice(), want_read.as_slice(), deadline)?;
             last_progress = Instant::now();
         }
     }
@@ -252,7 +252,7 @@ impl Peers {
         }
     }
 
-    fn check_peer(&self, peer: usize) -> Result<()> {
+    pub(super) fn check_peer(&self, peer: usize) -> Result<()> {
         if peer == self.rank || peer >= self.links.len() {
             return Err(Error::Internal(
                 format!("rank {} cannot exchange with rank {peer}", self.rank).into(),
@@ -261,7 +261,13 @@ impl Peers {
         Ok(())
     }
 
-    fn timeout_error(&self, fp: &Fingerprint, step: u16, tx: Option<&Tx<'_>>, rx: Option<&Rx>) -> Error {
+    pub(super) fn timeout_error(
+        &self,
+        fp: &Fingerprint,
+        step: u16,
+        tx: Option<&Tx<'_>>,
+        rx: Option<&Rx>,
+    ) -> Error {
         let mut waits = Vec::new();
         if let Some(r) = rx.filter(|r| !r.done) {
             waits.push(format!(

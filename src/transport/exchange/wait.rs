@@ -67,8 +67,8 @@ impl Peers {
     pub(super) fn sleep(
         &mut self,
         fp: &Fingerprint,
-        want_write: Option<usize>,
-        want_read: Option<usize>,
+        want_write: &[usize],
+        want_read: &[usize],
         deadline: Instant,
     ) -> Result<()> {
         // Links that peers opened meanwhile join the watched ones; more arriving wake us.
@@ -86,10 +86,10 @@ impl Peers {
         let mut can_progress = false;
         for (r, link) in self.links.iter_mut().enumerate() {
             let Some(link) = link else { continue };
-            let active = Some(r) == want_write || Some(r) == want_read;
+            let (read, write) = (want_read.contains(&r), want_write.contains(&r));
             let mut events: Events = 0;
-            if active {
-                match link.transport.arm(Some(r) == want_read, Some(r) == want_write) {
+            if read || write {
+                match link.transport.arm(read, write) {
                     Some(ev) => events |= ev,
                     // It can progress now: do not sleep (after arming the others, which is
                     // also where they notice a peer that is gone).
@@ -127,7 +127,7 @@ impl Peers {
         for i in 1..self.pollfds.len() {
             let r = self.poll_ranks[i];
             let revents = self.pollfds[i].revents();
-            if revents == 0 || r == ARRIVAL || Some(r) == want_write || Some(r) == want_read {
+            if revents == 0 || r == ARRIVAL || want_write.contains(&r) || want_read.contains(&r) {
                 continue;
             }
             self.inspect_idle(r, fp, revents).map_err(|e| e.with_peer(r))?;
