@@ -89,6 +89,7 @@ pub const TOROID_VARS: &[&str] = &[
     "TOROID_AUTH_TOKEN",
     "TOROID_SPIN_US",
     "TOROID_SEGMENT_SIZE",
+    "TOROID_PIPELINE_CHUNK",
     "TOROID_ALGO",
     "TOROID_DEBUG",
     "TOROID_DEBUG_SUBSYS",
@@ -134,6 +135,10 @@ pub struct Config {
     pub spin: Option<Duration>,
     /// Largest frame (segment) on the wire in bytes (`TOROID_SEGMENT_SIZE`).
     pub segment_size: usize,
+    /// Bytes per chunk of the pipelined 2D torus (`TOROID_PIPELINE_CHUNK`): `None` pipelines in
+    /// [`DEFAULT_PIPELINE_CHUNK`] chunks where the cost model finds it cheaper; `Some(0)` never;
+    /// `Some(bytes)` always, in chunks of `bytes`, wherever a call has two.
+    pub pipeline_chunk: Option<usize>,
     /// Operations the flight recorder keeps per communicator (`TOROID_TRACE_BUFFER`; 0: off).
     pub trace_buffer: usize,
     /// Where the timeline goes (`TOROID_TIMELINE`): each process writes `<path>.rank<R>.json`.
@@ -242,6 +247,10 @@ impl std::fmt::Debug for AuthToken {
 /// the reduction earlier, larger ones pay fewer headers and system calls.
 pub const DEFAULT_SEGMENT_SIZE: usize = 512 * 1024;
 
+/// Default chunk of the pipelined 2D torus (`algorithm/torus2d.rs`): calls of at least two
+/// chunks overlap the row phases of one chunk with the column phases of another.
+pub const DEFAULT_PIPELINE_CHUNK: usize = 4 << 20;
+
 impl Default for Config {
     fn default() -> Config {
         Config {
@@ -253,6 +262,7 @@ impl Default for Config {
             auth_token: None,
             spin: None,
             segment_size: DEFAULT_SEGMENT_SIZE,
+            pipeline_chunk: None,
             trace_buffer: DEFAULT_TRACE_BUFFER,
             timeline: None,
             algo: None,
@@ -354,6 +364,15 @@ impl Config {
                 ));
             }
             cfg.segment_size = s;
+        }
+        if let Some(v) = get("TOROID_PIPELINE_CHUNK") {
+            let s = parse_size("TOROID_PIPELINE_CHUNK", v)?;
+            if s != 0 && s < 4096 {
+                return Err(Error::InvalidArgument(
+                    format!("TOROID_PIPELINE_CHUNK={v}: must be 0 (off) or at least 4096 bytes").into(),
+                ));
+            }
+            cfg.pipeline_chunk = Some(s);
         }
         if let Some(v) = get("TOROID_TRACE_BUFFER") {
             let n: u64 = parse_num("TOROID_TRACE_BUFFER", v)?;

@@ -117,3 +117,57 @@ fn every_algorithm_on_emulated_hosts_in_processes() {
         util::assert_success(&out, &format!("{n} ranks on {h} hosts"));
     }
 }
+
+/// The 2D torus pipelined in chunks (`TOROID_PIPELINE_CHUNK`, here 4 KiB so that small calls
+/// split into 2 to 8 chunks, uneven ones included): the row phases of one chunk run beside the
+/// column phases of another. Every element against the reference, in place and out of place,
+/// on emulated hosts and forced grids (non-powers of two, more rows than columns and the
+/// reverse).
+#[test]
+fn the_pipelined_torus_on_every_grid() {
+    if util::is_child() {
+        return;
+    }
+    let cases: Vec<Case> = [0, 1, 7, 2_049, 3_001, 40_000, 250_007]
+        .into_iter()
+        .flat_map(|count| {
+            [
+                (DataType::F32, ReduceOp::Sum, true),
+                (DataType::F64, ReduceOp::Sum, false),
+                (DataType::I64, ReduceOp::Max, false),
+                (DataType::BF16, ReduceOp::Avg, true),
+                (DataType::I32, ReduceOp::Prod, true),
+            ]
+            .map(|(dtype, op, in_place)| Case {
+                coll: Coll::AllReduce,
+                dtype,
+                op,
+                count,
+                in_place,
+                algo: Some(Algorithm::Torus2d),
+            })
+        })
+        .collect();
+    let cases = std::sync::Arc::new(cases);
+    let run = |n: usize, cfg_of: &dyn Fn(usize) -> Config, what: String| {
+        let cases = cases.clone();
+        util::run_threads_with(
+            n,
+            |r| Config { pipeline_chunk: Some(4096), ..cfg_of(r) },
+            move |comm| {
+                let f: Vec<String> = cases
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(id, c)| check(&comm, 9_000 + id as u64, c).err())
+                    .collect();
+                assert!(f.is_empty(), "{what}:\n{}", f.join("\n"));
+            },
+        );
+    };
+    for (n, h) in [(4, 2), (6, 3), (6, 2), (8, 4), (9, 3)] {
+        run(n, &|r| config(Some(host(r, n, h)), None), format!("{n} ranks on {h} hosts"));
+    }
+    for (x, y) in [(2, 2), (3, 2), (2, 3), (3, 3), (2, 5)] {
+        run(x * y, &|_| config(None, Some((x, y))), format!("grid {x}x{y}"));
+    }
+}

@@ -203,10 +203,20 @@ fn several_ranks_per_host_compress_only_between_hosts() {
     // 3 emulated hosts of 2 ranks (a 2 x 3 torus), bf16 for every call; then 2 hosts of 2, f16
     // asked per call. Each all-reduce runs as the 2D torus with the column phase compressed:
     // within the bound on every element, the same bits on every rank, no all-to-all.
-    for (n, per_host, wire) in [(6, 2, DataType::BF16), (4, 2, DataType::F16)] {
+    // Then pipelined in 4 KiB chunks (`TOROID_PIPELINE_CHUNK`): 65,537 elements in 8 chunks,
+    // each chunk's column phase compressed while the row reduces the next one.
+    let default = toroid::Config::default().pipeline_chunk;
+    let layouts = [
+        (6, 2, DataType::BF16, default),
+        (4, 2, DataType::F16, default),
+        (6, 2, DataType::BF16, Some(4096)),
+        (8, 2, DataType::F16, Some(4096)),
+    ];
+    for (n, per_host, wire, pipeline_chunk) in layouts {
         let cfg_of = move |r: usize| Config {
             host_id: Some(format!("host{}", r / per_host)),
             wire: (wire == DataType::BF16).then_some(wire),
+            pipeline_chunk,
             ..util::test_config(60.0)
         };
         util::run_threads_with(n, cfg_of, move |comm| {

@@ -26,13 +26,15 @@ pub struct Call<'a> {
     /// A compressed all-reduce's wire type (`torus2d` only: the communicator runs the others
     /// as an all-to-all and an all-gather, `comm/wire.rs`).
     pub narrow_to: Option<DataType>,
+    /// Chunks the torus is pipelined in (1: not pipelined; the same on every rank).
+    pub torus_chunks: usize,
 }
 
 /// Runs `call` over `wire` (the probe is not an algorithm: the communicator runs it).
 pub fn run(wire: &mut Wire<'_>, scratch: &mut Scratch, layout: &Layout, call: Call<'_>) -> Result<()> {
     let n = wire.size();
     let me = wire.rank();
-    let Call { kind, dtype, algo, bufs, input, narrow_to } = call;
+    let Call { kind, dtype, algo, bufs, input, narrow_to, torus_chunks } = call;
     let need = || Error::Internal(format!("{kind:?} without the buffers it needs").into());
     // The phase an algorithm runs in unless it names its own (the ring phases do).
     wire.phase(match kind {
@@ -65,9 +67,15 @@ pub fn run(wire: &mut Wire<'_>, scratch: &mut Scratch, layout: &Layout, call: Ca
                 Algorithm::HierarchicalRing => {
                     super::hierarchical::all_reduce(wire, layout, bufs, dtype, rop)
                 }
-                Algorithm::Torus2d => {
-                    super::torus2d::all_reduce(wire, scratch, layout, bufs, dtype, rop, narrow_to)
-                }
+                Algorithm::Torus2d => super::torus2d::all_reduce(
+                    wire,
+                    scratch,
+                    layout,
+                    bufs,
+                    (dtype, rop),
+                    narrow_to,
+                    torus_chunks,
+                ),
                 _ => ring::all_reduce(wire, Phase::new(Group::World(n), me, dtype, rop), bufs, n),
             }
         }

@@ -35,7 +35,7 @@ use crate::collective::{Bufs, Fingerprint};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::reduce;
-use crate::transport::exchange::{AllToAllPlan, RingPlan};
+use crate::transport::exchange::{AllToAllPlan, RingPlan, Stream};
 use crate::transport::window::Window;
 use crate::transport::{Peers, Sink, Source};
 
@@ -84,6 +84,12 @@ impl Wire<'_> {
     /// A whole ring schedule as one stream (see [`RingPlan`]).
     pub fn ring(&mut self, plan: &RingPlan<'_>, work: &mut [u8], src: Option<&[u8]>) -> Result<()> {
         self.peers.ring(&self.fp, self.deadline, plan, work, src)
+    }
+
+    /// Runs `streams` side by side until all are done (see `Peers::drive`): phases that use
+    /// different links overlap.
+    pub fn drive(&mut self, streams: &mut [&mut dyn Stream]) -> Result<()> {
+        self.peers.drive(&self.fp, self.deadline, streams)
     }
 
     /// The pairwise all-to-all of `group`, this rank being member `me`, blocks of `block`

@@ -43,33 +43,83 @@ pub fn all_reduce_phase(
     if n == 1 || count == 0 {
         return Ok(());
     }
-    let c = count.div_ceil(n);
-    let (a, b) = scratch.two(2 * n * c, 2 * n * c);
-    let pieces: &mut [u16] = bytemuck::cast_slice_mut(&mut a[..2 * n * c]);
-    let received: &mut [u16] = bytemuck::cast_slice_mut(&mut b[..2 * n * c]);
-    narrow_into(wire, dtype, data, &mut pieces[..count]);
-    pieces[count..].fill(0);
-    // All-to-all within the group.
+    let mut col = Narrowed::round(scratch, n, me, wire, dtype, data);
     w.phase(Stage::Exchange);
-    received[me * c..(me + 1) * c].copy_from_slice(&pieces[me * c..(me + 1) * c]);
-    w.all_to_all(
-        Group::Ranks(group),
-        me,
-        step0,
-        2 * c,
-        bytemuck::cast_slice(&pieces[..n * c]),
-        bytemuck::cast_slice_mut(&mut received[..n * c]),
-    )?;
-    // This member's piece, reduced wide and rounded once.
-    let mine = count.saturating_sub(me * c).min(c);
-    reduce_pieces(wire, dtype, op, &received[..n * c], n, c, &mut pieces[me * c..me * c + mine]);
-    pieces[me * c + mine..(me + 1) * c].fill(0);
-    // Ring all-gather of the rounded pieces (equal pieces of `c`).
-    let all: &mut [u8] = bytemuck::cast_slice_mut(&mut pieces[..n * c]);
+    let block = 2 * col.c;
+    let (pieces, received) = col.exchange_bufs();
+    w.all_to_all(Group::Ranks(group), me, step0, block, pieces, received)?;
+    col.reduce(dtype, op);
     let phase = Phase::new(Group::Ranks(group), me, wire, ReduceOp::Sum).at_step(step0 + n - 1);
-    ring::all_gather_phase(w, phase, n * c, all)?;
-    widen_into(wire, dtype, &pieces[..count], data);
+    ring::all_gather_phase(w, phase, n * col.c, col.gather_buf())?;
+    col.widen(dtype, data);
     Ok(())
+}
+
+/// One compressed all-reduce's wire values between its steps (in the communicator's scratch):
+/// `n` pieces of `c` rounded values to send, then to gather, and the `n` pieces received.
+#[derive(Debug)]
+pub struct Narrowed<'s> {
+    /// Members of the group.
+    pub n: usize,
+    /// This rank's position.
+    pub me: usize,
+    /// Values per piece, `ceil(count / n)`.
+    pub c: usize,
+    /// Elements of the data.
+    pub count: usize,
+    /// The wire type.
+    pub wire: DataType,
+    pieces: &'s mut [u16],
+    received: &'s mut [u16],
+}
+
+impl<'s> Narrowed<'s> {
+    /// Step 1: `data` (elements of `dtype`) rounded into `n` pieces, this member's own piece
+    /// already in place among the received ones.
+    pub fn round(
+        scratch: &'s mut Scratch,
+        n: usize,
+        me: usize,
+        wire: DataType,
+        dtype: DataType,
+        data: &[u8],
+    ) -> Self {
+        let count = data.len() / dtype.size();
+        let c = count.div_ceil(n);
+        let (a, b) = scratch.two(2 * n * c, 2 * n * c);
+        let pieces: &mut [u16] = bytemuck::cast_slice_mut(&mut a[..2 * n * c]);
+        let received: &mut [u16] = bytemuck::cast_slice_mut(&mut b[..2 * n * c]);
+        narrow_into(wire, dtype, data, &mut pieces[..count]);
+        pieces[count..].fill(0);
+        received[me * c..(me + 1) * c].copy_from_slice(&pieces[me * c..(me + 1) * c]);
+        Narrowed { n, me, c, count, wire, pieces, received }
+    }
+
+    /// Step 2's buffers: the pieces to send and where the others' arrive (blocks of `2 c` bytes).
+    pub fn exchange_bufs(&mut self) -> (&[u8], &mut [u8]) {
+        let nc = self.n * self.c;
+        (bytemuck::cast_slice(&self.pieces[..nc]), bytemuck::cast_slice_mut(&mut self.received[..nc]))
+    }
+
+    /// Step 3: this member's piece, reduced wide in member order and rounded once.
+    pub fn reduce(&mut self, dtype: DataType, op: ReduceOp) {
+        let (me, c) = (self.me, self.c);
+        let mine = self.count.saturating_sub(me * c).min(c);
+        let out = &mut self.pieces[me * c..me * c + mine];
+        reduce_pieces(self.wire, dtype, op, &self.received[..self.n * c], self.n, c, out);
+        self.pieces[me * c + mine..(me + 1) * c].fill(0);
+    }
+
+    /// Step 4's buffer: the ring all-gather of the rounded pieces (`n c` wire values, equal
+    /// pieces of `c`), this member's already in place.
+    pub fn gather_buf(&mut self) -> &mut [u8] {
+        bytemuck::cast_slice_mut(&mut self.pieces[..self.n * self.c])
+    }
+
+    /// The gathered values widened into `data`.
+    pub fn widen(&self, dtype: DataType, data: &mut [u8]) {
+        widen_into(self.wire, dtype, &self.pieces[..self.count], data);
+    }
 }
 
 /// Reduces the `n` pieces of `c` wire values in `received` (piece `j` at `j c`) element by

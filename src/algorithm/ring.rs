@@ -101,6 +101,56 @@ impl Ring<'_> {
     }
 }
 
+/// The three ring phases, as streams that other phases can run beside (`Wire::drive`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// `n - 1` reducing steps: position `i` ends with piece `i` reduced.
+    ReduceScatter,
+    /// `n - 1` copying steps: every position ends with every piece (its own already in place).
+    AllGather,
+    /// Both as one stream, `2 (n - 1)` steps.
+    AllReduce,
+}
+
+/// The byte range of its `count` elements that position `me` of `n` receives at step `k` of a
+/// ring phase of `kind`.
+pub fn recv_piece(kind: Kind, count: usize, n: usize, es: usize, me: usize, k: usize) -> Range<usize> {
+    let i = match kind {
+        Kind::ReduceScatter => ring_reduce_scatter(n, me, k).1,
+        Kind::AllGather => ring_all_gather(n, me, k).1,
+        // Step k receives piece me - k - 2 (mod n), in both halves.
+        Kind::AllReduce => (me + 3 * n - k - 2) % n,
+    };
+    piece(count, n, es, i)
+}
+
+/// The plan of a ring phase of `kind` over `count` elements (`phase.group` of at least two),
+/// `recv` being [`recv_piece`] for it: run it with [`RingRun`](crate::transport::exchange::RingRun)
+/// beside other streams, or alone with `Wire::ring`.
+pub fn plan<'f>(
+    kind: Kind,
+    phase: Phase<'_>,
+    count: usize,
+    recv: &'f dyn Fn(usize) -> Range<usize>,
+) -> RingPlan<'f> {
+    let Phase { group, me, dtype, op, step0 } = phase;
+    let n = group.len();
+    let es = dtype.size();
+    let ring = Ring { group, me };
+    match kind {
+        Kind::ReduceScatter => {
+            let send0 = piece(count, n, es, ring_reduce_scatter(n, me, 0).0);
+            ring.plan(n - 1, step0, Some((n - 1, dtype, op)), send0, recv)
+        }
+        // Copies only: the element type and op are not used.
+        Kind::AllGather => ring.plan(n - 1, step0, None, piece(count, n, es, me), recv),
+        Kind::AllReduce => {
+            let send0 = piece(count, n, es, (me + n - 1) % n);
+            ring.plan(2 * (n - 1), step0, Some((n - 1, dtype, op)), send0, recv)
+        }
+    }
+}
+
 /// Ring reduce-scatter of `count` elements over the phase's group. Uses steps
 /// `step0 .. step0 + n - 1`.
 pub fn reduce_scatter_phase(
@@ -110,28 +160,19 @@ pub fn reduce_scatter_phase(
     bufs: RsBufs<'_>,
 ) -> Result<()> {
     wire.phase(Stage::ReduceScatter);
-    let Phase { group, me, dtype, op, step0 } = phase;
-    let n = group.len();
-    let es = dtype.size();
-    let p = |i: usize| piece(count, n, es, i);
-    let ring = Ring { group, me };
-    let recv_piece = |k: usize| p(ring_reduce_scatter(n, me, k).1);
-    let send0 = if n > 1 { p(ring_reduce_scatter(n, me, 0).0) } else { 0..0 };
+    let n = phase.group.len();
+    let recv = |k: usize| recv_piece(Kind::ReduceScatter, count, n, phase.dtype.size(), phase.me, k);
     match bufs {
         RsBufs::InPlace(buf) => {
             if n > 1 {
-                wire.ring(&ring.plan(n - 1, step0, Some((n - 1, dtype, op)), send0, &recv_piece), buf, None)?;
+                wire.ring(&plan(Kind::ReduceScatter, phase, count, &recv), buf, None)?;
             }
         }
         RsBufs::Full { src, dst } => {
             if n == 1 {
                 dst.copy_from_slice(src);
             } else {
-                wire.ring(
-                    &ring.plan(n - 1, step0, Some((n - 1, dtype, op)), send0, &recv_piece),
-                    dst,
-                    Some(src),
-                )?;
+                wire.ring(&plan(Kind::ReduceScatter, phase, count, &recv), dst, Some(src))?;
             }
         }
     }
@@ -211,16 +252,12 @@ pub fn reduce_scatter(
 /// phase's reduction is not used.
 pub fn all_gather_phase(wire: &mut Wire<'_>, phase: Phase<'_>, count: usize, buf: &mut [u8]) -> Result<()> {
     wire.phase(Stage::AllGather);
-    let Phase { group, me, dtype, step0, .. } = phase;
-    let esize = dtype.size();
-    let n = group.len();
+    let n = phase.group.len();
     if n == 1 {
         return Ok(());
     }
-    let recv_piece = |k: usize| piece(count, n, esize, ring_all_gather(n, me, k).1);
-    let send0 = piece(count, n, esize, me);
-    // Copies only: the element type and op are not used.
-    wire.ring(&Ring { group, me }.plan(n - 1, step0, None, send0, &recv_piece), buf, None)
+    let recv = |k: usize| recv_piece(Kind::AllGather, count, n, phase.dtype.size(), phase.me, k);
+    wire.ring(&plan(Kind::AllGather, phase, count, &recv), buf, None)
 }
 
 /// Ring all-reduce over `group`: reduce-scatter then all-gather, `2 (n - 1)` steps run as one
@@ -241,19 +278,14 @@ pub fn all_reduce_phase(
 ) -> Result<()> {
     // One stream in which the reduce-scatter's last steps overlap the all-gather's first.
     wire.phase(Stage::AllReduce);
-    let Phase { group, me, dtype, op, step0 } = phase;
-    let n = group.len();
-    let es = dtype.size();
-    let count = work.len() / es;
+    let n = phase.group.len();
+    let count = work.len() / phase.dtype.size();
     if n == 1 {
         if let Some(src) = src {
             work.copy_from_slice(src);
         }
         return Ok(());
     }
-    // Step k receives piece me - k - 2 (mod n), in both phases.
-    let recv_piece = |k: usize| piece(count, n, es, (me + 3 * n - k - 2) % n);
-    let send0 = piece(count, n, es, (me + n - 1) % n);
-    let ring = Ring { group, me };
-    wire.ring(&ring.plan(2 * (n - 1), step0, Some((n - 1, dtype, op)), send0, &recv_piece), work, src)
+    let recv = |k: usize| recv_piece(Kind::AllReduce, count, n, phase.dtype.size(), phase.me, k);
+    wire.ring(&plan(Kind::AllReduce, phase, count, &recv), work, src)
 }

@@ -468,7 +468,23 @@ impl Core {
             (OpKind::Probe, _) => Err(Error::Internal("probe output must be one buffer".into())),
             (kind, bufs) => {
                 let narrow_to = self.wire_of(op).filter(|_| algo == Algorithm::Torus2d);
-                let call = algorithm::dispatch::Call { kind, dtype: op.dtype, algo, bufs, input, narrow_to };
+                let torus_chunks = match algo {
+                    Algorithm::Torus2d => {
+                        let (model, shape) = self.tuning.get().unwrap_or(&self.untuned);
+                        let ratio = narrow_to.map(|w| w.size() as f64 / op.dtype.size() as f64);
+                        model.torus_chunks(bytes, shape, ratio)
+                    }
+                    _ => 1,
+                };
+                let call = algorithm::dispatch::Call {
+                    kind,
+                    dtype: op.dtype,
+                    algo,
+                    bufs,
+                    input,
+                    narrow_to,
+                    torus_chunks,
+                };
                 algorithm::dispatch::run(&mut wire, scratch, &self.layout, call)
             }
         };

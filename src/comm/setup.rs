@@ -616,6 +616,8 @@ impl Communicator {
             cpu_share: 1.0,
             nics: 1,
             segment: config.segment_size,
+            pipeline_chunk: config.pipeline_chunk.unwrap_or(crate::config::DEFAULT_PIPELINE_CHUNK),
+            pipeline_forced: config.pipeline_chunk.is_some(),
         };
         let explicit = CostModel::parse(config.cost_model.as_deref().unwrap_or(""))?;
         let core = Core {

@@ -44,14 +44,18 @@ mod any;
 mod connect;
 pub(crate) mod frame;
 mod pairwise;
+mod ring;
 mod rx;
 mod step;
+mod stream;
 mod tx;
 mod wait;
 
 pub use abort::AbortSignal;
 pub use frame::HEADER_LEN;
-pub use pairwise::{AllToAllPlan, WINDOW};
+pub use pairwise::{AllToAllPlan, AllToAllRun, WINDOW};
+pub use ring::RingRun;
+pub use stream::{MAX_STREAMS, Stream, Then, Wants};
 
 use std::fmt;
 use std::io;

@@ -24,6 +24,7 @@ use std::time::Instant;
 
 use super::frame::{KIND_DATA, encode};
 use super::rx::Rx;
+use super::stream::{Stream, Wants};
 use super::tx::Tx;
 use super::{Peers, Sink, Source, explain_send_failure, live_link};
 use crate::collective::Fingerprint;
@@ -79,30 +80,130 @@ impl AllToAllPlan<'_> {
     }
 }
 
-/// The peers a sleeping all-to-all waits on (at most one per open step and direction).
-#[derive(Default)]
-struct Wants {
-    ranks: [usize; WINDOW],
-    len: usize,
+/// An [`AllToAllPlan`] running on its buffers (a [`Stream`]).
+pub struct AllToAllRun<'a> {
+    plan: &'a AllToAllPlan<'a>,
+    src: &'a [u8],
+    dst: &'a mut [u8],
+    txs: [Option<Tx<'a>>; WINDOW],
+    rxs: [Option<Rx>; WINDOW],
+    /// Steps `lo..open` are in flight; every step below `lo` is complete.
+    lo: usize,
+    open: usize,
 }
 
-impl Wants {
-    fn push(&mut self, rank: usize) {
-        if self.len < WINDOW {
-            self.ranks[self.len] = rank;
-            self.len += 1;
+impl std::fmt::Debug for AllToAllRun<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AllToAllRun")
+            .field("plan", self.plan)
+            .field("lo", &self.lo)
+            .field("open", &self.open)
+            .finish()
+    }
+}
+
+impl<'a> AllToAllRun<'a> {
+    /// The all-to-all `plan` from `src` into `dst` (at least `n` blocks each).
+    pub fn new(plan: &'a AllToAllPlan<'a>, src: &'a [u8], dst: &'a mut [u8]) -> Result<AllToAllRun<'a>> {
+        let n = plan.n;
+        if plan.me >= n.max(1) || src.len() < n * plan.block || dst.len() < n * plan.block {
+            return Err(Error::Internal(
+                format!("all-to-all of {n} blocks of {} bytes: buffers too short", plan.block).into(),
+            ));
+        }
+        let (txs, rxs) = (std::array::from_fn(|_| None), std::array::from_fn(|_| None));
+        Ok(AllToAllRun { plan, src, dst, txs, rxs, lo: 1, open: 1 })
+    }
+
+    fn complete(&self, s: usize) -> bool {
+        let i = s % WINDOW;
+        self.txs[i].as_ref().is_some_and(|t| t.done) && self.rxs[i].as_ref().is_some_and(|r| r.done)
+    }
+}
+
+impl Stream for AllToAllRun<'_> {
+    fn pump(
+        &mut self,
+        peers: &mut Peers,
+        fp: &Fingerprint,
+        deadline: Instant,
+        scratch: &mut [u8],
+    ) -> Result<bool> {
+        let plan = self.plan;
+        let n = plan.n;
+        if self.open == 1 {
+            for j in (0..n).filter(|&j| j != plan.me) {
+                peers.check_peer((plan.member)(j))?;
+            }
+        }
+        while self.open < n && self.open < self.lo + WINDOW {
+            let s = self.open;
+            let (to, from) = ((plan.member)(plan.to(s)), (plan.member)(plan.from(s)));
+            peers.ensure(&[to, from], fp, plan.step(s), deadline)?;
+            let header = encode(KIND_DATA, fp, plan.step(s), 0);
+            let data = &self.src[plan.at(plan.to(s))];
+            self.txs[s % WINDOW] = Some(Tx::new(to, Source::Bytes(data), plan.block, header, peers.segment));
+            self.rxs[s % WINDOW] = Some(Rx::new(from, plan.block, peers.segment));
+            self.open += 1;
+        }
+        let mut progressed = false;
+        for s in self.lo..self.open {
+            if let Some(t) = self.txs[s % WINDOW].as_mut().filter(|t| !t.done) {
+                let link = live_link(&mut peers.links, t.peer)?;
+                progressed |= t.pump(link, None).map_err(|e| explain_send_failure(link, t.peer, e))?;
+            }
+            if let Some(r) = self.rxs[s % WINDOW].as_mut().filter(|r| !r.done) {
+                let peer = r.peer;
+                let link = live_link(&mut peers.links, peer)?;
+                let mut sink = Sink::Copy(&mut self.dst[plan.at(plan.from(s))]);
+                progressed |= r
+                    .pump(&mut sink, peers.rank, link, fp, plan.step(s), scratch)
+                    .map_err(|e| e.with_peer(peer))?;
+            }
+        }
+        while self.lo < self.open && self.complete(self.lo) {
+            self.lo += 1;
+            progressed = true;
+        }
+        Ok(progressed)
+    }
+
+    fn done(&self) -> bool {
+        self.lo >= self.plan.n
+    }
+
+    fn wants(&self, writes: &mut Wants, reads: &mut Wants) {
+        for s in self.lo..self.open {
+            if let Some(t) = self.txs[s % WINDOW].as_ref().filter(|t| !t.done) {
+                writes.push(t.peer);
+            }
+            if let Some(r) = self.rxs[s % WINDOW].as_ref().filter(|r| !r.done) {
+                reads.push(r.peer);
+            }
         }
     }
 
-    fn as_slice(&self) -> &[usize] {
-        &self.ranks[..self.len]
+    fn waiting(&self) -> (Option<usize>, usize) {
+        let i = self.lo % WINDOW;
+        let rx = self.rxs[i].as_ref().filter(|r| !r.done).map(|r| r.peer);
+        let tx = self.txs[i].as_ref().filter(|t| !t.done).map(|t| t.peer);
+        (rx.or(tx), self.plan.step(self.lo.min(self.plan.n - 1)) as usize)
+    }
+
+    fn timeout_error(&self, peers: &Peers, fp: &Fingerprint) -> Error {
+        let i = self.lo % WINDOW;
+        peers.timeout_error(fp, self.plan.step(self.lo), self.txs[i].as_ref(), self.rxs[i].as_ref())
+    }
+
+    fn moved(&self) -> usize {
+        2 * self.plan.n.saturating_sub(1) * self.plan.block
     }
 }
 
 impl Peers {
-    /// Runs the pairwise all-to-all `plan`: block `plan.to(s)` of `src` to that member and
-    /// block `plan.from(s)` of `dst` from that one, for every step, up to [`WINDOW`] steps at
-    /// once. This rank's own block is the caller's to copy.
+    /// Runs the pairwise all-to-all `plan` (see [`AllToAllRun`]): block `plan.to(s)` of `src`
+    /// to that member and block `plan.from(s)` of `dst` from that one, for every step, up to
+    /// [`WINDOW`] steps at once. This rank's own block is the caller's to copy.
     pub fn all_to_all(
         &mut self,
         fp: &Fingerprint,
@@ -111,92 +212,6 @@ impl Peers {
         src: &[u8],
         dst: &mut [u8],
     ) -> Result<()> {
-        let n = plan.n;
-        if n <= 1 {
-            return Ok(());
-        }
-        if plan.me >= n || src.len() < n * plan.block || dst.len() < n * plan.block {
-            return Err(Error::Internal(
-                format!("all-to-all of {n} blocks of {} bytes: buffers too short", plan.block).into(),
-            ));
-        }
-        for j in (0..n).filter(|&j| j != plan.me) {
-            self.check_peer((plan.member)(j))?;
-        }
-        let mut txs: [Option<Tx<'_>>; WINDOW] = std::array::from_fn(|_| None);
-        let mut rxs: [Option<Rx>; WINDOW] = std::array::from_fn(|_| None);
-        // Steps `lo..open` are in flight; every step below `lo` is complete.
-        let (mut lo, mut open) = (1, 1);
-        let mut last_progress = Instant::now();
-        loop {
-            self.abort.check()?;
-            while open < n && open < lo + WINDOW {
-                let (to, from) = ((plan.member)(plan.to(open)), (plan.member)(plan.from(open)));
-                self.ensure(&[to, from], fp, plan.step(open), deadline)?;
-                let header = encode(KIND_DATA, fp, plan.step(open), 0);
-                let data = &src[plan.at(plan.to(open))];
-                txs[open % WINDOW] = Some(Tx::new(to, Source::Bytes(data), plan.block, header, self.segment));
-                rxs[open % WINDOW] = Some(Rx::new(from, plan.block, self.segment));
-                open += 1;
-            }
-            let mut progressed = false;
-            for s in lo..open {
-                if let Some(t) = txs[s % WINDOW].as_mut().filter(|t| !t.done) {
-                    let link = live_link(&mut self.links, t.peer)?;
-                    progressed |= t.pump(link, None).map_err(|e| explain_send_failure(link, t.peer, e))?;
-                }
-                if let Some(r) = rxs[s % WINDOW].as_mut().filter(|r| !r.done) {
-                    let peer = r.peer;
-                    let link = live_link(&mut self.links, peer)?;
-                    let scratch = bytemuck::cast_slice_mut::<u64, u8>(&mut self.scratch);
-                    let mut sink = Sink::Copy(&mut dst[plan.at(plan.from(s))]);
-                    progressed |= r
-                        .pump(&mut sink, self.rank, link, fp, plan.step(s), scratch)
-                        .map_err(|e| e.with_peer(peer))?;
-                }
-            }
-            let complete = |s: usize| {
-                txs[s % WINDOW].as_ref().is_some_and(|t| t.done)
-                    && rxs[s % WINDOW].as_ref().is_some_and(|r| r.done)
-            };
-            while lo < open && complete(lo) {
-                lo += 1;
-                progressed = true;
-            }
-            if lo == n {
-                self.progress.moved(2 * (n - 1) * plan.block);
-                return Ok(());
-            }
-            let now = Instant::now();
-            if progressed {
-                last_progress = now;
-                continue;
-            }
-            let (tx, rx) = (txs[lo % WINDOW].as_ref(), rxs[lo % WINDOW].as_ref());
-            if now >= deadline {
-                return Err(self.timeout_error(fp, plan.step(lo), tx, rx));
-            }
-            if now.duration_since(last_progress) < self.spin.spin {
-                if self.spin.yield_between {
-                    std::thread::yield_now();
-                } else {
-                    std::hint::spin_loop();
-                }
-                continue;
-            }
-            let (mut writes, mut reads) = (Wants::default(), Wants::default());
-            for s in lo..open {
-                if let Some(t) = txs[s % WINDOW].as_ref().filter(|t| !t.done) {
-                    writes.push(t.peer);
-                }
-                if let Some(r) = rxs[s % WINDOW].as_ref().filter(|r| !r.done) {
-                    reads.push(r.peer);
-                }
-            }
-            let oldest = rx.filter(|r| !r.done).map(|r| r.peer).or(tx.map(|t| t.peer));
-            self.progress.waiting(oldest, plan.step(lo) as usize);
-            self.sleep(fp, writes.as_slice(), reads.as_slice(), deadline)?;
-            last_progress = Instant::now();
-        }
+        self.drive(fp, deadline, &mut [&mut AllToAllRun::new(plan, src, dst)?])
     }
 }
