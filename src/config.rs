@@ -647,6 +647,11 @@ mod tests {
         assert!(cfg(&[("TOROID_TIMEOUT", "soon")]).is_err());
         assert!(cfg(&[("TOROID_TIMEOUT", "-1")]).is_err());
         assert!(cfg(&[("TOROID_SEGMENT_SIZE", "12")]).is_err());
+        // The pipelined torus: unset (the model decides), off, or forced at a size.
+        assert_eq!(cfg(&[]).unwrap().pipeline_chunk, None);
+        assert_eq!(cfg(&[("TOROID_PIPELINE_CHUNK", "0")]).unwrap().pipeline_chunk, Some(0));
+        assert_eq!(cfg(&[("TOROID_PIPELINE_CHUNK", "2M")]).unwrap().pipeline_chunk, Some(2 << 20));
+        assert!(cfg(&[("TOROID_PIPELINE_CHUNK", "100")]).is_err());
         // Durations are capped, so no deadline can overflow (1e19 s once panicked).
         for big in ["1e19", "2592001", "inf"] {
             let e = cfg(&[("TOROID_TIMEOUT", big)]).unwrap_err().to_string();

@@ -353,6 +353,20 @@ impl Peers {
         self.closed = true;
     }
 
+    /// While the spin policy's time since `last_progress` lasts, polls once more (yielding the
+    /// core when ranks outnumber cores) and returns true; false once it is over (time to sleep).
+    fn spin_once(&self, last_progress: Instant, now: Instant) -> bool {
+        if now.duration_since(last_progress) >= self.spin.spin {
+            return false;
+        }
+        if self.spin.yield_between {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+        true
+    }
+
     /// True when every link is gone (after [`Peers::poison`]; without a connector, also when
     /// there never were any).
     pub fn is_closed(&self) -> bool {

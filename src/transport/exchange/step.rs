@@ -108,12 +108,7 @@ impl Peers {
             if now >= deadline {
                 return Err(self.timeout_error(fp, step, tx.as_ref(), rx.as_ref()));
             }
-            if now.duration_since(last_progress) < self.spin.spin {
-                if self.spin.yield_between {
-                    std::thread::yield_now();
-                } else {
-                    std::hint::spin_loop();
-                }
+            if self.spin_once(last_progress, now) {
                 continue;
             }
             // shm: a send waiting for forwarded bytes waits on the receive, not on its link

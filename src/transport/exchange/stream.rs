@@ -126,12 +126,7 @@ impl Peers {
             if now >= deadline {
                 return Err(waiting.timeout_error(self, fp));
             }
-            if now.duration_since(last_progress) < self.spin.spin {
-                if self.spin.yield_between {
-                    std::thread::yield_now();
-                } else {
-                    std::hint::spin_loop();
-                }
+            if self.spin_once(last_progress, now) {
                 continue;
             }
             let (mut writes, mut reads) = (Wants::default(), Wants::default());
