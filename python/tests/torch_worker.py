@@ -802,4 +802,10 @@ if __name__ == "__main__":
      "conformance": conformance, "errors": errors, "peer_death": peer_death}[SCENARIO](rank, size)
     dist.barrier()
     dist.destroy_process_group()
-    print(f"rank {rank}: {sys.argv[1]} passed ({len(checks)} comparisons with gloo)")
+    print(f"rank {rank}: {sys.argv[1]} passed ({len(checks)} comparisons with gloo)", flush=True)
+    # Every check is done and every group destroyed. Leave without the interpreter's teardown of
+    # torch's C++ objects: once in a clean-clone CI run (and in none of 30 runs of this scenario
+    # since) rank 0 aborted after this line with libstdc++'s "terminate called without an active
+    # exception" (a std::thread still joinable when torch's statics are destroyed), which is not
+    # toroid's to fix or to test here.
+    os._exit(0)
