@@ -106,6 +106,7 @@ pub const TOROID_VARS: &[&str] = &[
     "TOROID_TIMELINE",
     "TOROID_WIRE_DTYPE",
     "TOROID_NSOCKS",
+    "TOROID_NTHREADS",
     "TOROID_TEST_FLOW_RATE",
     "TOROID_NVRTC_PATH",
     "TOROID_CUDA_IPC",
@@ -185,6 +186,9 @@ pub struct Config {
     /// TCP connections per pair of ranks (`TOROID_NSOCKS`, 1 to 16); 0 chooses from the link
     /// (`transport::tcp::striped::lanes_for`).
     pub nsocks: usize,
+    /// Progress threads per communicator that move the bytes of its TCP connections
+    /// (`TOROID_NTHREADS`, 0 to 16; `transport::tcp::progress`); 0: the calling thread does.
+    pub nthreads: usize,
     /// Test-only cap on every data connection's sending rate, bytes per second
     /// (`TOROID_TEST_FLOW_RATE`, e.g. `1gbit`): emulates a network that limits each flow.
     pub test_flow_rate: u64,
@@ -278,6 +282,7 @@ impl Default for Config {
             dump_on_signal: true,
             wire: None,
             nsocks: 0,
+            nthreads: 0,
             test_flow_rate: 0,
             shm_dir: DEFAULT_SHM_DIR.into(),
             shm_ring_size: DEFAULT_SHM_RING_SIZE,
@@ -444,6 +449,17 @@ impl Config {
                 _ => {
                     return Err(Error::InvalidArgument(
                         format!("TOROID_NSOCKS={v}: expected 1 to {max}").into(),
+                    ));
+                }
+            };
+        }
+        if let Some(v) = get("TOROID_NTHREADS") {
+            let max = crate::transport::tcp::progress::MAX_THREADS;
+            cfg.nthreads = match parse_num::<usize>("TOROID_NTHREADS", v)? {
+                n if n <= max => n,
+                _ => {
+                    return Err(Error::InvalidArgument(
+                        format!("TOROID_NTHREADS={v}: expected 0 to {max}").into(),
                     ));
                 }
             };
@@ -712,6 +728,13 @@ mod tests {
         }
         assert!(cfg(&[("TOROID_TEST_FLOW_RATE", "fast")]).is_err());
         assert!(cfg(&[("TOROID_TEST_FLOW_RATE", "0gbit")]).is_err());
+        assert_eq!(c.nthreads, 0);
+        assert_eq!(cfg(&[("TOROID_NTHREADS", "2")]).unwrap().nthreads, 2);
+        assert_eq!(cfg(&[("TOROID_NTHREADS", "0")]).unwrap().nthreads, 0);
+        for bad in ["17", "x", "-1"] {
+            let e = cfg(&[("TOROID_NTHREADS", bad)]).unwrap_err().to_string();
+            assert!(e.contains("TOROID_NTHREADS"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -11,6 +11,19 @@ const KILL_TIMEOUT_S: u64 = 10;
 
 #[test]
 fn killed_rank_turns_into_errors_on_every_other_rank() {
+    killed_rank("killed_rank_turns_into_errors_on_every_other_rank", &[]);
+}
+
+#[test]
+fn killed_rank_turns_into_errors_on_every_other_rank_with_progress_threads() {
+    // Over TCP with two lanes per pair, every byte moved by progress threads.
+    let env = [("TOROID_NTHREADS", "2"), ("TOROID_NSOCKS", "2"), ("TOROID_SHM_DISABLE", "1")];
+    killed_rank("killed_rank_turns_into_errors_on_every_other_rank_with_progress_threads", &env);
+}
+
+/// Rank 2 of 4 dies by SIGKILL inside a large all-reduce: the others get an error from its
+/// closed connections well before their deadline, and later calls fail fast.
+fn killed_rank(test: &str, env: &[(&str, &str)]) {
     if util::is_child() {
         let comm = Communicator::from_env().unwrap();
         let mut buf = vec![1.0f32; 4 << 20];
@@ -37,8 +50,10 @@ fn killed_rank_turns_into_errors_on_every_other_rank() {
         }
     }
     let n = 4;
-    let children = util::spawn_ranks("killed_rank_turns_into_errors_on_every_other_rank", n, |_| {
-        vec![("TOROID_TIMEOUT".into(), KILL_TIMEOUT_S.to_string())]
+    let children = util::spawn_ranks(test, n, |_| {
+        let mut vars = vec![("TOROID_TIMEOUT".to_string(), KILL_TIMEOUT_S.to_string())];
+        vars.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        vars
     });
     let pids: Vec<u32> = children.iter().map(|c| c.id()).collect();
     let deadline = Instant::now() + Duration::from_secs(KILL_TIMEOUT_S + 20);
@@ -301,6 +316,19 @@ fn destroy_reports_how_many_queued_operations_failed() {
 
 #[test]
 fn a_forked_child_cannot_use_the_communicator_and_does_not_hide_its_parents_death() {
+    forked_child("a_forked_child_cannot_use_the_communicator_and_does_not_hide_its_parents_death", &[]);
+}
+
+#[test]
+fn a_forked_child_of_a_rank_with_progress_threads_drops_its_communicator_at_once() {
+    // The threads stayed in the parent: the child's drop must not wait for them.
+    let env = [("TOROID_NTHREADS", "2"), ("TOROID_NSOCKS", "2"), ("TOROID_SHM_DISABLE", "1")];
+    forked_child("a_forked_child_of_a_rank_with_progress_threads_drops_its_communicator_at_once", &env);
+}
+
+/// Rank 1 of 3 forks, then dies: the child cannot use the communicator, drops it at once, and
+/// holds on for a while; the others learn of rank 1's death at once all the same.
+fn forked_child(test: &str, env: &[(&str, &str)]) {
     const CHILD_HOLDS_S: u64 = 6;
     if util::is_child() {
         let comm = Communicator::from_env().unwrap();
@@ -315,7 +343,9 @@ fn a_forked_child_cannot_use_the_communicator_and_does_not_hide_its_parents_deat
                 println!("CHILD {} {}", e.category(), std::process::id());
                 let w = comm.all_reduce_async(vec![0u8; 4], ReduceOp::Sum).map(|_| ());
                 println!("CHILD-ASYNC {}", w.err().map_or("ok", |e| e.category()));
+                let t = Instant::now();
                 drop(comm); // must neither hang nor close anything of the parent's
+                println!("CHILD-DROPPED in {} ms", t.elapsed().as_millis());
                 std::thread::sleep(Duration::from_secs(CHILD_HOLDS_S));
                 // SAFETY: ends the child without the test harness.
                 unsafe { libc::_exit(0) };
@@ -334,11 +364,11 @@ fn a_forked_child_cannot_use_the_communicator_and_does_not_hide_its_parents_deat
         }
     }
     let n = 3;
-    let children = util::spawn_ranks(
-        "a_forked_child_cannot_use_the_communicator_and_does_not_hide_its_parents_death",
-        n,
-        |_| vec![("TOROID_TIMEOUT".into(), "20".into())],
-    );
+    let children = util::spawn_ranks(test, n, |_| {
+        let mut vars = vec![("TOROID_TIMEOUT".to_string(), "20".to_string())];
+        vars.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        vars
+    });
     let deadline = Instant::now() + Duration::from_secs(40);
     let (_, outputs) = util::wait_all(children, deadline);
     let child = outputs[1]
@@ -347,6 +377,12 @@ fn a_forked_child_cannot_use_the_communicator_and_does_not_hide_its_parents_deat
         .unwrap_or_else(|| panic!("{}", outputs[1]));
     assert!(child.starts_with("CHILD invalid_usage"), "{child}");
     assert!(outputs[1].contains("CHILD-ASYNC invalid_usage"), "{}", outputs[1]);
+    let dropped_ms: u64 = outputs[1]
+        .lines()
+        .find_map(|l| l.split("CHILD-DROPPED in ").nth(1))
+        .and_then(|rest| rest.trim_end_matches(" ms").parse().ok())
+        .unwrap_or_else(|| panic!("the child never finished dropping its communicator:\n{}", outputs[1]));
+    assert!(dropped_ms < 1000, "the child's drop took {dropped_ms} ms");
     let child_pid: i32 = child.split(' ').nth(2).unwrap().parse().unwrap();
     for r in [0, 2] {
         let out = &outputs[r];

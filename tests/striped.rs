@@ -2,7 +2,9 @@
 //! connections per pair of ranks every collective still delivers every element exactly (the
 //! correctness matrix on random data, checked against the independent reference, on 3, 4 and 5
 //! ranks), ranks that ask for different numbers agree on the larger, and the per-flow cap of
-//! the emulated cluster (`TOROID_TEST_FLOW_RATE`) is set on every connection.
+//! the emulated cluster (`TOROID_TEST_FLOW_RATE`) is set on every connection. The same holds
+//! with progress threads (`TOROID_NTHREADS`; `src/transport/tcp/progress.rs`), whatever mix of
+//! ranks with and without them.
 
 mod util;
 
@@ -29,6 +31,43 @@ fn every_collective_is_exact_over_three_lanes_on_3_4_and_5_ranks() {
             let failures = util::cases::run_matrix(&comm, n == 4);
             assert!(failures.is_empty(), "{n} ranks, rank {}: {failures:#?}", comm.rank());
         });
+    }
+}
+
+/// Threads of this process named as progress threads are (`toroid-progress-<i>`).
+fn progress_threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .expect("/proc/self/task")
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|name| name.starts_with("toroid-progress"))
+        .count()
+}
+
+#[test]
+fn every_collective_is_exact_with_progress_threads_on_any_mix_of_ranks() {
+    // Threads per rank: some ranks with, some without (what a rank does with its bytes is its
+    // own business: the stream on the wire is the same).
+    let threads = [2, 0, 1, 3, 1];
+    for (n, nsocks) in [(3, 3), (4, 2), (5, 1)] {
+        util::run_threads_with(
+            n,
+            move |r| Config { nthreads: threads[r], ..striped(nsocks) },
+            move |comm| {
+                let me = comm.rank();
+                let want = if nsocks > 1 { "tcp-striped" } else { "tcp" };
+                for p in (0..n).filter(|&p| p != me) {
+                    assert_eq!(comm.transport_to(p), Some(want), "rank {me} to {p}");
+                }
+                let failures = util::cases::run_matrix(&comm, n == 4);
+                assert!(failures.is_empty(), "{n} ranks, {nsocks} lanes, rank {me}: {failures:#?}");
+                // Every rank's links are open: each rank with threads started all of its own
+                // (the ranks are threads of this process; no other test starts any).
+                comm.barrier().expect("barrier");
+                let want: usize = threads[..n].iter().sum();
+                assert_eq!(progress_threads(), want, "{n} ranks, rank {me}");
+                comm.barrier().expect("barrier");
+            },
+        );
     }
 }
 

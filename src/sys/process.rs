@@ -53,6 +53,14 @@ impl CpuSet {
         Ok(set)
     }
 
+    /// Restricts the calling thread to the CPUs of the set (`sched_setaffinity(0)` names the
+    /// calling thread on Linux).
+    pub fn bind_current_thread(&self) -> io::Result<()> {
+        // SAFETY: `self.0` is a live cpu_set_t and its exact size is passed; the kernel reads it.
+        super::syscall!(sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &self.0))?;
+        Ok(())
+    }
+
     /// The CPUs in the set, in increasing order.
     pub fn cpus(&self) -> Vec<usize> {
         // SAFETY: CPU_ISSET reads one bit of the set, below its capacity.

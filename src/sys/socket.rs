@@ -135,6 +135,26 @@ pub fn recv_vectored(fd: BorrowedFd<'_>, bufs: &mut [IoSliceMut<'_>]) -> io::Res
     Ok(n as usize)
 }
 
+/// [`recv_vectored`] into memory that need not be initialised (a ring buffer's free slots):
+/// the kernel writes the first `n` bytes of `a` then `b`, and `Ok(n)` says how many; the rest
+/// stays as it was. `Ok(0)` means the peer closed.
+pub fn recv_uninit(
+    fd: BorrowedFd<'_>,
+    a: &mut [std::mem::MaybeUninit<u8>],
+    b: &mut [std::mem::MaybeUninit<u8>],
+) -> io::Result<usize> {
+    let mut iov = [
+        libc::iovec { iov_base: a.as_mut_ptr().cast(), iov_len: a.len() },
+        libc::iovec { iov_base: b.as_mut_ptr().cast(), iov_len: b.len() },
+    ];
+    let n = if b.is_empty() { 1 } else { 2 };
+    let mut msg = msghdr(iov.as_mut_ptr(), n);
+    // SAFETY: `msg` names `n` iovecs over `a` and `b`, exclusively borrowed for the call with
+    // their own lengths; the kernel only writes into them (uninitialised bytes are fine).
+    let n = super::syscall!(recvmsg(fd.as_raw_fd(), &mut msg, libc::MSG_DONTWAIT))?;
+    Ok(n as usize)
+}
+
 /// Copies what has arrived into `buf` without consuming it (`recv(2)` with `MSG_PEEK |
 /// MSG_DONTWAIT`).
 pub fn peek(fd: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<usize> {

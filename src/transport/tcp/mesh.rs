@@ -106,11 +106,16 @@ pub fn connect_mesh(
 }
 
 /// The transport over the checked connections of one peer, in lane order: none, one
-/// [`TcpTransport`], or a [`StripedTransport`] over several.
+/// [`TcpTransport`], or a [`StripedTransport`] over several; with progress threads
+/// (`TOROID_NTHREADS`), their [`Offloaded`](super::progress::Offloaded) side of the lanes.
 pub(super) fn transport_of(
     mut lanes: Vec<TcpStream>,
     opts: &SocketOptions,
 ) -> Result<Option<Box<dyn Transport>>> {
+    if let Some(threads) = opts.progress.as_ref().filter(|_| !lanes.is_empty()) {
+        let lanes = lanes.into_iter().map(|s| super::configure(s, opts)).collect::<Result<Vec<_>>>()?;
+        return Ok(Some(Box::new(threads.attach(lanes)?)));
+    }
     Ok(match lanes.len() {
         0 => None,
         1 => lanes

@@ -46,6 +46,7 @@ mod interface;
 pub mod lazy;
 mod mesh;
 mod pending;
+pub mod progress;
 pub mod striped;
 
 pub use handshake::{MAX_LANES, PROTOCOL_VERSION};
@@ -62,6 +63,9 @@ pub struct SocketOptions {
     /// Test-only cap on each connection's sending rate in bytes per second
     /// (`TOROID_TEST_FLOW_RATE`, `SO_MAX_PACING_RATE`); 0 for none.
     pub flow_rate: u64,
+    /// Progress threads that move the bytes of every connection (`TOROID_NTHREADS`); `None`:
+    /// the calling thread does.
+    pub progress: Option<progress::ProgressThreads>,
 }
 
 impl SocketOptions {
@@ -71,6 +75,7 @@ impl SocketOptions {
             buffer: cfg.socket_buffer,
             congestion: cfg.tcp_congestion.clone(),
             flow_rate: cfg.test_flow_rate,
+            progress: (cfg.nthreads > 0).then(|| progress::ProgressThreads::new(cfg.nthreads)),
         }
     }
 }
@@ -91,7 +96,7 @@ impl TcpTransport {
 
 /// Sets a checked connection up for data: no Nagle delay, the chosen congestion control and
 /// buffers, the test pacing cap, non-blocking.
-fn configure(stream: TcpStream, opts: &SocketOptions) -> Result<TcpStream> {
+pub(super) fn configure(stream: TcpStream, opts: &SocketOptions) -> Result<TcpStream> {
     stream.set_nodelay(true).map_err(|e| Error::system("TCP_NODELAY", e))?;
     if let Some(name) = &opts.congestion {
         set_congestion(stream.as_fd(), name)?;
@@ -205,10 +210,13 @@ mod tests {
         let vars = [("TOROID_TCP_CONGESTION", " cubic "), ("TOROID_SOCKET_BUFFER", "4M")];
         let c = Config::from_lookup(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string()));
         let opts = SocketOptions::from_config(&c.unwrap());
-        assert_eq!(opts, SocketOptions { buffer: 4 << 20, congestion: Some("cubic".into()), flow_rate: 0 });
+        assert_eq!(
+            opts,
+            SocketOptions { buffer: 4 << 20, congestion: Some("cubic".into()), flow_rate: 0, progress: None }
+        );
         let none = SocketOptions::from_config(&Config::from_lookup(|_| None).unwrap());
         let default = crate::config::DEFAULT_SOCKET_BUFFER;
-        assert_eq!(none, SocketOptions { buffer: default, congestion: None, flow_rate: 0 });
+        assert_eq!(none, SocketOptions { buffer: default, congestion: None, flow_rate: 0, progress: None });
     }
 
     #[test]

@@ -119,18 +119,18 @@ pub fn lanes_for(a: &LinkPrefs, b: &LinkPrefs, same_host: bool, loopback: bool) 
 /// Where one direction of the stream is: the lane of the current chunk and the bytes of that
 /// chunk still to move.
 #[derive(Debug, Clone, Copy)]
-struct Stripe {
-    lane: usize,
-    left: usize,
+pub(super) struct Stripe {
+    pub(super) lane: usize,
+    pub(super) left: usize,
 }
 
 impl Stripe {
-    fn start() -> Stripe {
+    pub(super) fn start() -> Stripe {
         Stripe { lane: 0, left: CHUNK }
     }
 
     /// `n` bytes of the current chunk moved (`n <= left`).
-    fn advance(&mut self, n: usize, lanes: usize) {
+    pub(super) fn advance(&mut self, n: usize, lanes: usize) {
         self.left -= n;
         if self.left == 0 {
             self.lane = (self.lane + 1) % lanes;

@@ -1,0 +1,904 @@
+//! Progress threads (`TOROID_NTHREADS`): helper threads that move the bytes of a
+//! communicator's TCP connections, so that the kernel's side of sending and receiving (its
+//! copies, TCP's per-byte work) runs on several cores while the calling thread only copies into
+//! and out of memory rings. NCCL's socket transport does the same with `NCCL_SOCKET_NTHREADS`
+//! helper threads of `NCCL_NSOCKS_PERTHREAD` sockets each; Gloo moves every byte on the calling
+//! thread, as toroid does without this variable.
+//!
+//! ## How bytes move
+//!
+//! Every lane (TCP connection) of a link has two single-producer, single-consumer byte rings
+//! (`rtrb`) of [`RING`] bytes. The caller writes the stream into the sending ring of the lane
+//! whose chunk it is, dealt in [`CHUNK`]s round-robin exactly as [`super::striped`] deals them,
+//! so the other end reads the same stream whether or not it uses threads. One helper thread
+//! moves that ring into the socket, and the socket into the lane's receiving ring, which the
+//! caller reads. The caller's side ([`Offloaded`]) is a [`Transport`] like the others: it never
+//! blocks, and what `try_write` accepted reaches the peer (the helper sends it even after the
+//! link is dropped, for up to [`FLUSH`]).
+//!
+//! The helpers never touch the caller's buffers. A collective lends its memory to the
+//! transport only for one `try_write` or `try_read`; another thread using it later would
+//! outlive the loan. The price is one memory copy per byte at each end, small next to the
+//! kernel's copy and TCP's work that move to the helpers.
+//!
+//! ## Threads
+//!
+//! A communicator's threads start with its first TCP link (at set-up or when a link opens on
+//! demand, never inside a collective) and stop when its last link and its connector are gone.
+//! Lanes are dealt to threads round-robin. Threads are pinned as the launcher bound the rank:
+//! when the rank may run on fewer CPUs than the machine has (`toroid-run --bind`, Slurm's
+//! `--cpu-bind`, `mpirun --bind-to`), helper `i` runs on CPU `i + 1` of that set (wrapping),
+//! leaving the first to the caller; an unbound rank's helpers are left to the scheduler.
+//!
+//! ## Waiting
+//!
+//! A helper with nothing to move yields for [`SPIN`], then sleeps in `poll(2)` on its lanes and
+//! on an eventfd that the caller signals after filling a sending ring or draining a receiving
+//! one, but only when the helper said it sleeps: each side publishes its change, fences, then
+//! reads the other's flag, so one of them always sees the other and no wake-up is lost. The
+//! caller's engine sleeps the same way on the link's eventfd ([`Transport::pollable`]), which
+//! the helper signals when it moved bytes the caller waits for, and always when a lane ends or
+//! fails.
+
+use std::io::{self, IoSlice};
+use std::mem::MaybeUninit;
+use std::net::TcpStream;
+use std::os::fd::{AsFd, AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rtrb::{Consumer, CopyToUninit, Producer, RingBuffer};
+
+use super::striped::{CHUNK, Stripe};
+use crate::error::{Error, Result};
+use crate::sys::eventfd::EventFd;
+use crate::sys::fork::ForkGuarded;
+use crate::sys::poll::{Events, PollFd, poll};
+use crate::sys::process::CpuSet;
+use crate::sys::socket;
+use crate::transport::Transport;
+
+/// Most progress threads per communicator (`TOROID_NTHREADS`).
+pub const MAX_THREADS: usize = 16;
+/// Bytes of each lane's ring, per direction: four chunks, so a helper can read ahead of the
+/// caller by more than the chunk it is on.
+pub const RING: usize = 4 * CHUNK;
+/// How long a helper keeps sending what a dropped link left in its ring.
+pub const FLUSH: Duration = Duration::from_secs(2);
+/// How long a helper with nothing to move yields before it sleeps (as the engine does).
+pub const SPIN: Duration = Duration::from_micros(50);
+/// Longest sleep of a helper: it looks at its lanes at least this often.
+const MAX_SLEEP_MS: i32 = 100;
+
+/// A flag and an eventfd: the sleeper sets the flag, fences, checks for work and sleeps on the
+/// eventfd; the waker publishes its work, fences, and signals only if the flag was set.
+#[derive(Debug)]
+struct Doorbell {
+    event: EventFd,
+    sleeping: AtomicBool,
+}
+
+impl Doorbell {
+    fn new() -> io::Result<Doorbell> {
+        Ok(Doorbell { event: EventFd::new()?, sleeping: AtomicBool::new(false) })
+    }
+
+    /// The sleeper, before its last look for work.
+    fn arm(&self) {
+        self.event.drain();
+        self.sleeping.store(true, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+    }
+
+    /// The sleeper, awake (or not sleeping after all).
+    fn disarm(&self) {
+        self.sleeping.store(false, Ordering::Relaxed);
+    }
+
+    /// The waker, after publishing its work.
+    fn ring(&self) {
+        fence(Ordering::SeqCst);
+        if self.sleeping.load(Ordering::Relaxed) && self.sleeping.swap(false, Ordering::AcqRel) {
+            self.event.signal();
+        }
+    }
+}
+
+/// What the helper and the caller share about one lane.
+#[derive(Debug)]
+struct LaneState {
+    socket: ForkGuarded<TcpStream>,
+    /// The peer ended its stream on this lane (set after the last byte is in the ring).
+    ended: AtomicBool,
+    /// The caller asked to end our stream: shut the socket down once the ring is sent.
+    shutdown: AtomicBool,
+}
+
+/// What the helper and the caller share about one link.
+#[derive(Debug)]
+struct LinkState {
+    /// Wakes the caller's engine.
+    bell: Doorbell,
+    /// The first failure of any lane: the link is broken.
+    failure: Mutex<Option<(io::ErrorKind, String)>>,
+    failed: AtomicBool,
+}
+
+impl LinkState {
+    fn fail(&self, e: &io::Error) {
+        let mut f = self.failure.lock().unwrap_or_else(PoisonError::into_inner);
+        f.get_or_insert_with(|| (e.kind(), e.to_string()));
+        self.failed.store(true, Ordering::Release);
+        drop(f);
+        self.bell.event.signal();
+    }
+
+    fn error(&self) -> Option<io::Error> {
+        if !self.failed.load(Ordering::Acquire) {
+            return None;
+        }
+        let f = self.failure.lock().unwrap_or_else(PoisonError::into_inner);
+        f.as_ref().map(|(kind, msg)| io::Error::new(*kind, msg.clone()))
+    }
+}
+
+/// One lane as its helper holds it.
+struct HelperLane {
+    state: Arc<LaneState>,
+    link: Arc<LinkState>,
+    /// The caller's bytes to send.
+    out: Consumer<u8>,
+    /// Received bytes for the caller.
+    inp: Producer<u8>,
+    shut: bool,
+    abandoned_at: Option<Instant>,
+}
+
+impl HelperLane {
+    /// Moves what can move now; true if anything did.
+    fn pump(&mut self) -> bool {
+        if self.link.failed.load(Ordering::Acquire) {
+            return false;
+        }
+        let fd = self.state.socket.as_fd();
+        let (mut sent, mut received) = (false, false);
+        loop {
+            let n = self.out.slots();
+            if n == 0 {
+                break;
+            }
+            let Ok(chunk) = self.out.read_chunk(n) else { break };
+            let (a, b) = chunk.as_slices();
+            match socket::send_vectored(fd, &[IoSlice::new(a), IoSlice::new(b)]) {
+                Ok(k) => {
+                    chunk.commit(k);
+                    sent = true;
+                    if k < n {
+                        break;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    self.link.fail(&e);
+                    return true;
+                }
+            }
+        }
+        if self.out.is_empty() && !self.shut && self.state.shutdown.load(Ordering::Acquire) {
+            let _ = self.state.socket.shutdown(std::net::Shutdown::Write);
+            self.shut = true;
+        }
+        while !self.state.ended.load(Ordering::Relaxed) && self.abandoned_at.is_none() {
+            let n = self.inp.slots();
+            if n == 0 {
+                break;
+            }
+            let Ok(mut chunk) = self.inp.write_chunk_uninit(n) else { break };
+            let (a, b) = chunk.as_mut_slices();
+            match socket::recv_uninit(fd, a, b) {
+                Ok(0) => {
+                    self.state.ended.store(true, Ordering::Release);
+                    self.link.bell.event.signal();
+                    received = true;
+                }
+                Ok(k) => {
+                    // SAFETY: recvmsg wrote the first k bytes of the chunk (a, then b).
+                    unsafe { chunk.commit(k) };
+                    received = true;
+                    if k < n {
+                        break;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    self.link.fail(&e);
+                    return true;
+                }
+            }
+        }
+        if sent || received {
+            self.link.bell.ring();
+        }
+        sent || received
+    }
+
+    /// True once the caller dropped the link and what it left is sent (or [`FLUSH`] passed,
+    /// or the link failed): the helper lets go of the lane and its socket closes.
+    fn finished(&mut self, now: Instant) -> bool {
+        if self.abandoned_at.is_none() && self.out.is_abandoned() {
+            self.abandoned_at = Some(now);
+        }
+        self.abandoned_at.is_some_and(|t| {
+            self.out.is_empty() || self.link.failed.load(Ordering::Acquire) || now.duration_since(t) >= FLUSH
+        })
+    }
+
+    /// What to poll the socket for.
+    fn interest(&self) -> Events {
+        if self.link.failed.load(Ordering::Acquire) {
+            return 0;
+        }
+        let mut ev = 0;
+        if !self.out.is_empty() {
+            ev |= PollFd::OUT;
+        }
+        if self.abandoned_at.is_none() && !self.state.ended.load(Ordering::Relaxed) && self.inp.slots() > 0 {
+            ev |= PollFd::IN;
+        }
+        ev
+    }
+}
+
+/// What a helper thread and the callers share.
+#[derive(Debug)]
+struct Helper {
+    bell: Doorbell,
+    /// Lanes handed over and not yet taken.
+    arrivals: Mutex<Vec<HelperLane>>,
+    pending: AtomicBool,
+    stop: AtomicBool,
+}
+
+impl std::fmt::Debug for HelperLane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HelperLane").field("fd", &self.state.socket.as_raw_fd()).finish_non_exhaustive()
+    }
+}
+
+impl Helper {
+    /// The thread: pumps its lanes, sleeps when none moves, ends once stopped with no lane
+    /// left to flush.
+    fn run(&self) {
+        let mut lanes: Vec<HelperLane> = Vec::new();
+        let mut fds: Vec<PollFd> = Vec::new();
+        let mut last_progress = Instant::now();
+        loop {
+            if self.pending.swap(false, Ordering::AcqRel) {
+                lanes.append(&mut self.arrivals.lock().unwrap_or_else(PoisonError::into_inner));
+            }
+            let mut progressed = false;
+            for lane in &mut lanes {
+                progressed |= lane.pump();
+            }
+            let now = Instant::now();
+            lanes.retain_mut(|l| !l.finished(now));
+            if self.stop.load(Ordering::Acquire) && lanes.is_empty() && !self.pending.load(Ordering::Acquire)
+            {
+                return;
+            }
+            if progressed {
+                last_progress = now;
+                continue;
+            }
+            if now.duration_since(last_progress) < SPIN {
+                std::thread::yield_now();
+                continue;
+            }
+            self.bell.arm();
+            fds.clear();
+            fds.push(PollFd::new(self.bell.event.as_raw_fd(), PollFd::IN));
+            let mut work = self.pending.load(Ordering::Acquire) || self.stop.load(Ordering::Acquire);
+            for l in &mut lanes {
+                // A dropped link shows as abandoned rings, with no event: look again soon.
+                work |= l.out.is_abandoned() && l.abandoned_at.is_none();
+                // A lane with nothing to wait for is left out (a negative descriptor): its
+                // socket may show a hang-up, which poll reports whatever was asked.
+                let ev = l.interest();
+                fds.push(PollFd::new(if ev == 0 { -1 } else { l.state.socket.as_raw_fd() }, ev));
+            }
+            let flushing = lanes.iter().any(|l| l.abandoned_at.is_some());
+            if !work {
+                let _ = poll(&mut fds, if flushing { 10 } else { MAX_SLEEP_MS });
+            }
+            self.bell.disarm();
+            last_progress = Instant::now();
+        }
+    }
+}
+
+/// The progress threads of one communicator (cheap to clone: a handle).
+#[derive(Clone)]
+pub struct ProgressThreads {
+    pool: Arc<Pool>,
+}
+
+struct Pool {
+    count: usize,
+    /// The fork generation the pool was made in (`sys::fork`): a forked child has none of its
+    /// threads, so it must not join them.
+    generation: u64,
+    /// CPUs to pin helper `i` to (`None`: the rank is not bound; leave them to the scheduler).
+    cpus: Option<Vec<usize>>,
+    helpers: Mutex<Vec<(Arc<Helper>, JoinHandle<()>)>>,
+    next: AtomicUsize,
+}
+
+impl std::fmt::Debug for ProgressThreads {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ProgressThreads({})", self.pool.count)
+    }
+}
+
+impl PartialEq for ProgressThreads {
+    fn eq(&self, other: &ProgressThreads) -> bool {
+        Arc::ptr_eq(&self.pool, &other.pool)
+    }
+}
+
+impl Eq for ProgressThreads {}
+
+impl ProgressThreads {
+    /// `count` threads (1 to [`MAX_THREADS`]), started with the first lane handed over.
+    pub fn new(count: usize) -> ProgressThreads {
+        let cpus = CpuSet::allowed()
+            .ok()
+            .map(|s| s.cpus())
+            .filter(|c| !c.is_empty() && c.len() < crate::sys::cpu::online_cpus());
+        let count = count.clamp(1, MAX_THREADS);
+        ProgressThreads {
+            pool: Arc::new(Pool {
+                count,
+                generation: crate::sys::fork::generation(),
+                cpus,
+                helpers: Mutex::new(Vec::new()),
+                next: AtomicUsize::new(0),
+            }),
+        }
+    }
+
+    /// Threads of the pool.
+    pub fn count(&self) -> usize {
+        self.pool.count
+    }
+
+    /// Hands `lanes` (connected, configured, non-blocking, in lane order) to the threads and
+    /// returns the caller's side of the link.
+    pub fn attach(&self, lanes: Vec<TcpStream>) -> Result<Offloaded> {
+        if lanes.is_empty() {
+            return Err(Error::Internal("a link needs at least one lane".into()));
+        }
+        let helpers = self.pool.started()?;
+        let link = Arc::new(LinkState {
+            bell: Doorbell::new().map_err(|e| Error::system("eventfd", e))?,
+            failure: Mutex::new(None),
+            failed: AtomicBool::new(false),
+        });
+        let mut mine = Vec::with_capacity(lanes.len());
+        for socket in lanes {
+            let state = Arc::new(LaneState {
+                socket: ForkGuarded::new(socket),
+                ended: AtomicBool::new(false),
+                shutdown: AtomicBool::new(false),
+            });
+            let (out_tx, out_rx) = RingBuffer::new(RING);
+            let (in_tx, in_rx) = RingBuffer::new(RING);
+            let helper = Arc::clone(&helpers[self.pool.next.fetch_add(1, Ordering::Relaxed) % helpers.len()]);
+            let lane = HelperLane {
+                state: Arc::clone(&state),
+                link: Arc::clone(&link),
+                out: out_rx,
+                inp: in_tx,
+                shut: false,
+                abandoned_at: None,
+            };
+            helper.arrivals.lock().unwrap_or_else(PoisonError::into_inner).push(lane);
+            helper.pending.store(true, Ordering::Release);
+            helper.bell.ring();
+            mine.push(CallerLane { state, out: out_tx, inp: in_rx, helper });
+        }
+        Ok(Offloaded { lanes: mine, link, tx: Stripe::start(), rx: Stripe::start(), _pool: self.clone() })
+    }
+}
+
+impl Pool {
+    /// The helpers, started on first use.
+    fn started(&self) -> Result<Vec<Arc<Helper>>> {
+        let mut helpers = self.helpers.lock().unwrap_or_else(PoisonError::into_inner);
+        while helpers.len() < self.count {
+            let i = helpers.len();
+            let helper = Arc::new(Helper {
+                bell: Doorbell::new().map_err(|e| Error::system("eventfd", e))?,
+                arrivals: Mutex::new(Vec::new()),
+                pending: AtomicBool::new(false),
+                stop: AtomicBool::new(false),
+            });
+            let pin = self.cpus.as_ref().map(|c| CpuSet::new(&[c[(i + 1) % c.len()]]));
+            let h = Arc::clone(&helper);
+            let thread = std::thread::Builder::new()
+                .name(format!("toroid-progress-{i}"))
+                .spawn(move || {
+                    if let Some(set) = pin
+                        && let Err(e) = set.bind_current_thread()
+                    {
+                        tracing::debug!(target: "toroid::net", "progress thread {i}: not pinned: {e}");
+                    }
+                    h.run()
+                })
+                .map_err(|e| Error::system("starting a progress thread (TOROID_NTHREADS)", e))?;
+            helpers.push((helper, thread));
+        }
+        Ok(helpers.iter().map(|(h, _)| Arc::clone(h)).collect())
+    }
+}
+
+impl Drop for Pool {
+    /// Every link is gone (each holds the pool): the threads flush what is left and end.
+    fn drop(&mut self) {
+        let helpers = std::mem::take(self.helpers.get_mut().unwrap_or_else(PoisonError::into_inner));
+        if crate::sys::fork::generation() != self.generation {
+            // A forked child: the threads stayed in the parent (joining them would wait on
+            // threads that do not exist here).
+            std::mem::forget(helpers);
+            return;
+        }
+        for (h, _) in &helpers {
+            h.stop.store(true, Ordering::Release);
+            h.bell.event.signal();
+        }
+        for (_, t) in helpers {
+            let _ = t.join();
+        }
+    }
+}
+
+/// One lane as the caller holds it.
+#[derive(Debug)]
+struct CallerLane {
+    state: Arc<LaneState>,
+    out: Producer<u8>,
+    inp: Consumer<u8>,
+    helper: Arc<Helper>,
+}
+
+/// The caller's side of a link whose lanes progress threads move.
+#[derive(Debug)]
+pub struct Offloaded {
+    lanes: Vec<CallerLane>,
+    link: Arc<LinkState>,
+    tx: Stripe,
+    rx: Stripe,
+    _pool: ProgressThreads,
+}
+
+/// Copies bytes `skip..skip + dst.len()` of the concatenation of `bufs` into `dst`.
+fn gather(bufs: &[&[u8]], mut skip: usize, mut dst: &mut [MaybeUninit<u8>]) {
+    for b in bufs {
+        if dst.is_empty() {
+            return;
+        }
+        if skip >= b.len() {
+            skip -= b.len();
+            continue;
+        }
+        let take = (b.len() - skip).min(dst.len());
+        let (head, rest) = dst.split_at_mut(take);
+        b[skip..skip + take].copy_to_uninit(head);
+        dst = rest;
+        skip = 0;
+    }
+}
+
+/// Copies `src` into bytes `skip..skip + src.len()` of the concatenation of `bufs`.
+fn scatter(mut src: &[u8], bufs: &mut [&mut [u8]], mut skip: usize) {
+    for b in bufs.iter_mut() {
+        if src.is_empty() {
+            return;
+        }
+        if skip >= b.len() {
+            skip -= b.len();
+            continue;
+        }
+        let take = (b.len() - skip).min(src.len());
+        b[skip..skip + take].copy_from_slice(&src[..take]);
+        src = &src[take..];
+        skip = 0;
+    }
+}
+
+impl Transport for Offloaded {
+    fn kind(&self) -> &'static str {
+        if self.lanes.len() > 1 { "tcp-striped" } else { "tcp" }
+    }
+
+    fn try_write(&mut self, bufs: &[&[u8]]) -> io::Result<usize> {
+        if let Some(e) = self.link.error() {
+            return Err(e);
+        }
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        let n = self.lanes.len();
+        let mut done = 0;
+        while done < total {
+            let lane = &mut self.lanes[self.tx.lane];
+            let room = lane.out.slots().min(self.tx.left).min(total - done);
+            if room == 0 {
+                break;
+            }
+            let Ok(mut chunk) = lane.out.write_chunk_uninit(room) else { break };
+            let (a, b) = chunk.as_mut_slices();
+            let first = a.len();
+            gather(bufs, done, a);
+            gather(bufs, done + first, b);
+            // SAFETY: `gather` filled both slices of the chunk (`room` bytes of `bufs`).
+            unsafe { chunk.commit_all() };
+            lane.helper.bell.ring();
+            done += room;
+            self.tx.advance(room, n);
+        }
+        if done == 0 && total > 0 { Err(io::ErrorKind::WouldBlock.into()) } else { Ok(done) }
+    }
+
+    fn try_read(&mut self, bufs: &mut [&mut [u8]]) -> io::Result<usize> {
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        if total == 0 {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty read"));
+        }
+        let n = self.lanes.len();
+        let mut done = 0;
+        while done < total {
+            let lane = &mut self.lanes[self.rx.lane];
+            // Read the end mark first: the helper sets it after the lane's last byte.
+            let ended = lane.state.ended.load(Ordering::Acquire);
+            let avail = lane.inp.slots().min(self.rx.left).min(total - done);
+            if avail == 0 {
+                if done > 0 || ended {
+                    break;
+                }
+                // Bytes that arrived before a failure are still delivered above.
+                return Err(self.link.error().unwrap_or_else(|| io::ErrorKind::WouldBlock.into()));
+            }
+            let Ok(chunk) = lane.inp.read_chunk(avail) else { break };
+            let (a, b) = chunk.as_slices();
+            scatter(a, bufs, done);
+            scatter(b, bufs, done + a.len());
+            chunk.commit_all();
+            lane.helper.bell.ring();
+            done += avail;
+            self.rx.advance(avail, n);
+        }
+        Ok(done)
+    }
+
+    fn peek(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        // The rest of the current chunk on its lane, then the head of the next lane, ...
+        let (mut lane, mut left) = (self.rx.lane, self.rx.left);
+        let mut got = 0;
+        while got < buf.len() {
+            let l = &mut self.lanes[lane];
+            let want = left.min(buf.len() - got).min(l.inp.slots());
+            if want == 0 {
+                break;
+            }
+            let Ok(chunk) = l.inp.read_chunk(want) else { break };
+            let (a, b) = chunk.as_slices();
+            buf[got..got + a.len()].copy_from_slice(a);
+            buf[got + a.len()..got + want].copy_from_slice(b);
+            // (Not committed: peeking consumes nothing.)
+            got += want;
+            if want < left {
+                break;
+            }
+            lane = (lane + 1) % self.lanes.len();
+            left = CHUNK;
+        }
+        if got == 0
+            && let Some(e) = self.link.error()
+        {
+            return Err(e);
+        }
+        Ok(got)
+    }
+
+    fn pollable(&self) -> RawFd {
+        self.link.bell.event.as_raw_fd()
+    }
+
+    fn arm(&mut self, read: bool, write: bool) -> Option<Events> {
+        self.link.bell.arm();
+        let rx = &self.lanes[self.rx.lane];
+        let ready = self.link.failed.load(Ordering::Acquire)
+            || (read && (rx.state.ended.load(Ordering::Acquire) || !rx.inp.is_empty()))
+            || (write && self.lanes[self.tx.lane].out.slots() > 0);
+        if ready {
+            self.link.bell.disarm();
+            return None;
+        }
+        Some(PollFd::IN)
+    }
+
+    fn shutdown(&mut self) {
+        for l in &self.lanes {
+            l.state.shutdown.store(true, Ordering::Release);
+            l.helper.bell.ring();
+        }
+    }
+}
+
+impl Drop for Offloaded {
+    /// The helpers see the rings abandoned: wake them to flush what is left and let go.
+    fn drop(&mut self) {
+        for CallerLane { out, inp, helper, .. } in std::mem::take(&mut self.lanes) {
+            drop((out, inp));
+            helper.bell.event.signal();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::tcp::SocketOptions;
+    use crate::transport::tcp::striped::StripedTransport;
+    use std::net::TcpListener;
+
+    /// `lanes` connected pairs of non-blocking loopback sockets.
+    fn sockets(lanes: usize) -> (Vec<TcpStream>, Vec<TcpStream>) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        for _ in 0..lanes {
+            a.push(TcpStream::connect(l.local_addr().unwrap()).unwrap());
+            b.push(l.accept().unwrap().0);
+        }
+        for s in a.iter().chain(&b) {
+            s.set_nonblocking(true).unwrap();
+            s.set_nodelay(true).unwrap();
+        }
+        (a, b)
+    }
+
+    fn random_bytes(len: usize, mut seed: u64) -> Vec<u8> {
+        (0..len)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                seed as u8
+            })
+            .collect()
+    }
+
+    /// Waits as the engine does: arm, then poll the transport's descriptor (at most 100 ms).
+    fn sleep_on(t: &mut dyn Transport, read: bool, write: bool) {
+        if let Some(ev) = t.arm(read, write) {
+            let _ = poll(&mut [PollFd::new(t.pollable(), ev)], 100).unwrap();
+        }
+    }
+
+    /// Moves `a_out` from `a` to `b` and `b_out` back at once, in uneven pieces through two
+    /// buffers per call, sleeping as the engine does; returns what each received.
+    fn exchange(
+        a: &mut (dyn Transport + 'static),
+        b: &mut (dyn Transport + 'static),
+        a_out: &[u8],
+        b_out: &[u8],
+    ) -> (Vec<u8>, Vec<u8>) {
+        let (mut a_in, mut b_in) = (vec![0u8; b_out.len()], vec![0u8; a_out.len()]);
+        let (mut sent, mut got) = ([0usize; 2], [0usize; 2]);
+        let piece = [7919usize, 100_003];
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while sent[0] < a_out.len() || sent[1] < b_out.len() || got[0] < b_out.len() || got[1] < a_out.len() {
+            assert!(Instant::now() < deadline, "no progress: sent {sent:?} got {got:?}");
+            for side in 0..2 {
+                let t: &mut dyn Transport = if side == 0 { &mut *a } else { &mut *b };
+                let (out, inp) = if side == 0 { (a_out, &mut a_in) } else { (b_out, &mut b_in) };
+                let p = piece[side];
+                if sent[side] < out.len() {
+                    let end = (sent[side] + p).min(out.len());
+                    let mid = (sent[side] + end) / 2;
+                    match t.try_write(&[&out[sent[side]..mid], &out[mid..end]]) {
+                        Ok(n) => sent[side] += n,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                        Err(e) => panic!("write: {e}"),
+                    }
+                }
+                if got[side] < inp.len() {
+                    let end = (got[side] + p).min(inp.len());
+                    let mid = (got[side] + end) / 2;
+                    let (x, y) = inp[got[side]..end].split_at_mut(mid - got[side]);
+                    match t.try_read(&mut [x, y]) {
+                        Ok(0) => panic!("closed early"),
+                        Ok(n) => got[side] += n,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                        Err(e) => panic!("read: {e}"),
+                    }
+                }
+                let (r, w) = (got[side] < inp.len(), sent[side] < out.len());
+                if r || w {
+                    sleep_on(t, r, w);
+                }
+            }
+        }
+        (a_in, b_in)
+    }
+
+    /// Reads `t` to the end of its stream (20 s at most).
+    fn read_to_end(t: &mut dyn Transport) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut buf = vec![0u8; 100_000];
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            assert!(Instant::now() < deadline, "no end of stream after {} bytes", out.len());
+            match t.try_read(&mut [&mut buf]) {
+                Ok(0) => return out,
+                Ok(n) => out.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => sleep_on(t, true, false),
+                Err(e) => panic!("read: {e}"),
+            }
+        }
+    }
+
+    /// Writes all of `msg` (20 s at most).
+    fn write_all(t: &mut dyn Transport, msg: &[u8]) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut sent = 0;
+        while sent < msg.len() {
+            assert!(Instant::now() < deadline, "wrote only {sent} of {} bytes", msg.len());
+            match t.try_write(&[&msg[sent..]]) {
+                Ok(n) => sent += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => sleep_on(t, false, true),
+                Err(e) => panic!("write: {e}"),
+            }
+        }
+    }
+
+    #[test]
+    fn random_bytes_cross_both_ways_between_threaded_ends_on_one_and_three_lanes() {
+        for (lanes, threads) in [(1, 1), (3, 2), (3, 4)] {
+            let pool = ProgressThreads::new(threads);
+            let (a, b) = sockets(lanes);
+            let (mut a, mut b) = (pool.attach(a).unwrap(), pool.attach(b).unwrap());
+            assert_eq!(a.kind(), if lanes == 1 { "tcp" } else { "tcp-striped" });
+            let a_out = random_bytes(9 * CHUNK + 12_345, lanes as u64);
+            let b_out = random_bytes(17 * CHUNK + 1, 7 + lanes as u64);
+            let (a_in, b_in) = exchange(&mut a, &mut b, &a_out, &b_out);
+            assert!(a_in == b_out && b_in == a_out, "{lanes} lanes, {threads} threads: bytes differ");
+        }
+    }
+
+    #[test]
+    fn a_threaded_end_and_a_plain_striped_end_deal_the_stream_the_same_way() {
+        let pool = ProgressThreads::new(2);
+        let (a, b) = sockets(3);
+        let mut a = pool.attach(a).unwrap();
+        let opts = SocketOptions::default();
+        let mut b = StripedTransport::new(b, &opts).unwrap();
+        let a_out = random_bytes(11 * CHUNK + 77, 3);
+        let b_out = random_bytes(5 * CHUNK + 3, 4);
+        let (a_in, b_in) = exchange(&mut a, &mut b, &a_out, &b_out);
+        assert!(a_in == b_out && b_in == a_out, "bytes differ");
+    }
+
+    #[test]
+    fn what_was_written_before_a_drop_or_a_shutdown_arrives_then_the_stream_ends() {
+        let pool = ProgressThreads::new(2);
+        // Shut down, still alive: the peer reads everything, then the end.
+        let (a, b) = sockets(2);
+        let (mut a, mut b) = (pool.attach(a).unwrap(), pool.attach(b).unwrap());
+        let msg = random_bytes(2 * RING + 5, 5);
+        let reader = std::thread::spawn(move || read_to_end(&mut b));
+        write_all(&mut a, &msg);
+        a.shutdown();
+        assert!(reader.join().unwrap() == msg, "shut down: bytes differ");
+        // Dropped at once after the last write: the helper still sends what the rings held.
+        let (a, b) = sockets(2);
+        let (mut a, mut b) = (pool.attach(a).unwrap(), pool.attach(b).unwrap());
+        let msg = random_bytes(3 * RING + 9, 6);
+        let reader = std::thread::spawn(move || read_to_end(&mut b));
+        write_all(&mut a, &msg);
+        drop(a);
+        assert!(reader.join().unwrap() == msg, "dropped: bytes differ");
+    }
+
+    #[test]
+    fn peek_sees_across_the_lane_boundary_without_consuming() {
+        let pool = ProgressThreads::new(1);
+        let (a, b) = sockets(2);
+        let (mut a, mut b) = (pool.attach(a).unwrap(), pool.attach(b).unwrap());
+        let msg = random_bytes(CHUNK + 40, 3);
+        write_all(&mut a, &msg);
+        let mut head = vec![0u8; CHUNK - 20];
+        let mut got = 0;
+        while got < head.len() {
+            match b.try_read(&mut [&mut head[got..]]) {
+                Ok(n) => got += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => sleep_on(&mut b, true, false),
+                Err(e) => panic!("{e}"),
+            }
+        }
+        let mut p = [0u8; 50];
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while b.peek(&mut p).unwrap_or(0) < 50 {
+            assert!(Instant::now() < deadline, "peek never saw 50 bytes");
+            sleep_on(&mut b, true, false);
+        }
+        assert_eq!(&p[..], &msg[CHUNK - 20..CHUNK + 30]);
+        let mut rest = [0u8; 60];
+        let mut got = 0;
+        while got < 60 {
+            match b.try_read(&mut [&mut rest[got..]]) {
+                Ok(n) => got += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => sleep_on(&mut b, true, false),
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert_eq!(&rest[..], &msg[CHUNK - 20..]);
+    }
+
+    #[test]
+    fn a_sleeping_reader_wakes_when_bytes_arrive_and_a_closed_peer_shows() {
+        let pool = ProgressThreads::new(1);
+        let (a, b) = sockets(1);
+        let (mut a, mut b) = (pool.attach(a).unwrap(), pool.attach(b).unwrap());
+        // Nothing there: the reader sleeps, and its descriptor is not readable.
+        let ev = b.arm(true, false).expect("nothing to read: sleep");
+        assert_eq!(poll(&mut [PollFd::new(b.pollable(), ev)], 50).unwrap(), 0);
+        write_all(&mut a, b"hello");
+        assert_eq!(poll(&mut [PollFd::new(b.pollable(), ev)], 5000).unwrap(), 1, "no wake-up");
+        let mut buf = [0u8; 5];
+        assert_eq!(b.try_read(&mut [&mut buf]).unwrap(), 5);
+        assert_eq!(&buf, b"hello");
+        // The peer's sockets close (its process died, say): the reader sees the end.
+        drop(a);
+        assert!(read_to_end(&mut b).is_empty());
+    }
+
+    #[test]
+    fn a_reset_connection_fails_the_writer() {
+        let pool = ProgressThreads::new(1);
+        let (a, b) = sockets(2);
+        let mut a = pool.attach(a).unwrap();
+        // The peer closes with unread bytes in its buffer: the kernel answers with a reset.
+        write_all(&mut a, &random_bytes(1000, 1));
+        std::thread::sleep(Duration::from_millis(50));
+        drop(b);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let chunk = vec![0u8; CHUNK];
+        let err = loop {
+            assert!(Instant::now() < deadline, "the writer never saw the reset");
+            match a.try_write(&[&chunk]) {
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => sleep_on(&mut a, false, true),
+                Err(e) => break e,
+            }
+        };
+        assert!(matches!(err.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe), "{err}");
+    }
+
+    #[test]
+    fn the_threads_end_when_the_last_link_is_gone() {
+        let pool = ProgressThreads::new(3);
+        let (a, b) = sockets(2);
+        let (a, b) = (pool.attach(a).unwrap(), pool.attach(b).unwrap());
+        let helpers: Vec<Arc<Helper>> =
+            pool.pool.helpers.lock().unwrap().iter().map(|(h, _)| Arc::clone(h)).collect();
+        assert_eq!(helpers.len(), 3);
+        let t = Instant::now();
+        drop((a, b, pool));
+        // Each thread held one reference; the links held theirs: only ours are left.
+        assert!(helpers.iter().all(|h| Arc::strong_count(h) == 1), "a thread is still running");
+        assert!(t.elapsed() < FLUSH, "the threads took {:?} to end", t.elapsed());
+    }
+}
