@@ -23,8 +23,9 @@
 //!
 //! ## Threads
 //!
-//! A communicator's threads start with its first TCP link (at set-up or when a link opens on
-//! demand, never inside a collective) and stop when its last link and its connector are gone.
+//! A communicator's threads start once, with its first TCP link (at set-up, or inside the first
+//! collective that opens a link on demand), and stop when its last link and its connector are
+//! gone; no collective after that starts a thread.
 //! Lanes are dealt to threads round-robin. Threads are pinned as the launcher bound the rank:
 //! when the rank may run on fewer CPUs than the machine has (`toroid-run --bind`, Slurm's
 //! `--cpu-bind`, `mpirun --bind-to`), helper `i` runs on CPU `i + 1` of that set (wrapping),
