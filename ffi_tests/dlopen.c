@@ -23,7 +23,8 @@ static const char *const ENTRY_POINTS[] = {
     "toroid_request_run", "toroid_request_free", "toroid_all_reduce_wire", "toroid_all_reduce_wire_async",
     "toroid_all_reduce_stream", "toroid_broadcast_stream", "toroid_all_gather_stream",
     "toroid_reduce_scatter_stream", "toroid_all_reduce_stream_async", "toroid_broadcast_stream_async",
-    "toroid_all_gather_stream_async", "toroid_reduce_scatter_stream_async",
+    "toroid_all_gather_stream_async", "toroid_reduce_scatter_stream_async", "toroid_reduce_stream",
+    "toroid_all_to_all_stream", "toroid_send_stream", "toroid_recv_stream",
     "toroid_get_error_string", "toroid_get_last_error",
     "toroid_version",
 };

@@ -141,11 +141,30 @@ static void argument_errors(toroid_comm *comm) {
     EXPECT_LAST(comm, "CUDA is not available");
     EXPECT(sw == NULL);
     EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_all_gather_stream_async(comm, a, b, 1, TOROID_FLOAT32, NULL, NULL));
+    EXPECT_CODE(TOROID_UNSUPPORTED, toroid_reduce_stream(comm, a, b, 8, TOROID_FLOAT32, TOROID_SUM, 0, NULL));
+    EXPECT_LAST(comm, "CUDA is not available");
+    EXPECT_CODE(TOROID_UNSUPPORTED, toroid_all_to_all_stream(comm, a, b, 1, TOROID_FLOAT32, NULL));
+    EXPECT_LAST(comm, "CUDA is not available");
+    EXPECT_CODE(TOROID_UNSUPPORTED, toroid_send_stream(comm, a, 8, TOROID_FLOAT32, 0, NULL));
+    EXPECT_LAST(comm, "CUDA is not available");
+    EXPECT_CODE(TOROID_UNSUPPORTED, toroid_recv_stream(comm, b, 8, TOROID_FLOAT32, 0, NULL));
+    EXPECT_LAST(comm, "CUDA is not available");
   } else {
+    /* Each form names the memory it refuses (a send reads only buf, a receive writes only
+     * buf). */
+    EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_send_stream(comm, a, 8, TOROID_FLOAT32, 0, NULL));
+    EXPECT_LAST(comm, "sendbuf is host memory, recvbuf is not used");
+    EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_recv_stream(comm, b, 8, TOROID_FLOAT32, 0, NULL));
+    EXPECT_LAST(comm, "sendbuf is not used, recvbuf is host memory");
     EXPECT_CODE(TOROID_INVALID_ARGUMENT, rs);
     EXPECT_LAST(comm, "host memory");
   }
   EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_all_reduce_stream(comm, a, b, 8, (toroid_datatype)42, TOROID_SUM, NULL));
+  /* A negative root or peer is an argument error with or without CUDA. */
+  EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_reduce_stream(comm, a, b, 8, TOROID_FLOAT32, TOROID_SUM, -1, NULL));
+  EXPECT_LAST(comm, "root -1 is negative");
+  EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_send_stream(comm, a, 8, TOROID_FLOAT32, -3, NULL));
+  EXPECT_LAST(comm, "peer -3 is negative");
   /* A stream collective runs at once, so inside a group it would overtake the recorded calls. */
   EXPECT_CODE(TOROID_SUCCESS, toroid_group_start(comm));
   EXPECT_CODE(TOROID_INVALID_USAGE, toroid_all_reduce_stream(comm, a, b, 8, TOROID_FLOAT32, TOROID_SUM, NULL));

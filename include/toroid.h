@@ -696,6 +696,63 @@ enum toroid_result toroid_reduce_scatter_stream(struct toroid_comm *comm,
                                                 void *stream);
 
 /**
+ * Reduces `count` elements of `dtype` of every rank's device memory `sendbuf` with `op` into
+ * device memory `recvbuf` at `root` (NCCL's ncclReduce), ordered on `stream` as
+ * toroid_all_reduce_stream. recvbuf is written at the root only (other ranks may pass NULL);
+ * in place at the root when sendbuf == recvbuf. Staged through pinned host memory on every
+ * path. Errors as toroid_all_reduce_stream.
+ */
+enum toroid_result toroid_reduce_stream(struct toroid_comm *comm,
+                                        const void *sendbuf,
+                                        void *recvbuf,
+                                        size_t count,
+                                        toroid_datatype dtype,
+                                        toroid_redop op,
+                                        int root,
+                                        void *stream);
+
+/**
+ * Block j (count_per_rank elements of `dtype`) of device memory `sendbuf` goes to rank j,
+ * arriving as its block `rank` of device memory `recvbuf` (both size x count_per_rank
+ * elements; in place when sendbuf == recvbuf), ordered on `stream` as
+ * toroid_all_reduce_stream. Staged through pinned host memory on every path. Errors as
+ * toroid_all_reduce_stream.
+ */
+enum toroid_result toroid_all_to_all_stream(struct toroid_comm *comm,
+                                            const void *sendbuf,
+                                            void *recvbuf,
+                                            size_t count_per_rank,
+                                            toroid_datatype dtype,
+                                            void *stream);
+
+/**
+ * Sends `count` elements of `dtype` of device memory `buf` to `peer`, which posts a matching
+ * toroid_recv_stream (NCCL's ncclSend, outside a group: blocking until the peer has the
+ * data), ordered on `stream` as toroid_all_reduce_stream: work enqueued on the stream before
+ * the call is complete before `buf` is read. Staged through pinned host memory on every path.
+ * Errors as toroid_all_reduce_stream.
+ */
+enum toroid_result toroid_send_stream(struct toroid_comm *comm,
+                                      const void *buf,
+                                      size_t count,
+                                      toroid_datatype dtype,
+                                      int peer,
+                                      void *stream);
+
+/**
+ * Receives `count` elements of `dtype` from `peer` into device memory `buf` (the sender's
+ * count must match; NCCL's ncclRecv), ordered on `stream` as toroid_all_reduce_stream: the
+ * data is in `buf` when the call returns. Staged through pinned host memory on every path.
+ * Errors as toroid_all_reduce_stream.
+ */
+enum toroid_result toroid_recv_stream(struct toroid_comm *comm,
+                                      void *buf,
+                                      size_t count,
+                                      toroid_datatype dtype,
+                                      int peer,
+                                      void *stream);
+
+/**
  * toroid_all_reduce_stream, asynchronous for the host: returns once the collective is queued,
  * with `*work` set to a work that completes when it has (wait on it, then free it), or to NULL
  * when the call completed before returning (the staged path between hosts). The input is read

@@ -592,6 +592,141 @@ fn stream_collectives_through_ipc_and_staged_give_the_reference_on_every_rank() 
     }
 }
 
+/// Reduce, all-to-all, send and receive through `gpu::stream::on_stream` (what
+/// `toroid_reduce_stream`, `toroid_all_to_all_stream`, `toroid_send_stream` and
+/// `toroid_recv_stream` call), staged on both paths, on 3 ranks as threads sharing device 0,
+/// with CUDA IPC on and off: one element, one staging chunk and three (the last partial), in
+/// place and out of place, every element against the reference; a non-root's reduce leaves its
+/// recvbuf (here NULL) alone, and device memory at a peer out of range is refused.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-check.sh runs it"]
+fn reduce_all_to_all_send_and_recv_on_device_memory_give_the_reference() {
+    use gpu::stream;
+    use toroid::OpKind::{AllToAll, Recv, Reduce, Send};
+    const TEST: &str = "reduce_all_to_all_send_and_recv_on_device_memory_give_the_reference";
+    gpu::driver_available().expect("this test needs a CUDA driver");
+    let Some(_) = ptx(TEST) else { panic!("{TEST}: no NVRTC") };
+    let n = 3;
+    for ipc in [true, false] {
+        let mut cfg = util::test_config(120.0);
+        cfg.cuda_ipc = ipc;
+        util::run_threads(n, &cfg, move |comm| {
+            use cudarc::driver::{DevicePtr, DevicePtrMut};
+            let me = comm.rank();
+            let ctx = cudarc::driver::CudaContext::new(0).expect("device 0");
+            let stream = ctx.new_stream().expect("a stream");
+            let raw = stream.cu_stream() as *mut std::ffi::c_void;
+            let mut checked = 0usize;
+            for (j, d, op) in [(0, DataType::F32, ReduceOp::Sum), (1, DataType::I32, ReduceOp::Max)] {
+                let es = d.size();
+                for (k, count) in
+                    [1usize, staged::CHUNK / es, 2 * staged::CHUNK / es + 77].into_iter().enumerate()
+                {
+                    let inputs: Vec<Vec<u8>> =
+                        (0..n).map(|r| exact_values(d, count, r, 1000 + j * 10 + k as u64)).collect();
+                    let want = reference(d, op, &inputs);
+                    let root = (k + 1) % n;
+                    // Out of place (a non-root passes no recvbuf), then in place.
+                    let send = stream.clone_htod(&inputs[me]).expect("copy in");
+                    let mut recv = stream.alloc_zeros::<u8>(count * es).expect("alloc");
+                    let ps = send.device_ptr(&stream).0;
+                    let pr = if me == root { recv.device_ptr_mut(&stream).0 } else { 0 };
+                    // SAFETY: both allocations hold `count` elements and live past the call.
+                    unsafe { stream::on_stream(&comm, Reduce(op, root), ps, pr, count, d, raw) }
+                        .unwrap_or_else(|e| panic!("rank {me}: reduce {d} {count}: {e}"));
+                    let got = stream.clone_dtoh(&recv).expect("copy out");
+                    if me == root {
+                        let bad = mismatches(d, op, &got, &want);
+                        assert!(
+                            bad.is_empty(),
+                            "rank {me} ipc {ipc}: reduce {d} {count}: {} differ",
+                            bad.len()
+                        );
+                    } else {
+                        assert!(got.iter().all(|&b| b == 0), "rank {me}: a non-root's recvbuf was written");
+                    }
+                    let mut buf = stream.clone_htod(&inputs[me]).expect("copy in");
+                    let pb = buf.device_ptr_mut(&stream).0;
+                    // SAFETY: as above.
+                    unsafe { stream::on_stream(&comm, Reduce(op, root), pb, pb, count, d, raw) }
+                        .unwrap_or_else(|e| panic!("rank {me}: reduce in place {d} {count}: {e}"));
+                    let got = stream.clone_dtoh(&buf).expect("copy out");
+                    if me == root {
+                        assert!(
+                            mismatches(d, op, &got, &want).is_empty(),
+                            "rank {me} ipc {ipc}: in place {count}"
+                        );
+                    } else {
+                        assert!(got == inputs[me], "rank {me}: a non-root's sendbuf changed");
+                    }
+                    checked += 2;
+                }
+            }
+            // All-to-all of i64 blocks: out of place, then in place; one chunk per block and several.
+            for (j, count) in [1usize, 4099, staged::CHUNK / 8 / n * 2 + 5].into_iter().enumerate() {
+                let d = DataType::I64;
+                let blocks: Vec<Vec<u8>> =
+                    (0..n).map(|r| exact_values(d, n * count, r, 1100 + j as u64)).collect();
+                let b = count * 8;
+                let want: Vec<u8> = (0..n).flat_map(|r| blocks[r][me * b..(me + 1) * b].to_vec()).collect();
+                let send = stream.clone_htod(&blocks[me]).expect("copy in");
+                let mut recv = stream.alloc_zeros::<u8>(n * b).expect("alloc");
+                let (ps, pr) = (send.device_ptr(&stream).0, recv.device_ptr_mut(&stream).0);
+                // SAFETY: both hold n x count elements and live past the call.
+                unsafe { stream::on_stream(&comm, AllToAll, ps, pr, count, d, raw) }
+                    .unwrap_or_else(|e| panic!("rank {me}: all_to_all {count}: {e}"));
+                assert!(
+                    stream.clone_dtoh(&recv).expect("copy") == want,
+                    "rank {me} ipc {ipc}: all_to_all {count}"
+                );
+                let mut buf = stream.clone_htod(&blocks[me]).expect("copy in");
+                let pb = buf.device_ptr_mut(&stream).0;
+                // SAFETY: as above.
+                unsafe { stream::on_stream(&comm, AllToAll, pb, pb, count, d, raw) }
+                    .unwrap_or_else(|e| panic!("rank {me}: all_to_all in place {count}: {e}"));
+                assert!(
+                    stream.clone_dtoh(&buf).expect("copy") == want,
+                    "rank {me} ipc {ipc}: in place {count}"
+                );
+                checked += 2;
+            }
+            // Send to the right, receive from the left (even ranks send first): f64, one
+            // element, and three staging chunks.
+            for (j, count) in [1usize, 2 * staged::CHUNK / 8 + 3].into_iter().enumerate() {
+                let d = DataType::F64;
+                let (right, left) = ((me + 1) % n, (me + n - 1) % n);
+                let mine = exact_values(d, count, me, 1200 + j as u64);
+                let theirs = exact_values(d, count, left, 1200 + j as u64);
+                let send = stream.clone_htod(&mine).expect("copy in");
+                let mut recv = stream.alloc_zeros::<u8>(count * 8).expect("alloc");
+                let (ps, pr) = (send.device_ptr(&stream).0, recv.device_ptr_mut(&stream).0);
+                // SAFETY (both): each buffer holds `count` elements and lives past the calls.
+                let tx = || unsafe { stream::on_stream(&comm, Send(right), ps, 0, count, d, raw) };
+                let rx = || unsafe { stream::on_stream(&comm, Recv(left), 0, pr, count, d, raw) };
+                let r = if me % 2 == 0 { tx().and_then(|()| rx()) } else { rx().and_then(|()| tx()) };
+                r.unwrap_or_else(|e| panic!("rank {me}: send/recv {count}: {e}"));
+                assert!(
+                    stream.clone_dtoh(&recv).expect("copy") == theirs,
+                    "rank {me} ipc {ipc}: recv {count}"
+                );
+                checked += 1;
+            }
+            // A peer out of range is refused before anything moves.
+            let one = stream.alloc_zeros::<f32>(4).expect("alloc");
+            let p = one.device_ptr(&stream).0;
+            // SAFETY: refused before anything is read.
+            let e = unsafe { stream::on_stream(&comm, Send(n), p, 0, 4, DataType::F32, raw) }
+                .expect_err("peer n");
+            assert!(e.to_string().contains("is not a rank"), "{e}");
+            if me == 0 {
+                println!(
+                    "{checked} reduce, all-to-all and send/recv calls on device memory matched on {n} ranks (ipc {ipc})"
+                );
+            }
+        });
+    }
+}
+
 /// The asynchronous stream path (`gpu::stream::on_stream_async`, what the `_async` C entry
 /// points and the torch backend call) on 3 ranks as threads sharing device 0: 8 all-reduces
 /// (one to three chunks) and an all-gather issued back to back on one stream without waiting

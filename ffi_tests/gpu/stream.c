@@ -1,5 +1,6 @@
-/* toroid_all_reduce_stream, toroid_broadcast_stream, toroid_all_gather_stream and
- * toroid_reduce_scatter_stream on device memory from C, with the CUDA driver API (built and
+/* toroid_all_reduce_stream, toroid_broadcast_stream, toroid_all_gather_stream,
+ * toroid_reduce_scatter_stream, toroid_reduce_stream, toroid_all_to_all_stream,
+ * toroid_send_stream and toroid_recv_stream on device memory from C, with the CUDA driver API (built and
  * run by scripts/gpu-check.sh on a GPU machine, 2 ranks on one GPU under toroid-run; never in
  * the CPU test suite):
  *
@@ -96,6 +97,63 @@ int main(void) {
     CU(cuMemcpyDtoH(host, b, n * sizeof(float)));
     for (size_t i = 0; i < n; i++)
       if (host[i] != value(g_rank, i) * size) FAIL("reduce_scatter: [%zu] of %zu = %g", i, n, host[i]);
+    /* Reduce of a (max) into b at rank 1 % size, out of place; then in place at the root on a
+     * copy of a. Other ranks pass NULL as recvbuf, and their b stays as it was. */
+    int root = 1 % size;
+    CU(cuMemsetD32(b, 0, n));
+    CHECK(toroid_reduce_stream(comm, (void *)a, g_rank == root ? (void *)b : NULL, n, TOROID_FLOAT32, TOROID_MAX,
+                               root, stream));
+    CU(cuMemcpyDtoH(host, b, n * sizeof(float)));
+    for (size_t i = 0; i < n; i++) {
+      float want = 0;
+      for (int r = 0; r < size; r++) want = value(r, i) > want ? value(r, i) : want;
+      if (g_rank != root) want = 0;
+      if (host[i] != want) FAIL("reduce: [%zu] of %zu = %g, expected %g", i, n, host[i], want);
+    }
+    CU(cuMemcpyDtoD(b, a, n * sizeof(float)));
+    CHECK(toroid_reduce_stream(comm, (void *)b, (void *)b, n, TOROID_FLOAT32, TOROID_SUM, root, stream));
+    CU(cuMemcpyDtoH(host, b, n * sizeof(float)));
+    for (size_t i = 0; i < n; i++) {
+      float want = 0; /* exact: sums of small integers */
+      for (int r = 0; r < size; r++) want += value(r, i);
+      if (g_rank != root) want = value(g_rank, i); /* a non-root's sendbuf is only read */
+      if (host[i] != want) FAIL("reduce in place: [%zu] of %zu = %g, expected %g", i, n, host[i], want);
+    }
+    /* All-to-all of g (block j: this rank's values shifted by j) into a fresh buffer, then in
+     * place: block r of the result is what rank r put in block `rank`. */
+    for (int j = 0; j < size; j++)
+      for (size_t i = 0; i < n; i++) all[(size_t)j * n + i] = value(g_rank, i) + (float)j;
+    CU(cuMemcpyHtoD(g, all, (size_t)size * n * sizeof(float)));
+    CUdeviceptr t;
+    CU(cuMemAlloc(&t, (size_t)size * n * sizeof(float)));
+    for (int in_place = 0; in_place < 2; in_place++) {
+      CUdeviceptr dst = in_place ? g : t;
+      CHECK(toroid_all_to_all_stream(comm, (void *)g, (void *)dst, n, TOROID_FLOAT32, stream));
+      CU(cuMemcpyDtoH(all, dst, (size_t)size * n * sizeof(float)));
+      for (int r = 0; r < size; r++)
+        for (size_t i = 0; i < n; i++)
+          if (all[(size_t)r * n + i] != value(r, i) + (float)g_rank)
+            FAIL("all_to_all (in place %d): [%d][%zu] of %zu = %g", in_place, r, i, n, all[(size_t)r * n + i]);
+      if (!in_place) { /* g keeps this rank's blocks for the in-place round */
+        for (int j = 0; j < size; j++)
+          for (size_t i = 0; i < n; i++) all[(size_t)j * n + i] = value(g_rank, i) + (float)j;
+      }
+    }
+    CU(cuMemFree(t));
+    /* Send and receive around the ring: a to the right, into b from the left. */
+    if (size > 1) {
+      int right = (g_rank + 1) % size, left = (g_rank + size - 1) % size;
+      if (g_rank % 2 == 0) {
+        CHECK(toroid_send_stream(comm, (void *)a, n, TOROID_FLOAT32, right, stream));
+        CHECK(toroid_recv_stream(comm, (void *)b, n, TOROID_FLOAT32, left, stream));
+      } else {
+        CHECK(toroid_recv_stream(comm, (void *)b, n, TOROID_FLOAT32, left, stream));
+        CHECK(toroid_send_stream(comm, (void *)a, n, TOROID_FLOAT32, right, stream));
+      }
+      CU(cuMemcpyDtoH(host, b, n * sizeof(float)));
+      for (size_t i = 0; i < n; i++)
+        if (host[i] != value(left, i)) FAIL("send/recv: [%zu] of %zu = %g, expected %g", i, n, host[i], value(left, i));
+    }
     CU(cuMemFree(g));
     free(all);
     CU(cuMemFree(a));

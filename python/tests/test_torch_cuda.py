@@ -172,6 +172,18 @@ def test_stream_entry_points_are_bound(pg):
     with pytest.raises(expected) as e:
         pg.comm.broadcast_stream_ptr(p, p, 4, "float32", 0, 0)
     assert "toroid_broadcast_stream" in str(e.value)
+    for name, call in [
+        ("toroid_reduce_stream", lambda: pg.comm.reduce_stream_ptr(p, p, 4, "float32", "max", 0)),
+        ("toroid_all_to_all_stream", lambda: pg.comm.all_to_all_stream_ptr(p, p, 4 // pg.size(), "float32")),
+        ("toroid_send_stream", lambda: pg.comm.send_stream_ptr(p, 4, "float32", (pg.rank() + 1) % pg.size())),
+        ("toroid_recv_stream", lambda: pg.comm.recv_stream_ptr(p, 4, "float32", (pg.rank() + 1) % pg.size())),
+    ]:
+        with pytest.raises(expected) as e:
+            call()
+        assert name in str(e.value)
+    # A negative peer is an argument error whatever the machine.
+    with pytest.raises(toroid.InvalidArgumentError, match="peer -1 is negative"):
+        pg.comm.send_stream_ptr(p, 4, "float32", -1)
     # Inside a group the calls would run ahead of the ones recorded before them: refused.
     with pytest.raises(toroid.InvalidUsageError):
         with pg.comm.group():

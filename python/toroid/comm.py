@@ -653,6 +653,37 @@ class Comm:
                                  (send, recv, recvcount, DataType.of(dtype), ReduceOp.of(op), stream or None),
                                  async_op, _refs)
 
+    def reduce_stream_ptr(self, send: int, recv: int, count: int, dtype, op="sum", root: int = 0,
+                          stream: int = 0) -> None:
+        """Reduces `count` elements of `dtype` of every rank's device memory `send` with `op` into
+        device memory `recv` at `root` (written there only; other ranks may pass 0; in place at
+        the root when `send` is `recv`), ordered on `stream` and blocking, as
+        `all_reduce_stream_ptr`, with its errors (toroid_reduce_stream; staged through pinned
+        host memory)."""
+        self._stream_call("toroid_reduce_stream",
+                          (send, recv or None, count, DataType.of(dtype), ReduceOp.of(op), root, stream or None),
+                          False, ())
+
+    def all_to_all_stream_ptr(self, send: int, recv: int, count_per_rank: int, dtype, stream: int = 0) -> None:
+        """Block j (count_per_rank elements of `dtype`) of device memory `send` goes to rank j,
+        arriving as its block `rank` of device memory `recv` (both size x count_per_rank; in
+        place when they are the same), ordered on `stream` and blocking, as
+        `all_reduce_stream_ptr`, with its errors (toroid_all_to_all_stream; staged)."""
+        self._stream_call("toroid_all_to_all_stream",
+                          (send, recv, count_per_rank, DataType.of(dtype), stream or None), False, ())
+
+    def send_stream_ptr(self, buf: int, count: int, dtype, peer: int, stream: int = 0) -> None:
+        """Sends `count` elements of `dtype` of device memory `buf` to `peer`, which calls
+        `recv_stream_ptr` with the same count, ordered on `stream` and blocking, with the errors
+        of `all_reduce_stream_ptr` (toroid_send_stream; staged)."""
+        self._stream_call("toroid_send_stream", (buf, count, DataType.of(dtype), peer, stream or None), False, ())
+
+    def recv_stream_ptr(self, buf: int, count: int, dtype, peer: int, stream: int = 0) -> None:
+        """Receives `count` elements of `dtype` from `peer` into device memory `buf`, ordered on
+        `stream` and blocking (the data is there when it returns), with the errors of
+        `all_reduce_stream_ptr` (toroid_recv_stream; staged)."""
+        self._stream_call("toroid_recv_stream", (buf, count, DataType.of(dtype), peer, stream or None), False, ())
+
     def barrier(self, async_op: bool = False):
         """Returns once every rank has entered the barrier."""
         return self._call("toroid_barrier", (), async_op, (), None)

@@ -3,7 +3,8 @@
 //! `toroid_reduce_scatter_stream` take device pointers (recognised by their attributes) and a
 //! `cudaStream_t`/`CUstream` (opaque here; NULL is the legacy default stream), and run through
 //! CUDA IPC between the ranks of one host or staged through pinned host memory (`gpu::stream`
-//! picks; `gpu::ipc`, `gpu::staged`). Blocking for the host: the result is in device memory
+//! picks; `gpu::ipc`, `gpu::staged`). `toroid_reduce_stream`, `toroid_all_to_all_stream`,
+//! `toroid_send_stream` and `toroid_recv_stream` take the same arguments and are always staged. Blocking for the host: the result is in device memory
 //! when the call returns. Their `_async` forms return once the collective is queued, with a
 //! `toroid_work` that completes when it has (the IPC path; the staged path completes before
 //! returning and gives NULL); the stream is not made to wait for it.
@@ -50,13 +51,6 @@ unsafe fn run(
         super::group::refuse_in_group(h, "a stream collective")?;
         #[cfg(feature = "cuda")]
         {
-            if let OpKind::Broadcast(root) = kind
-                && root >= h.comm.size()
-            {
-                return Err(Error::InvalidArgument(
-                    format!("root {root} is not a rank of {}", h.comm.size()).into(),
-                ));
-            }
             let (send, recv) = (a.send as u64, a.recv as u64);
             let Some(out) = work else {
                 // SAFETY: forwarded from the C caller (buffers valid on their device, stream live).
@@ -129,11 +123,7 @@ pub unsafe extern "C" fn toroid_broadcast_stream(
     stream: *mut c_void,
 ) -> toroid_result {
     const NAME: &str = "toroid_broadcast_stream";
-    let kind = || {
-        usize::try_from(root)
-            .map(OpKind::Broadcast)
-            .map_err(|_| Error::InvalidArgument(format!("root {root} is negative").into()))
-    };
+    let kind = || Ok(OpKind::Broadcast(rank_of(root, "root")?));
     let a = Args { send: sendbuf, recv: recvbuf, count, dtype };
     // SAFETY: the C contract above.
     ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, None) } })
@@ -182,6 +172,96 @@ pub unsafe extern "C" fn toroid_reduce_scatter_stream(
     ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, None) } })
 }
 
+/// Reduces `count` elements of `dtype` of every rank's device memory `sendbuf` with `op` into
+/// device memory `recvbuf` at `root` (NCCL's ncclReduce), ordered on `stream` as
+/// toroid_all_reduce_stream. recvbuf is written at the root only (other ranks may pass NULL);
+/// in place at the root when sendbuf == recvbuf. Staged through pinned host memory on every
+/// path. Errors as toroid_all_reduce_stream.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn toroid_reduce_stream(
+    comm: *mut toroid_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: RawDatatype,
+    op: RawRedop,
+    root: c_int,
+    stream: *mut c_void,
+) -> toroid_result {
+    const NAME: &str = "toroid_reduce_stream";
+    let kind = || Ok(OpKind::Reduce(op.get()?, rank_of(root, "root")?));
+    let a = Args { send: sendbuf, recv: recvbuf, count, dtype };
+    // SAFETY: the C contract above.
+    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, None) } })
+}
+
+/// Block j (count_per_rank elements of `dtype`) of device memory `sendbuf` goes to rank j,
+/// arriving as its block `rank` of device memory `recvbuf` (both size x count_per_rank
+/// elements; in place when sendbuf == recvbuf), ordered on `stream` as
+/// toroid_all_reduce_stream. Staged through pinned host memory on every path. Errors as
+/// toroid_all_reduce_stream.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn toroid_all_to_all_stream(
+    comm: *mut toroid_comm,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count_per_rank: usize,
+    dtype: RawDatatype,
+    stream: *mut c_void,
+) -> toroid_result {
+    const NAME: &str = "toroid_all_to_all_stream";
+    let kind = || Ok(OpKind::AllToAll);
+    let a = Args { send: sendbuf, recv: recvbuf, count: count_per_rank, dtype };
+    // SAFETY: the C contract above.
+    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, None) } })
+}
+
+/// Sends `count` elements of `dtype` of device memory `buf` to `peer`, which posts a matching
+/// toroid_recv_stream (NCCL's ncclSend, outside a group: blocking until the peer has the
+/// data), ordered on `stream` as toroid_all_reduce_stream: work enqueued on the stream before
+/// the call is complete before `buf` is read. Staged through pinned host memory on every path.
+/// Errors as toroid_all_reduce_stream.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn toroid_send_stream(
+    comm: *mut toroid_comm,
+    buf: *const c_void,
+    count: usize,
+    dtype: RawDatatype,
+    peer: c_int,
+    stream: *mut c_void,
+) -> toroid_result {
+    const NAME: &str = "toroid_send_stream";
+    let kind = || Ok(OpKind::Send(rank_of(peer, "peer")?));
+    let a = Args { send: buf, recv: std::ptr::null_mut(), count, dtype };
+    // SAFETY: the C contract above.
+    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, None) } })
+}
+
+/// Receives `count` elements of `dtype` from `peer` into device memory `buf` (the sender's
+/// count must match; NCCL's ncclRecv), ordered on `stream` as toroid_all_reduce_stream: the
+/// data is in `buf` when the call returns. Staged through pinned host memory on every path.
+/// Errors as toroid_all_reduce_stream.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn toroid_recv_stream(
+    comm: *mut toroid_comm,
+    buf: *mut c_void,
+    count: usize,
+    dtype: RawDatatype,
+    peer: c_int,
+    stream: *mut c_void,
+) -> toroid_result {
+    const NAME: &str = "toroid_recv_stream";
+    let kind = || Ok(OpKind::Recv(rank_of(peer, "peer")?));
+    let a = Args { send: std::ptr::null(), recv: buf, count, dtype };
+    // SAFETY: the C contract above.
+    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, None) } })
+}
+
+/// A rank argument from C: negative is an argument error (the range is checked by the call).
+fn rank_of(r: c_int, what: &str) -> Result<usize> {
+    usize::try_from(r).map_err(|_| Error::InvalidArgument(format!("{what} {r} is negative").into()))
+}
+
 /// toroid_all_reduce_stream, asynchronous for the host: returns once the collective is queued,
 /// with `*work` set to a work that completes when it has (wait on it, then free it), or to NULL
 /// when the call completed before returning (the staged path between hosts). The input is read
@@ -220,11 +300,7 @@ pub unsafe extern "C" fn toroid_broadcast_stream_async(
     work: *mut *mut toroid_work,
 ) -> toroid_result {
     const NAME: &str = "toroid_broadcast_stream_async";
-    let kind = || {
-        usize::try_from(root)
-            .map(OpKind::Broadcast)
-            .map_err(|_| Error::InvalidArgument(format!("root {root} is negative").into()))
-    };
+    let kind = || Ok(OpKind::Broadcast(rank_of(root, "root")?));
     let a = Args { send: sendbuf, recv: recvbuf, count, dtype };
     // SAFETY: the C contract above.
     ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, Some(work)) } })

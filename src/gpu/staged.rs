@@ -143,7 +143,8 @@ impl DeviceCollectives {
     }
 
     /// Runs `kind` (an in-place collective whose every element depends only on the same
-    /// element of the inputs) chunk by chunk through the staging buffers.
+    /// element of the inputs: all-reduce, broadcast, a reduce at its root) chunk by chunk
+    /// through the staging buffers.
     ///
     /// # Safety
     /// As [`Self::all_reduce`].
@@ -156,20 +157,10 @@ impl DeviceCollectives {
         dtype: DataType,
         kind: OpKind,
     ) -> Result<()> {
-        let es = dtype.size();
-        let per = CHUNK / es * es;
-        let total = count
-            .checked_mul(es)
-            .ok_or_else(|| Error::InvalidArgument(format!("{count} elements of {dtype} overflow").into()))?;
-        let chunks = total.div_ceil(per);
+        let (per, total, chunks) = Self::chunking(count, dtype)?;
         let cu = stream.cu_stream();
-        let DeviceCollectives { bufs: [b0, b1], arrived, .. } = self;
-        let raw = guard("mapping pinned memory", || -> Result<[*mut u8; 2]> {
-            Ok([
-                b0.as_mut_ptr().map_err(driver_err("pinned memory"))?,
-                b1.as_mut_ptr().map_err(driver_err("pinned memory"))?,
-            ])
-        })??;
+        let raw = self.raw()?;
+        let DeviceCollectives { arrived, .. } = self;
         let len = |i: usize| per.min(total - i * per);
         // SAFETY (each): `raw[j]` is a live pinned allocation of CHUNK >= len bytes owned by
         // `self`, borrowed exclusively for this call.
@@ -221,11 +212,13 @@ impl DeviceCollectives {
         result.and(synced)
     }
 
-    /// All-gather (`count` elements from every rank into `n x count`) or reduce-scatter
-    /// (`n x count` into `count`) of device memory through the staging buffers, chunk by chunk
-    /// (`len` elements of every piece per chunk): the pieces are copied to the host, the host
-    /// collective runs, the result is copied back. Not pipelined (each chunk waits for its
-    /// copies): the path between hosts and where IPC is not available.
+    /// All-gather (`count` elements from every rank into `n x count`), reduce-scatter
+    /// (`n x count` into `count`) or all-to-all (`n x count` into `n x count`, `count` per
+    /// rank) of device memory through the staging buffers, chunk by chunk (`len` elements of
+    /// every piece per chunk): the pieces are copied to the host, the host collective runs, the
+    /// result is copied back. Not pipelined (each chunk waits for its copies): the path between
+    /// hosts and where IPC is not available. In place (all-to-all: `send == recv`), a chunk's
+    /// pieces are all read before any is written.
     ///
     /// # Safety
     /// `send` and `recv` are device memory of this context valid for the sizes above, not used
@@ -243,30 +236,38 @@ impl DeviceCollectives {
         dtype: DataType,
     ) -> Result<()> {
         let (n, es) = (comm.size(), dtype.size());
-        let gather = matches!(kind, OpKind::AllGather);
-        let per = (CHUNK / es / n).max(1);
+        if n.saturating_mul(es) > CHUNK {
+            return Err(Error::Unsupported(
+                format!(
+                    "{kind:?} on device memory among {n} ranks: one element per rank exceeds the staging"
+                )
+                .into(),
+            ));
+        }
+        let per = CHUNK / es / n;
         let cu = stream.cu_stream();
-        let DeviceCollectives { bufs: [b0, b1], .. } = self;
-        let raw = guard("mapping pinned memory", || -> Result<[*mut u8; 2]> {
-            Ok([
-                b0.as_mut_ptr().map_err(driver_err("pinned memory"))?,
-                b1.as_mut_ptr().map_err(driver_err("pinned memory"))?,
-            ])
-        })??;
+        let raw = self.raw()?;
         let sync = || guard("synchronising", || stream.synchronize())?.map_err(driver_err("synchronising"));
         let run = || -> Result<()> {
             let mut at = 0;
             while at < count {
                 let len = per.min(count - at);
-                let (ins, outs) = if gather { (1, n) } else { (n, 1) };
+                let (ins, outs) = match kind {
+                    OpKind::AllGather => (1, n),
+                    OpKind::AllToAll => (n, n),
+                    _ => (n, 1),
+                };
                 // SAFETY (both): the pinned buffers hold CHUNK >= n x len x es bytes each,
                 // owned by `self` and borrowed exclusively for this call; the device copies
                 // into and out of them are waited for before the host touches them.
                 let host_in = unsafe { std::slice::from_raw_parts_mut(raw[0], ins * len * es) };
                 let host_out = unsafe { std::slice::from_raw_parts_mut(raw[1], outs * len * es) };
                 for k in 0..ins {
-                    let src =
-                        if gather { send + (at * es) as u64 } else { send + ((k * count + at) * es) as u64 };
+                    let src = if ins == 1 {
+                        send + (at * es) as u64
+                    } else {
+                        send + ((k * count + at) * es) as u64
+                    };
                     guard("copying to the host", || {
                         // SAFETY: `src` is `len` elements inside `send`; the host range is a
                         // piece of the pinned buffer.
@@ -283,8 +284,11 @@ impl DeviceCollectives {
                 sync()?;
                 comm.run_bytes(kind, dtype, Some(host_in), Some(host_out), CallOptions::default())?;
                 for k in 0..outs {
-                    let dst =
-                        if gather { recv + ((k * count + at) * es) as u64 } else { recv + (at * es) as u64 };
+                    let dst = if outs == 1 {
+                        recv + (at * es) as u64
+                    } else {
+                        recv + ((k * count + at) * es) as u64
+                    };
                     guard("copying to the device", || {
                         // SAFETY: `dst` is `len` elements inside `recv`; the host range is a
                         // piece of the pinned buffer, not written before the sync below.
@@ -306,5 +310,142 @@ impl DeviceCollectives {
         let result = run();
         // Also after a failure: no copy may still be in flight once this returns.
         result.and(sync())
+    }
+
+    /// Sends (`kind`: a send, or a reduce at a rank other than its root, whose output is on
+    /// the root only) `count` elements of `dtype` from device memory at `ptr`, chunk by chunk
+    /// as [`Self::staged`] cuts them (every rank derives the same chunks from the count): the
+    /// stream copies chunk i+1 to the host while the host sends chunk i from the other buffer.
+    ///
+    /// # Safety
+    /// `ptr` is device memory of this context, valid for `count` elements of `dtype`, and
+    /// nothing writes it until the call returns.
+    pub(crate) unsafe fn outbound(
+        &mut self,
+        comm: &Communicator,
+        stream: &Arc<CudaStream>,
+        ptr: u64,
+        count: usize,
+        dtype: DataType,
+        kind: OpKind,
+    ) -> Result<()> {
+        let (per, total, chunks) = Self::chunking(count, dtype)?;
+        let cu = stream.cu_stream();
+        let raw = self.raw()?;
+        let DeviceCollectives { arrived, .. } = self;
+        let len = |i: usize| per.min(total - i * per);
+        // SAFETY (each): `raw[j]` is a live pinned allocation of CHUNK >= len bytes owned by
+        // `self`, borrowed exclusively for this call.
+        let host = |j: usize, n: usize| unsafe { std::slice::from_raw_parts_mut(raw[j], n) };
+        let copy_out = |i: usize| -> Result<()> {
+            guard("copying to the host", || -> Result<_> {
+                // SAFETY: device range [ptr + i*per, + len(i)) is inside the caller's buffer;
+                // the host slice is the staging buffer of chunk i, not read until the event.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtoh_async(host(i % 2, len(i)), ptr + (i * per) as u64, cu)
+                }
+                .map_err(driver_err("copying to the host"))?;
+                arrived[i % 2].record(stream).map_err(driver_err("recording an event"))
+            })?
+        };
+        let run = || -> Result<()> {
+            if chunks == 0 {
+                return Ok(());
+            }
+            copy_out(0)?;
+            for i in 0..chunks {
+                guard("waiting for a copy", || arrived[i % 2].synchronize())?
+                    .map_err(driver_err("waiting for a copy"))?;
+                if i + 1 < chunks {
+                    // Into the buffer chunk i-1 was sent from: that send has returned.
+                    copy_out(i + 1)?;
+                }
+                let out: &mut [u8] = &mut [];
+                let recv = matches!(kind, OpKind::Reduce(..)).then_some(out);
+                comm.run_bytes(kind, dtype, Some(host(i % 2, len(i))), recv, CallOptions::default())?;
+            }
+            Ok(())
+        };
+        let result = run();
+        // Also after a failure: no copy may still be writing into the staging buffers.
+        let synced = guard("synchronising", || stream.synchronize())?.map_err(driver_err("synchronising"));
+        result.and(synced)
+    }
+
+    /// Receives (`kind`: a receive) `count` elements of `dtype` into device memory at `ptr`,
+    /// chunk by chunk as [`Self::outbound`] sends them: the host receives chunk i into one
+    /// buffer while the stream copies chunk i-1 to the device from the other.
+    ///
+    /// # Safety
+    /// `ptr` is device memory of this context, valid for `count` elements of `dtype`, and
+    /// nothing else uses it until the call returns.
+    pub(crate) unsafe fn inbound(
+        &mut self,
+        comm: &Communicator,
+        stream: &Arc<CudaStream>,
+        ptr: u64,
+        count: usize,
+        dtype: DataType,
+        kind: OpKind,
+    ) -> Result<()> {
+        let (per, total, chunks) = Self::chunking(count, dtype)?;
+        let cu = stream.cu_stream();
+        let raw = self.raw()?;
+        // Here an event says "the copy to the device out of buffer j has run" (buffer j free).
+        let DeviceCollectives { arrived: copied, .. } = self;
+        let len = |i: usize| per.min(total - i * per);
+        // SAFETY (each): as in `outbound`.
+        let host = |j: usize, n: usize| unsafe { std::slice::from_raw_parts_mut(raw[j], n) };
+        let run = || -> Result<()> {
+            for i in 0..chunks {
+                let j = i % 2;
+                if i >= 2 {
+                    // Chunk i-2's copy out of this buffer must have run before it is overwritten.
+                    guard("waiting for a copy", || copied[j].synchronize())?
+                        .map_err(driver_err("waiting for a copy"))?;
+                }
+                comm.run_bytes(kind, dtype, None, Some(host(j, len(i))), CallOptions::default())?;
+                guard("copying to the device", || -> Result<_> {
+                    // SAFETY: device range [ptr + i*per, + len(i)) is inside the caller's
+                    // buffer; the host slice is not written again before the event below.
+                    unsafe {
+                        cudarc::driver::result::memcpy_htod_async(
+                            ptr + (i * per) as u64,
+                            &*host(j, len(i)),
+                            cu,
+                        )
+                    }
+                    .map_err(driver_err("copying to the device"))?;
+                    copied[j].record(stream).map_err(driver_err("recording an event"))
+                })??;
+            }
+            Ok(())
+        };
+        let result = run();
+        // Also after a failure: no copy may still be reading the staging buffers (or writing the
+        // caller's memory) once this returns.
+        let synced = guard("synchronising", || stream.synchronize())?.map_err(driver_err("synchronising"));
+        result.and(synced)
+    }
+
+    /// Bytes per chunk (whole elements), total bytes and chunks of `count` elements of `dtype`.
+    fn chunking(count: usize, dtype: DataType) -> Result<(usize, usize, usize)> {
+        let es = dtype.size();
+        let per = CHUNK / es * es;
+        let total = count
+            .checked_mul(es)
+            .ok_or_else(|| Error::InvalidArgument(format!("{count} elements of {dtype} overflow").into()))?;
+        Ok((per, total, total.div_ceil(per)))
+    }
+
+    /// The staging buffers' host addresses.
+    fn raw(&mut self) -> Result<[*mut u8; 2]> {
+        let [b0, b1] = &mut self.bufs;
+        guard("mapping pinned memory", || -> Result<[*mut u8; 2]> {
+            Ok([
+                b0.as_mut_ptr().map_err(driver_err("pinned memory"))?,
+                b1.as_mut_ptr().map_err(driver_err("pinned memory"))?,
+            ])
+        })?
     }
 }

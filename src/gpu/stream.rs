@@ -7,6 +7,8 @@
 //!   on the GPU.
 //! - **Staged** ([`super::staged`]) otherwise (ranks on several hosts, no NVRTC, IPC refused
 //!   by the driver): through pinned host memory and the communicator's host collectives.
+//!   Reduce, all-to-all, send and receive are always staged: the device windows run the
+//!   all-reduce, broadcast, all-gather and reduce-scatter.
 //!
 //! Every rank ends with the same bits on either path. They differ in one rounding: an average
 //! on the IPC path is the sum scaled by 1/n; the host algorithms scale each input by 1/n first.
@@ -156,19 +158,24 @@ pub fn path(comm: &Communicator) -> Option<DevicePath> {
     comm.device_state().lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(DeviceState::path)
 }
 
-/// What a C caller asks: `kind` (an all-reduce, a broadcast, an all-gather or a reduce-scatter)
-/// of `count` elements of `dtype` (per rank: an all-gather's sendcount, a reduce-scatter's
-/// recvcount) from device memory `send` into device memory `recv` (in place: the same pointer,
-/// or NCCL's forms for the last two), ordered on the CUDA stream `stream` (a
+/// What a C caller asks: `kind` (an all-reduce, a broadcast, an all-gather, a reduce-scatter,
+/// a reduce, an all-to-all, a send or a receive) of `count` elements of `dtype` (per rank: an
+/// all-gather's sendcount, a reduce-scatter's recvcount, an all-to-all's count per rank) from
+/// device memory `send` into device memory `recv` (in place: the same pointer, or NCCL's forms
+/// for all-gather and reduce-scatter), ordered on the CUDA stream `stream` (a
 /// `CUstream`/`cudaStream_t` of the buffers' device's primary context; NULL: the legacy default
-/// stream). Blocking for the host: the result is in `recv` when it returns.
+/// stream). Blocking for the host: the result is in `recv` when it returns. A send uses only
+/// `send`, a receive only `recv`, a reduce's non-root only `send` (the other may be anything,
+/// NULL included). Reduce, all-to-all, send and receive are staged on either path (the device
+/// windows run the other four).
 ///
 /// Without CUDA: `Unsupported` ("CUDA is not available ..."); pointers that are not device
 /// memory of one device, or of another device than the communicator's first such call,
-/// overlapping buffers other than the in-place forms: `InvalidArgument`.
+/// overlapping buffers other than the in-place forms, a root or peer out of range:
+/// `InvalidArgument`.
 ///
 /// # Safety
-/// `send` and `recv` are valid for their sizes on their device until the call returns and
+/// The buffers this rank uses are valid for their sizes on their device until the call returns and
 /// nothing else uses them meanwhile; `stream` is NULL or a live stream of that device's primary
 /// context.
 pub unsafe fn on_stream(
@@ -230,31 +237,57 @@ unsafe fn issue(
     if count == 0 {
         return Ok(None);
     }
-    if matches!(kind, OpKind::AllReduce(ReduceOp::Avg) | OpKind::ReduceScatter(ReduceOp::Avg))
-        && !dtype.is_float()
+    if matches!(
+        kind,
+        OpKind::AllReduce(ReduceOp::Avg)
+            | OpKind::ReduceScatter(ReduceOp::Avg)
+            | OpKind::Reduce(ReduceOp::Avg, _)
+    ) && !dtype.is_float()
     {
         return Err(Error::Unsupported(format!("avg of {dtype}: averages take float types").into()));
     }
-    // The buffers' sizes, and which overlaps are the in-place forms (NCCL's, and for a
-    // reduce-scatter the result at the front of sendbuf).
-    let mine = (comm.rank() * bytes) as u64;
+    let me = comm.rank();
+    if let OpKind::Broadcast(r) | OpKind::Reduce(_, r) | OpKind::Send(r) | OpKind::Recv(r) = kind
+        && r >= n
+    {
+        let what = if matches!(kind, OpKind::Send(_) | OpKind::Recv(_)) { "peer" } else { "root" };
+        return Err(Error::InvalidArgument(format!("{what} {r} is not a rank of {n}").into()));
+    }
+    // The buffers' sizes (0: not used on this rank: a send's recvbuf, a receive's sendbuf, a
+    // non-root's recvbuf of a reduce), and which overlaps are the in-place forms (NCCL's, and
+    // for a reduce-scatter the result at the front of sendbuf).
+    let mine = (me * bytes) as u64;
     let (send_len, recv_len, in_place) = match kind {
         OpKind::AllGather => (bytes, all, send == recv.wrapping_add(mine)),
         OpKind::ReduceScatter(_) => (all, bytes, recv == send || recv == send.wrapping_add(mine)),
         OpKind::AllReduce(_) | OpKind::Broadcast(_) => (bytes, bytes, send == recv),
+        OpKind::Reduce(_, root) => (bytes, if me == root { bytes } else { 0 }, send == recv),
+        OpKind::AllToAll => (all, all, send == recv),
+        OpKind::Send(_) => (bytes, 0, false),
+        OpKind::Recv(_) => (0, bytes, false),
         other => return Err(Error::Unsupported(format!("{other:?} on device memory").into())),
     };
-    let overlap = send < recv.saturating_add(recv_len as u64) && recv < send.saturating_add(send_len as u64);
+    let overlap = send_len > 0
+        && recv_len > 0
+        && send < recv.saturating_add(recv_len as u64)
+        && recv < send.saturating_add(send_len as u64);
     if overlap && !in_place {
         return Err(Error::InvalidArgument(
             format!("{kind:?} on device memory: sendbuf and recvbuf overlap, and not in an in-place form")
                 .into(),
         ));
     }
-    let ordinal = match (device_of(send), device_of(recv)) {
-        (Some(a), Some(b)) if a == b => a,
+    // Only the buffers this rank uses must be device memory (of one device).
+    let device = |len: usize, ptr: u64| (len > 0).then(|| device_of(ptr));
+    let ordinal = match (device(send_len, send), device(recv_len, recv)) {
+        (Some(Some(a)), Some(Some(b))) if a == b => a,
+        (Some(Some(a)), None) | (None, Some(Some(a))) => a,
         (a, b) => {
-            let say = |d: Option<usize>| d.map_or("host memory".into(), |d| format!("on device {d}"));
+            let say = |d: Option<Option<usize>>| match d {
+                Some(Some(d)) => format!("on device {d}"),
+                Some(None) => "host memory".into(),
+                None => "not used".into(),
+            };
             return Err(Error::InvalidArgument(
                 format!(
                     "the stream collectives take device memory of one device: sendbuf is {}, recvbuf is {}",
@@ -282,15 +315,38 @@ unsafe fn issue(
     // SAFETY: the caller's stream is NULL or a live stream of this (primary) context, kept
     // alive by the caller for the call.
     let stream = unsafe { st.ctx.wrap_borrowed_stream(stream.cast()) };
-    if st.ipc.is_some() {
+    let ipc_kind = matches!(
+        kind,
+        OpKind::AllReduce(_) | OpKind::Broadcast(_) | OpKind::AllGather | OpKind::ReduceScatter(_)
+    );
+    if st.ipc.is_some() && ipc_kind {
         // SAFETY: forwarded contract.
         return unsafe { st.queue_ipc(comm, &stream, kind, send, recv, count, dtype, queue) };
     }
-    // The staged path, blocking (on the caller's thread, after the queued work).
-    if matches!(kind, OpKind::AllGather | OpKind::ReduceScatter(_)) {
-        // SAFETY: forwarded contract (sizes and overlaps checked above).
-        unsafe { st.staging.gathered(comm, &stream, kind, send, recv, count, dtype) }?;
-        return Ok(None);
+    // The staged path, blocking (on the caller's thread, after the queued work); on a
+    // communicator with IPC, the kinds the device windows do not run (the same on every rank).
+    match kind {
+        OpKind::AllGather | OpKind::ReduceScatter(_) | OpKind::AllToAll => {
+            // SAFETY: forwarded contract (sizes and overlaps checked above).
+            unsafe { st.staging.gathered(comm, &stream, kind, send, recv, count, dtype) }?;
+            return Ok(None);
+        }
+        OpKind::Send(_) => {
+            // SAFETY: forwarded contract, for `send`.
+            unsafe { st.staging.outbound(comm, &stream, send, count, dtype, kind) }?;
+            return Ok(None);
+        }
+        OpKind::Reduce(_, root) if root != me => {
+            // SAFETY: forwarded contract, for `send` (a non-root's recvbuf is not used).
+            unsafe { st.staging.outbound(comm, &stream, send, count, dtype, kind) }?;
+            return Ok(None);
+        }
+        OpKind::Recv(_) => {
+            // SAFETY: forwarded contract, for `recv`.
+            unsafe { st.staging.inbound(comm, &stream, recv, count, dtype, kind) }?;
+            return Ok(None);
+        }
+        _ => {}
     }
     if send != recv {
         guard("copying sendbuf to recvbuf", || {
