@@ -386,77 +386,15 @@ impl Transport for StripedTransport {
 mod tests {
     use super::*;
     use crate::sys::poll::poll;
-    use std::net::TcpListener;
+    use crate::transport::testutil::{
+        exchange, loopback_sockets, random_bytes, read_exact, read_to_end, write_all,
+    };
 
     /// Two ends of a striped connection of `lanes` lanes over loopback.
     fn pair(lanes: usize) -> (StripedTransport, StripedTransport) {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let (mut a, mut b) = (Vec::new(), Vec::new());
-        for _ in 0..lanes {
-            a.push(TcpStream::connect(l.local_addr().unwrap()).unwrap());
-            b.push(l.accept().unwrap().0);
-        }
+        let (a, b) = loopback_sockets(lanes);
         let opts = SocketOptions { buffer: 256 << 10, ..SocketOptions::default() };
         (StripedTransport::new(a, &opts).unwrap(), StripedTransport::new(b, &opts).unwrap())
-    }
-
-    /// Random bytes from a seeded xorshift.
-    fn random_bytes(len: usize, mut seed: u64) -> Vec<u8> {
-        (0..len)
-            .map(|_| {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                seed as u8
-            })
-            .collect()
-    }
-
-    /// Moves `a_out` from `a` to `b` and `b_out` from `b` to `a` at once, in uneven pieces
-    /// through two buffers per call, sleeping as the engine does; returns what each received.
-    fn exchange(
-        a: &mut StripedTransport,
-        b: &mut StripedTransport,
-        a_out: &[u8],
-        b_out: &[u8],
-    ) -> (Vec<u8>, Vec<u8>) {
-        let (mut a_in, mut b_in) = (vec![0u8; b_out.len()], vec![0u8; a_out.len()]);
-        let (mut sent, mut got) = ([0usize; 2], [0usize; 2]);
-        let piece = [7919usize, 100_003];
-        let mut rounds = 0;
-        while sent[0] < a_out.len() || sent[1] < b_out.len() || got[0] < b_out.len() || got[1] < a_out.len() {
-            rounds += 1;
-            assert!(rounds < 1_000_000, "no progress");
-            for (side, t) in [&mut *a, &mut *b].into_iter().enumerate() {
-                let (out, inp) = if side == 0 { (a_out, &mut a_in) } else { (b_out, &mut b_in) };
-                let p = piece[side];
-                if sent[side] < out.len() {
-                    let end = (sent[side] + p).min(out.len());
-                    let mid = (sent[side] + end) / 2;
-                    match t.try_write(&[&out[sent[side]..mid], &out[mid..end]]) {
-                        Ok(n) => sent[side] += n,
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                        Err(e) => panic!("write: {e}"),
-                    }
-                }
-                if got[side] < inp.len() {
-                    let end = (got[side] + p).min(inp.len());
-                    let mid = (got[side] + end) / 2;
-                    let (x, y) = inp[got[side]..end].split_at_mut(mid - got[side]);
-                    match t.try_read(&mut [x, y]) {
-                        Ok(0) => panic!("closed early"),
-                        Ok(n) => got[side] += n,
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                        Err(e) => panic!("read: {e}"),
-                    }
-                }
-                let (r, w) = (got[side] < inp.len(), sent[side] < out.len());
-                if let Some(ev) = t.arm(r, w) {
-                    let _ = poll(&mut [PollFd::new(t.pollable(), ev)], 1).unwrap();
-                }
-            }
-        }
-        (a_in, b_in)
     }
 
     #[test]
@@ -499,35 +437,6 @@ mod tests {
         assert_eq!((b.rx.lane, b.rx.left), (a.tx.lane, a.tx.left));
     }
 
-    /// Writes all of `msg` to `t` within 5 s.
-    fn write_all(t: &mut StripedTransport, msg: &[u8]) {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        let mut sent = 0;
-        while sent < msg.len() {
-            assert!(std::time::Instant::now() < deadline, "wrote only {sent} of {} bytes", msg.len());
-            match t.try_write(&[&msg[sent..]]) {
-                Ok(n) => sent += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
-                Err(e) => panic!("{e}"),
-            }
-        }
-    }
-
-    /// Fills `buf` from `t` within 5 s.
-    fn read_exact(t: &mut StripedTransport, buf: &mut [u8]) {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        let mut got = 0;
-        while got < buf.len() {
-            assert!(std::time::Instant::now() < deadline, "read only {got} of {} bytes", buf.len());
-            match t.try_read(&mut [&mut buf[got..]]) {
-                Ok(0) => panic!("closed early"),
-                Ok(n) => got += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
-                Err(e) => panic!("{e}"),
-            }
-        }
-    }
-
     #[test]
     fn peek_sees_across_the_lane_boundary_without_consuming() {
         let (mut a, mut b) = pair(2);
@@ -553,19 +462,7 @@ mod tests {
         let msg = random_bytes(2 * CHUNK + 3, 4);
         write_all(&mut a, &msg);
         a.shutdown();
-        let mut buf = vec![0u8; msg.len() + 10];
-        let mut got = 0;
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        loop {
-            assert!(std::time::Instant::now() < deadline, "no end of stream");
-            match b.try_read(&mut [&mut buf[got..]]) {
-                Ok(0) => break,
-                Ok(n) => got += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
-                Err(e) => panic!("{e}"),
-            }
-        }
-        assert_eq!(&buf[..got], &msg[..]);
+        assert!(read_to_end(&mut b) == msg, "bytes differ");
     }
 
     #[test]
