@@ -157,6 +157,47 @@ impl DeviceCollectives {
         dtype: DataType,
         kind: OpKind,
     ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.through_host(comm, stream, ptr, count, dtype, kind, true) }
+    }
+
+    /// Sends (`kind`: a send, or a reduce at a rank other than its root, whose output is on
+    /// the root only) `count` elements of `dtype` from device memory at `ptr`, chunk by chunk
+    /// as [`Self::staged`] cuts them (every rank derives the same chunks from the count).
+    ///
+    /// # Safety
+    /// `ptr` is device memory of this context, valid for `count` elements of `dtype`, and
+    /// nothing writes it until the call returns.
+    pub(crate) unsafe fn outbound(
+        &mut self,
+        comm: &Communicator,
+        stream: &Arc<CudaStream>,
+        ptr: u64,
+        count: usize,
+        dtype: DataType,
+        kind: OpKind,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract (nothing is written back).
+        unsafe { self.through_host(comm, stream, ptr, count, dtype, kind, false) }
+    }
+
+    /// [`Self::staged`] (`back`: the host's result is copied back) or [`Self::outbound`]: the
+    /// stream copies chunk i+1 to the host while the host runs `kind` on chunk i in the other
+    /// buffer.
+    ///
+    /// # Safety
+    /// As [`Self::all_reduce`] (`back` false: `ptr` is only read).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn through_host(
+        &mut self,
+        comm: &Communicator,
+        stream: &Arc<CudaStream>,
+        ptr: u64,
+        count: usize,
+        dtype: DataType,
+        kind: OpKind,
+        back: bool,
+    ) -> Result<()> {
         let (per, total, chunks) = Self::chunking(count, dtype)?;
         let cu = stream.cu_stream();
         let raw = self.raw()?;
@@ -185,9 +226,17 @@ impl DeviceCollectives {
                 guard("waiting for a copy", || arrived[i % 2].synchronize())?
                     .map_err(driver_err("waiting for a copy"))?;
                 if i + 1 < chunks {
-                    // Queued behind chunk i-1's copy-in, which read the same buffer; its event
-                    // was last recorded for chunk i-1, already waited for.
+                    // Queued behind chunk i-1's copy-in, which read the same buffer (or, not
+                    // writing back, after chunk i-1's host call returned); its event was last
+                    // recorded for chunk i-1, already waited for.
                     copy_out(i + 1)?;
+                }
+                if !back {
+                    // A non-root's reduce passes an empty output, as from C.
+                    let none: &mut [u8] = &mut [];
+                    let out = matches!(kind, OpKind::Reduce(..)).then_some(none);
+                    comm.run_bytes(kind, dtype, Some(host(i % 2, len(i))), out, CallOptions::default())?;
+                    continue;
                 }
                 comm.run_bytes(kind, dtype, None, Some(host(i % 2, len(i))), CallOptions::default())?;
                 guard("copying to the device", || {
@@ -310,66 +359,6 @@ impl DeviceCollectives {
         let result = run();
         // Also after a failure: no copy may still be in flight once this returns.
         result.and(sync())
-    }
-
-    /// Sends (`kind`: a send, or a reduce at a rank other than its root, whose output is on
-    /// the root only) `count` elements of `dtype` from device memory at `ptr`, chunk by chunk
-    /// as [`Self::staged`] cuts them (every rank derives the same chunks from the count): the
-    /// stream copies chunk i+1 to the host while the host sends chunk i from the other buffer.
-    ///
-    /// # Safety
-    /// `ptr` is device memory of this context, valid for `count` elements of `dtype`, and
-    /// nothing writes it until the call returns.
-    pub(crate) unsafe fn outbound(
-        &mut self,
-        comm: &Communicator,
-        stream: &Arc<CudaStream>,
-        ptr: u64,
-        count: usize,
-        dtype: DataType,
-        kind: OpKind,
-    ) -> Result<()> {
-        let (per, total, chunks) = Self::chunking(count, dtype)?;
-        let cu = stream.cu_stream();
-        let raw = self.raw()?;
-        let DeviceCollectives { arrived, .. } = self;
-        let len = |i: usize| per.min(total - i * per);
-        // SAFETY (each): `raw[j]` is a live pinned allocation of CHUNK >= len bytes owned by
-        // `self`, borrowed exclusively for this call.
-        let host = |j: usize, n: usize| unsafe { std::slice::from_raw_parts_mut(raw[j], n) };
-        let copy_out = |i: usize| -> Result<()> {
-            guard("copying to the host", || -> Result<_> {
-                // SAFETY: device range [ptr + i*per, + len(i)) is inside the caller's buffer;
-                // the host slice is the staging buffer of chunk i, not read until the event.
-                unsafe {
-                    cudarc::driver::result::memcpy_dtoh_async(host(i % 2, len(i)), ptr + (i * per) as u64, cu)
-                }
-                .map_err(driver_err("copying to the host"))?;
-                arrived[i % 2].record(stream).map_err(driver_err("recording an event"))
-            })?
-        };
-        let run = || -> Result<()> {
-            if chunks == 0 {
-                return Ok(());
-            }
-            copy_out(0)?;
-            for i in 0..chunks {
-                guard("waiting for a copy", || arrived[i % 2].synchronize())?
-                    .map_err(driver_err("waiting for a copy"))?;
-                if i + 1 < chunks {
-                    // Into the buffer chunk i-1 was sent from: that send has returned.
-                    copy_out(i + 1)?;
-                }
-                let out: &mut [u8] = &mut [];
-                let recv = matches!(kind, OpKind::Reduce(..)).then_some(out);
-                comm.run_bytes(kind, dtype, Some(host(i % 2, len(i))), recv, CallOptions::default())?;
-            }
-            Ok(())
-        };
-        let result = run();
-        // Also after a failure: no copy may still be writing into the staging buffers.
-        let synced = guard("synchronising", || stream.synchronize())?.map_err(driver_err("synchronising"));
-        result.and(synced)
     }
 
     /// Receives (`kind`: a receive) `count` elements of `dtype` into device memory at `ptr`,
