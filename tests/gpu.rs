@@ -617,6 +617,29 @@ fn reduce_all_to_all_send_and_recv_on_device_memory_give_the_reference() {
             let stream = ctx.new_stream().expect("a stream");
             let raw = stream.cu_stream() as *mut std::ffi::c_void;
             let mut checked = 0usize;
+            // First, before any collective (a send or a receive does not choose the path,
+            // which is collective): send to the right, receive from the left (even ranks send
+            // first), f64, one element, and three staging chunks.
+            for (j, count) in [1usize, 2 * staged::CHUNK / 8 + 3].into_iter().enumerate() {
+                let d = DataType::F64;
+                let (right, left) = ((me + 1) % n, (me + n - 1) % n);
+                let mine = exact_values(d, count, me, 1200 + j as u64);
+                let theirs = exact_values(d, count, left, 1200 + j as u64);
+                let send = stream.clone_htod(&mine).expect("copy in");
+                let mut recv = stream.alloc_zeros::<u8>(count * 8).expect("alloc");
+                let (ps, pr) = (send.device_ptr(&stream).0, recv.device_ptr_mut(&stream).0);
+                // SAFETY (both): each buffer holds `count` elements and lives past the calls.
+                let tx = || unsafe { stream::on_stream(&comm, Send(right), ps, 0, count, d, raw) };
+                let rx = || unsafe { stream::on_stream(&comm, Recv(left), 0, pr, count, d, raw) };
+                let r = if me % 2 == 0 { tx().and_then(|()| rx()) } else { rx().and_then(|()| tx()) };
+                r.unwrap_or_else(|e| panic!("rank {me}: send/recv {count}: {e}"));
+                assert!(
+                    stream.clone_dtoh(&recv).expect("copy") == theirs,
+                    "rank {me} ipc {ipc}: recv {count}"
+                );
+                checked += 1;
+            }
+            assert_eq!(stream::path(&comm), None, "rank {me}: a send or a receive chose the path");
             for (j, d, op) in [(0, DataType::F32, ReduceOp::Sum), (1, DataType::I32, ReduceOp::Max)] {
                 let es = d.size();
                 for (k, count) in
@@ -630,7 +653,8 @@ fn reduce_all_to_all_send_and_recv_on_device_memory_give_the_reference() {
                     let send = stream.clone_htod(&inputs[me]).expect("copy in");
                     let mut recv = stream.alloc_zeros::<u8>(count * es).expect("alloc");
                     let ps = send.device_ptr(&stream).0;
-                    let pr = if me == root { recv.device_ptr_mut(&stream).0 } else { 0 };
+                    // (A non-root may pass NULL; passing its buffer checks that it is not written.)
+                    let pr = recv.device_ptr_mut(&stream).0;
                     // SAFETY: both allocations hold `count` elements and live past the call.
                     unsafe { stream::on_stream(&comm, Reduce(op, root), ps, pr, count, d, raw) }
                         .unwrap_or_else(|e| panic!("rank {me}: reduce {d} {count}: {e}"));
@@ -662,6 +686,8 @@ fn reduce_all_to_all_send_and_recv_on_device_memory_give_the_reference() {
                     checked += 2;
                 }
             }
+            let want_path = if ipc { stream::DevicePath::Ipc } else { stream::DevicePath::Staged };
+            assert_eq!(stream::path(&comm), Some(want_path), "rank {me}: the first reduce chose the path");
             // All-to-all of i64 blocks: out of place, then in place; one chunk per block and several.
             for (j, count) in [1usize, 4099, staged::CHUNK / 8 / n * 2 + 5].into_iter().enumerate() {
                 let d = DataType::I64;
@@ -690,27 +716,6 @@ fn reduce_all_to_all_send_and_recv_on_device_memory_give_the_reference() {
                 );
                 checked += 2;
             }
-            // Send to the right, receive from the left (even ranks send first): f64, one
-            // element, and three staging chunks.
-            for (j, count) in [1usize, 2 * staged::CHUNK / 8 + 3].into_iter().enumerate() {
-                let d = DataType::F64;
-                let (right, left) = ((me + 1) % n, (me + n - 1) % n);
-                let mine = exact_values(d, count, me, 1200 + j as u64);
-                let theirs = exact_values(d, count, left, 1200 + j as u64);
-                let send = stream.clone_htod(&mine).expect("copy in");
-                let mut recv = stream.alloc_zeros::<u8>(count * 8).expect("alloc");
-                let (ps, pr) = (send.device_ptr(&stream).0, recv.device_ptr_mut(&stream).0);
-                // SAFETY (both): each buffer holds `count` elements and lives past the calls.
-                let tx = || unsafe { stream::on_stream(&comm, Send(right), ps, 0, count, d, raw) };
-                let rx = || unsafe { stream::on_stream(&comm, Recv(left), 0, pr, count, d, raw) };
-                let r = if me % 2 == 0 { tx().and_then(|()| rx()) } else { rx().and_then(|()| tx()) };
-                r.unwrap_or_else(|e| panic!("rank {me}: send/recv {count}: {e}"));
-                assert!(
-                    stream.clone_dtoh(&recv).expect("copy") == theirs,
-                    "rank {me} ipc {ipc}: recv {count}"
-                );
-                checked += 1;
-            }
             // A peer out of range is refused before anything moves.
             let one = stream.alloc_zeros::<f32>(4).expect("alloc");
             let p = one.device_ptr(&stream).0;
@@ -718,6 +723,10 @@ fn reduce_all_to_all_send_and_recv_on_device_memory_give_the_reference() {
             let e = unsafe { stream::on_stream(&comm, Send(n), p, 0, 4, DataType::F32, raw) }
                 .expect_err("peer n");
             assert!(e.to_string().contains("is not a rank"), "{e}");
+            // SAFETY: as above.
+            let e =
+                unsafe { stream::on_stream(&comm, Recv(me), 0, p, 4, DataType::F32, raw) }.expect_err("self");
+            assert!(e.to_string().contains("itself"), "{e}");
             if me == 0 {
                 println!(
                     "{checked} reduce, all-to-all and send/recv calls on device memory matched on {n} ranks (ipc {ipc})"

@@ -36,6 +36,8 @@ int main(void) {
   CUstream stream;
   CU(cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING));
 
+  /* (Every fill of a device buffer below is queued on `stream`, which was made non-blocking: a
+   * copy on the legacy default stream would not be ordered before the toroid call.) */
   /* 12 MB: three staging chunks; 80 MB: two CUDA IPC windows' worth (64 MiB each). */
   const size_t counts[] = {1, 4099, 3000000, 20000000};
   for (size_t c = 0; c < sizeof counts / sizeof counts[0]; c++) {
@@ -100,7 +102,7 @@ int main(void) {
     /* Reduce of a (max) into b at rank 1 % size, out of place; then in place at the root on a
      * copy of a. Other ranks pass NULL as recvbuf, and their b stays as it was. */
     int root = 1 % size;
-    CU(cuMemsetD32(b, 0, n));
+    CU(cuMemsetD32Async(b, 0, n, stream));
     CHECK(toroid_reduce_stream(comm, (void *)a, g_rank == root ? (void *)b : NULL, n, TOROID_FLOAT32, TOROID_MAX,
                                root, stream));
     CU(cuMemcpyDtoH(host, b, n * sizeof(float)));
@@ -110,7 +112,7 @@ int main(void) {
       if (g_rank != root) want = 0;
       if (host[i] != want) FAIL("reduce: [%zu] of %zu = %g, expected %g", i, n, host[i], want);
     }
-    CU(cuMemcpyDtoD(b, a, n * sizeof(float)));
+    CU(cuMemcpyDtoDAsync(b, a, n * sizeof(float), stream));
     CHECK(toroid_reduce_stream(comm, (void *)b, (void *)b, n, TOROID_FLOAT32, TOROID_SUM, root, stream));
     CU(cuMemcpyDtoH(host, b, n * sizeof(float)));
     for (size_t i = 0; i < n; i++) {
@@ -123,7 +125,7 @@ int main(void) {
      * place: block r of the result is what rank r put in block `rank`. */
     for (int j = 0; j < size; j++)
       for (size_t i = 0; i < n; i++) all[(size_t)j * n + i] = value(g_rank, i) + (float)j;
-    CU(cuMemcpyHtoD(g, all, (size_t)size * n * sizeof(float)));
+    CU(cuMemcpyHtoDAsync(g, all, (size_t)size * n * sizeof(float), stream));
     CUdeviceptr t;
     CU(cuMemAlloc(&t, (size_t)size * n * sizeof(float)));
     for (int in_place = 0; in_place < 2; in_place++) {

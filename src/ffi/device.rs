@@ -217,10 +217,12 @@ pub unsafe extern "C" fn toroid_all_to_all_stream(
 }
 
 /// Sends `count` elements of `dtype` of device memory `buf` to `peer`, which posts a matching
-/// toroid_recv_stream (NCCL's ncclSend, outside a group: blocking until the peer has the
-/// data), ordered on `stream` as toroid_all_reduce_stream: work enqueued on the stream before
-/// the call is complete before `buf` is read. Staged through pinned host memory on every path.
-/// Errors as toroid_all_reduce_stream.
+/// toroid_recv_stream (NCCL's ncclSend, outside a group), ordered on `stream` as
+/// toroid_all_reduce_stream: work enqueued on the stream before the call is complete before
+/// `buf` is read. Staged through pinned host memory on every path, as messages of at most
+/// 4 MiB: it pairs with toroid_recv_stream, and with a host-memory toroid_recv only up to
+/// 4 MiB. Errors as toroid_all_reduce_stream; `peer` equal to this rank is
+/// TOROID_INVALID_ARGUMENT.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn toroid_send_stream(
     comm: *mut toroid_comm,
@@ -239,8 +241,9 @@ pub unsafe extern "C" fn toroid_send_stream(
 
 /// Receives `count` elements of `dtype` from `peer` into device memory `buf` (the sender's
 /// count must match; NCCL's ncclRecv), ordered on `stream` as toroid_all_reduce_stream: the
-/// data is in `buf` when the call returns. Staged through pinned host memory on every path.
-/// Errors as toroid_all_reduce_stream.
+/// data is in `buf` when the call returns. Staged through pinned host memory on every path,
+/// as toroid_send_stream sends (a host-memory toroid_send matches only up to 4 MiB). Errors
+/// as toroid_send_stream.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn toroid_recv_stream(
     comm: *mut toroid_comm,

@@ -383,7 +383,8 @@ impl DeviceCollectives {
         // Here an event says "the copy to the device out of buffer j has run" (buffer j free).
         let DeviceCollectives { arrived: copied, .. } = self;
         let len = |i: usize| per.min(total - i * per);
-        // SAFETY (each): as in `outbound`.
+        // SAFETY (each): `raw[j]` is a live pinned allocation of CHUNK >= len bytes owned by
+        // `self`, borrowed exclusively for this call.
         let host = |j: usize, n: usize| unsafe { std::slice::from_raw_parts_mut(raw[j], n) };
         let run = || -> Result<()> {
             for i in 0..chunks {

@@ -14,8 +14,9 @@
 //! on the IPC path is the sum scaled by 1/n; the host algorithms scale each input by 1/n first.
 //!
 //! The first call on a communicator binds it to the device of its buffers (as an NCCL
-//! communicator is bound to one device) and sets the path up: a collective, so every rank
-//! makes it; what was chosen and why is logged at INFO (target `toroid::gpu`).
+//! communicator is bound to one device); the first collective (not a send or a receive, which
+//! only two ranks make) sets the path up, collectively, so every rank makes it at the same
+//! point; what was chosen and why is logged at INFO (target `toroid::gpu`).
 //!
 //! **Asynchronous for the host on the IPC path** ([`on_stream_async`]). The call records an
 //! event on the caller's stream (its input is ready there) and queues the collective on the
@@ -78,6 +79,8 @@ pub struct DeviceState {
     ctx: Arc<CudaContext>,
     staging: DeviceCollectives,
     ipc: Option<Arc<Mutex<IpcRun>>>,
+    /// Whether the path was chosen (by the first collective; sends and receives do not).
+    chosen: bool,
     /// The sequence number of the last IPC collective that completed.
     done: Arc<AtomicU64>,
     /// "The input is ready on the caller's stream", one per call in flight.
@@ -101,15 +104,35 @@ fn kernels_for(ordinal: usize) -> Result<Arc<DeviceKernels>> {
 }
 
 impl DeviceState {
-    /// Sets up `comm`'s collectives on device `ordinal` (collective when the ranks share a host).
-    fn new(comm: &Communicator, ordinal: usize) -> Result<DeviceState> {
+    /// `comm`'s device state on device `ordinal`: the context, the staging buffers and the
+    /// events; the path is chosen later, by the first collective ([`Self::choose_path`]). Not
+    /// collective, so a send or a receive may come first.
+    fn new(ordinal: usize) -> Result<DeviceState> {
         let ctx = guard("opening the device", || {
             CudaContext::new(ordinal).map_err(driver_err("opening the device"))
         })??;
         let staging = DeviceCollectives::new(ctx.clone())?;
+        let done = Arc::new(AtomicU64::new(0));
+        let event = || {
+            let flags = Some(cu::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+            guard("creating an event", || ctx.new_event(flags).map_err(driver_err("creating an event")))?
+        };
+        let ready = Arc::new((0..IN_FLIGHT).map(|_| event()).collect::<Result<Vec<_>>>()?);
+        Ok(DeviceState { ordinal, ctx, staging, ipc: None, chosen: false, done, ready, issued: 0 })
+    }
+
+    /// Chooses the path, once, at the first collective on device memory (every rank makes that
+    /// same call, so every rank gets here at the same point): collective when the ranks share a
+    /// host (the device windows are made and their handles exchanged).
+    fn choose_path(&mut self, comm: &Communicator) -> Result<()> {
+        if self.chosen {
+            return Ok(());
+        }
+        let ordinal = self.ordinal;
         let one_host = comm.topology().hosts == 1;
         let ipc = if one_host && comm.size() > 1 {
-            match IpcWindows::open(comm, &ctx, ordinal, comm.config().cuda_ipc, || kernels_for(ordinal)) {
+            match IpcWindows::open(comm, &self.ctx, ordinal, comm.config().cuda_ipc, || kernels_for(ordinal))
+            {
                 Ok(w) => Some(w),
                 Err(e) if matches!(e, Error::Unsupported(_)) => {
                     tracing::info!(target: "toroid::gpu", rank = comm.rank(),
@@ -129,33 +152,32 @@ impl DeviceState {
                 "device collectives on device {ordinal}: staged through host memory (ranks on {} hosts)",
                 comm.topology().hosts);
         }
-        let ipc = match ipc {
+        self.ipc = match ipc {
             Some(windows) => {
                 let stream = guard("creating a stream", || {
-                    ctx.new_stream().map_err(driver_err("creating a stream"))
+                    self.ctx.new_stream().map_err(driver_err("creating a stream"))
                 })??;
                 Some(Arc::new(Mutex::new(IpcRun { windows, stream })))
             }
             None => None,
         };
-        let done = Arc::new(AtomicU64::new(0));
-        let event = || {
-            let flags = Some(cu::CUevent_flags::CU_EVENT_DISABLE_TIMING);
-            guard("creating an event", || ctx.new_event(flags).map_err(driver_err("creating an event")))?
-        };
-        let ready = Arc::new((0..IN_FLIGHT).map(|_| event()).collect::<Result<Vec<_>>>()?);
-        Ok(DeviceState { ordinal, ctx, staging, ipc, done, ready, issued: 0 })
+        self.chosen = true;
+        Ok(())
     }
 
-    /// The path this state's collectives take.
-    pub fn path(&self) -> DevicePath {
-        if self.ipc.is_some() { DevicePath::Ipc } else { DevicePath::Staged }
+    /// The path this state's collectives take; `None` before the first collective.
+    pub fn path(&self) -> Option<DevicePath> {
+        match (self.chosen, self.ipc.is_some()) {
+            (false, _) => None,
+            (true, true) => Some(DevicePath::Ipc),
+            (true, false) => Some(DevicePath::Staged),
+        }
     }
 }
 
 /// The path `comm`'s collectives on device memory take; `None` before the first one.
 pub fn path(comm: &Communicator) -> Option<DevicePath> {
-    comm.device_state().lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(DeviceState::path)
+    comm.device_state().lock().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(DeviceState::path)
 }
 
 /// What a C caller asks: `kind` (an all-reduce, a broadcast, an all-gather, a reduce-scatter,
@@ -234,9 +256,6 @@ unsafe fn issue(
     let overflow = || Error::InvalidArgument(format!("{n} x {count} elements of {dtype} overflow").into());
     let bytes = count.checked_mul(es).ok_or_else(overflow)?;
     let all = bytes.checked_mul(n).ok_or_else(overflow)?;
-    if count == 0 {
-        return Ok(None);
-    }
     if matches!(
         kind,
         OpKind::AllReduce(ReduceOp::Avg)
@@ -252,6 +271,14 @@ unsafe fn issue(
     {
         let what = if matches!(kind, OpKind::Send(_) | OpKind::Recv(_)) { "peer" } else { "root" };
         return Err(Error::InvalidArgument(format!("{what} {r} is not a rank of {n}").into()));
+    }
+    if let OpKind::Send(r) | OpKind::Recv(r) = kind
+        && r == me
+    {
+        return Err(Error::InvalidArgument(format!("rank {r} cannot send to or receive from itself").into()));
+    }
+    if count == 0 {
+        return Ok(None);
     }
     // The buffers' sizes (0: not used on this rank: a send's recvbuf, a receive's sendbuf, a
     // non-root's recvbuf of a reduce), and which overlaps are the in-place forms (NCCL's, and
@@ -300,7 +327,7 @@ unsafe fn issue(
     };
     let mut slot = comm.device_state().lock().unwrap_or_else(|e| e.into_inner());
     if slot.is_none() {
-        *slot = Some(DeviceState::new(comm, ordinal)?);
+        *slot = Some(DeviceState::new(ordinal)?);
     }
     let Some(st) = slot.as_mut() else { return Err(Error::Internal("no device state".into())) };
     if st.ordinal != ordinal {
@@ -315,6 +342,10 @@ unsafe fn issue(
     // SAFETY: the caller's stream is NULL or a live stream of this (primary) context, kept
     // alive by the caller for the call.
     let stream = unsafe { st.ctx.wrap_borrowed_stream(stream.cast()) };
+    let p2p = matches!(kind, OpKind::Send(_) | OpKind::Recv(_));
+    if !p2p {
+        st.choose_path(comm)?;
+    }
     let ipc_kind = matches!(
         kind,
         OpKind::AllReduce(_) | OpKind::Broadcast(_) | OpKind::AllGather | OpKind::ReduceScatter(_)
