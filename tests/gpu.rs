@@ -597,7 +597,9 @@ fn stream_collectives_through_ipc_and_staged_give_the_reference_on_every_rank() 
 /// `toroid_recv_stream` call), staged on both paths, on 3 ranks as threads sharing device 0,
 /// with CUDA IPC on and off: one element, one staging chunk and three (the last partial), in
 /// place and out of place, every element against the reference; a non-root's reduce leaves its
-/// recvbuf (here NULL) alone, and device memory at a peer out of range is refused.
+/// recvbuf alone, and a peer out of range or a rank as its own peer is refused. Sends and
+/// receives come first, between ranks 0 and 1 only and then around the ring, and must not set
+/// up the device path (collective): rank 2 would hang, or pair that set-up with another call.
 #[test]
 #[ignore = "needs an NVIDIA GPU: scripts/gpu-check.sh runs it"]
 fn reduce_all_to_all_send_and_recv_on_device_memory_give_the_reference() {
@@ -618,8 +620,27 @@ fn reduce_all_to_all_send_and_recv_on_device_memory_give_the_reference() {
             let raw = stream.cu_stream() as *mut std::ffi::c_void;
             let mut checked = 0usize;
             // First, before any collective (a send or a receive does not choose the path,
-            // which is collective): send to the right, receive from the left (even ranks send
-            // first), f64, one element, and three staging chunks.
+            // which is collective): ranks 0 and 1 swap 4099 f32 while rank 2 does nothing, then
+            // every rank sends to the right and receives from the left (even ranks send first),
+            // f64, one element, and three staging chunks.
+            if me < 2 {
+                let other = 1 - me;
+                let d = DataType::F32;
+                let mine = exact_values(d, 4099, me, 1300);
+                let send = stream.clone_htod(&mine).expect("copy in");
+                let mut recv = stream.alloc_zeros::<u8>(4099 * 4).expect("alloc");
+                let (ps, pr) = (send.device_ptr(&stream).0, recv.device_ptr_mut(&stream).0);
+                // SAFETY (both): each buffer holds 4099 elements and lives past the calls.
+                let tx = || unsafe { stream::on_stream(&comm, Send(other), ps, 0, 4099, d, raw) };
+                let rx = || unsafe { stream::on_stream(&comm, Recv(other), 0, pr, 4099, d, raw) };
+                let r = if me == 0 { tx().and_then(|()| rx()) } else { rx().and_then(|()| tx()) };
+                r.unwrap_or_else(|e| panic!("rank {me}: pair send/recv: {e}"));
+                assert!(
+                    stream.clone_dtoh(&recv).expect("copy") == exact_values(d, 4099, other, 1300),
+                    "rank {me} ipc {ipc}: pair recv"
+                );
+                checked += 1;
+            }
             for (j, count) in [1usize, 2 * staged::CHUNK / 8 + 3].into_iter().enumerate() {
                 let d = DataType::F64;
                 let (right, left) = ((me + 1) % n, (me + n - 1) % n);
@@ -649,7 +670,7 @@ fn reduce_all_to_all_send_and_recv_on_device_memory_give_the_reference() {
                         (0..n).map(|r| exact_values(d, count, r, 1000 + j * 10 + k as u64)).collect();
                     let want = reference(d, op, &inputs);
                     let root = (k + 1) % n;
-                    // Out of place (a non-root passes no recvbuf), then in place.
+                    // Out of place, then in place.
                     let send = stream.clone_htod(&inputs[me]).expect("copy in");
                     let mut recv = stream.alloc_zeros::<u8>(count * es).expect("alloc");
                     let ps = send.device_ptr(&stream).0;
@@ -716,7 +737,7 @@ fn reduce_all_to_all_send_and_recv_on_device_memory_give_the_reference() {
                 );
                 checked += 2;
             }
-            // A peer out of range is refused before anything moves.
+            // A peer out of range, or this rank as its own peer, is refused before anything moves.
             let one = stream.alloc_zeros::<f32>(4).expect("alloc");
             let p = one.device_ptr(&stream).0;
             // SAFETY: refused before anything is read.

@@ -139,8 +139,9 @@ struct Core {
     pack: Mutex<Vec<u64>>,
     /// The wire-type pieces of a compressed all-reduce (`wire.rs`): empty until one runs.
     wire_scratch: Mutex<Vec<u16>>,
-    /// Collectives on device memory (`gpu::stream`): the device, its staging and IPC windows,
-    /// made by the first such call and kept for the communicator's life.
+    /// Collectives on device memory (`gpu::stream`): the device and its staging, made by the
+    /// first such call, and the IPC windows, by the first collective among them (not a send or
+    /// a receive); kept for the communicator's life.
     #[cfg(feature = "cuda")]
     device: Mutex<Option<crate::gpu::stream::DeviceState>>,
 }
