@@ -4,10 +4,11 @@
 //! `cudaStream_t`/`CUstream` (opaque here; NULL is the legacy default stream), and run through
 //! CUDA IPC between the ranks of one host or staged through pinned host memory (`gpu::stream`
 //! picks; `gpu::ipc`, `gpu::staged`). `toroid_reduce_stream`, `toroid_all_to_all_stream`,
-//! `toroid_send_stream` and `toroid_recv_stream` take the same arguments and are always staged. Blocking for the host: the result is in device memory
-//! when the call returns. Their `_async` forms return once the collective is queued, with a
-//! `toroid_work` that completes when it has (the IPC path; the staged path completes before
-//! returning and gives NULL); the stream is not made to wait for it.
+//! `toroid_send_stream` and `toroid_recv_stream` take the same arguments and are always staged.
+//! Blocking for the host: the result is in device memory when the call returns. The `_async`
+//! forms of the first four return once the collective is queued, with a `toroid_work` that
+//! completes when it has (the IPC path; the staged path completes before returning and gives
+//! NULL); the stream is not made to wait for it.
 //!
 //! Without CUDA (no driver, or built without the `cuda` feature) all return
 //! TOROID_UNSUPPORTED with a message saying so; host pointers on a machine with CUDA are

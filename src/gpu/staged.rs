@@ -296,27 +296,24 @@ impl DeviceCollectives {
         let per = CHUNK / es / n;
         let cu = stream.cu_stream();
         let raw = self.raw()?;
+        // Pieces in and out per rank; piece k of a side is at `k x count` elements.
+        let (ins, outs) = match kind {
+            OpKind::AllGather => (1, n),
+            OpKind::AllToAll => (n, n),
+            _ => (n, 1),
+        };
         let sync = || guard("synchronising", || stream.synchronize())?.map_err(driver_err("synchronising"));
         let run = || -> Result<()> {
             let mut at = 0;
             while at < count {
                 let len = per.min(count - at);
-                let (ins, outs) = match kind {
-                    OpKind::AllGather => (1, n),
-                    OpKind::AllToAll => (n, n),
-                    _ => (n, 1),
-                };
                 // SAFETY (both): the pinned buffers hold CHUNK >= n x len x es bytes each,
                 // owned by `self` and borrowed exclusively for this call; the device copies
                 // into and out of them are waited for before the host touches them.
                 let host_in = unsafe { std::slice::from_raw_parts_mut(raw[0], ins * len * es) };
                 let host_out = unsafe { std::slice::from_raw_parts_mut(raw[1], outs * len * es) };
                 for k in 0..ins {
-                    let src = if ins == 1 {
-                        send + (at * es) as u64
-                    } else {
-                        send + ((k * count + at) * es) as u64
-                    };
+                    let src = send + ((k * count + at) * es) as u64;
                     guard("copying to the host", || {
                         // SAFETY: `src` is `len` elements inside `send`; the host range is a
                         // piece of the pinned buffer.
@@ -333,11 +330,7 @@ impl DeviceCollectives {
                 sync()?;
                 comm.run_bytes(kind, dtype, Some(host_in), Some(host_out), CallOptions::default())?;
                 for k in 0..outs {
-                    let dst = if outs == 1 {
-                        recv + (at * es) as u64
-                    } else {
-                        recv + ((k * count + at) * es) as u64
-                    };
+                    let dst = recv + ((k * count + at) * es) as u64;
                     guard("copying to the device", || {
                         // SAFETY: `dst` is `len` elements inside `recv`; the host range is a
                         // piece of the pinned buffer, not written before the sync below.

@@ -72,15 +72,22 @@ pub enum DevicePath {
     Staged,
 }
 
+/// Where a communicator's collectives on device memory run: chosen by the first collective
+/// (sends and receives do not choose), then fixed.
+#[derive(Debug)]
+enum Route {
+    Unchosen,
+    Staged,
+    Ipc(Arc<Mutex<IpcRun>>),
+}
+
 /// A communicator's device, staging and (when it runs) IPC path.
 #[derive(Debug)]
 pub struct DeviceState {
     ordinal: usize,
     ctx: Arc<CudaContext>,
     staging: DeviceCollectives,
-    ipc: Option<Arc<Mutex<IpcRun>>>,
-    /// Whether the path was chosen (by the first collective; sends and receives do not).
-    chosen: bool,
+    route: Route,
     /// The sequence number of the last IPC collective that completed.
     done: Arc<AtomicU64>,
     /// "The input is ready on the caller's stream", one per call in flight.
@@ -118,14 +125,14 @@ impl DeviceState {
             guard("creating an event", || ctx.new_event(flags).map_err(driver_err("creating an event")))?
         };
         let ready = Arc::new((0..IN_FLIGHT).map(|_| event()).collect::<Result<Vec<_>>>()?);
-        Ok(DeviceState { ordinal, ctx, staging, ipc: None, chosen: false, done, ready, issued: 0 })
+        Ok(DeviceState { ordinal, ctx, staging, route: Route::Unchosen, done, ready, issued: 0 })
     }
 
     /// Chooses the path, once, at the first collective on device memory (every rank makes that
     /// same call, so every rank gets here at the same point): collective when the ranks share a
     /// host (the device windows are made and their handles exchanged).
     fn choose_path(&mut self, comm: &Communicator) -> Result<()> {
-        if self.chosen {
+        if !matches!(self.route, Route::Unchosen) {
             return Ok(());
         }
         let ordinal = self.ordinal;
@@ -152,25 +159,24 @@ impl DeviceState {
                 "device collectives on device {ordinal}: staged through host memory (ranks on {} hosts)",
                 comm.topology().hosts);
         }
-        self.ipc = match ipc {
+        self.route = match ipc {
             Some(windows) => {
                 let stream = guard("creating a stream", || {
                     self.ctx.new_stream().map_err(driver_err("creating a stream"))
                 })??;
-                Some(Arc::new(Mutex::new(IpcRun { windows, stream })))
+                Route::Ipc(Arc::new(Mutex::new(IpcRun { windows, stream })))
             }
-            None => None,
+            None => Route::Staged,
         };
-        self.chosen = true;
         Ok(())
     }
 
     /// The path this state's collectives take; `None` before the first collective.
     pub fn path(&self) -> Option<DevicePath> {
-        match (self.chosen, self.ipc.is_some()) {
-            (false, _) => None,
-            (true, true) => Some(DevicePath::Ipc),
-            (true, false) => Some(DevicePath::Staged),
+        match self.route {
+            Route::Unchosen => None,
+            Route::Staged => Some(DevicePath::Staged),
+            Route::Ipc(_) => Some(DevicePath::Ipc),
         }
     }
 }
@@ -350,7 +356,7 @@ unsafe fn issue(
         kind,
         OpKind::AllReduce(_) | OpKind::Broadcast(_) | OpKind::AllGather | OpKind::ReduceScatter(_)
     );
-    if st.ipc.is_some() && ipc_kind {
+    if matches!(st.route, Route::Ipc(_)) && ipc_kind {
         // SAFETY: forwarded contract.
         return unsafe { st.queue_ipc(comm, &stream, kind, send, recv, count, dtype, queue) };
     }
@@ -409,7 +415,8 @@ impl DeviceState {
         dtype: DataType,
         queue: bool,
     ) -> Result<Option<Work<()>>> {
-        let Some(ipc) = self.ipc.clone() else { return Err(Error::Internal("no IPC path".into())) };
+        let Route::Ipc(ipc) = &self.route else { return Err(Error::Internal("no IPC path".into())) };
+        let ipc = ipc.clone();
         let seq = self.issued + 1;
         // The event of call seq - IN_FLIGHT is reused: that call must have completed.
         if seq > IN_FLIGHT as u64 {
