@@ -59,6 +59,11 @@ pub fn is_device_pointer(ptr: u64) -> bool {
     device_of(ptr).is_some()
 }
 
+/// Waits until everything queued on `stream` has run.
+fn sync(stream: &CudaStream) -> Result<()> {
+    guard("synchronising", || stream.synchronize())?.map_err(driver_err("synchronising"))
+}
+
 /// The staging buffers of one device's context. Calls take the stream they are ordered on.
 #[derive(Debug)]
 pub struct DeviceCollectives {
@@ -257,8 +262,7 @@ impl DeviceCollectives {
         let result = run();
         // Also after a failure: no copy may still be writing into the staging buffers (or the
         // caller's memory) once this returns.
-        let synced = guard("synchronising", || stream.synchronize())?.map_err(driver_err("synchronising"));
-        result.and(synced)
+        result.and(sync(stream))
     }
 
     /// All-gather (`count` elements from every rank into `n x count`), reduce-scatter
@@ -302,7 +306,6 @@ impl DeviceCollectives {
             OpKind::AllToAll => (n, n),
             _ => (n, 1),
         };
-        let sync = || guard("synchronising", || stream.synchronize())?.map_err(driver_err("synchronising"));
         let run = || -> Result<()> {
             let mut at = 0;
             while at < count {
@@ -327,7 +330,7 @@ impl DeviceCollectives {
                     })?
                     .map_err(driver_err("copying to the host"))?;
                 }
-                sync()?;
+                sync(stream)?;
                 comm.run_bytes(kind, dtype, Some(host_in), Some(host_out), CallOptions::default())?;
                 for k in 0..outs {
                     let dst = recv + ((k * count + at) * es) as u64;
@@ -344,14 +347,14 @@ impl DeviceCollectives {
                     })?
                     .map_err(driver_err("copying to the device"))?;
                 }
-                sync()?;
+                sync(stream)?;
                 at += len;
             }
             Ok(())
         };
         let result = run();
         // Also after a failure: no copy may still be in flight once this returns.
-        result.and(sync())
+        result.and(sync(stream))
     }
 
     /// Receives (`kind`: a receive) `count` elements of `dtype` into device memory at `ptr`,
@@ -407,8 +410,7 @@ impl DeviceCollectives {
         let result = run();
         // Also after a failure: no copy may still be reading the staging buffers (or writing the
         // caller's memory) once this returns.
-        let synced = guard("synchronising", || stream.synchronize())?.map_err(driver_err("synchronising"));
-        result.and(synced)
+        result.and(sync(stream))
     }
 
     /// Bytes per chunk (whole elements), total bytes and chunks of `count` elements of `dtype`.
