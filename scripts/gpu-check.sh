@@ -4,7 +4,8 @@
 # entry points on 2 processes (ffi_tests/gpu/stream.c, built here with the CUDA driver's
 # cuda.h) through CUDA IPC and staged (TOROID_CUDA_IPC=0), the device kernel benchmark
 # (examples/gpu_bandwidth.rs), the device all-reduce benchmark (examples/gpu_all_reduce.rs) on
-# 2 processes through both paths and on 2 threads of one process, then the torch backend on
+# 2 processes through both paths and on 2 threads of one process, the host-memory all-reduce of
+# the same 2 ranks (toroid-bench: the staged path's bound), then the torch backend on
 # CUDA tensors (python/tests/gpu_torch_check.py: 2 processes on GPU 0; SKIPPED when python3 has
 # no torch).
 #
@@ -30,12 +31,13 @@ for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
         print(m["executable"])')
-  cargo build --release --features cuda --example gpu_bandwidth --example gpu_all_reduce --lib --bin toroid-run
+  cargo build --release --features cuda --example gpu_bandwidth --example gpu_all_reduce --lib --bin toroid-run \
+    --bin toroid-bench
   cp "$tests" "$dir/gpu-tests"
   cp target/release/examples/gpu_bandwidth target/release/examples/gpu_all_reduce target/release/toroid-run \
-    target/release/libtoroid.so "$dir/"
-  strip "$dir/gpu-tests" "$dir/gpu_bandwidth" "$dir/gpu_all_reduce" "$dir/toroid-run" "$dir/libtoroid.so" \
-    2>/dev/null || true
+    target/release/toroid-bench target/release/libtoroid.so "$dir/"
+  strip "$dir/gpu-tests" "$dir/gpu_bandwidth" "$dir/gpu_all_reduce" "$dir/toroid-run" "$dir/toroid-bench" \
+    "$dir/libtoroid.so" 2>/dev/null || true
   # The torch check and the package it imports, laid out as in the checkout (the script finds
   # the package two levels up; --run points the binding at DIR/libtoroid.so).
   mkdir -p "$dir/python/toroid" "$dir/python/tests"
@@ -79,6 +81,12 @@ for p in nvidia.__path__:
   "$dir/toroid-run" -n 2 "$dir/gpu_all_reduce" 256
   TOROID_CUDA_IPC=0 "$dir/toroid-run" -n 2 "$dir/gpu_all_reduce" 256
   "$dir/gpu_all_reduce" 256 --threads 2
+  # The host-memory all-reduce of the same 2 ranks: what the staged path pipelines its chunks
+  # through (its bound, with the copies overlapped).
+  if [ -x "$dir/toroid-bench" ]; then
+    echo "host memory (toroid-bench), 2 ranks:"
+    "$dir/toroid-run" -n 2 "$dir/toroid-bench" -b 1M -e 256M -f 4 -n 10 -w 2
+  fi
   torch_check "$dir"
 }
 
@@ -99,5 +107,5 @@ case "${1:-}" in
   --build) build "$2" ;;
   --run) run "$2" ;;
   "") build target/gpu-check && run target/gpu-check ;;
-  *) sed -n '2,19p' "$0"; exit 2 ;;
+  *) sed -n '2,20p' "$0"; exit 2 ;;
 esac

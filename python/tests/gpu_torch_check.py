@@ -20,7 +20,14 @@ Rust and C checks, or by hand: `TOROID_LIBRARY=.../libtoroid.so python3 gpu_torc
     and in place (FSDP's form), also with its input written on a side stream and with
     async_op; reduce_scatter_tensor (stream path) SUM, MAX, AVG of float32, bfloat16, float64
     and int32, exact for MAX and integers, floats within the bound of (a).
-(c) DDP(device_ids=[0]) over "toroid": a small MLP trained 5 steps on each rank's own batches
+(c) reduce (stream path) SUM and MAX to either root of float32, bfloat16 and int64, of 1, 4099
+    and 3,000,000 elements, floats within the bound of (a), a non-root's tensor untouched;
+    all_to_all_single with equal splits (stream path), out of place and in place, exact; and
+    the collectives staged through host memory, exact: all_to_all_single with uneven splits,
+    all_gather into a list, all_to_all of lists, gather and scatter from either root, send
+    and recv each way, isend/irecv both ways at once (4099 elements), batch_isend_irecv
+    (1,000,000), barrier.
+(d) DDP(device_ids=[0]) over "toroid": a small MLP trained 5 steps on each rank's own batches
     ends with bit-identical parameters on both ranks, within 1e-5 (max |difference| per
     parameter tensor over its max |value|) of a reference trained here without DDP on the
     gradients of both ranks' batches averaged by hand, and its gradient all-reduces took the
@@ -320,6 +327,164 @@ def check_all_gather(torch, dist, pg, rank: int, c: Checks) -> None:
         c.run("all_gather_into_tensor on a side stream, async_op", side_stream_async)
 
 
+def check_others(torch, dist, pg, rank: int, c: Checks) -> None:
+    dev = torch.device(DEVICE)
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+    seed = 8000
+    for dtype in [torch.float32, torch.bfloat16, torch.int64]:
+        for n in [1, 4099, 3_000_000]:
+            for name, op in ops.items():
+                for root in range(SIZE):
+                    seed += 1
+
+                    def red(dtype=dtype, n=n, name=name, op=op, root=root, seed=seed):
+                        xs = [rank_inputs(torch, r, dtype, n, seed) for r in range(SIZE)]
+                        t = xs[rank].to(dev, copy=True)
+                        before = pg.stats["reduce:stream"]
+                        dist.reduce(t, dst=root, op=op)
+                        expect_path(pg, "reduce:stream", before)
+                        got = t.cpu()
+                        if rank != root:
+                            if DRY:  # (the CPU path may use a non-root's tensor as scratch)
+                                return "not the root"
+                            assert_equal(torch, got, xs[rank], "reduce: a non-root's tensor")
+                            return "not the root: its tensor untouched"
+                        if name == "max":
+                            ref = xs[0]
+                            for x in xs[1:]:
+                                ref = torch.maximum(ref, x)
+                            assert_equal(torch, got, ref, "reduce max")
+                            return "exact"
+                        ref64 = sum(x.to(torch.float64) for x in xs)
+                        if not dtype.is_floating_point:
+                            assert_equal(torch, got, ref64.to(dtype), "reduce sum")
+                            return "exact"
+                        scale = sum(x.to(torch.float64).abs() for x in xs)
+                        return assert_close_to(torch, got, ref64, scale, dtype, "reduce sum", 1)
+
+                    c.run(f"reduce {name} dst={root} {str(dtype)[6:]} n={n}", red)
+        for n in [1, 4099, 1_000_000]:
+            seed += 1
+
+            def a2a(dtype=dtype, n=n, seed=seed):
+                xs = [rank_inputs(torch, r, dtype, SIZE * n, seed) for r in range(SIZE)]
+                ref = torch.cat([xs[j][rank * n:(rank + 1) * n] for j in range(SIZE)])
+                out = torch.full((SIZE * n,), 7, dtype=dtype, device=dev)
+                before = pg.stats["all_to_all_single:stream"]
+                dist.all_to_all_single(out, xs[rank].to(dev, copy=True))
+                expect_path(pg, "all_to_all_single:stream", before)
+                assert_equal(torch, out.cpu(), ref, "all_to_all_single")
+                t = xs[rank].to(dev, copy=True)
+                dist.all_to_all_single(t, t)
+                assert_equal(torch, t.cpu(), ref, "all_to_all_single in place")
+                return "exact, out of place and in place"
+
+            c.run(f"all_to_all_single {str(dtype)[6:]} {n} per rank", a2a)
+
+    # The collectives the backend stages through host memory on CUDA tensors (.cpu(), the CPU
+    # path, .copy_() back on the caller's stream), each checked against its reference.
+    n = 4099
+
+    def xs_for(seed, numel=n):
+        return [rank_inputs(torch, r, torch.float32, numel, seed) for r in range(SIZE)]
+
+    def staged(key: str):
+        if not DRY and pg.stats[key] < 1:
+            raise AssertionError(f"did not take the path {key}: {dict(pg.stats)}")
+
+    def uneven():
+        # Rank r sends rows(r, j) rows of 3 elements to rank j.
+        rows = lambda r, j: 1 + r + 2 * j  # noqa: E731
+        xs = [rank_inputs(torch, r, torch.float32, 3 * sum(rows(r, j) for j in range(SIZE)), 9300).reshape(-1, 3)
+              for r in range(SIZE)]
+        def block(r, j):
+            at = sum(rows(r, k) for k in range(j))
+            return xs[r][at:at + rows(r, j)]
+        ref = torch.cat([block(j, rank) for j in range(SIZE)])
+        out = torch.full_like(ref, 7, device=dev)
+        dist.all_to_all_single(out, xs[rank].to(dev, copy=True),
+                               output_split_sizes=[rows(j, rank) for j in range(SIZE)],
+                               input_split_sizes=[rows(rank, j) for j in range(SIZE)])
+        staged("all_to_all_single:staged")
+        assert_equal(torch, out.cpu().reshape(-1), ref.reshape(-1), "all_to_all_single, uneven splits")
+        return "exact"
+
+    def all_gather_list():
+        xs = xs_for(9301)
+        outs = [torch.full((n,), 7.0, device=dev) for _ in range(SIZE)]
+        dist.all_gather(outs, xs[rank].to(dev, copy=True))
+        staged("allgather:staged")
+        for r in range(SIZE):
+            assert_equal(torch, outs[r].cpu(), xs[r], f"all_gather piece {r}")
+        return "exact"
+
+    def all_to_all_list():
+        xs = [xs_for(9310 + j) for j in range(SIZE)]  # xs[j][r]: what rank r sends to rank j
+        outs = [torch.full((n,), 7.0, device=dev) for _ in range(SIZE)]
+        dist.all_to_all(outs, [xs[j][rank].to(dev, copy=True) for j in range(SIZE)])
+        staged("alltoall:staged")
+        for r in range(SIZE):
+            assert_equal(torch, outs[r].cpu(), xs[rank][r], f"all_to_all from rank {r}")
+        return "exact"
+
+    def gather_scatter():
+        for root in range(SIZE):
+            xs = xs_for(9320 + root)
+            outs = [torch.full((n,), 7.0, device=dev) for _ in range(SIZE)] if rank == root else None
+            dist.gather(xs[rank].to(dev, copy=True), gather_list=outs, dst=root)
+            if rank == root:
+                for r in range(SIZE):
+                    assert_equal(torch, outs[r].cpu(), xs[r], f"gather to {root}, piece {r}")
+            pieces = xs_for(9330 + root)
+            out = torch.full((n,), 7.0, device=dev)
+            dist.scatter(out, [p.to(dev, copy=True) for p in pieces] if rank == root else None, src=root)
+            assert_equal(torch, out.cpu(), pieces[rank], f"scatter from {root}")
+        staged("gather:staged")
+        staged("scatter:staged")
+        return "exact, both roots"
+
+    def send_recv():
+        peer = 1 - rank
+        xs = xs_for(9340, 1_000_000)
+        # Blocking, one way then the other.
+        for sender in range(SIZE):
+            if rank == sender:
+                dist.send(xs[rank].to(dev, copy=True), dst=peer)
+            else:
+                got = torch.full((1_000_000,), 7.0, device=dev)
+                dist.recv(got, src=peer)
+                assert_equal(torch, got.cpu(), xs[peer], f"recv from {peer}")
+        # Both ways at once: isend before irecv on both ranks (a small message: one group's
+        # operations run in issue order, so two large sends to each other would both block;
+        # docs/C_AND_PYTHON.md), and a large one as one batch, which orders them.
+        small = xs_for(9341)
+        got = torch.full((n,), 7.0, device=dev)
+        s = dist.isend(small[rank].to(dev, copy=True), dst=peer)
+        r = dist.irecv(got, src=peer)
+        s.wait()
+        r.wait()
+        assert_equal(torch, got.cpu(), small[peer], "irecv while isend")
+        got = torch.full((1_000_000,), 7.0, device=dev)
+        ops = [dist.P2POp(dist.isend, xs[rank].to(dev, copy=True), peer), dist.P2POp(dist.irecv, got, peer)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        assert_equal(torch, got.cpu(), xs[peer], "batch_isend_irecv")
+        staged("send:staged")
+        return "exact: send/recv each way, isend/irecv both ways at once, batch_isend_irecv"
+
+    def barrier():
+        dist.barrier()
+        return None
+
+    for name, fn in [("all_to_all_single, uneven splits (staged)", uneven),
+                     ("all_gather into a list (staged)", all_gather_list),
+                     ("all_to_all of lists (staged)", all_to_all_list),
+                     ("gather and scatter (staged)", gather_scatter),
+                     ("send, recv, isend/irecv, batch_isend_irecv (staged)", send_recv),
+                     ("barrier", barrier)]:
+        c.run(name, fn)
+
+
 def check_ddp(torch, dist, pg, rank: int, c: Checks) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -392,6 +557,7 @@ def rank_main(rank: int, port: int) -> None:
     c = Checks(rank)
     check_all_reduce_and_broadcast(torch, dist, pg, rank, c)
     check_all_gather(torch, dist, pg, rank, c)
+    check_others(torch, dist, pg, rank, c)
     check_ddp(torch, dist, pg, rank, c)
     dist.destroy_process_group()
     print(f"[rank {rank}] {c.passed} passed, {len(c.failed)} failed", flush=True)

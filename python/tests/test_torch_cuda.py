@@ -134,6 +134,10 @@ def test_cpu_calls_take_neither_cuda_path():
         out = torch.empty(5)
         group._allgather_base(out, x).wait()
         assert torch.equal(out, torch.arange(5.0)) and torch.equal(x, torch.arange(5.0))
+        group.reduce([x]).wait()
+        out = torch.empty(5)
+        group.all_to_all_single(out, x, [], []).wait()
+        assert torch.equal(out, torch.arange(5.0)) and torch.equal(x, torch.arange(5.0))
         paths = [k for k in group.stats if k.endswith((":staged", ":stream"))]
         assert not paths, group.stats
         assert group.stats["allreduce"] == 1 and group.stats["allreduce_wire"] == 1, group.stats

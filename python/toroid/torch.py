@@ -617,11 +617,11 @@ class ProcessGroupToroid(dist.ProcessGroup):
 
     # ---- collectives -----------------------------------------------------------------------
 
-    def _on_stream(self, tensors, op: Optional[ReduceOp]) -> bool:
-        """Whether a call on these CUDA tensors takes the stream path (see stream_path): all of
-        them do, or the whole call is staged (one path per call keeps its work simple)."""
-        return all(t.layout == torch.strided
-                   and stream_path(t.dtype, op, t.is_contiguous(), t.numel(), self._wire if op is not None else None)
+    def _on_stream(self, tensors, op: Optional[ReduceOp], wire: Optional[DataType] = None) -> bool:
+        """Whether a call on these CUDA tensors takes the stream path (see stream_path; `wire`:
+        the all-reduce's compression): all of them do, or the whole call is staged (one path per
+        call keeps its work simple)."""
+        return all(t.layout == torch.strided and stream_path(t.dtype, op, t.is_contiguous(), t.numel(), wire)
                    for t in tensors)
 
     def _stream_work(self, tensors, name: str, call: Callable[[torch.Tensor, int], Any],
@@ -656,7 +656,7 @@ class ProcessGroupToroid(dist.ProcessGroup):
                 op = _op(torch_op)
             except ValueError:
                 op = None  # BAND/BOR/BXOR, PREMUL_SUM: staged (the CPU path runs or refuses it)
-            if op is not None and self._on_stream(tensors, op):
+            if op is not None and self._on_stream(tensors, op, self._wire):
                 def call(t, stream):
                     p = t.data_ptr()
                     return self._comm.all_reduce_stream_ptr(p, p, t.numel(), _dtype(t), op, stream, True, (t,))
@@ -753,7 +753,7 @@ class ProcessGroupToroid(dist.ProcessGroup):
         a group); otherwise the whole call is staged."""
         if tensors and _device_type(tensors) == "cuda":
             op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-            if len({t.dtype for t in tensors}) == 1 and self._on_stream(tensors, op):
+            if len({t.dtype for t in tensors}) == 1 and self._on_stream(tensors, op, self._wire):
                 def call(t, stream):
                     p = t.data_ptr()
                     return self._comm.all_reduce_stream_ptr(p, p, t.numel(), _dtype(t), op, stream, True, (t,))
@@ -806,8 +806,27 @@ class ProcessGroupToroid(dist.ProcessGroup):
             outs.append(o)
         return self._work(works, tensors, lambda: [o.copy_back() for o in outs], "broadcast")
 
-    @_staged(outputs=("tensors",))
     def reduce(self, tensors, opts=None):
+        """In place at the root, per tensor (the others' tensors are left as they were). CUDA
+        tensors: on the stream path when stream_path allows it for every one
+        (toroid_reduce_stream on torch's current stream: blocking, pipelined through pinned host
+        memory), else staged."""
+        if _device_type(tensors) == "cuda":
+            try:
+                op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+            except ValueError:
+                op = None  # BAND/BOR/BXOR, PREMUL_SUM: staged (the CPU path refuses them)
+            root = opts.rootRank if opts is not None else 0
+            if op is not None and self._on_stream(tensors, op):
+                def call(t, stream):
+                    p = t.data_ptr()
+                    return self._comm.reduce_stream_ptr(p, p, t.numel(), _dtype(t), op, root, stream)
+
+                return self._stream_work(tensors, "reduce", call, _opt_timeout(opts))
+        return self._reduce_host(tensors, opts)
+
+    @_staged(outputs=("tensors",))
+    def _reduce_host(self, tensors, opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         root = opts.rootRank if opts is not None else 0
         works, outs = [], []
@@ -972,8 +991,22 @@ class ProcessGroupToroid(dist.ProcessGroup):
         w = self._comm.all_to_all_ptr(send.data_ptr(), recv.data_ptr(), width, _dtype(send), True, (send, recv))
         return w, recv, width
 
-    @_staged(outputs=("output",), inputs=("input",))
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        """all_to_all_single. CUDA tensors with equal splits: on the stream path
+        (toroid_all_to_all_stream on torch's current stream: blocking, pipelined through pinned
+        host memory) when _pair_on_stream allows and the size divides the input, else staged
+        (uneven splits always: the padded exchange of _all_to_all_v runs on the CPU)."""
+        if (_device_type([output, input]) == "cuda" and not output_split_sizes and not input_split_sizes
+                and self._pair_on_stream(output, input, None, 1) and input.numel() % self.size() == 0):
+            def call(t, stream):
+                return self._comm.all_to_all_stream_ptr(input.data_ptr(), output.data_ptr(), input.numel() // self.size(),
+                                                        _dtype(input), stream)
+
+            return self._stream_work([output], "all_to_all_single", call, _opt_timeout(opts))
+        return self._all_to_all_single_host(output, input, output_split_sizes, input_split_sizes, opts)
+
+    @_staged(outputs=("output",), inputs=("input",))
+    def _all_to_all_single_host(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         n = self.size()
         src = _flat(input.contiguous())
         if not output_split_sizes and not input_split_sizes:
