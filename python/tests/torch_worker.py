@@ -406,6 +406,24 @@ def entry_points(rank, size):
     for p in peers:
         close(got["toroid"][p], got["gloo"][p], f"batch_isend_irecv from {p}")
         close(got["toroid"][p], message(p, rank), f"batch_isend_irecv from {p} reference")
+    # The same batch where torch's own batch_isend_irecv would not coalesce (torch 2.11 does not
+    # for a ProcessGroup subclass; emulated by a backend that says it cannot): toroid's
+    # replacement still records and orders it.
+    assert dist.batch_isend_irecv is toroid.torch.batch_isend_irecv
+    saved = toroid.torch._DeviceBackend.supports_coalescing
+    toroid.torch._DeviceBackend.supports_coalescing = property(lambda self: False)
+    try:
+        bufs = {p: torch.empty_like(message(p, rank)) for p in peers}
+        ops = [dist.P2POp(dist.isend, message(rank, p), p) for p in peers]
+        ops += [dist.P2POp(dist.irecv, bufs[p], p) for p in peers]
+        before = pg.stats.copy()
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        ran("coalesced", before)
+    finally:
+        toroid.torch._DeviceBackend.supports_coalescing = saved
+    for p in peers:
+        close(bufs[p], message(p, rank), f"batch_isend_irecv from {p}, torch not coalescing")
 
     # monitored_barrier: the last rank comes 1 s late; nobody leaves before it arrives.
     for name, group in (("toroid", None), ("gloo", GLOO)):

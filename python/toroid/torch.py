@@ -1416,11 +1416,40 @@ def register() -> None:
         dist.Backend.register_backend(BACKEND, _create, devices=list(DEVICES))
 
 
+_torch_batch_isend_irecv = dist.distributed_c10d.batch_isend_irecv
+
+
+def batch_isend_irecv(p2p_op_list):
+    """torch.distributed.batch_isend_irecv, installed in its place on import: a batch on a
+    toroid group is recorded and issued in the order that cannot deadlock
+    (ProcessGroupToroid.start_coalescing / end_coalescing) on every torch version; other groups
+    go to torch's own. (torch 2.11's own coalesces only when the group's type is exactly
+    ProcessGroup, so for a toroid group it issued the sends one by one, and two ranks sending
+    more than a ring holds to each other deadlocked; newer versions coalesce for subclasses.)
+    Returns one work per operation, each complete once its operation is."""
+    group = getattr(p2p_op_list[0], "group", None) if p2p_op_list else None
+    if group is None and p2p_op_list and dist.is_initialized():
+        group = dist.distributed_c10d._get_default_group()
+    if not isinstance(group, ProcessGroupToroid):
+        return _torch_batch_isend_irecv(p2p_op_list)
+    dist.distributed_c10d._check_p2p_op_list(p2p_op_list)  # one group, P2POps of isend/irecv
+    group.start_coalescing()
+    try:
+        works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in p2p_op_list]
+    except BaseException:
+        group._coalesced = None  # nothing of the batch was issued
+        raise
+    group.end_coalescing()
+    return works
+
+
+dist.batch_isend_irecv = dist.distributed_c10d.batch_isend_irecv = batch_isend_irecv
+
 register()
 # The GPU kernels of collectives on CUDA tensors (CUDA IPC between the ranks of a host) compile
 # with NVRTC: torch's own unless the user named one.
 if "TOROID_NVRTC_PATH" not in os.environ and (_nvrtc := nvrtc_from_torch()) is not None:
     os.environ["TOROID_NVRTC_PATH"] = _nvrtc
 
-__all__ = ["BACKEND", "DEVICES", "ProcessGroupToroid", "ToroidWork", "TorchStore", "bf16_wire_hook", "fp16_wire_hook", "register", "stream_path"]
+__all__ = ["BACKEND", "DEVICES", "ProcessGroupToroid", "ToroidWork", "TorchStore", "batch_isend_irecv", "bf16_wire_hook", "fp16_wire_hook", "register", "stream_path"]
 _ = _lib  # the ctypes layer, for users who want toroid.torch._lib
