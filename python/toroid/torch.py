@@ -19,7 +19,8 @@ reduce_scatter_tensor, all_to_all_single (uneven splits too), all_to_all, gather
 (gather by all-gather, scatter by broadcast), barrier (with its timeout), monitored_barrier
 (gloo's, through the store: names the ranks that did not arrive), send/recv (tags are ignored:
 messages between two ranks match in issue order), recv from any source, batch_isend_irecv
-(ordered so that it cannot deadlock), the coalesced forms, all_reduce of sparse COO tensors
+(ordered so that it cannot deadlock, on every torch version: see batch_isend_irecv), the
+coalesced forms, all_reduce of sparse COO tensors
 (SUM, as gloo); CPU tensors of int8, uint8, int32, int64, uint32, uint64, float16, bfloat16,
 float32, float64; BAND/BOR/BXOR in all_reduce on integer and bool tensors (all-gather and a
 local fold). Not supported: PREMUL_SUM (gloo has it neither). The group's timeout
@@ -28,7 +29,7 @@ are) whose text starts with gloo's wording ("Timed out waiting Nms for ...") and
 toroid's detail (which rank, which operation, where it stood).
 
 CUDA tensors (checked on a GPU by python/tests/gpu_torch_check.py, run by scripts/gpu-check.sh;
-it passed on an NVIDIA H200 with torch 2.11):
+it passed on an NVIDIA H200 and an H100 with torch 2.11):
 
 - all_reduce, all_reduce_coalesced (and so DDP's default gradient all-reduce) and broadcast of
   contiguous CUDA tensors of float32, float16, bfloat16, float64, int32 or int64 (ops SUM,
@@ -45,15 +46,21 @@ it passed on an NVIDIA H200 with torch 2.11):
   staged path completes before returning. Failures of the collective are the work's (wait() raises them, as
   for CPU tensors); argument errors are raised at once. `stream_path` is the rule that picks
   this path.
+- reduce of such tensors and all_to_all_single with equal splits run on device memory too
+  (toroid_reduce_stream, toroid_all_to_all_stream on the current stream), blocking: the library
+  pipelines them through pinned host memory on either path.
 - Every other case is staged through host memory: each CUDA argument is copied with `.cpu()`
   (on the current stream, waiting for it), the CPU path runs on the copies, and when it has
   completed the outputs are copied back with `.copy_()` on the stream that was current when the
   call was issued, the host waiting for those copies before the work completes. That is every
-  other collective (all_gather and reduce_scatter of tensor lists, reduce, all_to_all,
-  gather, scatter, send/recv, the coalesced forms, the bitwise and sparse all-reduces, the wire
+  other collective (all_gather and reduce_scatter of tensor lists, all_to_all of lists or
+  uneven splits, gather, scatter, send/recv, the coalesced forms, the bitwise and sparse all-reduces, the wire
   hooks) and all_reduce/broadcast of other types, non-contiguous or empty tensors, AVG on
   integers, and float32/float64 all-reduces with a compressed wire type. Simple, not fast: two
-  copies through pageable memory and a host synchronisation per call.
+  copies through pageable memory and a host synchronisation per call. send/recv stay here
+  because toroid_send_stream blocks the host until its data is out (for more than a ring
+  holds, until the peer receives), so isend before irecv on both ranks would not reach the
+  receive.
 - A call mixing CUDA and CPU tensors is a ValueError. Object collectives and barrier stay on the
   CPU (torch picks "cpu" when a group has it).
 
