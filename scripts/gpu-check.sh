@@ -5,7 +5,8 @@
 # cuda.h) through CUDA IPC and staged (TOROID_CUDA_IPC=0), the device kernel benchmark
 # (examples/gpu_bandwidth.rs), the device all-reduce benchmark (examples/gpu_all_reduce.rs) on
 # 2 processes through both paths and on 2 threads of one process, the host-memory all-reduce of
-# the same 2 ranks (toroid-bench: the staged path's bound), then the torch backend on
+# the same 2 ranks (toroid-bench: the staged path's bound), every collective on device memory
+# (toroid-bench --device 0, nccl-tests' columns, every value checked), then the torch backend on
 # CUDA tensors (python/tests/gpu_torch_check.py: 2 processes on GPU 0; SKIPPED when python3 has
 # no torch).
 #
@@ -47,7 +48,9 @@ for l in sys.stdin:
 
 run() {
   local dir=$1
+  local failed=0
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || echo "nvidia-smi: not found"
+  echo "RDMA devices (/sys/class/infiniband): $(ls /sys/class/infiniband 2>/dev/null | tr '\n' ' ' || true)"
   if [ -z "${TOROID_NVRTC_PATH:-}" ]; then
     TOROID_NVRTC_PATH=$( (python3 -c 'import nvidia, os
 for p in nvidia.__path__:
@@ -86,8 +89,18 @@ for p in nvidia.__path__:
   if [ -x "$dir/toroid-bench" ]; then
     echo "host memory (toroid-bench), 2 ranks:"
     "$dir/toroid-run" -n 2 "$dir/toroid-bench" -b 1M -e 256M -f 4 -n 10 -w 2
+    # Every collective on device memory (toroid-bench --device 0), every value checked.
+    for c in all_reduce reduce_scatter all_gather broadcast reduce all_to_all; do
+      echo "device memory (toroid-bench --device 0 --collective $c), 2 ranks:"
+      "$dir/toroid-run" -n 2 "$dir/toroid-bench" --device 0 --collective "$c" -b 1M -e 256M -f 16 -n 10 -w 2 ||
+        { echo "FAIL: toroid-bench --device 0 --collective $c"; failed=1; }
+    done
+    echo "device memory, staged (TOROID_CUDA_IPC=0 toroid-bench --device 0), 2 ranks:"
+    TOROID_CUDA_IPC=0 "$dir/toroid-run" -n 2 "$dir/toroid-bench" --device 0 -b 1M -e 256M -f 16 -n 10 -w 2 ||
+      { echo "FAIL: TOROID_CUDA_IPC=0 toroid-bench --device 0"; failed=1; }
   fi
   torch_check "$dir"
+  return "$failed"
 }
 
 # The torch backend on CUDA tensors, with the package and library of DIR.
@@ -107,5 +120,5 @@ case "${1:-}" in
   --build) build "$2" ;;
   --run) run "$2" ;;
   "") build target/gpu-check && run target/gpu-check ;;
-  *) sed -n '2,20p' "$0"; exit 2 ;;
+  *) sed -n '2,21p' "$0"; exit 2 ;;
 esac

@@ -189,3 +189,50 @@ fn stats_flag_prints_rank_0s_table_after_the_unchanged_rows() {
     }
     assert!(table.iter().all(|l| l.starts_with('#')), "every table line is a comment:\n{}", with.stdout);
 }
+
+#[test]
+fn device_buffers_run_on_a_gpu_and_are_refused_with_a_message_without_one() {
+    let dir = TempDir::new("bench-device");
+    let run = |what: &str, extra: &[&str]| {
+        let mut cmd = Command::new(TOROID_RUN);
+        bench_check::clean_launcher_env(&mut cmd);
+        cmd.args(["-n", "2", "--timeout", "80", "--grace", "2", "--no-prefix", "--", BENCH])
+            .args(["--device", "0", "-b", "4096", "-e", "16384", "-n", "2", "-w", "1", "-c", "1"])
+            .args(extra);
+        run_bounded(what, &mut cmd, &dir, LIMIT)
+    };
+    // Only the size sweep runs on device memory.
+    let calls = run("device with calls", &["--calls", "2"]);
+    assert_eq!(calls.status.code(), Some(2), "--device --calls: {}", calls.stderr);
+    assert!(calls.stderr.contains("--device runs the size sweep only"), "{}", calls.stderr);
+    let job = run("device all_reduce", &[]);
+    if driver_present() {
+        let want = Expect {
+            ranks: 2,
+            redop: "sum",
+            root: "-1",
+            rows: vec![(4096, 1024), (8192, 2048), (16384, 4096)],
+        };
+        assert_bench_ok("all_reduce on device memory", &job, &want);
+        assert!(job.stdout.contains("# buffers in memory of CUDA device 0"), "{}", job.stdout);
+        let rows: Vec<&str> =
+            job.stdout.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()).collect();
+        assert!(rows.iter().all(|l| l.ends_with("ipc") || l.ends_with("staged")), "{}", job.stdout);
+    } else {
+        eprintln!(
+            "no CUDA driver here: checking that --device is refused with a message (the GPU run is scripts/gpu-check.sh's)"
+        );
+        assert_eq!(job.status.code(), Some(2), "--device without CUDA: {}\n{}", job.stdout, job.stderr);
+        assert!(job.stderr.contains("CUDA is not available"), "{}", job.stderr);
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn driver_present() -> bool {
+    toroid::gpu::driver_available().is_ok()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn driver_present() -> bool {
+    false
+}

@@ -186,6 +186,19 @@ pub fn path(comm: &Communicator) -> Option<DevicePath> {
     comm.device_state().lock().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(DeviceState::path)
 }
 
+/// Whether the device windows run `kind` (on the IPC path): all-reduce, broadcast, all-gather
+/// and reduce-scatter do; every other kind is staged on either path.
+fn on_windows(kind: OpKind) -> bool {
+    matches!(kind, OpKind::AllReduce(_) | OpKind::Broadcast(_) | OpKind::AllGather | OpKind::ReduceScatter(_))
+}
+
+/// The path a call of `kind` on `comm`'s device memory takes: [`path`] for the kinds the
+/// device windows run, [`DevicePath::Staged`] for the others; `None` before the first
+/// collective chose the path.
+pub fn route_of(comm: &Communicator, kind: OpKind) -> Option<DevicePath> {
+    path(comm).map(|p| if on_windows(kind) { p } else { DevicePath::Staged })
+}
+
 /// What a C caller asks: `kind` (an all-reduce, a broadcast, an all-gather, a reduce-scatter,
 /// a reduce, an all-to-all, a send or a receive) of `count` elements of `dtype` (per rank: an
 /// all-gather's sendcount, a reduce-scatter's recvcount, an all-to-all's count per rank) from
@@ -352,11 +365,7 @@ unsafe fn issue(
     if !p2p {
         st.choose_path(comm)?;
     }
-    let ipc_kind = matches!(
-        kind,
-        OpKind::AllReduce(_) | OpKind::Broadcast(_) | OpKind::AllGather | OpKind::ReduceScatter(_)
-    );
-    if matches!(st.route, Route::Ipc(_)) && ipc_kind {
+    if matches!(st.route, Route::Ipc(_)) && on_windows(kind) {
         // SAFETY: forwarded contract.
         return unsafe { st.queue_ipc(comm, &stream, kind, send, recv, count, dtype, queue) };
     }

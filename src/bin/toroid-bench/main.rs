@@ -17,7 +17,42 @@
 //! elements per rank for reduce_scatter and all_gather (and per peer for all_to_all). algbw is
 //! size / time and busbw is algbw x (n-1)/n for all three.
 //!
+//! `--device N` puts the buffers in memory of CUDA device N: every call then goes through the
+//! stream entry points' path (CUDA IPC inside a host, else staged through pinned host memory;
+//! the last column says which), with the same columns and checks ([`device`]).
+//!
 //! Exits non-zero when any checked value is wrong.
+
+#[cfg(feature = "cuda")]
+mod device;
+#[cfg(not(feature = "cuda"))]
+mod device {
+    //! Built without the `cuda` feature: `--device` is refused.
+    use toroid::{Communicator, DataType, Error, OpKind, Result};
+
+    pub enum DeviceBufs {}
+
+    impl DeviceBufs {
+        pub fn new(_: usize, _: usize, _: usize) -> Result<DeviceBufs> {
+            Err(Error::Unsupported(
+                "CUDA is not available: toroid-bench was built without the `cuda` feature".into(),
+            ))
+        }
+        pub fn upload(&mut self, _: &[u8], _: &[u8]) -> Result<()> {
+            match *self {}
+        }
+        pub fn download(&self, _: &mut [u8]) -> Result<()> {
+            match *self {}
+        }
+        pub fn run(&self, _: &Communicator, _: OpKind, _: usize, _: DataType, _: bool) -> Result<()> {
+            match *self {}
+        }
+    }
+
+    pub fn route(_: &Communicator, _: OpKind) -> &'static str {
+        "none"
+    }
+}
 
 use std::io::Write;
 use std::time::{Duration, Instant};
@@ -104,6 +139,11 @@ struct Cli {
     /// (`scripts/setup-scale.py` gathers them; `TOROID_CONNECT=mesh|lazy` compares the two).
     #[arg(long = "setup")]
     setup: bool,
+    /// Buffers in memory of this CUDA device instead of host memory: each call through the
+    /// stream entry points' path (CUDA IPC between the ranks of a host, else staged through
+    /// pinned host memory), named in the last column. The size sweep only.
+    #[arg(long = "device")]
+    device: Option<usize>,
 }
 
 fn size(s: &str) -> Result<usize, String> {
@@ -126,7 +166,15 @@ struct Row {
     bytes: usize,
     count: usize,
     algorithm: Algorithm,
+    /// On device memory: the path the calls took ("ipc", "staged"), shown for the algorithm.
+    path: Option<&'static str>,
     results: [(f64, f64, f64, u64); 2],
+}
+
+impl Row {
+    fn algorithm_name(&self) -> &'static str {
+        self.path.unwrap_or(self.algorithm.name())
+    }
 }
 
 /// Bus bandwidth factor (nccl-tests' PERFORMANCE.md).
@@ -261,8 +309,19 @@ impl Bench {
     }
 
     /// One call; `recv` is exactly the output buffer (in place: the whole buffer, which for
-    /// reduce_scatter is the input and gets this rank's piece).
-    fn run_once(&self, send: &[u8], recv: &mut [u8], in_place: bool) -> toroid::Result<()> {
+    /// reduce_scatter is the input and gets this rank's piece). With `dev` the call runs on the
+    /// device copies of both (`count`: the entry points' count, `param_count`).
+    fn run_once(
+        &self,
+        dev: Option<&device::DeviceBufs>,
+        send: &[u8],
+        recv: &mut [u8],
+        in_place: bool,
+        count: usize,
+    ) -> toroid::Result<()> {
+        if let Some(d) = dev {
+            return d.run(&self.comm, self.kind(), count, self.dtype, in_place);
+        }
         let send = if in_place { None } else { Some(send) };
         self.comm.run_bytes(self.kind(), self.dtype, send, Some(recv), self.opts)
     }
@@ -282,8 +341,13 @@ impl Bench {
             return Ok(None);
         }
         let (cin, cout) = self.counts(total);
+        let count = self.param_count(total);
         let mut send = vec![0u8; cin * s];
         let mut buf = vec![0u8; cin.max(cout) * s];
+        let mut dev = match self.cli.device {
+            Some(ordinal) => Some(device::DeviceBufs::new(ordinal, send.len(), buf.len())?),
+            None => None,
+        };
         let mut results = [(0.0, 0.0, 0.0, 0u64); 2];
         for (slot, in_place) in [false, true].into_iter().enumerate() {
             // Out of place the output is `cout` elements; in place the buffer holds the larger of
@@ -305,20 +369,29 @@ impl Bench {
                 }
             };
             prepare(&mut send, recv);
+            if let Some(d) = dev.as_mut() {
+                d.upload(&send, recv)?;
+            }
             for _ in 0..self.cli.warmup {
-                self.run_once(&send, recv, in_place)?;
+                self.run_once(dev.as_ref(), &send, recv, in_place, count)?;
             }
             self.comm.barrier()?;
             let t = Instant::now();
             for _ in 0..self.cli.iters {
-                self.run_once(&send, recv, in_place)?;
+                self.run_once(dev.as_ref(), &send, recv, in_place, count)?;
             }
             let mut secs = [t.elapsed().as_secs_f64() / self.cli.iters.max(1) as f64];
             self.comm.all_reduce_with(&mut secs, ReduceOp::Avg, EXACT)?;
             let mut wrong = [0u64];
             if self.cli.check != 0 {
                 prepare(&mut send, recv);
-                self.run_once(&send, recv, in_place)?;
+                if let Some(d) = dev.as_mut() {
+                    d.upload(&send, recv)?;
+                }
+                self.run_once(dev.as_ref(), &send, recv, in_place, count)?;
+                if let Some(d) = dev.as_ref() {
+                    d.download(recv)?;
+                }
                 wrong[0] = self.wrong(recv, in_place, cin);
                 self.comm.all_reduce(&mut wrong, ReduceOp::Sum)?;
             }
@@ -331,7 +404,8 @@ impl Bench {
             Some((compressed, _)) => compressed,
             None => self.comm.algorithm_for(self.kind(), total * s, &self.opts),
         };
-        Ok(Some(Row { bytes: total * s, count: self.param_count(total), algorithm, results }))
+        let path = dev.map(|_| device::route(&self.comm, self.kind()));
+        Ok(Some(Row { bytes: total * s, count, algorithm, path, results }))
     }
 }
 
@@ -404,6 +478,11 @@ fn run(cli: Cli) -> toroid::Result<u64> {
     let comm = Communicator::from_env()?;
     let setup_cpu = cpu_ms();
     let opts = CallOptions { timeout: cli.timeout.map(Duration::from_secs_f64), algorithm, wire: None };
+    if cli.device.is_some() && (cli.setup || cli.calls.is_some()) {
+        return Err(toroid::Error::InvalidArgument(
+            "--device runs the size sweep only (not --setup or --calls)".into(),
+        ));
+    }
     if cli.setup {
         return setup_report(&comm, started_unix, started.elapsed(), setup_cpu, cli.min_bytes, opts);
     }
@@ -441,6 +520,11 @@ fn run(cli: Cli) -> toroid::Result<u64> {
     ));
     let (model, shape) = bench.comm.cost_model();
     p(format!("# cost model: {model}; {} hosts, grid {}x{}", shape.hosts, shape.grid.0, shape.grid.1));
+    if let Some(ordinal) = cli.device {
+        p(format!(
+            "# buffers in memory of CUDA device {ordinal}, through the stream entry points (blocking)"
+        ));
+    }
     // This rank's links by kind ("tcp-striped" where TOROID_NSOCKS or the link chose lanes).
     let mut kinds: Vec<(&str, usize)> = Vec::new();
     for peer in (0..n).filter(|&p| p != me) {
@@ -504,8 +588,8 @@ fn run(cli: Cli) -> toroid::Result<u64> {
                 bw_sum += bus;
                 bw_count += 1;
             }
-            line.push_str(&format!("  {}", row.algorithm));
-            if cli.predict {
+            line.push_str(&format!("  {}", row.algorithm_name()));
+            if cli.predict && row.path.is_none() {
                 let t = bench.predict(row.algorithm, row.bytes);
                 line.push_str(&format!("  {:>9}", fit(t * 1e6, 9)));
             }
@@ -540,8 +624,8 @@ fn run(cli: Cli) -> toroid::Result<u64> {
             "results": rows.iter().map(|r| serde_json::json!({
                 "size": r.bytes,
                 "count": r.count,
-                "algorithm": r.algorithm.name(),
-                "predicted_us": bench.predict(r.algorithm, r.bytes) * 1e6,
+                "algorithm": r.algorithm_name(),
+                "predicted_us": r.path.is_none().then(|| bench.predict(r.algorithm, r.bytes) * 1e6),
                 "out_of_place": {"time_us": r.results[0].0, "algbw": r.results[0].1, "busbw": r.results[0].2, "wrong": r.results[0].3},
                 "in_place": {"time_us": r.results[1].0, "algbw": r.results[1].1, "busbw": r.results[1].2, "wrong": r.results[1].3},
             })).collect::<Vec<_>>(),

@@ -1,0 +1,93 @@
+//! `toroid-bench --device N`: the benchmark's buffers in memory of CUDA device N, every call
+//! through the stream entry points' path (`gpu::stream::on_stream`: CUDA IPC between the ranks
+//! of a host for the collectives the device windows run, staged through pinned host memory
+//! otherwise) on a stream of the benchmark's own. The calls are blocking (the result is in
+//! device memory when one returns), so the host clock times them as it times host calls.
+//! The inputs are filled and the outputs checked on the host, copied in and out around the
+//! timed calls.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use toroid::gpu::stream::{self, DevicePath};
+use toroid::gpu::{driver_available, guard};
+use toroid::{Communicator, DataType, Error, OpKind, Result};
+
+/// A send buffer and an output buffer on the device, and the stream the calls are ordered on.
+pub struct DeviceBufs {
+    stream: Arc<CudaStream>,
+    send: CudaSlice<u8>,
+    out: CudaSlice<u8>,
+}
+
+fn cuda<T>(
+    what: &'static str,
+    f: impl FnOnce() -> std::result::Result<T, cudarc::driver::DriverError>,
+) -> Result<T> {
+    guard(what, f)?.map_err(|e| Error::System(format!("CUDA: {what}: {e:?}").into()))
+}
+
+impl DeviceBufs {
+    /// Buffers of `send` and `out` bytes on device `ordinal` (at least one byte each).
+    pub fn new(ordinal: usize, send: usize, out: usize) -> Result<DeviceBufs> {
+        driver_available()?;
+        let ctx = cuda("opening the device", || cudarc::driver::CudaContext::new(ordinal))?;
+        let stream = cuda("creating a stream", || ctx.new_stream())?;
+        let send = cuda("allocating device memory", || stream.alloc_zeros::<u8>(send.max(1)))?;
+        let out = cuda("allocating device memory", || stream.alloc_zeros::<u8>(out.max(1)))?;
+        Ok(DeviceBufs { stream, send, out })
+    }
+
+    /// Copies `send` and `out` (host) to the front of the device buffers.
+    pub fn upload(&mut self, send: &[u8], out: &[u8]) -> Result<()> {
+        let s = &self.stream;
+        cuda("copying to the device", || s.memcpy_htod(send, &mut self.send.slice_mut(..send.len())))?;
+        cuda("copying to the device", || s.memcpy_htod(out, &mut self.out.slice_mut(..out.len())))?;
+        cuda("synchronising", || s.synchronize())
+    }
+
+    /// Copies the front of the output buffer into `out` (host).
+    pub fn download(&self, out: &mut [u8]) -> Result<()> {
+        let s = &self.stream;
+        cuda("copying from the device", || s.memcpy_dtoh(&self.out.slice(..out.len()), out))?;
+        cuda("synchronising", || s.synchronize())
+    }
+
+    /// One call of `kind` on `count` elements (the entry points' count: per rank for an
+    /// all-gather's input, a reduce-scatter's output and an all-to-all's blocks). In place, the
+    /// output buffer is both: an all-gather reads this rank's piece of it, a reduce-scatter
+    /// leaves its result at this rank's piece (NCCL's in-place forms).
+    pub fn run(
+        &self,
+        comm: &Communicator,
+        kind: OpKind,
+        count: usize,
+        dtype: DataType,
+        in_place: bool,
+    ) -> Result<()> {
+        let s = &self.stream;
+        let (send, _r1) = self.send.device_ptr(s);
+        let (out, _r2) = self.out.device_ptr(s);
+        let piece = (comm.rank() * count * dtype.size()) as u64;
+        let (send, recv) = match (in_place, kind) {
+            (false, _) => (send, out),
+            (true, OpKind::AllGather) => (out + piece, out),
+            (true, OpKind::ReduceScatter(_)) => (out, out + piece),
+            (true, _) => (out, out),
+        };
+        let raw = s.cu_stream() as *mut std::ffi::c_void;
+        // SAFETY: both allocations hold what the collective reads and writes (measure sizes
+        // them from the same counts), live until this returns, and nothing else uses them;
+        // the stream is this buffer's own, of the device's primary context.
+        unsafe { stream::on_stream(comm, kind, send, recv, count, dtype, raw) }
+    }
+}
+
+/// The `algorithm` column of a device row: where `kind` ran ("ipc" or "staged").
+pub fn route(comm: &Communicator, kind: OpKind) -> &'static str {
+    match stream::route_of(comm, kind) {
+        Some(DevicePath::Ipc) => "ipc",
+        Some(DevicePath::Staged) => "staged",
+        None => "none",
+    }
+}
