@@ -4,6 +4,8 @@
 //! buffer, the stream copies chunk i-1 back to the device and chunk i+1 out of it through the
 //! other, so the copies overlap the network (double buffering; one stream keeps each buffer's
 //! copy-out after its previous copy-in, and an event tells the host when a chunk has arrived).
+//! All-gather, reduce-scatter and all-to-all, whose output is not their input, do the same
+//! through halves of the two buffers (one's for the pieces in, the other's for the pieces out).
 //!
 //! The host side is the communicator's own collective on host memory, so every algorithm,
 //! transport and failure rule applies unchanged, and the result is what the same collective on
@@ -268,10 +270,15 @@ impl DeviceCollectives {
     /// All-gather (`count` elements from every rank into `n x count`), reduce-scatter
     /// (`n x count` into `count`) or all-to-all (`n x count` into `n x count`, `count` per
     /// rank) of device memory through the staging buffers, chunk by chunk (`len` elements of
-    /// every piece per chunk): the pieces are copied to the host, the host collective runs, the
-    /// result is copied back. Not pipelined (each chunk waits for its copies): the path between
-    /// hosts and where IPC is not available. In place (all-to-all: `send == recv`), a chunk's
-    /// pieces are all read before any is written.
+    /// every piece per chunk). Each buffer is split in two halves, the first buffer's for the
+    /// pieces in and the second's for the pieces out, so the copies overlap the host: while the
+    /// host runs chunk i from input half i % 2 into output half i % 2, the stream copies chunk
+    /// i+1's pieces out into the other input half and, behind them, chunk i-1's results in from
+    /// the other output half. Waiting for chunk i's arrival (an event recorded after its copy
+    /// out) also waits for everything queued before it, chunk i-2's copy in from output half
+    /// i % 2 included, so that half is free for chunk i. In place (all-to-all: `send == recv`;
+    /// NCCL's forms of the other two), a chunk's copies in write only elements of its own
+    /// range, which every later copy out leaves alone and every earlier one has read.
     ///
     /// # Safety
     /// `send` and `recv` are device memory of this context valid for the sizes above, not used
@@ -288,8 +295,8 @@ impl DeviceCollectives {
         count: usize,
         dtype: DataType,
     ) -> Result<()> {
-        let (n, es) = (comm.size(), dtype.size());
-        if n.saturating_mul(es) > CHUNK {
+        let (n, es, half) = (comm.size(), dtype.size(), CHUNK / 2);
+        if n.saturating_mul(es) > half {
             return Err(Error::Unsupported(
                 format!(
                     "{kind:?} on device memory among {n} ranks: one element per rank exceeds the staging"
@@ -297,58 +304,83 @@ impl DeviceCollectives {
                 .into(),
             ));
         }
-        let per = CHUNK / es / n;
+        let per = half / es / n;
+        let chunks = count.div_ceil(per);
+        let len = |i: usize| per.min(count - i * per);
         let cu = stream.cu_stream();
         let raw = self.raw()?;
+        let DeviceCollectives { arrived, .. } = self;
         // Pieces in and out per rank; piece k of a side is at `k x count` elements.
         let (ins, outs) = match kind {
             OpKind::AllGather => (1, n),
             OpKind::AllToAll => (n, n),
             _ => (n, 1),
         };
+        // SAFETY (both): half j of a pinned buffer of CHUNK = 2 x half bytes owned by `self`
+        // and borrowed exclusively for this call; n x len x es <= half. The host touches a half
+        // only after the copies into or out of it were waited for (see above).
+        let host_in = |j: usize, i: usize| unsafe {
+            std::slice::from_raw_parts_mut(raw[0].add(j * half), ins * len(i) * es)
+        };
+        let host_out = |j: usize, i: usize| unsafe {
+            std::slice::from_raw_parts_mut(raw[1].add(j * half), outs * len(i) * es)
+        };
+        let copy_out = |i: usize| -> Result<()> {
+            let (at, l, into) = (i * per, len(i), host_in(i % 2, i));
+            for k in 0..ins {
+                let src = send + ((k * count + at) * es) as u64;
+                guard("copying to the host", || {
+                    // SAFETY: `src` is `l` elements inside `send`; the host range is a piece of
+                    // an input half the host does not read before the event below.
+                    unsafe {
+                        cudarc::driver::result::memcpy_dtoh_async(
+                            &mut into[k * l * es..(k + 1) * l * es],
+                            src,
+                            cu,
+                        )
+                    }
+                })?
+                .map_err(driver_err("copying to the host"))?;
+            }
+            guard("recording an event", || arrived[i % 2].record(stream))?
+                .map_err(driver_err("recording an event"))
+        };
         let run = || -> Result<()> {
-            let mut at = 0;
-            while at < count {
-                let len = per.min(count - at);
-                // SAFETY (both): the pinned buffers hold CHUNK >= n x len x es bytes each,
-                // owned by `self` and borrowed exclusively for this call; the device copies
-                // into and out of them are waited for before the host touches them.
-                let host_in = unsafe { std::slice::from_raw_parts_mut(raw[0], ins * len * es) };
-                let host_out = unsafe { std::slice::from_raw_parts_mut(raw[1], outs * len * es) };
-                for k in 0..ins {
-                    let src = send + ((k * count + at) * es) as u64;
-                    guard("copying to the host", || {
-                        // SAFETY: `src` is `len` elements inside `send`; the host range is a
-                        // piece of the pinned buffer.
-                        unsafe {
-                            cudarc::driver::result::memcpy_dtoh_async(
-                                &mut host_in[k * len * es..(k + 1) * len * es],
-                                src,
-                                cu,
-                            )
-                        }
-                    })?
-                    .map_err(driver_err("copying to the host"))?;
+            if chunks == 0 {
+                return Ok(());
+            }
+            copy_out(0)?;
+            for i in 0..chunks {
+                guard("waiting for a copy", || arrived[i % 2].synchronize())?
+                    .map_err(driver_err("waiting for a copy"))?;
+                if i + 1 < chunks {
+                    // Into the input half the host read for chunk i-1 (its call has returned).
+                    copy_out(i + 1)?;
                 }
-                sync(stream)?;
-                comm.run_bytes(kind, dtype, Some(host_in), Some(host_out), CallOptions::default())?;
+                let (at, l, from) = (i * per, len(i), host_out(i % 2, i));
+                comm.run_bytes(
+                    kind,
+                    dtype,
+                    Some(host_in(i % 2, i)),
+                    Some(&mut *from),
+                    CallOptions::default(),
+                )?;
                 for k in 0..outs {
                     let dst = recv + ((k * count + at) * es) as u64;
                     guard("copying to the device", || {
-                        // SAFETY: `dst` is `len` elements inside `recv`; the host range is a
-                        // piece of the pinned buffer, not written before the sync below.
+                        // SAFETY: `dst` is `l` elements inside `recv`; the host range is a piece
+                        // of an output half not written again before chunk i+2's arrival,
+                        // which this copy precedes on the stream.
                         unsafe {
                             cudarc::driver::result::memcpy_htod_async(
                                 dst,
-                                &host_out[k * len * es..(k + 1) * len * es],
+                                &from[k * l * es..(k + 1) * l * es],
                                 cu,
                             )
                         }
                     })?
                     .map_err(driver_err("copying to the device"))?;
                 }
-                sync(stream)?;
-                at += len;
             }
             Ok(())
         };
