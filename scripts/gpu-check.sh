@@ -95,9 +95,12 @@ for p in nvidia.__path__:
       "$dir/toroid-run" -n 2 "$dir/toroid-bench" --device 0 --collective "$c" -b 1M -e 256M -f 16 -n 10 -w 2 ||
         { echo "FAIL: toroid-bench --device 0 --collective $c"; failed=1; }
     done
-    echo "device memory, staged (TOROID_CUDA_IPC=0 toroid-bench --device 0), 2 ranks:"
-    TOROID_CUDA_IPC=0 "$dir/toroid-run" -n 2 "$dir/toroid-bench" --device 0 -b 1M -e 256M -f 16 -n 10 -w 2 ||
-      { echo "FAIL: TOROID_CUDA_IPC=0 toroid-bench --device 0"; failed=1; }
+    # The four the device windows run, staged instead (reduce and all-to-all always are).
+    for c in all_reduce reduce_scatter all_gather broadcast; do
+      echo "device memory, staged (TOROID_CUDA_IPC=0 toroid-bench --device 0 --collective $c), 2 ranks:"
+      TOROID_CUDA_IPC=0 "$dir/toroid-run" -n 2 "$dir/toroid-bench" --device 0 --collective "$c" -b 1M -e 256M -f 16 \
+        -n 10 -w 2 || { echo "FAIL: TOROID_CUDA_IPC=0 toroid-bench --device 0 --collective $c"; failed=1; }
+    done
   fi
   torch_check "$dir"
   return "$failed"
@@ -119,6 +122,10 @@ torch_check() {
 case "${1:-}" in
   --build) build "$2" ;;
   --run) run "$2" ;;
-  "") build target/gpu-check && run target/gpu-check ;;
+  "")
+    # (Not `build && run`: set -e does not stop on a failure left of &&.)
+    build target/gpu-check
+    run target/gpu-check
+    ;;
   *) sed -n '2,21p' "$0"; exit 2 ;;
 esac

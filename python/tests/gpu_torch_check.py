@@ -345,8 +345,6 @@ def check_others(torch, dist, pg, rank: int, c: Checks) -> None:
                         expect_path(pg, "reduce:stream", before)
                         got = t.cpu()
                         if rank != root:
-                            if DRY:  # (the CPU path may use a non-root's tensor as scratch)
-                                return "not the root"
                             assert_equal(torch, got, xs[rank], "reduce: a non-root's tensor")
                             return "not the root: its tensor untouched"
                         if name == "max":
@@ -375,7 +373,9 @@ def check_others(torch, dist, pg, rank: int, c: Checks) -> None:
                 expect_path(pg, "all_to_all_single:stream", before)
                 assert_equal(torch, out.cpu(), ref, "all_to_all_single")
                 t = xs[rank].to(dev, copy=True)
+                before = pg.stats["all_to_all_single:stream"]
                 dist.all_to_all_single(t, t)
+                expect_path(pg, "all_to_all_single:stream", before)
                 assert_equal(torch, t.cpu(), ref, "all_to_all_single in place")
                 return "exact, out of place and in place"
 
@@ -388,8 +388,8 @@ def check_others(torch, dist, pg, rank: int, c: Checks) -> None:
     def xs_for(seed, numel=n):
         return [rank_inputs(torch, r, torch.float32, numel, seed) for r in range(SIZE)]
 
-    def staged(key: str):
-        if not DRY and pg.stats[key] < 1:
+    def staged(key: str, before: int):
+        if not DRY and pg.stats[key] <= before:
             raise AssertionError(f"did not take the path {key}: {dict(pg.stats)}")
 
     def uneven():
@@ -402,18 +402,20 @@ def check_others(torch, dist, pg, rank: int, c: Checks) -> None:
             return xs[r][at:at + rows(r, j)]
         ref = torch.cat([block(j, rank) for j in range(SIZE)])
         out = torch.full_like(ref, 7, device=dev)
+        before = pg.stats["all_to_all_single:staged"]
         dist.all_to_all_single(out, xs[rank].to(dev, copy=True),
                                output_split_sizes=[rows(j, rank) for j in range(SIZE)],
                                input_split_sizes=[rows(rank, j) for j in range(SIZE)])
-        staged("all_to_all_single:staged")
+        staged("all_to_all_single:staged", before)
         assert_equal(torch, out.cpu().reshape(-1), ref.reshape(-1), "all_to_all_single, uneven splits")
         return "exact"
 
     def all_gather_list():
         xs = xs_for(9301)
         outs = [torch.full((n,), 7.0, device=dev) for _ in range(SIZE)]
+        before = pg.stats["allgather:staged"]
         dist.all_gather(outs, xs[rank].to(dev, copy=True))
-        staged("allgather:staged")
+        staged("allgather:staged", before)
         for r in range(SIZE):
             assert_equal(torch, outs[r].cpu(), xs[r], f"all_gather piece {r}")
         return "exact"
@@ -421,13 +423,15 @@ def check_others(torch, dist, pg, rank: int, c: Checks) -> None:
     def all_to_all_list():
         xs = [xs_for(9310 + j) for j in range(SIZE)]  # xs[j][r]: what rank r sends to rank j
         outs = [torch.full((n,), 7.0, device=dev) for _ in range(SIZE)]
+        before = pg.stats["alltoall:staged"]
         dist.all_to_all(outs, [xs[j][rank].to(dev, copy=True) for j in range(SIZE)])
-        staged("alltoall:staged")
+        staged("alltoall:staged", before)
         for r in range(SIZE):
             assert_equal(torch, outs[r].cpu(), xs[rank][r], f"all_to_all from rank {r}")
         return "exact"
 
     def gather_scatter():
+        before = (pg.stats["gather:staged"], pg.stats["scatter:staged"])
         for root in range(SIZE):
             xs = xs_for(9320 + root)
             outs = [torch.full((n,), 7.0, device=dev) for _ in range(SIZE)] if rank == root else None
@@ -439,11 +443,12 @@ def check_others(torch, dist, pg, rank: int, c: Checks) -> None:
             out = torch.full((n,), 7.0, device=dev)
             dist.scatter(out, [p.to(dev, copy=True) for p in pieces] if rank == root else None, src=root)
             assert_equal(torch, out.cpu(), pieces[rank], f"scatter from {root}")
-        staged("gather:staged")
-        staged("scatter:staged")
+        staged("gather:staged", before[0])
+        staged("scatter:staged", before[1])
         return "exact, both roots"
 
     def send_recv():
+        before = pg.stats["send:staged"]
         peer = 1 - rank
         xs = xs_for(9340, 1_000_000)
         # Blocking, one way then the other.
@@ -469,7 +474,7 @@ def check_others(torch, dist, pg, rank: int, c: Checks) -> None:
         for w in dist.batch_isend_irecv(ops):
             w.wait()
         assert_equal(torch, got.cpu(), xs[peer], "batch_isend_irecv")
-        staged("send:staged")
+        staged("send:staged", before)
         return "exact: send/recv each way, isend/irecv both ways at once, batch_isend_irecv"
 
     def barrier():

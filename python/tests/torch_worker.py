@@ -424,6 +424,21 @@ def entry_points(rank, size):
         toroid.torch._DeviceBackend.supports_coalescing = saved
     for p in peers:
         close(bufs[p], message(p, rank), f"batch_isend_irecv from {p}, torch not coalescing")
+    # A batch with an operation toroid cannot issue (a bool receive) fails on every rank while
+    # it is recorded, and nothing of it is issued: the next batch pairs up as if it never was.
+    right, left = (rank + 1) % size, (rank - 1) % size
+    bad = [dist.P2POp(dist.isend, torch.full((1 << 20,), -7.0), right),
+           dist.P2POp(dist.irecv, torch.zeros(4, dtype=torch.bool), left)]
+    try:
+        dist.batch_isend_irecv(bad)
+        raise AssertionError("a batch with a bool receive was issued")
+    except ValueError as e:
+        assert "element type" in str(e), e
+    got_left = torch.zeros(1 << 20)
+    for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((1 << 20,), float(rank)), right),
+                                     dist.P2POp(dist.irecv, got_left, left)]):
+        w.wait()
+    close(got_left, torch.full((1 << 20,), float(left)), "the batch after a refused one")
 
     # monitored_barrier: the last rank comes 1 s late; nobody leaves before it arrives.
     for name, group in (("toroid", None), ("gloo", GLOO)):

@@ -158,8 +158,11 @@ def _dtype(t: torch.Tensor) -> DataType:
 # ---- CUDA tensors ------------------------------------------------------------------------------
 # all_reduce, broadcast, all_gather_into_tensor and reduce_scatter_tensor of CUDA tensors run on
 # device memory through the C entry points toroid_*_stream (Comm.*_stream_ptr), ordered on
-# torch's current stream of the tensor's device (as ProcessGroupNCCL orders on it). Everything
-# else is staged: copied to CPU tensors, run by the CPU path, copied back (see _staged).
+# torch's current stream of the tensor's device (as ProcessGroupNCCL orders on it), and so do
+# reduce and all_to_all_single with equal splits (blocking). Everything else is staged: copied
+# to CPU tensors, run by the CPU path, copied back (see _staged). Every rank must pass tensors
+# of the same device, type and layout: the stream path and the staged path run different host
+# collectives.
 
 # The element types and ops of the stream path: the types src/gpu's tests run on the device.
 _STREAM_TYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64})
@@ -169,9 +172,11 @@ _STREAM_OPS = frozenset({ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX
 def stream_path(dtype: torch.dtype, op: Optional[ReduceOp], contiguous: bool, numel: int,
                 wire: Optional[DataType] = None) -> bool:
     """Whether a strided CUDA tensor of `dtype`, `numel` elements, contiguous or not, is
-    all-reduced with `op` (None: broadcast) by the stream entry points (True) or staged through
-    host memory (False). Every rank must decide alike for a collective, so this depends only on
-    what every rank passes equally.
+    all-reduced or reduced with `op` (None: broadcast, or moved by an all-gather or all-to-all)
+    by the stream entry points (True) or staged through host memory (False). Every rank must
+    decide alike for a collective, so this depends only on what every rank must pass equally
+    (the same type, layout and size; a rank that passes another layout than its peers may fail
+    with a mismatch error or at its deadline, as a mismatched CPU call does).
 
     Staged: another element type (the stream path is kept to the types tested on the device);
     a non-contiguous tensor (the entry points take one flat range); an empty one (the stream
@@ -634,9 +639,9 @@ class ProcessGroupToroid(dist.ProcessGroup):
     def _stream_work(self, tensors, name: str, call: Callable[[torch.Tensor, int], Any],
                      timeout: Optional[float] = None) -> ToroidWork:
         """Runs `call(tensor, stream)` for each CUDA tensor on the current stream of its device:
-        one asynchronous stream call per tensor (toroid_*_stream_async: queued, the host free),
-        each returning its toroid Work (None when it completed before returning: the staged
-        path between hosts). The returned work
+        one stream call per tensor, each returning its toroid Work (an asynchronous call on the
+        IPC path: toroid_*_stream_async, queued, the host free) or None (it completed before
+        returning: the staged path, and the blocking reduce and all-to-all). The returned work
         completes when all of them have. A refusal of the request (a toroid
         InvalidArgumentError, UnsupportedError or InvalidUsageError) is raised here, as the CPU
         path raises them when issuing; a failure of the collective itself (a peer, a deadline)
@@ -1212,6 +1217,13 @@ class ProcessGroupToroid(dist.ProcessGroup):
         self._coalesced = []
 
     def _defer(self, kind: str, tensors, peer: int) -> ToroidWork:
+        # Checked now, so that an operation the batch cannot issue fails it while it is being
+        # recorded, before any of it is issued (an issued send would pair with a later batch's
+        # receive).
+        if not 0 <= peer < self.size() or peer == self.rank():
+            raise ValueError(f"toroid {kind}: peer {peer} is not another rank of this group of {self.size()}")
+        for t in tensors:
+            _flat(t)  # a device or element type toroid cannot move raises here
         w = ToroidWork(self, [], tensors, None, kind, staging=self._take_staging())
         w._deferred = True
         self._coalesced.append((kind, list(tensors), peer, w))
@@ -1444,7 +1456,7 @@ def batch_isend_irecv(p2p_op_list):
     try:
         works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in p2p_op_list]
     except BaseException:
-        group._coalesced = None  # nothing of the batch was issued
+        group._coalesced = None  # nothing of the batch was issued (_defer checks each operation)
         raise
     group.end_coalescing()
     return works

@@ -473,16 +473,22 @@ fn run(cli: Cli) -> toroid::Result<u64> {
         ),
         None => None,
     };
-    let started = Instant::now();
-    let started_unix = unix_ms();
-    let comm = Communicator::from_env()?;
-    let setup_cpu = cpu_ms();
-    let opts = CallOptions { timeout: cli.timeout.map(Duration::from_secs_f64), algorithm, wire: None };
     if cli.device.is_some() && (cli.setup || cli.calls.is_some()) {
         return Err(toroid::Error::InvalidArgument(
             "--device runs the size sweep only (not --setup or --calls)".into(),
         ));
     }
+    if cli.device.is_some() && (cli.algorithm.is_some() || cli.timeout.is_some()) {
+        return Err(toroid::Error::InvalidArgument(
+            "--device takes neither -a nor -T: device memory takes its own path (the last column) under TOROID_TIMEOUT"
+                .into(),
+        ));
+    }
+    let started = Instant::now();
+    let started_unix = unix_ms();
+    let comm = Communicator::from_env()?;
+    let setup_cpu = cpu_ms();
+    let opts = CallOptions { timeout: cli.timeout.map(Duration::from_secs_f64), algorithm, wire: None };
     if cli.setup {
         return setup_report(&comm, started_unix, started.elapsed(), setup_cpu, cli.min_bytes, opts);
     }
