@@ -114,6 +114,25 @@ def assert_equal(torch, got, ref, what: str) -> None:
         raise AssertionError(f"{what}: {bad.numel()} elements differ, first [{i}]: {got[i].item()} vs {ref[i].item()}")
 
 
+def assert_reduced(torch, got, xs, name: str, dtype, what: str) -> str:
+    """got (CPU, dtype) against the reduction `name` ("sum", "max" or "avg") of every rank's
+    input xs: exact for MAX and for integers; floats within the bound of (a)."""
+    if name == "max":
+        ref = xs[0]
+        for x in xs[1:]:
+            ref = torch.maximum(ref, x)
+        assert_equal(torch, got, ref, what)
+        return "exact"
+    ref64 = sum(x.to(torch.float64) for x in xs)
+    if not dtype.is_floating_point:
+        assert_equal(torch, got, ref64.to(dtype), what)
+        return "exact"
+    scale = sum(x.to(torch.float64).abs() for x in xs)
+    if name == "avg":
+        return assert_close_to(torch, got, ref64 / SIZE, scale, dtype, what, 1 / SIZE)
+    return assert_close_to(torch, got, ref64, scale, dtype, what, 1)
+
+
 def expect_path(pg, key: str, before: int) -> None:
     """The call took the path `key` counts (the group's counters); not checked in a dry run."""
     if not DRY and pg.stats[key] != before + 1:
@@ -138,21 +157,7 @@ def check_all_reduce_and_broadcast(torch, dist, pg, rank: int, c: Checks) -> Non
                     before = pg.stats["allreduce:stream"]
                     dist.all_reduce(t, op=op)
                     expect_path(pg, "allreduce:stream", before)
-                    got = t.cpu()
-                    if name == "max":
-                        ref = xs[0]
-                        for x in xs[1:]:
-                            ref = torch.maximum(ref, x)
-                        assert_equal(torch, got, ref, "max")
-                        return "exact"
-                    ref64 = sum(x.to(torch.float64) for x in xs)
-                    if not dtype.is_floating_point:
-                        assert_equal(torch, got, ref64.to(dtype), "sum")
-                        return "exact"
-                    scale = sum(x.to(torch.float64).abs() for x in xs)
-                    if name == "avg":
-                        return assert_close_to(torch, got, ref64 / SIZE, scale, dtype, name, 1 / SIZE)
-                    return assert_close_to(torch, got, ref64, scale, dtype, name, 1)
+                    return assert_reduced(torch, t.cpu(), xs, name, dtype, f"all_reduce {name}")
 
                 c.run(f"all_reduce {name} {str(dtype)[6:]} n={n}", one)
             for root in range(SIZE):
@@ -347,18 +352,7 @@ def check_others(torch, dist, pg, rank: int, c: Checks) -> None:
                         if rank != root:
                             assert_equal(torch, got, xs[rank], "reduce: a non-root's tensor")
                             return "not the root: its tensor untouched"
-                        if name == "max":
-                            ref = xs[0]
-                            for x in xs[1:]:
-                                ref = torch.maximum(ref, x)
-                            assert_equal(torch, got, ref, "reduce max")
-                            return "exact"
-                        ref64 = sum(x.to(torch.float64) for x in xs)
-                        if not dtype.is_floating_point:
-                            assert_equal(torch, got, ref64.to(dtype), "reduce sum")
-                            return "exact"
-                        scale = sum(x.to(torch.float64).abs() for x in xs)
-                        return assert_close_to(torch, got, ref64, scale, dtype, "reduce sum", 1)
+                        return assert_reduced(torch, got, xs, name, dtype, f"reduce {name}")
 
                     c.run(f"reduce {name} dst={root} {str(dtype)[6:]} n={n}", red)
         for n in [1, 4099, 1_000_000]:
