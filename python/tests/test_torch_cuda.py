@@ -2,9 +2,14 @@
 process, one rank): which CUDA tensors take the stream path and which are staged through host
 memory, the refusal of a call mixing CPU and CUDA tensors (through every entry point that takes
 tensors), the registration for both devices, and the binding of the C stream entry points.
-What needs a GPU is python/tests/gpu_torch_check.py, run by scripts/gpu-check.sh."""
+What needs a GPU is python/tests/gpu_torch_check.py, run by scripts/gpu-check.sh; its CPU dry
+run (the same checks on CPU tensors: inputs, references, bounds) runs here."""
 
 import ctypes
+import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -205,3 +210,17 @@ def test_nvrtc_is_found_in_torchs_wheels():
     found = tt.nvrtc_from_torch()
     assert found is not None and found.endswith("libnvrtc.so.13") and os.path.exists(found), found
     assert os.environ.get("TOROID_NVRTC_PATH"), "TOROID_NVRTC_PATH is set after importing toroid.torch"
+
+
+def test_the_gpu_check_passes_its_cpu_dry_run():
+    """gpu_torch_check.py --cpu-dry-run: 2 processes run every check of the GPU script that
+    needs no GPU on CPU tensors, so a wrong reference or bound shows here, not first on a GPU
+    machine (nothing of the CUDA path runs)."""
+    script = pathlib.Path(__file__).with_name("gpu_torch_check.py")
+    r = subprocess.run([sys.executable, str(script), "--cpu-dry-run"], capture_output=True, text=True, timeout=400)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-6000:]
+    assert "PASS: gpu_torch_check (2 processes on the CPU, dry run)" in r.stdout, out[-6000:]
+    counts = re.findall(r"\[rank (\d)\] (\d+) passed, (\d+) failed", r.stdout)
+    assert sorted(c[0] for c in counts) == ["0", "1"], out[-6000:]
+    assert all(int(p) > 150 and f == "0" for _, p, f in counts), counts
