@@ -137,6 +137,15 @@ def _op(torch_op) -> ReduceOp:
                      "BAND, BOR and BXOR in all_reduce only)")
 
 
+def _stream_op(torch_op) -> Optional[ReduceOp]:
+    """toroid's op for a call on CUDA tensors; None for those only the CPU path runs or refuses
+    (BAND/BOR/BXOR, PREMUL_SUM), whose call is then staged."""
+    try:
+        return _op(torch_op)
+    except ValueError:
+        return None
+
+
 def _flat(t: torch.Tensor, op: Optional[ReduceOp] = None) -> torch.Tensor:
     """The tensor as toroid sees it: on CPU, of a toroid type; complex as pairs of reals. (CUDA
     tensors never get here: they take the stream path or are staged into CPU copies first.)"""
@@ -664,10 +673,7 @@ class ProcessGroupToroid(dist.ProcessGroup):
         every one (toroid_all_reduce_stream on torch's current stream), else staged."""
         torch_op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         if _device_type(tensors) == "cuda":
-            try:
-                op = _op(torch_op)
-            except ValueError:
-                op = None  # BAND/BOR/BXOR, PREMUL_SUM: staged (the CPU path runs or refuses it)
+            op = _stream_op(torch_op)
             if op is not None and self._on_stream(tensors, op, self._wire):
                 def call(t, stream):
                     p = t.data_ptr()
@@ -824,10 +830,7 @@ class ProcessGroupToroid(dist.ProcessGroup):
         (toroid_reduce_stream on torch's current stream: blocking, pipelined through pinned host
         memory), else staged."""
         if _device_type(tensors) == "cuda":
-            try:
-                op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-            except ValueError:
-                op = None  # BAND/BOR/BXOR, PREMUL_SUM: staged (the CPU path refuses them)
+            op = _stream_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
             root = opts.rootRank if opts is not None else 0
             if op is not None and self._on_stream(tensors, op):
                 def call(t, stream):
@@ -960,10 +963,7 @@ class ProcessGroupToroid(dist.ProcessGroup):
         on torch's current stream; CUDA IPC inside a host) when _pair_on_stream allows, else
         staged."""
         if _device_type([output, input]) == "cuda":
-            try:
-                op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-            except ValueError:
-                op = None  # BAND/BOR/BXOR, PREMUL_SUM: staged (the CPU path runs or refuses it)
+            op = _stream_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
             if op is not None and self._pair_on_stream(output, input, op, self.size()):
                 def call(t, stream):
                     return self._comm.reduce_scatter_stream_ptr(input.data_ptr(), output.data_ptr(), output.numel(),
