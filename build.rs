@@ -15,7 +15,8 @@ use std::path::{Path, PathBuf};
 fn main() {
     let crate_dir =
         PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
-    for p in ["src/ffi", "cbindgen.toml", "build_support", "toroid.pc.in"] {
+    // src/collective.rs: the kinds and algorithms of python/toroid/_abi.json's `values`.
+    for p in ["src/ffi", "src/collective.rs", "cbindgen.toml", "build_support", "toroid.pc.in"] {
         println!("cargo:rerun-if-changed={p}");
     }
     let text = match header::generate(&crate_dir) {

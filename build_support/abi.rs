@@ -7,7 +7,10 @@
 //! `toroid_comm **`, an enum by its typedef name): every exported function (`#[no_mangle]
 //! extern "C"`: name, parameters, return type), every `#[repr(C)]` enum with its values, every
 //! `#[repr(C)]` struct's fields in order, the opaque handle structs, the callback typedefs and
-//! the `TOROID_*` constants. Functions are sorted by name, so moving one between files changes
+//! the `TOROID_*` constants; and, under `values`, the Rust enums whose numbers the ABI hands out
+//! as plain ints (a `toroid_stat` row's `kind` and `algorithm`: `collective::CollKind` and
+//! `collective::Algorithm`; their names come from `toroid_kind_name`/`toroid_algorithm_name`).
+//! Functions are sorted by name, so moving one between files changes
 //! nothing here. The Python binding (`python/toroid/_lib.py`) builds its ctypes declarations
 //! from it.
 
@@ -16,6 +19,11 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use syn::{Expr, Fields, FnArg, Item, Lit, Pat, ReturnType, Type, UnOp};
+
+/// The Rust enums whose values the C ABI hands out as plain ints: (file, enum, key under
+/// `values`).
+const VALUE_ENUMS: [(&str, &str, &str); 2] =
+    [("src/collective.rs", "CollKind", "kind"), ("src/collective.rs", "Algorithm", "algorithm")];
 
 /// The description's text (JSON) for the crate at `crate_dir`.
 pub fn generate(crate_dir: &Path) -> Result<String, String> {
@@ -27,6 +35,17 @@ pub fn generate(crate_dir: &Path) -> Result<String, String> {
         let text = std::fs::read_to_string(f).map_err(|e| format!("reading {}: {e}", f.display()))?;
         let parsed = syn::parse_file(&text).map_err(|e| format!("parsing {}: {e}", f.display()))?;
         abi.items(&parsed.items).map_err(|e| format!("{}: {e}", f.display()))?;
+    }
+    for (file, name, key) in VALUE_ENUMS {
+        let path = crate_dir.join(file);
+        let text = std::fs::read_to_string(&path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+        let parsed = syn::parse_file(&text).map_err(|e| format!("parsing {}: {e}", path.display()))?;
+        let found = parsed.items.iter().find_map(|i| match i {
+            Item::Enum(e) if e.ident == name => Some(e),
+            _ => None,
+        });
+        let e = found.ok_or_else(|| format!("{file} has no enum {name}"))?;
+        abi.values.insert(key.to_string(), variants(e)?);
     }
     Ok(abi.to_json())
 }
@@ -66,6 +85,19 @@ struct Abi {
     opaque: Vec<String>,
     callbacks: BTreeMap<String, Signature>,
     constants: BTreeMap<String, (String, i64)>,
+    values: BTreeMap<String, Vec<(String, i64)>>,
+}
+
+/// An enum's variants with their explicit values, in order.
+fn variants(e: &syn::ItemEnum) -> Result<Vec<(String, i64)>, String> {
+    let mut values = Vec::new();
+    for v in &e.variants {
+        let Some((_, expr)) = &v.discriminant else {
+            return Err(format!("{}::{} has no explicit value", e.ident, v.ident));
+        };
+        values.push((v.ident.to_string(), int_of(expr)?));
+    }
+    Ok(values)
 }
 
 fn has_attr(attrs: &[syn::Attribute], name: &str, arg: Option<&str>) -> bool {
@@ -114,14 +146,7 @@ impl Abi {
                     }
                 }
                 Item::Enum(e) if has_attr(&e.attrs, "repr", Some("C")) && is_pub(&e.vis) => {
-                    let mut values = Vec::new();
-                    for v in &e.variants {
-                        let Some((_, expr)) = &v.discriminant else {
-                            return Err(format!("{}::{} has no explicit value", e.ident, v.ident));
-                        };
-                        values.push((v.ident.to_string(), int_of(expr)?));
-                    }
-                    self.enums.insert(e.ident.to_string(), values);
+                    self.enums.insert(e.ident.to_string(), variants(e)?);
                 }
                 Item::Struct(s) if is_pub(&s.vis) && s.ident.to_string().starts_with("toroid_") => {
                     let name = s.ident.to_string();
@@ -167,15 +192,9 @@ impl Abi {
             .collect();
         o.push_str(&consts.join(","));
         o.push_str("\n  },\n  \"enums\": {");
-        let enums: Vec<String> = self
-            .enums
-            .iter()
-            .map(|(k, vs)| {
-                let vals: Vec<String> = vs.iter().map(|(n, v)| format!("{}: {v}", q(n))).collect();
-                format!("\n    {}: {{{}}}", q(k), vals.join(", "))
-            })
-            .collect();
-        o.push_str(&enums.join(","));
+        o.push_str(&enum_table(&self.enums));
+        o.push_str("\n  },\n  \"values\": {");
+        o.push_str(&enum_table(&self.values));
         let mut opaque = self.opaque.clone();
         opaque.sort();
         let opaque: Vec<String> = opaque.iter().map(|s| q(s)).collect();
@@ -193,6 +212,18 @@ impl Abi {
         o.push_str("\n  }\n}\n");
         o
     }
+}
+
+/// Enums as JSON members `"name": {"VARIANT": value, ...}`, one a line.
+fn enum_table(m: &BTreeMap<String, Vec<(String, i64)>>) -> String {
+    let all: Vec<String> = m
+        .iter()
+        .map(|(k, vs)| {
+            let vals: Vec<String> = vs.iter().map(|(n, v)| format!("{}: {v}", q(n))).collect();
+            format!("\n    {}: {{{}}}", q(k), vals.join(", "))
+        })
+        .collect();
+    all.join(",")
 }
 
 fn signatures(m: &BTreeMap<String, Signature>) -> String {

@@ -94,6 +94,9 @@ def test_name_tables_come_from_the_library():
     lib = _lib.lib()
     assert _lib.KIND_NAMES[1] == "all_reduce" and _lib.KIND_NAMES[8] == "send/recv"
     assert _lib.ALGORITHM_NAMES[1] == "ring" and "shm_direct" in _lib.ALGORITHM_NAMES.values()
+    # Every value of the Rust enums (the description's `values`) has a name, and only those.
+    assert set(_lib.KIND_NAMES) == set(_lib.ABI["values"]["kind"].values())
+    assert set(_lib.ALGORITHM_NAMES) == set(_lib.ABI["values"]["algorithm"].values())
     for table, function in [(_lib.KIND_NAMES, lib.toroid_kind_name),
                             (_lib.ALGORITHM_NAMES, lib.toroid_algorithm_name)]:
         assert len(set(table.values())) == len(table)
