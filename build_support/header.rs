@@ -21,13 +21,18 @@ pub fn generate(crate_dir: &Path) -> Result<String, String> {
 
 /// `Ok` when `committed` is exactly `generated`; otherwise the first line that differs.
 pub fn compare(generated: &str, committed: &str) -> Result<(), String> {
+    compare_file("include/toroid.h", generated, committed)
+}
+
+/// [`compare`] for the generated file `file` (named in the message).
+pub fn compare_file(file: &str, generated: &str, committed: &str) -> Result<(), String> {
     if generated == committed {
         return Ok(());
     }
     let (g, c): (Vec<&str>, Vec<&str>) = (generated.lines().collect(), committed.lines().collect());
     let i = g.iter().zip(&c).position(|(a, b)| a != b).unwrap_or(g.len().min(c.len()));
     Err(format!(
-        "include/toroid.h differs from what src/ffi generates, first at line {}:\n  generated: {:?}\n  committed: {:?}\n\
+        "{file} differs from what src/ffi generates, first at line {}:\n  generated: {:?}\n  committed: {:?}\n\
          ({} vs {} lines; run `cargo build` to regenerate it, then commit it)",
         i + 1,
         g.get(i).copied().unwrap_or("<end of file>"),

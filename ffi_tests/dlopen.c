@@ -27,6 +27,8 @@ static const char *const ENTRY_POINTS[] = {
     "toroid_all_to_all_stream", "toroid_send_stream", "toroid_recv_stream",
     "toroid_get_error_string", "toroid_get_last_error",
     "toroid_version",
+    "toroid_kind_name",
+    "toroid_algorithm_name",
 };
 
 /* The pointer types, from the header's declarations (the functions are never called directly:

@@ -89,6 +89,15 @@ int main(int argc, char **argv) {
   memset(pattern, 0xAB, sizeof pattern);
   EXPECT(memcmp(&two[1], pattern, sizeof pattern) == 0);
 
+  /* Every row's kind and algorithm have a name; values that are neither have none. */
+  for (size_t i = 0; i < n; i++) {
+    EXPECT(toroid_kind_name(all[i].kind) != NULL && toroid_algorithm_name(all[i].algorithm) != NULL);
+  }
+  EXPECT(strcmp(toroid_kind_name(1), "all_reduce") == 0 && strcmp(toroid_kind_name(8), "send/recv") == 0);
+  EXPECT(strcmp(toroid_algorithm_name(1), "ring") == 0);
+  EXPECT(toroid_kind_name(0) == NULL && toroid_kind_name(-1) == NULL && toroid_kind_name(256 + 1) == NULL);
+  EXPECT(toroid_algorithm_name(0) == NULL && toroid_algorithm_name(1 << 20) == NULL);
+
   /* Errors: code, last error, outputs untouched. */
   got = 77;
   EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_comm_stats(NULL, all, n, &got));

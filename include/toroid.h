@@ -385,6 +385,87 @@ enum toroid_result toroid_comm_abort(struct toroid_comm *comm);
 enum toroid_result toroid_comm_destroy(struct toroid_comm *comm);
 
 /**
+ * toroid_all_reduce whose bytes travel as `wire`: TOROID_BFLOAT16 or TOROID_FLOAT16 for a
+ * TOROID_FLOAT32 or TOROID_FLOAT64 all-reduce (half the bytes; every reduction accumulates in
+ * `dtype` and every rank receives the same bits; per element |result - exact| <=
+ * (2u + u^2) sum_r |x_r| plus the sum's own rounding, u = 2^-8 for bf16 and 2^-11 for f16,
+ * divided by the number of ranks for TOROID_AVG). `wire == dtype`: not compressed, whatever
+ * TOROID_WIRE_DTYPE says. Other data types ignore a 16-bit float `wire` (integers are reduced
+ * exactly); an integer `wire` is refused with TOROID_INVALID_ARGUMENT.
+ */
+enum toroid_result toroid_all_reduce_wire(struct toroid_comm *comm,
+                                          const void *sendbuf,
+                                          void *recvbuf,
+                                          size_t count,
+                                          toroid_datatype dtype,
+                                          toroid_redop op,
+                                          toroid_datatype wire);
+
+/**
+ * toroid_all_reduce_wire, queued; *work is set on success (wait on it, then free it).
+ */
+enum toroid_result toroid_all_reduce_wire_async(struct toroid_comm *comm,
+                                                const void *sendbuf,
+                                                void *recvbuf,
+                                                size_t count,
+                                                toroid_datatype dtype,
+                                                toroid_redop op,
+                                                toroid_datatype wire,
+                                                struct toroid_work **work);
+
+/**
+ * Writes the stall report of `comm` to `buf` as NUL-terminated text, truncated to `len` bytes
+ * including the NUL (at a character boundary): the conclusion line first, then one line per
+ * rank (the last operation it completed, the one it is in with phase, step, whom it waits on
+ * and for how long, or dead / not answering). Asks every other rank (each within two
+ * seconds); fails nothing, callable from any thread, also while an operation runs. `buf` may
+ * be NULL only when `len` is 0 (nothing is written). A row is about 200 bytes: 64 KiB holds
+ * the report of some 300 ranks.
+ */
+enum toroid_result toroid_comm_dump(const struct toroid_comm *comm, char *buf, size_t len);
+
+/**
+ * A static description of `result`, with a hint on what to do next.
+ */
+const char *toroid_get_error_string(toroid_result result);
+
+/**
+ * The detail of the last failure on `comm` (of any call on it, or of its async work), or with
+ * comm == NULL the last failure of a call made by this thread (how init failures are read).
+ * Empty when there was none. The text stays valid until the next toroid_get_last_error call
+ * for the same communicator (or, for NULL, on the same thread) that finds a different message.
+ */
+const char *toroid_get_last_error(const struct toroid_comm *comm);
+
+/**
+ * Opens a group on `comm` (or nests one in an open group): until the matching
+ * `toroid_group_end`, blocking collectives on `comm` (all_reduce, reduce_scatter, all_gather,
+ * broadcast, reduce, all_to_all, barrier) are checked and recorded, and return TOROID_SUCCESS
+ * at once without touching their buffers. Async calls, send and receive are refused inside a
+ * group (TOROID_INVALID_USAGE). Every rank must record the same calls in the same order.
+ */
+enum toroid_result toroid_group_start(struct toroid_comm *comm);
+
+/**
+ * Closes the group opened by the matching `toroid_group_start`; the outermost end runs the
+ * recorded calls, consecutive small all-reduces of one type and op packed into one, and
+ * returns when all have run (the first failure stops the group and is returned). The buffers
+ * of the recorded calls must stay valid, and untouched, until it returns.
+ * TOROID_INVALID_USAGE without an open group.
+ */
+enum toroid_result toroid_group_end(struct toroid_comm *comm);
+
+/**
+ * Closes the group like `toroid_group_end`, but the outermost end queues the recorded calls
+ * behind the async work already issued on `comm` and returns at once (NCCL's group end, which
+ * only enqueues): *work completes when every call has run, and toroid_work_wait returns the
+ * first failure among them. The buffers of the recorded calls must stay valid, and untouched,
+ * until the work completes. *work is set to NULL when nothing was queued: a nested end, or a
+ * group that recorded nothing. TOROID_INVALID_USAGE without an open group.
+ */
+enum toroid_result toroid_group_end_async(struct toroid_comm *comm, struct toroid_work **work);
+
+/**
  * Reduces `count` elements of every rank's `sendbuf` with `op`; every rank receives the result
  * in `recvbuf`. In place when sendbuf == recvbuf; other overlaps are rejected.
  */
@@ -394,6 +475,17 @@ enum toroid_result toroid_all_reduce(struct toroid_comm *comm,
                                      size_t count,
                                      toroid_datatype dtype,
                                      toroid_redop op);
+
+/**
+ * toroid_all_reduce, queued; *work is set on success (wait on it, then free it).
+ */
+enum toroid_result toroid_all_reduce_async(struct toroid_comm *comm,
+                                           const void *sendbuf,
+                                           void *recvbuf,
+                                           size_t count,
+                                           toroid_datatype dtype,
+                                           toroid_redop op,
+                                           struct toroid_work **work);
 
 /**
  * Reduces every rank's `sendbuf` (size x recvcount elements, rank r's piece at r x recvcount)
@@ -410,6 +502,17 @@ enum toroid_result toroid_reduce_scatter(struct toroid_comm *comm,
                                          toroid_redop op);
 
 /**
+ * toroid_reduce_scatter, queued (the in-place forms included).
+ */
+enum toroid_result toroid_reduce_scatter_async(struct toroid_comm *comm,
+                                               const void *sendbuf,
+                                               void *recvbuf,
+                                               size_t recvcount,
+                                               toroid_datatype dtype,
+                                               toroid_redop op,
+                                               struct toroid_work **work);
+
+/**
  * Gathers every rank's `sendbuf` (sendcount elements) into every rank's `recvbuf` (size x
  * sendcount elements, rank r's data at r x sendcount). In place (NCCL's form):
  * sendbuf == recvbuf + rank x sendcount elements. Also accepted: sendbuf == recvbuf, with this
@@ -422,6 +525,16 @@ enum toroid_result toroid_all_gather(struct toroid_comm *comm,
                                      toroid_datatype dtype);
 
 /**
+ * toroid_all_gather, queued (the in-place forms included).
+ */
+enum toroid_result toroid_all_gather_async(struct toroid_comm *comm,
+                                           const void *sendbuf,
+                                           void *recvbuf,
+                                           size_t sendcount,
+                                           toroid_datatype dtype,
+                                           struct toroid_work **work);
+
+/**
  * Copies `count` elements of `sendbuf` at `root` into every rank's `recvbuf`. sendbuf is read
  * at the root only (other ranks may pass NULL). In place at the root when sendbuf == recvbuf.
  */
@@ -431,6 +544,17 @@ enum toroid_result toroid_broadcast(struct toroid_comm *comm,
                                     size_t count,
                                     toroid_datatype dtype,
                                     int root);
+
+/**
+ * toroid_broadcast, queued.
+ */
+enum toroid_result toroid_broadcast_async(struct toroid_comm *comm,
+                                          const void *sendbuf,
+                                          void *recvbuf,
+                                          size_t count,
+                                          toroid_datatype dtype,
+                                          int root,
+                                          struct toroid_work **work);
 
 /**
  * Reduces `count` elements of every rank's `sendbuf` with `op` into `recvbuf` at `root`.
@@ -446,6 +570,18 @@ enum toroid_result toroid_reduce(struct toroid_comm *comm,
                                  int root);
 
 /**
+ * toroid_reduce, queued.
+ */
+enum toroid_result toroid_reduce_async(struct toroid_comm *comm,
+                                       const void *sendbuf,
+                                       void *recvbuf,
+                                       size_t count,
+                                       toroid_datatype dtype,
+                                       toroid_redop op,
+                                       int root,
+                                       struct toroid_work **work);
+
+/**
  * Block j (count_per_rank elements) of `sendbuf` goes to rank j, arriving as its block `rank`
  * of `recvbuf`; both buffers hold size x count_per_rank elements. In place when
  * sendbuf == recvbuf.
@@ -457,9 +593,24 @@ enum toroid_result toroid_all_to_all(struct toroid_comm *comm,
                                      toroid_datatype dtype);
 
 /**
+ * toroid_all_to_all, queued.
+ */
+enum toroid_result toroid_all_to_all_async(struct toroid_comm *comm,
+                                           const void *sendbuf,
+                                           void *recvbuf,
+                                           size_t count_per_rank,
+                                           toroid_datatype dtype,
+                                           struct toroid_work **work);
+
+/**
  * Returns once every rank has entered the barrier.
  */
 enum toroid_result toroid_barrier(struct toroid_comm *comm);
+
+/**
+ * toroid_barrier, queued: the work completes once every rank has entered the barrier.
+ */
+enum toroid_result toroid_barrier_async(struct toroid_comm *comm, struct toroid_work **work);
 
 /**
  * Sends `count` elements of `buf` to `peer`, which posts a matching toroid_recv. Messages
@@ -472,6 +623,16 @@ enum toroid_result toroid_send(struct toroid_comm *comm,
                                int peer);
 
 /**
+ * toroid_send, queued.
+ */
+enum toroid_result toroid_send_async(struct toroid_comm *comm,
+                                     const void *buf,
+                                     size_t count,
+                                     toroid_datatype dtype,
+                                     int peer,
+                                     struct toroid_work **work);
+
+/**
  * Receives `count` elements from `peer` into `buf` (the sender's count must match).
  */
 enum toroid_result toroid_recv(struct toroid_comm *comm,
@@ -479,6 +640,16 @@ enum toroid_result toroid_recv(struct toroid_comm *comm,
                                size_t count,
                                toroid_datatype dtype,
                                int peer);
+
+/**
+ * toroid_recv, queued.
+ */
+enum toroid_result toroid_recv_async(struct toroid_comm *comm,
+                                     void *buf,
+                                     size_t count,
+                                     toroid_datatype dtype,
+                                     int peer,
+                                     struct toroid_work **work);
 
 /**
  * Receives `count` elements into `buf` from whichever rank sends first (MPI_ANY_SOURCE) and
@@ -492,96 +663,6 @@ enum toroid_result toroid_recv_any(struct toroid_comm *comm,
                                    int *source);
 
 /**
- * toroid_all_reduce, queued; *work is set on success (wait on it, then free it).
- */
-enum toroid_result toroid_all_reduce_async(struct toroid_comm *comm,
-                                           const void *sendbuf,
-                                           void *recvbuf,
-                                           size_t count,
-                                           toroid_datatype dtype,
-                                           toroid_redop op,
-                                           struct toroid_work **work);
-
-/**
- * toroid_reduce_scatter, queued (the in-place forms included).
- */
-enum toroid_result toroid_reduce_scatter_async(struct toroid_comm *comm,
-                                               const void *sendbuf,
-                                               void *recvbuf,
-                                               size_t recvcount,
-                                               toroid_datatype dtype,
-                                               toroid_redop op,
-                                               struct toroid_work **work);
-
-/**
- * toroid_all_gather, queued (the in-place forms included).
- */
-enum toroid_result toroid_all_gather_async(struct toroid_comm *comm,
-                                           const void *sendbuf,
-                                           void *recvbuf,
-                                           size_t sendcount,
-                                           toroid_datatype dtype,
-                                           struct toroid_work **work);
-
-/**
- * toroid_broadcast, queued.
- */
-enum toroid_result toroid_broadcast_async(struct toroid_comm *comm,
-                                          const void *sendbuf,
-                                          void *recvbuf,
-                                          size_t count,
-                                          toroid_datatype dtype,
-                                          int root,
-                                          struct toroid_work **work);
-
-/**
- * toroid_reduce, queued.
- */
-enum toroid_result toroid_reduce_async(struct toroid_comm *comm,
-                                       const void *sendbuf,
-                                       void *recvbuf,
-                                       size_t count,
-                                       toroid_datatype dtype,
-                                       toroid_redop op,
-                                       int root,
-                                       struct toroid_work **work);
-
-/**
- * toroid_all_to_all, queued.
- */
-enum toroid_result toroid_all_to_all_async(struct toroid_comm *comm,
-                                           const void *sendbuf,
-                                           void *recvbuf,
-                                           size_t count_per_rank,
-                                           toroid_datatype dtype,
-                                           struct toroid_work **work);
-
-/**
- * toroid_barrier, queued: the work completes once every rank has entered the barrier.
- */
-enum toroid_result toroid_barrier_async(struct toroid_comm *comm, struct toroid_work **work);
-
-/**
- * toroid_send, queued.
- */
-enum toroid_result toroid_send_async(struct toroid_comm *comm,
-                                     const void *buf,
-                                     size_t count,
-                                     toroid_datatype dtype,
-                                     int peer,
-                                     struct toroid_work **work);
-
-/**
- * toroid_recv, queued.
- */
-enum toroid_result toroid_recv_async(struct toroid_comm *comm,
-                                     void *buf,
-                                     size_t count,
-                                     toroid_datatype dtype,
-                                     int peer,
-                                     struct toroid_work **work);
-
-/**
  * toroid_recv_any, queued; toroid_work_source gives the sender once the work has completed.
  */
 enum toroid_result toroid_recv_any_async(struct toroid_comm *comm,
@@ -591,50 +672,122 @@ enum toroid_result toroid_recv_any_async(struct toroid_comm *comm,
                                          struct toroid_work **work);
 
 /**
- * Waits for `work` and returns its result (TOROID_SUCCESS or the operation's error; again on
- * every later call). timeout_ms < 0: the communicator's timeout. If the work has not completed
- * within the timeout, the communicator is aborted (as at every toroid deadline), the work fails
- * and TOROID_TIMEOUT is returned once it has stopped: use toroid_work_test to poll instead.
+ * The name of the collective `kind` of a toroid_stat row ("all_reduce", "reduce_scatter",
+ * "all_gather", "broadcast", "reduce", "all_to_all", "barrier", "send/recv", "split",
+ * "probe"), as toroid's logs spell it: a static string, or NULL for a value that is no kind.
  */
-enum toroid_result toroid_work_wait(struct toroid_work *work, int64_t timeout_ms);
+const char *toroid_kind_name(int kind);
 
 /**
- * Sets *source to the rank a receive from any source (toroid_recv_any_async) took its message
- * from. TOROID_INVALID_USAGE while the work has not finished, when it failed, and for works of
- * other operations.
+ * The name of the `algorithm` of a toroid_stat row ("ring", "rd", "tree", ...), as TOROID_ALGO
+ * and toroid-bench spell it: a static string, or NULL for a value that is no algorithm.
  */
-enum toroid_result toroid_work_source(struct toroid_work *work, int *source);
-
-/**
- * Sets *done to 1 if `work` has finished (successfully or not; toroid_work_wait then returns
- * its result at once), else to 0. Never blocks.
- */
-enum toroid_result toroid_work_test(struct toroid_work *work, int *done);
-
-/**
- * Releases `work`. Freeing a work that has not finished does not cancel it: the operation
- * still runs (its buffers must stay valid until it has; a later blocking call on the same
- * communicator, or toroid_comm_destroy, returns after it). NULL is a no-op.
- */
-void toroid_work_free(struct toroid_work *work);
-
-/**
- * A static description of `result`, with a hint on what to do next.
- */
-const char *toroid_get_error_string(toroid_result result);
-
-/**
- * The detail of the last failure on `comm` (of any call on it, or of its async work), or with
- * comm == NULL the last failure of a call made by this thread (how init failures are read).
- * Empty when there was none. The text stays valid until the next toroid_get_last_error call
- * for the same communicator (or, for NULL, on the same thread) that finds a different message.
- */
-const char *toroid_get_last_error(const struct toroid_comm *comm);
+const char *toroid_algorithm_name(int algorithm);
 
 /**
  * The library version, "MAJOR.MINOR.PATCH".
  */
 const char *toroid_version(void);
+
+/**
+ * toroid_comm_init_env in the background: returns at once with *out set to a pending
+ * communicator; poll it with toroid_pending_test, take the communicator with
+ * toroid_pending_wait, give up with toroid_pending_abort. The set-up's errors come from
+ * toroid_pending_wait.
+ */
+enum toroid_result toroid_comm_init_env_async(struct toroid_pending **out);
+
+/**
+ * toroid_comm_init in the background (see toroid_comm_init_env_async). `config` is read
+ * before this returns.
+ */
+enum toroid_result toroid_comm_init_async(struct toroid_pending **out,
+                                          const struct toroid_config *config);
+
+/**
+ * toroid_comm_shrink in the background (see toroid_comm_init_env_async). `failed` is read
+ * before this returns. Aborting it gives up `comm`'s one shrink.
+ */
+enum toroid_result toroid_comm_shrink_async(struct toroid_comm *comm,
+                                            const int *failed,
+                                            int nfailed,
+                                            struct toroid_pending **out);
+
+/**
+ * Sets *done to 1 once the set-up has finished, successfully or not (toroid_pending_wait then
+ * returns at once), else to 0. Never blocks.
+ */
+enum toroid_result toroid_pending_test(struct toroid_pending *pending, int *done);
+
+/**
+ * Waits for the set-up (bounded by its timeout) and sets *out to the new communicator, or
+ * returns the set-up's error (TOROID_ABORTED after toroid_pending_abort). The communicator is
+ * handed out once: a later call gives TOROID_INVALID_USAGE. Free `pending` afterwards.
+ */
+enum toroid_result toroid_pending_wait(struct toroid_pending *pending, struct toroid_comm **out);
+
+/**
+ * Gives up the set-up: returns once its thread has stopped (within about 100 ms) and dropped
+ * what it had made, a communicator not yet taken included; toroid_pending_wait then gives
+ * TOROID_ABORTED. No-op once the communicator was taken.
+ */
+enum toroid_result toroid_pending_abort(struct toroid_pending *pending);
+
+/**
+ * Releases `pending`, aborting its set-up if it has not finished (as toroid_pending_abort)
+ * and dropping a communicator never taken. NULL is a no-op.
+ */
+void toroid_pending_free(struct toroid_pending *pending);
+
+/**
+ * Sets up an all-reduce of `count` elements from `sendbuf` into `recvbuf` (equal: in place)
+ * to be run many times with toroid_request_run: the arguments are checked and the algorithm
+ * chosen once, here, so each run skips both (MPI 4's MPI_Allreduce_init). Every rank must set
+ * up the same all-reduce and run it as often. The buffers must stay valid until the request
+ * is freed; between runs the caller may read and write them. Sets *req on success.
+ */
+enum toroid_result toroid_all_reduce_init(struct toroid_comm *comm,
+                                          const void *sendbuf,
+                                          void *recvbuf,
+                                          size_t count,
+                                          toroid_datatype dtype,
+                                          toroid_redop op,
+                                          struct toroid_request **req);
+
+/**
+ * Runs the request's all-reduce on its buffers as they are now and returns when it has
+ * completed (blocking, like toroid_all_reduce). TOROID_INVALID_USAGE once its communicator was
+ * destroyed.
+ */
+enum toroid_result toroid_request_run(struct toroid_request *req);
+
+/**
+ * Releases a request (it must not be running). NULL is a no-op.
+ */
+void toroid_request_free(struct toroid_request *req);
+
+/**
+ * Builds a communicator of the ranks of `comm` not listed in `failed` (`nfailed` entries), in
+ * rank order, through `comm`'s own listeners (no store, no new port). Works on an aborted
+ * `comm` (after a failure) as on a healthy one. Every survivor calls it with the same set; the
+ * failed ranks do not call it. The new communicator is independent of `comm` (destroy both).
+ */
+enum toroid_result toroid_comm_shrink(struct toroid_comm *comm,
+                                      const int *failed,
+                                      int nfailed,
+                                      struct toroid_comm **out);
+
+/**
+ * A snapshot of `comm`'s statistics: writes up to `capacity` rows to `out` (in the order the
+ * rows were first seen) and sets *count to the number of rows that exist, which may be more
+ * than `capacity` (call first with out = NULL and capacity = 0 to size the array). Never
+ * blocks on the network; the snapshot is consistent (taken under the recorder's lock).
+ * TOROID_INVALID_ARGUMENT when count is NULL, or out is NULL with capacity > 0.
+ */
+enum toroid_result toroid_comm_stats(struct toroid_comm *comm,
+                                     struct toroid_stat *out,
+                                     size_t capacity,
+                                     size_t *count);
 
 /**
  * All-reduces `count` elements of `dtype` from device memory `sendbuf` into device memory
@@ -809,172 +962,32 @@ enum toroid_result toroid_reduce_scatter_stream_async(struct toroid_comm *comm,
                                                       struct toroid_work **work);
 
 /**
- * Writes the stall report of `comm` to `buf` as NUL-terminated text, truncated to `len` bytes
- * including the NUL (at a character boundary): the conclusion line first, then one line per
- * rank (the last operation it completed, the one it is in with phase, step, whom it waits on
- * and for how long, or dead / not answering). Asks every other rank (each within two
- * seconds); fails nothing, callable from any thread, also while an operation runs. `buf` may
- * be NULL only when `len` is 0 (nothing is written). A row is about 200 bytes: 64 KiB holds
- * the report of some 300 ranks.
+ * Waits for `work` and returns its result (TOROID_SUCCESS or the operation's error; again on
+ * every later call). timeout_ms < 0: the communicator's timeout. If the work has not completed
+ * within the timeout, the communicator is aborted (as at every toroid deadline), the work fails
+ * and TOROID_TIMEOUT is returned once it has stopped: use toroid_work_test to poll instead.
  */
-enum toroid_result toroid_comm_dump(const struct toroid_comm *comm, char *buf, size_t len);
+enum toroid_result toroid_work_wait(struct toroid_work *work, int64_t timeout_ms);
 
 /**
- * Opens a group on `comm` (or nests one in an open group): until the matching
- * `toroid_group_end`, blocking collectives on `comm` (all_reduce, reduce_scatter, all_gather,
- * broadcast, reduce, all_to_all, barrier) are checked and recorded, and return TOROID_SUCCESS
- * at once without touching their buffers. Async calls, send and receive are refused inside a
- * group (TOROID_INVALID_USAGE). Every rank must record the same calls in the same order.
+ * Sets *source to the rank a receive from any source (toroid_recv_any_async) took its message
+ * from. TOROID_INVALID_USAGE while the work has not finished, when it failed, and for works of
+ * other operations.
  */
-enum toroid_result toroid_group_start(struct toroid_comm *comm);
+enum toroid_result toroid_work_source(struct toroid_work *work, int *source);
 
 /**
- * Closes the group opened by the matching `toroid_group_start`; the outermost end runs the
- * recorded calls, consecutive small all-reduces of one type and op packed into one, and
- * returns when all have run (the first failure stops the group and is returned). The buffers
- * of the recorded calls must stay valid, and untouched, until it returns.
- * TOROID_INVALID_USAGE without an open group.
+ * Sets *done to 1 if `work` has finished (successfully or not; toroid_work_wait then returns
+ * its result at once), else to 0. Never blocks.
  */
-enum toroid_result toroid_group_end(struct toroid_comm *comm);
+enum toroid_result toroid_work_test(struct toroid_work *work, int *done);
 
 /**
- * Closes the group like `toroid_group_end`, but the outermost end queues the recorded calls
- * behind the async work already issued on `comm` and returns at once (NCCL's group end, which
- * only enqueues): *work completes when every call has run, and toroid_work_wait returns the
- * first failure among them. The buffers of the recorded calls must stay valid, and untouched,
- * until the work completes. *work is set to NULL when nothing was queued: a nested end, or a
- * group that recorded nothing. TOROID_INVALID_USAGE without an open group.
+ * Releases `work`. Freeing a work that has not finished does not cancel it: the operation
+ * still runs (its buffers must stay valid until it has; a later blocking call on the same
+ * communicator, or toroid_comm_destroy, returns after it). NULL is a no-op.
  */
-enum toroid_result toroid_group_end_async(struct toroid_comm *comm, struct toroid_work **work);
-
-/**
- * toroid_comm_init_env in the background: returns at once with *out set to a pending
- * communicator; poll it with toroid_pending_test, take the communicator with
- * toroid_pending_wait, give up with toroid_pending_abort. The set-up's errors come from
- * toroid_pending_wait.
- */
-enum toroid_result toroid_comm_init_env_async(struct toroid_pending **out);
-
-/**
- * toroid_comm_init in the background (see toroid_comm_init_env_async). `config` is read
- * before this returns.
- */
-enum toroid_result toroid_comm_init_async(struct toroid_pending **out,
-                                          const struct toroid_config *config);
-
-/**
- * toroid_comm_shrink in the background (see toroid_comm_init_env_async). `failed` is read
- * before this returns. Aborting it gives up `comm`'s one shrink.
- */
-enum toroid_result toroid_comm_shrink_async(struct toroid_comm *comm,
-                                            const int *failed,
-                                            int nfailed,
-                                            struct toroid_pending **out);
-
-/**
- * Sets *done to 1 once the set-up has finished, successfully or not (toroid_pending_wait then
- * returns at once), else to 0. Never blocks.
- */
-enum toroid_result toroid_pending_test(struct toroid_pending *pending, int *done);
-
-/**
- * Waits for the set-up (bounded by its timeout) and sets *out to the new communicator, or
- * returns the set-up's error (TOROID_ABORTED after toroid_pending_abort). The communicator is
- * handed out once: a later call gives TOROID_INVALID_USAGE. Free `pending` afterwards.
- */
-enum toroid_result toroid_pending_wait(struct toroid_pending *pending, struct toroid_comm **out);
-
-/**
- * Gives up the set-up: returns once its thread has stopped (within about 100 ms) and dropped
- * what it had made, a communicator not yet taken included; toroid_pending_wait then gives
- * TOROID_ABORTED. No-op once the communicator was taken.
- */
-enum toroid_result toroid_pending_abort(struct toroid_pending *pending);
-
-/**
- * Releases `pending`, aborting its set-up if it has not finished (as toroid_pending_abort)
- * and dropping a communicator never taken. NULL is a no-op.
- */
-void toroid_pending_free(struct toroid_pending *pending);
-
-/**
- * Sets up an all-reduce of `count` elements from `sendbuf` into `recvbuf` (equal: in place)
- * to be run many times with toroid_request_run: the arguments are checked and the algorithm
- * chosen once, here, so each run skips both (MPI 4's MPI_Allreduce_init). Every rank must set
- * up the same all-reduce and run it as often. The buffers must stay valid until the request
- * is freed; between runs the caller may read and write them. Sets *req on success.
- */
-enum toroid_result toroid_all_reduce_init(struct toroid_comm *comm,
-                                          const void *sendbuf,
-                                          void *recvbuf,
-                                          size_t count,
-                                          toroid_datatype dtype,
-                                          toroid_redop op,
-                                          struct toroid_request **req);
-
-/**
- * Runs the request's all-reduce on its buffers as they are now and returns when it has
- * completed (blocking, like toroid_all_reduce). TOROID_INVALID_USAGE once its communicator was
- * destroyed.
- */
-enum toroid_result toroid_request_run(struct toroid_request *req);
-
-/**
- * Releases a request (it must not be running). NULL is a no-op.
- */
-void toroid_request_free(struct toroid_request *req);
-
-/**
- * Builds a communicator of the ranks of `comm` not listed in `failed` (`nfailed` entries), in
- * rank order, through `comm`'s own listeners (no store, no new port). Works on an aborted
- * `comm` (after a failure) as on a healthy one. Every survivor calls it with the same set; the
- * failed ranks do not call it. The new communicator is independent of `comm` (destroy both).
- */
-enum toroid_result toroid_comm_shrink(struct toroid_comm *comm,
-                                      const int *failed,
-                                      int nfailed,
-                                      struct toroid_comm **out);
-
-/**
- * A snapshot of `comm`'s statistics: writes up to `capacity` rows to `out` (in the order the
- * rows were first seen) and sets *count to the number of rows that exist, which may be more
- * than `capacity` (call first with out = NULL and capacity = 0 to size the array). Never
- * blocks on the network; the snapshot is consistent (taken under the recorder's lock).
- * TOROID_INVALID_ARGUMENT when count is NULL, or out is NULL with capacity > 0.
- */
-enum toroid_result toroid_comm_stats(struct toroid_comm *comm,
-                                     struct toroid_stat *out,
-                                     size_t capacity,
-                                     size_t *count);
-
-/**
- * toroid_all_reduce whose bytes travel as `wire`: TOROID_BFLOAT16 or TOROID_FLOAT16 for a
- * TOROID_FLOAT32 or TOROID_FLOAT64 all-reduce (half the bytes; every reduction accumulates in
- * `dtype` and every rank receives the same bits; per element |result - exact| <=
- * (2u + u^2) sum_r |x_r| plus the sum's own rounding, u = 2^-8 for bf16 and 2^-11 for f16,
- * divided by the number of ranks for TOROID_AVG). `wire == dtype`: not compressed, whatever
- * TOROID_WIRE_DTYPE says. Other data types ignore a 16-bit float `wire` (integers are reduced
- * exactly); an integer `wire` is refused with TOROID_INVALID_ARGUMENT.
- */
-enum toroid_result toroid_all_reduce_wire(struct toroid_comm *comm,
-                                          const void *sendbuf,
-                                          void *recvbuf,
-                                          size_t count,
-                                          toroid_datatype dtype,
-                                          toroid_redop op,
-                                          toroid_datatype wire);
-
-/**
- * toroid_all_reduce_wire, queued; *work is set on success (wait on it, then free it).
- */
-enum toroid_result toroid_all_reduce_wire_async(struct toroid_comm *comm,
-                                                const void *sendbuf,
-                                                void *recvbuf,
-                                                size_t count,
-                                                toroid_datatype dtype,
-                                                toroid_redop op,
-                                                toroid_datatype wire,
-                                                struct toroid_work **work);
+void toroid_work_free(struct toroid_work *work);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -42,7 +42,7 @@ for l in sys.stdin:
   # The torch check and the package it imports, laid out as in the checkout (the script finds
   # the package two levels up; --run points the binding at DIR/libtoroid.so).
   mkdir -p "$dir/python/toroid" "$dir/python/tests"
-  cp python/toroid/*.py "$dir/python/toroid/"
+  cp -r python/toroid/. "$dir/python/toroid/"  # (the modules, torch/ and _abi.json)
   cp python/tests/gpu_torch_check.py "$dir/python/tests/"
 }
 

@@ -2,8 +2,12 @@
 //! (`docs/ARCHITECTURE.md`, "The C ABI contract": the header is generated and committed, and CI
 //! fails when it drifts). `build.rs` rewrites the working-tree file on every build, so the check
 //! compares the freshly generated text with the file *as committed* (`git show
-//! HEAD:include/toroid.h`) as well as with the working-tree file.
+//! HEAD:include/toroid.h`) as well as with the working-tree file. The same holds for the
+//! machine-readable description of the ABI that `build.rs` writes beside it for the Python
+//! binding, `python/toroid/_abi.json`, which must also describe exactly what the header declares.
 
+#[path = "../build_support/abi.rs"]
+mod abi;
 #[path = "../build_support/header.rs"]
 mod header;
 
@@ -16,6 +20,73 @@ fn crate_dir() -> &'static Path {
 
 fn generated() -> String {
     header::generate(crate_dir()).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn generated_abi() -> String {
+    abi::generate(crate_dir()).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn committed(path: &str) -> String {
+    let out = Command::new("git")
+        .args(["show", &format!("HEAD:{path}")])
+        .current_dir(crate_dir())
+        .output()
+        .expect("git runs (the drift check compares with the committed file)");
+    assert!(out.status.success(), "{path} is not committed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).expect("the file is UTF-8")
+}
+
+#[test]
+fn abi_description_is_what_the_source_generates() {
+    const PATH: &str = "python/toroid/_abi.json";
+    let g = generated_abi();
+    let file = std::fs::read_to_string(crate_dir().join(PATH)).expect("python/toroid/_abi.json exists");
+    for (what, text) in [("working tree", file), ("HEAD", committed(PATH))] {
+        if let Err(e) = header::compare_file(PATH, &g, &text) {
+            panic!("{what}: {e}");
+        }
+    }
+}
+
+#[test]
+fn abi_description_names_every_function_of_the_header() {
+    let (h, a) = (generated(), generated_abi());
+    // Every `toroid_x(` of the header (declarations only: comments mention functions too) is a
+    // function of the description, and the other way round.
+    let code: String = h
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('*') && !l.trim_start().starts_with("/*"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let mut declared: Vec<&str> = code
+        .match_indices("toroid_")
+        .filter_map(|(i, _)| {
+            let rest = &code[i..];
+            let end = rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))?;
+            rest[end..].starts_with('(').then(|| &rest[..end])
+        })
+        .collect();
+    declared.sort();
+    declared.dedup();
+    let functions = &a[a.find("\"functions\"").expect("a functions table")..];
+    let mut described: Vec<&str> = functions
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix('"')?.split('"').next())
+        .filter(|n| n.starts_with("toroid_"))
+        .collect();
+    described.sort();
+    assert!(declared.len() > 60, "{declared:?}");
+    assert_eq!(declared, described);
+    for needle in [
+        "\"toroid_kind_name\": {\"returns\": \"const char *\"",
+        "\"toroid_comm_split\": {\"returns\": \"toroid_result\"",
+        "{\"name\": \"out\", \"type\": \"toroid_comm **\"}",
+        "{\"name\": \"hist\", \"type\": \"uint64_t\", \"len\": 32}",
+        "\"TOROID_AVG\": 4",
+        "\"TOROID_SPLIT_NOCOLOR\": {\"type\": \"int\", \"value\": -1}",
+    ] {
+        assert!(a.contains(needle), "the description lacks {needle}");
+    }
 }
 
 #[test]
@@ -111,6 +182,8 @@ fn header_declares_the_design_contract() {
         "toroid_get_error_string",
         "toroid_get_last_error",
         "toroid_version",
+        "toroid_kind_name",
+        "toroid_algorithm_name",
     ] {
         assert!(g.contains(&format!(" {f}(")) || g.contains(&format!("*{f}(")), "header lacks {f}");
     }

@@ -1,58 +1,105 @@
-"""Loading libtoroid.so and declaring its C ABI (include/toroid.h) for ctypes."""
+"""Loading libtoroid.so and declaring its C ABI for ctypes.
+
+Nothing here is copied by hand from the C header: the functions' argument and result types, the
+enums (toroid_result, toroid_datatype, toroid_redop), the structs, the callback types and the
+constants all come from ``_abi.json``, the description of the ABI that the Rust build writes
+from the same source as include/toroid.h (build.rs, build_support/abi.rs; a test checks that the
+committed file is current). C types become ctypes through one table, ``_C_TYPES``, and
+``ctype()``. The names of a toroid_stat row's kind and algorithm come from the library itself
+(toroid_kind_name, toroid_algorithm_name).
+"""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import enum
+import json
 import os
 import pathlib
+import re
 import threading
 
-c_int = ctypes.c_int
-c_size_t = ctypes.c_size_t
-c_int64 = ctypes.c_int64
-c_void_p = ctypes.c_void_p
-c_char_p = ctypes.c_char_p
+# The C ABI, as build.rs describes it (see python/toroid/_abi.json).
+ABI = json.loads(pathlib.Path(__file__).with_name("_abi.json").read_text())
+
+# C type -> ctypes, for the types that are neither pointers nor toroid's own (an enum is an int
+# in the ABI; `void` as a result is None).
+_C_TYPES = {
+    "int": ctypes.c_int,
+    "unsigned int": ctypes.c_uint,
+    "int8_t": ctypes.c_int8,
+    "uint8_t": ctypes.c_uint8,
+    "int16_t": ctypes.c_int16,
+    "uint16_t": ctypes.c_uint16,
+    "int64_t": ctypes.c_int64,
+    "uint64_t": ctypes.c_uint64,
+    "size_t": ctypes.c_size_t,
+    "ptrdiff_t": ctypes.c_ssize_t,
+    "char": ctypes.c_char,
+    "bool": ctypes.c_bool,
+    "float": ctypes.c_float,
+    "double": ctypes.c_double,
+    "void": None,
+}
+_STRUCTS: dict[str, type] = {}  # struct name -> its ctypes.Structure, filled below
+_CALLBACKS: dict[str, type] = {}  # callback typedef -> its CFUNCTYPE, filled below
 
 
-class Result(enum.IntEnum):
+def ctype(c: str):
+    """The ctypes type of the C type `c` as _abi.json spells it. `const` does not change it;
+    `char *` is c_char_p; `void *` and a pointer to an opaque handle (toroid_comm *, ...) are
+    c_void_p; any other `T *` is POINTER(T's ctype) (so toroid_comm ** is POINTER(c_void_p));
+    an enum is c_int; a struct or callback typedef is its class below."""
+    t = " ".join(c.replace("const ", "").split())
+    if t == "char *":
+        return ctypes.c_char_p
+    if t == "void *":
+        return ctypes.c_void_p
+    if t.endswith("*"):
+        inner = t[:-1].strip()
+        if inner in ABI["opaque"]:
+            return ctypes.c_void_p
+        return ctypes.POINTER(ctype(inner))
+    if t in ABI["enums"]:
+        return ctypes.c_int
+    for table in (_STRUCTS, _CALLBACKS, _C_TYPES):
+        if t in table:
+            return table[t]
+    raise TypeError(f"_abi.json names the C type {c!r}, which toroid._lib has no ctypes type for")
+
+
+def _signature(sig: dict):
+    """(restype, argtypes) of a function or callback of _abi.json."""
+    return ctype(sig["returns"]), [ctype(p["type"]) for p in sig["params"]]
+
+
+def _members(enum_name: str) -> list[tuple[str, int]]:
+    """The enumerators of a C enum, without the TOROID_ prefix."""
+    return [(k.removeprefix("TOROID_"), v) for k, v in ABI["enums"][enum_name].items()]
+
+
+class _Result(enum.IntEnum):
     """toroid_result."""
 
-    SUCCESS = 0
-    SYSTEM_ERROR = 1
-    INTERNAL_ERROR = 2
-    INVALID_ARGUMENT = 3
-    INVALID_USAGE = 4
-    REMOTE_ERROR = 5
-    TIMEOUT = 6
-    ABORTED = 7
-    UNSUPPORTED = 8
+
+Result = _Result("Result", _members("toroid_result"), module=__name__, qualname="Result")
+Result.__doc__ = _Result.__doc__
 
 
-class DataType(enum.IntEnum):
+class _DataType(enum.IntEnum):
     """toroid_datatype."""
-
-    INT8 = 0
-    UINT8 = 1
-    INT32 = 2
-    UINT32 = 3
-    INT64 = 4
-    UINT64 = 5
-    FLOAT16 = 6
-    BFLOAT16 = 7
-    FLOAT32 = 8
-    FLOAT64 = 9
 
     @property
     def itemsize(self) -> int:
-        return {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 2, 8: 4, 9: 8}[int(self)]
+        # Every name ends with its width in bits (INT8 ... FLOAT64, BFLOAT16).
+        return int(re.search(r"\d+$", self.name).group()) // 8
 
     @classmethod
     def of(cls, value) -> "DataType":
         """A DataType from a DataType, its name ("float32", "bfloat16", ...; short forms "bf16",
         "f16", "fp16", "f32", "f64" too) or its number."""
-        if isinstance(value, DataType):
+        if isinstance(value, cls):
             return value
         if isinstance(value, str):
             name = value.upper()
@@ -63,23 +110,20 @@ class DataType(enum.IntEnum):
         return cls(int(value))
 
 
+DataType = _DataType("DataType", _members("toroid_datatype"), module=__name__, qualname="DataType")
+DataType.__doc__ = _DataType.__doc__
+
 _ALIASES = {"BF16": "BFLOAT16", "F16": "FLOAT16", "FP16": "FLOAT16", "HALF": "FLOAT16", "F32": "FLOAT32",
             "FP32": "FLOAT32", "F64": "FLOAT64", "FP64": "FLOAT64"}
 
 
-class ReduceOp(enum.IntEnum):
+class _ReduceOp(enum.IntEnum):
     """toroid_redop."""
-
-    SUM = 0
-    PROD = 1
-    MIN = 2
-    MAX = 3
-    AVG = 4
 
     @classmethod
     def of(cls, value) -> "ReduceOp":
         """A ReduceOp from a ReduceOp, its name ("sum", "max", ...) or its number."""
-        if isinstance(value, ReduceOp):
+        if isinstance(value, cls):
             return value
         if isinstance(value, str):
             names = {"product": "PROD", "mean": "AVG"}
@@ -90,7 +134,10 @@ class ReduceOp(enum.IntEnum):
         return cls(int(value))
 
 
-SPLIT_NOCOLOR = -1
+ReduceOp = _ReduceOp("ReduceOp", _members("toroid_redop"), module=__name__, qualname="ReduceOp")
+ReduceOp.__doc__ = _ReduceOp.__doc__
+
+SPLIT_NOCOLOR = ABI["constants"]["TOROID_SPLIT_NOCOLOR"]["value"]
 
 
 class ToroidError(RuntimeError):
@@ -144,150 +191,47 @@ _ERRORS = {
     Result.UNSUPPORTED: UnsupportedError,
 }
 
+for _name, _sig in ABI["callbacks"].items():
+    _restype, _argtypes = _signature(_sig)
+    _CALLBACKS[_name] = ctypes.CFUNCTYPE(_restype, *_argtypes)
 # Callback types of toroid_store_ops.
-STORE_SET = ctypes.CFUNCTYPE(c_int, c_void_p, c_char_p, c_void_p, c_size_t)
-STORE_GET = ctypes.CFUNCTYPE(c_int, c_void_p, c_char_p, c_void_p, c_size_t, ctypes.POINTER(c_size_t), c_int64)
+STORE_SET = _CALLBACKS["toroid_store_set_fn"]
+STORE_GET = _CALLBACKS["toroid_store_get_fn"]
 
 
-class StoreOps(ctypes.Structure):
-    """toroid_store_ops."""
-
-    _fields_ = [("struct_size", c_size_t), ("set", STORE_SET), ("get", STORE_GET)]
-
-
-class Config(ctypes.Structure):
-    """toroid_config (first version)."""
-
-    _fields_ = [
-        ("struct_size", c_size_t),
-        ("rank", c_int),
-        ("size", c_int),
-        ("store_addr", c_char_p),
-        ("timeout_ms", c_int64),
-        ("socket_ifname", c_char_p),
-    ]
+def _struct(c_name: str, py_name: str, doc: str) -> type:
+    """The ctypes.Structure of a struct of _abi.json (fields in order; arrays by their length)."""
+    fields = []
+    for f in ABI["structs"][c_name]:
+        t = ctype(f["type"])
+        fields.append((f["name"], t * f["len"] if "len" in f else t))
+    cls = type(py_name, (ctypes.Structure,), {"_fields_": fields, "__doc__": doc, "__module__": __name__})
+    _STRUCTS[c_name] = cls
+    return cls
 
 
-class Stat(ctypes.Structure):
-    """toroid_stat: one row of toroid_comm_stats (see Comm.stats)."""
+StoreOps = _struct("toroid_store_ops", "StoreOps", "toroid_store_ops.")
+Config = _struct("toroid_config", "Config", "toroid_config (first version).")
+Stat = _struct("toroid_stat", "Stat", "toroid_stat: one row of toroid_comm_stats (see Comm.stats).")
+assert set(_STRUCTS) == set(ABI["structs"]), "_abi.json has a struct toroid._lib does not declare"
 
-    _fields_ = [
-        ("kind", c_int),
-        ("algorithm", c_int),
-        ("size_class", c_int),
-        ("count", ctypes.c_uint64),
-        ("bytes", ctypes.c_uint64),
-        ("moved", ctypes.c_uint64),
-        ("total_ns", ctypes.c_uint64),
-        ("min_ns", ctypes.c_uint64),
-        ("max_ns", ctypes.c_uint64),
-        ("hist", ctypes.c_uint64 * 32),
-    ]
+# function -> (restype, argtypes): every function of the ABI.
+SIGNATURES = {name: _signature(sig) for name, sig in ABI["functions"].items()}
+
+# toroid_stat.kind and .algorithm -> name, from toroid_kind_name and toroid_algorithm_name
+# (src/collective.rs's names), read from the library on first use (module __getattr__).
+_NAME_TABLES = {"KIND_NAMES": "toroid_kind_name", "ALGORITHM_NAMES": "toroid_algorithm_name"}
 
 
-# toroid_stat.kind -> name (src/collective.rs, CollKind).
-KIND_NAMES = {1: "all_reduce", 2: "reduce_scatter", 3: "all_gather", 4: "broadcast", 5: "reduce",
-              6: "all_to_all", 7: "barrier", 8: "send/recv", 9: "split", 10: "probe"}
-# toroid_stat.algorithm -> name, as TOROID_ALGO spells it (src/collective.rs, Algorithm).
-ALGORITHM_NAMES = {1: "ring", 2: "rd", 3: "chain", 4: "tree", 5: "pairwise", 6: "dissemination",
-                   7: "direct", 8: "hd", 9: "hring", 10: "torus2d", 11: "shm_direct"}
-
-
-# ---- The C ABI of include/toroid.h, as tables ------------------------------------------------
-# python/tests/test_header.py parses the header and fails on any difference from these tables:
-# a function, enum member, struct field, callback type or constant missing on either side, an
-# argument count or type, a return type or a value that differs. C types map to ctypes thus:
-#   an enum (toroid_result, toroid_datatype, ...) -> c_int; int -> c_int; size_t -> c_size_t;
-#   int64_t -> c_int64; void (result) -> None; char * -> c_char_p; void * -> c_void_p;
-#   a pointer to an opaque struct (a handle: toroid_comm *, toroid_work *) -> c_void_p;
-#   a pointer to a struct of STRUCTS -> POINTER(its class); a callback typedef -> its CFUNCTYPE;
-#   any other T * -> POINTER(T's ctype) (so toroid_comm ** -> POINTER(c_void_p)).
-# `const` does not change the ctype.
-
-# enum name -> IntEnum whose members are the C enumerators without the "TOROID_" prefix.
-ENUMS = {"toroid_result": Result, "toroid_datatype": DataType, "toroid_redop": ReduceOp}
-# #define name -> value.
-CONSTANTS = {"TOROID_SPLIT_NOCOLOR": SPLIT_NOCOLOR}
-# Opaque structs: only ever handled through pointers (c_void_p here).
-OPAQUE = ("toroid_comm", "toroid_work", "toroid_pending", "toroid_request")
-# struct name -> ctypes.Structure with the same fields in the same order.
-STRUCTS = {"toroid_config": Config, "toroid_store_ops": StoreOps, "toroid_stat": Stat}
-# function-pointer typedef -> CFUNCTYPE.
-CALLBACKS = {"toroid_store_set_fn": STORE_SET, "toroid_store_get_fn": STORE_GET}
-
-_P = c_void_p  # opaque handles and buffers
-_PP = ctypes.POINTER(c_void_p)  # where a handle is written
-_E = c_int  # an enum (toroid_result, toroid_datatype, toroid_redop)
-# function -> (restype, argtypes): every function of the header.
-SIGNATURES = {
-    "toroid_comm_init_env": (_E, [_PP]),
-    "toroid_comm_init": (_E, [_PP, ctypes.POINTER(Config)]),
-    "toroid_comm_init_with_store": (_E, [_PP, c_int, c_int, ctypes.POINTER(StoreOps), _P]),
-    "toroid_comm_init_with_store_config": (_E, [_PP, ctypes.POINTER(Config), ctypes.POINTER(StoreOps), _P]),
-    "toroid_comm_split": (_E, [_P, c_int, c_int, _PP]),
-    "toroid_comm_shrink": (_E, [_P, ctypes.POINTER(c_int), c_int, _PP]),
-    "toroid_comm_init_env_async": (_E, [_PP]),
-    "toroid_comm_init_async": (_E, [_PP, ctypes.POINTER(Config)]),
-    "toroid_comm_shrink_async": (_E, [_P, ctypes.POINTER(c_int), c_int, _PP]),
-    "toroid_pending_test": (_E, [_P, ctypes.POINTER(c_int)]),
-    "toroid_pending_wait": (_E, [_P, _PP]),
-    "toroid_pending_abort": (_E, [_P]),
-    "toroid_pending_free": (None, [_P]),
-    "toroid_group_start": (_E, [_P]),
-    "toroid_group_end": (_E, [_P]),
-    "toroid_group_end_async": (_E, [_P, _PP]),
-    "toroid_all_reduce_init": (_E, [_P, _P, _P, c_size_t, _E, _E, _PP]),
-    "toroid_request_run": (_E, [_P]),
-    "toroid_request_free": (None, [_P]),
-    "toroid_comm_stats": (_E, [_P, ctypes.POINTER(Stat), c_size_t, ctypes.POINTER(c_size_t)]),
-    "toroid_comm_rank": (_E, [_P, ctypes.POINTER(c_int)]),
-    "toroid_comm_size": (_E, [_P, ctypes.POINTER(c_int)]),
-    "toroid_comm_abort": (_E, [_P]),
-    "toroid_comm_dump": (_E, [_P, ctypes.c_char_p, c_size_t]),
-    "toroid_comm_destroy": (_E, [_P]),
-    "toroid_all_reduce": (_E, [_P, _P, _P, c_size_t, _E, _E]),
-    "toroid_all_reduce_wire": (_E, [_P, _P, _P, c_size_t, _E, _E, _E]),
-    "toroid_reduce_scatter": (_E, [_P, _P, _P, c_size_t, _E, _E]),
-    "toroid_all_gather": (_E, [_P, _P, _P, c_size_t, _E]),
-    "toroid_broadcast": (_E, [_P, _P, _P, c_size_t, _E, c_int]),
-    # Device memory on a CUDA stream (the last argument): Comm.*_stream_ptr.
-    "toroid_all_reduce_stream": (_E, [_P, _P, _P, c_size_t, _E, _E, _P]),
-    "toroid_broadcast_stream": (_E, [_P, _P, _P, c_size_t, _E, c_int, _P]),
-    "toroid_all_gather_stream": (_E, [_P, _P, _P, c_size_t, _E, _P]),
-    "toroid_reduce_scatter_stream": (_E, [_P, _P, _P, c_size_t, _E, _E, _P]),
-    "toroid_all_reduce_stream_async": (_E, [_P, _P, _P, c_size_t, _E, _E, _P, _PP]),
-    "toroid_broadcast_stream_async": (_E, [_P, _P, _P, c_size_t, _E, c_int, _P, _PP]),
-    "toroid_all_gather_stream_async": (_E, [_P, _P, _P, c_size_t, _E, _P, _PP]),
-    "toroid_reduce_scatter_stream_async": (_E, [_P, _P, _P, c_size_t, _E, _E, _P, _PP]),
-    "toroid_reduce_stream": (_E, [_P, _P, _P, c_size_t, _E, _E, c_int, _P]),
-    "toroid_all_to_all_stream": (_E, [_P, _P, _P, c_size_t, _E, _P]),
-    "toroid_send_stream": (_E, [_P, _P, c_size_t, _E, c_int, _P]),
-    "toroid_recv_stream": (_E, [_P, _P, c_size_t, _E, c_int, _P]),
-    "toroid_reduce": (_E, [_P, _P, _P, c_size_t, _E, _E, c_int]),
-    "toroid_all_to_all": (_E, [_P, _P, _P, c_size_t, _E]),
-    "toroid_barrier": (_E, [_P]),
-    "toroid_send": (_E, [_P, _P, c_size_t, _E, c_int]),
-    "toroid_recv": (_E, [_P, _P, c_size_t, _E, c_int]),
-    "toroid_recv_any": (_E, [_P, _P, c_size_t, _E, ctypes.POINTER(c_int)]),
-    "toroid_all_reduce_async": (_E, [_P, _P, _P, c_size_t, _E, _E, _PP]),
-    "toroid_all_reduce_wire_async": (_E, [_P, _P, _P, c_size_t, _E, _E, _E, _PP]),
-    "toroid_reduce_scatter_async": (_E, [_P, _P, _P, c_size_t, _E, _E, _PP]),
-    "toroid_all_gather_async": (_E, [_P, _P, _P, c_size_t, _E, _PP]),
-    "toroid_broadcast_async": (_E, [_P, _P, _P, c_size_t, _E, c_int, _PP]),
-    "toroid_reduce_async": (_E, [_P, _P, _P, c_size_t, _E, _E, c_int, _PP]),
-    "toroid_all_to_all_async": (_E, [_P, _P, _P, c_size_t, _E, _PP]),
-    "toroid_barrier_async": (_E, [_P, _PP]),
-    "toroid_send_async": (_E, [_P, _P, c_size_t, _E, c_int, _PP]),
-    "toroid_recv_async": (_E, [_P, _P, c_size_t, _E, c_int, _PP]),
-    "toroid_recv_any_async": (_E, [_P, _P, c_size_t, _E, _PP]),
-    "toroid_work_wait": (_E, [_P, c_int64]),
-    "toroid_work_test": (_E, [_P, ctypes.POINTER(c_int)]),
-    "toroid_work_free": (None, [_P]),
-    "toroid_work_source": (_E, [_P, ctypes.POINTER(c_int)]),
-    "toroid_get_error_string": (c_char_p, [_E]),
-    "toroid_get_last_error": (c_char_p, [_P]),
-    "toroid_version": (c_char_p, []),
-}
+def __getattr__(name: str):
+    function = _NAME_TABLES.get(name)
+    if function is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    name_of = getattr(lib(), function)
+    # The kinds and algorithms are u8 values in the Rust enums.
+    table = {v: n.decode() for v in range(256) if (n := name_of(v))}
+    globals()[name] = table
+    return table
 
 
 def _candidates() -> list[pathlib.Path]:

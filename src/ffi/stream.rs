@@ -1,4 +1,4 @@
-//! Collectives on device memory from C, ordered on a CUDA stream as NCCL's are:
+//! Stream collectives: collectives on device memory from C, ordered on a CUDA stream as NCCL's are:
 //! `toroid_all_reduce_stream`, `toroid_broadcast_stream`, `toroid_all_gather_stream` and
 //! `toroid_reduce_scatter_stream` take device pointers (recognised by their attributes) and a
 //! `cudaStream_t`/`CUstream` (opaque here; NULL is the legacy default stream), and run through
@@ -27,8 +27,9 @@ use super::types::{RawDatatype, RawRedop, toroid_comm, toroid_result, toroid_wor
 use crate::collective::OpKind;
 use crate::error::{Error, Result};
 
-/// Runs `kind` on device memory through `gpu::stream`: blocking when `work` is NULL, else
-/// queued with `*work` set to its work (NULL when the call completed before returning).
+/// Runs `kind` on device memory through `gpu::stream`: blocking when `work` is None, else
+/// queued with `*work` set to its work (NULL when the call completed before returning). `kind`
+/// is the operation's own argument check, reported after the handle and `work` are checked.
 ///
 /// # Safety
 /// The C contract of the entry points below.
@@ -36,7 +37,7 @@ use crate::error::{Error, Result};
 unsafe fn run(
     name: &'static str,
     comm: *mut toroid_comm,
-    kind: impl FnOnce() -> Result<OpKind>,
+    kind: Result<OpKind>,
     a: Args,
     stream: *mut c_void,
     work: Option<*mut *mut toroid_work>,
@@ -47,7 +48,7 @@ unsafe fn run(
             // SAFETY: non-NULL (checked) and valid (the caller's promise).
             unsafe { write_out(w, std::ptr::null_mut()) };
         }
-        let (kind, dtype) = (kind()?, a.dtype.get()?);
+        let (kind, dtype) = (kind?, a.dtype.get()?);
         // The call runs at once: inside a group it would overtake the calls recorded there.
         super::group::refuse_in_group(h, "a stream collective")?;
         #[cfg(feature = "cuda")]
@@ -103,11 +104,16 @@ pub unsafe extern "C" fn toroid_all_reduce_stream(
     op: RawRedop,
     stream: *mut c_void,
 ) -> toroid_result {
-    const NAME: &str = "toroid_all_reduce_stream";
-    let kind = || Ok(OpKind::AllReduce(op.get()?));
-    let a = Args { send: sendbuf, recv: recvbuf, count, dtype };
     // SAFETY: the C contract above.
-    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, None) } })
+    unsafe {
+        stream_call(
+            "toroid_all_reduce_stream",
+            comm,
+            all_reduce(sendbuf, recvbuf, count, dtype, op),
+            stream,
+            None,
+        )
+    }
 }
 
 /// Broadcasts `count` elements of `dtype` from device memory `sendbuf` at `root` into device
@@ -123,11 +129,16 @@ pub unsafe extern "C" fn toroid_broadcast_stream(
     root: c_int,
     stream: *mut c_void,
 ) -> toroid_result {
-    const NAME: &str = "toroid_broadcast_stream";
-    let kind = || Ok(OpKind::Broadcast(rank_of(root, "root")?));
-    let a = Args { send: sendbuf, recv: recvbuf, count, dtype };
     // SAFETY: the C contract above.
-    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, None) } })
+    unsafe {
+        stream_call(
+            "toroid_broadcast_stream",
+            comm,
+            broadcast(sendbuf, recvbuf, count, dtype, root),
+            stream,
+            None,
+        )
+    }
 }
 
 /// Gathers every rank's `sendcount` elements of `dtype` in device memory `sendbuf` into every
@@ -144,11 +155,16 @@ pub unsafe extern "C" fn toroid_all_gather_stream(
     dtype: RawDatatype,
     stream: *mut c_void,
 ) -> toroid_result {
-    const NAME: &str = "toroid_all_gather_stream";
-    let kind = || Ok(OpKind::AllGather);
-    let a = Args { send: sendbuf, recv: recvbuf, count: sendcount, dtype };
     // SAFETY: the C contract above.
-    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, None) } })
+    unsafe {
+        stream_call(
+            "toroid_all_gather_stream",
+            comm,
+            all_gather(sendbuf, recvbuf, sendcount, dtype),
+            stream,
+            None,
+        )
+    }
 }
 
 /// Reduces every rank's device memory `sendbuf` (size x recvcount elements of `dtype`, piece r
@@ -166,11 +182,16 @@ pub unsafe extern "C" fn toroid_reduce_scatter_stream(
     op: RawRedop,
     stream: *mut c_void,
 ) -> toroid_result {
-    const NAME: &str = "toroid_reduce_scatter_stream";
-    let kind = || Ok(OpKind::ReduceScatter(op.get()?));
-    let a = Args { send: sendbuf, recv: recvbuf, count: recvcount, dtype };
     // SAFETY: the C contract above.
-    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, None) } })
+    unsafe {
+        stream_call(
+            "toroid_reduce_scatter_stream",
+            comm,
+            reduce_scatter(sendbuf, recvbuf, recvcount, dtype, op),
+            stream,
+            None,
+        )
+    }
 }
 
 /// Reduces `count` elements of `dtype` of every rank's device memory `sendbuf` with `op` into
@@ -189,11 +210,16 @@ pub unsafe extern "C" fn toroid_reduce_stream(
     root: c_int,
     stream: *mut c_void,
 ) -> toroid_result {
-    const NAME: &str = "toroid_reduce_stream";
-    let kind = || Ok(OpKind::Reduce(op.get()?, rank_of(root, "root")?));
-    let a = Args { send: sendbuf, recv: recvbuf, count, dtype };
     // SAFETY: the C contract above.
-    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, None) } })
+    unsafe {
+        stream_call(
+            "toroid_reduce_stream",
+            comm,
+            reduce(sendbuf, recvbuf, count, dtype, op, root),
+            stream,
+            None,
+        )
+    }
 }
 
 /// Block j (count_per_rank elements of `dtype`) of device memory `sendbuf` goes to rank j,
@@ -210,11 +236,16 @@ pub unsafe extern "C" fn toroid_all_to_all_stream(
     dtype: RawDatatype,
     stream: *mut c_void,
 ) -> toroid_result {
-    const NAME: &str = "toroid_all_to_all_stream";
-    let kind = || Ok(OpKind::AllToAll);
-    let a = Args { send: sendbuf, recv: recvbuf, count: count_per_rank, dtype };
     // SAFETY: the C contract above.
-    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, None) } })
+    unsafe {
+        stream_call(
+            "toroid_all_to_all_stream",
+            comm,
+            all_to_all(sendbuf, recvbuf, count_per_rank, dtype),
+            stream,
+            None,
+        )
+    }
 }
 
 /// Sends `count` elements of `dtype` of device memory `buf` to `peer`, which posts a matching
@@ -233,11 +264,8 @@ pub unsafe extern "C" fn toroid_send_stream(
     peer: c_int,
     stream: *mut c_void,
 ) -> toroid_result {
-    const NAME: &str = "toroid_send_stream";
-    let kind = || Ok(OpKind::Send(rank_of(peer, "peer")?));
-    let a = Args { send: buf, recv: std::ptr::null_mut(), count, dtype };
     // SAFETY: the C contract above.
-    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, None) } })
+    unsafe { stream_call("toroid_send_stream", comm, send(buf, count, dtype, peer), stream, None) }
 }
 
 /// Receives `count` elements of `dtype` from `peer` into device memory `buf` (the sender's
@@ -254,11 +282,102 @@ pub unsafe extern "C" fn toroid_recv_stream(
     peer: c_int,
     stream: *mut c_void,
 ) -> toroid_result {
-    const NAME: &str = "toroid_recv_stream";
-    let kind = || Ok(OpKind::Recv(rank_of(peer, "peer")?));
-    let a = Args { send: std::ptr::null(), recv: buf, count, dtype };
     // SAFETY: the C contract above.
-    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, None) } })
+    unsafe { stream_call("toroid_recv_stream", comm, recv(buf, count, dtype, peer), stream, None) }
+}
+
+/// The one body of every stream entry point, blocking (`work` None) or `_async`: `call` is the
+/// operation, from the same definition for both forms (`all_reduce`, `broadcast`, ... below).
+///
+/// # Safety
+/// The C contract of the entry points.
+unsafe fn stream_call(
+    name: &'static str,
+    comm: *mut toroid_comm,
+    (kind, a): (Result<OpKind>, Args),
+    stream: *mut c_void,
+    work: Option<*mut *mut toroid_work>,
+) -> toroid_result {
+    // SAFETY: forwarded from the caller.
+    ffi_boundary!(name, { unsafe { run(name, comm, kind, a, stream, work) } })
+}
+
+/// The operation of toroid_all_reduce_stream and toroid_all_reduce_stream_async.
+fn all_reduce(
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: RawDatatype,
+    op: RawRedop,
+) -> (Result<OpKind>, Args) {
+    (op.get().map(OpKind::AllReduce), Args { send: sendbuf, recv: recvbuf, count, dtype })
+}
+
+/// The operation of toroid_broadcast_stream and toroid_broadcast_stream_async.
+fn broadcast(
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: RawDatatype,
+    root: c_int,
+) -> (Result<OpKind>, Args) {
+    (rank_of(root, "root").map(OpKind::Broadcast), Args { send: sendbuf, recv: recvbuf, count, dtype })
+}
+
+/// The operation of toroid_all_gather_stream and toroid_all_gather_stream_async.
+fn all_gather(
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    sendcount: usize,
+    dtype: RawDatatype,
+) -> (Result<OpKind>, Args) {
+    (Ok(OpKind::AllGather), Args { send: sendbuf, recv: recvbuf, count: sendcount, dtype })
+}
+
+/// The operation of toroid_reduce_scatter_stream and toroid_reduce_scatter_stream_async.
+fn reduce_scatter(
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    recvcount: usize,
+    dtype: RawDatatype,
+    op: RawRedop,
+) -> (Result<OpKind>, Args) {
+    (op.get().map(OpKind::ReduceScatter), Args { send: sendbuf, recv: recvbuf, count: recvcount, dtype })
+}
+
+/// The operation of toroid_reduce_stream.
+fn reduce(
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dtype: RawDatatype,
+    op: RawRedop,
+    root: c_int,
+) -> (Result<OpKind>, Args) {
+    (
+        op.get().and_then(|op| Ok(OpKind::Reduce(op, rank_of(root, "root")?))),
+        Args { send: sendbuf, recv: recvbuf, count, dtype },
+    )
+}
+
+/// The operation of toroid_all_to_all_stream.
+fn all_to_all(
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count_per_rank: usize,
+    dtype: RawDatatype,
+) -> (Result<OpKind>, Args) {
+    (Ok(OpKind::AllToAll), Args { send: sendbuf, recv: recvbuf, count: count_per_rank, dtype })
+}
+
+/// The operation of toroid_send_stream.
+fn send(buf: *const c_void, count: usize, dtype: RawDatatype, peer: c_int) -> (Result<OpKind>, Args) {
+    (rank_of(peer, "peer").map(OpKind::Send), Args { send: buf, recv: std::ptr::null_mut(), count, dtype })
+}
+
+/// The operation of toroid_recv_stream.
+fn recv(buf: *mut c_void, count: usize, dtype: RawDatatype, peer: c_int) -> (Result<OpKind>, Args) {
+    (rank_of(peer, "peer").map(OpKind::Recv), Args { send: std::ptr::null(), recv: buf, count, dtype })
 }
 
 /// A rank argument from C: negative is an argument error (the range is checked by the call).
@@ -284,11 +403,16 @@ pub unsafe extern "C" fn toroid_all_reduce_stream_async(
     stream: *mut c_void,
     work: *mut *mut toroid_work,
 ) -> toroid_result {
-    const NAME: &str = "toroid_all_reduce_stream_async";
-    let kind = || Ok(OpKind::AllReduce(op.get()?));
-    let a = Args { send: sendbuf, recv: recvbuf, count, dtype };
     // SAFETY: the C contract above.
-    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, Some(work)) } })
+    unsafe {
+        stream_call(
+            "toroid_all_reduce_stream_async",
+            comm,
+            all_reduce(sendbuf, recvbuf, count, dtype, op),
+            stream,
+            Some(work),
+        )
+    }
 }
 
 /// toroid_broadcast_stream, asynchronous for the host as toroid_all_reduce_stream_async.
@@ -303,11 +427,16 @@ pub unsafe extern "C" fn toroid_broadcast_stream_async(
     stream: *mut c_void,
     work: *mut *mut toroid_work,
 ) -> toroid_result {
-    const NAME: &str = "toroid_broadcast_stream_async";
-    let kind = || Ok(OpKind::Broadcast(rank_of(root, "root")?));
-    let a = Args { send: sendbuf, recv: recvbuf, count, dtype };
     // SAFETY: the C contract above.
-    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, Some(work)) } })
+    unsafe {
+        stream_call(
+            "toroid_broadcast_stream_async",
+            comm,
+            broadcast(sendbuf, recvbuf, count, dtype, root),
+            stream,
+            Some(work),
+        )
+    }
 }
 
 /// toroid_all_gather_stream, asynchronous for the host as toroid_all_reduce_stream_async.
@@ -321,11 +450,16 @@ pub unsafe extern "C" fn toroid_all_gather_stream_async(
     stream: *mut c_void,
     work: *mut *mut toroid_work,
 ) -> toroid_result {
-    const NAME: &str = "toroid_all_gather_stream_async";
-    let kind = || Ok(OpKind::AllGather);
-    let a = Args { send: sendbuf, recv: recvbuf, count: sendcount, dtype };
     // SAFETY: the C contract above.
-    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, Some(work)) } })
+    unsafe {
+        stream_call(
+            "toroid_all_gather_stream_async",
+            comm,
+            all_gather(sendbuf, recvbuf, sendcount, dtype),
+            stream,
+            Some(work),
+        )
+    }
 }
 
 /// toroid_reduce_scatter_stream, asynchronous for the host as toroid_all_reduce_stream_async.
@@ -340,9 +474,14 @@ pub unsafe extern "C" fn toroid_reduce_scatter_stream_async(
     stream: *mut c_void,
     work: *mut *mut toroid_work,
 ) -> toroid_result {
-    const NAME: &str = "toroid_reduce_scatter_stream_async";
-    let kind = || Ok(OpKind::ReduceScatter(op.get()?));
-    let a = Args { send: sendbuf, recv: recvbuf, count: recvcount, dtype };
     // SAFETY: the C contract above.
-    ffi_boundary!(NAME, { unsafe { run(NAME, comm, kind, a, stream, Some(work)) } })
+    unsafe {
+        stream_call(
+            "toroid_reduce_scatter_stream_async",
+            comm,
+            reduce_scatter(sendbuf, recvbuf, recvcount, dtype, op),
+            stream,
+            Some(work),
+        )
+    }
 }

@@ -1,11 +1,13 @@
 //! Compressed all-reduce from C: `toroid_all_reduce_wire` and its async form name, per call, the
 //! type a float all-reduce travels in (what `TOROID_WIRE_DTYPE` sets for every call, and
 //! [`CallOptions::wire`] in Rust; the algorithm is `src/comm/wire.rs`). How the Python binding
-//! and the torch backend's DDP comm hook ask for a bf16 wire.
+//! and the torch backend's DDP comm hook ask for a bf16 wire. Both entry points run
+//! [`all_reduce_compressed`], blocking or queued.
 
 use std::ffi::c_void;
 
 use super::boundary::{check_out, ffi_boundary, with_comm, write_out};
+use super::host::Completion;
 use super::ops::{self, Args, Coll};
 use super::types::{RawDatatype, RawRedop, toroid_comm, toroid_result, toroid_work};
 use crate::collective::CallOptions;
@@ -27,15 +29,9 @@ pub unsafe extern "C" fn toroid_all_reduce_wire(
     op: RawRedop,
     wire: RawDatatype,
 ) -> toroid_result {
-    const NAME: &str = "toroid_all_reduce_wire";
     let a = Args { send: sendbuf, recv: recvbuf, count, dtype };
-    ffi_boundary!(NAME, {
-        with_comm(NAME, comm, |h| {
-            let opts = CallOptions { wire: Some(wire.get()?), ..CallOptions::default() };
-            // SAFETY: the C contract: buffers valid for the call's lengths until it returns.
-            unsafe { ops::blocking(h, Coll::AllReduce(op), a, opts) }.map(|_| ())
-        })
-    })
+    // SAFETY: the C contract: buffers valid for the call's lengths until it returns.
+    unsafe { all_reduce_compressed("toroid_all_reduce_wire", comm, a, (op, wire), Completion::Blocking) }
 }
 
 /// toroid_all_reduce_wire, queued; *work is set on success (wait on it, then free it).
@@ -50,13 +46,36 @@ pub unsafe extern "C" fn toroid_all_reduce_wire_async(
     wire: RawDatatype,
     work: *mut *mut toroid_work,
 ) -> toroid_result {
-    const NAME: &str = "toroid_all_reduce_wire_async";
     let a = Args { send: sendbuf, recv: recvbuf, count, dtype };
-    ffi_boundary!(NAME, {
-        with_comm(NAME, comm, |h| {
+    // SAFETY: the C contract: buffers valid until the work completes.
+    unsafe {
+        all_reduce_compressed("toroid_all_reduce_wire_async", comm, a, (op, wire), Completion::Queued(work))
+    }
+}
+
+/// The one body of toroid_all_reduce_wire and its async form: `op` reduces, `wire` is the type
+/// the bytes travel in.
+///
+/// # Safety
+/// The C contract: the buffers of `a` valid until the call returns (blocking) or the work
+/// completes (queued); `work` NULL or valid for a write.
+unsafe fn all_reduce_compressed(
+    name: &'static str,
+    comm: *mut toroid_comm,
+    a: Args,
+    (op, wire): (RawRedop, RawDatatype),
+    how: Completion,
+) -> toroid_result {
+    ffi_boundary!(name, {
+        with_comm(name, comm, |h| {
+            let Completion::Queued(work) = how else {
+                let opts = CallOptions { wire: Some(wire.get()?), ..CallOptions::default() };
+                // SAFETY: forwarded from the caller.
+                return unsafe { ops::blocking(h, Coll::AllReduce(op), a, opts) }.map(|_| ());
+            };
             check_out(work, "work")?;
             let opts = CallOptions { wire: Some(wire.get()?), ..CallOptions::default() };
-            // SAFETY: the C contract: buffers valid until the work completes.
+            // SAFETY: forwarded from the caller.
             let w = unsafe { ops::submit(h, Coll::AllReduce(op), a, opts)? };
             // SAFETY: `work` is non-NULL (checked) and valid (the caller's promise).
             unsafe { write_out(work, w) };

@@ -1,0 +1,140 @@
+"""`ToroidWork`: the torch Work of a toroid operation (its future, wait with a timeout, the
+copy back of staged and non-contiguous outputs), completed in issue order by the group's
+completion thread."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional, TYPE_CHECKING
+
+import torch.distributed as dist
+from torch.futures import Future
+
+from ._errors import _seconds, _torch_error
+from ._staging import _Staging
+from ._types import _cuda_devices
+
+if TYPE_CHECKING:  # (imported at run time it would be a cycle: _group imports this module)
+    from ._group import ProcessGroupToroid
+
+
+class _Finished:
+    """A toroid call that has already run (a stream call that completed before returning, or
+    the failure that stopped issuing the others) as a work of a ToroidWork: wait() raises its
+    failure, if any."""
+
+    _any_source = False
+
+    def __init__(self, error: Optional[BaseException] = None):
+        self._error = error
+
+    def wait(self, timeout=None) -> None:
+        if self._error is not None:
+            raise self._error
+
+
+class ToroidWork(dist.Work):
+    """A torch Work over toroid async works: wait() blocks until they are done, get_future()
+    completes when they are (set by the group's completion thread, or by wait()).
+
+    `staging` (a call on CUDA tensors run on CPU copies) maps the result back to the caller's
+    tensors and copies the outputs back once `finish` has run. A result holding CUDA tensors
+    gets a future that names their devices (torch refuses CUDA tensors in a CPU-only future)."""
+
+    def __init__(self, pg: "ProcessGroupToroid", works: list, result: Any, finish: Optional[Callable[[], None]], name: str,
+                 timeout: Optional[float] = None, staging: Optional[_Staging] = None):
+        super().__init__()
+        if staging is not None:
+            result = staging.original(result)
+        self._copy_back = staging.copy_back if staging is not None else None
+        self._pg = pg
+        self._timeout_s = timeout if timeout is not None else pg._timeout_s
+        self._source: Optional[int] = None  # the sender, for a receive from any source
+        self._works = works
+        self._result = result
+        self._finish = finish
+        self._name = name
+        devices = _cuda_devices(result)
+        self._future = Future(devices=devices) if devices else Future()
+        self._lock = threading.Lock()
+        self._done = False
+        self._completed = threading.Event()  # set once done and the future is completed
+        self._settler: Optional[int] = None  # the thread that completes the future
+        self._deferred = False  # a send/recv of a coalescing block, not issued yet
+        self._exception: Optional[BaseException] = None
+
+    def _complete(self) -> None:
+        """Waits for the toroid works, runs the copy-backs, completes the future (once)."""
+        with self._lock:
+            if self._done:
+                return
+            try:
+                for w in self._works:
+                    got = w.wait(self._timeout_s)
+                    if getattr(w, "_any_source", False):
+                        self._source = got
+                if self._finish is not None:
+                    self._finish()
+                if self._copy_back is not None:
+                    self._copy_back()
+            except BaseException as e:  # noqa: BLE001 - handed to the future and to wait()
+                self._exception = _torch_error(e, self._name, self._pg.rank(), self._timeout_s)
+            self._done = True
+            self._works = []
+            self._settler = threading.get_ident()
+        # The future's callbacks run here, outside the lock (they may wait on other works).
+        if self._exception is not None:
+            self._future.set_exception(self._exception)
+        else:
+            self._future.set_result(self._result)
+        self._completed.set()
+
+    def _settled(self, seconds: Optional[float]) -> bool:
+        """Waits until the future is completed too (a callback of that future, running on the
+        completing thread, does not wait for itself)."""
+        if self._settler == threading.get_ident():
+            return True
+        return self._completed.wait(seconds)
+
+    def wait(self, timeout=None) -> bool:
+        """Waits for completion (the future too); raises the operation's error. With a timeout
+        (seconds or a timedelta; torch's timedelta(0) means none), raises RuntimeError
+        "Operation timed out!" (what gloo's collectives raise) once it passes; the operation
+        stays queued, like gloo's, and a later wait() can still complete it."""
+        if self._deferred:
+            raise RuntimeError(f"toroid {self._name}: waited on inside a coalescing block; "
+                               "its operation is issued when the block ends")
+        seconds = _seconds(timeout)
+        if seconds is None:
+            self._complete()
+            self._settled(None)
+        elif not self._settled(seconds):  # the group's completion thread completes it
+            raise RuntimeError(f"Operation timed out! toroid {self._name} did not complete within {seconds:g} s "
+                               "(Work.wait timeout; the operation is still pending)")
+        if self._exception is not None:
+            raise self._exception
+        return True
+
+    def get_future(self) -> Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._completed.is_set()
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._exception is None
+
+    def exception(self):
+        return self._exception
+
+    def result(self):
+        return self._result
+
+    def _source_rank(self) -> int:
+        """The sender of a finished receive from any source (what dist.recv returns)."""
+        if self._source is None:
+            raise RuntimeError(f"toroid {self._name}: no source rank (not a finished receive from any source)")
+        return self._source
+
+    def __repr__(self) -> str:
+        return f"ToroidWork({self._name}, done={self._done})"
