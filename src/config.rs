@@ -625,6 +625,11 @@ pub fn init_logging() {
     });
 }
 
+/// The NVRTC library TOROID_NVRTC_PATH names.
+pub(crate) fn nvrtc_path() -> Option<std::path::PathBuf> {
+    std::env::var_os("TOROID_NVRTC_PATH").map(std::path::PathBuf::from)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

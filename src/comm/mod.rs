@@ -11,7 +11,10 @@
 //! byte moves leave it usable.
 
 mod api;
+mod argcheck;
 mod control;
+#[cfg(feature = "cuda")]
+mod device;
 mod group;
 mod pending;
 mod persistent;
@@ -19,17 +22,14 @@ mod queue;
 mod setup;
 mod shrink;
 mod stall;
-mod validate;
 mod wire;
 
 pub use api::OwnedBuffer;
+pub(crate) use argcheck::validate;
 pub use group::Group;
 pub use pending::PendingComm;
 pub use persistent::{AllReducePlan, Persistent};
-#[cfg(feature = "cuda")]
-pub(crate) use queue::Inline;
 pub use queue::{Hook, Hooks, Work};
-pub(crate) use validate::validate;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -177,18 +177,6 @@ impl std::fmt::Debug for Communicator {
 }
 
 impl Communicator {
-    /// The device state of collectives on device memory (`gpu::stream`).
-    #[cfg(feature = "cuda")]
-    pub(crate) fn device_state(&self) -> &Mutex<Option<crate::gpu::stream::DeviceState>> {
-        &self.core.device
-    }
-
-    /// The settings this communicator was made with.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn config(&self) -> &Config {
-        &self.core.config
-    }
-
     /// Seconds the cost model predicts for an all-reduce (broadcast and reduce for `chain` and
     /// `tree`) of `bytes` with `algo`.
     pub fn predict(&self, algo: Algorithm, bytes: usize) -> f64 {

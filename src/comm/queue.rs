@@ -249,7 +249,7 @@ impl Communicator {
 /// queued work: only hooks use it.
 #[derive(Clone)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) struct Inline(Arc<Core>);
+pub struct Inline(Arc<Core>);
 
 impl std::fmt::Debug for Inline {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -103,7 +103,7 @@ pub(crate) fn watch(core: &Arc<Core>) {
 }
 
 fn start_watcher() {
-    let ev = match crate::sys::signal::SignalEvent::install(libc::SIGUSR1) {
+    let ev = match crate::sys::signal::SignalEvent::install(crate::sys::signal::SIGUSR1) {
         Ok(Some(ev)) => ev,
         Ok(None) => {
             tracing::info!(target: "toroid::stall", "SIGUSR1 is handled by the program: no report on it");

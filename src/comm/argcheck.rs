@@ -1,5 +1,8 @@
-//! Argument checks: a pure function of the operation, the rank and the size, so it is tested
-//! here without sockets, and the C ABI uses it for its own argument checks.
+//! Argument checks, for every caller: pure functions of the call, the rank and the size (so
+//! they are tested here without sockets). [`validate`] checks an operation on host memory (the
+//! Rust API, the queue, and the C ABI for its own argument checks, so both report the same
+//! errors); [`check_device`] checks a call on device memory (the stream entry points, through
+//! `gpu::host::HostComm::check`), so the GPU path checks nothing itself.
 
 use super::RawOp;
 use crate::collective::{Algorithm, OpKind};
@@ -7,6 +10,8 @@ use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::memory::RawBufs;
 use crate::tuning;
+#[cfg(feature = "cuda")]
+use crate::{dtype::ReduceOp, gpu::host::DeviceCall};
 
 /// Checks everything about `op` that can be checked locally, before any byte moves, for
 /// `rank` of a communicator of `size` ranks (`has_window`: `shm_direct` can run). The C ABI
@@ -133,6 +138,88 @@ pub(crate) fn validate(op: &RawOp, rank: usize, size: usize, has_window: bool) -
         }
     }
     Ok(())
+}
+
+/// Checks a call on device memory for `rank` of a communicator of `size` ranks, before
+/// anything is set up: the types and ranks, the buffers' sizes and overlaps (only NCCL's
+/// in-place forms may overlap) and that the buffers this rank uses are device memory of one
+/// device. That device's ordinal, or `None` when there is nothing to do (no elements).
+#[cfg(feature = "cuda")]
+pub(crate) fn check_device(call: &DeviceCall, rank: usize, size: usize) -> Result<Option<usize>> {
+    let DeviceCall { kind, dtype, count, send, recv } = *call;
+    let (n, es) = (size, dtype.size());
+    let overflow = || Error::InvalidArgument(format!("{n} x {count} elements of {dtype} overflow").into());
+    let bytes = count.checked_mul(es).ok_or_else(overflow)?;
+    let all = bytes.checked_mul(n).ok_or_else(overflow)?;
+    if matches!(
+        kind,
+        OpKind::AllReduce(ReduceOp::Avg)
+            | OpKind::ReduceScatter(ReduceOp::Avg)
+            | OpKind::Reduce(ReduceOp::Avg, _)
+    ) && !dtype.is_float()
+    {
+        return Err(Error::Unsupported(format!("avg of {dtype}: averages take float types").into()));
+    }
+    let me = rank;
+    if let OpKind::Broadcast(r) | OpKind::Reduce(_, r) | OpKind::Send(r) | OpKind::Recv(r) = kind
+        && r >= n
+    {
+        let what = if matches!(kind, OpKind::Send(_) | OpKind::Recv(_)) { "peer" } else { "root" };
+        return Err(Error::InvalidArgument(format!("{what} {r} is not a rank of {n}").into()));
+    }
+    if let OpKind::Send(r) | OpKind::Recv(r) = kind
+        && r == me
+    {
+        return Err(Error::InvalidArgument(format!("rank {r} cannot send to or receive from itself").into()));
+    }
+    if count == 0 {
+        return Ok(None);
+    }
+    // The buffers' sizes (0: not used on this rank: a send's recvbuf, a receive's sendbuf, a
+    // non-root's recvbuf of a reduce), and which overlaps are the in-place forms (NCCL's, and
+    // for a reduce-scatter the result at the front of sendbuf).
+    let mine = (me * bytes) as u64;
+    let (send_len, recv_len, in_place) = match kind {
+        OpKind::AllGather => (bytes, all, send == recv.wrapping_add(mine)),
+        OpKind::ReduceScatter(_) => (all, bytes, recv == send || recv == send.wrapping_add(mine)),
+        OpKind::AllReduce(_) | OpKind::Broadcast(_) => (bytes, bytes, send == recv),
+        OpKind::Reduce(_, root) => (bytes, if me == root { bytes } else { 0 }, send == recv),
+        OpKind::AllToAll => (all, all, send == recv),
+        OpKind::Send(_) => (bytes, 0, false),
+        OpKind::Recv(_) => (0, bytes, false),
+        other => return Err(Error::Unsupported(format!("{other:?} on device memory").into())),
+    };
+    let overlap = send_len > 0
+        && recv_len > 0
+        && send < recv.saturating_add(recv_len as u64)
+        && recv < send.saturating_add(send_len as u64);
+    if overlap && !in_place {
+        return Err(Error::InvalidArgument(
+            format!("{kind:?} on device memory: sendbuf and recvbuf overlap, and not in an in-place form")
+                .into(),
+        ));
+    }
+    // Only the buffers this rank uses must be device memory (of one device).
+    let device = |len: usize, ptr: u64| (len > 0).then(|| crate::gpu::cuda::device_of(ptr));
+    match (device(send_len, send), device(recv_len, recv)) {
+        (Some(Some(a)), Some(Some(b))) if a == b => Ok(Some(a)),
+        (Some(Some(a)), None) | (None, Some(Some(a))) => Ok(Some(a)),
+        (a, b) => {
+            let say = |d: Option<Option<usize>>| match d {
+                Some(Some(d)) => format!("on device {d}"),
+                Some(None) => "host memory".into(),
+                None => "not used".into(),
+            };
+            Err(Error::InvalidArgument(
+                format!(
+                    "the stream collectives take device memory of one device: sendbuf is {}, recvbuf is {}",
+                    say(a),
+                    say(b)
+                )
+                .into(),
+            ))
+        }
+    }
 }
 
 #[cfg(test)]
