@@ -6,7 +6,7 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use super::queue::Inline;
+use super::enqueue::Inline;
 use super::{Communicator, Hooks, RawOp, Work, argcheck};
 use crate::collective::{CallOptions, OpKind};
 use crate::dtype::{DataType, ReduceOp};

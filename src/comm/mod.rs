@@ -9,27 +9,36 @@
 //! aborts the communicator: abort frames tell every peer, every link is closed, queued work
 //! fails, and later calls fail fast with [`Error::Aborted`]. Argument errors found before any
 //! byte moves leave it usable.
+//!
+//! Its parts, in the order a call meets them (NCCL's init / argcheck / enqueue split):
+//!
+//! | part | what it owns |
+//! |---|---|
+//! | `setup` | making communicators: joining through a store (`roster`), `split`, `shrink`, creation in the background (`pending`) |
+//! | `api` | the typed calls (`all_reduce`, `send`, ...) that describe an operation as a [`RawOp`] |
+//! | `argcheck` | every argument check: host operations (`validate`) and calls on device memory |
+//! | `enqueue` | the ordered queue and its worker, [`Work`], groups, persistent requests |
+//! | this file | the communicator, its shared state (`Core`, by concern) and running one operation |
+//! | `wire` | the compressed all-reduce (`TOROID_WIRE_DTYPE`) |
+//! | `control`, `stall` | the control plane (listener, abort frames) and the stall report |
+//! | `device` | the communicator as the GPU path sees it (`gpu::host::HostComm`, cargo feature `cuda`) |
 
 mod api;
 mod argcheck;
 mod control;
 #[cfg(feature = "cuda")]
 mod device;
-mod group;
-mod pending;
-mod persistent;
-mod queue;
+mod enqueue;
 mod setup;
-mod shrink;
 mod stall;
 mod wire;
 
 pub use api::OwnedBuffer;
 pub(crate) use argcheck::validate;
-pub use group::Group;
-pub use pending::PendingComm;
-pub use persistent::{AllReducePlan, Persistent};
-pub use queue::{Hook, Hooks, Work};
+pub use enqueue::group::Group;
+pub use enqueue::persistent::{AllReducePlan, Persistent};
+pub use enqueue::{Hook, Hooks, Work};
+pub use setup::pending::PendingComm;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -48,7 +57,7 @@ use crate::transport::exchange::AbortSignal;
 use crate::transport::window::Window;
 use crate::transport::{Peers, tcp};
 use crate::tuning::{self, AlgoFilter, CostModel, Shape};
-use queue::Queue;
+use enqueue::Queue;
 
 /// One operation with its buffers, ready to validate and run.
 #[derive(Debug, Clone)]

@@ -5,7 +5,7 @@
 //! There is no store to meet through any more (rank 0 stops serving it after set-up), and no
 //! new port is opened: each survivor hands its set-up listener, which the control plane kept
 //! open ([`Core::take_listener_for_shrink`]), to the connect sequence every communicator is made
-//! by (`setup.rs`), with the connections other survivors already made to it while it was not
+//! by (`setup/mod.rs`), with the connections other survivors already made to it while it was not
 //! yet shrinking. The new communicator's id derives from the parent's ([`control::shrink_id`]),
 //! so the handshake keeps out anything that is not one of this shrink's survivors, and its
 //! ranks are the survivors renumbered `0..k`, so a hello claiming a rank beyond `k` is dropped
@@ -19,10 +19,9 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use super::control;
 use super::pending::PendingComm;
-use super::setup::Members;
-use super::{Communicator, Core};
+use super::{Listening, Members};
+use crate::comm::{Communicator, Core, control};
 use crate::error::{Error, Result};
 
 /// Shrink attempts of one communicator: the listener goes to the first, so there is one.
@@ -104,19 +103,11 @@ impl Core {
             rdma_ok: &rdma_ok,
             lazy: false,
         };
-        let comm = Communicator::connect(
-            members,
-            endpoint,
-            accepted,
-            id,
-            &self.config,
-            self.iface.clone(),
-            None,
-            deadline,
-        )
-        .map_err(|e| {
-            e.context(&format!("{what} (every survivor must name the same failed ranks, and be alive)"))
-        })?;
+        let listening = Listening { iface: self.iface.clone(), endpoint, accepted };
+        let comm =
+            Communicator::connect(members, listening, id, &self.config, None, deadline).map_err(|e| {
+                e.context(&format!("{what} (every survivor must name the same failed ranks, and be alive)"))
+            })?;
         comm.agree_on(n, &failed, &survivors).map_err(|e| e.context(&what))?;
         Ok(comm)
     }

@@ -1,6 +1,11 @@
 //! The ordered work queue: blocking calls run on the caller's thread when nothing is queued,
 //! async calls run on the communicator's one worker thread in issue order, and each returns a
-//! [`Work`] that completes when its operation has run.
+//! [`Work`] that completes when its operation has run. Beside it: groups of operations run
+//! as one job (`group.rs`), persistent requests (`persistent.rs`), and the direct runner
+//! queued jobs' hooks meet the other ranks with ([`Inline`]).
+
+pub(super) mod group;
+pub(super) mod persistent;
 
 use std::any::Any;
 use std::collections::VecDeque;
@@ -9,8 +14,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::{Communicator, Core, RawOp, lock};
 use crate::collective::{CallOptions, OpKind};
+use crate::comm::{Communicator, Core, RawOp, lock};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::memory::{RawBufMut, RawBufs};
@@ -115,7 +120,7 @@ impl Communicator {
     fn run_inner_hooked(&self, op: RawOp, validate: bool, mut hooks: Hooks) -> Result<()> {
         self.core.forked()?;
         if validate {
-            super::validate(&op, self.core.rank, self.core.size, self.core.has_window)?;
+            crate::comm::argcheck::validate(&op, self.core.rank, self.core.size, self.core.has_window)?;
         }
         self.core.abort.check()?;
         {
@@ -160,7 +165,9 @@ impl Communicator {
         let r = self
             .core
             .forked()
-            .and_then(|_| super::validate(&op, self.core.rank, self.core.size, self.core.has_window))
+            .and_then(|_| {
+                crate::comm::argcheck::validate(&op, self.core.rank, self.core.size, self.core.has_window)
+            })
             .and_then(|_| self.core.abort.check())
             .and_then(|_| self.enqueue(op, keep, hooks));
         match r {
@@ -283,7 +290,7 @@ impl Inline {
             None => RawBufs::None,
         };
         let op = RawOp { kind, dtype, bufs, opts: CallOptions::default(), source: None };
-        super::validate(&op, self.0.rank, self.0.size, self.0.has_window)?;
+        crate::comm::argcheck::validate(&op, self.0.rank, self.0.size, self.0.has_window)?;
         self.0.abort.check()?;
         let r = self.0.execute(&op, 0);
         self.0.recorder.end(r.is_ok());

@@ -17,9 +17,10 @@
 
 use std::marker::PhantomData;
 
-use super::queue::QueuedJob;
-use super::{Communicator, Hook, Hooks, RawOp, Work, lock};
+use super::QueuedJob;
+use super::{Hook, Hooks, Work};
 use crate::collective::{CallOptions, OpKind};
+use crate::comm::{Communicator, RawOp, lock};
 use crate::dtype::{Element, ReduceOp};
 use crate::error::Result;
 use crate::memory::{RawBuf, RawBufMut, RawBufs};
@@ -68,7 +69,7 @@ impl Communicator {
         let c = &self.core;
         for (op, _) in &ops {
             c.forked()?;
-            super::validate(op, c.rank, c.size, c.has_window)?;
+            crate::comm::argcheck::validate(op, c.rank, c.size, c.has_window)?;
         }
         let mut ops = ops;
         let mut start = 0;
@@ -121,7 +122,7 @@ impl Communicator {
         let c = &self.core;
         for (op, _) in &ops {
             c.forked()?;
-            super::validate(op, c.rank, c.size, c.has_window)?;
+            crate::comm::argcheck::validate(op, c.rank, c.size, c.has_window)?;
         }
         let mut ops = ops;
         let mut jobs = Vec::new();

@@ -6,8 +6,9 @@
 //! algorithm. The choice is made on every rank from the same model and size, so every rank
 //! pins the same algorithm.
 
-use super::{Communicator, Hooks, OwnedBuffer, RawOp, Work};
+use super::{Hooks, Work};
 use crate::collective::{Algorithm, CallOptions, OpKind};
+use crate::comm::{Communicator, OwnedBuffer, RawOp};
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{Error, Result};
 use crate::memory::{RawBufMut, RawBufs};
@@ -58,7 +59,7 @@ impl Communicator {
         };
         let c = &self.core;
         c.forked()?;
-        super::validate(&probe, c.rank, c.size, c.has_window)?;
+        crate::comm::argcheck::validate(&probe, c.rank, c.size, c.has_window)?;
         Ok(self.pin_algorithm(probe).opts)
     }
 
