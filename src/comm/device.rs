@@ -33,15 +33,15 @@ impl HostComm for Communicator {
     type Meet = Inline;
 
     fn rank(&self) -> usize {
-        self.core.rank
+        self.core.ident.rank
     }
 
     fn size(&self) -> usize {
-        self.core.size
+        self.core.ident.size
     }
 
     fn hosts(&self) -> usize {
-        self.core.topology.hosts
+        self.core.ident.topology.hosts
     }
 
     fn timeout(&self) -> Duration {
@@ -61,7 +61,7 @@ impl HostComm for Communicator {
     }
 
     fn check(&self, call: &DeviceCall) -> Result<Option<usize>> {
-        argcheck::check_device(call, self.core.rank, self.core.size)
+        argcheck::check_device(call, self.core.ident.rank, self.core.ident.size)
     }
 
     fn run_bytes(

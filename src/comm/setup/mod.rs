@@ -31,7 +31,9 @@ use std::time::Instant;
 use crate::algorithm::Scratch;
 use crate::collective::{CallOptions, OpKind};
 use crate::comm::control::Control;
-use crate::comm::{Communicator, Core, Engine, Queue, lock};
+use crate::comm::core::{Buffers, Core, Engine, Identity, Links, QueueSlot, Tuning, Watch};
+use crate::comm::enqueue::Queue;
+use crate::comm::{Communicator, lock};
 use crate::config::Config;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
@@ -336,23 +338,30 @@ impl Communicator {
         };
         let explicit = CostModel::parse(config.cost_model.as_deref().unwrap_or(""))?;
         let core = Core {
-            rank,
-            size,
-            id,
+            ident: Identity {
+                rank,
+                size,
+                id,
+                topology,
+                layout,
+                fork_generation: crate::sys::fork::generation(),
+            },
             timeout: config.timeout.min(crate::config::MAX_TIMEOUT),
-            filter,
             config,
-            topology,
-            layout,
-            tuning: std::sync::OnceLock::new(),
-            untuned: (CostModel::default(), shape),
-            logged: Mutex::new(std::collections::HashSet::new()),
-            iface,
-            lanes: lanes.to_vec(),
-            shm_ok: shm_ok.to_vec(),
-            rdma_ok: rdma_ok.to_vec(),
+            tuning: Tuning {
+                filter,
+                model: std::sync::OnceLock::new(),
+                untuned: (CostModel::default(), shape),
+                logged: Mutex::new(std::collections::HashSet::new()),
+            },
+            links: Links {
+                iface,
+                lanes: lanes.to_vec(),
+                shm_ok: shm_ok.to_vec(),
+                rdma_ok: rdma_ok.to_vec(),
+                has_window,
+            },
             abort,
-            has_window,
             engine: Mutex::new(Engine {
                 peers,
                 window,
@@ -362,15 +371,10 @@ impl Communicator {
                 received: vec![0; size],
                 splits: 0,
             }),
-            queue: Mutex::new(Queue::default()),
-            queue_cv: Condvar::new(),
-            last_error: Mutex::new(None),
-            fork_generation: crate::sys::fork::generation(),
+            queue: QueueSlot { jobs: Mutex::new(Queue::default()), cv: Condvar::new() },
+            watch: Watch { control, recorder, last_error: Mutex::new(None) },
+            buffers: Buffers::default(),
             _store: store,
-            control,
-            recorder,
-            pack: Mutex::new(Vec::new()),
-            wire_scratch: Mutex::new(Vec::new()),
             #[cfg(feature = "cuda")]
             device: Mutex::new(None),
         };
@@ -383,7 +387,7 @@ impl Communicator {
     /// Sets the cost model: `explicit` when given, else the probe's measurements agreed by an
     /// all-reduce of maxima (a collective: every rank runs it at creation).
     fn calibrate(&self, explicit: Option<CostModel>) -> Result<()> {
-        let shape = self.core.untuned.1.clone();
+        let shape = self.core.tuning.untuned.1.clone();
         let model = match explicit {
             Some(m) => (m, shape),
             None if self.size() == 1 => (CostModel::default(), shape),
@@ -400,7 +404,7 @@ impl Communicator {
         if self.rank() == 0 {
             tracing::info!(target: "toroid::tuning", "cost model: {} (cpu share {:.1})", model.0, model.1.cpu_share);
         }
-        let _ = self.core.tuning.set(model);
+        let _ = self.core.tuning.model.set(model);
         Ok(())
     }
 
@@ -426,7 +430,7 @@ impl Communicator {
         let new_rank = members.iter().position(|(_, r)| *r == self.rank());
         // 2. Members listen on a fresh port; everyone exchanges addresses over this communicator.
         let endpoint = match new_rank {
-            Some(_) => Some(tcp::listen(&self.core.iface, members.len())?),
+            Some(_) => Some(tcp::listen(&self.core.links.iface, members.len())?),
             None => None,
         };
         const REC: usize = 64;
@@ -457,16 +461,16 @@ impl Communicator {
         let id = {
             use std::hash::{DefaultHasher, Hash, Hasher};
             let mut h = DefaultHasher::new();
-            (self.core.id, split_no, color).hash(&mut h);
+            (self.core.ident.id, split_no, color).hash(&mut h);
             h.finish()
         };
         let deadline = crate::config::deadline_in(self.core.timeout);
-        let t = &self.core.topology;
+        let t = &self.core.ident.topology;
         let hosts: Vec<String> = members.iter().map(|(_, r)| t.host_of[*r].to_string()).collect();
         let machines: Vec<String> = members.iter().map(|(_, r)| t.machine_of[*r].to_string()).collect();
-        let lanes: Vec<usize> = members.iter().map(|(_, r)| self.core.lanes[*r]).collect();
-        let shm_ok: Vec<bool> = members.iter().map(|(_, r)| self.core.shm_ok[*r]).collect();
-        let rdma_ok: Vec<bool> = members.iter().map(|(_, r)| self.core.rdma_ok[*r]).collect();
+        let lanes: Vec<usize> = members.iter().map(|(_, r)| self.core.links.lanes[*r]).collect();
+        let shm_ok: Vec<bool> = members.iter().map(|(_, r)| self.core.links.shm_ok[*r]).collect();
+        let rdma_ok: Vec<bool> = members.iter().map(|(_, r)| self.core.links.rdma_ok[*r]).collect();
         tracing::info!(target: "toroid::init", "rank {} split (color {color:?}, key {key}) into rank {new_rank} of {}", self.rank(), members.len());
         let members = Members {
             rank: new_rank,
@@ -478,7 +482,7 @@ impl Communicator {
             rdma_ok: &rdma_ok,
             lazy: self.core.config.connect_lazy,
         };
-        let listening = Listening { iface: self.core.iface.clone(), endpoint, accepted: Vec::new() };
+        let listening = Listening { iface: self.core.links.iface.clone(), endpoint, accepted: Vec::new() };
         Communicator::connect(members, listening, id, &self.core.config, None, deadline).map(Some)
     }
 }

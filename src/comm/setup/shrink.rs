@@ -60,7 +60,7 @@ impl Core {
     /// See [`Communicator::shrink`].
     fn shrink(&self, failed: &[usize]) -> Result<Communicator> {
         self.forked()?;
-        let n = self.size;
+        let n = self.ident.size;
         let failed: BTreeSet<usize> =
             if failed.is_empty() { self.failed_ranks()? } else { failed.iter().copied().collect() };
         if let Some(bad) = failed.iter().find(|r| **r >= n) {
@@ -68,29 +68,29 @@ impl Core {
                 format!("shrink: rank {bad} is not in a world of {n}").into(),
             ));
         }
-        if failed.contains(&self.rank) {
+        if failed.contains(&self.ident.rank) {
             return Err(Error::InvalidUsage(
-                format!("shrink: rank {} is among the failed ranks {failed:?} it was given", self.rank)
+                format!("shrink: rank {} is among the failed ranks {failed:?} it was given", self.ident.rank)
                     .into(),
             ));
         }
         let survivors: Vec<usize> = (0..n).filter(|r| !failed.contains(r)).collect();
-        let new_rank = survivors.iter().position(|r| *r == self.rank).unwrap_or(0);
+        let new_rank = survivors.iter().position(|r| *r == self.ident.rank).unwrap_or(0);
         let what = format!(
             "rank {}: shrink of communicator {:#x} to ranks {survivors:?} (without {failed:?})",
-            self.rank, self.id
+            self.ident.rank, self.ident.id
         );
         let deadline = crate::config::deadline_in(self.timeout);
-        let id = control::shrink_id(self.id, ATTEMPT);
+        let id = control::shrink_id(self.ident.id, ATTEMPT);
         let (endpoint, accepted) = self.take_listener_for_shrink(ATTEMPT)?;
-        let t = &self.topology;
+        let t = &self.ident.topology;
         let addrs: Vec<_> = survivors.iter().map(|r| self.addrs()[*r]).collect();
         let hosts: Vec<String> = survivors.iter().map(|r| t.host_of[*r].to_string()).collect();
         let machines: Vec<String> = survivors.iter().map(|r| t.machine_of[*r].to_string()).collect();
         tracing::info!(target: "toroid::init", "{what}: rank {new_rank} of {}", survivors.len());
-        let lanes: Vec<usize> = survivors.iter().map(|r| self.lanes[*r]).collect();
-        let shm_ok: Vec<bool> = survivors.iter().map(|r| self.shm_ok[*r]).collect();
-        let rdma_ok: Vec<bool> = survivors.iter().map(|r| self.rdma_ok[*r]).collect();
+        let lanes: Vec<usize> = survivors.iter().map(|r| self.links.lanes[*r]).collect();
+        let shm_ok: Vec<bool> = survivors.iter().map(|r| self.links.shm_ok[*r]).collect();
+        let rdma_ok: Vec<bool> = survivors.iter().map(|r| self.links.rdma_ok[*r]).collect();
         // The survivors connect as a full mesh: the connections other survivors already made
         // were parked for this shrink, and it must not wait for links on demand.
         let members = Members {
@@ -103,7 +103,7 @@ impl Core {
             rdma_ok: &rdma_ok,
             lazy: false,
         };
-        let listening = Listening { iface: self.iface.clone(), endpoint, accepted };
+        let listening = Listening { iface: self.links.iface.clone(), endpoint, accepted };
         let comm =
             Communicator::connect(members, listening, id, &self.config, None, deadline).map_err(|e| {
                 e.context(&format!("{what} (every survivor must name the same failed ranks, and be alive)"))
@@ -120,12 +120,12 @@ impl Core {
         }
         let named = self.abort.is_fired().then(|| self.abort.error().peer()).flatten();
         match named {
-            Some(r) if r != self.rank => Ok(BTreeSet::from([r])),
+            Some(r) if r != self.ident.rank => Ok(BTreeSet::from([r])),
             _ => Err(Error::InvalidUsage(
                 format!(
                     "rank {}: shrink was given no failed ranks, no rank's process is gone and no error \
                      names one: name the ranks to leave out",
-                    self.rank
+                    self.ident.rank
                 )
                 .into(),
             )),
