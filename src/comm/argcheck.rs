@@ -13,6 +13,16 @@ use crate::tuning;
 #[cfg(feature = "cuda")]
 use crate::{dtype::ReduceOp, gpu::host::DeviceCall};
 
+/// A send or receive names another rank as its peer (on host and device memory alike).
+fn not_self(peer: usize, rank: usize) -> Result<()> {
+    if peer == rank {
+        return Err(Error::InvalidArgument(
+            format!("rank {peer} cannot send to or receive from itself").into(),
+        ));
+    }
+    Ok(())
+}
+
 /// Checks everything about `op` that can be checked locally, before any byte moves, for
 /// `rank` of a communicator of `size` ranks (`has_window`: `shm_direct` can run). The C ABI
 /// checks its arguments with this too, so both report the same errors.
@@ -111,11 +121,7 @@ pub(crate) fn validate(op: &RawOp, rank: usize, size: usize, has_window: bool) -
         }
         OpKind::Send(peer) | OpKind::Recv(peer) => {
             rank_ok("peer", peer)?;
-            if peer == rank {
-                return Err(Error::InvalidArgument(
-                    format!("rank {peer} cannot send to or receive from itself").into(),
-                ));
-            }
+            not_self(peer, rank)?;
             whole("buffer", inp.max(out))?;
         }
         OpKind::RecvAny => {
@@ -167,10 +173,8 @@ pub(crate) fn check_device(call: &DeviceCall, rank: usize, size: usize) -> Resul
         let what = if matches!(kind, OpKind::Send(_) | OpKind::Recv(_)) { "peer" } else { "root" };
         return Err(Error::InvalidArgument(format!("{what} {r} is not a rank of {n}").into()));
     }
-    if let OpKind::Send(r) | OpKind::Recv(r) = kind
-        && r == me
-    {
-        return Err(Error::InvalidArgument(format!("rank {r} cannot send to or receive from itself").into()));
+    if let OpKind::Send(r) | OpKind::Recv(r) = kind {
+        not_self(r, me)?;
     }
     if count == 0 {
         return Ok(None);
