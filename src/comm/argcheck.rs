@@ -303,4 +303,32 @@ mod tests {
         assert!(m.contains("split into 2 blocks"), "{m}");
         assert!(validate(&op(OpKind::Barrier, DataType::U8, &[], &mut []), 0, 2, false).is_ok());
     }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_calls_are_checked_before_any_device_is_touched() {
+        let call = |kind, dtype, count, send, recv| DeviceCall { kind, dtype, count, send, recv };
+        let sum = OpKind::AllReduce(ReduceOp::Sum);
+        let avg = OpKind::AllReduce(ReduceOp::Avg);
+        let m = message(check_device(&call(avg, DataType::I32, 4, 0, 0), 0, 3).map(drop));
+        assert!(m.contains("averages take float types"), "{m}");
+        let m = message(check_device(&call(OpKind::Broadcast(3), DataType::F32, 4, 0, 0), 0, 3).map(drop));
+        assert!(m.contains("root 3 is not a rank of 3"), "{m}");
+        let m = message(check_device(&call(OpKind::Send(1), DataType::F32, 4, 0, 0), 1, 3).map(drop));
+        assert!(m.contains("cannot send to or receive from itself"), "{m}");
+        let m = message(check_device(&call(sum, DataType::F64, usize::MAX / 4, 0, 0), 0, 3).map(drop));
+        assert!(m.contains("overflow"), "{m}");
+        // Nothing to do: no device needed.
+        assert_eq!(check_device(&call(sum, DataType::F32, 0, 0, 0), 0, 3).ok(), Some(None));
+        // Overlapping, not in place: refused before the pointers are looked at.
+        let m = message(check_device(&call(sum, DataType::F32, 4, 4096, 4100), 0, 3).map(drop));
+        assert!(m.contains("overlap, and not in an in-place form"), "{m}");
+        // Host memory is not device memory.
+        let host = [0u64; 4];
+        let p = host.as_ptr() as u64;
+        let m = message(check_device(&call(sum, DataType::F32, 4, p, p), 0, 3).map(drop));
+        assert!(m.contains("sendbuf is host memory, recvbuf is host memory"), "{m}");
+        let m = message(check_device(&call(OpKind::Send(2), DataType::U8, 8, p, 0), 0, 3).map(drop));
+        assert!(m.contains("sendbuf is host memory, recvbuf is not used"), "{m}");
+    }
 }

@@ -7,7 +7,7 @@
 //! All-gather, reduce-scatter and all-to-all, whose output is not their input, do the same
 //! through halves of the two buffers (one's for the pieces in, the other's for the pieces out),
 //! and a receive fills the buffers on the host and only copies them in. All of them run one
-//! chunk pipeline ([`Pipeline`]), parameterised by what each chunk copies out, what the host
+//! chunk pipeline (`Pipeline`), parameterised by what each chunk copies out, what the host
 //! runs on it and what it copies back in.
 //!
 //! The host side is the communicator's own collective on host memory, so every algorithm,
