@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use super::cuda::{self, CudaContext, CudaEvent, CudaStream, Pinned};
 use super::host::HostComm;
-use crate::OpKind;
+use crate::collective::OpKind;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 

@@ -48,7 +48,7 @@ use super::device::DeviceKernels;
 use super::host::{DeviceCall, HostComm, Meet};
 use super::ipc::IpcWindows;
 use super::staged::DeviceCollectives;
-use crate::OpKind;
+use crate::collective::OpKind;
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
 
