@@ -1,5 +1,5 @@
 //! Cancelling a set-up that runs on a thread of its own: the non-blocking forms of creation and
-//! shrink (`comm/pending.rs`, NCCL's non-blocking `ncclCommInitRankConfig` and
+//! shrink (`comm/setup/pending.rs`, NCCL's non-blocking `ncclCommInitRankConfig` and
 //! `ncclCommShrink` with `ncclCommAbort`).
 //!
 //! Set-up is a sequence of bounded waits in several layers (the store, the TCP mesh, the

@@ -625,6 +625,12 @@ pub fn init_logging() {
     });
 }
 
+/// The NVRTC library TOROID_NVRTC_PATH names.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn nvrtc_path() -> Option<std::path::PathBuf> {
+    std::env::var_os("TOROID_NVRTC_PATH").map(std::path::PathBuf::from)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -96,12 +96,12 @@ impl Drop for Control {
 impl Core {
     /// This rank's own snapshot.
     pub(crate) fn own_snapshot(&self) -> Snapshot {
-        (self.control.snapshot)()
+        (self.watch.control.snapshot)()
     }
 
     /// Asks every other rank for its snapshot, all at once, each within `grace`.
     pub(crate) fn ask_peers(&self, grace: Duration) -> Vec<(usize, PeerAnswer)> {
-        let c = &self.control;
+        let c = &self.watch.control;
         let peers: Vec<usize> = (0..c.addrs.len()).filter(|r| *r != c.ctx.rank).collect();
         let mut out = Vec::with_capacity(peers.len());
         // One thread per peer in batches (this runs only when a job is stuck or on demand).
@@ -128,7 +128,7 @@ impl Core {
     /// rank's kernel accepts at once, whatever the rank is doing (even setting up a shrink,
     /// when its listener is not served).
     pub(crate) fn gone_peers(&self, timeout: Duration) -> Vec<(usize, String)> {
-        let c = &self.control;
+        let c = &self.watch.control;
         let peers: Vec<usize> = (0..c.addrs.len()).filter(|r| *r != c.ctx.rank).collect();
         let mut out = Vec::new();
         for batch in peers.chunks(64) {
@@ -152,12 +152,12 @@ impl Core {
         &self,
         attempt: u64,
     ) -> Result<(tcp::Endpoint, Vec<(TcpStream, SocketAddr)>)> {
-        let c = &self.control;
+        let c = &self.watch.control;
         let Some((listener, parked)) = c.stop() else {
             return Err(Error::InvalidUsage(
                 format!(
                     "rank {}: this communicator's listener was already handed to an earlier shrink",
-                    self.rank
+                    self.ident.rank
                 )
                 .into(),
             ));
@@ -176,7 +176,7 @@ impl Core {
 
     /// Every rank's listening address (index = rank), as published at set-up.
     pub(crate) fn addrs(&self) -> &[SocketAddr] {
-        &self.control.addrs
+        &self.watch.control.addrs
     }
 }
 

@@ -58,14 +58,14 @@ impl Core {
     /// `e` with the stall report's conclusion in front of its message, when `e` is a failure
     /// the report explains (the whole report goes to the log, target `toroid::stall`).
     pub(crate) fn with_stall_report(&self, e: Error) -> Error {
-        if self.size < 2 || !explains(&e) {
+        if self.ident.size < 2 || !explains(&e) {
             return e;
         }
         // A lost connection names the peer that closed it: that one died; others found gone
         // by now most likely exited after failing because of it.
         let closed = if matches!(e, Error::Remote(_)) { e.peer() } else { None };
         let report = self.stall_report(closed);
-        tracing::error!(target: "toroid::stall", "rank {}: {e}\n{report}", self.rank);
+        tracing::error!(target: "toroid::stall", "rank {}: {e}\n{report}", self.ident.rank);
         if !report.is_informative() {
             return e;
         }
@@ -103,7 +103,7 @@ pub(crate) fn watch(core: &Arc<Core>) {
 }
 
 fn start_watcher() {
-    let ev = match crate::sys::signal::SignalEvent::install(libc::SIGUSR1) {
+    let ev = match crate::sys::signal::SignalEvent::install(crate::sys::signal::SIGUSR1) {
         Ok(Some(ev)) => ev,
         Ok(None) => {
             tracing::info!(target: "toroid::stall", "SIGUSR1 is handled by the program: no report on it");
@@ -121,8 +121,8 @@ fn start_watcher() {
                 if core.forked().is_ok() {
                     let text = format!(
                         "toroid: rank {} of communicator {:#018x} (SIGUSR1): {}",
-                        core.rank,
-                        core.id,
+                        core.ident.rank,
+                        core.ident.id,
                         core.stall_report(None)
                     );
                     eprintln!("{text}");

@@ -54,7 +54,8 @@ impl Core {
     /// communicator.
     pub(super) fn wire_of(&self, op: &RawOp) -> Option<DataType> {
         let wire = op.opts.wire.or(self.config.wire)?;
-        (matches!(op.kind, OpKind::AllReduce(_)) && compressible(op.dtype, wire, self.size)).then_some(wire)
+        (matches!(op.kind, OpKind::AllReduce(_)) && compressible(op.dtype, wire, self.ident.size))
+            .then_some(wire)
     }
 
     /// Runs the all-reduce `op` as an all-to-all and an all-gather in `wire` (see the module
@@ -63,18 +64,18 @@ impl Core {
         let OpKind::AllReduce(rop) = op.kind else {
             return self.execute(op, issued_ns);
         };
-        let grid = &self.layout.grid;
-        if self.layout.roots.len() > 1 && grid.x > 1 && grid.y > 1 {
+        let grid = &self.ident.layout.grid;
+        if self.ident.layout.roots.len() > 1 && grid.x > 1 && grid.y > 1 {
             // Several ranks on each of several hosts: the 2D torus, exact within each host and
             // compressed between hosts only (`algorithm/torus2d.rs`).
             let opts = CallOptions { algorithm: Some(Algorithm::Torus2d), ..op.opts };
             return self.execute(&RawOp { opts, ..op.clone() }, issued_ns);
         }
-        let (n, me) = (self.size, self.rank);
+        let (n, me) = (self.ident.size, self.ident.rank);
         let es = op.dtype.size();
         let count = op.bufs.output_len() / es;
         let c = count.div_ceil(n).max(1);
-        let mut scratch = lock(&self.wire_scratch);
+        let mut scratch = lock(&self.buffers.wire);
         if scratch.len() < 2 * n * c {
             scratch.resize(2 * n * c, 0);
         }
@@ -101,7 +102,7 @@ impl Core {
             source: None,
         };
         self.execute(&scatter, issued_ns)?;
-        self.recorder.end(true);
+        self.watch.recorder.end(true);
         // Piece `me` of every rank, reduced in rank order (the same order on every rank) in the
         // data's own type, rounded once.
         let mine = count.saturating_sub(me * c).min(c);

@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 
-use super::{driver_err, guard, kernels};
+use super::cuda::{driver_err, guard};
+use super::kernels;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 
@@ -103,22 +104,21 @@ impl DeviceKernels {
         count: usize,
     ) -> Result<()> {
         // SAFETY: forwarded contract.
-        unsafe { self.reduce_on(&self.stream, dtype, op, dst, a, b, count) }
+        unsafe { self.reduce_on(&self.stream, dtype, op, dst, [a, b], count) }
     }
 
-    /// [`Self::reduce_into`] enqueued on `stream` (of this device's primary context).
+    /// [`Self::reduce_into`] enqueued on `stream` (of this device's primary context), of the
+    /// two inputs `[a, b]`.
     ///
     /// # Safety
     /// As [`Self::reduce_into`], the pointers valid until `stream` has run the kernel.
-    #[allow(clippy::too_many_arguments)]
     pub unsafe fn reduce_on(
         &self,
         stream: &CudaStream,
         dtype: DataType,
         op: ReduceOp,
         dst: u64,
-        a: u64,
-        b: u64,
+        [a, b]: [u64; 2],
         count: usize,
     ) -> Result<()> {
         let f = self.reduce_fn(dtype, op)?;
@@ -180,6 +180,6 @@ impl DeviceKernels {
 
     /// Waits until the stream has run everything enqueued.
     pub fn synchronize(&self) -> Result<()> {
-        guard("synchronising", || self.stream.synchronize())?.map_err(driver_err("synchronising"))
+        super::cuda::sync(&self.stream)
     }
 }

@@ -32,13 +32,10 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::sys::{CUipcMemHandle, CUresult};
-use cudarc::driver::{CudaContext, CudaStream};
-
+use super::cuda::{self, CudaContext, CudaStream, DeviceAlloc};
 use super::device::DeviceKernels;
-use super::{driver_err, guard};
-use crate::Communicator;
-use crate::comm::Inline;
+use super::host::{DeviceCall, HostComm, Meet};
+use crate::collective::OpKind;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 
@@ -213,71 +210,10 @@ fn kernel_op(op: ReduceOp, dtype: DataType, n: usize) -> Result<(ReduceOp, Optio
     }
 }
 
-/// One device allocation, freed when dropped.
-#[derive(Debug)]
-struct Allocation {
-    ctx: Arc<CudaContext>,
-    ptr: u64,
-}
-
-impl Allocation {
-    fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Allocation> {
-        guard("allocating the device window", || -> Result<Allocation> {
-            ctx.bind_to_thread().map_err(driver_err("binding the context"))?;
-            // SAFETY: a plain device allocation of `bytes`, owned by the returned value.
-            let ptr = unsafe { cudarc::driver::result::malloc_sync(bytes) }
-                .map_err(driver_err("allocating the device window"))?;
-            Ok(Allocation { ctx: ctx.clone(), ptr })
-        })?
-    }
-}
-
-impl Drop for Allocation {
-    fn drop(&mut self) {
-        let _ = guard("freeing the device window", || {
-            if self.ctx.bind_to_thread().is_ok() {
-                // SAFETY: `ptr` came from malloc_sync and nothing uses it any more (every call
-                // ended with a barrier after its last read).
-                let _ = unsafe { cudarc::driver::result::free_sync(self.ptr) };
-            }
-        });
-    }
-}
-
-/// Opens a peer's window handle in `ctx`.
-fn open_handle(ctx: &Arc<CudaContext>, handle: &[u8; 64]) -> Result<u64> {
-    guard("opening a peer's device window", || -> Result<u64> {
-        ctx.bind_to_thread().map_err(driver_err("binding the context"))?;
-        let mut h = CUipcMemHandle { reserved: [0; 64] };
-        for (d, s) in h.reserved.iter_mut().zip(handle) {
-            *d = *s as _;
-        }
-        let mut ptr = 0u64;
-        // SAFETY: `ptr` is a live u64 the driver writes the mapping's address into; the handle
-        // is 64 bytes as the driver defines it (an invalid one is an error, not UB).
-        let r = unsafe {
-            cudarc::driver::sys::cuIpcOpenMemHandle_v2(
-                &mut ptr,
-                h,
-                cudarc::driver::sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-            )
-        };
-        if r == CUresult::CUDA_SUCCESS {
-            Ok(ptr)
-        } else {
-            Err(Error::Unsupported(format!("CUDA IPC: cannot open a peer's device window: {r:?}").into()))
-        }
-    })?
-}
-
-/// Closes a window opened by [`open_handle`].
+/// Closes a window opened by [`cuda::ipc_open`].
 fn close_handle(ctx: &Arc<CudaContext>, ptr: u64) {
-    let _ = guard("closing a peer's device window", || {
-        if ctx.bind_to_thread().is_ok() {
-            // SAFETY: `ptr` came from cuIpcOpenMemHandle and no call reads it any more.
-            let _ = unsafe { cudarc::driver::sys::cuIpcCloseMemHandle(ptr) };
-        }
-    });
+    // SAFETY: every caller passes a mapping it opened in `ctx` and no call reads any more.
+    unsafe { cuda::ipc_close(ctx, ptr) }
 }
 
 /// Every rank's window, mapped in this process, and the kernels that reduce from them.
@@ -290,7 +226,7 @@ pub struct IpcWindows {
     /// on every rank: each makes the same calls).
     half: bool,
     /// This rank's window (declared last: freed after the peers' mappings are closed).
-    own: Allocation,
+    own: DeviceAlloc,
 }
 
 impl Drop for IpcWindows {
@@ -308,23 +244,10 @@ fn make_window(
     ctx: &Arc<CudaContext>,
     ordinal: usize,
     kernels: impl FnOnce() -> Result<Arc<DeviceKernels>>,
-) -> Result<(Allocation, WindowRecord, Arc<DeviceKernels>)> {
+) -> Result<(DeviceAlloc, WindowRecord, Arc<DeviceKernels>)> {
     let kernels = kernels()?;
-    let own = Allocation::new(ctx, WINDOW)?;
-    let mut h = CUipcMemHandle { reserved: [0; 64] };
-    guard("exporting the device window", || {
-        // SAFETY: `h` is a live handle the driver writes; `own.ptr` is a live allocation.
-        let r = unsafe { cudarc::driver::sys::cuIpcGetMemHandle(&mut h, own.ptr) };
-        if r == CUresult::CUDA_SUCCESS {
-            Ok(())
-        } else {
-            Err(Error::Unsupported(format!("CUDA IPC: cannot export the device window: {r:?}").into()))
-        }
-    })??;
-    let mut handle = [0u8; 64];
-    for (d, s) in handle.iter_mut().zip(h.reserved) {
-        *d = s as u8;
-    }
+    let own = DeviceAlloc::new(ctx, WINDOW, "allocating the device window")?;
+    let handle = own.ipc_handle()?;
     let record = WindowRecord {
         usable: true,
         device: ordinal as u32,
@@ -342,7 +265,7 @@ impl IpcWindows {
     /// `kernels` loads the reduction kernels. `Err(Unsupported)` with the reason when any rank
     /// cannot take part; the communicator then stages through host memory.
     pub fn open(
-        comm: &Communicator,
+        comm: &impl HostComm,
         ctx: &Arc<CudaContext>,
         ordinal: usize,
         enabled: bool,
@@ -355,7 +278,7 @@ impl IpcWindows {
         };
         let record = local.as_ref().map_or_else(|_| WindowRecord::unusable(), |(_, r, _)| r.clone());
         let mut all = vec![0u8; RECORD * comm.size()];
-        comm.all_gather(&record.encode(), &mut all)?;
+        comm.run_bytes(OpKind::AllGather, DataType::U8, Some(&record.encode()), Some(&mut all))?;
         let records = all
             .chunks_exact(RECORD)
             .enumerate()
@@ -365,12 +288,13 @@ impl IpcWindows {
             (Err(e), _) => Err(Error::Unsupported(format!("this rank: {e}").into())),
             (Ok(_), Err(e)) => Err(e),
             (Ok(_), Ok(records)) => {
-                map_windows(comm.rank(), &records, |_, h| open_handle(ctx, h), |p| close_handle(ctx, p))
+                map_windows(comm.rank(), &records, |_, h| cuda::ipc_open(ctx, h), |p| close_handle(ctx, p))
             }
         };
         // Every rank uses the windows, or none does.
         let mut ok = [u32::from(mapped.is_ok())];
-        comm.all_reduce(&mut ok, ReduceOp::Min)?;
+        let as_bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut ok);
+        comm.run_bytes(OpKind::AllReduce(ReduceOp::Min), DataType::U32, None, Some(as_bytes))?;
         match (mapped, local) {
             (Ok(windows), Ok((own, _, kernels))) if ok[0] == 1 => {
                 Ok(IpcWindows { ctx: ctx.clone(), windows, kernels, half: false, own })
@@ -392,8 +316,8 @@ impl IpcWindows {
     /// Waits for `stream`, then meets every rank. The first meeting of a call also checks that
     /// every rank makes the same call: one all-reduce of maxima over the values and their
     /// complements (so the minimum and maximum of each); later ones are barriers.
-    fn meet(meet: &Inline, stream: &CudaStream, call: Option<(&str, [u64; 3])>) -> Result<()> {
-        guard("synchronising", || stream.synchronize())?.map_err(driver_err("synchronising"))?;
+    fn meet(meet: &impl Meet, stream: &CudaStream, call: Option<(&str, [u64; 3])>) -> Result<()> {
+        cuda::sync(stream)?;
         let Some((what, vals)) = call else { return meet.barrier() };
         let mut v = [vals[0], vals[1], vals[2], !vals[0], !vals[1], !vals[2]];
         meet.all_reduce_u64(&mut v, ReduceOp::Max)?;
@@ -415,12 +339,9 @@ impl IpcWindows {
         if bytes == 0 {
             return Ok(());
         }
-        guard("copying on the device", || {
-            // SAFETY: the callers pass ranges inside their buffers or the windows (each at
-            // least `bytes` long), not overlapping.
-            unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, stream.cu_stream()) }
-        })?
-        .map_err(driver_err("copying on the device"))
+        // SAFETY: the callers pass ranges inside their buffers or the windows (each at least
+        // `bytes` long), not overlapping.
+        unsafe { cuda::copy_dtod(stream, dst, src, bytes, "copying on the device") }
     }
 
     /// The half of every window the next chunk uses (byte offset), flipping for the one after.
@@ -430,23 +351,45 @@ impl IpcWindows {
         at
     }
 
+    /// Runs `call` (an all-reduce, a broadcast, an all-gather or a reduce-scatter: what the
+    /// windows run) ordered on `stream`, meeting the other ranks through `meet`; blocking.
+    ///
+    /// # Safety
+    /// `call`'s buffers are device memory of this context valid for its sizes (as the argument
+    /// check accepted them), not used by anything else until the call returns; `stream` is of
+    /// this context.
+    pub(crate) unsafe fn run(
+        &mut self,
+        meet: &impl Meet,
+        stream: &CudaStream,
+        call: &DeviceCall,
+    ) -> Result<()> {
+        // SAFETY (each): forwarded contract.
+        unsafe {
+            match call.kind {
+                OpKind::AllReduce(op) => self.all_reduce(meet, stream, call, op),
+                OpKind::Broadcast(root) => self.broadcast(meet, stream, call, root),
+                OpKind::AllGather => self.all_gather(meet, stream, call),
+                OpKind::ReduceScatter(op) => self.reduce_scatter(meet, stream, call, op),
+                other => Err(Error::Unsupported(format!("{other:?} on device memory").into())),
+            }
+        }
+    }
+
     /// All-reduces `count` elements of `dtype` from `send` into `recv` (equal: in place) with
     /// `op`, ordered on `stream`; blocking.
     ///
     /// # Safety
     /// `send` and `recv` are device memory of this context valid for `count` elements of
     /// `dtype`, not used by anything else until the call returns; `stream` is of this context.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn all_reduce(
+    unsafe fn all_reduce(
         &mut self,
-        meet: &Inline,
+        meet: &impl Meet,
         stream: &CudaStream,
-        send: u64,
-        recv: u64,
-        count: usize,
-        dtype: DataType,
+        call: &DeviceCall,
         op: ReduceOp,
     ) -> Result<()> {
+        let DeviceCall { send, recv, count, dtype, .. } = *call;
         let (n, me, es) = (meet.size(), meet.rank(), dtype.size());
         let (kernel_op, scale) = kernel_op(op, dtype, n)?;
         let mut call = Some(("all_reduce", [count as u64, dtype as u64, op as u64]));
@@ -472,7 +415,7 @@ impl IpcWindows {
                     // SAFETY: `out` is inside `recv` (its chunk, segment `me`); `a` and `w(k)`
                     // are that segment in window halves of HALF >= len * es bytes; `out` equals
                     // `a` or overlaps neither input.
-                    unsafe { self.kernels.reduce_on(stream, dtype, kernel_op, out, a, w(k), sl) }?;
+                    unsafe { self.kernels.reduce_on(stream, dtype, kernel_op, out, [a, w(k)], sl) }?;
                 }
                 if let Some(f) = scale {
                     // SAFETY: as above, in place.
@@ -501,16 +444,8 @@ impl IpcWindows {
     /// # Safety
     /// As [`Self::all_reduce`], `send` valid for `count` and `recv` for `n x count` elements,
     /// overlapping only in NCCL's in-place form.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn all_gather(
-        &mut self,
-        meet: &Inline,
-        stream: &CudaStream,
-        send: u64,
-        recv: u64,
-        count: usize,
-        dtype: DataType,
-    ) -> Result<()> {
+    unsafe fn all_gather(&mut self, meet: &impl Meet, stream: &CudaStream, call: &DeviceCall) -> Result<()> {
+        let DeviceCall { send, recv, count, dtype, .. } = *call;
         let (n, me, es) = (meet.size(), meet.rank(), dtype.size());
         let mut call = Some(("all_gather", [count as u64, dtype as u64, u64::MAX]));
         let per = HALF / es;
@@ -540,17 +475,14 @@ impl IpcWindows {
     ///
     /// # Safety
     /// As [`Self::all_reduce`], `send` valid for `n x count` and `recv` for `count` elements.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn reduce_scatter(
+    unsafe fn reduce_scatter(
         &mut self,
-        meet: &Inline,
+        meet: &impl Meet,
         stream: &CudaStream,
-        send: u64,
-        recv: u64,
-        count: usize,
-        dtype: DataType,
+        call: &DeviceCall,
         op: ReduceOp,
     ) -> Result<()> {
+        let DeviceCall { send, recv, count, dtype, .. } = *call;
         let (n, me, es) = (meet.size(), meet.rank(), dtype.size());
         let (kernel_op, scale) = kernel_op(op, dtype, n)?;
         let mut call = Some(("reduce_scatter", [count as u64, dtype as u64, op as u64]));
@@ -579,7 +511,7 @@ impl IpcWindows {
                 // SAFETY: `out` is inside `recv` (len elements at `at`); `a` and `w(k)` are
                 // piece `me` of window halves holding n x len elements; `out` equals `a` or
                 // overlaps neither (the window is not the caller's memory).
-                unsafe { self.kernels.reduce_on(stream, dtype, kernel_op, out, a, w(k), len) }?;
+                unsafe { self.kernels.reduce_on(stream, dtype, kernel_op, out, [a, w(k)], len) }?;
             }
             if let Some(f) = scale {
                 // SAFETY: as above, in place.
@@ -595,17 +527,14 @@ impl IpcWindows {
     ///
     /// # Safety
     /// As [`Self::all_reduce`].
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn broadcast(
+    unsafe fn broadcast(
         &mut self,
-        meet: &Inline,
+        meet: &impl Meet,
         stream: &CudaStream,
-        send: u64,
-        recv: u64,
-        count: usize,
-        dtype: DataType,
+        call: &DeviceCall,
         root: usize,
     ) -> Result<()> {
+        let DeviceCall { send, recv, count, dtype, .. } = *call;
         let (me, es) = (meet.rank(), dtype.size());
         let mut call = Some(("broadcast", [count as u64, dtype as u64, root as u64]));
         let per = HALF / es;
@@ -630,101 +559,5 @@ impl IpcWindows {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn record(pid: u32, device: u32, ptr: u64) -> WindowRecord {
-        let mut handle = [0u8; 64];
-        handle[0] = ptr as u8;
-        WindowRecord { usable: true, device, pid, bytes: WINDOW as u64, ptr, handle }
-    }
-
-    #[test]
-    fn records_round_trip_and_reject_what_is_not_one() {
-        let r = record(77, 3, 0xdead_beef_0000);
-        let b = r.encode();
-        assert_eq!(WindowRecord::decode(1, &b).unwrap(), r);
-        assert!(!WindowRecord::decode(1, &WindowRecord::unusable().encode()).unwrap().usable);
-        assert!(WindowRecord::decode(1, &b[..95]).is_err(), "short");
-        let mut bad = b;
-        bad[0] = b'X';
-        assert!(WindowRecord::decode(1, &bad).unwrap_err().to_string().contains("rank 1"), "magic");
-        let mut bad = b;
-        bad[4] = 2;
-        assert!(WindowRecord::decode(1, &bad).is_err(), "version");
-        let mut bad = b;
-        bad[6] = 2;
-        assert!(WindowRecord::decode(1, &bad).is_err(), "flags");
-    }
-
-    #[test]
-    fn each_peer_of_another_process_is_opened_once_and_same_process_peers_not_at_all() {
-        // Ranks 0 and 2 in process 10, ranks 1 and 3 in process 20; rank 0 maps.
-        let recs = [record(10, 0, 0x100), record(20, 0, 0x200), record(10, 0, 0x300), record(20, 0, 0x400)];
-        let mut opened = Vec::new();
-        let m = map_windows(
-            0,
-            &recs,
-            |k, h| {
-                opened.push((k, h[0]));
-                Ok(0x9000 + k as u64)
-            },
-            |_| panic!("nothing to close"),
-        )
-        .unwrap();
-        assert_eq!(
-            m,
-            [
-                Mapping::Own(0x100),
-                Mapping::Opened(0x9001),
-                Mapping::SameProcess(0x300),
-                Mapping::Opened(0x9003)
-            ]
-        );
-        assert_eq!(opened, [(1, 0x00), (3, 0x00)], "each other-process peer opened once, with its handle");
-        assert_eq!(m.iter().map(|m| m.ptr()).collect::<Vec<_>>(), [0x100, 0x9001, 0x300, 0x9003]);
-    }
-
-    #[test]
-    fn a_failure_closes_what_was_opened_and_says_which_rank() {
-        let recs = [record(10, 0, 0x100), record(20, 0, 0x200), record(30, 0, 0x300)];
-        let mut closed = Vec::new();
-        let e = map_windows(
-            0,
-            &recs,
-            |k, _| if k == 2 { Err(Error::Unsupported("no".into())) } else { Ok(0x9000 + k as u64) },
-            |p| closed.push(p),
-        )
-        .unwrap_err();
-        assert!(matches!(e, Error::Unsupported(_)));
-        assert_eq!(closed, [0x9001], "the handle opened before the failure is closed");
-
-        // An unusable rank, a window of another size, same-process ranks on two devices.
-        let mut r = recs.clone();
-        r[2] = WindowRecord::unusable();
-        let e = map_windows(0, &r, |k, _| Ok(k as u64 + 1), |_| {}).unwrap_err();
-        assert!(e.to_string().contains("rank 2 has no device window"), "{e}");
-        let mut r = recs.clone();
-        r[1].bytes = 1;
-        assert!(map_windows(0, &r, |_, _| Ok(1), |_| {}).unwrap_err().to_string().contains("rank 1"));
-        let r = [record(10, 0, 0x100), record(10, 1, 0x200)];
-        let e = map_windows(0, &r, |_, _| panic!("same process: never opened"), |_| {}).unwrap_err();
-        assert!(e.to_string().contains("devices 0 and 1"), "{e}");
-    }
-
-    #[test]
-    fn segments_cover_the_chunk_in_rank_order_balanced() {
-        for count in [0usize, 1, 2, 5, 7, 4099, 1 << 20] {
-            for n in 1..=9 {
-                let mut next = 0;
-                for k in 0..n {
-                    let (s, l) = segment(count, n, k);
-                    assert_eq!(s, next, "count {count} n {n} k {k}");
-                    assert!(l == count / n || l == count / n + 1);
-                    next = s + l;
-                }
-                assert_eq!(next, count);
-            }
-        }
-    }
-}
+#[path = "ipc_tests.rs"]
+mod tests;

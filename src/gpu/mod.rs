@@ -6,53 +6,50 @@
 //!
 //! `cudarc` panics when a library it needs cannot be loaded, so every entry here first loads
 //! the library itself ([`crate::sys::dl`]) and reports its absence as an error, and every call
-//! into `cudarc` runs behind [`guard`], which turns a panic into an error: none crosses into a
-//! caller (or the C ABI).
+//! into `cudarc` runs behind [`guard`] (in [`cuda`]), which turns a panic into an error: none
+//! crosses into a caller (or the C ABI).
 //!
 //! Built for the CUDA 13.0 driver API (cudarc feature `cuda-13000`, matching NVRTC 13 that torch
 //! installs): the driver must support CUDA 13.0 (R580 or later).
 //!
+//! `gpu` never names the communicator: what it needs from one is the trait [`host::HostComm`],
+//! which `comm` implements (and `comm` owns each communicator's [`stream::DeviceState`]).
+//!
 //! | part | what |
 //! |---|---|
+//! | [`host`] | what the GPU path needs from a communicator (traits), and a call's description |
+//! | [`cuda`] | every cudarc call on memory, streams, events and IPC handles: guarded, errors mapped |
 //! | [`kernels`] | the kernels as CUDA C, one per (type, op), and their names |
 //! | [`device`] | the kernels loaded on one device, and launching them |
 //! | [`stream`] | collectives on device memory ordered on a caller's stream: picks the path |
 //! | [`ipc`] | CUDA IPC between the ranks of one host, reduced on the GPU |
-//! | [`staged`] | collectives on device memory through pinned host memory, double-buffered |
-//! | this file | finding the libraries, compiling, the panic guard |
+//! | [`staged`] | collectives on device memory through pinned host memory, one chunk pipeline |
+//! | this file | finding the libraries, compiling |
 //!
-//! Not built yet: asynchronous stream collectives (the host waits), collectives other than
-//! all-reduce and broadcast on device memory, IPC combined with staging for ranks on several
-//! hosts (those stage everything).
+//! Asynchronous for the host on the IPC path (all-reduce, broadcast, all-gather and
+//! reduce-scatter: [`stream::on_stream_async`]); every collective and send/receive on device
+//! memory runs, the others staged and blocking. Not built: ordering the caller's stream after
+//! an asynchronous collective (the output is ready once its work has completed), and IPC
+//! combined with staging for ranks on several hosts (those stage everything).
 
+pub mod cuda;
 pub mod device;
+pub mod host;
 pub mod ipc;
 pub mod kernels;
 pub mod staged;
 pub mod stream;
 
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::OnceLock;
 
-use crate::error::{Error, Result};
+pub use cuda::guard;
 
-/// A driver error as this crate's error, naming what was being done.
-pub(crate) fn driver_err(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
-    move |e| Error::System(format!("CUDA: {what}: {e:?}").into())
-}
+use crate::error::{Error, Result};
 
 /// The driver library's name.
 pub const LIBCUDA: &str = "libcuda.so.1";
 /// The NVRTC library's name (what cudarc looks for, among others, for CUDA 13).
 pub const LIBNVRTC: &str = "libnvrtc.so.13";
-
-/// Runs `f`, a call into cudarc, turning a panic into [`Error::Unsupported`] that names `what`.
-pub fn guard<T>(what: &str, f: impl FnOnce() -> T) -> Result<T> {
-    catch_unwind(AssertUnwindSafe(f)).map_err(|p| {
-        let msg = crate::error::panic_message(&*p).unwrap_or("a panic");
-        Error::Unsupported(format!("{what}: CUDA failed: {msg}").into())
-    })
-}
 
 /// Whether the CUDA driver can be loaded: `Err(Unsupported)` saying so when it cannot (no
 /// NVIDIA driver on this machine).
@@ -86,7 +83,7 @@ pub const PTX_ARCH: &str = "compute_75";
 pub fn ptx() -> Result<&'static str> {
     static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
     PTX.get_or_init(|| {
-        let path = std::env::var_os("TOROID_NVRTC_PATH").map(std::path::PathBuf::from);
+        let path = crate::config::nvrtc_path();
         load_nvrtc(path.as_deref()).map_err(|e| e.to_string())?;
         compile(&kernels::source()).map_err(|e| e.to_string())
     })
@@ -97,16 +94,5 @@ pub fn ptx() -> Result<&'static str> {
 /// Compiles `src` to PTX for [`PTX_ARCH`], exact arithmetic (no fast math, no flush to zero, no
 /// contraction). NVRTC must be loaded ([`load_nvrtc`]).
 pub fn compile(src: &str) -> Result<String> {
-    let opts = cudarc::nvrtc::CompileOptions {
-        ftz: Some(false),
-        prec_div: Some(true),
-        prec_sqrt: Some(true),
-        fmad: Some(false),
-        arch: Some(PTX_ARCH),
-        name: Some("toroid_kernels.cu".into()),
-        ..Default::default()
-    };
-    let ptx = guard("compiling the kernels with NVRTC", || cudarc::nvrtc::compile_ptx_with_opts(src, opts))?
-        .map_err(|e| Error::Internal(format!("NVRTC rejected the kernels: {e:?}").into()))?;
-    Ok(ptx.to_src())
+    cuda::compile_ptx(src, PTX_ARCH)
 }

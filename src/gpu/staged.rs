@@ -5,7 +5,10 @@
 //! other, so the copies overlap the network (double buffering; one stream keeps each buffer's
 //! copy-out after its previous copy-in, and an event tells the host when a chunk has arrived).
 //! All-gather, reduce-scatter and all-to-all, whose output is not their input, do the same
-//! through halves of the two buffers (one's for the pieces in, the other's for the pieces out).
+//! through halves of the two buffers (one's for the pieces in, the other's for the pieces out),
+//! and a receive fills the buffers on the host and only copies them in. All of them run one
+//! chunk pipeline (`Pipeline`), parameterised by what each chunk copies out, what the host
+//! runs on it and what it copies back in.
 //!
 //! The host side is the communicator's own collective on host memory, so every algorithm,
 //! transport and failure rule applies unchanged, and the result is what the same collective on
@@ -17,62 +20,89 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream, PinnedHostSlice};
-
-use super::{driver_err, guard};
+use super::cuda::{self, CudaContext, CudaEvent, CudaStream, Pinned};
+use super::host::HostComm;
+use crate::collective::OpKind;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
-use crate::{CallOptions, Communicator, OpKind};
+
+pub use super::cuda::device_of;
 
 /// Bytes per chunk (rounded down to whole elements).
 pub const CHUNK: usize = 4 << 20;
-
-/// The device ordinal of the memory `ptr` points into (`cuPointerGetAttribute`: memory type
-/// device); `None` for host memory, and on a machine without CUDA.
-pub fn device_of(ptr: u64) -> Option<usize> {
-    use cudarc::driver::sys::{CUmemorytype, CUpointer_attribute, CUresult, cuPointerGetAttribute};
-    super::driver_available().ok()?;
-    guard("reading a pointer's attributes", || {
-        cudarc::driver::result::init().ok()?;
-        let (mut kind, mut ordinal): (u32, i32) = (0, -1);
-        // SAFETY: each destination is a live value of the size its attribute is written as (an
-        // unsigned int, an int); any `ptr` value is allowed (an unknown one is an error).
-        let ok = unsafe {
-            cuPointerGetAttribute(
-                (&mut kind as *mut u32).cast(),
-                CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-                ptr,
-            ) == CUresult::CUDA_SUCCESS
-                && kind == CUmemorytype::CU_MEMORYTYPE_DEVICE as u32
-                && cuPointerGetAttribute(
-                    (&mut ordinal as *mut i32).cast(),
-                    CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                    ptr,
-                ) == CUresult::CUDA_SUCCESS
-        };
-        (ok && ordinal >= 0).then_some(ordinal as usize)
-    })
-    .ok()
-    .flatten()
-}
 
 /// Whether `ptr` points into device memory ([`device_of`]).
 pub fn is_device_pointer(ptr: u64) -> bool {
     device_of(ptr).is_some()
 }
 
-/// Waits until everything queued on `stream` has run.
-fn sync(stream: &CudaStream) -> Result<()> {
-    guard("synchronising", || stream.synchronize())?.map_err(driver_err("synchronising"))
-}
-
 /// The staging buffers of one device's context. Calls take the stream they are ordered on.
 #[derive(Debug)]
 pub struct DeviceCollectives {
     ctx: Arc<CudaContext>,
-    bufs: [PinnedHostSlice<u8>; 2],
-    /// "Chunk arrived in buffer j": recorded after each copy out, made once.
-    arrived: [CudaEvent; 2],
+    bufs: [Pinned; 2],
+    /// "Staging buffer j is ready for the host": recorded after each chunk's copy out of the
+    /// device (or, with none, after the copy in that last used the buffer), made once.
+    ready: [CudaEvent; 2],
+}
+
+/// What the stream does around each chunk (the calls enqueue copies; none of them waits).
+type Step<'a> = &'a dyn Fn(usize) -> Result<()>;
+
+/// One staged call as a double-buffered pipeline of `chunks` chunks, chunk i in staging buffer
+/// i % 2: the stream copies chunk i+1 out of the device (`out`) while the host runs chunk i
+/// (`host`), then the stream copies chunk i's result back in (`back`). One stream orders each
+/// buffer's copy out after its previous copy in; an event recorded after the copy out (with
+/// none: after the copy in two chunks earlier) tells the host its buffer is ready.
+struct Pipeline<'a> {
+    chunks: usize,
+    out: Option<Step<'a>>,
+    host: &'a mut dyn FnMut(usize) -> Result<()>,
+    back: Option<Step<'a>>,
+}
+
+impl Pipeline<'_> {
+    /// Runs every chunk, then waits for the stream: also after a failure, no copy may still
+    /// read or write the staging buffers (or the caller's memory) once this returns.
+    fn run(self, stream: &CudaStream, ready: &[CudaEvent; 2]) -> Result<()> {
+        let result = self.chunks_on(stream, ready);
+        result.and(cuda::sync(stream))
+    }
+
+    fn chunks_on(self, stream: &CudaStream, ready: &[CudaEvent; 2]) -> Result<()> {
+        let Pipeline { chunks, out, host, back } = self;
+        // Enqueues what makes chunk i's buffer ready; whether the host must wait for it.
+        let prepare = |i: usize| -> Result<bool> {
+            match out {
+                Some(out) => out(i)?,
+                // Nothing to copy out: the buffer is free once the copy in of chunk i-2, the
+                // last that read it, has run (the first two are free already).
+                None if i < 2 => return Ok(false),
+                None => {}
+            }
+            cuda::record(&ready[i % 2], stream).map(|()| true)
+        };
+        if chunks == 0 {
+            return Ok(());
+        }
+        let mut wait = prepare(0)?;
+        for i in 0..chunks {
+            if wait {
+                cuda::wait_host(&ready[i % 2], "waiting for a copy")?;
+            }
+            if i + 1 < chunks {
+                // Into the other buffer: queued behind chunk i-1's copy in, which read it (or,
+                // with none, after chunk i-1's host call returned); its event was last
+                // recorded for chunk i-1, already waited for.
+                wait = prepare(i + 1)?;
+            }
+            host(i)?;
+            if let Some(back) = back {
+                back(i)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 impl DeviceCollectives {
@@ -80,27 +110,16 @@ impl DeviceCollectives {
     /// use).
     pub fn on_device(ordinal: usize) -> Result<DeviceCollectives> {
         super::driver_available()?;
-        let ctx = guard("opening the device", || {
-            CudaContext::new(ordinal).map_err(driver_err("opening the device"))
-        })??;
-        DeviceCollectives::new(ctx)
+        DeviceCollectives::new(cuda::open_device(ordinal)?)
     }
 
     /// Staging for `ctx`.
     pub fn new(ctx: Arc<CudaContext>) -> Result<DeviceCollectives> {
-        let alloc = || {
-            // SAFETY: page-locked host memory of CHUNK bytes; its contents are only read after
-            // a copy into it completed (or are overwritten by the collective first). Flags 0:
-            // cached, not write-combined, because the host reads it.
-            unsafe { ctx.alloc_pinned_with_flags::<u8>(CHUNK, 0) }
-                .map_err(driver_err("allocating pinned memory"))
-        };
-        let bufs = guard("allocating pinned memory", || -> Result<[PinnedHostSlice<u8>; 2]> {
-            Ok([alloc()?, alloc()?])
-        })??;
-        let event = || ctx.new_event(None).map_err(driver_err("creating an event"));
-        let arrived = guard("creating events", || -> Result<[CudaEvent; 2]> { Ok([event()?, event()?]) })??;
-        Ok(DeviceCollectives { ctx, bufs, arrived })
+        // Its contents are only read after a copy into it completed (or are overwritten by
+        // the collective first).
+        let bufs = [Pinned::new(&ctx, CHUNK)?, Pinned::new(&ctx, CHUNK)?];
+        let ready = [cuda::new_event(&ctx, true)?, cuda::new_event(&ctx, true)?];
+        Ok(DeviceCollectives { ctx, bufs, ready })
     }
 
     /// The context the staging belongs to.
@@ -110,7 +129,7 @@ impl DeviceCollectives {
 
     /// A new stream of the context (for callers without one of their own).
     pub fn new_stream(&self) -> Result<Arc<CudaStream>> {
-        guard("creating a stream", || self.ctx.new_stream().map_err(driver_err("creating a stream")))?
+        cuda::new_stream(&self.ctx)
     }
 
     /// All-reduces `count` elements of `dtype` in place in device memory at `ptr`, on `comm`,
@@ -121,7 +140,7 @@ impl DeviceCollectives {
     /// nothing else uses it until the call returns.
     pub unsafe fn all_reduce(
         &mut self,
-        comm: &Communicator,
+        comm: &impl HostComm,
         stream: &Arc<CudaStream>,
         ptr: u64,
         count: usize,
@@ -138,7 +157,7 @@ impl DeviceCollectives {
     /// As [`Self::all_reduce`].
     pub unsafe fn broadcast(
         &mut self,
-        comm: &Communicator,
+        comm: &impl HostComm,
         stream: &Arc<CudaStream>,
         ptr: u64,
         count: usize,
@@ -157,7 +176,7 @@ impl DeviceCollectives {
     /// As [`Self::all_reduce`].
     pub(crate) unsafe fn staged(
         &mut self,
-        comm: &Communicator,
+        comm: &impl HostComm,
         stream: &Arc<CudaStream>,
         ptr: u64,
         count: usize,
@@ -165,7 +184,7 @@ impl DeviceCollectives {
         kind: OpKind,
     ) -> Result<()> {
         // SAFETY: forwarded contract.
-        unsafe { self.through_host(comm, stream, ptr, count, dtype, kind, true) }
+        unsafe { self.through_host(comm, stream, Flat { ptr, count, dtype, kind }, true) }
     }
 
     /// Sends (`kind`: a send, or a reduce at a rank other than its root, whose output is on
@@ -177,7 +196,7 @@ impl DeviceCollectives {
     /// nothing writes it until the call returns.
     pub(crate) unsafe fn outbound(
         &mut self,
-        comm: &Communicator,
+        comm: &impl HostComm,
         stream: &Arc<CudaStream>,
         ptr: u64,
         count: usize,
@@ -185,7 +204,7 @@ impl DeviceCollectives {
         kind: OpKind,
     ) -> Result<()> {
         // SAFETY: forwarded contract (nothing is written back).
-        unsafe { self.through_host(comm, stream, ptr, count, dtype, kind, false) }
+        unsafe { self.through_host(comm, stream, Flat { ptr, count, dtype, kind }, false) }
     }
 
     /// [`Self::staged`] (`back`: the host's result is copied back) or [`Self::outbound`]: the
@@ -194,77 +213,43 @@ impl DeviceCollectives {
     ///
     /// # Safety
     /// As [`Self::all_reduce`] (`back` false: `ptr` is only read).
-    #[allow(clippy::too_many_arguments)]
     unsafe fn through_host(
         &mut self,
-        comm: &Communicator,
+        comm: &impl HostComm,
         stream: &Arc<CudaStream>,
-        ptr: u64,
-        count: usize,
-        dtype: DataType,
-        kind: OpKind,
+        call: Flat,
         back: bool,
     ) -> Result<()> {
+        let Flat { ptr, count, dtype, kind } = call;
         let (per, total, chunks) = Self::chunking(count, dtype)?;
-        let cu = stream.cu_stream();
         let raw = self.raw()?;
-        let DeviceCollectives { arrived, .. } = self;
         let len = |i: usize| per.min(total - i * per);
         // SAFETY (each): `raw[j]` is a live pinned allocation of CHUNK >= len bytes owned by
         // `self`, borrowed exclusively for this call.
         let host = |j: usize, n: usize| unsafe { std::slice::from_raw_parts_mut(raw[j], n) };
-        let copy_out = |i: usize| -> Result<()> {
-            guard("copying to the host", || -> Result<_> {
-                // SAFETY: device range [ptr + i*per, + len(i)) is inside the caller's buffer;
-                // the host slice is the staging buffer of chunk i, not read until the event.
-                unsafe {
-                    cudarc::driver::result::memcpy_dtoh_async(host(i % 2, len(i)), ptr + (i * per) as u64, cu)
-                }
-                .map_err(driver_err("copying to the host"))?;
-                arrived[i % 2].record(stream).map_err(driver_err("recording an event"))
-            })?
-        };
-        if chunks == 0 {
-            return Ok(());
-        }
-        let run = || -> Result<()> {
-            copy_out(0)?;
-            for i in 0..chunks {
-                guard("waiting for a copy", || arrived[i % 2].synchronize())?
-                    .map_err(driver_err("waiting for a copy"))?;
-                if i + 1 < chunks {
-                    // Queued behind chunk i-1's copy-in, which read the same buffer (or, not
-                    // writing back, after chunk i-1's host call returned); its event was last
-                    // recorded for chunk i-1, already waited for.
-                    copy_out(i + 1)?;
-                }
-                if !back {
-                    // A non-root's reduce passes an empty output, as from C.
-                    let none: &mut [u8] = &mut [];
-                    let out = matches!(kind, OpKind::Reduce(..)).then_some(none);
-                    comm.run_bytes(kind, dtype, Some(host(i % 2, len(i))), out, CallOptions::default())?;
-                    continue;
-                }
-                comm.run_bytes(kind, dtype, None, Some(host(i % 2, len(i))), CallOptions::default())?;
-                guard("copying to the device", || {
-                    // SAFETY: as for the copy out; the buffer is not written again before this
-                    // copy has run (chunk i+2's copy-out is queued behind it on the same stream).
-                    unsafe {
-                        cudarc::driver::result::memcpy_htod_async(
-                            ptr + (i * per) as u64,
-                            &*host(i % 2, len(i)),
-                            cu,
-                        )
-                    }
-                })?
-                .map_err(driver_err("copying to the device"))?;
+        let at = |i: usize| ptr + (i * per) as u64;
+        // SAFETY: device range [at(i), + len(i)) is inside the caller's buffer; the host slice
+        // is the staging buffer of chunk i, not read until its event.
+        let copy_out = |i: usize| unsafe { cuda::copy_dtoh(stream, host(i % 2, len(i)), at(i)) };
+        // SAFETY: as for the copy out; the buffer is not written again before this copy has
+        // run (chunk i+2's copy out is queued behind it on the same stream).
+        let copy_back = |i: usize| unsafe { cuda::copy_htod(stream, at(i), host(i % 2, len(i))) };
+        let mut run = |i: usize| {
+            if back {
+                return comm.run_bytes(kind, dtype, None, Some(host(i % 2, len(i))));
             }
-            Ok(())
+            // A non-root's reduce passes an empty output, as from C.
+            let none: &mut [u8] = &mut [];
+            let out = matches!(kind, OpKind::Reduce(..)).then_some(none);
+            comm.run_bytes(kind, dtype, Some(host(i % 2, len(i))), out)
         };
-        let result = run();
-        // Also after a failure: no copy may still be writing into the staging buffers (or the
-        // caller's memory) once this returns.
-        result.and(sync(stream))
+        let pipeline = Pipeline {
+            chunks,
+            out: Some(&copy_out),
+            host: &mut run,
+            back: back.then_some(&copy_back as Step<'_>),
+        };
+        pipeline.run(stream, &self.ready)
     }
 
     /// All-gather (`count` elements from every rank into `n x count`), reduce-scatter
@@ -284,17 +269,13 @@ impl DeviceCollectives {
     /// `send` and `recv` are device memory of this context valid for the sizes above, not used
     /// by anything else until the call returns, overlapping only in the in-place forms the
     /// stream entry points allow; `stream` is of this context.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn gathered(
         &mut self,
-        comm: &Communicator,
+        comm: &impl HostComm,
         stream: &Arc<CudaStream>,
-        kind: OpKind,
-        send: u64,
-        recv: u64,
-        count: usize,
-        dtype: DataType,
+        call: &super::host::DeviceCall,
     ) -> Result<()> {
+        let super::host::DeviceCall { kind, dtype, count, send, recv } = *call;
         let (n, es, half) = (comm.size(), dtype.size(), CHUNK / 2);
         if n.saturating_mul(es) > half {
             return Err(Error::Unsupported(
@@ -307,9 +288,7 @@ impl DeviceCollectives {
         let per = half / es / n;
         let chunks = count.div_ceil(per);
         let len = |i: usize| per.min(count - i * per);
-        let cu = stream.cu_stream();
         let raw = self.raw()?;
-        let DeviceCollectives { arrived, .. } = self;
         // Pieces in and out per rank; piece k of a side is at `k x count` elements.
         let (ins, outs) = match kind {
             OpKind::AllGather => (1, n),
@@ -329,64 +308,27 @@ impl DeviceCollectives {
             let (at, l, into) = (i * per, len(i), host_in(i % 2, i));
             for k in 0..ins {
                 let src = send + ((k * count + at) * es) as u64;
-                guard("copying to the host", || {
-                    // SAFETY: `src` is `l` elements inside `send`; the host range is a piece of
-                    // an input half the host does not read before the event below.
-                    unsafe {
-                        cudarc::driver::result::memcpy_dtoh_async(
-                            &mut into[k * l * es..(k + 1) * l * es],
-                            src,
-                            cu,
-                        )
-                    }
-                })?
-                .map_err(driver_err("copying to the host"))?;
-            }
-            guard("recording an event", || arrived[i % 2].record(stream))?
-                .map_err(driver_err("recording an event"))
-        };
-        let run = || -> Result<()> {
-            if chunks == 0 {
-                return Ok(());
-            }
-            copy_out(0)?;
-            for i in 0..chunks {
-                guard("waiting for a copy", || arrived[i % 2].synchronize())?
-                    .map_err(driver_err("waiting for a copy"))?;
-                if i + 1 < chunks {
-                    // Into the input half the host read for chunk i-1 (its call has returned).
-                    copy_out(i + 1)?;
-                }
-                let (at, l, from) = (i * per, len(i), host_out(i % 2, i));
-                comm.run_bytes(
-                    kind,
-                    dtype,
-                    Some(host_in(i % 2, i)),
-                    Some(&mut *from),
-                    CallOptions::default(),
-                )?;
-                for k in 0..outs {
-                    let dst = recv + ((k * count + at) * es) as u64;
-                    guard("copying to the device", || {
-                        // SAFETY: `dst` is `l` elements inside `recv`; the host range is a piece
-                        // of an output half not written again before chunk i+2's arrival,
-                        // which this copy precedes on the stream.
-                        unsafe {
-                            cudarc::driver::result::memcpy_htod_async(
-                                dst,
-                                &from[k * l * es..(k + 1) * l * es],
-                                cu,
-                            )
-                        }
-                    })?
-                    .map_err(driver_err("copying to the device"))?;
-                }
+                // SAFETY: `src` is `l` elements inside `send`; the host range is a piece of an
+                // input half the host does not read before the chunk's event.
+                unsafe { cuda::copy_dtoh(stream, &mut into[k * l * es..(k + 1) * l * es], src) }?;
             }
             Ok(())
         };
-        let result = run();
-        // Also after a failure: no copy may still be in flight once this returns.
-        result.and(sync(stream))
+        let mut run =
+            |i: usize| comm.run_bytes(kind, dtype, Some(host_in(i % 2, i)), Some(host_out(i % 2, i)));
+        let copy_back = |i: usize| -> Result<()> {
+            let (at, l, from) = (i * per, len(i), host_out(i % 2, i));
+            for k in 0..outs {
+                let dst = recv + ((k * count + at) * es) as u64;
+                // SAFETY: `dst` is `l` elements inside `recv`; the host range is a piece of an
+                // output half not written again before chunk i+2's arrival, which this copy
+                // precedes on the stream.
+                unsafe { cuda::copy_htod(stream, dst, &from[k * l * es..(k + 1) * l * es]) }?;
+            }
+            Ok(())
+        };
+        Pipeline { chunks, out: Some(&copy_out), host: &mut run, back: Some(&copy_back) }
+            .run(stream, &self.ready)
     }
 
     /// Receives (`kind`: a receive) `count` elements of `dtype` into device memory at `ptr`,
@@ -398,7 +340,7 @@ impl DeviceCollectives {
     /// nothing else uses it until the call returns.
     pub(crate) unsafe fn inbound(
         &mut self,
-        comm: &Communicator,
+        comm: &impl HostComm,
         stream: &Arc<CudaStream>,
         ptr: u64,
         count: usize,
@@ -406,43 +348,17 @@ impl DeviceCollectives {
         kind: OpKind,
     ) -> Result<()> {
         let (per, total, chunks) = Self::chunking(count, dtype)?;
-        let cu = stream.cu_stream();
         let raw = self.raw()?;
-        // Here an event says "the copy to the device out of buffer j has run" (buffer j free).
-        let DeviceCollectives { arrived: copied, .. } = self;
         let len = |i: usize| per.min(total - i * per);
         // SAFETY (each): `raw[j]` is a live pinned allocation of CHUNK >= len bytes owned by
         // `self`, borrowed exclusively for this call.
         let host = |j: usize, n: usize| unsafe { std::slice::from_raw_parts_mut(raw[j], n) };
-        let run = || -> Result<()> {
-            for i in 0..chunks {
-                let j = i % 2;
-                if i >= 2 {
-                    // Chunk i-2's copy out of this buffer must have run before it is overwritten.
-                    guard("waiting for a copy", || copied[j].synchronize())?
-                        .map_err(driver_err("waiting for a copy"))?;
-                }
-                comm.run_bytes(kind, dtype, None, Some(host(j, len(i))), CallOptions::default())?;
-                guard("copying to the device", || -> Result<_> {
-                    // SAFETY: device range [ptr + i*per, + len(i)) is inside the caller's
-                    // buffer; the host slice is not written again before the event below.
-                    unsafe {
-                        cudarc::driver::result::memcpy_htod_async(
-                            ptr + (i * per) as u64,
-                            &*host(j, len(i)),
-                            cu,
-                        )
-                    }
-                    .map_err(driver_err("copying to the device"))?;
-                    copied[j].record(stream).map_err(driver_err("recording an event"))
-                })??;
-            }
-            Ok(())
-        };
-        let result = run();
-        // Also after a failure: no copy may still be reading the staging buffers (or writing the
-        // caller's memory) once this returns.
-        result.and(sync(stream))
+        let mut run = |i: usize| comm.run_bytes(kind, dtype, None, Some(host(i % 2, len(i))));
+        // SAFETY: device range [ptr + i*per, + len(i)) is inside the caller's buffer; the host
+        // slice is not written again before the event recorded behind this copy.
+        let copy_back =
+            |i: usize| unsafe { cuda::copy_htod(stream, ptr + (i * per) as u64, host(i % 2, len(i))) };
+        Pipeline { chunks, out: None, host: &mut run, back: Some(&copy_back) }.run(stream, &self.ready)
     }
 
     /// Bytes per chunk (whole elements), total bytes and chunks of `count` elements of `dtype`.
@@ -458,11 +374,15 @@ impl DeviceCollectives {
     /// The staging buffers' host addresses.
     fn raw(&mut self) -> Result<[*mut u8; 2]> {
         let [b0, b1] = &mut self.bufs;
-        guard("mapping pinned memory", || -> Result<[*mut u8; 2]> {
-            Ok([
-                b0.as_mut_ptr().map_err(driver_err("pinned memory"))?,
-                b1.as_mut_ptr().map_err(driver_err("pinned memory"))?,
-            ])
-        })?
+        Ok([b0.ptr()?, b1.ptr()?])
     }
+}
+
+/// An in-place or one-buffer staged call: `kind` of `count` elements of `dtype` at `ptr`.
+#[derive(Debug, Clone, Copy)]
+struct Flat {
+    ptr: u64,
+    count: usize,
+    dtype: DataType,
+    kind: OpKind,
 }

@@ -24,7 +24,7 @@
 //! rank; it returns at once with a work. The communicator's worker thread runs the collective
 //! in a hook of that queued job: its own stream waits for the event, the protocol of
 //! [`super::ipc`] runs there with the meetings made directly on the engine (the job holds the
-//! queue), and the stream is synchronised before the work completes. A failure fails the
+//! queue; [`super::host::Meet`]), and the stream is synchronised before the work completes. A failure fails the
 //! communicator with the error, as a failed host collective does, and the work reports it.
 //! The caller's stream is **not** made to wait for the collective: the output is ready once
 //! the work has completed (wait on it before reading the output or writing either buffer). A
@@ -35,23 +35,22 @@
 //! whole collective enqueued at call time, with the ranks meeting on the device instead of
 //! the host (NCCL's design); not built. At most [`IN_FLIGHT`] calls are in flight (one event
 //! each). The staged path stays blocking.
+//!
+//! The arguments are checked by the communicator's argument check ([`HostComm::check`]), the
+//! one every call on it goes through; this module only picks the path and runs.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::sys as cu;
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
-
+use super::cuda::{self, CudaContext, CudaEvent, CudaStream};
 use super::device::DeviceKernels;
+use super::host::{DeviceCall, HostComm, Meet};
 use super::ipc::IpcWindows;
-use super::staged::{DeviceCollectives, device_of};
-use super::{driver_err, guard};
-use crate::comm::{Hooks, RawOp, Work};
-use crate::dtype::{DataType, ReduceOp};
+use super::staged::DeviceCollectives;
+use crate::collective::OpKind;
+use crate::dtype::DataType;
 use crate::error::{Error, Result};
-use crate::memory::RawBufs;
-use crate::{CallOptions, Communicator, OpKind};
 
 /// Collectives on the IPC path in flight at most per communicator (one event each).
 pub const IN_FLIGHT: usize = 32;
@@ -111,35 +110,29 @@ fn kernels_for(ordinal: usize) -> Result<Arc<DeviceKernels>> {
 }
 
 impl DeviceState {
-    /// `comm`'s device state on device `ordinal`: the context, the staging buffers and the
-    /// events; the path is chosen later, by the first collective ([`Self::choose_path`]). Not
-    /// collective, so a send or a receive may come first.
+    /// A communicator's device state on device `ordinal`: the context, the staging buffers and
+    /// the events; the path is chosen later, by the first collective ([`Self::choose_path`]).
+    /// Not collective, so a send or a receive may come first.
     fn new(ordinal: usize) -> Result<DeviceState> {
-        let ctx = guard("opening the device", || {
-            CudaContext::new(ordinal).map_err(driver_err("opening the device"))
-        })??;
+        let ctx = cuda::open_device(ordinal)?;
         let staging = DeviceCollectives::new(ctx.clone())?;
         let done = Arc::new(AtomicU64::new(0));
-        let event = || {
-            let flags = Some(cu::CUevent_flags::CU_EVENT_DISABLE_TIMING);
-            guard("creating an event", || ctx.new_event(flags).map_err(driver_err("creating an event")))?
-        };
-        let ready = Arc::new((0..IN_FLIGHT).map(|_| event()).collect::<Result<Vec<_>>>()?);
+        let ready =
+            Arc::new((0..IN_FLIGHT).map(|_| cuda::new_event(&ctx, false)).collect::<Result<Vec<_>>>()?);
         Ok(DeviceState { ordinal, ctx, staging, route: Route::Unchosen, done, ready, issued: 0 })
     }
 
     /// Chooses the path, once, at the first collective on device memory (every rank makes that
     /// same call, so every rank gets here at the same point): collective when the ranks share a
     /// host (the device windows are made and their handles exchanged).
-    fn choose_path(&mut self, comm: &Communicator) -> Result<()> {
+    fn choose_path(&mut self, comm: &impl HostComm) -> Result<()> {
         if !matches!(self.route, Route::Unchosen) {
             return Ok(());
         }
         let ordinal = self.ordinal;
-        let one_host = comm.topology().hosts == 1;
+        let one_host = comm.hosts() == 1;
         let ipc = if one_host && comm.size() > 1 {
-            match IpcWindows::open(comm, &self.ctx, ordinal, comm.config().cuda_ipc, || kernels_for(ordinal))
-            {
+            match IpcWindows::open(comm, &self.ctx, ordinal, comm.cuda_ipc(), || kernels_for(ordinal)) {
                 Ok(w) => Some(w),
                 Err(e) if matches!(e, Error::Unsupported(_)) => {
                     tracing::info!(target: "toroid::gpu", rank = comm.rank(),
@@ -157,13 +150,11 @@ impl DeviceState {
         } else if !one_host {
             tracing::info!(target: "toroid::gpu", rank = comm.rank(),
                 "device collectives on device {ordinal}: staged through host memory (ranks on {} hosts)",
-                comm.topology().hosts);
+                comm.hosts());
         }
         self.route = match ipc {
             Some(windows) => {
-                let stream = guard("creating a stream", || {
-                    self.ctx.new_stream().map_err(driver_err("creating a stream"))
-                })??;
+                let stream = cuda::new_stream(&self.ctx)?;
                 Route::Ipc(Arc::new(Mutex::new(IpcRun { windows, stream })))
             }
             None => Route::Staged,
@@ -182,7 +173,7 @@ impl DeviceState {
 }
 
 /// The path `comm`'s collectives on device memory take; `None` before the first one.
-pub fn path(comm: &Communicator) -> Option<DevicePath> {
+pub fn path(comm: &impl HostComm) -> Option<DevicePath> {
     comm.device_state().lock().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(DeviceState::path)
 }
 
@@ -195,7 +186,7 @@ fn on_windows(kind: OpKind) -> bool {
 /// The path a call of `kind` on `comm`'s device memory takes: [`path`] for the kinds the
 /// device windows run, [`DevicePath::Staged`] for the others; `None` before the first
 /// collective chose the path.
-pub fn route_of(comm: &Communicator, kind: OpKind) -> Option<DevicePath> {
+pub fn route_of(comm: &impl HostComm, kind: OpKind) -> Option<DevicePath> {
     path(comm).map(|p| if on_windows(kind) { p } else { DevicePath::Staged })
 }
 
@@ -219,8 +210,8 @@ pub fn route_of(comm: &Communicator, kind: OpKind) -> Option<DevicePath> {
 /// The buffers this rank uses are valid for their sizes on their device until the call returns and
 /// nothing else uses them meanwhile; `stream` is NULL or a live stream of that device's primary
 /// context.
-pub unsafe fn on_stream(
-    comm: &Communicator,
+pub unsafe fn on_stream<C: HostComm>(
+    comm: &C,
     kind: OpKind,
     send: u64,
     recv: u64,
@@ -228,8 +219,9 @@ pub unsafe fn on_stream(
     dtype: DataType,
     stream: *mut std::ffi::c_void,
 ) -> Result<()> {
+    let call = DeviceCall { kind, dtype, count, send, recv };
     // SAFETY: forwarded contract; the buffers stay valid until this returns.
-    unsafe { issue(comm, kind, send, recv, count, dtype, stream, false) }.map(drop)
+    unsafe { issue(comm, &call, stream, false) }.map(drop)
 }
 
 /// [`on_stream`], asynchronous for the host on the IPC path: returns once the collective is
@@ -241,17 +233,18 @@ pub unsafe fn on_stream(
 /// # Safety
 /// As [`on_stream`], the buffers valid and neither read nor written by anything else until the
 /// work completes (or, for `None`, until the call returns); `stream` live until then.
-pub unsafe fn on_stream_async(
-    comm: &Communicator,
+pub unsafe fn on_stream_async<C: HostComm>(
+    comm: &C,
     kind: OpKind,
     send: u64,
     recv: u64,
     count: usize,
     dtype: DataType,
     stream: *mut std::ffi::c_void,
-) -> Result<Option<Work<()>>> {
+) -> Result<Option<C::Work>> {
+    let call = DeviceCall { kind, dtype, count, send, recv };
     // SAFETY: forwarded contract.
-    unsafe { issue(comm, kind, send, recv, count, dtype, stream, true) }
+    unsafe { issue(comm, &call, stream, true) }
 }
 
 /// [`on_stream_async`] (`queue`) or [`on_stream`] (the IPC collective runs where the
@@ -259,91 +252,14 @@ pub unsafe fn on_stream_async(
 ///
 /// # Safety
 /// As [`on_stream_async`].
-#[allow(clippy::too_many_arguments)]
-unsafe fn issue(
-    comm: &Communicator,
-    kind: OpKind,
-    send: u64,
-    recv: u64,
-    count: usize,
-    dtype: DataType,
+unsafe fn issue<C: HostComm>(
+    comm: &C,
+    call: &DeviceCall,
     stream: *mut std::ffi::c_void,
     queue: bool,
-) -> Result<Option<Work<()>>> {
+) -> Result<Option<C::Work>> {
     super::driver_available()?;
-    let (n, es) = (comm.size(), dtype.size());
-    let overflow = || Error::InvalidArgument(format!("{n} x {count} elements of {dtype} overflow").into());
-    let bytes = count.checked_mul(es).ok_or_else(overflow)?;
-    let all = bytes.checked_mul(n).ok_or_else(overflow)?;
-    if matches!(
-        kind,
-        OpKind::AllReduce(ReduceOp::Avg)
-            | OpKind::ReduceScatter(ReduceOp::Avg)
-            | OpKind::Reduce(ReduceOp::Avg, _)
-    ) && !dtype.is_float()
-    {
-        return Err(Error::Unsupported(format!("avg of {dtype}: averages take float types").into()));
-    }
-    let me = comm.rank();
-    if let OpKind::Broadcast(r) | OpKind::Reduce(_, r) | OpKind::Send(r) | OpKind::Recv(r) = kind
-        && r >= n
-    {
-        let what = if matches!(kind, OpKind::Send(_) | OpKind::Recv(_)) { "peer" } else { "root" };
-        return Err(Error::InvalidArgument(format!("{what} {r} is not a rank of {n}").into()));
-    }
-    if let OpKind::Send(r) | OpKind::Recv(r) = kind
-        && r == me
-    {
-        return Err(Error::InvalidArgument(format!("rank {r} cannot send to or receive from itself").into()));
-    }
-    if count == 0 {
-        return Ok(None);
-    }
-    // The buffers' sizes (0: not used on this rank: a send's recvbuf, a receive's sendbuf, a
-    // non-root's recvbuf of a reduce), and which overlaps are the in-place forms (NCCL's, and
-    // for a reduce-scatter the result at the front of sendbuf).
-    let mine = (me * bytes) as u64;
-    let (send_len, recv_len, in_place) = match kind {
-        OpKind::AllGather => (bytes, all, send == recv.wrapping_add(mine)),
-        OpKind::ReduceScatter(_) => (all, bytes, recv == send || recv == send.wrapping_add(mine)),
-        OpKind::AllReduce(_) | OpKind::Broadcast(_) => (bytes, bytes, send == recv),
-        OpKind::Reduce(_, root) => (bytes, if me == root { bytes } else { 0 }, send == recv),
-        OpKind::AllToAll => (all, all, send == recv),
-        OpKind::Send(_) => (bytes, 0, false),
-        OpKind::Recv(_) => (0, bytes, false),
-        other => return Err(Error::Unsupported(format!("{other:?} on device memory").into())),
-    };
-    let overlap = send_len > 0
-        && recv_len > 0
-        && send < recv.saturating_add(recv_len as u64)
-        && recv < send.saturating_add(send_len as u64);
-    if overlap && !in_place {
-        return Err(Error::InvalidArgument(
-            format!("{kind:?} on device memory: sendbuf and recvbuf overlap, and not in an in-place form")
-                .into(),
-        ));
-    }
-    // Only the buffers this rank uses must be device memory (of one device).
-    let device = |len: usize, ptr: u64| (len > 0).then(|| device_of(ptr));
-    let ordinal = match (device(send_len, send), device(recv_len, recv)) {
-        (Some(Some(a)), Some(Some(b))) if a == b => a,
-        (Some(Some(a)), None) | (None, Some(Some(a))) => a,
-        (a, b) => {
-            let say = |d: Option<Option<usize>>| match d {
-                Some(Some(d)) => format!("on device {d}"),
-                Some(None) => "host memory".into(),
-                None => "not used".into(),
-            };
-            return Err(Error::InvalidArgument(
-                format!(
-                    "the stream collectives take device memory of one device: sendbuf is {}, recvbuf is {}",
-                    say(a),
-                    say(b)
-                )
-                .into(),
-            ));
-        }
-    };
+    let Some(ordinal) = comm.check(call)? else { return Ok(None) };
     let mut slot = comm.device_state().lock().unwrap_or_else(|e| e.into_inner());
     if slot.is_none() {
         *slot = Some(DeviceState::new(ordinal)?);
@@ -360,70 +276,55 @@ unsafe fn issue(
     }
     // SAFETY: the caller's stream is NULL or a live stream of this (primary) context, kept
     // alive by the caller for the call.
-    let stream = unsafe { st.ctx.wrap_borrowed_stream(stream.cast()) };
-    let p2p = matches!(kind, OpKind::Send(_) | OpKind::Recv(_));
-    if !p2p {
+    let stream = unsafe { cuda::borrow_stream(&st.ctx, stream) };
+    let DeviceCall { kind, dtype, count, send, recv } = *call;
+    if !matches!(kind, OpKind::Send(_) | OpKind::Recv(_)) {
         st.choose_path(comm)?;
     }
     if matches!(st.route, Route::Ipc(_)) && on_windows(kind) {
         // SAFETY: forwarded contract.
-        return unsafe { st.queue_ipc(comm, &stream, kind, send, recv, count, dtype, queue) };
+        return unsafe { st.queue_ipc(comm, &stream, call, queue) };
     }
     // The staged path, blocking (on the caller's thread, after the queued work); on a
     // communicator with IPC, the kinds the device windows do not run (the same on every rank).
-    match kind {
-        OpKind::AllGather | OpKind::ReduceScatter(_) | OpKind::AllToAll => {
-            // SAFETY: forwarded contract (sizes and overlaps checked above).
-            unsafe { st.staging.gathered(comm, &stream, kind, send, recv, count, dtype) }?;
-            return Ok(None);
+    let staging = &mut st.staging;
+    // SAFETY (each): forwarded contract (sizes and overlaps checked); a send and a non-root's
+    // reduce use only `send`, a receive only `recv`.
+    unsafe {
+        match kind {
+            OpKind::AllGather | OpKind::ReduceScatter(_) | OpKind::AllToAll => {
+                staging.gathered(comm, &stream, call)?
+            }
+            OpKind::Send(_) => staging.outbound(comm, &stream, send, count, dtype, kind)?,
+            OpKind::Reduce(_, root) if root != comm.rank() => {
+                staging.outbound(comm, &stream, send, count, dtype, kind)?
+            }
+            OpKind::Recv(_) => staging.inbound(comm, &stream, recv, count, dtype, kind)?,
+            _ => {
+                if send != recv {
+                    // Both ranges are valid device memory of `bytes` bytes.
+                    cuda::copy_dtod(&stream, recv, send, call.bytes(), "copying sendbuf to recvbuf")?;
+                }
+                staging.staged(comm, &stream, recv, count, dtype, kind)?
+            }
         }
-        OpKind::Send(_) => {
-            // SAFETY: forwarded contract, for `send`.
-            unsafe { st.staging.outbound(comm, &stream, send, count, dtype, kind) }?;
-            return Ok(None);
-        }
-        OpKind::Reduce(_, root) if root != me => {
-            // SAFETY: forwarded contract, for `send` (a non-root's recvbuf is not used).
-            unsafe { st.staging.outbound(comm, &stream, send, count, dtype, kind) }?;
-            return Ok(None);
-        }
-        OpKind::Recv(_) => {
-            // SAFETY: forwarded contract, for `recv`.
-            unsafe { st.staging.inbound(comm, &stream, recv, count, dtype, kind) }?;
-            return Ok(None);
-        }
-        _ => {}
     }
-    if send != recv {
-        guard("copying sendbuf to recvbuf", || {
-            // SAFETY: both ranges are valid device memory of `bytes` bytes (the caller's promise).
-            unsafe { cudarc::driver::result::memcpy_dtod_async(recv, send, bytes, stream.cu_stream()) }
-        })?
-        .map_err(driver_err("copying sendbuf to recvbuf"))?;
-    }
-    // SAFETY: forwarded contract, for `recv`.
-    unsafe { st.staging.staged(comm, &stream, recv, count, dtype, kind) }?;
     Ok(None)
 }
 
 impl DeviceState {
-    /// Queues `kind` on the IPC path (see the module's documentation), or with `queue` false
+    /// Queues `call` on the IPC path (see the module's documentation), or with `queue` false
     /// runs it as a blocking call of the communicator and returns `None` once it has.
     ///
     /// # Safety
     /// As [`on_stream_async`]; `stream` is the caller's.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn queue_ipc(
+    unsafe fn queue_ipc<C: HostComm>(
         &mut self,
-        comm: &Communicator,
+        comm: &C,
         stream: &Arc<CudaStream>,
-        kind: OpKind,
-        send: u64,
-        recv: u64,
-        count: usize,
-        dtype: DataType,
+        call: &DeviceCall,
         queue: bool,
-    ) -> Result<Option<Work<()>>> {
+    ) -> Result<Option<C::Work>> {
         let Route::Ipc(ipc) = &self.route else { return Err(Error::Internal("no IPC path".into())) };
         let ipc = ipc.clone();
         let seq = self.issued + 1;
@@ -450,36 +351,18 @@ impl DeviceState {
             }
         }
         let slot = (seq % IN_FLIGHT as u64) as usize;
-        guard("recording an event", || self.ready[slot].record(stream))?
-            .map_err(driver_err("recording an event"))?;
-        let (ready, done, meet) = (self.ready.clone(), self.done.clone(), comm.inline());
+        cuda::record(&self.ready[slot], stream)?;
+        let (ready, done, meet, call) = (self.ready.clone(), self.done.clone(), comm.meet(), *call);
         let job = move || {
             let mut run = ipc.lock().unwrap_or_else(|e| e.into_inner());
             let IpcRun { windows, stream } = &mut *run;
-            let result = guard("waiting for the input", || stream.wait(&ready[slot]))
-                .and_then(|r| r.map_err(driver_err("waiting for the input")))
-                .and_then(|()| {
-                    // SAFETY (each): the caller keeps the buffers valid until this work completes
-                    // (checked sizes and overlaps); the stream is of the windows' context.
-                    unsafe {
-                        match kind {
-                            OpKind::AllReduce(op) => {
-                                windows.all_reduce(&meet, stream, send, recv, count, dtype, op)
-                            }
-                            OpKind::Broadcast(root) => {
-                                windows.broadcast(&meet, stream, send, recv, count, dtype, root)
-                            }
-                            OpKind::AllGather => windows.all_gather(&meet, stream, send, recv, count, dtype),
-                            OpKind::ReduceScatter(op) => {
-                                windows.reduce_scatter(&meet, stream, send, recv, count, dtype, op)
-                            }
-                            other => Err(Error::Unsupported(format!("{other:?} on device memory").into())),
-                        }
-                    }
-                });
+            let result = cuda::wait_stream(stream, &ready[slot], "waiting for the input").and_then(|()| {
+                // SAFETY: the caller keeps the buffers valid until this work completes (checked
+                // sizes and overlaps); the stream is of the windows' context.
+                unsafe { windows.run(&meet, stream, &call) }
+            });
             // Also after a failure: nothing may write the caller's memory once its stream runs on.
-            let synced = guard("synchronising", || stream.synchronize())
-                .and_then(|r| r.map_err(driver_err("synchronising")));
+            let synced = cuda::sync(stream);
             done.store(seq, Ordering::Release);
             if let Err(e) = result.and(synced) {
                 // The communicator fails with it: the job's own step and every later call
@@ -489,24 +372,16 @@ impl DeviceState {
         };
         // The job's own operation is a barrier after the hook: the work completes once every
         // rank has finished the collective.
-        let op = RawOp {
-            kind: OpKind::Barrier,
-            dtype: DataType::U8,
-            bufs: RawBufs::None,
-            opts: CallOptions::default(),
-            source: None,
-        };
-        let hooks = Hooks { before: Some(Box::new(job)), after: None };
         if !queue {
-            // SAFETY: as below, the caller keeping the buffers valid until this returns.
-            let r = unsafe { comm.run_with_hooks(op, hooks) };
+            // SAFETY: the caller keeps the buffers valid until this returns.
+            let r = unsafe { comm.run_job(Box::new(job)) };
             // (Issued if the hook ran: a call refused before it never sets the counter.)
             self.issued = self.issued.max(self.done.load(Ordering::Acquire));
             return r.map(|()| None);
         }
-        // SAFETY: a barrier has no buffers; the hook touches the caller's buffers, which the
-        // caller keeps valid until the work completes (this function's contract).
-        let work = unsafe { comm.submit_raw_with_hooks(op, None, hooks) }?;
+        // SAFETY: the job touches the caller's buffers, which the caller keeps valid until the
+        // work completes (this function's contract).
+        let work = unsafe { comm.submit_job(Box::new(job)) }?;
         self.issued = seq;
         Ok(Some(work))
     }

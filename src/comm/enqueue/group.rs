@@ -17,9 +17,10 @@
 
 use std::marker::PhantomData;
 
-use super::queue::QueuedJob;
-use super::{Communicator, Hook, Hooks, RawOp, Work, lock};
+use super::QueuedJob;
+use super::{Hook, Hooks, Work};
 use crate::collective::{CallOptions, OpKind};
+use crate::comm::{Communicator, RawOp, lock};
 use crate::dtype::{Element, ReduceOp};
 use crate::error::Result;
 use crate::memory::{RawBuf, RawBufMut, RawBufs};
@@ -68,7 +69,7 @@ impl Communicator {
         let c = &self.core;
         for (op, _) in &ops {
             c.forked()?;
-            super::validate(op, c.rank, c.size, c.has_window)?;
+            crate::comm::argcheck::validate(op, c.ident.rank, c.ident.size, c.links.has_window)?;
         }
         let mut ops = ops;
         let mut start = 0;
@@ -93,7 +94,7 @@ impl Communicator {
     /// As [`Communicator::run_group`].
     unsafe fn run_packed(&self, run: &[(RawOp, Hooks)]) -> Result<()> {
         let total: usize = run.iter().map(|(op, _)| op.bufs.output_len()).sum();
-        let mut pack = lock(&self.core.pack);
+        let mut pack = lock(&self.core.buffers.pack);
         if pack.len() * 8 < total {
             pack.resize(total.div_ceil(8), 0);
         }
@@ -121,7 +122,7 @@ impl Communicator {
         let c = &self.core;
         for (op, _) in &ops {
             c.forked()?;
-            super::validate(op, c.rank, c.size, c.has_window)?;
+            crate::comm::argcheck::validate(op, c.ident.rank, c.ident.size, c.links.has_window)?;
         }
         let mut ops = ops;
         let mut jobs = Vec::new();

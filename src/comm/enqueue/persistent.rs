@@ -6,8 +6,9 @@
 //! algorithm. The choice is made on every rank from the same model and size, so every rank
 //! pins the same algorithm.
 
-use super::{Communicator, Hooks, OwnedBuffer, RawOp, Work};
+use super::{Hooks, Work};
 use crate::collective::{Algorithm, CallOptions, OpKind};
+use crate::comm::{Communicator, OwnedBuffer, RawOp};
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{Error, Result};
 use crate::memory::{RawBufMut, RawBufs};
@@ -58,7 +59,7 @@ impl Communicator {
         };
         let c = &self.core;
         c.forked()?;
-        super::validate(&probe, c.rank, c.size, c.has_window)?;
+        crate::comm::argcheck::validate(&probe, c.ident.rank, c.ident.size, c.links.has_window)?;
         Ok(self.pin_algorithm(probe).opts)
     }
 
@@ -125,7 +126,7 @@ impl AllReducePlan {
         let opts = comm.plan_all_reduce(buf, op)?;
         let c = &comm.core;
         Ok(AllReducePlan {
-            comm: (c.id, c.rank, c.size),
+            comm: (c.ident.id, c.ident.rank, c.ident.size),
             kind: OpKind::AllReduce(op),
             dtype: T::DTYPE,
             bytes: std::mem::size_of_val(buf),
@@ -147,7 +148,7 @@ impl AllReducePlan {
         mut buf: B,
     ) -> Result<Work<B>> {
         let c = &comm.core;
-        if (c.id, c.rank, c.size) != self.comm {
+        if (c.ident.id, c.ident.rank, c.ident.size) != self.comm {
             return Err(Error::InvalidUsage("an all-reduce plan started on another communicator".into()));
         }
         let bytes = bytemuck::cast_slice_mut::<T, u8>(buf.as_mut_elems());

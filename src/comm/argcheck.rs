@@ -1,5 +1,8 @@
-//! Argument checks: a pure function of the operation, the rank and the size, so it is tested
-//! here without sockets, and the C ABI uses it for its own argument checks.
+//! Argument checks, for every caller: pure functions of the call, the rank and the size (so
+//! they are tested here without sockets). [`validate`] checks an operation on host memory (the
+//! Rust API, the queue, and the C ABI for its own argument checks, so both report the same
+//! errors); [`check_device`] checks a call on device memory (the stream entry points, through
+//! `gpu::host::HostComm::check`), so the GPU path checks nothing itself.
 
 use super::RawOp;
 use crate::collective::{Algorithm, OpKind};
@@ -7,6 +10,18 @@ use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::memory::RawBufs;
 use crate::tuning;
+#[cfg(feature = "cuda")]
+use crate::{dtype::ReduceOp, gpu::host::DeviceCall};
+
+/// A send or receive names another rank as its peer (on host and device memory alike).
+fn not_self(peer: usize, rank: usize) -> Result<()> {
+    if peer == rank {
+        return Err(Error::InvalidArgument(
+            format!("rank {peer} cannot send to or receive from itself").into(),
+        ));
+    }
+    Ok(())
+}
 
 /// Checks everything about `op` that can be checked locally, before any byte moves, for
 /// `rank` of a communicator of `size` ranks (`has_window`: `shm_direct` can run). The C ABI
@@ -106,11 +121,7 @@ pub(crate) fn validate(op: &RawOp, rank: usize, size: usize, has_window: bool) -
         }
         OpKind::Send(peer) | OpKind::Recv(peer) => {
             rank_ok("peer", peer)?;
-            if peer == rank {
-                return Err(Error::InvalidArgument(
-                    format!("rank {peer} cannot send to or receive from itself").into(),
-                ));
-            }
+            not_self(peer, rank)?;
             whole("buffer", inp.max(out))?;
         }
         OpKind::RecvAny => {
@@ -133,6 +144,86 @@ pub(crate) fn validate(op: &RawOp, rank: usize, size: usize, has_window: bool) -
         }
     }
     Ok(())
+}
+
+/// Checks a call on device memory for `rank` of a communicator of `size` ranks, before
+/// anything is set up: the types and ranks, the buffers' sizes and overlaps (only NCCL's
+/// in-place forms may overlap) and that the buffers this rank uses are device memory of one
+/// device. That device's ordinal, or `None` when there is nothing to do (no elements).
+#[cfg(feature = "cuda")]
+pub(crate) fn check_device(call: &DeviceCall, rank: usize, size: usize) -> Result<Option<usize>> {
+    let DeviceCall { kind, dtype, count, send, recv } = *call;
+    let (n, es) = (size, dtype.size());
+    let overflow = || Error::InvalidArgument(format!("{n} x {count} elements of {dtype} overflow").into());
+    let bytes = count.checked_mul(es).ok_or_else(overflow)?;
+    let all = bytes.checked_mul(n).ok_or_else(overflow)?;
+    if matches!(
+        kind,
+        OpKind::AllReduce(ReduceOp::Avg)
+            | OpKind::ReduceScatter(ReduceOp::Avg)
+            | OpKind::Reduce(ReduceOp::Avg, _)
+    ) && !dtype.is_float()
+    {
+        return Err(Error::Unsupported(format!("avg of {dtype}: averages take float types").into()));
+    }
+    let me = rank;
+    if let OpKind::Broadcast(r) | OpKind::Reduce(_, r) | OpKind::Send(r) | OpKind::Recv(r) = kind
+        && r >= n
+    {
+        let what = if matches!(kind, OpKind::Send(_) | OpKind::Recv(_)) { "peer" } else { "root" };
+        return Err(Error::InvalidArgument(format!("{what} {r} is not a rank of {n}").into()));
+    }
+    if let OpKind::Send(r) | OpKind::Recv(r) = kind {
+        not_self(r, me)?;
+    }
+    if count == 0 {
+        return Ok(None);
+    }
+    // The buffers' sizes (0: not used on this rank: a send's recvbuf, a receive's sendbuf, a
+    // non-root's recvbuf of a reduce), and which overlaps are the in-place forms (NCCL's, and
+    // for a reduce-scatter the result at the front of sendbuf).
+    let mine = (me * bytes) as u64;
+    let (send_len, recv_len, in_place) = match kind {
+        OpKind::AllGather => (bytes, all, send == recv.wrapping_add(mine)),
+        OpKind::ReduceScatter(_) => (all, bytes, recv == send || recv == send.wrapping_add(mine)),
+        OpKind::AllReduce(_) | OpKind::Broadcast(_) => (bytes, bytes, send == recv),
+        OpKind::Reduce(_, root) => (bytes, if me == root { bytes } else { 0 }, send == recv),
+        OpKind::AllToAll => (all, all, send == recv),
+        OpKind::Send(_) => (bytes, 0, false),
+        OpKind::Recv(_) => (0, bytes, false),
+        other => return Err(Error::Unsupported(format!("{other:?} on device memory").into())),
+    };
+    let overlap = send_len > 0
+        && recv_len > 0
+        && send < recv.saturating_add(recv_len as u64)
+        && recv < send.saturating_add(send_len as u64);
+    if overlap && !in_place {
+        return Err(Error::InvalidArgument(
+            format!("{kind:?} on device memory: sendbuf and recvbuf overlap, and not in an in-place form")
+                .into(),
+        ));
+    }
+    // Only the buffers this rank uses must be device memory (of one device).
+    let device = |len: usize, ptr: u64| (len > 0).then(|| crate::gpu::cuda::device_of(ptr));
+    match (device(send_len, send), device(recv_len, recv)) {
+        (Some(Some(a)), Some(Some(b))) if a == b => Ok(Some(a)),
+        (Some(Some(a)), None) | (None, Some(Some(a))) => Ok(Some(a)),
+        (a, b) => {
+            let say = |d: Option<Option<usize>>| match d {
+                Some(Some(d)) => format!("on device {d}"),
+                Some(None) => "host memory".into(),
+                None => "not used".into(),
+            };
+            Err(Error::InvalidArgument(
+                format!(
+                    "the stream collectives take device memory of one device: sendbuf is {}, recvbuf is {}",
+                    say(a),
+                    say(b)
+                )
+                .into(),
+            ))
+        }
+    }
 }
 
 #[cfg(test)]
@@ -211,5 +302,33 @@ mod tests {
         let m = message(validate(&op(OpKind::AllToAll, DataType::U8, &[], &mut a2a), 0, 2, false));
         assert!(m.contains("split into 2 blocks"), "{m}");
         assert!(validate(&op(OpKind::Barrier, DataType::U8, &[], &mut []), 0, 2, false).is_ok());
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_calls_are_checked_before_any_device_is_touched() {
+        let call = |kind, dtype, count, send, recv| DeviceCall { kind, dtype, count, send, recv };
+        let sum = OpKind::AllReduce(ReduceOp::Sum);
+        let avg = OpKind::AllReduce(ReduceOp::Avg);
+        let m = message(check_device(&call(avg, DataType::I32, 4, 0, 0), 0, 3).map(drop));
+        assert!(m.contains("averages take float types"), "{m}");
+        let m = message(check_device(&call(OpKind::Broadcast(3), DataType::F32, 4, 0, 0), 0, 3).map(drop));
+        assert!(m.contains("root 3 is not a rank of 3"), "{m}");
+        let m = message(check_device(&call(OpKind::Send(1), DataType::F32, 4, 0, 0), 1, 3).map(drop));
+        assert!(m.contains("cannot send to or receive from itself"), "{m}");
+        let m = message(check_device(&call(sum, DataType::F64, usize::MAX / 4, 0, 0), 0, 3).map(drop));
+        assert!(m.contains("overflow"), "{m}");
+        // Nothing to do: no device needed.
+        assert_eq!(check_device(&call(sum, DataType::F32, 0, 0, 0), 0, 3).ok(), Some(None));
+        // Overlapping, not in place: refused before the pointers are looked at.
+        let m = message(check_device(&call(sum, DataType::F32, 4, 4096, 4100), 0, 3).map(drop));
+        assert!(m.contains("overlap, and not in an in-place form"), "{m}");
+        // Host memory is not device memory.
+        let host = [0u64; 4];
+        let p = host.as_ptr() as u64;
+        let m = message(check_device(&call(sum, DataType::F32, 4, p, p), 0, 3).map(drop));
+        assert!(m.contains("sendbuf is host memory, recvbuf is host memory"), "{m}");
+        let m = message(check_device(&call(OpKind::Send(2), DataType::U8, 8, p, 0), 0, 3).map(drop));
+        assert!(m.contains("sendbuf is host memory, recvbuf is not used"), "{m}");
     }
 }

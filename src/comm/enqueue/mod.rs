@@ -1,6 +1,11 @@
 //! The ordered work queue: blocking calls run on the caller's thread when nothing is queued,
 //! async calls run on the communicator's one worker thread in issue order, and each returns a
-//! [`Work`] that completes when its operation has run.
+//! [`Work`] that completes when its operation has run. Beside it: groups of operations run
+//! as one job (`group.rs`), persistent requests (`persistent.rs`), and the direct runner
+//! queued jobs' hooks meet the other ranks with ([`Inline`]).
+
+pub(super) mod group;
+pub(super) mod persistent;
 
 use std::any::Any;
 use std::collections::VecDeque;
@@ -9,8 +14,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::{Communicator, Core, RawOp, lock};
 use crate::collective::{CallOptions, OpKind};
+use crate::comm::{Communicator, Core, RawOp, lock};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::memory::{RawBufMut, RawBufs};
@@ -88,7 +93,7 @@ impl Communicator {
     unsafe fn run_checked(&self, op: RawOp, validate: bool) -> Result<()> {
         let r = self.run_inner(op, validate);
         if let Err(e) = &r {
-            *lock(&self.core.last_error) = Some(e.to_string());
+            *lock(&self.core.watch.last_error) = Some(e.to_string());
         }
         r
     }
@@ -107,7 +112,7 @@ impl Communicator {
     pub(crate) unsafe fn run_with_hooks(&self, op: RawOp, hooks: Hooks) -> Result<()> {
         let r = self.run_inner_hooked(op, true, hooks);
         if let Err(e) = &r {
-            *lock(&self.core.last_error) = Some(e.to_string());
+            *lock(&self.core.watch.last_error) = Some(e.to_string());
         }
         r
     }
@@ -115,17 +120,22 @@ impl Communicator {
     fn run_inner_hooked(&self, op: RawOp, validate: bool, mut hooks: Hooks) -> Result<()> {
         self.core.forked()?;
         if validate {
-            super::validate(&op, self.core.rank, self.core.size, self.core.has_window)?;
+            crate::comm::argcheck::validate(
+                &op,
+                self.core.ident.rank,
+                self.core.ident.size,
+                self.core.links.has_window,
+            )?;
         }
         self.core.abort.check()?;
         {
-            let mut q = lock(&self.core.queue);
+            let mut q = lock(&self.core.queue.jobs);
             if q.jobs.is_empty() && !q.running {
                 q.running = true;
                 drop(q);
                 let r = self.core.execute_guarded(&op, &mut hooks, 0);
-                lock(&self.core.queue).running = false;
-                self.core.queue_cv.notify_all();
+                lock(&self.core.queue.jobs).running = false;
+                self.core.queue.cv.notify_all();
                 return r;
             }
         }
@@ -160,13 +170,20 @@ impl Communicator {
         let r = self
             .core
             .forked()
-            .and_then(|_| super::validate(&op, self.core.rank, self.core.size, self.core.has_window))
+            .and_then(|_| {
+                crate::comm::argcheck::validate(
+                    &op,
+                    self.core.ident.rank,
+                    self.core.ident.size,
+                    self.core.links.has_window,
+                )
+            })
             .and_then(|_| self.core.abort.check())
             .and_then(|_| self.enqueue(op, keep, hooks));
         match r {
             Ok(done) => Ok(self.work_of(done)),
             Err(e) => {
-                *lock(&self.core.last_error) = Some(e.to_string());
+                *lock(&self.core.watch.last_error) = Some(e.to_string());
                 Err(e)
             }
         }
@@ -181,24 +198,25 @@ impl Communicator {
     pub(crate) unsafe fn submit_validated_jobs(&self, jobs: Vec<QueuedJob>) -> Result<Vec<Work<()>>> {
         let r = self.core.forked().and_then(|_| self.core.abort.check()).and_then(|_| {
             self.ensure_worker()?;
-            let mut q = lock(&self.core.queue);
+            let mut q = lock(&self.core.queue.jobs);
             if q.shutdown {
                 return Err(Error::Aborted("communicator is shutting down".into()));
             }
             let mut done = Vec::with_capacity(jobs.len());
             for (op, keep, hooks) in jobs {
-                let issued_ns = if self.core.recorder.is_on() { self.core.recorder.now_ns() } else { 0 };
+                let issued_ns =
+                    if self.core.watch.recorder.is_on() { self.core.watch.recorder.now_ns() } else { 0 };
                 let d = Arc::new(Completion::new(keep));
                 q.jobs.push_back(Job { op, issued_ns, done: d.clone(), hooks });
                 done.push(d);
             }
             Ok(done)
         });
-        self.core.queue_cv.notify_all();
+        self.core.queue.cv.notify_all();
         match r {
             Ok(done) => Ok(done.into_iter().map(|d| self.work_of(d)).collect()),
             Err(e) => {
-                *lock(&self.core.last_error) = Some(e.to_string());
+                *lock(&self.core.watch.last_error) = Some(e.to_string());
                 Err(e)
             }
         }
@@ -209,7 +227,7 @@ impl Communicator {
             done,
             abort: self.core.abort.clone(),
             timeout: self.core.timeout,
-            fork_generation: self.core.fork_generation,
+            fork_generation: self.core.ident.fork_generation,
             _buf: PhantomData,
         }
     }
@@ -217,14 +235,14 @@ impl Communicator {
     fn enqueue(&self, op: RawOp, keep: Option<Box<dyn Any + Send>>, hooks: Hooks) -> Result<Arc<Completion>> {
         self.ensure_worker()?;
         let done = Arc::new(Completion::new(keep));
-        let mut q = lock(&self.core.queue);
+        let mut q = lock(&self.core.queue.jobs);
         if q.shutdown {
             return Err(Error::Aborted("communicator is shutting down".into()));
         }
-        let issued_ns = if self.core.recorder.is_on() { self.core.recorder.now_ns() } else { 0 };
+        let issued_ns = if self.core.watch.recorder.is_on() { self.core.watch.recorder.now_ns() } else { 0 };
         q.jobs.push_back(Job { op, issued_ns, done: done.clone(), hooks });
         drop(q);
-        self.core.queue_cv.notify_all();
+        self.core.queue.cv.notify_all();
         Ok(done)
     }
 
@@ -233,7 +251,7 @@ impl Communicator {
         if w.is_none() {
             let core = self.core.clone();
             let h = std::thread::Builder::new()
-                .name(format!("toroid-r{}", self.core.rank))
+                .name(format!("toroid-r{}", self.core.ident.rank))
                 .spawn(move || core.worker_loop())
                 .map_err(|e| Error::system("spawning the worker thread", e))?;
             *w = Some(h);
@@ -249,11 +267,11 @@ impl Communicator {
 /// queued work: only hooks use it.
 #[derive(Clone)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) struct Inline(Arc<Core>);
+pub struct Inline(Arc<Core>);
 
 impl std::fmt::Debug for Inline {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Inline").field("rank", &self.0.rank).finish()
+        f.debug_struct("Inline").field("rank", &self.0.ident.rank).finish()
     }
 }
 
@@ -269,12 +287,12 @@ impl Communicator {
 impl Inline {
     /// This rank.
     pub(crate) fn rank(&self) -> usize {
-        self.0.rank
+        self.0.ident.rank
     }
 
     /// Number of ranks.
     pub(crate) fn size(&self) -> usize {
-        self.0.size
+        self.0.ident.size
     }
 
     fn run(&self, kind: OpKind, dtype: DataType, buf: Option<&mut [u8]>) -> Result<()> {
@@ -283,10 +301,10 @@ impl Inline {
             None => RawBufs::None,
         };
         let op = RawOp { kind, dtype, bufs, opts: CallOptions::default(), source: None };
-        super::validate(&op, self.0.rank, self.0.size, self.0.has_window)?;
+        crate::comm::argcheck::validate(&op, self.0.ident.rank, self.0.ident.size, self.0.links.has_window)?;
         self.0.abort.check()?;
         let r = self.0.execute(&op, 0);
-        self.0.recorder.end(r.is_ok());
+        self.0.watch.recorder.end(r.is_ok());
         r
     }
 
@@ -323,12 +341,12 @@ impl Communicator {
     /// submissions are refused, and this returns once the queue is empty.
     pub(crate) fn drain(&self) -> Result<()> {
         self.core.forked()?;
-        lock(&self.core.queue).shutdown = true;
-        self.core.queue_cv.notify_all();
+        lock(&self.core.queue.jobs).shutdown = true;
+        self.core.queue.cv.notify_all();
         if let Some(h) = lock(&self.worker).take() {
             let _ = h.join();
         }
-        let mut q = lock(&self.core.queue);
+        let mut q = lock(&self.core.queue.jobs);
         match (q.failed_in_shutdown, q.first_shutdown_error.take()) {
             (0, _) | (_, None) => Ok(()),
             (1, Some(e)) => {
@@ -345,7 +363,7 @@ impl Core {
     fn worker_loop(self: Arc<Core>) {
         loop {
             let mut job = {
-                let mut q = lock(&self.queue);
+                let mut q = lock(&self.queue.jobs);
                 loop {
                     if !q.running {
                         if let Some(j) = q.jobs.pop_front() {
@@ -356,15 +374,15 @@ impl Core {
                             return;
                         }
                     }
-                    q = self.queue_cv.wait(q).unwrap_or_else(|e| e.into_inner());
+                    q = self.queue.cv.wait(q).unwrap_or_else(|e| e.into_inner());
                 }
             };
             let r = self.execute_guarded(&job.op, &mut job.hooks, job.issued_ns);
             if let Err(e) = &r {
-                *lock(&self.last_error) = Some(e.to_string());
+                *lock(&self.watch.last_error) = Some(e.to_string());
             }
             {
-                let mut q = lock(&self.queue);
+                let mut q = lock(&self.queue.jobs);
                 if let Err(e) = &r
                     && q.shutdown
                 {
@@ -373,8 +391,8 @@ impl Core {
                 }
             }
             job.done.complete(r);
-            lock(&self.queue).running = false;
-            self.queue_cv.notify_all();
+            lock(&self.queue.jobs).running = false;
+            self.queue.cv.notify_all();
         }
     }
 
@@ -391,7 +409,7 @@ impl Core {
                 None => self.execute(op, issued_ns),
             };
             // (After a failure's stall report, which shows the operation still running.)
-            self.recorder.end(r.is_ok());
+            self.watch.recorder.end(r.is_ok());
             if r.is_ok()
                 && let Some(after) = hooks.after.take()
             {
@@ -406,11 +424,11 @@ impl Core {
                 let e = Error::Internal(
                     format!(
                         "rank {}: panic during {:?}: {what} (the communicator is aborted)",
-                        self.rank, op.kind
+                        self.ident.rank, op.kind
                     )
                     .into(),
                 );
-                self.recorder.end(false);
+                self.watch.recorder.end(false);
                 // The engine's lock may be poisoned by the panic; `lock` takes it anyway, and
                 // closing every link is the one thing left to do with it.
                 Err(self.failed(&mut lock(&self.engine), e))

@@ -14,8 +14,8 @@
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
-use super::{Communicator, lock};
 use crate::cancel;
+use crate::comm::{Communicator, lock};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::rendezvous::{self, Store};

@@ -5,7 +5,7 @@
 //! There is no store to meet through any more (rank 0 stops serving it after set-up), and no
 //! new port is opened: each survivor hands its set-up listener, which the control plane kept
 //! open ([`Core::take_listener_for_shrink`]), to the connect sequence every communicator is made
-//! by (`setup.rs`), with the connections other survivors already made to it while it was not
+//! by (`setup/mod.rs`), with the connections other survivors already made to it while it was not
 //! yet shrinking. The new communicator's id derives from the parent's ([`control::shrink_id`]),
 //! so the handshake keeps out anything that is not one of this shrink's survivors, and its
 //! ranks are the survivors renumbered `0..k`, so a hello claiming a rank beyond `k` is dropped
@@ -19,10 +19,9 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use super::control;
 use super::pending::PendingComm;
-use super::setup::Members;
-use super::{Communicator, Core};
+use super::{Listening, Members};
+use crate::comm::{Communicator, Core, control};
 use crate::error::{Error, Result};
 
 /// Shrink attempts of one communicator: the listener goes to the first, so there is one.
@@ -61,7 +60,7 @@ impl Core {
     /// See [`Communicator::shrink`].
     fn shrink(&self, failed: &[usize]) -> Result<Communicator> {
         self.forked()?;
-        let n = self.size;
+        let n = self.ident.size;
         let failed: BTreeSet<usize> =
             if failed.is_empty() { self.failed_ranks()? } else { failed.iter().copied().collect() };
         if let Some(bad) = failed.iter().find(|r| **r >= n) {
@@ -69,29 +68,29 @@ impl Core {
                 format!("shrink: rank {bad} is not in a world of {n}").into(),
             ));
         }
-        if failed.contains(&self.rank) {
+        if failed.contains(&self.ident.rank) {
             return Err(Error::InvalidUsage(
-                format!("shrink: rank {} is among the failed ranks {failed:?} it was given", self.rank)
+                format!("shrink: rank {} is among the failed ranks {failed:?} it was given", self.ident.rank)
                     .into(),
             ));
         }
         let survivors: Vec<usize> = (0..n).filter(|r| !failed.contains(r)).collect();
-        let new_rank = survivors.iter().position(|r| *r == self.rank).unwrap_or(0);
+        let new_rank = survivors.iter().position(|r| *r == self.ident.rank).unwrap_or(0);
         let what = format!(
             "rank {}: shrink of communicator {:#x} to ranks {survivors:?} (without {failed:?})",
-            self.rank, self.id
+            self.ident.rank, self.ident.id
         );
         let deadline = crate::config::deadline_in(self.timeout);
-        let id = control::shrink_id(self.id, ATTEMPT);
+        let id = control::shrink_id(self.ident.id, ATTEMPT);
         let (endpoint, accepted) = self.take_listener_for_shrink(ATTEMPT)?;
-        let t = &self.topology;
+        let t = &self.ident.topology;
         let addrs: Vec<_> = survivors.iter().map(|r| self.addrs()[*r]).collect();
         let hosts: Vec<String> = survivors.iter().map(|r| t.host_of[*r].to_string()).collect();
         let machines: Vec<String> = survivors.iter().map(|r| t.machine_of[*r].to_string()).collect();
         tracing::info!(target: "toroid::init", "{what}: rank {new_rank} of {}", survivors.len());
-        let lanes: Vec<usize> = survivors.iter().map(|r| self.lanes[*r]).collect();
-        let shm_ok: Vec<bool> = survivors.iter().map(|r| self.shm_ok[*r]).collect();
-        let rdma_ok: Vec<bool> = survivors.iter().map(|r| self.rdma_ok[*r]).collect();
+        let lanes: Vec<usize> = survivors.iter().map(|r| self.links.lanes[*r]).collect();
+        let shm_ok: Vec<bool> = survivors.iter().map(|r| self.links.shm_ok[*r]).collect();
+        let rdma_ok: Vec<bool> = survivors.iter().map(|r| self.links.rdma_ok[*r]).collect();
         // The survivors connect as a full mesh: the connections other survivors already made
         // were parked for this shrink, and it must not wait for links on demand.
         let members = Members {
@@ -104,19 +103,11 @@ impl Core {
             rdma_ok: &rdma_ok,
             lazy: false,
         };
-        let comm = Communicator::connect(
-            members,
-            endpoint,
-            accepted,
-            id,
-            &self.config,
-            self.iface.clone(),
-            None,
-            deadline,
-        )
-        .map_err(|e| {
-            e.context(&format!("{what} (every survivor must name the same failed ranks, and be alive)"))
-        })?;
+        let listening = Listening { iface: self.links.iface.clone(), endpoint, accepted };
+        let comm =
+            Communicator::connect(members, listening, id, &self.config, None, deadline).map_err(|e| {
+                e.context(&format!("{what} (every survivor must name the same failed ranks, and be alive)"))
+            })?;
         comm.agree_on(n, &failed, &survivors).map_err(|e| e.context(&what))?;
         Ok(comm)
     }
@@ -129,12 +120,12 @@ impl Core {
         }
         let named = self.abort.is_fired().then(|| self.abort.error().peer()).flatten();
         match named {
-            Some(r) if r != self.rank => Ok(BTreeSet::from([r])),
+            Some(r) if r != self.ident.rank => Ok(BTreeSet::from([r])),
             _ => Err(Error::InvalidUsage(
                 format!(
                     "rank {}: shrink was given no failed ranks, no rank's process is gone and no error \
                      names one: name the ranks to leave out",
-                    self.rank
+                    self.ident.rank
                 )
                 .into(),
             )),

@@ -1,0 +1,282 @@
+//! The one place that calls `cudarc` for memory, streams, events, contexts, pointer attributes
+//! and IPC handles: each call runs behind [`guard`] (a panic inside cudarc becomes an error,
+//! none crosses into a caller or the C ABI) and maps a driver error to this crate's error,
+//! naming what was being done, once, here. The rest of `gpu` speaks these functions and
+//! types. (Loading and launching kernels stays with the kernels, in [`super::device`], behind
+//! the same guard.)
+//!
+//! Functions on raw device addresses are `unsafe`: the driver cannot tell whether an address
+//! range belongs to the caller, so each states the ranges it needs valid.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+
+use cudarc::driver::sys::{self as cu, CUresult};
+pub use cudarc::driver::{CudaContext, CudaEvent, CudaStream, PinnedHostSlice};
+
+use crate::error::{Error, Result};
+
+/// Runs `f`, a call into cudarc, turning a panic into [`Error::Unsupported`] that names `what`.
+pub fn guard<T>(what: &str, f: impl FnOnce() -> T) -> Result<T> {
+    catch_unwind(AssertUnwindSafe(f)).map_err(|p| {
+        let msg = crate::error::panic_message(&*p).unwrap_or("a panic");
+        Error::Unsupported(format!("{what}: CUDA failed: {msg}").into())
+    })
+}
+
+/// A driver error as this crate's error, naming what was being done.
+pub(crate) fn driver_err(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| Error::System(format!("CUDA: {what}: {e:?}").into())
+}
+
+/// Runs the driver call `f` behind [`guard`], mapping its error with [`driver_err`]; both name
+/// `what`.
+fn call<T>(
+    what: &'static str,
+    f: impl FnOnce() -> std::result::Result<T, cudarc::driver::DriverError>,
+) -> Result<T> {
+    guard(what, f)?.map_err(driver_err(what))
+}
+
+/// The device ordinal of the memory `ptr` points into (`cuPointerGetAttribute`: memory type
+/// device); `None` for host memory, and on a machine without CUDA.
+pub fn device_of(ptr: u64) -> Option<usize> {
+    use cudarc::driver::sys::{CUmemorytype, CUpointer_attribute, cuPointerGetAttribute};
+    super::driver_available().ok()?;
+    guard("reading a pointer's attributes", || {
+        cudarc::driver::result::init().ok()?;
+        let (mut kind, mut ordinal): (u32, i32) = (0, -1);
+        // SAFETY: each destination is a live value of the size its attribute is written as (an
+        // unsigned int, an int); any `ptr` value is allowed (an unknown one is an error).
+        let ok = unsafe {
+            cuPointerGetAttribute(
+                (&mut kind as *mut u32).cast(),
+                CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                ptr,
+            ) == CUresult::CUDA_SUCCESS
+                && kind == CUmemorytype::CU_MEMORYTYPE_DEVICE as u32
+                && cuPointerGetAttribute(
+                    (&mut ordinal as *mut i32).cast(),
+                    CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                    ptr,
+                ) == CUresult::CUDA_SUCCESS
+        };
+        (ok && ordinal >= 0).then_some(ordinal as usize)
+    })
+    .ok()
+    .flatten()
+}
+
+/// The primary context of device `ordinal` (the one the CUDA runtime and torch use).
+pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>> {
+    call("opening the device", || CudaContext::new(ordinal))
+}
+
+/// A new stream of `ctx`.
+pub fn new_stream(ctx: &Arc<CudaContext>) -> Result<Arc<CudaStream>> {
+    call("creating a stream", || ctx.new_stream())
+}
+
+/// The caller's stream `raw` (a `CUstream`/`cudaStream_t`; NULL: the legacy default stream) as
+/// a stream of `ctx`, not destroyed when dropped.
+///
+/// # Safety
+/// `raw` is NULL or a live stream of `ctx`, kept alive by the caller while the result is used.
+pub unsafe fn borrow_stream(ctx: &Arc<CudaContext>, raw: *mut std::ffi::c_void) -> Arc<CudaStream> {
+    // SAFETY: forwarded contract.
+    unsafe { ctx.wrap_borrowed_stream(raw.cast()) }
+}
+
+/// A new event of `ctx`; `timing` false: without timing (cheaper to record and wait for).
+pub fn new_event(ctx: &Arc<CudaContext>, timing: bool) -> Result<CudaEvent> {
+    let flags = (!timing).then_some(cu::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+    call("creating an event", || ctx.new_event(flags))
+}
+
+/// Records `event` on `stream` (it completes once everything queued before it has run).
+pub fn record(event: &CudaEvent, stream: &CudaStream) -> Result<()> {
+    call("recording an event", || event.record(stream))
+}
+
+/// Waits on the host until `event` has completed (`what`: what the host waits for).
+pub fn wait_host(event: &CudaEvent, what: &'static str) -> Result<()> {
+    call(what, || event.synchronize())
+}
+
+/// Makes `stream` wait for `event` (`what`: what it waits for).
+pub fn wait_stream(stream: &CudaStream, event: &CudaEvent, what: &'static str) -> Result<()> {
+    call(what, || stream.wait(event))
+}
+
+/// Waits until everything queued on `stream` has run.
+pub fn sync(stream: &CudaStream) -> Result<()> {
+    call("synchronising", || stream.synchronize())
+}
+
+/// Queues `dst <- src`, `bytes` bytes of device memory, on `stream` (`what`: what is copied).
+///
+/// # Safety
+/// `dst` and `src` are device memory valid for `bytes` bytes until `stream` has run the copy,
+/// not overlapping, and `dst` written by nothing else meanwhile.
+pub unsafe fn copy_dtod(
+    stream: &CudaStream,
+    dst: u64,
+    src: u64,
+    bytes: usize,
+    what: &'static str,
+) -> Result<()> {
+    // SAFETY: forwarded contract.
+    call(what, || unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, stream.cu_stream()) })
+}
+
+/// Queues `host <- src` (device memory, `host.len()` bytes) on `stream`.
+///
+/// # Safety
+/// `src` is device memory valid for `host.len()` bytes, and `host` (page-locked) is neither
+/// read nor freed until `stream` has run the copy.
+pub unsafe fn copy_dtoh(stream: &CudaStream, host: &mut [u8], src: u64) -> Result<()> {
+    // SAFETY: forwarded contract.
+    call("copying to the host", || unsafe {
+        cudarc::driver::result::memcpy_dtoh_async(host, src, stream.cu_stream())
+    })
+}
+
+/// Queues `dst <- host` (device memory, `host.len()` bytes) on `stream`.
+///
+/// # Safety
+/// `dst` is device memory valid for `host.len()` bytes, written by nothing else, and `host`
+/// (page-locked) is neither written nor freed until `stream` has run the copy.
+pub unsafe fn copy_htod(stream: &CudaStream, dst: u64, host: &[u8]) -> Result<()> {
+    // SAFETY: forwarded contract.
+    call("copying to the device", || unsafe {
+        cudarc::driver::result::memcpy_htod_async(dst, host, stream.cu_stream())
+    })
+}
+
+/// Page-locked host memory of one context, freed when dropped.
+#[derive(Debug)]
+pub struct Pinned(PinnedHostSlice<u8>);
+
+impl Pinned {
+    /// `bytes` of page-locked memory of `ctx`, cached (not write-combined: the host reads it).
+    pub fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Pinned> {
+        // SAFETY: page-locked host memory of `bytes`; its contents are only read after a copy
+        // into it completed (or are overwritten by the host first): every user of `ptr` says so.
+        call("allocating pinned memory", || unsafe { ctx.alloc_pinned_with_flags::<u8>(bytes, 0) })
+            .map(Pinned)
+    }
+
+    /// Its host address, valid while `self` lives.
+    pub fn ptr(&mut self) -> Result<*mut u8> {
+        call("pinned memory", || self.0.as_mut_ptr())
+    }
+}
+
+/// One device allocation in `ctx`, freed when dropped.
+#[derive(Debug)]
+pub struct DeviceAlloc {
+    ctx: Arc<CudaContext>,
+    /// Its device address.
+    pub ptr: u64,
+}
+
+impl DeviceAlloc {
+    /// `bytes` of device memory in `ctx` (`what`: what it is for).
+    pub fn new(ctx: &Arc<CudaContext>, bytes: usize, what: &'static str) -> Result<DeviceAlloc> {
+        guard(what, || -> Result<DeviceAlloc> {
+            ctx.bind_to_thread().map_err(driver_err("binding the context"))?;
+            // SAFETY: a plain device allocation of `bytes`, owned by the returned value.
+            let ptr = unsafe { cudarc::driver::result::malloc_sync(bytes) }.map_err(driver_err(what))?;
+            Ok(DeviceAlloc { ctx: ctx.clone(), ptr })
+        })?
+    }
+
+    /// The IPC memory handle of this allocation (`cuIpcGetMemHandle`), for another process to
+    /// open with [`ipc_open`].
+    pub fn ipc_handle(&self) -> Result<[u8; 64]> {
+        let mut h = cu::CUipcMemHandle { reserved: [0; 64] };
+        guard("exporting the device window", || {
+            // SAFETY: `h` is a live handle the driver writes; `self.ptr` is a live allocation.
+            let r = unsafe { cu::cuIpcGetMemHandle(&mut h, self.ptr) };
+            if r == CUresult::CUDA_SUCCESS {
+                Ok(())
+            } else {
+                Err(Error::Unsupported(format!("CUDA IPC: cannot export the device window: {r:?}").into()))
+            }
+        })??;
+        let mut handle = [0u8; 64];
+        for (d, s) in handle.iter_mut().zip(h.reserved) {
+            *d = s as u8;
+        }
+        Ok(handle)
+    }
+}
+
+impl Drop for DeviceAlloc {
+    fn drop(&mut self) {
+        let _ = guard("freeing the device window", || {
+            if self.ctx.bind_to_thread().is_ok() {
+                // SAFETY: `ptr` came from malloc_sync and its owner dropped it: nothing uses it
+                // any more (the IPC windows end every call with a barrier after its last read).
+                let _ = unsafe { cudarc::driver::result::free_sync(self.ptr) };
+            }
+        });
+    }
+}
+
+/// Opens another process's allocation by its IPC `handle` in `ctx`: its device address here.
+/// Close it with [`ipc_close`].
+pub fn ipc_open(ctx: &Arc<CudaContext>, handle: &[u8; 64]) -> Result<u64> {
+    guard("opening a peer's device window", || -> Result<u64> {
+        ctx.bind_to_thread().map_err(driver_err("binding the context"))?;
+        let mut h = cu::CUipcMemHandle { reserved: [0; 64] };
+        for (d, s) in h.reserved.iter_mut().zip(handle) {
+            *d = *s as _;
+        }
+        let mut ptr = 0u64;
+        // SAFETY: `ptr` is a live u64 the driver writes the mapping's address into; the handle
+        // is 64 bytes as the driver defines it (an invalid one is an error, not UB).
+        let r = unsafe {
+            cu::cuIpcOpenMemHandle_v2(
+                &mut ptr,
+                h,
+                cu::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        };
+        if r == CUresult::CUDA_SUCCESS {
+            Ok(ptr)
+        } else {
+            Err(Error::Unsupported(format!("CUDA IPC: cannot open a peer's device window: {r:?}").into()))
+        }
+    })?
+}
+
+/// Closes a mapping made by [`ipc_open`] (errors ignored: it is going away).
+///
+/// # Safety
+/// `ptr` came from [`ipc_open`] in `ctx`, and nothing reads it any more.
+pub unsafe fn ipc_close(ctx: &Arc<CudaContext>, ptr: u64) {
+    let _ = guard("closing a peer's device window", || {
+        if ctx.bind_to_thread().is_ok() {
+            // SAFETY: forwarded contract.
+            let _ = unsafe { cu::cuIpcCloseMemHandle(ptr) };
+        }
+    });
+}
+
+/// Compiles `src` to PTX for `arch` with NVRTC, exact arithmetic (no fast math, no flush to
+/// zero, no contraction). NVRTC must be loaded.
+pub fn compile_ptx(src: &str, arch: &'static str) -> Result<String> {
+    let opts = cudarc::nvrtc::CompileOptions {
+        ftz: Some(false),
+        prec_div: Some(true),
+        prec_sqrt: Some(true),
+        fmad: Some(false),
+        arch: Some(arch),
+        name: Some("toroid_kernels.cu".into()),
+        ..Default::default()
+    };
+    let ptx = guard("compiling the kernels with NVRTC", || cudarc::nvrtc::compile_ptx_with_opts(src, opts))?
+        .map_err(|e| Error::Internal(format!("NVRTC rejected the kernels: {e:?}").into()))?;
+    Ok(ptx.to_src())
+}
