@@ -1,9 +1,8 @@
-//! The one place that calls `cudarc` for memory, streams, events, contexts, pointer attributes
-//! and IPC handles: each call runs behind [`guard`] (a panic inside cudarc becomes an error,
-//! none crosses into a caller or the C ABI) and maps a driver error to this crate's error,
-//! naming what was being done, once, here. The rest of `gpu` speaks these functions and
-//! types. (Loading and launching kernels stays with the kernels, in [`super::device`], behind
-//! the same guard.)
+//! The one place that calls `cudarc` (tests/layers.rs checks it): memory, streams, events,
+//! contexts, pointer attributes, IPC handles, NVRTC, loading modules and launching kernels.
+//! Each call runs behind [`guard`] (a panic inside cudarc becomes an error, none crosses into
+//! a caller or the C ABI) and maps a driver error to this crate's error, naming what was being
+//! done, once, here. The rest of `gpu` speaks these functions and types.
 //!
 //! Functions on raw device addresses are `unsafe`: the driver cannot tell whether an address
 //! range belongs to the caller, so each states the ranges it needs valid.
@@ -12,7 +11,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 
 use cudarc::driver::sys::{self as cu, CUresult};
-pub use cudarc::driver::{CudaContext, CudaEvent, CudaStream, PinnedHostSlice};
+pub use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream, PinnedHostSlice};
 
 use crate::error::{Error, Result};
 
@@ -279,4 +278,86 @@ pub fn compile_ptx(src: &str, arch: &'static str) -> Result<String> {
     let ptx = guard("compiling the kernels with NVRTC", || cudarc::nvrtc::compile_ptx_with_opts(src, opts))?
         .map_err(|e| Error::Internal(format!("NVRTC rejected the kernels: {e:?}").into()))?;
     Ok(ptx.to_src())
+}
+
+/// Loads the PTX module `ptx` into `ctx`.
+pub fn load_module(ctx: &Arc<CudaContext>, ptx: &str) -> Result<Arc<CudaModule>> {
+    call("loading the kernels' PTX", || ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)))
+}
+
+/// The kernel `name` of `module`.
+pub fn load_function(module: &Arc<CudaModule>, name: &str) -> Result<CudaFunction> {
+    call("finding a kernel", || module.load_function(name))
+}
+
+/// The number of multiprocessors of `ctx`'s device.
+pub fn multiprocessor_count(ctx: &Arc<CudaContext>) -> Result<u32> {
+    use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
+    call("reading the multiprocessor count", || ctx.attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT))
+        .map(|n| n.max(1) as u32)
+}
+
+/// A one-dimensional launch: `blocks` blocks of `threads` threads, no shared memory.
+#[derive(Debug, Clone, Copy)]
+pub struct Grid {
+    /// Blocks in the grid.
+    pub blocks: u32,
+    /// Threads per block.
+    pub threads: u32,
+}
+
+impl Grid {
+    fn config(self) -> cudarc::driver::LaunchConfig {
+        cudarc::driver::LaunchConfig {
+            grid_dim: (self.blocks, 1, 1),
+            block_dim: (self.threads, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+}
+
+/// Enqueues the reduction kernel `f(dst, a, b, n)` on `stream`.
+///
+/// # Safety
+/// `f` takes `(T*, const T*, const T*, u64)` and reads or writes `n` elements through the
+/// pointers, which are device pointers of `stream`'s context valid for `n` elements of `T`
+/// until the stream has run the kernel.
+pub unsafe fn launch_reduce(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    grid: Grid,
+    dst: u64,
+    [a, b]: [u64; 2],
+    n: u64,
+) -> Result<()> {
+    use cudarc::driver::PushKernelArg;
+    call("launching a reduction", || {
+        let mut l = stream.launch_builder(f);
+        l.arg(&dst).arg(&a).arg(&b).arg(&n);
+        // SAFETY: the caller's contract: the kernel's signature and the pointers' validity.
+        unsafe { l.launch(grid.config()) }.map(drop)
+    })
+}
+
+/// Enqueues the scale kernel `f(dst, src, n, factor)` on `stream`.
+///
+/// # Safety
+/// `f` takes `(T*, const T*, u64, double)` and reads or writes `n` elements through the
+/// pointers, valid as for [`launch_reduce`].
+pub unsafe fn launch_scale(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    grid: Grid,
+    dst: u64,
+    src: u64,
+    n: u64,
+    factor: f64,
+) -> Result<()> {
+    use cudarc::driver::PushKernelArg;
+    call("launching a scale", || {
+        let mut l = stream.launch_builder(f);
+        l.arg(&dst).arg(&src).arg(&n).arg(&factor);
+        // SAFETY: the caller's contract: the kernel's signature and the pointers' validity.
+        unsafe { l.launch(grid.config()) }.map(drop)
+    })
 }

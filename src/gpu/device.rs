@@ -4,9 +4,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
-
-use super::cuda::{driver_err, guard};
+use super::cuda::{self, CudaContext, CudaFunction, CudaStream, Grid};
 use super::kernels;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
@@ -30,27 +28,21 @@ impl DeviceKernels {
     /// stream of its own.
     pub fn new(ordinal: usize, ptx: &str) -> Result<DeviceKernels> {
         super::driver_available()?;
-        guard("loading the kernels", || -> Result<DeviceKernels> {
-            let ctx = CudaContext::new(ordinal).map_err(driver_err("creating the context"))?;
-            let stream = ctx.new_stream().map_err(driver_err("creating a stream"))?;
-            let module = ctx
-                .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
-                .map_err(driver_err("loading the kernels' PTX"))?;
-            let load = |name: String| module.load_function(&name).map_err(driver_err("finding a kernel"));
-            let reduce = kernels::TYPES
-                .iter()
-                .flat_map(|&d| kernels::OPS.iter().filter_map(move |&o| kernels::reduce_kernel(d, o)))
-                .map(load)
-                .collect::<Result<Vec<_>>>()?;
-            let scale = kernels::TYPES
-                .iter()
-                .map(|&d| kernels::scale_kernel(d).map(load).transpose())
-                .collect::<Result<Vec<_>>>()?;
-            let sms = ctx
-                .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-                .map_err(driver_err("reading the multiprocessor count"))?;
-            Ok(DeviceKernels { ctx, stream, reduce, scale, max_blocks: (sms.max(1) as u32) * 8 })
-        })?
+        let ctx = cuda::open_device(ordinal)?;
+        let stream = cuda::new_stream(&ctx)?;
+        let module = cuda::load_module(&ctx, ptx)?;
+        let load = |name: String| cuda::load_function(&module, &name);
+        let reduce = kernels::TYPES
+            .iter()
+            .flat_map(|&d| kernels::OPS.iter().filter_map(move |&o| kernels::reduce_kernel(d, o)))
+            .map(load)
+            .collect::<Result<Vec<_>>>()?;
+        let scale = kernels::TYPES
+            .iter()
+            .map(|&d| kernels::scale_kernel(d).map(load).transpose())
+            .collect::<Result<Vec<_>>>()?;
+        let max_blocks = cuda::multiprocessor_count(&ctx)? * 8;
+        Ok(DeviceKernels { ctx, stream, reduce, scale, max_blocks })
     }
 
     /// The context (to allocate and copy in tests and benchmarks).
@@ -81,11 +73,11 @@ impl DeviceKernels {
             .ok_or_else(|| Error::InvalidArgument(format!("cannot scale {dtype}").into()))
     }
 
-    fn config(&self, count: usize, dtype: DataType) -> LaunchConfig {
+    fn grid(&self, count: usize, dtype: DataType) -> Grid {
         // One thread per 16-byte vector at most.
         let units = (count * dtype.size()).div_ceil(16).max(1);
         let blocks = units.div_ceil(THREADS as usize).min(self.max_blocks as usize) as u32;
-        LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+        Grid { blocks, threads: THREADS }
     }
 
     /// Enqueues `dst[i] = a[i] ⊕ b[i]` for `count` elements of `dtype` on [`Self::stream`].
@@ -122,17 +114,9 @@ impl DeviceKernels {
         count: usize,
     ) -> Result<()> {
         let f = self.reduce_fn(dtype, op)?;
-        let n = count as u64;
-        let cfg = self.config(count, dtype);
-        guard("launching a reduction", || {
-            let mut l = stream.launch_builder(f);
-            l.arg(&dst).arg(&a).arg(&b).arg(&n);
-            // SAFETY: the kernel takes (T*, const T*, const T*, u64) and reads or writes `n`
-            // elements through them, which the caller guarantees are valid.
-            unsafe { l.launch(cfg) }
-        })?
-        .map(drop)
-        .map_err(driver_err("launching a reduction"))
+        // SAFETY: the kernel of (dtype, op) takes (T*, const T*, const T*, u64) and touches
+        // `count` elements through the pointers, which the caller guarantees are valid.
+        unsafe { cuda::launch_reduce(stream, f, self.grid(count, dtype), dst, [a, b], count as u64) }
     }
 
     /// Enqueues `dst[i] = src[i] · factor` for `count` elements of the float type `dtype`.
@@ -165,17 +149,9 @@ impl DeviceKernels {
         factor: f64,
     ) -> Result<()> {
         let f = self.scale_fn(dtype)?;
-        let n = count as u64;
-        let cfg = self.config(count, dtype);
-        guard("launching a scale", || {
-            let mut l = stream.launch_builder(f);
-            l.arg(&dst).arg(&src).arg(&n).arg(&factor);
-            // SAFETY: the kernel takes (T*, const T*, u64, double) and reads or writes `n`
-            // elements through the pointers, which the caller guarantees are valid.
-            unsafe { l.launch(cfg) }
-        })?
-        .map(drop)
-        .map_err(driver_err("launching a scale"))
+        // SAFETY: the scale kernel of `dtype` takes (T*, const T*, u64, double) and touches
+        // `count` elements through the pointers, which the caller guarantees are valid.
+        unsafe { cuda::launch_scale(stream, f, self.grid(count, dtype), dst, src, count as u64, factor) }
     }
 
     /// Waits until the stream has run everything enqueued.
