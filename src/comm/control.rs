@@ -10,9 +10,6 @@
 //! communicator through the same listeners ([`Core::take_listener_for_shrink`]): no new port
 //! and no rendezvous. The bytes and bounds are in `transport::tcp::control`.
 
-// The stall report and shrink (issue 16, in progress) call these.
-#![allow(dead_code, unused_imports)]
-
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
