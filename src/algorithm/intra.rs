@@ -47,7 +47,7 @@ use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::reduce;
 use crate::transport::exchange::{AbortSignal, Peers};
-use crate::transport::window::{WaitPolicy, Window, copy_streaming, last_level_cache};
+use crate::transport::window::{RegionAt, WaitPolicy, Waiter, Window, copy_streaming, last_level_cache};
 
 /// Bytes reduced at a time (a block of output stays in L1).
 pub const BLOCK: usize = 16 * 1024;
@@ -79,26 +79,39 @@ struct Sync<'a> {
 impl Sync<'_> {
     fn wait_all(&mut self, win: &mut Window, target: u32) -> Result<()> {
         let (fp, peers) = (self.fp, &mut *self.peers);
-        win.wait_all(target, &fp, &self.policy, self.deadline, &self.abort, &mut |m| {
+        let probe = &mut |m| {
             peers.progress().waiting(Some(m), 0);
             peers.poll_idle_links(&fp, m)
-        })
+        };
+        win.wait_all(
+            target,
+            &mut Waiter { fp: &fp, policy: &self.policy, deadline: self.deadline, abort: &self.abort, probe },
+        )
     }
 
     fn wait(&mut self, win: &mut Window, m: usize, target: u32) -> Result<()> {
         let (fp, peers) = (self.fp, &mut *self.peers);
-        win.wait(m, target, &fp, &self.policy, self.deadline, &self.abort, &mut |m| {
+        let probe = &mut |m| {
             peers.progress().waiting(Some(m), 0);
             peers.poll_idle_links(&fp, m)
-        })
+        };
+        win.wait(
+            m,
+            target,
+            &mut Waiter { fp: &fp, policy: &self.policy, deadline: self.deadline, abort: &self.abort, probe },
+        )
     }
 
     fn begin_chunk(&mut self, win: &mut Window, writes: bool) -> Result<usize> {
         let (fp, peers) = (self.fp, &mut *self.peers);
-        win.begin_chunk(writes, &fp, &self.policy, self.deadline, &self.abort, &mut |m| {
+        let probe = &mut |m| {
             peers.progress().waiting(Some(m), 0);
             peers.poll_idle_links(&fp, m)
-        })
+        };
+        win.begin_chunk(
+            writes,
+            &mut Waiter { fp: &fp, policy: &self.policy, deadline: self.deadline, abort: &self.abort, probe },
+        )
     }
 }
 
@@ -171,7 +184,13 @@ fn reduce_slice(
             (None, Some(f)) => reduce::scale_inplace(dtype, d, f),
             (Some(s), None) => {
                 if let Some(j) = peers.next() {
-                    win.reduce_into_from(j, buf, off + at, d, &s[at..at + len], dtype, op);
+                    win.reduce_into_from(
+                        RegionAt { member: j, buf, off: off + at },
+                        d,
+                        &s[at..at + len],
+                        dtype,
+                        op,
+                    );
                 } else {
                     reduce::copy(d, &s[at..at + len]);
                 }
@@ -241,7 +260,13 @@ fn one_shot(
     while at < out.len() {
         let len = block.min(out.len() - at);
         let d = &mut out[at..at + len];
-        win.reduce_two((0, at), (1, at), b, d, dtype, op);
+        win.reduce_two(
+            RegionAt { member: 0, buf: b, off: at },
+            RegionAt { member: 1, buf: b, off: at },
+            d,
+            dtype,
+            op,
+        );
         for j in 2..n {
             win.reduce_from(j, b, at, d, dtype, op);
         }

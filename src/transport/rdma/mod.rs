@@ -18,7 +18,7 @@
 //! | part | what |
 //! |---|---|
 //! | [`verbs`] | the [`Verbs`] trait: exactly the verbs the ring uses; [`MrCache`] |
-//! | [`ring`] | [`RdmaRing`]: send and receive over one queue pair; [`RingInfo`], exchanged before connecting |
+//! | [`write_ring`] | [`RdmaRing`]: send and receive over one queue pair; [`RingInfo`], exchanged before connecting |
 //! | [`link`] | [`RdmaTransport`]: the ring as a [`crate::transport::Transport`], the pair's TCP link as liveness channel |
 //! | [`setup`] | moving a communicator's links between hosts to RDMA at set-up (`TOROID_RDMA`) |
 //! | [`fake`] | the in-memory fake of the verbs, and its in-process fabric |
@@ -31,13 +31,13 @@ pub mod fake;
 #[cfg(feature = "rdma")]
 pub mod hca;
 pub mod link;
-pub mod ring;
 pub mod setup;
 pub mod verbs;
+pub mod write_ring;
 
 pub use link::RdmaTransport;
-pub use ring::{Geometry, RdmaRing, RingInfo};
 pub use verbs::{Completion, MrCache, QpInfo, Region, RemoteRegion, Verbs, WcOp};
+pub use write_ring::{Geometry, RdmaRing, RingInfo};
 
 #[cfg(test)]
 mod tests;

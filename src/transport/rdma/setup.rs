@@ -21,8 +21,8 @@
 
 use std::time::Instant;
 
-use super::ring::{Geometry, RdmaRing, RingInfo};
 use super::verbs::Verbs;
+use super::write_ring::{Geometry, RdmaRing, RingInfo};
 use super::{RdmaTransport, fake::FakeVerbs};
 use crate::config::{Config, RdmaMode};
 use crate::error::{Error, Result};

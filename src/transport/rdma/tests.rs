@@ -226,7 +226,7 @@ fn ring_and_raw_peer(geo: Geometry) -> (RdmaRing<FakeVerbs>, FakeVerbs, Region, 
     };
     a.connect(&raw_info).expect("connect ring");
     for i in 0..64 {
-        raw.post_recv(super::ring::RECV_TAG | i).expect("recv");
+        raw.post_recv(super::write_ring::RECV_TAG | i).expect("recv");
     }
     let remote = a.info().ring;
     (a, raw, region, remote)
