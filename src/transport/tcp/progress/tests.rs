@@ -1,6 +1,7 @@
 //! Unit tests of the progress threads ([`super`]).
 
 use super::*;
+use crate::transport::Transport;
 use crate::transport::tcp::SocketOptions;
 use crate::transport::tcp::striped::StripedTransport;
 use crate::transport::testutil::{
