@@ -2,10 +2,11 @@
 
 use super::super::TcpStore;
 use super::super::auth::{NONCE_LEN, TAG_LEN, client_tag};
-use super::super::protocol::{Enc, MAX_KEY, MAX_VALUE, OP_DELETE, OP_GET, OP_SET};
+use super::super::protocol::*;
 use super::super::tests::{T, raw_frame, raw_read, server};
 use super::*;
 use crate::rendezvous::Store;
+use std::io::{Read, Write};
 
 fn token(s: &[u8]) -> AuthToken {
     AuthToken::new(s)
