@@ -17,9 +17,10 @@
 //! request, which is what an earlier version did).
 //! Input is read only while a connection holds less than one frame's worth and its unsent
 //! output is under [`MAX_OUTPUT`](super::protocol::MAX_OUTPUT) (backpressure: a peer that sends
-//! requests without reading the answers gets one answer queued, then nothing is read from it). Dropping the [`ServerHandle`]
-//! closes one end of a socket pair the loop watches; the thread then drops every connection and
-//! is joined, and clients blocked on it see the connection close.
+//! requests without reading the answers gets one answer queued, then nothing is read from it).
+//! Dropping the [`ServerHandle`] closes one end of a socket pair the loop watches; the thread
+//! then drops every connection and is joined, and clients blocked on it see the connection
+//! close.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet};
