@@ -7,7 +7,7 @@
 //! neighbours, torus2d its row and column, halving-doubling its log2 N partners.
 //!
 //! Who connects: the higher rank of a pair dials ([`Dialer`], the progress engine's
-//! [`Connector`]), with the hello, ack, MAC and lane checks of set-up ([`super::pending`]). The
+//! [`Connector`]), with the hello, ack, MAC and lane checks of set-up ([`super::handshaking`]). The
 //! lower rank never dials it: its listener is served for the communicator's life by the
 //! control thread (`comm::control`), which recognises a hello carrying the communicator's own
 //! id, runs the accepting half of the handshake in its poll loop ([`Inbox`]) and hands the

@@ -61,13 +61,29 @@ const ACCEPTS_PER_ROUND: usize = 256;
 /// Dropped connections logged one by one; past this only their number is logged, at the end.
 const WARNS: usize = 16;
 
-/// Connects this rank to every other rank: connects to lower ranks, accepts higher ones, and
-/// checks the handshake both ways. `lanes[p]` connections go to rank `p` (1 or more, below
-/// [`super::handshake::MAX_LANES`]; rank `p` must pass the same number for this rank). Returns
-/// one transport per rank (`None` at `rank`).
+/// Who a mesh connects: this rank, every rank's published address, the communicator (its id is
+/// in every hello), the connections per peer and the job's token.
+#[derive(Debug, Clone, Copy)]
+pub struct MeshSpec<'a> {
+    /// This rank.
+    pub rank: usize,
+    /// Every rank's listening address (`addrs[rank]` is this rank's own).
+    pub addrs: &'a [SocketAddr],
+    /// The communicator's id.
+    pub comm_id: u64,
+    /// `lanes[p]` connections go to rank `p` (1 or more, below [`super::handshake::MAX_LANES`];
+    /// rank `p` must pass the same number for this rank).
+    pub lanes: &'a [usize],
+    /// The job's token: handshakes carry and check MACs with it.
+    pub auth: Option<&'a AuthToken>,
+}
+
+/// Connects this rank to every other rank of `spec`: connects to lower ranks, accepts higher
+/// ones, and checks the handshake both ways. Returns one transport per rank (`None` at
+/// `spec.rank`).
 ///
 /// One poll loop drives every connection at once on non-blocking sockets (see
-/// [`super::pending`]). An incoming connection that closes, stays silent past its own deadline,
+/// [`super::handshaking`]). An incoming connection that closes, stays silent past its own deadline,
 /// sends anything but a valid hello (and MAC, with a token), or claims a rank that is not
 /// expected or already connected is dropped with a WARN naming its address and the reason, and
 /// set-up goes on. A failure on a connection this rank made to a published address is that
@@ -76,18 +92,14 @@ const WARNS: usize = 16;
 /// `accepted` are connections already accepted on the listener and not read (a shrink: the
 /// control plane parked them while this rank was not yet shrinking); they start as any other
 /// incoming connection, as strangers until their hello checks out.
-#[allow(clippy::too_many_arguments)]
 pub fn connect_mesh(
-    rank: usize,
-    addrs: &[SocketAddr],
+    spec: &MeshSpec<'_>,
     endpoint: &Endpoint,
     accepted: Vec<(TcpStream, SocketAddr)>,
-    comm_id: u64,
-    lanes: &[usize],
     opts: &SocketOptions,
-    auth: Option<&AuthToken>,
     deadline: Instant,
 ) -> Result<Vec<Option<Box<dyn Transport>>>> {
+    let &MeshSpec { rank, addrs, comm_id, lanes, auth } = spec;
     let size = addrs.len();
     if lanes.len() != size || lanes.iter().any(|&l| l == 0 || l > super::handshake::MAX_LANES) {
         return Err(Error::Internal(format!("bad lanes per peer {lanes:?}").into()));

@@ -51,7 +51,7 @@ pub mod striped;
 
 pub use handshake::{MAX_LANES, PROTOCOL_VERSION};
 pub use interface::{Interface, choose_address, interfaces, select_interfaces};
-pub use mesh::{Endpoint, connect_mesh, listen};
+pub use mesh::{Endpoint, MeshSpec, connect_mesh, listen};
 
 /// How connections between ranks are set up.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -50,7 +50,13 @@ fn mesh_lanes(
             let (addrs, opts) = (addrs.clone(), opts.clone());
             let token = t.map(|t| AuthToken::new(t.as_bytes()));
             std::thread::spawn(move || {
-                let m = connect_mesh(r, &addrs, &ep, Vec::new(), 99, &lanes, &opts, token.as_ref(), deadline);
+                let m = connect_mesh(
+                    &MeshSpec { rank: r, addrs: &addrs, comm_id: 99, lanes: &lanes, auth: token.as_ref() },
+                    &ep,
+                    Vec::new(),
+                    &opts,
+                    deadline,
+                );
                 (m, ep)
             })
         })
@@ -222,8 +228,14 @@ fn the_token_never_goes_on_the_wire_and_the_hello_carries_its_mac() {
     let deadline = Instant::now() + Duration::from_secs(2);
     let connector = std::thread::spawn(move || {
         let t = AuthToken::new(token.as_bytes());
-        connect_mesh(1, &addrs, &ep, Vec::new(), 5, &[1, 1], &SocketOptions::default(), Some(&t), deadline)
-            .map(|_| ())
+        connect_mesh(
+            &MeshSpec { rank: 1, addrs: &addrs, comm_id: 5, lanes: &[1, 1], auth: Some(&t) },
+            &ep,
+            Vec::new(),
+            &SocketOptions::default(),
+            deadline,
+        )
+        .map(|_| ())
     });
     let (mut s, _) = raw.accept().expect("accept");
     let mut sent = vec![0u8; HELLO_LEN + NONCE_LEN + MAC_LEN];
@@ -339,14 +351,16 @@ fn mesh_attacked(token: Option<&str>, attack: Option<Attack>) -> Vec<(Mesh, Dura
                     std::thread::sleep(STAGGER);
                 }
                 let m = connect_mesh(
-                    r,
-                    &addrs,
+                    &MeshSpec {
+                        rank: r,
+                        addrs: &addrs,
+                        comm_id: COMM,
+                        lanes: &vec![1; addrs.len()],
+                        auth: token.as_ref(),
+                    },
                     &ep,
                     Vec::new(),
-                    COMM,
-                    &vec![1; addrs.len()],
                     &SocketOptions::default(),
-                    token.as_ref(),
                     deadline,
                 );
                 (m, start.elapsed())
@@ -462,8 +476,13 @@ fn a_silent_connection_is_dropped_at_its_own_deadline_and_set_up_goes_on() {
     assert!(held >= allowance - Duration::from_millis(100), "dropped after {held:?}");
     let cut = drip.join().expect("drip thread").expect("dripping connection kept past its allowance");
     assert!(cut < allowance * 2, "dripping connection dropped only after {cut:?}");
-    let rank1 =
-        connect_mesh(1, &addrs, &peer, Vec::new(), COMM, &[1, 1], &SocketOptions::default(), None, deadline);
+    let rank1 = connect_mesh(
+        &MeshSpec { rank: 1, addrs: &addrs, comm_id: COMM, lanes: &[1, 1], auth: None },
+        &peer,
+        Vec::new(),
+        &SocketOptions::default(),
+        deadline,
+    );
     assert!(rank1.is_ok(), "{:?}", rank1.err());
     assert_eq!(rank0.join().expect("rank 0").expect("rank 0 connects"), 1);
 }
@@ -490,14 +509,16 @@ fn a_flood_of_silent_connections_does_not_block_genuine_peers() {
             let addrs = addrs.clone();
             std::thread::spawn(move || {
                 connect_mesh(
-                    r,
-                    &addrs,
+                    &MeshSpec {
+                        rank: r,
+                        addrs: &addrs,
+                        comm_id: COMM,
+                        lanes: &vec![1; addrs.len()],
+                        auth: None,
+                    },
                     &ep,
                     Vec::new(),
-                    COMM,
-                    &vec![1; addrs.len()],
                     &SocketOptions::default(),
-                    None,
                     deadline,
                 )
             })
@@ -524,7 +545,13 @@ fn connections_accepted_before_set_up_count_and_strangers_among_them_are_dropped
     let (ep0, ep1) = (eps.next().unwrap(), eps.next().unwrap());
     let a1 = addrs.clone();
     let rank1 = std::thread::spawn(move || {
-        connect_mesh(1, &a1, &ep1, Vec::new(), 42, &[1, 1], &SocketOptions::default(), None, deadline)
+        connect_mesh(
+            &MeshSpec { rank: 1, addrs: &a1, comm_id: 42, lanes: &[1, 1], auth: None },
+            &ep1,
+            Vec::new(),
+            &SocketOptions::default(),
+            deadline,
+        )
     });
     let mut accepted = Vec::new();
     while accepted.len() < 2 {
@@ -536,9 +563,14 @@ fn connections_accepted_before_set_up_count_and_strangers_among_them_are_dropped
         }
     }
     // Nothing else will connect: rank 0 can only finish with what it was handed.
-    let mut m0 =
-        connect_mesh(0, &addrs, &ep0, accepted, 42, &[1, 1], &SocketOptions::default(), None, deadline)
-            .expect("rank 0");
+    let mut m0 = connect_mesh(
+        &MeshSpec { rank: 0, addrs: &addrs, comm_id: 42, lanes: &[1, 1], auth: None },
+        &ep0,
+        accepted,
+        &SocketOptions::default(),
+        deadline,
+    )
+    .expect("rank 0");
     let mut m1 = rank1.join().expect("rank 1 thread").expect("rank 1");
     let (t0, t1) = (m0[1].as_deref_mut().expect("link 0-1"), m1[0].as_deref_mut().expect("link 1-0"));
     send_and_receive(t0, t1, b"shrunk");
