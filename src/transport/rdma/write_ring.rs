@@ -22,7 +22,7 @@
 
 use std::time::Instant;
 
-use super::verbs::{Completion, Region, RemoteRegion, Verbs, WcOp};
+use super::verbs::{Completion, Region, RemoteRegion, Verbs, WcOp, WriteImm};
 use crate::error::{Error, Result};
 use crate::transport::ledger::{RecvLedger, SendLedger};
 
@@ -285,12 +285,14 @@ impl<V: Verbs> RdmaRing<V> {
         }
         let posted = self.verbs.post_write_imm(
             CREDIT_TAG | self.rx.tail(),
-            &self.stage_mr,
-            0,
-            0,
-            &remote,
-            0,
-            imm(KIND_CREDIT, n),
+            WriteImm {
+                local: &self.stage_mr,
+                offset: 0,
+                len: 0,
+                remote: &remote,
+                remote_offset: 0,
+                imm: imm(KIND_CREDIT, n),
+            },
         );
         if let Err(e) = posted {
             return Err(self.post_failed(format!("returning credits to rank {}", self.peer), e));
@@ -335,12 +337,14 @@ impl<V: Verbs> RdmaRing<V> {
             let at = slot * b;
             let posted = self.verbs.post_write_imm(
                 self.tx.head(),
-                &self.stage_mr,
-                at,
-                n,
-                &remote,
-                at,
-                imm(KIND_DATA, n),
+                WriteImm {
+                    local: &self.stage_mr,
+                    offset: at,
+                    len: n,
+                    remote: &remote,
+                    remote_offset: at,
+                    imm: imm(KIND_DATA, n),
+                },
             );
             if let Err(e) = posted {
                 return Err(self.post_failed(format!("RDMA write to rank {}", self.peer), e));
@@ -520,12 +524,14 @@ impl<V: Verbs> RdmaRing<V> {
         if !self.closed {
             let posted = self.verbs.post_write_imm(
                 u64::MAX >> 2,
-                &self.stage_mr,
-                0,
-                0,
-                &remote,
-                0,
-                imm(KIND_CLOSE, 0),
+                WriteImm {
+                    local: &self.stage_mr,
+                    offset: 0,
+                    len: 0,
+                    remote: &remote,
+                    remote_offset: 0,
+                    imm: imm(KIND_CLOSE, 0),
+                },
             );
             if let Err(e) = posted {
                 return Err(self.post_failed(format!("closing the RDMA ring to rank {}", self.peer), e));
