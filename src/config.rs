@@ -203,6 +203,12 @@ pub struct Config {
     pub vars: BTreeMap<String, String>,
 }
 
+/// The values `TOROID_RDMA` takes in this build (`fake` only with the test double).
+#[cfg(any(test, feature = "rdma-fake"))]
+const RDMA_MODES: &str = "auto, off or fake";
+#[cfg(not(any(test, feature = "rdma-fake")))]
+const RDMA_MODES: &str = "auto or off";
+
 /// Whether pairs of ranks on different hosts use RDMA (`TOROID_RDMA`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RdmaMode {
@@ -212,7 +218,9 @@ pub enum RdmaMode {
     /// (`auto`, the default).
     Auto,
     /// The in-process fake of the verbs (`fake`): for tests whose ranks are threads of one
-    /// process; ranks in different processes find they cannot pair and keep TCP.
+    /// process; ranks in different processes find they cannot pair and keep TCP. A test double:
+    /// only in the unit tests and with the cargo feature `rdma-fake` (which the tests enable).
+    #[cfg(any(test, feature = "rdma-fake"))]
     Fake,
 }
 
@@ -431,10 +439,11 @@ impl Config {
             cfg.rdma = match v.to_ascii_lowercase().as_str() {
                 "auto" | "1" | "on" => RdmaMode::Auto,
                 "0" | "off" => RdmaMode::Off,
+                #[cfg(any(test, feature = "rdma-fake"))]
                 "fake" => RdmaMode::Fake,
                 _ => {
                     return Err(Error::InvalidArgument(
-                        format!("TOROID_RDMA={v}: expected auto, off or fake").into(),
+                        format!("TOROID_RDMA={v}: expected {RDMA_MODES}").into(),
                     ));
                 }
             };

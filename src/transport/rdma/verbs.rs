@@ -1,5 +1,5 @@
 //! The verbs the RDMA ring needs, as a trait: exactly those, so that an in-memory fake
-//! ([`super::fake`]) can stand in for a NIC in the tests and `sideway` (`hca`, cargo
+//! (`super::fake`) can stand in for a NIC in the tests and `sideway` (`hca`, cargo
 //! feature `rdma`) drives real hardware with the same ring.
 //!
 //! The operations are the InfiniBand Architecture Specification's (volume 1, chapter 11, as
