@@ -10,6 +10,13 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 
+mod logging;
+mod parse;
+
+pub use logging::init_logging;
+pub use parse::parse_size;
+use parse::{parse_bool, parse_num, parse_rate, parse_seconds, parse_wire};
+
 /// Default deadline of every blocking wait.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Default time a waiting rank polls before it blocks in the kernel.
@@ -196,6 +203,12 @@ pub struct Config {
     pub vars: BTreeMap<String, String>,
 }
 
+/// The values `TOROID_RDMA` takes in this build (`fake` only with the test double).
+#[cfg(any(test, feature = "rdma-fake"))]
+const RDMA_MODES: &str = "auto, off or fake";
+#[cfg(not(any(test, feature = "rdma-fake")))]
+const RDMA_MODES: &str = "auto or off";
+
 /// Whether pairs of ranks on different hosts use RDMA (`TOROID_RDMA`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RdmaMode {
@@ -205,9 +218,18 @@ pub enum RdmaMode {
     /// (`auto`, the default).
     Auto,
     /// The in-process fake of the verbs (`fake`): for tests whose ranks are threads of one
-    /// process; ranks in different processes find they cannot pair and keep TCP.
+    /// process; ranks in different processes find they cannot pair and keep TCP. A test double:
+    /// only in the unit tests and with the cargo feature `rdma-fake` (which the tests enable).
+    #[cfg(any(test, feature = "rdma-fake"))]
     Fake,
 }
+
+/// Most connections between one pair of ranks (`TOROID_NSOCKS`): the TCP handshake carries the
+/// lane in the flags' high four bits (`transport::tcp::handshake`). Defined here, not in the
+/// transport, so that config depends on nothing above it (the transport imports it).
+pub const MAX_LANES: usize = 16;
+/// Most progress threads per communicator (`TOROID_NTHREADS`; `transport::tcp::progress`).
+pub const MAX_THREADS: usize = 16;
 
 /// Default directory of shared-memory segments.
 pub const DEFAULT_SHM_DIR: &str = "/dev/shm";
@@ -417,10 +439,11 @@ impl Config {
             cfg.rdma = match v.to_ascii_lowercase().as_str() {
                 "auto" | "1" | "on" => RdmaMode::Auto,
                 "0" | "off" => RdmaMode::Off,
+                #[cfg(any(test, feature = "rdma-fake"))]
                 "fake" => RdmaMode::Fake,
                 _ => {
                     return Err(Error::InvalidArgument(
-                        format!("TOROID_RDMA={v}: expected auto, off or fake").into(),
+                        format!("TOROID_RDMA={v}: expected {RDMA_MODES}").into(),
                     ));
                 }
             };
@@ -443,7 +466,7 @@ impl Config {
             cfg.wire = parse_wire(v)?;
         }
         if let Some(v) = get("TOROID_NSOCKS") {
-            let max = crate::transport::tcp::MAX_LANES;
+            let max = MAX_LANES;
             cfg.nsocks = match parse_num::<usize>("TOROID_NSOCKS", v)? {
                 n @ 1.. if n <= max => n,
                 _ => {
@@ -454,7 +477,7 @@ impl Config {
             };
         }
         if let Some(v) = get("TOROID_NTHREADS") {
-            let max = crate::transport::tcp::progress::MAX_THREADS;
+            let max = MAX_THREADS;
             cfg.nthreads = match parse_num::<usize>("TOROID_NTHREADS", v)? {
                 n if n <= max => n,
                 _ => {
@@ -506,123 +529,20 @@ impl Config {
     }
 }
 
-fn parse_num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
-    v.parse().map_err(|_| Error::InvalidArgument(format!("{name}={v}: not a number").into()))
+/// The timeline path a launcher was given in its own environment (`TOROID_TIMELINE`; unset or
+/// empty: none). `toroid-run` merges the ranks' timeline files there; the ranks read the same
+/// variable through [`Config::from_lookup`].
+pub fn timeline_path_from_env() -> Option<std::path::PathBuf> {
+    std::env::var_os("TOROID_TIMELINE").filter(|v| !v.is_empty()).map(std::path::PathBuf::from)
 }
 
-/// `TOROID_WIRE_DTYPE`: `bf16` (`bfloat16`), `f16` (`half`, `float16`) or `none`.
-fn parse_wire(v: &str) -> Result<Option<crate::dtype::DataType>> {
-    use crate::dtype::DataType;
-    match v.to_ascii_lowercase().as_str() {
-        "bf16" | "bfloat16" => Ok(Some(DataType::BF16)),
-        "f16" | "half" | "float16" => Ok(Some(DataType::F16)),
-        "none" | "off" => Ok(None),
-        _ => Err(Error::InvalidArgument(format!("TOROID_WIRE_DTYPE={v}: expected bf16, f16 or none").into())),
-    }
-}
-
-/// A rate as `tc` writes it (`kbit`, `mbit`, `gbit`: powers of 1000 bits per second) or plain
-/// bytes per second; returns bytes per second.
-fn parse_rate(name: &str, v: &str) -> Result<u64> {
-    let l = v.trim().to_ascii_lowercase();
-    let (digits, bits) = [("kbit", 1e3), ("mbit", 1e6), ("gbit", 1e9), ("bit", 1.0)]
-        .iter()
-        .find_map(|(u, m)| l.strip_suffix(u).map(|d| (d.to_string(), Some(*m))))
-        .unwrap_or((l.clone(), None));
-    let n: f64 = parse_num(name, digits.trim())?;
-    let bytes = match bits {
-        Some(m) => n * m / 8.0,
-        None => n,
-    };
-    if !(1.0..1e15).contains(&bytes) {
-        return Err(Error::InvalidArgument(format!("{name}={v}: expected a rate such as 1gbit").into()));
-    }
-    Ok(bytes as u64)
-}
-
-/// `1`/`0`, `true`/`false`, `yes`/`no`, `on`/`off`.
-fn parse_bool(name: &str, v: &str) -> Result<bool> {
-    match v.to_ascii_lowercase().as_str() {
-        "1" | "true" | "yes" | "on" => Ok(true),
-        "0" | "false" | "no" | "off" => Ok(false),
-        _ => Err(Error::InvalidArgument(format!("{name}={v}: expected 1 or 0").into())),
-    }
-}
-
-/// Seconds, possibly fractional (`0.5`).
-fn parse_seconds(name: &str, v: &str) -> Result<Duration> {
-    let secs: f64 = parse_num(name, v)?;
-    if !(secs > 0.0 && secs.is_finite()) {
-        return Err(Error::InvalidArgument(
-            format!("{name}={v}: must be a positive number of seconds").into(),
-        ));
-    }
-    if secs > MAX_TIMEOUT.as_secs_f64() {
-        return Err(Error::InvalidArgument(
-            format!("{name}={v}: above the maximum of {} s (30 days)", MAX_TIMEOUT.as_secs()).into(),
-        ));
-    }
-    Ok(Duration::from_secs_f64(secs))
-}
-
-/// A byte size with an optional K/M/G suffix (powers of 1024, as nccl-tests reads sizes).
-///
-/// ```
-/// assert_eq!(toroid::internals::config::parse_size("x", "4K").unwrap(), 4096);
-/// assert_eq!(toroid::internals::config::parse_size("x", "64M").unwrap(), 64 << 20);
-/// assert_eq!(toroid::internals::config::parse_size("x", "100").unwrap(), 100);
-/// ```
-pub fn parse_size(name: &str, v: &str) -> Result<usize> {
-    let v = v.trim();
-    let (digits, shift) = match v.chars().last().map(|c| c.to_ascii_uppercase()) {
-        Some('K') => (&v[..v.len() - 1], 10),
-        Some('M') => (&v[..v.len() - 1], 20),
-        Some('G') => (&v[..v.len() - 1], 30),
-        Some('T') => (&v[..v.len() - 1], 40),
-        _ => (v, 0),
-    };
-    let n: usize = parse_num(name, digits)?;
-    n.checked_mul(1usize << shift)
-        .ok_or_else(|| Error::InvalidArgument(format!("{name}={v}: too large").into()))
-}
-
-/// Sets up logging from `TOROID_DEBUG` (`WARN` default, `INFO`, `TRACE`, ...) and
-/// `TOROID_DEBUG_SUBSYS` (comma list of subsystems: `INIT,NET,COLL,ENV,TUNING,STORE`, `ALL`).
-/// Does nothing when the application installed its own `tracing` subscriber first.
-pub fn init_logging() {
-    static ONCE: OnceLock<()> = OnceLock::new();
-    ONCE.get_or_init(|| {
-        let level = std::env::var("TOROID_DEBUG").unwrap_or_default();
-        let level = match level.trim().to_ascii_uppercase().as_str() {
-            "" | "WARN" | "WARNING" => "warn",
-            "VERSION" | "ERROR" => "error",
-            "INFO" => "info",
-            "DEBUG" => "debug",
-            "TRACE" => "trace",
-            "OFF" | "NONE" => "off",
-            _ => "warn",
-        };
-        let subsys = std::env::var("TOROID_DEBUG_SUBSYS").unwrap_or_default();
-        let mut directives = String::new();
-        let subsys: Vec<String> =
-            subsys.split(',').map(|s| s.trim().to_ascii_lowercase()).filter(|s| !s.is_empty()).collect();
-        if subsys.is_empty() || subsys.iter().any(|s| s == "all") {
-            directives.push_str(&format!("warn,toroid={level}"));
-        } else {
-            // Warnings of every subsystem always show; the level applies to the chosen ones.
-            directives.push_str("warn");
-            for s in &subsys {
-                directives.push_str(&format!(",toroid::{s}={level}"));
-            }
-        }
-        let filter = tracing_subscriber::EnvFilter::try_new(&directives)
-            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .with_writer(std::io::stderr)
-            .with_target(true)
-            .try_init();
-    });
+/// Where NVRTC is, if the user says (`TOROID_NVRTC_PATH`); unset: the loader searches
+/// (`gpu::load_nvrtc`).
+// Without the `cuda` feature nothing loads NVRTC. (Until `gpu` calls this instead of reading
+// the variable itself, it is unused with the feature too.)
+#[allow(dead_code)]
+pub(crate) fn nvrtc_path() -> Option<std::path::PathBuf> {
+    std::env::var_os("TOROID_NVRTC_PATH").map(std::path::PathBuf::from)
 }
 
 /// The NVRTC library TOROID_NVRTC_PATH names.
@@ -632,142 +552,4 @@ pub(crate) fn nvrtc_path() -> Option<std::path::PathBuf> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn cfg(pairs: &[(&str, &str)]) -> Result<Config> {
-        let map: BTreeMap<String, String> =
-            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        Config::from_lookup(|k| map.get(k).cloned())
-    }
-
-    #[test]
-    fn the_auth_token_is_kept_exactly_and_never_shown() {
-        let c = cfg(&[("TOROID_AUTH_TOKEN", " pass phrase ")]).unwrap();
-        assert_eq!(c.auth_token.as_ref().map(AuthToken::as_bytes), Some(&b" pass phrase "[..]));
-        assert_eq!(c.var("TOROID_AUTH_TOKEN"), Some(REDACTED));
-        assert!(!format!("{c:?}").contains("pass phrase"));
-        assert!(cfg(&[("TOROID_AUTH_TOKEN", "")]).unwrap().auth_token.is_none());
-        assert!(cfg(&[]).unwrap().auth_token.is_none());
-    }
-
-    #[test]
-    fn defaults_when_nothing_is_set() {
-        let c = cfg(&[]).unwrap();
-        assert_eq!(c.timeout, DEFAULT_TIMEOUT);
-        assert_eq!(c.segment_size, DEFAULT_SEGMENT_SIZE);
-        assert!(c.socket_ifname.is_none() && c.algo.is_none() && c.spin.is_none());
-    }
-
-    #[test]
-    fn parses_values_and_rejects_garbage() {
-        let c = cfg(&[("TOROID_TIMEOUT", "2.5"), ("TOROID_SEGMENT_SIZE", "1M"), ("TOROID_SPIN_US", "10")])
-            .unwrap();
-        assert_eq!(c.timeout, Duration::from_millis(2500));
-        assert_eq!(c.segment_size, 1 << 20);
-        assert_eq!(c.spin, Some(Duration::from_micros(10)));
-        assert!(cfg(&[("TOROID_TIMEOUT", "soon")]).is_err());
-        assert!(cfg(&[("TOROID_TIMEOUT", "-1")]).is_err());
-        assert!(cfg(&[("TOROID_SEGMENT_SIZE", "12")]).is_err());
-        // The pipelined torus: unset (the model decides), off, or forced at a size.
-        assert_eq!(cfg(&[]).unwrap().pipeline_chunk, None);
-        assert_eq!(cfg(&[("TOROID_PIPELINE_CHUNK", "0")]).unwrap().pipeline_chunk, Some(0));
-        assert_eq!(cfg(&[("TOROID_PIPELINE_CHUNK", "2M")]).unwrap().pipeline_chunk, Some(2 << 20));
-        assert!(cfg(&[("TOROID_PIPELINE_CHUNK", "100")]).is_err());
-        // Durations are capped, so no deadline can overflow (1e19 s once panicked).
-        for big in ["1e19", "2592001", "inf"] {
-            let e = cfg(&[("TOROID_TIMEOUT", big)]).unwrap_err().to_string();
-            assert!(e.contains("TOROID_TIMEOUT"), "{big}: {e}");
-        }
-        assert_eq!(cfg(&[("TOROID_TIMEOUT", "2592000")]).unwrap().timeout, MAX_TIMEOUT);
-        assert!(cfg(&[("TOROID_SPIN_US", "18446744073709551615")]).is_err());
-        let far = deadline_in(Duration::MAX);
-        assert!(far > std::time::Instant::now() + MAX_TIMEOUT - Duration::from_secs(60));
-        // Empty counts as unset.
-        assert_eq!(cfg(&[("TOROID_TIMEOUT", "")]).unwrap().timeout, DEFAULT_TIMEOUT);
-    }
-
-    #[test]
-    fn tcp_congestion_names_are_checked() {
-        assert_eq!(cfg(&[]).unwrap().tcp_congestion, None);
-        let c = cfg(&[("TOROID_TCP_CONGESTION", " cubic ")]).unwrap();
-        assert_eq!(c.tcp_congestion.as_deref(), Some("cubic"));
-        for bad in ["cu bic", "a/b", "averyveryverylongname"] {
-            let e = cfg(&[("TOROID_TCP_CONGESTION", bad)]).unwrap_err().to_string();
-            assert!(e.contains("TOROID_TCP_CONGESTION"), "{bad}: {e}");
-        }
-    }
-
-    #[test]
-    fn shm_settings() {
-        let c = cfg(&[]).unwrap();
-        assert!(!c.shm_disable);
-        assert_eq!(c.shm_dir, std::path::PathBuf::from("/dev/shm"));
-        let c = cfg(&[
-            ("TOROID_SHM_DISABLE", "1"),
-            ("TOROID_SHM_RING_SIZE", "1M"),
-            ("TOROID_SHM_CHUNK_SIZE", "0"),
-        ])
-        .unwrap();
-        assert!(c.shm_disable);
-        assert_eq!((c.shm_ring_size, c.shm_chunk_size), (1 << 20, 0));
-        assert!(!cfg(&[("TOROID_SHM_DISABLE", "off")]).unwrap().shm_disable);
-        assert!(c.connect_lazy);
-        assert!(!cfg(&[("TOROID_CONNECT", "mesh")]).unwrap().connect_lazy);
-        assert!(cfg(&[("TOROID_CONNECT", "LAZY")]).unwrap().connect_lazy);
-        assert!(cfg(&[("TOROID_CONNECT", "star")]).is_err());
-        assert!(cfg(&[("TOROID_SHM_DISABLE", "maybe")]).is_err());
-        assert!(cfg(&[("TOROID_SHM_RING_SIZE", "100")]).is_err());
-    }
-
-    #[test]
-    fn sockets_per_pair_and_the_test_flow_cap() {
-        let c = cfg(&[]).unwrap();
-        assert_eq!((c.nsocks, c.test_flow_rate), (0, 0));
-        let c = cfg(&[("TOROID_NSOCKS", "4"), ("TOROID_TEST_FLOW_RATE", "1gbit")]).unwrap();
-        assert_eq!((c.nsocks, c.test_flow_rate), (4, 125_000_000));
-        assert_eq!(cfg(&[("TOROID_TEST_FLOW_RATE", "500mbit")]).unwrap().test_flow_rate, 62_500_000);
-        assert_eq!(cfg(&[("TOROID_TEST_FLOW_RATE", "1000")]).unwrap().test_flow_rate, 1000);
-        for bad in ["0", "17", "x", "-1"] {
-            let e = cfg(&[("TOROID_NSOCKS", bad)]).unwrap_err().to_string();
-            assert!(e.contains("TOROID_NSOCKS"), "{bad}: {e}");
-        }
-        assert!(cfg(&[("TOROID_TEST_FLOW_RATE", "fast")]).is_err());
-        assert!(cfg(&[("TOROID_TEST_FLOW_RATE", "0gbit")]).is_err());
-        assert_eq!(c.nthreads, 0);
-        assert_eq!(cfg(&[("TOROID_NTHREADS", "2")]).unwrap().nthreads, 2);
-        assert_eq!(cfg(&[("TOROID_NTHREADS", "0")]).unwrap().nthreads, 0);
-        for bad in ["17", "x", "-1"] {
-            let e = cfg(&[("TOROID_NTHREADS", bad)]).unwrap_err().to_string();
-            assert!(e.contains("TOROID_NTHREADS"), "{bad}: {e}");
-        }
-    }
-
-    #[test]
-    fn rdma_device_and_gid_index() {
-        let c = cfg(&[]).unwrap();
-        assert_eq!((c.ib_hca.as_deref(), c.ib_gid_index), (None, 0));
-        let c = cfg(&[("TOROID_IB_HCA", "mlx5_0:1"), ("TOROID_IB_GID_INDEX", "3")]).unwrap();
-        assert_eq!((c.ib_hca.as_deref(), c.ib_gid_index), (Some("mlx5_0:1"), 3));
-        for bad in ["256", "-1", "x"] {
-            let e = cfg(&[("TOROID_IB_GID_INDEX", bad)]).unwrap_err().to_string();
-            assert!(e.contains("TOROID_IB_GID_INDEX"), "{bad}: {e}");
-        }
-        assert_eq!(c.rdma, RdmaMode::Auto);
-        for (v, want) in
-            [("off", RdmaMode::Off), ("0", RdmaMode::Off), ("FAKE", RdmaMode::Fake), ("auto", RdmaMode::Auto)]
-        {
-            assert_eq!(cfg(&[("TOROID_RDMA", v)]).unwrap().rdma, want, "{v}");
-        }
-        let e = cfg(&[("TOROID_RDMA", "yes please")]).unwrap_err().to_string();
-        assert!(e.contains("TOROID_RDMA"), "{e}");
-    }
-
-    #[test]
-    fn size_suffixes() {
-        assert_eq!(parse_size("x", "1G").unwrap(), 1 << 30);
-        assert_eq!(parse_size("x", "8k").unwrap(), 8192);
-        assert!(parse_size("x", "M").is_err());
-        assert!(parse_size("x", "99999999999999T").is_err());
-    }
-}
+mod tests;

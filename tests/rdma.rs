@@ -7,7 +7,10 @@
 //! deadline; a mismatch and an abort reach every rank through the RDMA links; a link on demand
 //! moves to RDMA without waiting for the accepting rank's engine.
 //!
-//! No RDMA hardware ran any of this: the verbs are the fake's (src/transport/rdma/fake.rs).
+//! No RDMA hardware ran any of this: the verbs are the fake's (src/transport/rdma/fake.rs), which
+//! the library has only with the cargo feature `rdma-fake`; Cargo.toml's dev-dependency on the
+//! package itself turns it on for the tests.
+#![cfg(feature = "rdma-fake")]
 
 mod util;
 

@@ -75,7 +75,6 @@ pub fn broadcast(wire: &mut Wire<'_>, algo: Algorithm, bufs: Bufs<'_>, root: usi
 
 /// Reduce to `root` with `algo` (`Chain` or `Tree`). Only the root's output is written; other
 /// ranks' inputs are left untouched.
-#[allow(clippy::too_many_arguments)]
 pub fn reduce(
     wire: &mut Wire<'_>,
     scratch: &mut Scratch,

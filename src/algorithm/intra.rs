@@ -47,7 +47,7 @@ use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::reduce;
 use crate::transport::exchange::{AbortSignal, Peers};
-use crate::transport::window::{WaitPolicy, Window, copy_streaming, last_level_cache};
+use crate::transport::window::{RegionAt, WaitPolicy, Waiter, Window, copy_streaming, last_level_cache};
 
 /// Bytes reduced at a time (a block of output stays in L1).
 pub const BLOCK: usize = 16 * 1024;
@@ -79,26 +79,39 @@ struct Sync<'a> {
 impl Sync<'_> {
     fn wait_all(&mut self, win: &mut Window, target: u32) -> Result<()> {
         let (fp, peers) = (self.fp, &mut *self.peers);
-        win.wait_all(target, &fp, &self.policy, self.deadline, &self.abort, &mut |m| {
+        let probe = &mut |m| {
             peers.progress().waiting(Some(m), 0);
             peers.poll_idle_links(&fp, m)
-        })
+        };
+        win.wait_all(
+            target,
+            &mut Waiter { fp: &fp, policy: &self.policy, deadline: self.deadline, abort: &self.abort, probe },
+        )
     }
 
     fn wait(&mut self, win: &mut Window, m: usize, target: u32) -> Result<()> {
         let (fp, peers) = (self.fp, &mut *self.peers);
-        win.wait(m, target, &fp, &self.policy, self.deadline, &self.abort, &mut |m| {
+        let probe = &mut |m| {
             peers.progress().waiting(Some(m), 0);
             peers.poll_idle_links(&fp, m)
-        })
+        };
+        win.wait(
+            m,
+            target,
+            &mut Waiter { fp: &fp, policy: &self.policy, deadline: self.deadline, abort: &self.abort, probe },
+        )
     }
 
     fn begin_chunk(&mut self, win: &mut Window, writes: bool) -> Result<usize> {
         let (fp, peers) = (self.fp, &mut *self.peers);
-        win.begin_chunk(writes, &fp, &self.policy, self.deadline, &self.abort, &mut |m| {
+        let probe = &mut |m| {
             peers.progress().waiting(Some(m), 0);
             peers.poll_idle_links(&fp, m)
-        })
+        };
+        win.begin_chunk(
+            writes,
+            &mut Waiter { fp: &fp, policy: &self.policy, deadline: self.deadline, abort: &self.abort, probe },
+        )
     }
 }
 
@@ -134,23 +147,37 @@ fn put_input(win: &mut Window, buf: usize, off: usize, src: &[u8], dtype: DataTy
     }
 }
 
+/// The reduction a window collective applies: element type, operator (`Sum` for avg) and avg's
+/// `1/n` pre-scale of the inputs (see [`avg_factor`]).
+#[derive(Debug, Clone, Copy)]
+struct Reduction {
+    dtype: DataType,
+    op: ReduceOp,
+    avg: Option<f64>,
+}
+
+/// Where [`reduce_slice`] puts my reduced slice: `dst`, also my region at `publish` when given,
+/// through an L1 block and streaming stores when `stream`.
+struct Output<'a> {
+    dst: &'a mut [u8],
+    publish: Option<usize>,
+    stream: bool,
+}
+
 /// Reduces my slice: `dst = first ⊕ region_j[off..]` over every member `j != me`, where `first`
 /// is `src` (scaled for avg) or, when `src` is `None`, `dst` itself; also writes the result to
 /// my region at `publish` when given. Block by block; with `stream`, each block is reduced in a
 /// small buffer that stays in L1 and streamed to `dst` (see [`copy_streaming`]).
-#[allow(clippy::too_many_arguments)]
 fn reduce_slice(
     win: &mut Window,
     buf: usize,
     off: usize,
-    dst: &mut [u8],
     src: Option<&[u8]>,
-    dtype: DataType,
-    op: ReduceOp,
-    avg: Option<f64>,
-    publish: Option<usize>,
-    stream: bool,
+    red: Reduction,
+    out: Output<'_>,
 ) {
+    let Reduction { dtype, op, avg } = red;
+    let Output { dst, publish, stream } = out;
     let me = win.me();
     let n = win.members();
     let block = BLOCK - BLOCK % dtype.size();
@@ -171,7 +198,13 @@ fn reduce_slice(
             (None, Some(f)) => reduce::scale_inplace(dtype, d, f),
             (Some(s), None) => {
                 if let Some(j) = peers.next() {
-                    win.reduce_into_from(j, buf, off + at, d, &s[at..at + len], dtype, op);
+                    win.reduce_into_from(
+                        RegionAt { member: j, buf, off: off + at },
+                        d,
+                        &s[at..at + len],
+                        dtype,
+                        op,
+                    );
                 } else {
                     reduce::copy(d, &s[at..at + len]);
                 }
@@ -214,9 +247,9 @@ pub fn all_reduce(wire: &mut Wire<'_>, bufs: Bufs<'_>, dtype: DataType, op: Redu
         };
         let count = out.len() / es;
         if out.len() <= one_shot_max(n).min(win.region()) {
-            one_shot(win, sync, src, out, dtype, op, avg)
+            one_shot(win, sync, src, out, Reduction { dtype, op, avg })
         } else {
-            two_shot(win, sync, src, out, count, dtype, op, avg)
+            two_shot(win, sync, src, out, count, Reduction { dtype, op, avg })
         }
     })
 }
@@ -226,10 +259,9 @@ fn one_shot(
     sync: &mut Sync<'_>,
     src: Option<&[u8]>,
     out: &mut [u8],
-    dtype: DataType,
-    op: ReduceOp,
-    avg: Option<f64>,
+    red: Reduction,
 ) -> Result<()> {
+    let Reduction { dtype, op, avg } = red;
     let n = win.members();
     let b = sync.begin_chunk(win, true)?;
     put_input(win, b, 0, src.unwrap_or(&*out), dtype, avg);
@@ -241,7 +273,13 @@ fn one_shot(
     while at < out.len() {
         let len = block.min(out.len() - at);
         let d = &mut out[at..at + len];
-        win.reduce_two((0, at), (1, at), b, d, dtype, op);
+        win.reduce_two(
+            RegionAt { member: 0, buf: b, off: at },
+            RegionAt { member: 1, buf: b, off: at },
+            d,
+            dtype,
+            op,
+        );
         for j in 2..n {
             win.reduce_from(j, b, at, d, dtype, op);
         }
@@ -251,17 +289,15 @@ fn one_shot(
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
 fn two_shot(
     win: &mut Window,
     sync: &mut Sync<'_>,
     src: Option<&[u8]>,
     out: &mut [u8],
     count: usize,
-    dtype: DataType,
-    op: ReduceOp,
-    avg: Option<f64>,
+    red: Reduction,
 ) -> Result<()> {
+    let Reduction { dtype, avg, .. } = red;
     let n = win.members();
     let me = win.me();
     let es = dtype.size();
@@ -298,7 +334,7 @@ fn two_shot(
         let r = slice(g, me);
         let own = src.map(|s| &s[base + r.start..base + r.end]);
         let dst = &mut out[base + r.start..base + r.end];
-        reduce_slice(win, b, r.start, dst, own, dtype, op, avg, Some(r.start), stream);
+        reduce_slice(win, b, r.start, own, red, Output { dst, publish: Some(r.start), stream });
         let reduced = win.post();
         if g + 1 < total {
             next = Some(copy_in(win, sync, out, g + 1)?);
@@ -350,7 +386,14 @@ pub fn reduce_scatter(wire: &mut Wire<'_>, bufs: Bufs<'_>, dtype: DataType, op: 
                 let own = src.map(|s| &s[me * piece + a..me * piece + z]);
                 (&mut buf[a..z], own)
             };
-            reduce_slice(win, b, me * sub, dst, own, dtype, op, avg, None, stream);
+            reduce_slice(
+                win,
+                b,
+                me * sub,
+                own,
+                Reduction { dtype, op, avg },
+                Output { dst, publish: None, stream },
+            );
             win.end_chunk(b);
         }
         Ok(())

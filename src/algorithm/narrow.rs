@@ -19,25 +19,22 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use super::ring::{self, Phase};
-use super::{Group, Scratch, Wire};
+use super::{Scratch, Wire};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::trace::Phase as Stage;
 
-/// Compressed all-reduce of `data` (elements of `dtype`, in place) within `group`, this rank
-/// being member `me`, travelling as `wire`. Uses steps `step0 .. step0 + 2 (n - 1)`.
-#[allow(clippy::too_many_arguments)]
+/// Compressed all-reduce of `data` (elements of `phase.dtype`, in place) within `phase.group`,
+/// this rank being member `phase.me`, travelling as `wire`. Uses steps
+/// `phase.step0 .. phase.step0 + 2 (n - 1)`.
 pub fn all_reduce_phase(
     w: &mut Wire<'_>,
     scratch: &mut Scratch,
-    group: &[usize],
-    me: usize,
-    step0: usize,
-    dtype: DataType,
-    op: ReduceOp,
+    phase: Phase<'_>,
     wire: DataType,
     data: &mut [u8],
 ) -> Result<()> {
+    let Phase { group, me, dtype, op, step0 } = phase;
     let n = group.len();
     let count = data.len() / dtype.size();
     if n == 1 || count == 0 {
@@ -47,9 +44,9 @@ pub fn all_reduce_phase(
     w.phase(Stage::Exchange);
     let block = 2 * col.c;
     let (pieces, received) = col.exchange_bufs();
-    w.all_to_all(Group::Ranks(group), me, step0, block, pieces, received)?;
+    w.all_to_all(group, me, step0, block, pieces, received)?;
     col.reduce(dtype, op);
-    let phase = Phase::new(Group::Ranks(group), me, wire, ReduceOp::Sum).at_step(step0 + n - 1);
+    let phase = Phase::new(group, me, wire, ReduceOp::Sum).at_step(step0 + n - 1);
     ring::all_gather_phase(w, phase, n * col.c, col.gather_buf())?;
     col.widen(dtype, data);
     Ok(())

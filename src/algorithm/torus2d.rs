@@ -74,7 +74,8 @@ pub fn all_reduce(
     let mine = schedule::bytes(schedule::piece(count, nx, x), es);
     match narrow_to {
         Some(to) => {
-            narrow::all_reduce_phase(wire, scratch, &layout.column, y, nx, dtype, op, to, &mut buf[mine])?;
+            let column = Phase::new(Group::Ranks(&layout.column), y, dtype, op).at_step(nx);
+            narrow::all_reduce_phase(wire, scratch, column, to, &mut buf[mine])?;
         }
         None => {
             let column = Phase::new(Group::Ranks(&layout.column), y, dtype, op).at_step(nx);

@@ -14,7 +14,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use clap::{CommandFactory, Parser, error::ErrorKind};
-use toroid::internals::sys::process::{self, CpuSet, SIGHUP, SIGINT, SIGKILL, SIGTERM, Signal};
+use toroid::internals::sys::process::{self, CpuSet, SIGHUP, SIGINT, SIGKILL, SIGTERM, SIGUSR1, Signal};
 
 const ABOUT: &str = "Start N ranks of a program on this host (a small torchrun for toroid)";
 
@@ -190,7 +190,7 @@ fn signal_group(pid: u32, sig: Signal) {
 fn dump_ranks(job: &[Rank]) {
     eprintln!("toroid-run: received SIGUSR1; passing it to every rank (stall report on stderr)");
     for rank in job.iter().filter(|r| r.status.is_none()) {
-        let _ = toroid::internals::sys::signal::send(rank.pid, libc::SIGUSR1);
+        let _ = toroid::internals::sys::signal::send(rank.pid, SIGUSR1);
     }
 }
 
@@ -364,7 +364,7 @@ fn main() {
         },
     };
     // The last SIGINT/SIGTERM/SIGHUP received is recorded, for the main loop to act on.
-    if let Err(e) = process::catch_signals(&[SIGINT, SIGTERM, SIGHUP, libc::SIGUSR1]) {
+    if let Err(e) = process::catch_signals(&[SIGINT, SIGTERM, SIGHUP, SIGUSR1]) {
         fail(1, format!("cannot install signal handlers: {e}"));
     }
 
@@ -408,7 +408,7 @@ fn main() {
     let mut code = 0;
     while running(&job) > 0 {
         let sig = process::caught_signal();
-        if sig == Some(libc::SIGUSR1) {
+        if sig == Some(SIGUSR1) {
             process::clear_caught_signal();
             dump_ranks(&job);
             continue;
@@ -457,10 +457,10 @@ fn main() {
 /// With `TOROID_TIMELINE=path` (in this environment or `--env`), merges the ranks' timeline files
 /// into `path` (see `trace::timeline`).
 fn merge_timeline(cli: &Cli, n: usize) {
-    let from_env = std::env::var_os("TOROID_TIMELINE").filter(|v| !v.is_empty());
-    let from_cli = cli.env.iter().rev().find(|(k, _)| k == "TOROID_TIMELINE").map(|(_, v)| OsString::from(v));
+    let from_env = toroid::internals::config::timeline_path_from_env();
+    let from_cli =
+        cli.env.iter().rev().find(|(k, _)| k == "TOROID_TIMELINE").map(|(_, v)| std::path::PathBuf::from(v));
     let Some(path) = from_cli.or(from_env) else { return };
-    let path = std::path::PathBuf::from(path);
     match toroid::internals::trace::timeline::merge(&path, n) {
         Ok(events) => eprintln!("toroid-run: timeline of {n} ranks, {events} events: {}", path.display()),
         Err(e) => eprintln!("toroid-run: could not merge the timeline into {}: {e}", path.display()),

@@ -7,6 +7,7 @@
 //! |---|---|
 //! | [`cpu`] | CPUs online |
 //! | [`dl`] | loading a shared library at run time (CUDA's, which may be absent) |
+//! | [`errno`] | what an `errno` means for the caller (descriptors or buffers ran out) |
 //! | [`epoll`] | a set of descriptors that is one descriptor (a striped connection's lanes) |
 //! | [`eventfd`] | an event descriptor that wakes a thread sleeping in `poll(2)` |
 //! | [`fork`] | descriptors closed in a forked child, and the fork generation |
@@ -24,6 +25,7 @@
 pub mod cpu;
 pub mod dl;
 pub mod epoll;
+pub mod errno;
 pub mod eventfd;
 pub mod fork;
 pub mod futex;

@@ -19,6 +19,8 @@ pub const SIGTERM: Signal = libc::SIGTERM;
 pub const SIGHUP: Signal = libc::SIGHUP;
 /// Termination that cannot be caught.
 pub const SIGKILL: Signal = libc::SIGKILL;
+/// Stall report (see [`super::signal::SIGUSR1`]), here with the other signals a launcher sends.
+pub use super::signal::SIGUSR1;
 
 /// A set of CPUs (`cpu_set_t`).
 #[derive(Clone, Copy)]

@@ -10,6 +10,10 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use super::eventfd::EventFd;
 use super::poll::{PollFd, poll};
 
+/// The user signal that asks for a stall report (`TOROID_DUMP_ON_SIGNAL`; `toroid-run` passes
+/// it on to every rank).
+pub const SIGUSR1: libc::c_int = libc::SIGUSR1;
+
 /// Per signal number, the descriptor its handler writes to (-1: none).
 static TARGETS: [AtomicI32; 65] = [const { AtomicI32::new(-1) }; 65];
 

@@ -26,39 +26,20 @@
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(not(feature = "cuda"))]
-mod device {
-    //! Built without the `cuda` feature: `--device` is refused.
-    use toroid::{Communicator, DataType, Error, OpKind, Result};
+#[path = "device_stub.rs"]
+mod device;
 
-    pub enum DeviceBufs {}
-
-    impl DeviceBufs {
-        pub fn new(_: usize, _: usize, _: usize) -> Result<DeviceBufs> {
-            Err(Error::Unsupported(
-                "CUDA is not available: toroid-bench was built without the `cuda` feature".into(),
-            ))
-        }
-        pub fn upload(&mut self, _: &[u8], _: &[u8]) -> Result<()> {
-            match *self {}
-        }
-        pub fn download(&self, _: &mut [u8]) -> Result<()> {
-            match *self {}
-        }
-        pub fn run(&self, _: &Communicator, _: OpKind, _: usize, _: DataType, _: bool) -> Result<()> {
-            match *self {}
-        }
-    }
-
-    pub fn route(_: &Communicator, _: OpKind) -> &'static str {
-        "none"
-    }
-}
+mod calls;
+mod setup;
+mod values;
 
 use std::io::Write;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
+use setup::{cpu_ms, setup_report, unix_ms};
 use toroid::{Algorithm, CallOptions, Communicator, DataType, OpKind, ReduceOp};
+use values::{decode, encode, roundtrip};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 #[value(rename_all = "snake_case")]
@@ -409,45 +390,6 @@ impl Bench {
     }
 }
 
-fn encode(d: DataType, v: f64, out: &mut [u8]) {
-    match d {
-        DataType::F32 => out.copy_from_slice(&(v as f32).to_le_bytes()),
-        DataType::F64 => out.copy_from_slice(&v.to_le_bytes()),
-        DataType::F16 => out.copy_from_slice(&half::f16::from_f64(v).to_le_bytes()),
-        DataType::BF16 => out.copy_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
-        DataType::I8 => out.copy_from_slice(&(v as i64 as i8).to_le_bytes()),
-        DataType::U8 => out.copy_from_slice(&(v as i64 as u8).to_le_bytes()),
-        DataType::I32 => out.copy_from_slice(&(v as i64 as i32).to_le_bytes()),
-        DataType::U32 => out.copy_from_slice(&(v as i64 as u32).to_le_bytes()),
-        DataType::I64 => out.copy_from_slice(&(v as i64).to_le_bytes()),
-        DataType::U64 => out.copy_from_slice(&(v as i64 as u64).to_le_bytes()),
-    }
-}
-
-fn decode(d: DataType, b: &[u8]) -> f64 {
-    let mut w = [0u8; 8];
-    w[..b.len()].copy_from_slice(b);
-    match d {
-        DataType::F32 => f32::from_le_bytes([w[0], w[1], w[2], w[3]]) as f64,
-        DataType::F64 => f64::from_le_bytes(w),
-        DataType::F16 => half::f16::from_le_bytes([w[0], w[1]]).to_f64(),
-        DataType::BF16 => half::bf16::from_le_bytes([w[0], w[1]]).to_f64(),
-        DataType::I8 => w[0] as i8 as f64,
-        DataType::U8 => w[0] as f64,
-        DataType::I32 => i32::from_le_bytes([w[0], w[1], w[2], w[3]]) as f64,
-        DataType::U32 => u32::from_le_bytes([w[0], w[1], w[2], w[3]]) as f64,
-        DataType::I64 => i64::from_le_bytes(w) as f64,
-        DataType::U64 => u64::from_le_bytes(w) as f64,
-    }
-}
-
-/// What `v` becomes when stored in `d` (integers wrap as the collective's integers do).
-fn roundtrip(d: DataType, v: f64) -> f64 {
-    let mut b = [0u8; 8];
-    encode(d, v, &mut b[..d.size()]);
-    decode(d, &b[..d.size()])
-}
-
 fn main() {
     let cli = Cli::parse();
     match run(cli) {
@@ -642,213 +584,10 @@ fn run(cli: Cli) -> toroid::Result<u64> {
     Ok(total_wrong)
 }
 
-impl Bench {
-    /// `--calls K`: K all-reduces of `-b` bytes of float per step, one by one and as one group
-    /// (out of place, so a step can repeat without refilling), then as K persistent requests
-    /// (in place); every element checked after each.
-    fn step_of_calls(&self, k: usize) -> toroid::Result<u64> {
-        let (c, cli) = (&self.comm, &self.cli);
-        if self.dtype != DataType::F32 || self.op != ReduceOp::Sum {
-            return Err(toroid::Error::InvalidArgument("--calls measures float sum all-reduces".into()));
-        }
-        let (n, me) = (c.size(), c.rank());
-        let count = (cli.min_bytes / 4).max(1);
-        let send: Vec<Vec<f32>> =
-            (0..k).map(|j| (0..count).map(|i| ((me + j + i) % 7) as f32).collect()).collect();
-        let mut recv = vec![vec![0f32; count]; k];
-        let step = |grouped: bool, recv: &mut [Vec<f32>]| -> toroid::Result<()> {
-            if grouped {
-                let mut g = c.group();
-                for (s, r) in send.iter().zip(recv.iter_mut()) {
-                    g.all_reduce_into(s, r, ReduceOp::Sum);
-                }
-                g.run()
-            } else {
-                send.iter().zip(recv.iter_mut()).try_for_each(|(s, r)| c.all_reduce_into(s, r, ReduceOp::Sum))
-            }
-        };
-        let mut us = [0f64; 3];
-        let mut wrong = [0u64];
-        for (slot, grouped) in [false, true].into_iter().enumerate() {
-            for _ in 0..cli.warmup {
-                step(grouped, &mut recv)?;
-            }
-            c.barrier()?;
-            let t = Instant::now();
-            for _ in 0..cli.iters.max(1) {
-                step(grouped, &mut recv)?;
-            }
-            let mut secs = [t.elapsed().as_secs_f64() / cli.iters.max(1) as f64];
-            c.all_reduce_with(&mut secs, ReduceOp::Avg, EXACT)?;
-            us[slot] = secs[0] * 1e6;
-            if cli.check != 0 {
-                recv.iter_mut().for_each(|r| r.fill(-1.0));
-                step(grouped, &mut recv)?;
-                for (j, r) in recv.iter().enumerate() {
-                    for (i, x) in r.iter().enumerate() {
-                        let want: usize = (0..n).map(|q| (q + j + i) % 7).sum();
-                        wrong[0] += u64::from(*x != want as f32);
-                    }
-                }
-            }
-        }
-        // Persistent: K requests set up once (in place, so refilled before the check).
-        let mut bufs = send.clone();
-        let mut reqs = bufs
-            .iter_mut()
-            .map(|b| c.all_reduce_init(b, ReduceOp::Sum))
-            .collect::<toroid::Result<Vec<_>>>()?;
-        for _ in 0..cli.warmup {
-            reqs.iter_mut().try_for_each(|r| r.start())?;
-        }
-        c.barrier()?;
-        let t = Instant::now();
-        for _ in 0..cli.iters.max(1) {
-            reqs.iter_mut().try_for_each(|r| r.start())?;
-        }
-        let mut secs = [t.elapsed().as_secs_f64() / cli.iters.max(1) as f64];
-        c.all_reduce_with(&mut secs, ReduceOp::Avg, EXACT)?;
-        us[2] = secs[0] * 1e6;
-        if cli.check != 0 {
-            for (r, s) in reqs.iter_mut().zip(&send) {
-                r.buffer().copy_from_slice(s);
-                r.start()?;
-            }
-            drop(reqs);
-            for (j, b) in bufs.iter().enumerate() {
-                for (i, x) in b.iter().enumerate() {
-                    let want: usize = (0..n).map(|q| (q + j + i) % 7).sum();
-                    wrong[0] += u64::from(*x != want as f32);
-                }
-            }
-        }
-        c.all_reduce(&mut wrong, ReduceOp::Sum)?;
-        let (sep_pred, grp_pred) = self.predict_calls(k, count * 4);
-        if me == 0 {
-            println!(
-                "# toroid-bench {}: a step of {k} all-reduces of {} B (float, sum), {n} ranks; predicted: the cost model (persistent: as separate, it prices no per-call work)",
-                env!("CARGO_PKG_VERSION"),
-                count * 4
-            );
-            println!(
-                "#{:>7}  {:>10}  {:>14}  {:>14}  {:>9}  {:>16}  {:>9}  {:>11}  {:>11}  {:>6}",
-                "calls",
-                "size (B)",
-                "separate (us)",
-                "grouped (us)",
-                "speed-up",
-                "persistent (us)",
-                "speed-up",
-                "pred sep us",
-                "pred grp us",
-                "#wrong"
-            );
-            println!(
-                "{:>8}  {:>10}  {:>14.1}  {:>14.1}  {:>8.2}x  {:>16.1}  {:>8.2}x  {:>11.1}  {:>11.1}  {:>6}",
-                k,
-                count * 4,
-                us[0],
-                us[1],
-                us[0] / us[1],
-                us[2],
-                us[0] / us[2],
-                sep_pred * 1e6,
-                grp_pred * 1e6,
-                if cli.check != 0 { wrong[0].to_string() } else { "N/A".into() }
-            );
-        }
-        if let (Some(path), 0) = (&cli.json, me) {
-            let json = serde_json::json!({
-                "calls": k, "size": count * 4, "ranks": n, "wrong": wrong[0],
-                "separate_us": us[0], "grouped_us": us[1], "persistent_us": us[2],
-                "predicted_separate_us": sep_pred * 1e6, "predicted_grouped_us": grp_pred * 1e6,
-            });
-            std::fs::write(path, serde_json::to_string_pretty(&json).unwrap_or_default())
-                .map_err(|e| toroid::Error::system(format!("writing {path}"), e))?;
-        }
-        Ok(wrong[0])
-    }
-
-    /// The cost model's seconds for `k` float sum all-reduces of `bytes` each: one by one, and
-    /// grouped as the group packs them (calls of at most `Group::FUSE_EACH` bytes in packs of
-    /// at most `Group::FUSE_MAX`, each pack one all-reduce of the algorithm chosen for its
-    /// size; larger calls back to back).
-    fn predict_calls(&self, k: usize, bytes: usize) -> (f64, f64) {
-        let c = &self.comm;
-        let one = |b: usize| c.predict(c.algorithm_for(OpKind::AllReduce(ReduceOp::Sum), b, &self.opts), b);
-        let separate = k as f64 * one(bytes);
-        if bytes == 0 || bytes > toroid::Group::FUSE_EACH {
-            return (separate, separate);
-        }
-        let per_pack = (toroid::Group::FUSE_MAX / bytes).max(1);
-        let (full, rest) = (k / per_pack, k % per_pack);
-        let grouped = full as f64 * one(per_pack * bytes) + if rest > 0 { one(rest * bytes) } else { 0.0 };
-        (separate, grouped)
-    }
-}
-
 /// The benchmark's own timing all-reduces travel in their own type (f64), whatever
 /// `TOROID_WIRE_DTYPE` does to the measured ones.
 const EXACT: CallOptions = CallOptions { timeout: None, algorithm: None, wire: Some(DataType::F64) };
 
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_default()
-}
-
-/// `--setup`: one float sum all-reduce after set-up, checked, and this rank's `SETUP` line.
-fn setup_report(
-    comm: &Communicator,
-    started_unix: f64,
-    setup: Duration,
-    setup_cpu: f64,
-    bytes: usize,
-    opts: CallOptions,
-) -> toroid::Result<u64> {
-    let (n, me) = (comm.size(), comm.rank());
-    let count = (bytes / 4).max(1);
-    let mut recv: Vec<f32> = (0..count).map(|i| ((me + i) % 7) as f32).collect();
-    let t = Instant::now();
-    comm.all_reduce_with(&mut recv, ReduceOp::Sum, opts)?;
-    let first = t.elapsed();
-    let ready_unix = unix_ms();
-    let wrong =
-        (0..count).filter(|&i| recv[i] != (0..n).map(|r| ((r + i) % 7) as f32).sum::<f32>()).count() as u64;
-    let sockets = std::fs::read_dir("/proc/self/fd")
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .filter(|e| {
-                    std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy().starts_with("socket:"))
-                })
-                .count()
-        })
-        .unwrap_or(0);
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let kb = |key: &str| -> u64 {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(key))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
-    println!(
-        "SETUP rank={me} size={n} start_unix_ms={started_unix:.3} ready_unix_ms={ready_unix:.3} setup_cpu_ms={setup_cpu:.3} cpu_ms={:.3} setup_ms={:.3} first_ms={:.3} peers={} sockets={sockets} rss_kb={} hwm_kb={} wrong={wrong}",
-        cpu_ms(),
-        setup.as_secs_f64() * 1e3,
-        first.as_secs_f64() * 1e3,
-        comm.connected_peers().len(),
-        kb("VmRSS:"),
-        kb("VmHWM:"),
-    );
-    Ok(wrong)
-}
-
-/// Milliseconds since the Unix epoch (the ranks of one host share the clock).
-fn unix_ms() -> f64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3)
-}
-
-/// CPU time (user and system, every thread) this process used so far, in milliseconds.
-fn cpu_ms() -> f64 {
-    toroid::internals::sys::cpu::process_cpu_time().map_or(0.0, |d| d.as_secs_f64() * 1e3)
 }

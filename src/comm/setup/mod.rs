@@ -272,17 +272,8 @@ impl Communicator {
                 .collect();
             (transports, control, Some(dialer), host_of)
         } else {
-            let transports = tcp::connect_mesh(
-                rank,
-                addrs,
-                &endpoint,
-                accepted,
-                id,
-                lanes,
-                &opts,
-                cfg.auth_token.as_ref(),
-                deadline,
-            )?;
+            let mesh = tcp::MeshSpec { rank, addrs, comm_id: id, lanes, auth: cfg.auth_token.as_ref() };
+            let transports = tcp::connect_mesh(&mesh, &endpoint, accepted, &opts, deadline)?;
             // Every peer is connected: from now on the listener serves the control plane.
             let control = Control::start(endpoint, ctl_ctx, shared_addrs.clone(), snapshot, None)?;
             (transports, control, None, topology.host_of.clone())

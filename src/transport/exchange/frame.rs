@@ -111,7 +111,7 @@ mod tests {
     //! Frames that fail validation, sent by a hand-driven peer over a real TCP connection.
     use super::super::*;
     use super::*;
-    use crate::transport::tcp::{Interface, connect_mesh, listen};
+    use crate::transport::tcp::{Interface, MeshSpec, connect_mesh, listen};
     use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
     fn fingerprint(seq: u64, count: u64) -> Fingerprint {
@@ -139,8 +139,14 @@ mod tests {
             .map(|(r, ep)| {
                 let addrs = addrs.clone();
                 std::thread::spawn(move || {
-                    connect_mesh(r, &addrs, &ep, Vec::new(), 7, &[1, 1], &Default::default(), None, deadline)
-                        .expect("mesh")
+                    connect_mesh(
+                        &MeshSpec { rank: r, addrs: &addrs, comm_id: 7, lanes: &[1, 1], auth: None },
+                        &ep,
+                        Vec::new(),
+                        &Default::default(),
+                        deadline,
+                    )
+                    .expect("mesh")
                 })
             })
             .collect();

@@ -44,7 +44,7 @@ mod any;
 mod connect;
 pub(crate) mod frame;
 mod pairwise;
-mod ring;
+mod ring_run;
 mod rx;
 mod step;
 mod stream;
@@ -54,7 +54,7 @@ mod wait;
 pub use abort::AbortSignal;
 pub use frame::HEADER_LEN;
 pub use pairwise::{AllToAllPlan, AllToAllRun, WINDOW};
-pub use ring::RingRun;
+pub use ring_run::RingRun;
 pub use stream::{MAX_STREAMS, Stream, Then, Wants};
 
 use std::fmt;

@@ -71,7 +71,6 @@ impl Rx {
         self.frame_start + in_frame
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn pump(
         &mut self,
         sink: &mut Sink<'_>,
@@ -231,7 +230,6 @@ impl Rx {
         Ok(progressed)
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn validate(
         &mut self,
         sink: &Sink<'_>,

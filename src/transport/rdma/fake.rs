@@ -31,7 +31,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use super::verbs::{Completion, QpInfo, Region, RemoteRegion, Verbs, WcOp};
+use super::verbs::{Completion, QpInfo, Region, RemoteRegion, Verbs, WcOp, WriteImm};
 use crate::sys::eventfd::EventFd;
 
 const REM_ACCESS_ERR: &str = "remote access error";
@@ -340,16 +340,8 @@ impl Verbs for FakeVerbs {
         Ok(())
     }
 
-    fn post_write_imm(
-        &mut self,
-        wr_id: u64,
-        local: &Region,
-        offset: usize,
-        len: usize,
-        remote: &RemoteRegion,
-        remote_offset: usize,
-        imm: u32,
-    ) -> io::Result<()> {
+    fn post_write_imm(&mut self, wr_id: u64, w: WriteImm<'_>) -> io::Result<()> {
+        let WriteImm { local, offset, len, remote, remote_offset, imm } = w;
         let mut n = lock(&self.net);
         let max_send = n.max_send;
         let e = &n.eps[self.me];

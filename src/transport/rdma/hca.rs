@@ -41,7 +41,7 @@ use sideway::ibverbs::queue_pair::{
     SetScatterGatherEntry, WorkRequestFlags,
 };
 
-use super::verbs::{Completion, QpInfo, Region, RemoteRegion, Verbs, WcOp};
+use super::verbs::{Completion, QpInfo, Region, Verbs, WcOp, WriteImm};
 use crate::config::Config;
 use crate::error::{Error, Result};
 
@@ -360,16 +360,8 @@ impl Verbs for HcaVerbs {
         })
     }
 
-    fn post_write_imm(
-        &mut self,
-        wr_id: u64,
-        local: &Region,
-        offset: usize,
-        len: usize,
-        remote: &RemoteRegion,
-        remote_offset: usize,
-        imm: u32,
-    ) -> io::Result<()> {
+    fn post_write_imm(&mut self, wr_id: u64, w: WriteImm<'_>) -> io::Result<()> {
+        let WriteImm { local, offset, len, remote, remote_offset, imm } = w;
         if offset.checked_add(len).is_none_or(|end| end > local.len)
             || remote_offset.checked_add(len).is_none_or(|end| end > remote.len)
         {

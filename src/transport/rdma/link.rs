@@ -24,8 +24,8 @@ use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::{Duration, Instant};
 
-use super::ring::RdmaRing;
 use super::verbs::Verbs;
+use super::write_ring::RdmaRing;
 use crate::error::Error;
 use crate::sys::epoll::{self, EpollSet};
 use crate::sys::poll::{Events, PollFd};

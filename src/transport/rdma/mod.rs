@@ -10,34 +10,36 @@
 //! completions polled until the call's deadline.
 //!
 //! Nothing here has run on RDMA hardware: no machine with an RDMA device was available. The
-//! ring runs in the unit tests over [`fake::FakeVerbs`], an in-memory queue pair that keeps
+//! ring runs in the unit tests over `fake::FakeVerbs`, an in-memory queue pair that keeps
 //! RC's ordering and error rules and injects delays, held-back completions, failed writes
 //! and a vanished peer; `tests/rdma.rs` runs communicators over its fabric (ranks as threads,
-//! `TOROID_RDMA=fake`).
+//! `TOROID_RDMA=fake`). The fake is a test double: it is compiled only for the unit tests and
+//! with the cargo feature `rdma-fake`, which only the tests turn on (Cargo.toml).
 //!
 //! | part | what |
 //! |---|---|
 //! | [`verbs`] | the [`Verbs`] trait: exactly the verbs the ring uses; [`MrCache`] |
-//! | [`ring`] | [`RdmaRing`]: send and receive over one queue pair; [`RingInfo`], exchanged before connecting |
+//! | [`write_ring`] | [`RdmaRing`]: send and receive over one queue pair; [`RingInfo`], exchanged before connecting |
 //! | [`link`] | [`RdmaTransport`]: the ring as a [`crate::transport::Transport`], the pair's TCP link as liveness channel |
 //! | [`setup`] | moving a communicator's links between hosts to RDMA at set-up (`TOROID_RDMA`) |
-//! | [`fake`] | the in-memory fake of the verbs, and its in-process fabric |
+//! | `fake` | the in-memory fake of the verbs, and its in-process fabric (tests, `rdma-fake`) |
 //! | `hca` | the verbs on a real device through `sideway` (cargo feature `rdma`): presence check, completion channel |
 //!
 //! Not done yet: writing straight from registered user buffers (the sender copies into its
 //! registered stage; the receiver lends the bytes where they landed).
 
+#[cfg(any(test, feature = "rdma-fake"))]
 pub mod fake;
 #[cfg(feature = "rdma")]
 pub mod hca;
 pub mod link;
-pub mod ring;
 pub mod setup;
 pub mod verbs;
+pub mod write_ring;
 
 pub use link::RdmaTransport;
-pub use ring::{Geometry, RdmaRing, RingInfo};
 pub use verbs::{Completion, MrCache, QpInfo, Region, RemoteRegion, Verbs, WcOp};
+pub use write_ring::{Geometry, RdmaRing, RingInfo};
 
 #[cfg(test)]
 mod tests;

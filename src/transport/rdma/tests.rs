@@ -3,6 +3,7 @@
 use std::time::{Duration, Instant};
 
 use super::fake::{FakeControl, FakeVerbs};
+use super::verbs::WriteImm;
 use super::*;
 use crate::error::Error;
 use crate::transport::testutil::{Rng, bytes};
@@ -226,7 +227,7 @@ fn ring_and_raw_peer(geo: Geometry) -> (RdmaRing<FakeVerbs>, FakeVerbs, Region, 
     };
     a.connect(&raw_info).expect("connect ring");
     for i in 0..64 {
-        raw.post_recv(super::ring::RECV_TAG | i).expect("recv");
+        raw.post_recv(super::write_ring::RECV_TAG | i).expect("recv");
     }
     let remote = a.info().ring;
     (a, raw, region, remote)
@@ -239,27 +240,54 @@ fn a_peer_that_breaks_the_protocol_is_an_error_naming_it() {
     // More writes than credits.
     let (mut a, mut raw, region, remote) = ring_and_raw_peer(geo);
     for i in 0..3u64 {
-        raw.post_write_imm(i, &region, 0, 8, &remote, (i as usize % 2) * 8, data(8)).expect("post");
+        raw.post_write_imm(
+            i,
+            WriteImm {
+                local: &region,
+                offset: 0,
+                len: 8,
+                remote: &remote,
+                remote_offset: (i as usize % 2) * 8,
+                imm: data(8),
+            },
+        )
+        .expect("post");
     }
     let e = a.read(&mut [&mut [0u8; 64]]).expect_err("past the credits");
     assert!(e.to_string().contains("beyond the credits") && e.peer() == Some(3), "{e}");
     // A length that does not fit a slot, or disagrees with the bytes written.
     for (len, announced) in [(8, 9u32), (4, 8), (0, 0)] {
         let (mut a, mut raw, region, remote) = ring_and_raw_peer(geo);
-        raw.post_write_imm(0, &region, 0, len, &remote, 0, announced).expect("post");
+        raw.post_write_imm(
+            0,
+            WriteImm { local: &region, offset: 0, len, remote: &remote, remote_offset: 0, imm: announced },
+        )
+        .expect("post");
         let e = a.read(&mut [&mut [0u8; 64]]).expect_err("bad length");
         assert!(e.to_string().contains("announced"), "{e}");
     }
     // Data after close.
     let (mut a, mut raw, region, remote) = ring_and_raw_peer(geo);
-    raw.post_write_imm(0, &region, 0, 0, &remote, 0, 2 << 30).expect("close");
-    raw.post_write_imm(1, &region, 0, 4, &remote, 0, 4).expect("data");
+    raw.post_write_imm(
+        0,
+        WriteImm { local: &region, offset: 0, len: 0, remote: &remote, remote_offset: 0, imm: 2 << 30 },
+    )
+    .expect("close");
+    raw.post_write_imm(
+        1,
+        WriteImm { local: &region, offset: 0, len: 4, remote: &remote, remote_offset: 0, imm: 4 },
+    )
+    .expect("data");
     let e = a.read(&mut [&mut [0u8; 64]]).expect_err("data after close");
     assert!(e.to_string().contains("after it closed"), "{e}");
     // Credits for slots never sent, and an unknown kind.
     for imm in [(1 << 30) | 1, 3 << 30] {
         let (mut a, mut raw, region, remote) = ring_and_raw_peer(geo);
-        raw.post_write_imm(0, &region, 0, 0, &remote, 0, imm).expect("post");
+        raw.post_write_imm(
+            0,
+            WriteImm { local: &region, offset: 0, len: 0, remote: &remote, remote_offset: 0, imm },
+        )
+        .expect("post");
         let e = a.progress().expect_err("bad immediate");
         assert!(matches!(e, Error::Remote(_)) && e.peer() == Some(3), "{e}");
     }

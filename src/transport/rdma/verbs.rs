@@ -1,5 +1,5 @@
 //! The verbs the RDMA ring needs, as a trait: exactly those, so that an in-memory fake
-//! ([`super::fake`]) can stand in for a NIC in the tests and `sideway` (`hca`, cargo
+//! (`super::fake`) can stand in for a NIC in the tests and `sideway` (`hca`, cargo
 //! feature `rdma`) drives real hardware with the same ring.
 //!
 //! The operations are the InfiniBand Architecture Specification's (volume 1, chapter 11, as
@@ -14,6 +14,24 @@
 
 use std::io;
 use std::os::fd::RawFd;
+
+/// One RDMA WRITE with immediate: `imm`, and `len` bytes at `offset` in `local` to
+/// `remote_offset` in `remote`. `len` may be 0: then only the immediate travels.
+#[derive(Debug, Clone, Copy)]
+pub struct WriteImm<'a> {
+    /// The registered memory the bytes come from.
+    pub local: &'a Region,
+    /// Where in `local` they start.
+    pub offset: usize,
+    /// How many (0: the immediate alone).
+    pub len: usize,
+    /// The peer's memory they go to.
+    pub remote: &'a RemoteRegion,
+    /// Where in `remote` they land.
+    pub remote_offset: usize,
+    /// The 32-bit immediate the receiver's completion carries.
+    pub imm: u32,
+}
 
 /// A registered memory region: its address and keys.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,21 +125,9 @@ pub trait Verbs: Send + std::fmt::Debug {
     /// Brings the queue pair to ready-to-send towards the peer described by `peer`.
     fn connect(&mut self, peer: &QpInfo) -> io::Result<()>;
 
-    /// Posts an RDMA WRITE with immediate `imm` of `len` bytes at `offset` in `local` to
-    /// `remote_offset` in `remote` (signalled: it completes here as [`WcOp::Write`]). `len` may
-    /// be 0: then only the immediate travels. Fails (without posting) when the send queue is
-    /// full or the queue pair is not ready.
-    #[allow(clippy::too_many_arguments)]
-    fn post_write_imm(
-        &mut self,
-        wr_id: u64,
-        local: &Region,
-        offset: usize,
-        len: usize,
-        remote: &RemoteRegion,
-        remote_offset: usize,
-        imm: u32,
-    ) -> io::Result<()>;
+    /// Posts `w` (signalled: it completes here as [`WcOp::Write`], with `wr_id`). Fails
+    /// (without posting) when the send queue is full or the queue pair is not ready.
+    fn post_write_imm(&mut self, wr_id: u64, w: WriteImm<'_>) -> io::Result<()>;
 
     /// Posts a receive (no buffer: it only takes a WRITE_WITH_IMM's immediate).
     fn post_recv(&mut self, wr_id: u64) -> io::Result<()>;

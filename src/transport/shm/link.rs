@@ -6,7 +6,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::path::Path;
 use std::time::Instant;
 
-use super::ring::{Consumer, Producer, pair_segment_len, ring_capacity, rings};
+use super::byte_ring::{Consumer, Producer, pair_segment_len, ring_capacity, rings};
 use super::{Segment, segment_name};
 use crate::error::{Error, Result};
 use crate::sys::poll::{Events, PollFd, poll};

@@ -54,7 +54,7 @@
 //! | module | what |
 //! |---|---|
 //! | `segment` | [`Segment`]: create, open, map and unlink a segment; [`sweep_stale`] |
-//! | `ring` | the producer and consumer ends of a ring, over any shared memory (tested on the heap) |
+//! | `byte_ring` | the producer and consumer ends of a byte ring, over any shared memory (tested on the heap) |
 //! | `link` | [`ShmTransport`], and the Unix socket pair that wakes in-process pairs |
 //! | `setup` | [`connect`]: upgrading same-host links and setting up the window |
 //! | [`window`] | the window: one segment mapped by every rank of a host |
@@ -64,13 +64,13 @@
 //! [`Transport::arm`]: super::Transport::arm
 //! [`Transport::read_with`]: super::Transport::read_with
 
+mod byte_ring;
 mod link;
-mod ring;
 mod segment;
 pub(crate) mod setup;
 pub mod window;
 
+pub use byte_ring::{MIN_RING, PUBLISH, pair_segment_len, ring_capacity};
 pub use link::ShmTransport;
-pub use ring::{MIN_RING, PUBLISH, pair_segment_len, ring_capacity};
 pub use segment::{NAME_PREFIX, Segment, SegmentError, segment_name, sweep_stale};
 pub use setup::{ShmOptions, ShmSetup, connect};

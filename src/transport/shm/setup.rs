@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use super::byte_ring::{MIN_RING, pair_segment_len, ring_capacity};
 use super::link::{ShmTransport, wait_ready};
-use super::ring::{MIN_RING, pair_segment_len, ring_capacity};
 use super::segment::{NAME_PREFIX, Segment, segment_name, sweep_stale};
 use crate::error::{Error, Result};
 use crate::transport::Transport;

@@ -54,6 +54,11 @@ use crate::error::{Error, Result};
 use crate::reduce;
 use crate::transport::exchange::AbortSignal;
 
+mod streaming;
+mod wait;
+
+pub use streaming::{copy_streaming, last_level_cache};
+
 const WIN_MAGIC: u64 = u64::from_le_bytes(*b"TRSHMWIN");
 const WIN_VERSION: u64 = 1;
 const HDR_MAGIC: usize = 0;
@@ -97,6 +102,43 @@ pub struct WaitPolicy {
 /// What a waiter checks between futex slices: `Ok(true)` when the awaited member's connection
 /// has closed (it exited or crashed), `Err` to stop waiting (an abort frame, a mismatch).
 pub type Probe<'a> = &'a mut dyn FnMut(usize) -> Result<bool>;
+
+/// How one collective waits for the other members: which collective it is (checked against
+/// their fingerprints, named in errors), how it spends its time, until when, what cancels it
+/// and how it learns that a member's connection closed.
+pub struct Waiter<'a> {
+    /// The running collective.
+    pub fp: &'a Fingerprint,
+    /// Spin budget and oversubscription.
+    pub policy: &'a WaitPolicy,
+    /// When waiting becomes a timeout.
+    pub deadline: Instant,
+    /// The communicator's abort.
+    pub abort: &'a AbortSignal,
+    /// Liveness of the awaited member (see [`Probe`]).
+    pub probe: Probe<'a>,
+}
+
+impl std::fmt::Debug for Waiter<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Waiter")
+            .field("fp", &self.fp)
+            .field("policy", &self.policy)
+            .field("deadline", &self.deadline)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A place in the window: byte `off` of member `member`'s region of buffer `buf`.
+#[derive(Debug, Clone, Copy)]
+pub struct RegionAt {
+    /// Whose region.
+    pub member: usize,
+    /// Buffer 0 or 1.
+    pub buf: usize,
+    /// Bytes into the region.
+    pub off: usize,
+}
 
 /// One member's view of a shared window.
 #[derive(Debug)]
@@ -313,34 +355,16 @@ impl Window {
         reduce::reduce_inplace(dtype, op, dst, self.theirs(m, buf, off, dst.len()));
     }
 
-    /// `dst = a ⊕ region(m, buf)[off..]`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn reduce_into_from(
-        &self,
-        m: usize,
-        buf: usize,
-        off: usize,
-        dst: &mut [u8],
-        a: &[u8],
-        dtype: DataType,
-        op: ReduceOp,
-    ) {
-        reduce::reduce_into(dtype, op, dst, a, self.theirs(m, buf, off, dst.len()));
+    /// `dst = a ⊕ region(at.member, at.buf)[at.off..]`.
+    pub fn reduce_into_from(&self, at: RegionAt, dst: &mut [u8], a: &[u8], dtype: DataType, op: ReduceOp) {
+        reduce::reduce_into(dtype, op, dst, a, self.theirs(at.member, at.buf, at.off, dst.len()));
     }
 
-    /// `dst = region(m1, buf)[off1..] ⊕ region(m2, buf)[off2..]`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn reduce_two(
-        &self,
-        (m1, off1): (usize, usize),
-        (m2, off2): (usize, usize),
-        buf: usize,
-        dst: &mut [u8],
-        dtype: DataType,
-        op: ReduceOp,
-    ) {
+    /// `dst = region(x.member, x.buf)[x.off..] ⊕ region(y.member, y.buf)[y.off..]`.
+    pub fn reduce_two(&self, x: RegionAt, y: RegionAt, dst: &mut [u8], dtype: DataType, op: ReduceOp) {
         let len = dst.len();
-        reduce::reduce_into(dtype, op, dst, self.theirs(m1, buf, off1, len), self.theirs(m2, buf, off2, len));
+        let (x, y) = (self.theirs(x.member, x.buf, x.off, len), self.theirs(y.member, y.buf, y.off, len));
+        reduce::reduce_into(dtype, op, dst, x, y);
     }
 
     // --- synchronisation -------------------------------------------------------------------
@@ -404,15 +428,7 @@ impl Window {
 
     /// Starts a chunk: returns its buffer. When this member will write its region (`writes`),
     /// first waits until every member is done with the chunk that last used that buffer.
-    pub fn begin_chunk(
-        &mut self,
-        writes: bool,
-        fp: &Fingerprint,
-        policy: &WaitPolicy,
-        deadline: Instant,
-        abort: &AbortSignal,
-        probe: Probe<'_>,
-    ) -> Result<usize> {
+    pub fn begin_chunk(&mut self, writes: bool, w: &mut Waiter<'_>) -> Result<usize> {
         let buf = (self.chunks % 2) as usize;
         self.chunks += 1;
         if writes {
@@ -420,7 +436,7 @@ impl Window {
             let start = Instant::now();
             for m in 0..self.members {
                 if m != self.me && !reached(self.seen[m], target) {
-                    self.wait_at(m, target, fp, policy, deadline, abort, &mut *probe, start, false)?;
+                    self.wait_at(m, target, w, start, false)?;
                 }
             }
         }
@@ -432,189 +448,6 @@ impl Window {
     pub fn end_chunk(&mut self, buf: usize) {
         self.post();
         self.done_at[buf] = self.stage;
-    }
-
-    /// Waits until member `m` reached stage `target`, checking its fingerprint for this
-    /// collective on the way.
-    #[allow(clippy::too_many_arguments)]
-    pub fn wait(
-        &mut self,
-        m: usize,
-        target: u32,
-        fp: &Fingerprint,
-        policy: &WaitPolicy,
-        deadline: Instant,
-        abort: &AbortSignal,
-        probe: Probe<'_>,
-    ) -> Result<()> {
-        self.wait_at(m, target, fp, policy, deadline, abort, probe, Instant::now(), true)
-    }
-
-    /// Waits until every other member reached `target` (one spin budget for all).
-    pub fn wait_all(
-        &mut self,
-        target: u32,
-        fp: &Fingerprint,
-        policy: &WaitPolicy,
-        deadline: Instant,
-        abort: &AbortSignal,
-        probe: Probe<'_>,
-    ) -> Result<()> {
-        let start = Instant::now();
-        // Check everyone once before waiting on anyone: members that are already there cost a
-        // load each instead of a spin budget.
-        for m in 0..self.members {
-            if m != self.me && !reached(self.seen[m], target) {
-                let v = self.stage_word(m).load(Ordering::Acquire);
-                if reached(v, target) {
-                    self.seen[m] = v;
-                }
-            }
-        }
-        for m in 0..self.members {
-            if m != self.me {
-                self.wait_at(m, target, fp, policy, deadline, abort, &mut *probe, start, true)?;
-            }
-        }
-        Ok(())
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn wait_at(
-        &mut self,
-        m: usize,
-        target: u32,
-        fp: &Fingerprint,
-        policy: &WaitPolicy,
-        deadline: Instant,
-        abort: &AbortSignal,
-        probe: Probe<'_>,
-        start: Instant,
-        check_fp: bool,
-    ) -> Result<()> {
-        if !reached(self.seen[m], target) {
-            self.spin_then_sleep(m, target, fp, policy, deadline, abort, probe, start)?;
-        }
-        if check_fp {
-            self.check_fp(m, fp)?;
-        }
-        Ok(())
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn spin_then_sleep(
-        &mut self,
-        m: usize,
-        target: u32,
-        fp: &Fingerprint,
-        policy: &WaitPolicy,
-        deadline: Instant,
-        abort: &AbortSignal,
-        probe: Probe<'_>,
-        start: Instant,
-    ) -> Result<()> {
-        let aborted = self.seg.u32_at(HDR_ABORTED);
-        let pure = if policy.oversubscribed { Duration::ZERO } else { PURE_SPIN.min(policy.spin) };
-        let mut i = 0u32;
-        self.stats.waits += 1;
-        let spun = Instant::now();
-        // 1. Spin, then yield, until the spin budget is spent.
-        loop {
-            let v = self.stage_word(m).load(Ordering::Acquire);
-            if reached(v, target) {
-                self.seen[m] = v;
-                self.stats.spin_time += spun.elapsed();
-                return Ok(());
-            }
-            i = i.wrapping_add(1);
-            if i.is_multiple_of(64) || policy.oversubscribed {
-                abort.check()?;
-                if aborted.load(Ordering::Relaxed) != 0 {
-                    return Err(self.aborted_error(m, fp, probe));
-                }
-                let spent = start.elapsed();
-                if spent >= policy.spin {
-                    break;
-                }
-                if spent >= pure {
-                    self.stats.yields += 1;
-                    std::thread::yield_now();
-                    continue;
-                }
-            }
-            std::hint::spin_loop();
-        }
-        self.stats.spin_time += spun.elapsed();
-        // 2. Sleep on the member's stage word in slices, checking liveness between them.
-        let word = self.stage_word(m);
-        let waiters = self.seg.u32_at(self.ctl(m) + WAITERS);
-        waiters.fetch_add(1, Ordering::SeqCst);
-        let slept = Instant::now();
-        let mut last_probe = slept;
-        let mut naps = 0u64;
-        let r = (|| loop {
-            let v = word.load(Ordering::SeqCst);
-            if reached(v, target) {
-                return Ok(v);
-            }
-            abort.check()?;
-            if aborted.load(Ordering::Relaxed) != 0 {
-                return Err(self.aborted_error(m, fp, &mut *probe));
-            }
-            let now = Instant::now();
-            if now.duration_since(last_probe) < SLICE && now < deadline {
-                naps += 1;
-                crate::sys::futex::wait(word, v, SLICE.min(deadline - now));
-                continue;
-            }
-            // A slice passed without the stage moving: is the member still there?
-            last_probe = now;
-            if probe(m)? {
-                // Its connection closed: fine only if it got there before leaving.
-                let v = word.load(Ordering::SeqCst);
-                if reached(v, target) {
-                    return Ok(v);
-                }
-                return Err(Error::Remote(
-                    format!(
-                        "local rank {m} closed its connection during {fp} (it exited, crashed or aborted)"
-                    )
-                    .into(),
-                ));
-            }
-            if now >= deadline {
-                return Err(Error::Timeout(
-                    format!(
-                        "local rank {} in {fp}: deadline passed waiting for local rank {m} \
-                     (shared-memory stage {v}, waiting for {target})",
-                        self.me
-                    )
-                    .into(),
-                ));
-            }
-            naps += 1;
-            crate::sys::futex::wait(word, v, SLICE.min(deadline - now));
-        })();
-        waiters.fetch_sub(1, Ordering::SeqCst);
-        self.stats.sleeps += 1;
-        self.stats.naps += naps;
-        self.stats.sleep_time += slept.elapsed();
-        let v = r?;
-        self.seen[m] = v;
-        Ok(())
-    }
-
-    /// Another member flagged the window aborted: find its reason on the links if it is there.
-    fn aborted_error(&self, m: usize, fp: &Fingerprint, probe: Probe<'_>) -> Error {
-        let deadline = Instant::now() + Duration::from_millis(200);
-        while Instant::now() < deadline {
-            match probe(m) {
-                Err(e) => return e,
-                Ok(true) => break,
-                Ok(false) => std::thread::sleep(Duration::from_millis(1)),
-            }
-        }
-        Error::Remote(format!("another rank aborted {fp} (its reason did not arrive)").into())
     }
 
     /// Flags the window aborted and wakes every sleeping member (after a failure on this rank).
@@ -650,168 +483,5 @@ fn describe_fp(w: &[u64; 4]) -> String {
     Fingerprint::decode(&b).map_or_else(|e| format!("an unknown collective ({e})"), |fp| fp.to_string())
 }
 
-/// Bytes of the last-level cache (for choosing streaming stores): the largest cache sysfs lists
-/// for CPU 0 (`sysconf` is not trusted: under KVM glibc reports the host's total), 32 MiB when
-/// unknown. Read once.
-pub fn last_level_cache() -> usize {
-    static LLC: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *LLC.get_or_init(|| {
-        let parse = |s: &str| {
-            let s = s.trim();
-            let (num, mult) = match s.chars().last() {
-                Some('K') => (&s[..s.len() - 1], 1 << 10),
-                Some('M') => (&s[..s.len() - 1], 1 << 20),
-                _ => (s, 1),
-            };
-            num.parse::<usize>().ok().map(|v| v * mult)
-        };
-        (0..8)
-            .filter_map(|i| {
-                std::fs::read_to_string(format!("/sys/devices/system/cpu/cpu0/cache/index{i}/size")).ok()
-            })
-            .filter_map(|s| parse(&s))
-            .max()
-            .unwrap_or(32 << 20)
-    })
-}
-
-/// Copies `src` to `dst` with non-temporal (streaming) stores: the destination is written to
-/// memory without first being read into the cache (no read-for-ownership) and without evicting
-/// useful lines. Worth it only for outputs that will not be read again soon and do not fit in
-/// the cache anyway: a large collective's output. Falls back to a plain copy off x86-64.
-pub fn copy_streaming(dst: &mut [u8], src: &[u8]) {
-    assert_eq!(dst.len(), src.len(), "copy_streaming: length mismatch");
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: AVX2 is present (checked); the slices are valid and of equal length.
-            unsafe { stream_avx2(dst, src) };
-        } else {
-            // SAFETY: SSE2 is part of x86-64; the slices are valid and of equal length.
-            unsafe { stream_sse2(dst, src) };
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    dst.copy_from_slice(src);
-}
-
-/// Splits `dst` into a head that brings it to `align`, a body of whole `step`s and a tail.
-#[cfg(target_arch = "x86_64")]
-fn stream_split(dst: &[u8], align: usize, step: usize) -> (usize, usize) {
-    let head = (align - dst.as_ptr() as usize % align) % align;
-    let head = head.min(dst.len());
-    let body = (dst.len() - head) / step * step;
-    (head, body)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn stream_avx2(dst: &mut [u8], src: &[u8]) {
-    use std::arch::x86_64::{__m256i, _mm_sfence, _mm256_loadu_si256, _mm256_stream_si256};
-    let (head, body) = stream_split(dst, 32, 128);
-    dst[..head].copy_from_slice(&src[..head]);
-    let mut i = head;
-    while i < head + body {
-        // SAFETY: `i + 128 <= head + body <= len`; `dst + i` is 32-byte aligned (head brings it
-        // there and steps are multiples of 32); loads are unaligned.
-        unsafe {
-            let s = src.as_ptr().add(i) as *const __m256i;
-            let d = dst.as_mut_ptr().add(i) as *mut __m256i;
-            let (a, b, c, e) = (
-                _mm256_loadu_si256(s),
-                _mm256_loadu_si256(s.add(1)),
-                _mm256_loadu_si256(s.add(2)),
-                _mm256_loadu_si256(s.add(3)),
-            );
-            _mm256_stream_si256(d, a);
-            _mm256_stream_si256(d.add(1), b);
-            _mm256_stream_si256(d.add(2), c);
-            _mm256_stream_si256(d.add(3), e);
-        }
-        i += 128;
-    }
-    dst[i..].copy_from_slice(&src[i..]);
-    // Streaming stores are weakly ordered: make them visible before anything that follows
-    // (the collective's completion, which another thread may observe).
-    _mm_sfence();
-}
-
-#[cfg(target_arch = "x86_64")]
-unsafe fn stream_sse2(dst: &mut [u8], src: &[u8]) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
-    let (head, body) = stream_split(dst, 16, 64);
-    dst[..head].copy_from_slice(&src[..head]);
-    let mut i = head;
-    while i < head + body {
-        // SAFETY: as in `stream_avx2`, with 16-byte alignment and 64-byte steps.
-        unsafe {
-            let s = src.as_ptr().add(i) as *const __m128i;
-            let d = dst.as_mut_ptr().add(i) as *mut __m128i;
-            for k in 0..4 {
-                _mm_stream_si128(d.add(k), _mm_loadu_si128(s.add(k)));
-            }
-        }
-        i += 64;
-    }
-    dst[i..].copy_from_slice(&src[i..]);
-    // SAFETY: sfence has no preconditions.
-    unsafe { _mm_sfence() };
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn slot_words_describe_the_fingerprint_they_hold() {
-        use crate::collective::{Algorithm, CollKind};
-        let fp = Fingerprint {
-            seq: 812,
-            kind: CollKind::AllReduce,
-            dtype: DataType::F32,
-            op: ReduceOp::Max,
-            count: 4096,
-            root: -1,
-            algo: Algorithm::ShmDirect as u8,
-        };
-        assert_eq!(describe_fp(&fp_words(&fp)), fp.to_string());
-        assert!(describe_fp(&[0; 4]).starts_with("an unknown collective"));
-    }
-
-    #[test]
-    fn streaming_copy_is_a_copy_at_any_alignment_and_length() {
-        let src: Vec<u8> = (0..5000u32).map(|i| (i * 31 % 251) as u8).collect();
-        for off in [0usize, 1, 7, 16, 31, 33] {
-            for len in [0usize, 1, 15, 31, 32, 127, 128, 129, 1000, 4000] {
-                let mut dst = vec![0u8; len + 64];
-                copy_streaming(&mut dst[off..off + len], &src[3..3 + len]);
-                assert_eq!(&dst[off..off + len], &src[3..3 + len], "offset {off}, length {len}");
-                assert!(dst[..off].iter().chain(&dst[off + len..]).all(|b| *b == 0), "wrote outside");
-            }
-        }
-    }
-
-    #[test]
-    fn the_last_member_to_map_the_window_removes_its_name() {
-        use super::super::segment::{Segment, segment_name};
-        let dir = std::env::temp_dir().join(format!("toroid-window-test-{}", crate::sys::random::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let (members, region) = (3, 4096);
-        let len = window_len(members, region);
-        let seg = Segment::create(&dir, &segment_name(7, "win"), len).unwrap_or_else(|e| panic!("{}", e.0));
-        let path = seg.path().unwrap().to_path_buf();
-        let _creator = Window::init(seg, members, 0, region, 7).unwrap();
-        let _first = Window::attach(Segment::open(&path, len).unwrap(), members, 1, region, 7).unwrap();
-        assert!(path.exists(), "a member has not mapped it yet");
-        let _last = Window::attach(Segment::open(&path, len).unwrap(), members, 2, region, 7).unwrap();
-        assert!(!path.exists(), "every member mapped it: the name must be gone");
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn stages_compare_across_wrap_around() {
-        assert!(reached(5, 5) && reached(6, 5) && !reached(4, 5));
-        assert!(reached(2, u32::MAX - 1), "2 is three posts after 2^32 - 2");
-        assert!(!reached(u32::MAX - 1, 2));
-    }
-}
+mod tests;

@@ -23,7 +23,7 @@ const FLAG_AUTH: u8 = 1;
 /// `hello[7] >> LANE_SHIFT`: the lane (see [`MAX_LANES`]).
 const LANE_SHIFT: u8 = 4;
 /// Most connections between one pair of ranks (the lane takes the flags' high four bits).
-pub const MAX_LANES: usize = 16;
+pub use crate::config::MAX_LANES;
 
 /// Wire protocol version; bumped on any incompatible change of handshake or frames.
 /// (2: links between ranks of one host start with the shared-memory set-up of `shm`;

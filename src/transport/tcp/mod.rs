@@ -26,7 +26,7 @@
 //! | `mesh` | listening, connecting and accepting every peer (`TOROID_CONNECT=mesh`) |
 //! | `lazy` | connecting a pair the first time an operation needs it (`TOROID_CONNECT=lazy`) |
 //! | `handshake` | the hello and ack bytes and their MACs |
-//! | `pending` | one connection whose handshake is under way, on a non-blocking socket |
+//! | `handshaking` | one connection whose handshake is under way, on a non-blocking socket |
 //! | `striped` | one byte stream over several connections (lanes), and how many a pair uses |
 //! | this file | the connection options and the [`TcpTransport`] itself |
 
@@ -42,16 +42,16 @@ use crate::sys::socket;
 
 pub mod control;
 pub(crate) mod handshake;
+mod handshaking;
 mod interface;
 pub mod lazy;
 mod mesh;
-mod pending;
 pub mod progress;
 pub mod striped;
 
 pub use handshake::{MAX_LANES, PROTOCOL_VERSION};
 pub use interface::{Interface, choose_address, interfaces, select_interfaces};
-pub use mesh::{Endpoint, connect_mesh, listen};
+pub use mesh::{Endpoint, MeshSpec, connect_mesh, listen};
 
 /// How connections between ranks are set up.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

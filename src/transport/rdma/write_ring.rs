@@ -20,13 +20,18 @@
 //! peer's failure moved the queue pair to the error state) fails the ring for good, with an
 //! error naming the peer. Every wait ends at its deadline with an error naming the peer.
 
-use std::alloc::{Layout, alloc_zeroed, dealloc};
-use std::ptr::NonNull;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use super::verbs::{Completion, QpInfo, Region, RemoteRegion, Verbs, WcOp};
+use super::verbs::{Completion, Region, RemoteRegion, Verbs, WcOp, WriteImm};
 use crate::error::{Error, Result};
 use crate::transport::ledger::{RecvLedger, SendLedger};
+
+mod blocking;
+mod geometry;
+mod staging;
+
+pub use geometry::{Geometry, RingInfo};
+use staging::Buf;
 
 /// Receive work requests carry this bit in their id (sends do not).
 pub const RECV_TAG: u64 = 1 << 63;
@@ -44,185 +49,6 @@ const KIND_CLOSE: u32 = 2;
 fn imm(kind: u32, value: usize) -> u32 {
     debug_assert!(value <= VALUE_MASK as usize);
     (kind << KIND_SHIFT) | value as u32
-}
-
-/// The shape of a ring: `slots` slots of `slot_bytes` bytes each.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Geometry {
-    /// Slots, a power of two from 1 to 4096.
-    pub slots: usize,
-    /// Bytes per slot, 1 to 1 GiB.
-    pub slot_bytes: usize,
-}
-
-impl Geometry {
-    /// 16 slots of 64 KiB: 1 MiB per direction, so a 512 KiB frame is 8 writes in flight.
-    pub const DEFAULT: Geometry = Geometry { slots: 16, slot_bytes: 64 * 1024 };
-
-    /// Checks the bounds (also those a peer announces).
-    pub fn check(&self) -> Result<()> {
-        if !self.slots.is_power_of_two()
-            || self.slots > 4096
-            || self.slot_bytes == 0
-            || self.slot_bytes > 1 << 30
-        {
-            return Err(Error::InvalidArgument(
-                format!("RDMA ring of {} slots of {} bytes: slots must be a power of two up to 4096, slots 1 byte to 1 GiB", self.slots, self.slot_bytes).into(),
-            ));
-        }
-        Ok(())
-    }
-
-    /// Bytes of one ring.
-    pub fn bytes(&self) -> usize {
-        self.slots * self.slot_bytes
-    }
-
-    /// Send-queue entries the ring may use: a write per slot, a credit write per slot, close.
-    pub fn send_depth(&self) -> usize {
-        2 * self.slots + 1
-    }
-
-    /// Receives it keeps posted: the peer's writes per slot, its credits per slot, its close.
-    pub fn recv_depth(&self) -> usize {
-        2 * self.slots + 1
-    }
-}
-
-/// What the peer needs to write into a ring: the queue pair, the receive ring's region, and
-/// its geometry. [`RingInfo::LEN`] bytes on the wire (through the store), little-endian.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RingInfo {
-    /// The queue pair to connect to.
-    pub qp: QpInfo,
-    /// Where the writes go.
-    pub ring: RemoteRegion,
-    /// Its shape (both sides use the same).
-    pub geometry: Geometry,
-}
-
-const INFO_MAGIC: &[u8; 4] = b"TRIB";
-const INFO_VERSION: u16 = 1;
-
-impl RingInfo {
-    /// Encoded length.
-    pub const LEN: usize = 64;
-
-    /// The bytes the peer decodes.
-    pub fn encode(&self) -> [u8; RingInfo::LEN] {
-        let mut b = [0u8; RingInfo::LEN];
-        b[0..4].copy_from_slice(INFO_MAGIC);
-        b[4..6].copy_from_slice(&INFO_VERSION.to_le_bytes());
-        b[6] = self.qp.mtu;
-        b[8..12].copy_from_slice(&self.qp.qpn.to_le_bytes());
-        b[12..16].copy_from_slice(&self.qp.psn.to_le_bytes());
-        b[16..18].copy_from_slice(&self.qp.lid.to_le_bytes());
-        b[20..36].copy_from_slice(&self.qp.gid);
-        b[36..44].copy_from_slice(&self.ring.addr.to_le_bytes());
-        b[44..52].copy_from_slice(&(self.ring.len as u64).to_le_bytes());
-        b[52..56].copy_from_slice(&self.ring.rkey.to_le_bytes());
-        b[56..60].copy_from_slice(&(self.geometry.slots as u32).to_le_bytes());
-        b[60..64].copy_from_slice(&(self.geometry.slot_bytes as u32).to_le_bytes());
-        b
-    }
-
-    /// Decodes and checks a peer's bytes: magic, version, a valid geometry, a ring region
-    /// exactly that large, a known MTU.
-    pub fn decode(b: &[u8]) -> Result<RingInfo> {
-        let bad = |what: &str| Error::Remote(format!("bad RDMA ring description: {what}").into());
-        if b.len() != RingInfo::LEN {
-            return Err(bad(&format!("{} bytes, not {}", b.len(), RingInfo::LEN)));
-        }
-        if &b[0..4] != INFO_MAGIC {
-            return Err(bad("wrong magic"));
-        }
-        let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
-        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or([0; 8]));
-        if u16_at(4) != INFO_VERSION {
-            return Err(bad(&format!("version {}, this build speaks {INFO_VERSION}", u16_at(4))));
-        }
-        if !(1..=5).contains(&b[6]) {
-            return Err(bad(&format!("MTU code {}", b[6])));
-        }
-        let mut gid = [0u8; 16];
-        gid.copy_from_slice(&b[20..36]);
-        let qp = QpInfo { mtu: b[6], qpn: u32_at(8), psn: u32_at(12), lid: u16_at(16), gid };
-        let geometry = Geometry { slots: u32_at(56) as usize, slot_bytes: u32_at(60) as usize };
-        geometry.check().map_err(|e| bad(e.detail()))?;
-        let len = u64_at(44);
-        if len != geometry.bytes() as u64 || u64_at(36).checked_add(len).is_none() {
-            return Err(bad(&format!(
-                "a ring of {len} bytes for {} slots of {}",
-                geometry.slots, geometry.slot_bytes
-            )));
-        }
-        let ring = RemoteRegion { addr: u64_at(36), len: len as usize, rkey: u32_at(52) };
-        Ok(RingInfo { qp, ring, geometry })
-    }
-}
-
-/// Page-aligned, zeroed memory that the device (or the fake) may write while it is registered:
-/// touched only through raw pointers to the ranges a completion made ours.
-#[derive(Debug)]
-struct Buf {
-    ptr: NonNull<u8>,
-    layout: Layout,
-}
-
-// SAFETY: `Buf` owns its allocation (no aliasing handle exists outside the ring that owns it),
-// so moving it to another thread moves the only access.
-unsafe impl Send for Buf {}
-
-impl Buf {
-    fn new(len: usize) -> Result<Buf> {
-        let layout = Layout::from_size_align(len.max(1), 4096)
-            .map_err(|_| Error::InvalidArgument(format!("RDMA ring buffer of {len} bytes").into()))?;
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { alloc_zeroed(layout) };
-        let ptr = NonNull::new(ptr)
-            .ok_or_else(|| Error::System(format!("cannot allocate {len} bytes for an RDMA ring").into()))?;
-        Ok(Buf { ptr, layout })
-    }
-
-    /// Copies `src` to offset `at` (in bounds: checked).
-    fn write(&mut self, at: usize, src: &[u8]) {
-        assert!(
-            at.checked_add(src.len()).is_some_and(|e| e <= self.layout.size()),
-            "stage write out of bounds"
-        );
-        // SAFETY: in bounds (above); the stage's bytes are read by the device only after a
-        // post of this range, which happens after this copy on this thread.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(at), src.len()) };
-    }
-
-    /// The `len` bytes at offset `at` (in bounds: checked), lent in place.
-    fn slice(&self, at: usize, len: usize) -> &[u8] {
-        assert!(at.checked_add(len).is_some_and(|e| e <= self.layout.size()), "ring lend out of bounds");
-        // SAFETY: in bounds (above); the caller lends only bytes of a slot whose write
-        // completed, which the peer does not write again before it gets the slot back as a
-        // credit, after the borrow ends (credits go out only from `&mut self` calls).
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(at), len) }
-    }
-
-    /// Copies from offset `at` into `dst` (in bounds: checked).
-    fn read(&self, at: usize, dst: &mut [u8]) {
-        assert!(
-            at.checked_add(dst.len()).is_some_and(|e| e <= self.layout.size()),
-            "ring read out of bounds"
-        );
-        // SAFETY: in bounds (above); the caller reads only a slot whose write completed (its
-        // completion was polled), which the peer does not write again before it gets the slot
-        // back as a credit, after this read.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(at), dst.as_mut_ptr(), dst.len()) };
-    }
-}
-
-impl Drop for Buf {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout, freed once.
-        unsafe { dealloc(self.ptr.as_ptr(), self.layout) };
-    }
 }
 
 /// One peer's RDMA ring pair (this side's send direction and receive direction) over one
@@ -263,7 +89,7 @@ impl<V: Verbs> RdmaRing<V> {
         let reg = |v: &mut V, b: &mut Buf| {
             // SAFETY: the buffer lives in the returned ring, whose Drop deregisters it before
             // the buffer is freed (fields drop after `drop` returns).
-            unsafe { v.register(b.ptr.as_ptr(), geo.bytes()) }
+            unsafe { v.register(b.as_ptr(), geo.bytes()) }
                 .map_err(|e| Error::system("registering an RDMA ring buffer", e))
         };
         let stage_mr = reg(&mut verbs, &mut stage)?;
@@ -459,12 +285,14 @@ impl<V: Verbs> RdmaRing<V> {
         }
         let posted = self.verbs.post_write_imm(
             CREDIT_TAG | self.rx.tail(),
-            &self.stage_mr,
-            0,
-            0,
-            &remote,
-            0,
-            imm(KIND_CREDIT, n),
+            WriteImm {
+                local: &self.stage_mr,
+                offset: 0,
+                len: 0,
+                remote: &remote,
+                remote_offset: 0,
+                imm: imm(KIND_CREDIT, n),
+            },
         );
         if let Err(e) = posted {
             return Err(self.post_failed(format!("returning credits to rank {}", self.peer), e));
@@ -509,12 +337,14 @@ impl<V: Verbs> RdmaRing<V> {
             let at = slot * b;
             let posted = self.verbs.post_write_imm(
                 self.tx.head(),
-                &self.stage_mr,
-                at,
-                n,
-                &remote,
-                at,
-                imm(KIND_DATA, n),
+                WriteImm {
+                    local: &self.stage_mr,
+                    offset: at,
+                    len: n,
+                    remote: &remote,
+                    remote_offset: at,
+                    imm: imm(KIND_DATA, n),
+                },
             );
             if let Err(e) = posted {
                 return Err(self.post_failed(format!("RDMA write to rank {}", self.peer), e));
@@ -694,82 +524,20 @@ impl<V: Verbs> RdmaRing<V> {
         if !self.closed {
             let posted = self.verbs.post_write_imm(
                 u64::MAX >> 2,
-                &self.stage_mr,
-                0,
-                0,
-                &remote,
-                0,
-                imm(KIND_CLOSE, 0),
+                WriteImm {
+                    local: &self.stage_mr,
+                    offset: 0,
+                    len: 0,
+                    remote: &remote,
+                    remote_offset: 0,
+                    imm: imm(KIND_CLOSE, 0),
+                },
             );
             if let Err(e) = posted {
                 return Err(self.post_failed(format!("closing the RDMA ring to rank {}", self.peer), e));
             }
             self.sq += 1;
             self.closed = true;
-        }
-        Ok(())
-    }
-
-    /// Writes all of `data`, waiting for credits until `deadline`.
-    pub fn write_all(&mut self, mut data: &[u8], deadline: Instant) -> Result<()> {
-        let mut idle = 0u32;
-        while !data.is_empty() {
-            let n = self.write(&[data])?;
-            data = &data[n..];
-            if n == 0 && !data.is_empty() {
-                self.pause(&mut idle, deadline, || "no credits (every slot is unread)")?;
-            } else {
-                idle = 0;
-            }
-        }
-        Ok(())
-    }
-
-    /// Fills `buf`, waiting for data until `deadline`.
-    pub fn read_exact(&mut self, buf: &mut [u8], deadline: Instant) -> Result<()> {
-        let (mut got, mut idle) = (0usize, 0u32);
-        while got < buf.len() {
-            let n = self.read(&mut [&mut buf[got..]])?;
-            got += n;
-            if n > 0 {
-                idle = 0;
-            } else if self.at_end() {
-                return Err(Error::Remote(
-                    format!("rank {} closed its RDMA ring after {got} of {} bytes", self.peer, buf.len())
-                        .into(),
-                )
-                .with_peer(self.peer));
-            } else {
-                self.pause(&mut idle, deadline, || "nothing arrived")?;
-            }
-        }
-        Ok(())
-    }
-
-    /// One step of a wait: yields the CPU, then sleeps for growing intervals up to 1 ms;
-    /// at the deadline an error naming the peer and what was awaited.
-    fn pause(&mut self, idle: &mut u32, deadline: Instant, what: impl Fn() -> &'static str) -> Result<()> {
-        let now = Instant::now();
-        if now >= deadline {
-            return Err(Error::Timeout(
-                format!(
-                    "RDMA ring with rank {}: {} until the deadline ({} of {} slots in flight to it, {} unread from it)",
-                    self.peer,
-                    what(),
-                    self.tx.in_flight(),
-                    self.geo.slots,
-                    self.rx.available()
-                )
-                .into(),
-            )
-            .with_peer(self.peer));
-        }
-        *idle += 1;
-        if *idle < 64 {
-            std::thread::yield_now();
-        } else {
-            let nap = Duration::from_micros(1 << (*idle - 64).min(10));
-            std::thread::sleep(nap.min(deadline - now));
         }
         Ok(())
     }
