@@ -538,15 +538,7 @@ pub fn timeline_path_from_env() -> Option<std::path::PathBuf> {
 
 /// Where NVRTC is, if the user says (`TOROID_NVRTC_PATH`); unset: the loader searches
 /// (`gpu::load_nvrtc`).
-// Without the `cuda` feature nothing loads NVRTC. (Until `gpu` calls this instead of reading
-// the variable itself, it is unused with the feature too.)
-#[allow(dead_code)]
-pub(crate) fn nvrtc_path() -> Option<std::path::PathBuf> {
-    std::env::var_os("TOROID_NVRTC_PATH").map(std::path::PathBuf::from)
-}
-
-/// The NVRTC library TOROID_NVRTC_PATH names.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+#[cfg(feature = "cuda")]
 pub(crate) fn nvrtc_path() -> Option<std::path::PathBuf> {
     std::env::var_os("TOROID_NVRTC_PATH").map(std::path::PathBuf::from)
 }

@@ -101,9 +101,6 @@ pub fn send(pid: u32, sig: libc::c_int) -> io::Result<()> {
     }
 }
 
-/// The signal that asks for the stall report (see `comm::stall`).
-pub const SIGUSR1: i32 = libc::SIGUSR1;
-
 #[cfg(test)]
 mod tests {
     use super::*;
