@@ -188,7 +188,7 @@ pub struct Config {
     /// 0: no window).
     pub shm_chunk_size: usize,
     /// Float all-reduces travel in this narrower type (`TOROID_WIRE_DTYPE=bf16|f16`), their
-    /// reductions accumulated wide (`comm/wire.rs`); `None`: in their own type.
+    /// reductions accumulated wide (`comm/compressed.rs`); `None`: in their own type.
     pub wire: Option<crate::dtype::DataType>,
     /// TCP connections per pair of ranks (`TOROID_NSOCKS`, 1 to 16); 0 chooses from the link
     /// (`transport::tcp::striped::lanes_for`).

@@ -13,7 +13,7 @@
 //! edge agree on the step.
 
 use super::schedule::{absolute, binomial_children, binomial_parent, relative};
-use super::{Bufs, Scratch, Wire};
+use super::{Bufs, OpContext, Scratch};
 use crate::collective::Algorithm;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
@@ -25,9 +25,9 @@ fn ceil_log2(n: usize) -> usize {
 }
 
 /// Broadcast from `root` with `algo` (`Chain` or `Tree`).
-pub fn broadcast(wire: &mut Wire<'_>, algo: Algorithm, bufs: Bufs<'_>, root: usize) -> Result<()> {
-    let n = wire.size();
-    let rank = wire.rank();
+pub fn broadcast(ctx: &mut OpContext<'_>, algo: Algorithm, bufs: Bufs<'_>, root: usize) -> Result<()> {
+    let n = ctx.size();
+    let rank = ctx.rank();
     // The root's data: its input; everyone's output: the receive buffer.
     let (src, dst): (Option<&[u8]>, &mut [u8]) = match bufs {
         Bufs::InPlace(b) => (None, b),
@@ -47,26 +47,22 @@ pub fn broadcast(wire: &mut Wire<'_>, algo: Algorithm, bufs: Bufs<'_>, root: usi
             let prev = absolute((v + n - 1) % n, root, n);
             let next = absolute(v + 1, root, n);
             if v == 0 {
-                wire.exchange(0, Some((next, Source::Bytes(dst))), None)
+                ctx.exchange(0, Some((next, Source::Bytes(dst))), None)
             } else if v == n - 1 {
-                wire.exchange(0, None, Some((prev, Sink::Copy(dst))))
+                ctx.exchange(0, None, Some((prev, Sink::Copy(dst))))
             } else {
-                wire.exchange(0, Some((next, Source::Forward)), Some((prev, Sink::Copy(dst))))
+                ctx.exchange(0, Some((next, Source::Forward)), Some((prev, Sink::Copy(dst))))
             }
         }
         _ => {
             let rounds = ceil_log2(n);
             if let Some(parent) = binomial_parent(v) {
                 let k = v.trailing_zeros() as usize;
-                wire.exchange(
-                    rounds - 1 - k,
-                    None,
-                    Some((absolute(parent, root, n), Sink::Copy(&mut *dst))),
-                )?;
+                ctx.exchange(rounds - 1 - k, None, Some((absolute(parent, root, n), Sink::Copy(&mut *dst))))?;
             }
             for child in binomial_children(n, v) {
                 let k = child.trailing_zeros() as usize;
-                wire.exchange(rounds - 1 - k, Some((absolute(child, root, n), Source::Bytes(dst))), None)?;
+                ctx.exchange(rounds - 1 - k, Some((absolute(child, root, n), Source::Bytes(dst))), None)?;
             }
             Ok(())
         }
@@ -76,7 +72,7 @@ pub fn broadcast(wire: &mut Wire<'_>, algo: Algorithm, bufs: Bufs<'_>, root: usi
 /// Reduce to `root` with `algo` (`Chain` or `Tree`). Only the root's output is written; other
 /// ranks' inputs are left untouched.
 pub fn reduce(
-    wire: &mut Wire<'_>,
+    ctx: &mut OpContext<'_>,
     scratch: &mut Scratch,
     algo: Algorithm,
     bufs: Bufs<'_>,
@@ -84,8 +80,8 @@ pub fn reduce(
     op: ReduceOp,
     root: usize,
 ) -> Result<()> {
-    let n = wire.size();
-    let rank = wire.rank();
+    let n = ctx.size();
+    let rank = ctx.rank();
     // avg: reduce inputs pre-scaled by 1/n, then sum.
     let scale = (op == ReduceOp::Avg).then_some(1.0 / n as f64);
     let op = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
@@ -113,11 +109,11 @@ pub fn reduce(
         return match algo {
             Algorithm::Chain => {
                 let from = absolute(1, root, n);
-                wire.exchange(0, None, Some((from, Sink::Reduce { dst: acc, other: None, dtype, op })))
+                ctx.exchange(0, None, Some((from, Sink::Reduce { dst: acc, other: None, dtype, op })))
             }
             _ => {
                 let tmp = scratch.one(acc.len());
-                tree_gather(wire, tmp, acc, 0, dtype, op, root)
+                tree_gather(ctx, tmp, acc, 0, dtype, op, root)
             }
         };
     }
@@ -137,18 +133,18 @@ pub fn reduce(
                 None => input,
             };
             if v == n - 1 {
-                return wire.exchange(0, Some((toward_root, Source::Bytes(input))), None);
+                return ctx.exchange(0, Some((toward_root, Source::Bytes(input))), None);
             }
             let from = absolute(v + 1, root, n);
             let sink = Sink::Reduce { dst: a, other: Some(input), dtype, op };
-            wire.exchange(0, Some((toward_root, Source::Forward)), Some((from, sink)))
+            ctx.exchange(0, Some((toward_root, Source::Forward)), Some((from, sink)))
         }
         _ => {
             // Children's partial results are combined into `a`, then sent up.
             load(&mut *a, input);
-            tree_gather(wire, b, a, v, dtype, op, root)?;
+            tree_gather(ctx, b, a, v, dtype, op, root)?;
             let k = v.trailing_zeros() as usize;
-            wire.exchange(k, Some((toward_root, Source::Bytes(a))), None)
+            ctx.exchange(k, Some((toward_root, Source::Bytes(a))), None)
         }
     }
 }
@@ -156,7 +152,7 @@ pub fn reduce(
 /// Receives and combines the partial results of `v`'s children into `acc`, smallest subtree
 /// first: round `k` for the child `v + 2^k`.
 fn tree_gather(
-    wire: &mut Wire<'_>,
+    ctx: &mut OpContext<'_>,
     tmp: &mut [u8],
     acc: &mut [u8],
     v: usize,
@@ -164,11 +160,11 @@ fn tree_gather(
     op: ReduceOp,
     root: usize,
 ) -> Result<()> {
-    let n = wire.size();
+    let n = ctx.size();
     let limit = if v == 0 { usize::BITS } else { v.trailing_zeros() };
     for k in 0..limit as usize {
         let Some(child) = v.checked_add(1 << k).filter(|&c| c < n) else { break };
-        wire.exchange(k, None, Some((absolute(child, root, n), Sink::Copy(&mut *tmp))))?;
+        ctx.exchange(k, None, Some((absolute(child, root, n), Sink::Copy(&mut *tmp))))?;
         reduce::reduce_inplace(dtype, op, acc, tmp);
     }
     Ok(())

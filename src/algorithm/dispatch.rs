@@ -3,7 +3,7 @@
 //! file beside this one, and in `tuning.rs` (its cost and when to choose it).
 
 use super::ring::{self, Phase};
-use super::{Group, Scratch, Wire};
+use super::{Group, OpContext, Scratch};
 use crate::collective::{Algorithm, Bufs, OpKind};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
@@ -24,20 +24,20 @@ pub struct Call<'a> {
     /// The input alone (a send; a non-root's reduce without output).
     pub input: Option<&'a [u8]>,
     /// A compressed all-reduce's wire type (`torus2d` only: the communicator runs the others
-    /// as an all-to-all and an all-gather, `comm/wire.rs`).
+    /// as an all-to-all and an all-gather, `comm/compressed.rs`).
     pub narrow_to: Option<DataType>,
     /// Chunks the torus is pipelined in (1: not pipelined; the same on every rank).
     pub torus_chunks: usize,
 }
 
-/// Runs `call` over `wire` (the probe is not an algorithm: the communicator runs it).
-pub fn run(wire: &mut Wire<'_>, scratch: &mut Scratch, layout: &Layout, call: Call<'_>) -> Result<()> {
-    let n = wire.size();
-    let me = wire.rank();
+/// Runs `call` over `ctx` (the probe is not an algorithm: the communicator runs it).
+pub fn run(ctx: &mut OpContext<'_>, scratch: &mut Scratch, layout: &Layout, call: Call<'_>) -> Result<()> {
+    let n = ctx.size();
+    let me = ctx.rank();
     let Call { kind, dtype, algo, bufs, input, narrow_to, torus_chunks } = call;
     let need = || Error::Internal(format!("{kind:?} without the buffers it needs").into());
     // The phase an algorithm runs in unless it names its own (the ring phases do).
-    wire.phase(match kind {
+    ctx.phase(match kind {
         _ if algo == Algorithm::ShmDirect => Stage::Window,
         OpKind::AllReduce(_) => Stage::AllReduce,
         OpKind::ReduceScatter(_) => Stage::ReduceScatter,
@@ -51,10 +51,10 @@ pub fn run(wire: &mut Wire<'_>, scratch: &mut Scratch, layout: &Layout, call: Ca
     if algo == Algorithm::ShmDirect {
         let bufs = bufs.ok_or_else(need)?;
         return match kind {
-            OpKind::AllReduce(rop) => super::intra::all_reduce(wire, bufs, dtype, rop),
-            OpKind::ReduceScatter(rop) => super::intra::reduce_scatter(wire, bufs, dtype, rop),
-            OpKind::AllGather | OpKind::SplitExchange => super::intra::all_gather(wire, bufs),
-            OpKind::Broadcast(root) => super::intra::broadcast(wire, bufs, root),
+            OpKind::AllReduce(rop) => super::intra::all_reduce(ctx, bufs, dtype, rop),
+            OpKind::ReduceScatter(rop) => super::intra::reduce_scatter(ctx, bufs, dtype, rop),
+            OpKind::AllGather | OpKind::SplitExchange => super::intra::all_gather(ctx, bufs),
+            OpKind::Broadcast(root) => super::intra::broadcast(ctx, bufs, root),
             _ => Err(Error::Internal(format!("shm_direct cannot run {kind:?}").into())),
         };
     }
@@ -62,13 +62,11 @@ pub fn run(wire: &mut Wire<'_>, scratch: &mut Scratch, layout: &Layout, call: Ca
         OpKind::AllReduce(rop) => {
             let bufs = bufs.ok_or_else(need)?;
             match algo {
-                Algorithm::Doubling => super::doubling::all_reduce(wire, scratch, bufs, dtype, rop),
-                Algorithm::HalvingDoubling => super::halving_doubling::all_reduce(wire, bufs, dtype, rop),
-                Algorithm::HierarchicalRing => {
-                    super::hierarchical::all_reduce(wire, layout, bufs, dtype, rop)
-                }
+                Algorithm::Doubling => super::doubling::all_reduce(ctx, scratch, bufs, dtype, rop),
+                Algorithm::HalvingDoubling => super::halving_doubling::all_reduce(ctx, bufs, dtype, rop),
+                Algorithm::HierarchicalRing => super::hierarchical::all_reduce(ctx, layout, bufs, dtype, rop),
                 Algorithm::Torus2d => super::torus2d::all_reduce(
-                    wire,
+                    ctx,
                     scratch,
                     layout,
                     bufs,
@@ -76,12 +74,12 @@ pub fn run(wire: &mut Wire<'_>, scratch: &mut Scratch, layout: &Layout, call: Ca
                     narrow_to,
                     torus_chunks,
                 ),
-                _ => ring::all_reduce(wire, Phase::new(Group::World(n), me, dtype, rop), bufs, n),
+                _ => ring::all_reduce(ctx, Phase::new(Group::World(n), me, dtype, rop), bufs, n),
             }
         }
         OpKind::ReduceScatter(rop) => {
             let bufs = bufs.ok_or_else(need)?;
-            ring::reduce_scatter(wire, scratch, Phase::new(Group::World(n), me, dtype, rop), bufs, n)
+            ring::reduce_scatter(ctx, scratch, Phase::new(Group::World(n), me, dtype, rop), bufs, n)
         }
         OpKind::AllGather | OpKind::SplitExchange => {
             let buf = match bufs.ok_or_else(need)? {
@@ -94,9 +92,9 @@ pub fn run(wire: &mut Wire<'_>, scratch: &mut Scratch, layout: &Layout, call: Ca
             };
             let count = buf.len() / dtype.size();
             let phase = Phase::new(Group::World(n), me, dtype, ReduceOp::Sum);
-            ring::all_gather_phase(wire, phase, count, buf)
+            ring::all_gather_phase(ctx, phase, count, buf)
         }
-        OpKind::Broadcast(root) => super::broadcast::broadcast(wire, algo, bufs.ok_or_else(need)?, root),
+        OpKind::Broadcast(root) => super::broadcast::broadcast(ctx, algo, bufs.ok_or_else(need)?, root),
         OpKind::Reduce(rop, root) => {
             let bufs = match (bufs, input) {
                 (Some(b), _) => b,
@@ -104,13 +102,13 @@ pub fn run(wire: &mut Wire<'_>, scratch: &mut Scratch, layout: &Layout, call: Ca
                 (None, Some(send)) => Bufs::OutOfPlace { send, recv: &mut [] },
                 (None, None) => return Err(need()),
             };
-            super::broadcast::reduce(wire, scratch, algo, bufs, dtype, rop, root)
+            super::broadcast::reduce(ctx, scratch, algo, bufs, dtype, rop, root)
         }
-        OpKind::AllToAll => super::pairwise::all_to_all(wire, scratch, bufs.ok_or_else(need)?),
-        OpKind::Barrier => super::pairwise::barrier(wire),
-        OpKind::Send(peer) => super::pairwise::send(wire, input.ok_or_else(need)?, peer),
+        OpKind::AllToAll => super::pairwise::all_to_all(ctx, scratch, bufs.ok_or_else(need)?),
+        OpKind::Barrier => super::pairwise::barrier(ctx),
+        OpKind::Send(peer) => super::pairwise::send(ctx, input.ok_or_else(need)?, peer),
         OpKind::Recv(peer) => match bufs.ok_or_else(need)? {
-            Bufs::InPlace(b) => super::pairwise::recv(wire, b, peer),
+            Bufs::InPlace(b) => super::pairwise::recv(ctx, b, peer),
             Bufs::OutOfPlace { .. } => Err(need()),
         },
         OpKind::Probe => Err(Error::Internal("the probe is run by the communicator".into())),

@@ -9,21 +9,21 @@
 //! the right trade below a few tens of kilobytes.
 
 use super::schedule::Doubling;
-use super::{Bufs, Scratch, Wire, combine_ordered, prescale_in_place};
+use super::{Bufs, OpContext, Scratch, combine_ordered, prescale_in_place};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::transport::{Sink, Source};
 
 /// Recursive-doubling all-reduce over the whole communicator.
 pub fn all_reduce(
-    wire: &mut Wire<'_>,
+    ctx: &mut OpContext<'_>,
     scratch: &mut Scratch,
     bufs: Bufs<'_>,
     dtype: DataType,
     op: ReduceOp,
 ) -> Result<()> {
-    let n = wire.size();
-    let rank = wire.rank();
+    let n = ctx.size();
+    let rank = ctx.rank();
     let (bufs, op) = prescale_in_place(bufs, dtype, op, n);
     let buf: &mut [u8] = match bufs {
         Bufs::InPlace(b) => b,
@@ -39,11 +39,11 @@ pub fn all_reduce(
     // Fold: even ranks below 2*rem give their data to the odd rank above them.
     if rank < 2 * d.rem {
         if rank.is_multiple_of(2) {
-            wire.exchange(0, Some((rank + 1, Source::Bytes(buf))), None)?;
+            ctx.exchange(0, Some((rank + 1, Source::Bytes(buf))), None)?;
             // ... and get the result back at the end.
-            return wire.exchange(rounds + 1, None, Some((rank + 1, Sink::Copy(buf))));
+            return ctx.exchange(rounds + 1, None, Some((rank + 1, Sink::Copy(buf))));
         }
-        wire.exchange(0, None, Some((rank - 1, Sink::Copy(&mut *tmp))))?;
+        ctx.exchange(0, None, Some((rank - 1, Sink::Copy(&mut *tmp))))?;
         // The partner is the lower rank: its operand goes first.
         if !combine_ordered(dtype, op, false, buf, tmp) {
             buf.copy_from_slice(tmp);
@@ -53,13 +53,13 @@ pub fn all_reduce(
     for k in 0..rounds {
         let partner_v = v ^ (1 << k);
         let partner = d.real_rank(partner_v);
-        wire.exchange(1 + k, Some((partner, Source::Bytes(buf))), Some((partner, Sink::Copy(&mut *tmp))))?;
+        ctx.exchange(1 + k, Some((partner, Source::Bytes(buf))), Some((partner, Sink::Copy(&mut *tmp))))?;
         if !combine_ordered(dtype, op, v < partner_v, buf, tmp) {
             buf.copy_from_slice(tmp);
         }
     }
     if rank < 2 * d.rem {
-        wire.exchange(rounds + 1, Some((rank - 1, Source::Bytes(buf))), None)?;
+        ctx.exchange(rounds + 1, Some((rank - 1, Source::Bytes(buf))), None)?;
     }
     Ok(())
 }

@@ -11,16 +11,16 @@
 //! per rank: the latency of recursive doubling at the bandwidth of the ring.
 
 use super::schedule::{self, Doubling, halving_round};
-use super::{Bufs, Wire, read_write, work_and_input};
+use super::{Bufs, OpContext, read_write, work_and_input};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::trace::Phase as Stage;
 use crate::transport::{Sink, Source};
 
 /// Halving-doubling all-reduce over the whole communicator.
-pub fn all_reduce(wire: &mut Wire<'_>, bufs: Bufs<'_>, dtype: DataType, op: ReduceOp) -> Result<()> {
-    let n = wire.size();
-    let rank = wire.rank();
+pub fn all_reduce(ctx: &mut OpContext<'_>, bufs: Bufs<'_>, dtype: DataType, op: ReduceOp) -> Result<()> {
+    let n = ctx.size();
+    let rank = ctx.rank();
     let es = dtype.size();
     let (buf, src, op) = work_and_input(bufs, dtype, op, n);
     let d = Doubling::new(n);
@@ -35,36 +35,36 @@ pub fn all_reduce(wire: &mut Wire<'_>, bufs: Bufs<'_>, dtype: DataType, op: Redu
     };
     let last = 2 * rounds + 1;
     // Fold: even ranks below 2*rem hand their data to the odd rank above them.
-    wire.phase(Stage::Reduce);
+    ctx.phase(Stage::Reduce);
     if rank < 2 * d.rem {
         if rank.is_multiple_of(2) {
-            wire.exchange(0, Some((rank + 1, Source::Bytes(src.unwrap_or(buf)))), None)?;
-            wire.phase(Stage::Broadcast);
-            return wire.exchange(last, None, Some((rank + 1, Sink::Copy(buf))));
+            ctx.exchange(0, Some((rank + 1, Source::Bytes(src.unwrap_or(buf)))), None)?;
+            ctx.phase(Stage::Broadcast);
+            return ctx.exchange(last, None, Some((rank + 1, Sink::Copy(buf))));
         }
-        wire.exchange(0, None, Some((rank - 1, Sink::Reduce { dst: &mut *buf, other: src, dtype, op })))?;
+        ctx.exchange(0, None, Some((rank - 1, Sink::Reduce { dst: &mut *buf, other: src, dtype, op })))?;
     } else if let Some(src) = src {
         buf.copy_from_slice(src);
     }
     let v = d.virtual_rank(rank).expect("folded ranks returned above");
-    wire.phase(Stage::ReduceScatter);
+    ctx.phase(Stage::ReduceScatter);
     for k in 0..rounds {
         let partner = d.real_rank(v ^ (1 << k));
         let (send, keep) = halving_round(v, rounds, k);
         let (out, dst) = read_write(buf, blocks(send), blocks(keep));
         let sink = Sink::Reduce { dst, other: None, dtype, op };
-        wire.exchange(1 + k, Some((partner, Source::Bytes(out))), Some((partner, sink)))?;
+        ctx.exchange(1 + k, Some((partner, Source::Bytes(out))), Some((partner, sink)))?;
     }
-    wire.phase(Stage::AllGather);
+    ctx.phase(Stage::AllGather);
     for k in (0..rounds).rev() {
         let partner = d.real_rank(v ^ (1 << k));
         let (theirs, mine) = halving_round(v, rounds, k);
         let (out, dst) = read_write(buf, blocks(mine), blocks(theirs));
-        wire.exchange(2 * rounds - k, Some((partner, Source::Bytes(out))), Some((partner, Sink::Copy(dst))))?;
+        ctx.exchange(2 * rounds - k, Some((partner, Source::Bytes(out))), Some((partner, Sink::Copy(dst))))?;
     }
     if rank < 2 * d.rem {
-        wire.phase(Stage::Broadcast);
-        wire.exchange(last, Some((rank - 1, Source::Bytes(buf))), None)?;
+        ctx.phase(Stage::Broadcast);
+        ctx.exchange(last, Some((rank - 1, Source::Bytes(buf))), None)?;
     }
     Ok(())
 }

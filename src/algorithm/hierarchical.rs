@@ -15,7 +15,7 @@
 
 use super::ring::{self, Phase, RsBufs};
 use super::schedule;
-use super::{Bufs, Group, Wire, work_and_input};
+use super::{Bufs, Group, OpContext, work_and_input};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::topology::Layout;
@@ -24,13 +24,13 @@ use crate::transport::{Sink, Source};
 
 /// Hierarchical ring all-reduce over the communicator.
 pub fn all_reduce(
-    wire: &mut Wire<'_>,
+    ctx: &mut OpContext<'_>,
     layout: &Layout,
     bufs: Bufs<'_>,
     dtype: DataType,
     op: ReduceOp,
 ) -> Result<()> {
-    let n = wire.size();
+    let n = ctx.size();
     let es = dtype.size();
     let (buf, src, op) = work_and_input(bufs, dtype, op, n);
     let count = buf.len() / es;
@@ -46,29 +46,29 @@ pub fn all_reduce(
         Some(src) => RsBufs::Full { src, dst: &mut *buf },
         None => RsBufs::InPlace(&mut *buf),
     };
-    ring::reduce_scatter_phase(wire, Phase::new(local, me, dtype, op), count, rs)?;
-    wire.phase(Stage::Reduce);
+    ring::reduce_scatter_phase(ctx, Phase::new(local, me, dtype, op), count, rs)?;
+    ctx.phase(Stage::Reduce);
     if me == 0 {
         for i in 1..k {
-            wire.exchange(big_k + i, None, Some((layout.local[i], Sink::Copy(&mut buf[piece(i)]))))?;
+            ctx.exchange(big_k + i, None, Some((layout.local[i], Sink::Copy(&mut buf[piece(i)]))))?;
         }
     } else {
-        wire.exchange(big_k + me, Some((root, Source::Bytes(&buf[piece(me)]))), None)?;
+        ctx.exchange(big_k + me, Some((root, Source::Bytes(&buf[piece(me)]))), None)?;
     }
     // 2. All-reduce among the roots.
     if let Some(pos) = layout.root_pos {
         let roots = Phase::new(Group::Ranks(&layout.roots), pos, dtype, op).at_step(2 * big_k + 1);
-        ring::all_reduce_phase(wire, roots, buf, None)?;
+        ring::all_reduce_phase(ctx, roots, buf, None)?;
     }
     // 3. Broadcast from the local root: scatter, then all-gather.
     let base = 2 * big_k + 2 * m + 1;
-    wire.phase(Stage::Broadcast);
+    ctx.phase(Stage::Broadcast);
     if me == 0 {
         for i in 1..k {
-            wire.exchange(base + i, Some((layout.local[i], Source::Bytes(&buf[piece(i)]))), None)?;
+            ctx.exchange(base + i, Some((layout.local[i], Source::Bytes(&buf[piece(i)]))), None)?;
         }
     } else {
-        wire.exchange(base + me, None, Some((root, Sink::Copy(&mut buf[piece(me)]))))?;
+        ctx.exchange(base + me, None, Some((root, Sink::Copy(&mut buf[piece(me)]))))?;
     }
-    ring::all_gather_phase(wire, Phase::new(local, me, dtype, op).at_step(base + big_k + 1), count, buf)
+    ring::all_gather_phase(ctx, Phase::new(local, me, dtype, op).at_step(base + big_k + 1), count, buf)
 }

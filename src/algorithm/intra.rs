@@ -41,7 +41,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::schedule;
-use super::{Bufs, Wire};
+use super::{Bufs, OpContext};
 use crate::collective::Fingerprint;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
@@ -63,8 +63,8 @@ pub fn one_shot_max(n: usize) -> usize {
 }
 
 /// True when `op` can run on the window with this communicator.
-pub fn available(wire: &mut Wire<'_>) -> bool {
-    wire.window.is_some()
+pub fn available(ctx: &mut OpContext<'_>) -> bool {
+    ctx.window.is_some()
 }
 
 /// The synchronisation context of one collective on the window.
@@ -116,19 +116,22 @@ impl Sync<'_> {
 }
 
 /// Runs `f` on the window the engine lent this operation, while its waits probe the links.
-fn with_window(wire: &mut Wire<'_>, f: impl FnOnce(&mut Window, &mut Sync<'_>) -> Result<()>) -> Result<()> {
-    let Some(win) = wire.window.as_deref_mut() else {
+fn with_window(
+    ctx: &mut OpContext<'_>,
+    f: impl FnOnce(&mut Window, &mut Sync<'_>) -> Result<()>,
+) -> Result<()> {
+    let Some(win) = ctx.window.as_deref_mut() else {
         return Err(Error::InvalidArgument(
             "algorithm shm_direct needs every rank on one host with a shared-memory window \
              (see TOROID_SHM_DISABLE, TOROID_SHM_CHUNK_SIZE and the WARN lines at set-up)"
                 .into(),
         ));
     };
-    let spin = wire.peers.spin_policy();
+    let spin = ctx.peers.spin_policy();
     let policy = WaitPolicy { spin: spin.spin, oversubscribed: win.oversubscribed() };
-    let abort = wire.peers.abort_signal().clone();
-    win.begin(&wire.fp);
-    let mut sync = Sync { peers: &mut *wire.peers, fp: wire.fp, deadline: wire.deadline, policy, abort };
+    let abort = ctx.peers.abort_signal().clone();
+    win.begin(&ctx.fp);
+    let mut sync = Sync { peers: &mut *ctx.peers, fp: ctx.fp, deadline: ctx.deadline, policy, abort };
     f(win, &mut sync)
 }
 
@@ -236,8 +239,8 @@ fn avg_factor(op: ReduceOp, n: usize) -> (ReduceOp, Option<f64>) {
 }
 
 /// All-reduce on the window (one-shot for small messages, two-shot otherwise).
-pub fn all_reduce(wire: &mut Wire<'_>, bufs: Bufs<'_>, dtype: DataType, op: ReduceOp) -> Result<()> {
-    with_window(wire, |win, sync| {
+pub fn all_reduce(ctx: &mut OpContext<'_>, bufs: Bufs<'_>, dtype: DataType, op: ReduceOp) -> Result<()> {
+    with_window(ctx, |win, sync| {
         let n = win.members();
         let es = dtype.size();
         let (op, avg) = avg_factor(op, n);
@@ -352,8 +355,8 @@ fn two_shot(
 
 /// Reduce-scatter on the window: in place the result lands in this rank's piece of the buffer,
 /// out of place in `recv`.
-pub fn reduce_scatter(wire: &mut Wire<'_>, bufs: Bufs<'_>, dtype: DataType, op: ReduceOp) -> Result<()> {
-    with_window(wire, |win, sync| {
+pub fn reduce_scatter(ctx: &mut OpContext<'_>, bufs: Bufs<'_>, dtype: DataType, op: ReduceOp) -> Result<()> {
+    with_window(ctx, |win, sync| {
         let n = win.members();
         let me = win.me();
         let es = dtype.size();
@@ -401,8 +404,8 @@ pub fn reduce_scatter(wire: &mut Wire<'_>, bufs: Bufs<'_>, dtype: DataType, op: 
 }
 
 /// All-gather on the window: every rank's piece lands at its position of the output.
-pub fn all_gather(wire: &mut Wire<'_>, bufs: Bufs<'_>) -> Result<()> {
-    with_window(wire, |win, sync| {
+pub fn all_gather(ctx: &mut OpContext<'_>, bufs: Bufs<'_>) -> Result<()> {
+    with_window(ctx, |win, sync| {
         let n = win.members();
         let me = win.me();
         let out = match bufs {
@@ -430,8 +433,8 @@ pub fn all_gather(wire: &mut Wire<'_>, bufs: Bufs<'_>) -> Result<()> {
 }
 
 /// Broadcast from `root` on the window.
-pub fn broadcast(wire: &mut Wire<'_>, bufs: Bufs<'_>, root: usize) -> Result<()> {
-    with_window(wire, |win, sync| {
+pub fn broadcast(ctx: &mut OpContext<'_>, bufs: Bufs<'_>, root: usize) -> Result<()> {
+    with_window(ctx, |win, sync| {
         let me = win.me();
         let out = match bufs {
             Bufs::InPlace(b) => b,

@@ -1,6 +1,6 @@
 //! Collectives as schedules of exchanges over groups of ranks.
 //!
-//! Every algorithm is a free function over a [`Wire`] (the peers, the operation's fingerprint
+//! Every algorithm is a free function over a [`OpContext`] (the peers, the operation's fingerprint
 //! and deadline) and [`Scratch`] (buffers owned by the communicator and reused across calls, so
 //! nothing is allocated per call once they have grown). Algorithms never name a transport; they
 //! describe steps ("send piece a to the right neighbour, reduce piece b from the left one") and
@@ -41,7 +41,7 @@ use crate::transport::{Peers, Sink, Source};
 
 /// The peers, fingerprint and deadline of one running operation.
 #[derive(Debug)]
-pub struct Wire<'p> {
+pub struct OpContext<'p> {
     /// The connected peers.
     pub peers: &'p mut Peers,
     /// The shared window of a one-host communicator (lent by its engine), for `shm_direct`.
@@ -52,7 +52,7 @@ pub struct Wire<'p> {
     pub deadline: Instant,
 }
 
-impl Wire<'_> {
+impl OpContext<'_> {
     /// The operation enters `phase` (the flight recorder and the timeline show it).
     pub fn phase(&mut self, phase: Stage) {
         self.peers.progress().phase(phase);
@@ -80,7 +80,7 @@ impl Wire<'_> {
     }
 }
 
-impl Wire<'_> {
+impl OpContext<'_> {
     /// A whole ring schedule as one stream (see [`RingPlan`]).
     pub fn ring(&mut self, plan: &RingPlan<'_>, work: &mut [u8], src: Option<&[u8]>) -> Result<()> {
         self.peers.ring(&self.fp, self.deadline, plan, work, src)

@@ -1,6 +1,6 @@
 //! Narrow transfers: float data (f32, f64) rounded to a 16-bit wire type (bf16, f16) to travel,
 //! reduced in its own type where it lands. The conversions, and the compressed all-reduce of a
-//! group of ranks that the compressed all-reduce (`comm/wire.rs`, the whole communicator) and
+//! group of ranks that the compressed all-reduce (`comm/compressed.rs`, the whole communicator) and
 //! the 2D torus's column phase (`torus2d.rs`, between hosts) are made of:
 //!
 //! 1. round the data to the wire type, in `n` pieces of `c = ceil(count / n)` elements;
@@ -19,7 +19,7 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use super::ring::{self, Phase};
-use super::{Scratch, Wire};
+use super::{OpContext, Scratch};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::trace::Phase as Stage;
@@ -28,7 +28,7 @@ use crate::trace::Phase as Stage;
 /// this rank being member `phase.me`, travelling as `wire`. Uses steps
 /// `phase.step0 .. phase.step0 + 2 (n - 1)`.
 pub fn all_reduce_phase(
-    w: &mut Wire<'_>,
+    w: &mut OpContext<'_>,
     scratch: &mut Scratch,
     phase: Phase<'_>,
     wire: DataType,

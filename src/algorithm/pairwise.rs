@@ -9,15 +9,15 @@
 //! for one from `r - 2^k`; after `ceil(log2 n)` rounds every rank has (transitively) heard from
 //! every other, whatever `n`.
 
-use super::{Bufs, Group, Scratch, Wire};
+use super::{Bufs, Group, OpContext, Scratch};
 use crate::error::Result;
 use crate::transport::{Sink, Source};
 
 /// All-to-all: block `j` of this rank's input goes to rank `j`, whose output block `r` it
 /// becomes. Blocks are `len / n` bytes.
-pub fn all_to_all(wire: &mut Wire<'_>, scratch: &mut Scratch, bufs: Bufs<'_>) -> Result<()> {
-    let n = wire.size();
-    let r = wire.rank();
+pub fn all_to_all(ctx: &mut OpContext<'_>, scratch: &mut Scratch, bufs: Bufs<'_>) -> Result<()> {
+    let n = ctx.size();
+    let r = ctx.rank();
     let (src, dst): (&[u8], &mut [u8]) = match bufs {
         Bufs::InPlace(b) => {
             // Blocks are overwritten before they are sent: work from a copy.
@@ -30,17 +30,17 @@ pub fn all_to_all(wire: &mut Wire<'_>, scratch: &mut Scratch, bufs: Bufs<'_>) ->
     let block = dst.len() / n;
     let at = |j: usize| j * block..(j + 1) * block;
     dst[at(r)].copy_from_slice(&src[at(r)]);
-    wire.all_to_all(Group::World(n), r, 1, block, src, dst)
+    ctx.all_to_all(Group::World(n), r, 1, block, src, dst)
 }
 
 /// Dissemination barrier.
-pub fn barrier(wire: &mut Wire<'_>) -> Result<()> {
-    let n = wire.size();
-    let r = wire.rank();
+pub fn barrier(ctx: &mut OpContext<'_>) -> Result<()> {
+    let n = ctx.size();
+    let r = ctx.rank();
     let mut k = 0;
     while (1usize << k) < n {
         let d = 1usize << k;
-        wire.exchange(
+        ctx.exchange(
             k,
             Some(((r + d) % n, Source::Bytes(&[]))),
             Some(((r + n - d % n) % n, Sink::Copy(&mut []))),
@@ -51,13 +51,13 @@ pub fn barrier(wire: &mut Wire<'_>) -> Result<()> {
 }
 
 /// Sends `buf` to `peer`.
-pub fn send(wire: &mut Wire<'_>, buf: &[u8], peer: usize) -> Result<()> {
-    wire.exchange(0, Some((peer, Source::Bytes(buf))), None)
+pub fn send(ctx: &mut OpContext<'_>, buf: &[u8], peer: usize) -> Result<()> {
+    ctx.exchange(0, Some((peer, Source::Bytes(buf))), None)
 }
 
 /// Receives into `buf` from `peer`.
-pub fn recv(wire: &mut Wire<'_>, buf: &mut [u8], peer: usize) -> Result<()> {
-    wire.exchange(0, None, Some((peer, Sink::Copy(buf))))
+pub fn recv(ctx: &mut OpContext<'_>, buf: &mut [u8], peer: usize) -> Result<()> {
+    ctx.exchange(0, None, Some((peer, Sink::Copy(buf))))
 }
 
 #[cfg(test)]

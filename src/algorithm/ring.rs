@@ -13,7 +13,7 @@
 use std::ops::Range;
 
 use super::schedule::{self, ring_all_gather, ring_reduce_scatter};
-use super::{Bufs, Group, Scratch, Wire, grow, work_and_input};
+use super::{Bufs, Group, OpContext, Scratch, grow, work_and_input};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::reduce;
@@ -101,7 +101,7 @@ impl Ring<'_> {
     }
 }
 
-/// The three ring phases, as streams that other phases can run beside (`Wire::drive`).
+/// The three ring phases, as streams that other phases can run beside (`OpContext::drive`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
     /// `n - 1` reducing steps: position `i` ends with piece `i` reduced.
@@ -126,7 +126,7 @@ pub fn recv_piece(kind: Kind, count: usize, n: usize, es: usize, me: usize, k: u
 
 /// The plan of a ring phase of `kind` over `count` elements (`phase.group` of at least two),
 /// `recv` being [`recv_piece`] for it: run it with [`RingRun`](crate::transport::exchange::RingRun)
-/// beside other streams, or alone with `Wire::ring`.
+/// beside other streams, or alone with `OpContext::ring`.
 pub fn plan<'f>(
     kind: Kind,
     phase: Phase<'_>,
@@ -154,25 +154,25 @@ pub fn plan<'f>(
 /// Ring reduce-scatter of `count` elements over the phase's group. Uses steps
 /// `step0 .. step0 + n - 1`.
 pub fn reduce_scatter_phase(
-    wire: &mut Wire<'_>,
+    ctx: &mut OpContext<'_>,
     phase: Phase<'_>,
     count: usize,
     bufs: RsBufs<'_>,
 ) -> Result<()> {
-    wire.phase(Stage::ReduceScatter);
+    ctx.phase(Stage::ReduceScatter);
     let n = phase.group.len();
     let recv = |k: usize| recv_piece(Kind::ReduceScatter, count, n, phase.dtype.size(), phase.me, k);
     match bufs {
         RsBufs::InPlace(buf) => {
             if n > 1 {
-                wire.ring(&plan(Kind::ReduceScatter, phase, count, &recv), buf, None)?;
+                ctx.ring(&plan(Kind::ReduceScatter, phase, count, &recv), buf, None)?;
             }
         }
         RsBufs::Full { src, dst } => {
             if n == 1 {
                 dst.copy_from_slice(src);
             } else {
-                wire.ring(&plan(Kind::ReduceScatter, phase, count, &recv), dst, Some(src))?;
+                ctx.ring(&plan(Kind::ReduceScatter, phase, count, &recv), dst, Some(src))?;
             }
         }
     }
@@ -183,7 +183,7 @@ pub fn reduce_scatter_phase(
 /// out-of-place form): partial sums alternate between the scratch pieces `a` and `b`, one step
 /// at a time (receive into one while the other is sent).
 fn reduce_scatter_own(
-    wire: &mut Wire<'_>,
+    ctx: &mut OpContext<'_>,
     phase: Phase<'_>,
     src: &[u8],
     out: &mut [u8],
@@ -205,7 +205,7 @@ fn reduce_scatter_own(
         let send: &[u8] = if s == 0 { &src[p(ps)] } else { &prev[..p(ps).len()] };
         let target: &mut [u8] = if s == n - 2 { &mut *out } else { &mut cur[..p(pr).len()] };
         let sink = Sink::Reduce { dst: target, other: Some(&src[p(pr)]), dtype, op };
-        wire.exchange(step0 + s, Some((right, Source::Bytes(send))), Some((left, sink)))?;
+        ctx.exchange(step0 + s, Some((right, Source::Bytes(send))), Some((left, sink)))?;
     }
     Ok(())
 }
@@ -213,7 +213,7 @@ fn reduce_scatter_own(
 /// The public reduce-scatter over `group`: in place, the result lands in this position's piece
 /// of the buffer; out of place, `recv` gets it. `avg` pre-scales the inputs by `1/scale_n`.
 pub fn reduce_scatter(
-    wire: &mut Wire<'_>,
+    ctx: &mut OpContext<'_>,
     scratch: &mut Scratch,
     phase: Phase<'_>,
     bufs: Bufs<'_>,
@@ -228,7 +228,7 @@ pub fn reduce_scatter(
                 reduce::scale_inplace(dtype, buf, factor);
             }
             let count = buf.len() / dtype.size();
-            reduce_scatter_phase(wire, Phase { op: sum_op, ..phase }, count, RsBufs::InPlace(buf))
+            reduce_scatter_phase(ctx, Phase { op: sum_op, ..phase }, count, RsBufs::InPlace(buf))
         }
         Bufs::OutOfPlace { send, recv } => {
             let Scratch { a, b, c } = scratch;
@@ -242,7 +242,7 @@ pub fn reduce_scatter(
             } else {
                 send
             };
-            reduce_scatter_own(wire, Phase { op: sum_op, ..phase }, src, recv, tmp)
+            reduce_scatter_own(ctx, Phase { op: sum_op, ..phase }, src, recv, tmp)
         }
     }
 }
@@ -250,34 +250,39 @@ pub fn reduce_scatter(
 /// Ring all-gather over the phase's group on `count` elements held in `buf`, where this
 /// position's piece is already in place. Uses steps `step0 .. step0 + n - 1`. Copies only: the
 /// phase's reduction is not used.
-pub fn all_gather_phase(wire: &mut Wire<'_>, phase: Phase<'_>, count: usize, buf: &mut [u8]) -> Result<()> {
-    wire.phase(Stage::AllGather);
+pub fn all_gather_phase(
+    ctx: &mut OpContext<'_>,
+    phase: Phase<'_>,
+    count: usize,
+    buf: &mut [u8],
+) -> Result<()> {
+    ctx.phase(Stage::AllGather);
     let n = phase.group.len();
     if n == 1 {
         return Ok(());
     }
     let recv = |k: usize| recv_piece(Kind::AllGather, count, n, phase.dtype.size(), phase.me, k);
-    wire.ring(&plan(Kind::AllGather, phase, count, &recv), buf, None)
+    ctx.ring(&plan(Kind::AllGather, phase, count, &recv), buf, None)
 }
 
 /// Ring all-reduce over `group`: reduce-scatter then all-gather, `2 (n - 1)` steps run as one
 /// stream (the piece finished last in the reduce-scatter is the first one all-gathered).
 /// `avg` pre-scales the inputs by `1/scale_n`.
-pub fn all_reduce(wire: &mut Wire<'_>, phase: Phase<'_>, bufs: Bufs<'_>, scale_n: usize) -> Result<()> {
+pub fn all_reduce(ctx: &mut OpContext<'_>, phase: Phase<'_>, bufs: Bufs<'_>, scale_n: usize) -> Result<()> {
     let (work, src, op) = work_and_input(bufs, phase.dtype, phase.op, scale_n);
-    all_reduce_phase(wire, Phase { op, ..phase }, work, src)
+    all_reduce_phase(ctx, Phase { op, ..phase }, work, src)
 }
 
 /// The all-reduce phase over `group` on `work` (the result), reading inputs from `src` when
 /// given (else from `work`); steps `step0 .. step0 + 2 (n - 1)`. `op` is never `Avg` here.
 pub fn all_reduce_phase(
-    wire: &mut Wire<'_>,
+    ctx: &mut OpContext<'_>,
     phase: Phase<'_>,
     work: &mut [u8],
     src: Option<&[u8]>,
 ) -> Result<()> {
     // One stream in which the reduce-scatter's last steps overlap the all-gather's first.
-    wire.phase(Stage::AllReduce);
+    ctx.phase(Stage::AllReduce);
     let n = phase.group.len();
     let count = work.len() / phase.dtype.size();
     if n == 1 {
@@ -287,5 +292,5 @@ pub fn all_reduce_phase(
         return Ok(());
     }
     let recv = |k: usize| recv_piece(Kind::AllReduce, count, n, phase.dtype.size(), phase.me, k);
-    wire.ring(&plan(Kind::AllReduce, phase, count, &recv), work, src)
+    ctx.ring(&plan(Kind::AllReduce, phase, count, &recv), work, src)
 }

@@ -23,7 +23,7 @@ use std::ops::Range;
 use super::narrow::{self, Narrowed};
 use super::ring::{self, Kind, Phase, RsBufs};
 use super::schedule;
-use super::{Bufs, Group, Scratch, Wire, work_and_input};
+use super::{Bufs, Group, OpContext, Scratch, work_and_input};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::topology::Layout;
@@ -47,7 +47,7 @@ pub fn pipeline_chunks(bytes: usize, nx: usize, ny: usize, chunk: usize) -> usiz
 /// 2D-torus all-reduce over the communicator's grid, pipelined in `chunks` chunks when more
 /// than one (every rank passes the same number).
 pub fn all_reduce(
-    wire: &mut Wire<'_>,
+    ctx: &mut OpContext<'_>,
     scratch: &mut Scratch,
     layout: &Layout,
     bufs: Bufs<'_>,
@@ -55,7 +55,7 @@ pub fn all_reduce(
     narrow_to: Option<DataType>,
     chunks: usize,
 ) -> Result<()> {
-    let n = wire.size();
+    let n = ctx.size();
     let es = dtype.size();
     let (buf, src, op) = work_and_input(bufs, dtype, op, n);
     let count = buf.len() / es;
@@ -63,31 +63,31 @@ pub fn all_reduce(
     let (nx, ny) = (layout.grid.x, layout.grid.y);
     let p = chunks.min(count).min(MAX_CHUNKS);
     if p > 1 && nx > 1 && ny > 1 {
-        return pipelined(wire, scratch, layout, (buf, src), (dtype, op), narrow_to, p);
+        return pipelined(ctx, scratch, layout, (buf, src), (dtype, op), narrow_to, p);
     }
     let row = Group::Ranks(&layout.row);
     let rs = match src {
         Some(src) => RsBufs::Full { src, dst: &mut *buf },
         None => RsBufs::InPlace(&mut *buf),
     };
-    ring::reduce_scatter_phase(wire, Phase::new(row, x, dtype, op), count, rs)?;
+    ring::reduce_scatter_phase(ctx, Phase::new(row, x, dtype, op), count, rs)?;
     let mine = schedule::bytes(schedule::piece(count, nx, x), es);
     match narrow_to {
         Some(to) => {
             let column = Phase::new(Group::Ranks(&layout.column), y, dtype, op).at_step(nx);
-            narrow::all_reduce_phase(wire, scratch, column, to, &mut buf[mine])?;
+            narrow::all_reduce_phase(ctx, scratch, column, to, &mut buf[mine])?;
         }
         None => {
             let column = Phase::new(Group::Ranks(&layout.column), y, dtype, op).at_step(nx);
-            ring::all_reduce_phase(wire, column, &mut buf[mine], None)?;
+            ring::all_reduce_phase(ctx, column, &mut buf[mine], None)?;
         }
     }
-    ring::all_gather_phase(wire, Phase::new(row, x, dtype, op).at_step(nx + 2 * ny), count, buf)
+    ring::all_gather_phase(ctx, Phase::new(row, x, dtype, op).at_step(nx + 2 * ny), count, buf)
 }
 
 /// The torus pipelined in `p` chunks: while chunk `c` crosses the hosts along the column, the
 /// row reduces chunk `c + 1` and then gathers chunk `c - 1` (two streams side by side on
-/// different links, `Wire::drive`). Time: about one chunk's row phases plus the column phases
+/// different links, `OpContext::drive`). Time: about one chunk's row phases plus the column phases
 /// of every chunk, instead of every row phase plus every column phase. The chunks' phases keep
 /// the unpipelined order of steps, chunk after chunk.
 ///
@@ -95,7 +95,7 @@ pub fn all_reduce(
 /// beside the row's all-gather, with the rounding, reduction and widening of `narrow.rs` in
 /// between: the same bound, per chunk.
 fn pipelined(
-    wire: &mut Wire<'_>,
+    ctx: &mut OpContext<'_>,
     scratch: &mut Scratch,
     layout: &Layout,
     (buf, src): (&mut [u8], Option<&[u8]>),
@@ -116,13 +116,13 @@ fn pipelined(
     let col_step = |c: usize| c * stride + nx - 1;
     let row_ag = |c: usize| Phase::new(row, x, dtype, op).at_step(c * stride + nx - 1 + 2 * (ny - 1));
 
-    wire.phase(Stage::ReduceScatter);
+    ctx.phase(Stage::ReduceScatter);
     let first = match src {
         Some(s) => RsBufs::Full { src: &s[chunk(0)], dst: &mut buf[chunk(0)] },
         None => RsBufs::InPlace(&mut buf[chunk(0)]),
     };
-    ring::reduce_scatter_phase(wire, row_rs(0), counts(0), first)?;
-    wire.phase(Stage::AllReduce);
+    ring::reduce_scatter_phase(ctx, row_rs(0), counts(0), first)?;
+    ctx.phase(Stage::AllReduce);
     for c in 0..p {
         let (prev, cur, next) =
             around(buf, c.checked_sub(1).map(chunk), chunk(c), (c + 1 < p).then(|| chunk(c + 1)));
@@ -147,7 +147,7 @@ fn pipelined(
                 let recv = |k: usize| ring::recv_piece(Kind::AllReduce, col_count, ny, es, y, k);
                 let phase = Phase::new(column, y, dtype, op).at_step(col_step(c));
                 let plan = ring::plan(Kind::AllReduce, phase, col_count, &recv);
-                wire.drive(&mut [&mut RingRun::new(&plan, data, None), &mut lane])?;
+                ctx.drive(&mut [&mut RingRun::new(&plan, data, None), &mut lane])?;
             }
             Some(to) => {
                 let mut col = Narrowed::round(scratch, ny, y, to, dtype, data);
@@ -155,18 +155,18 @@ fn pipelined(
                 let a2a =
                     AllToAllPlan { n: ny, me: y, member: &member, first_step: col_step(c), block: 2 * col.c };
                 let (pieces, received) = col.exchange_bufs();
-                wire.drive(&mut [&mut AllToAllRun::new(&a2a, pieces, received)?, &mut lane.first])?;
+                ctx.drive(&mut [&mut AllToAllRun::new(&a2a, pieces, received)?, &mut lane.first])?;
                 col.reduce(dtype, op);
                 let gathered = ny * col.c;
                 let recv = |k: usize| ring::recv_piece(Kind::AllGather, gathered, ny, 2, y, k);
                 let phase = Phase::new(column, y, to, ReduceOp::Sum).at_step(col_step(c) + ny - 1);
                 let plan = ring::plan(Kind::AllGather, phase, gathered, &recv);
-                wire.drive(&mut [&mut RingRun::new(&plan, col.gather_buf(), None), &mut lane.second])?;
+                ctx.drive(&mut [&mut RingRun::new(&plan, col.gather_buf(), None), &mut lane.second])?;
                 col.widen(dtype, data);
             }
         }
     }
-    ring::all_gather_phase(wire, row_ag(p - 1), counts(p - 1), &mut buf[chunk(p - 1)])
+    ring::all_gather_phase(ctx, row_ag(p - 1), counts(p - 1), &mut buf[chunk(p - 1)])
 }
 
 /// The chunks before, at and after the current one, as disjoint slices of `buf` (`prev` and

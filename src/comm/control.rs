@@ -21,18 +21,18 @@ use crate::error::{Error, Result};
 use crate::sys::eventfd::EventFd;
 use crate::sys::fork::ForkGuarded;
 use crate::trace::{PeerAnswer, Snapshot};
-use crate::transport::tcp::{self, control as wire};
+use crate::transport::tcp::{self, control as proto};
 
-pub(crate) use wire::shrink_id;
+pub(crate) use proto::shrink_id;
 
 /// Produces this rank's snapshot (from any thread, at any time).
 pub(crate) type SnapshotFn = Arc<dyn Fn() -> Snapshot + Send + Sync>;
 
-type Served = (ForkGuarded<TcpListener>, Vec<wire::Parked>);
+type Served = (ForkGuarded<TcpListener>, Vec<proto::Parked>);
 
 /// The control thread of one communicator.
 pub(crate) struct Control {
-    ctx: wire::ControlCtx,
+    ctx: proto::ControlCtx,
     /// Every rank's listening address (index = rank).
     addrs: Arc<[SocketAddr]>,
     ifname: String,
@@ -54,7 +54,7 @@ impl Control {
     /// rank and hands them to the engine (`transport::tcp::lazy`).
     pub(crate) fn start(
         endpoint: tcp::Endpoint,
-        ctx: wire::ControlCtx,
+        ctx: proto::ControlCtx,
         addrs: Arc<[SocketAddr]>,
         snapshot: SnapshotFn,
         inbox: Option<Arc<tcp::lazy::Inbox>>,
@@ -68,7 +68,7 @@ impl Control {
             .name(format!("toroid-ctl{}", ctx.rank))
             .spawn(move || {
                 let answer = |_request: u8, _from: usize| t_snap().encode();
-                let parked = wire::serve(&listener, &t_ctx, t_stop.as_raw_fd(), &answer, inbox.as_deref());
+                let parked = proto::serve(&listener, &t_ctx, t_stop.as_raw_fd(), &answer, inbox.as_deref());
                 (listener, parked)
             })
             .map_err(|e| Error::system("spawning the control thread", e))?;
@@ -107,7 +107,9 @@ impl Core {
                 let hs: Vec<_> = batch
                     .iter()
                     .map(|&p| {
-                        s.spawn(move || (p, wire::ask(&c.ctx, p, c.addrs[p], wire::REQUEST_SNAPSHOT, grace)))
+                        s.spawn(move || {
+                            (p, proto::ask(&c.ctx, p, c.addrs[p], proto::REQUEST_SNAPSHOT, grace))
+                        })
                     })
                     .collect();
                 for h in hs {
@@ -130,8 +132,10 @@ impl Core {
         let mut out = Vec::new();
         for batch in peers.chunks(64) {
             std::thread::scope(|s| {
-                let hs: Vec<_> =
-                    batch.iter().map(|&p| s.spawn(move || (p, wire::is_gone(c.addrs[p], timeout)))).collect();
+                let hs: Vec<_> = batch
+                    .iter()
+                    .map(|&p| s.spawn(move || (p, proto::is_gone(c.addrs[p], timeout))))
+                    .collect();
                 for h in hs {
                     if let Ok((p, Some(why))) = h.join() {
                         out.push((p, why));
@@ -164,7 +168,7 @@ impl Core {
         })?;
         let conns = parked
             .into_iter()
-            .filter(|p| p.2 == attempt || p.2 == wire::UNIDENTIFIED)
+            .filter(|p| p.2 == attempt || p.2 == proto::UNIDENTIFIED)
             .map(|(s, a, _)| (s, a))
             .collect();
         let endpoint = tcp::Endpoint { listener, addr: c.addrs[c.ctx.rank], ifname: c.ifname.clone() };
@@ -177,16 +181,16 @@ impl Core {
     }
 }
 
-fn answer_of(peer: usize, r: wire::Reply) -> PeerAnswer {
+fn answer_of(peer: usize, r: proto::Reply) -> PeerAnswer {
     match r {
-        wire::Reply::Answer(b) => match Snapshot::decode(&b) {
+        proto::Reply::Answer(b) => match Snapshot::decode(&b) {
             Ok(s) if s.rank as usize == peer => PeerAnswer::Report(s),
             Ok(s) => PeerAnswer::Failed(format!("rank {peer} answered with rank {}'s snapshot", s.rank)),
             Err(e) => PeerAnswer::Failed(format!("rank {peer} sent a bad snapshot: {e}")),
         },
-        wire::Reply::Dead(w) => PeerAnswer::Dead(w),
-        wire::Reply::Silent => PeerAnswer::Silent,
-        wire::Reply::Failed(w) => PeerAnswer::Failed(w),
+        proto::Reply::Dead(w) => PeerAnswer::Dead(w),
+        proto::Reply::Silent => PeerAnswer::Silent,
+        proto::Reply::Failed(w) => PeerAnswer::Failed(w),
     }
 }
 

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use super::enqueue::Queue;
 use super::{RawOp, control, lock};
-use crate::algorithm::{self, Scratch, Wire};
+use crate::algorithm::{self, OpContext, Scratch};
 use crate::collective::{Algorithm, Bufs, CallOptions, CollKind, Fingerprint, OpKind};
 use crate::config::Config;
 use crate::dtype::ReduceOp;
@@ -32,7 +32,7 @@ use crate::tuning::{self, AlgoFilter, CostModel, Shape};
 pub(super) struct Engine {
     pub peers: Peers,
     /// The shared window when every rank is on this host (lent to `shm_direct` through the
-    /// operation's [`Wire`]).
+    /// operation's [`OpContext`]).
     pub window: Option<Window>,
     pub scratch: Scratch,
     /// Collective sequence number (every rank counts the same).
@@ -123,7 +123,7 @@ pub(super) struct Buffers {
     /// Where grouped all-reduces are packed (`enqueue/group.rs`; u64 for an alignment every
     /// element type accepts).
     pub pack: Mutex<Vec<u64>>,
-    /// The wire-type pieces of a compressed all-reduce (`wire.rs`).
+    /// The wire-type pieces of a compressed all-reduce (`compressed.rs`).
     pub wire: Mutex<Vec<u16>>,
 }
 
@@ -264,14 +264,14 @@ impl Core {
             _ => None,
         };
         self.watch.recorder.start(&fp, peer, issued_ns, started);
-        let mut wire = Wire { peers: &mut engine.peers, window: engine.window.as_mut(), fp, deadline };
+        let mut ctx = OpContext { peers: &mut engine.peers, window: engine.window.as_mut(), fp, deadline };
         let scratch = &mut engine.scratch;
         // SAFETY: validated buffers; blocking callers hold their borrows until we return, async
         // callers keep them alive in the work handle (see `memory`). One operation runs at a time.
         let (bufs, input) = unsafe { (op.bufs.bufs(), op.bufs.read()) };
         let result = match (kind, bufs) {
             (OpKind::Probe, Some(Bufs::InPlace(out))) => {
-                tuning::probe(&mut wire, &self.ident.topology, scratch.one(tuning::PROBE_BYTES))
+                tuning::probe(&mut ctx, &self.ident.topology, scratch.one(tuning::PROBE_BYTES))
                     .map(|r| out.copy_from_slice(bytemuck::cast_slice(&r)))
             }
             (OpKind::Probe, _) => Err(Error::Internal("probe output must be one buffer".into())),
@@ -294,7 +294,7 @@ impl Core {
                     narrow_to,
                     torus_chunks,
                 };
-                algorithm::dispatch::run(&mut wire, scratch, &self.ident.layout, call)
+                algorithm::dispatch::run(&mut ctx, scratch, &self.ident.layout, call)
             }
         };
         result.map_err(|e| self.failed(engine, self.with_stall_report(e.with_seq(fp.seq))))

@@ -25,6 +25,7 @@
 
 mod api;
 mod argcheck;
+mod compressed;
 mod control;
 mod core;
 #[cfg(feature = "cuda")]
@@ -32,7 +33,6 @@ mod device;
 mod enqueue;
 mod setup;
 mod stall;
-mod wire;
 
 pub use api::OwnedBuffer;
 pub(crate) use argcheck::validate;
@@ -116,7 +116,7 @@ impl Communicator {
     pub fn predict_compressed(&self, bytes: usize, dtype: DataType) -> Option<(Algorithm, f64)> {
         let wire = self.core.config.wire?;
         let (m, s) = self.cost_model();
-        wire::compressible(dtype, wire, self.core.ident.size).then(|| {
+        compressed::compressible(dtype, wire, self.core.ident.size).then(|| {
             let p = m.predict_compressed(bytes, wire.size() as f64 / dtype.size() as f64, s);
             (p.algo, p.time)
         })

@@ -1,6 +1,6 @@
 //! Compressed all-reduce from C: `toroid_all_reduce_wire` and its async form name, per call, the
 //! type a float all-reduce travels in (what `TOROID_WIRE_DTYPE` sets for every call, and
-//! [`CallOptions::wire`] in Rust; the algorithm is `src/comm/wire.rs`). How the Python binding
+//! [`CallOptions::wire`] in Rust; the algorithm is `src/comm/compressed.rs`). How the Python binding
 //! and the torch backend's DDP comm hook ask for a bf16 wire. Both entry points run
 //! [`all_reduce_compressed`], blocking or queued.
 

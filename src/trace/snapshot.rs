@@ -61,7 +61,7 @@ impl OpState {
 }
 
 /// The phase an algorithm is in (what the timeline draws as nested spans and the stall report
-/// names). Algorithms set it through their `Wire`; ids are stable (they travel in snapshots).
+/// names). Algorithms set it through their `OpContext`; ids are stable (they travel in snapshots).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum Phase {

@@ -160,7 +160,7 @@ impl CostModel {
         self.predict_narrowed(algo, bytes, shape, None)
     }
 
-    /// Predicts the compressed all-reduce (`comm/wire.rs`) of `bytes` of data whose elements
+    /// Predicts the compressed all-reduce (`comm/compressed.rs`) of `bytes` of data whose elements
     /// travel at `ratio` of their size (1/2 for f32 as bf16). As it runs: with several ranks on
     /// each of several hosts, the 2D torus compressed in its column phase only (exact rows);
     /// otherwise the flat form, an all-to-all and an all-gather, the ring's steps and bytes

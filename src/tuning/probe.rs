@@ -20,12 +20,12 @@ const PROBE_PINGS: usize = 16;
 /// between the roots of two hosts (only those ranks act; the others return at once), plus a
 /// timed local reduction. `scratch` must hold [`PROBE_BYTES`].
 pub fn probe(
-    wire: &mut crate::algorithm::Wire<'_>,
+    ctx: &mut crate::algorithm::OpContext<'_>,
     topology: &crate::topology::Topology,
     scratch: &mut [u8],
 ) -> Result<ProbeResult> {
     let mut out = [0.0; PROBE_LEN];
-    let me = wire.rank();
+    let me = ctx.rank();
     let intra = topology.members.iter().find(|m| m.len() >= 2).map(|m| (m[0], m[1]));
     let inter = (topology.hosts >= 2).then(|| (topology.members[0][0], topology.members[1][0]));
     for (class, pair) in [(0usize, intra), (2, inter)] {
@@ -45,11 +45,11 @@ pub fn probe(
         for i in 0..PROBE_PINGS + 2 {
             let t = std::time::Instant::now();
             if me == a {
-                wire.exchange(next(), Some((peer, Source::Bytes(&[]))), None)?;
-                wire.exchange(next(), None, Some((peer, Sink::Copy(&mut []))))?;
+                ctx.exchange(next(), Some((peer, Source::Bytes(&[]))), None)?;
+                ctx.exchange(next(), None, Some((peer, Sink::Copy(&mut []))))?;
             } else {
-                wire.exchange(next(), None, Some((peer, Sink::Copy(&mut []))))?;
-                wire.exchange(next(), Some((peer, Source::Bytes(&[]))), None)?;
+                ctx.exchange(next(), None, Some((peer, Sink::Copy(&mut []))))?;
+                ctx.exchange(next(), Some((peer, Source::Bytes(&[]))), None)?;
             }
             if i >= 2 {
                 rtt = rtt.min(t.elapsed().as_secs_f64());
@@ -59,7 +59,7 @@ pub fn probe(
         if me == a {
             out[class] = alpha;
         }
-        if let Some(secs) = bulk(wire, me == a, peer, scratch, &mut next)? {
+        if let Some(secs) = bulk(ctx, me == a, peer, scratch, &mut next)? {
             out[class + 1] = (secs / (PROBE_BYTES / 2) as f64).max(1e-12);
         }
     }
@@ -81,7 +81,7 @@ pub fn probe(
                 step += 1;
                 step
             };
-            if let Some(secs) = bulk(wire, sender, peer, scratch, &mut next)? {
+            if let Some(secs) = bulk(ctx, sender, peer, scratch, &mut next)? {
                 out[6] = (secs / (PROBE_BYTES / 2 * pairs) as f64).max(1e-12);
             }
         }
@@ -108,7 +108,7 @@ pub fn probe(
 /// then an empty answer. Returns the receiver's seconds for the second transfer (`None` on the
 /// sender). `next` numbers the steps.
 fn bulk(
-    wire: &mut crate::algorithm::Wire<'_>,
+    ctx: &mut crate::algorithm::OpContext<'_>,
     sender: bool,
     peer: usize,
     scratch: &mut [u8],
@@ -116,15 +116,15 @@ fn bulk(
 ) -> Result<Option<f64>> {
     let (first, second) = (PROBE_BYTES / 4, PROBE_BYTES / 2);
     if sender {
-        wire.exchange(next(), Some((peer, Source::Bytes(&scratch[..first]))), None)?;
-        wire.exchange(next(), Some((peer, Source::Bytes(&scratch[..second]))), None)?;
-        wire.exchange(next(), None, Some((peer, Sink::Copy(&mut []))))?;
+        ctx.exchange(next(), Some((peer, Source::Bytes(&scratch[..first]))), None)?;
+        ctx.exchange(next(), Some((peer, Source::Bytes(&scratch[..second]))), None)?;
+        ctx.exchange(next(), None, Some((peer, Sink::Copy(&mut []))))?;
         return Ok(None);
     }
-    wire.exchange(next(), None, Some((peer, Sink::Copy(&mut scratch[..first]))))?;
+    ctx.exchange(next(), None, Some((peer, Sink::Copy(&mut scratch[..first]))))?;
     let t = std::time::Instant::now();
-    wire.exchange(next(), None, Some((peer, Sink::Copy(&mut scratch[..second]))))?;
+    ctx.exchange(next(), None, Some((peer, Sink::Copy(&mut scratch[..second]))))?;
     let secs = t.elapsed().as_secs_f64();
-    wire.exchange(next(), Some((peer, Source::Bytes(&[]))), None)?;
+    ctx.exchange(next(), Some((peer, Source::Bytes(&[]))), None)?;
     Ok(Some(secs))
 }

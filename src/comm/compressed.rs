@@ -22,7 +22,7 @@
 //! of ranks, each value is rounded twice: the bound grows with n only through the tiny f32
 //! term. f16 holds magnitudes up to 65504 only: a larger input or sum becomes infinite (bf16
 //! has f32's range).
-//! `tests/wire.rs` checks the bound on every element of random data.
+//! `tests/compressed.rs` checks the bound on every element of random data.
 //!
 //! In the statistics, recorder and timeline the operation shows as its all-to-all and
 //! all-gather, in the wire type.

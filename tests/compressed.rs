@@ -1,4 +1,4 @@
-//! Compressed all-reduce (`TOROID_WIRE_DTYPE`, `CallOptions::wire`; `src/comm/wire.rs`): on
+//! Compressed all-reduce (`TOROID_WIRE_DTYPE`, `CallOptions::wire`; `src/comm/compressed.rs`): on
 //! random data, every element of every rank's result is within the documented bound of the
 //! exact reduction (2u S + u^2 S for a sum, S the sum of magnitudes; /n for an average; u |x|
 //! for min and max), and every rank holds the same bits; the operation travels as an all-to-all
