@@ -16,7 +16,7 @@ there. Each run is bounded by --timeout; a run that fails or times out is report
     cargo build --release
     scripts/setup-scale.py --sizes 16,64,256 --modes mesh,lazy --runs 3
 
-Prints a Markdown table (the one in docs/ARCHITECTURE.md, "Set-up at scale") and, with
+Prints a Markdown table (the ones in docs/measurements/setup-scale.md) and, with
 --json FILE, every rank's numbers.
 """
 

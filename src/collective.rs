@@ -166,7 +166,7 @@ impl fmt::Display for Fingerprint {
 }
 
 /// Bytes of an encoded [`Fingerprint`] (the last 28 bytes of every frame header; see
-/// `docs/ARCHITECTURE.md`, "Wire").
+/// `docs/reference/wire-format.md`, "Frames").
 pub const FINGERPRINT_LEN: usize = 28;
 
 impl Fingerprint {

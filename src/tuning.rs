@@ -6,8 +6,7 @@
 //! `gamma` is seconds per byte reduced. [`CostModel::predict`] turns an algorithm's schedule
 //! into `time = steps * alpha + bytes * beta + reduced * gamma`, phase by phase, with the bytes
 //! that cross each host's link counted where several ranks of a host share it (the formulas,
-//! algorithm by algorithm, with their papers, are in `docs/ARCHITECTURE.md`, "Algorithms and the
-//! cost model"). The cheapest allowed algorithm wins.
+//! algorithm by algorithm, with their papers, are in `docs/reference/algorithms.md`). The cheapest allowed algorithm wins.
 //!
 //! The parameters come from a short probe when a communicator is created (ping-pong and a
 //! bulk transfer between two ranks of one host, and between two hosts; a timed local

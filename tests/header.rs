@@ -1,5 +1,5 @@
 //! The committed `include/toroid.h` must be exactly what `src/ffi` generates
-//! (`docs/ARCHITECTURE.md`, "The C ABI contract": the header is generated and committed, and CI
+//! (`docs/reference/c-abi.md`: the header is generated and committed, and CI
 //! fails when it drifts). `build.rs` rewrites the working-tree file on every build, so the check
 //! compares the freshly generated text with the file *as committed* (`git show
 //! HEAD:include/toroid.h`) as well as with the working-tree file. The same holds for the

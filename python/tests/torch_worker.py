@@ -243,7 +243,7 @@ def ddp(rank, size):
 
 def wire(rank, size):
     """Compressed all-reduce through torch: the group option, the DDP hook, and the error bound
-    (docs/ARCHITECTURE.md, compressed all-reduce) on every element of random data."""
+    (docs/reference/c-abi.md, compressed all-reduce) on every element of random data."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     pg = dist.distributed_c10d._get_default_group()

@@ -372,7 +372,7 @@ class Comm(_PointerCalls):
         """Every rank receives the reduction of every rank's `send` (in place when recv is None).
         `wire="bf16"` or `"f16"`: a float32/float64 all-reduce travels in that type (half the
         bytes, reductions in the array's own type, the same result on every rank; see
-        docs/ARCHITECTURE.md, compressed all-reduce); None: TOROID_WIRE_DTYPE decides."""
+        docs/reference/c-abi.md, compressed all-reduce); None: TOROID_WIRE_DTYPE decides."""
         recv = send if recv is None else recv
         self._same(send, recv)
         return self.all_reduce_ptr(

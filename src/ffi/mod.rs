@@ -1,7 +1,7 @@
 //! The C ABI: every exported function, and nothing else (`include/toroid.h` is generated from
 //! this module by cbindgen, and `python/toroid/_abi.json` from the same source; see `build.rs`).
 //!
-//! Conventions (`docs/ARCHITECTURE.md`, "The C ABI contract"): opaque handles;
+//! Conventions (`docs/reference/c-abi.md`): opaque handles;
 //! `toroid_<noun>_<verb>` names; every function returns a `toroid_result` and writes its outputs
 //! only on success; every pointer and handle is checked; every body runs inside a panic
 //! boundary.

@@ -1,6 +1,6 @@
 //! The ring protocol's bookkeeping, without memory: one tested state machine for every ring.
 //!
-//! Both ring transports speak the same protocol (docs/ARCHITECTURE.md 5.2 and 5.6): a ring of
+//! Both ring transports speak the same protocol (docs/reference/shared-memory.md and docs/reference/rdma.md): a ring of
 //! `cap` units (bytes for the shared-memory ring, slots for the RDMA ring), a 64-bit `head`
 //! counting units ever written, which only the writer advances, and a 64-bit `tail` counting
 //! units ever consumed, which only the reader advances. Neither wraps. The writer may fill a

@@ -101,7 +101,7 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
     def set_wire_dtype(self, wire: Optional[str]) -> None:
         """Compressed all-reduce for the whole group: "bf16" or "f16" makes every float32 and
         float64 all-reduce (allreduce, allreduce_coalesced) travel in that type, reductions in
-        the tensor's own type, the same result on every rank (error bound: docs/ARCHITECTURE.md,
+        the tensor's own type, the same result on every rank (error bound: docs/reference/c-abi.md,
         compressed all-reduce); None: as TOROID_WIRE_DTYPE says (uncompressed when unset). The
         process-group option; `bf16_wire_hook` does the same for DDP's gradients only. Every
         rank must set the same."""

@@ -238,7 +238,7 @@ impl Communicator {
         let shared_addrs: Arc<[SocketAddr]> = addrs.into();
         let opts = tcp::SocketOptions::from_config(cfg);
         let topology = Topology::from_ids(rank, hosts, machines);
-        // RDMA between hosts, where both ranks of a pair can (docs/ARCHITECTURE.md 5.6).
+        // RDMA between hosts, where both ranks of a pair can (docs/reference/rdma.md).
         let rdma_peer = |p: usize| {
             p != rank && rdma_ok[p] && rdma_ok[rank] && topology.host_of[p] != topology.host_of[rank]
         };

@@ -1,5 +1,5 @@
 //! The RDMA transport: an [`RdmaRing`] as a [`Transport`], with the pair's TCP connection kept
-//! as the liveness channel (docs/ARCHITECTURE.md 5.6).
+//! as the liveness channel (docs/reference/rdma.md).
 //!
 //! What the engine needs beyond the ring:
 //! - **sleeping**: [`Transport::pollable`] is an epoll set holding the verbs' completion

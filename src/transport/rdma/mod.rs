@@ -1,5 +1,5 @@
 //! RDMA verbs transport: the ring protocol of the shared-memory transport, over RDMA WRITE with
-//! immediate between RC queue pairs (docs/ARCHITECTURE.md 5.6).
+//! immediate between RC queue pairs (docs/reference/rdma.md).
 //!
 //! Why the same protocol: a byte ring with a writer's `head`, a reader's `tail` and credits is
 //! what both a shared segment and a NIC writing into registered memory need; only how the
