@@ -17,7 +17,7 @@ fn rank_main(
     max_mib: usize,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     use cudarc::driver::{DevicePtr, DevicePtrMut};
-    use toroid::gpu::stream;
+    use toroid::internals::gpu::stream;
     use toroid::{DataType, OpKind, ReduceOp};
 
     let (me, n) = (comm.rank(), comm.size());

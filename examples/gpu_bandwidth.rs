@@ -10,14 +10,14 @@
 #[cfg(feature = "cuda")]
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     use cudarc::driver::{DevicePtr, DevicePtrMut};
-    use toroid::gpu::device::DeviceKernels;
+    use toroid::internals::gpu::device::DeviceKernels;
     use toroid::{DataType, ReduceOp};
 
     let mib: usize = std::env::args().nth(1).map_or(Ok(256), |a| a.parse())?;
     let bytes = mib << 20;
     let ptx = match std::env::var_os("TOROID_GPU_PTX") {
         Some(p) => std::fs::read_to_string(p)?,
-        None => toroid::gpu::ptx()?.to_string(),
+        None => toroid::internals::gpu::ptx()?.to_string(),
     };
     let k = DeviceKernels::new(0, &ptx)?;
     let stream = k.stream().clone();

@@ -23,7 +23,7 @@ mod ffi;
 #[doc(hidden)]
 pub mod fuzzing;
 #[cfg(feature = "cuda")]
-pub mod gpu;
+mod gpu;
 mod memory;
 mod reduce;
 pub mod rendezvous;
@@ -40,56 +40,102 @@ pub use dtype::{DataType, Element, ReduceOp};
 pub use error::{Error, Result};
 pub use topology::Topology;
 
-/// The layers behind the public API, for toroid's own benchmarks, binaries and tests. Not a
-/// stable API: anything here may change in any release.
+/// The items behind the public API that toroid's own binaries (`toroid-bench`, `toroid-run`,
+/// `toroid-sim`), benches, examples, tests and the trainer use, each named (no module is
+/// re-exported whole except the safe CUDA layer, `gpu::cuda`). Not a stable API: anything here
+/// may change in any release.
 #[doc(hidden)]
 pub mod internals {
-    /// The C ABI's Rust side.
-    pub mod ffi {
-        pub use crate::ffi::*;
-    }
-    /// Collectives as schedules of exchanges over groups of ranks.
-    pub mod algorithm {
-        pub use crate::algorithm::*;
-    }
     /// The vocabulary every rank agrees on.
     pub mod collective {
-        pub use crate::collective::*;
+        pub use crate::collective::{CollKind, Fingerprint};
     }
-    /// The communicator's internals (raw operations, hooks).
+    /// Raw operations and their hooks, persistent plans.
     pub mod comm {
-        pub use crate::comm::*;
+        pub use crate::comm::{AllReducePlan, Hooks, RawOp};
     }
-    /// Settings from the environment.
+    /// Settings: sizes as the variables write them, defaults, the variables the binaries read.
     pub mod config {
-        pub use crate::config::*;
+        pub use crate::config::{DEFAULT_SHM_DIR, DEFAULT_SHM_RING_SIZE, parse_size, timeline_path_from_env};
     }
     /// Buffer descriptors that outlive a borrow.
     pub mod memory {
-        pub use crate::memory::*;
+        pub use crate::memory::{RawBufMut, RawBufs};
     }
-    /// Reduction kernels.
+    /// Reduction kernels (the CPU references of the benches and tests).
     pub mod reduce {
-        pub use crate::reduce::*;
+        pub use crate::reduce::{reduce_inplace, reduce_into, scale_into};
     }
-    /// The operating-system layer.
+    /// The operating-system calls the launcher and the tests make.
     pub mod sys {
-        pub use crate::sys::*;
+        /// CPU time.
+        pub mod cpu {
+            pub use crate::sys::cpu::process_cpu_time;
+        }
+        /// Child processes, CPU sets and the signals the launcher handles.
+        pub mod process {
+            pub use crate::sys::process::{
+                CpuSet, SIGHUP, SIGINT, SIGKILL, SIGTERM, SIGUSR1, Signal, bind_child, catch_signals,
+                caught_signal, clear_caught_signal, kill_child_with_parent, kill_group, open_files_limit,
+            };
+        }
+        /// Sending a signal.
+        pub mod signal {
+            pub use crate::sys::signal::send;
+        }
+        /// The effective user.
+        pub mod user {
+            pub use crate::sys::user::euid;
+        }
     }
-    /// Hosts, grids and layouts.
+    /// Grid shapes as `TOROID_TORUS_SHAPE` writes them.
     pub mod topology {
-        pub use crate::topology::*;
+        pub use crate::topology::parse_shape;
     }
-    /// The flight recorder, its snapshots and the stall report.
+    /// The flight recorder's records and the timeline.
     pub mod trace {
-        pub use crate::trace::*;
+        pub use crate::trace::{OpState, Phase, timeline};
     }
-    /// Transports and the progress engine.
+    /// The shared-memory transport (benches) and the handshake's protocol version (tests).
     pub mod transport {
-        pub use crate::transport::*;
+        pub use crate::transport::Transport;
+        /// Shared-memory links.
+        pub mod shm {
+            pub use crate::transport::shm::{ShmTransport, pair_segment_len};
+        }
+        /// TCP links.
+        pub mod tcp {
+            pub use crate::transport::tcp::PROTOCOL_VERSION;
+        }
     }
-    /// The cost model.
+    /// The cost model (`toroid-sim`).
     pub mod tuning {
-        pub use crate::tuning::*;
+        pub use crate::tuning::{CostModel, LinkCost, Shape};
+    }
+    /// Collectives on device memory (`toroid-bench --device`, the GPU tests and examples).
+    #[cfg(feature = "cuda")]
+    pub mod gpu {
+        pub use crate::gpu::cuda;
+        pub use crate::gpu::{PTX_ARCH, compile, driver_available, guard, load_nvrtc, ptx};
+        /// The kernels as CUDA C and their names.
+        pub mod kernels {
+            pub use crate::gpu::kernels::{OPS, TYPES, names, source};
+        }
+        /// The kernels loaded on a device.
+        pub mod device {
+            pub use crate::gpu::device::DeviceKernels;
+        }
+        /// The IPC path's window sizes.
+        pub mod ipc {
+            pub use crate::gpu::ipc::{HALF, WINDOW};
+        }
+        /// The staged path.
+        pub mod staged {
+            pub use crate::gpu::staged::{CHUNK, DeviceCollectives, device_of, is_device_pointer};
+        }
+        /// The stream entry points.
+        pub mod stream {
+            pub use crate::gpu::stream::{DevicePath, on_stream, on_stream_async, path, route_of};
+        }
     }
 }

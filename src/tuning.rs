@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 mod cost_model;
 mod probe;
 
-pub use cost_model::{CostModel, LinkCost, Prediction, Shape};
+pub use cost_model::{CostModel, LinkCost, Shape};
 pub use probe::{PROBE_BYTES, PROBE_LEN, ProbeResult, probe};
 
 /// The algorithms that can run `kind`.

@@ -231,13 +231,13 @@ fn device_buffers_run_on_a_gpu_and_are_refused_with_a_message_without_one() {
 
 #[cfg(feature = "cuda")]
 fn driver_present() -> bool {
-    toroid::gpu::driver_available().is_ok()
+    toroid::internals::gpu::driver_available().is_ok()
 }
 
 /// A driver, and a device 0 it can open with the staging buffers a rank makes.
 #[cfg(feature = "cuda")]
 fn device_0_usable() -> bool {
-    driver_present() && toroid::gpu::staged::DeviceCollectives::on_device(0).is_ok()
+    driver_present() && toroid::internals::gpu::staged::DeviceCollectives::on_device(0).is_ok()
 }
 
 #[cfg(not(feature = "cuda"))]

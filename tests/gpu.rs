@@ -14,8 +14,8 @@ mod util;
 use std::path::PathBuf;
 use std::process::Command;
 
-use toroid::gpu::staged::{self, DeviceCollectives};
-use toroid::gpu::{self, device::DeviceKernels, kernels};
+use toroid::internals::gpu::staged::{self, DeviceCollectives};
+use toroid::internals::gpu::{self, device::DeviceKernels, kernels};
 use toroid::internals::reduce;
 use toroid::{DataType, Error, ReduceOp};
 

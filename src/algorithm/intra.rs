@@ -62,11 +62,6 @@ pub fn one_shot_max(n: usize) -> usize {
     }
 }
 
-/// True when `op` can run on the window with this communicator.
-pub fn available(ctx: &mut OpContext<'_>) -> bool {
-    ctx.window.is_some()
-}
-
 /// The synchronisation context of one collective on the window.
 struct Sync<'a> {
     peers: &'a mut Peers,

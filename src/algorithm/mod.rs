@@ -136,11 +136,6 @@ impl Scratch {
     pub fn two(&mut self, a: usize, b: usize) -> (&mut [u8], &mut [u8]) {
         (grow(&mut self.a, a), grow(&mut self.b, b))
     }
-
-    /// Bytes held (for tests and logs).
-    pub fn capacity(&self) -> usize {
-        (self.a.len() + self.b.len() + self.c.len()) * 8
-    }
 }
 
 /// Splits one buffer into a piece to read and a disjoint piece to write.
@@ -239,11 +234,6 @@ impl Group<'_> {
             Group::World(n) => *n,
             Group::Ranks(r) => r.len(),
         }
-    }
-
-    /// True when the group has no members.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     /// The communicator rank at position `i`.

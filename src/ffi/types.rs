@@ -71,6 +71,8 @@ impl toroid_result {
 }
 
 /// The element type of a buffer.
+// Declared for the C header (cbindgen) and the ABI description; Rust code uses its own types.
+#[allow(dead_code)]
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum toroid_datatype {
@@ -98,6 +100,8 @@ pub enum toroid_datatype {
 
 /// A reduction operation. Integers wrap around on overflow (sum, prod); TOROID_AVG (sum divided
 /// by the number of ranks) is defined on the floating types only.
+// Declared for the C header (cbindgen) and the ABI description; Rust code uses its own types.
+#[allow(dead_code)]
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum toroid_redop {
@@ -161,6 +165,8 @@ impl RawResult {
 
 /// Pass as `color` to toroid_comm_split to take part without joining any new communicator
 /// (`*out` is set to NULL). Any negative color means the same.
+// Declared for the C header (cbindgen) and the ABI description; Rust code uses its own types.
+#[allow(dead_code)]
 pub const TOROID_SPLIT_NOCOLOR: c_int = -1;
 
 /// Settings for toroid_comm_init. Set `struct_size = sizeof(toroid_config)`: later versions

@@ -112,6 +112,12 @@ pub fn sync(stream: &CudaStream) -> Result<()> {
     call("synchronising", || stream.synchronize())
 }
 
+/// `stream` as the driver's raw handle (a `CUstream`/`cudaStream_t`, what the C entry points
+/// and [`super::stream::on_stream`] take).
+pub fn raw_stream(stream: &CudaStream) -> *mut std::ffi::c_void {
+    stream.cu_stream() as *mut std::ffi::c_void
+}
+
 /// Queues `dst <- src`, `bytes` bytes of device memory, on `stream` (`what`: what is copied).
 ///
 /// # Safety
@@ -177,6 +183,8 @@ pub struct DeviceAlloc {
     ctx: Arc<CudaContext>,
     /// Its device address.
     pub ptr: u64,
+    /// Its size in bytes.
+    pub bytes: usize,
 }
 
 impl DeviceAlloc {
@@ -186,8 +194,38 @@ impl DeviceAlloc {
             ctx.bind_to_thread().map_err(driver_err("binding the context"))?;
             // SAFETY: a plain device allocation of `bytes`, owned by the returned value.
             let ptr = unsafe { cudarc::driver::result::malloc_sync(bytes) }.map_err(driver_err(what))?;
-            Ok(DeviceAlloc { ctx: ctx.clone(), ptr })
+            Ok(DeviceAlloc { ctx: ctx.clone(), ptr, bytes })
         })?
+    }
+
+    /// The range `[offset, offset + len)` of this allocation, checked.
+    fn range(&self, offset: usize, len: usize) -> Result<u64> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.bytes => Ok(self.ptr + offset as u64),
+            _ => Err(Error::InvalidArgument(
+                format!("{len} bytes at {offset} do not fit a device allocation of {}", self.bytes).into(),
+            )),
+        }
+    }
+
+    /// Copies `host` to `offset` of this allocation and waits until `stream` (of this
+    /// allocation's context) has run the copy (blocking: for set-up and checks, not hot paths).
+    pub fn upload(&mut self, stream: &CudaStream, offset: usize, host: &[u8]) -> Result<()> {
+        let dst = self.range(offset, host.len())?;
+        // SAFETY: `dst` is inside this live allocation (checked), `host` is borrowed until the
+        // stream has run the copy (synchronised below before returning), and `&mut self` keeps
+        // every other user of this allocation out while it runs.
+        unsafe { copy_htod(stream, dst, host)? };
+        sync(stream)
+    }
+
+    /// Copies `host.len()` bytes from `offset` of this allocation into `host` and waits for it.
+    pub fn download(&mut self, stream: &CudaStream, offset: usize, host: &mut [u8]) -> Result<()> {
+        let src = self.range(offset, host.len())?;
+        // SAFETY: `src` is inside this live allocation (checked); `host` is borrowed mutably
+        // until the stream has run the copy (synchronised below before returning).
+        unsafe { copy_dtoh(stream, host, src)? };
+        sync(stream)
     }
 
     /// The IPC memory handle of this allocation (`cuIpcGetMemHandle`), for another process to

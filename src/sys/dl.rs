@@ -4,7 +4,8 @@
 use std::ffi::{CStr, CString};
 
 /// Loads `name` (a soname such as `libcuda.so.1`, or a path) for the life of the process.
-/// `Err` carries the loader's message.
+/// `Err` carries the loader's message. (Only the CUDA layer loads libraries.)
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub fn load(name: &str) -> Result<(), String> {
     let c = CString::new(name).map_err(|_| format!("{name:?}: a NUL in the name"))?;
     // SAFETY: `c` is a valid C string for the call; the flags are valid. Loading runs the

@@ -30,11 +30,6 @@ impl PollFd {
         PollFd(libc::pollfd { fd, events, revents: 0 })
     }
 
-    /// The descriptor.
-    pub fn fd(&self) -> RawFd {
-        self.0.fd
-    }
-
     /// The events asked for.
     pub fn events(&self) -> Events {
         self.0.events

@@ -110,11 +110,6 @@ impl Mapping {
     pub fn len(&self) -> usize {
         self.len
     }
-
-    /// True for an empty mapping (never: `mmap` refuses length 0).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
 }
 
 impl Drop for Mapping {

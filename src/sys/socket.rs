@@ -21,6 +21,7 @@ fn set_int(fd: BorrowedFd<'_>, level: c_int, opt: c_int, v: c_int) -> io::Result
     Ok(())
 }
 
+#[cfg(test)]
 /// Reads an integer socket option.
 fn get_int(fd: BorrowedFd<'_>, level: c_int, opt: c_int) -> io::Result<c_int> {
     let mut v: c_int = 0;
@@ -42,6 +43,7 @@ pub fn set_buffer_sizes(fd: BorrowedFd<'_>, bytes: usize) -> io::Result<()> {
     Ok(())
 }
 
+#[cfg(test)]
 /// The send and receive buffer sizes as the kernel reports them (`SO_SNDBUF`, `SO_RCVBUF`).
 pub fn buffer_sizes(fd: BorrowedFd<'_>) -> io::Result<(usize, usize)> {
     let get = |opt| get_int(fd, libc::SOL_SOCKET, opt).map(|v| v.max(0) as usize);
@@ -78,6 +80,7 @@ pub fn set_max_pacing_rate(fd: BorrowedFd<'_>, bytes_per_sec: u64) -> io::Result
     Ok(())
 }
 
+#[cfg(test)]
 /// The connection's congestion control as the kernel reports it (`TCP_CONGESTION`).
 pub fn congestion(fd: BorrowedFd<'_>) -> io::Result<String> {
     let mut buf = [0u8; 16];

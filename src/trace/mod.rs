@@ -15,7 +15,7 @@ pub mod timeline;
 
 pub use recorder::{Progress, Recorder};
 pub use report::{PeerAnswer, Report};
-pub use snapshot::{OpRecord, OpState, Phase, PhaseSpan, Snapshot};
+pub use snapshot::{OpState, Phase, Snapshot};
 pub use stats::Stats;
 
 /// Nanoseconds since the Unix epoch (the clock every record and snapshot uses, so that ranks

@@ -71,6 +71,7 @@ pub struct Report {
 }
 
 impl Report {
+    #[cfg(test)]
     /// Builds the report from this rank's snapshot and every other rank's answer (ranks with no
     /// answer at all are reported as not asked).
     pub fn build(own: &Snapshot, others: &[(usize, PeerAnswer)]) -> Report {

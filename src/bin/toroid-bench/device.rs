@@ -8,49 +8,38 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
-use toroid::gpu::stream::{self, DevicePath};
-use toroid::gpu::{driver_available, guard};
-use toroid::{Communicator, DataType, Error, OpKind, Result};
+use toroid::internals::gpu::cuda::{self, CudaStream, DeviceAlloc};
+use toroid::internals::gpu::driver_available;
+use toroid::internals::gpu::stream::{self, DevicePath};
+use toroid::{Communicator, DataType, OpKind, Result};
 
 /// A send buffer and an output buffer on the device, and the stream the calls are ordered on.
 pub struct DeviceBufs {
     stream: Arc<CudaStream>,
-    send: CudaSlice<u8>,
-    out: CudaSlice<u8>,
-}
-
-fn cuda<T>(
-    what: &'static str,
-    f: impl FnOnce() -> std::result::Result<T, cudarc::driver::DriverError>,
-) -> Result<T> {
-    guard(what, f)?.map_err(|e| Error::System(format!("CUDA: {what}: {e:?}").into()))
+    send: DeviceAlloc,
+    out: DeviceAlloc,
 }
 
 impl DeviceBufs {
     /// Buffers of `send` and `out` bytes on device `ordinal` (at least one byte each).
     pub fn new(ordinal: usize, send: usize, out: usize) -> Result<DeviceBufs> {
         driver_available()?;
-        let ctx = cuda("opening the device", || cudarc::driver::CudaContext::new(ordinal))?;
-        let stream = cuda("creating a stream", || ctx.new_stream())?;
-        let send = cuda("allocating device memory", || stream.alloc_zeros::<u8>(send.max(1)))?;
-        let out = cuda("allocating device memory", || stream.alloc_zeros::<u8>(out.max(1)))?;
+        let ctx = cuda::open_device(ordinal)?;
+        let stream = cuda::new_stream(&ctx)?;
+        let send = DeviceAlloc::new(&ctx, send.max(1), "allocating device memory")?;
+        let out = DeviceAlloc::new(&ctx, out.max(1), "allocating device memory")?;
         Ok(DeviceBufs { stream, send, out })
     }
 
     /// Copies `send` and `out` (host) to the front of the device buffers.
     pub fn upload(&mut self, send: &[u8], out: &[u8]) -> Result<()> {
-        let s = &self.stream;
-        cuda("copying to the device", || s.memcpy_htod(send, &mut self.send.slice_mut(..send.len())))?;
-        cuda("copying to the device", || s.memcpy_htod(out, &mut self.out.slice_mut(..out.len())))?;
-        cuda("synchronising", || s.synchronize())
+        self.send.upload(&self.stream, 0, send)?;
+        self.out.upload(&self.stream, 0, out)
     }
 
     /// Copies the front of the output buffer into `out` (host).
-    pub fn download(&self, out: &mut [u8]) -> Result<()> {
-        let s = &self.stream;
-        cuda("copying from the device", || s.memcpy_dtoh(&self.out.slice(..out.len()), out))?;
-        cuda("synchronising", || s.synchronize())
+    pub fn download(&mut self, out: &mut [u8]) -> Result<()> {
+        self.out.download(&self.stream, 0, out)
     }
 
     /// One call of `kind` on `count` elements (the entry points' count: per rank for an
@@ -65,9 +54,7 @@ impl DeviceBufs {
         dtype: DataType,
         in_place: bool,
     ) -> Result<()> {
-        let s = &self.stream;
-        let (send, _r1) = self.send.device_ptr(s);
-        let (out, _r2) = self.out.device_ptr(s);
+        let (send, out) = (self.send.ptr, self.out.ptr);
         let piece = (comm.rank() * count * dtype.size()) as u64;
         let (send, recv) = match (in_place, kind) {
             (false, _) => (send, out),
@@ -75,7 +62,7 @@ impl DeviceBufs {
             (true, OpKind::ReduceScatter(_)) => (out, out + piece),
             (true, _) => (out, out),
         };
-        let raw = s.cu_stream() as *mut std::ffi::c_void;
+        let raw = cuda::raw_stream(&self.stream);
         // SAFETY: both allocations hold what the collective reads and writes (measure sizes
         // them from the same counts), live until this returns, and nothing else uses them;
         // the stream is this buffer's own, of the device's primary context.

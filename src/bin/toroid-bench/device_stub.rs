@@ -12,7 +12,7 @@ impl DeviceBufs {
     pub fn upload(&mut self, _: &[u8], _: &[u8]) -> Result<()> {
         match *self {}
     }
-    pub fn download(&self, _: &mut [u8]) -> Result<()> {
+    pub fn download(&mut self, _: &mut [u8]) -> Result<()> {
         match *self {}
     }
     pub fn run(&self, _: &Communicator, _: OpKind, _: usize, _: DataType, _: bool) -> Result<()> {

@@ -370,7 +370,7 @@ impl Bench {
                     d.upload(&send, recv)?;
                 }
                 self.run_once(dev.as_ref(), &send, recv, in_place, count)?;
-                if let Some(d) = dev.as_ref() {
+                if let Some(d) = dev.as_mut() {
                     d.download(recv)?;
                 }
                 wrong[0] = self.wrong(recv, in_place, cin);

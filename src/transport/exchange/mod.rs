@@ -55,7 +55,7 @@ pub use abort::AbortSignal;
 pub use frame::HEADER_LEN;
 pub use pairwise::{AllToAllPlan, AllToAllRun, WINDOW};
 pub use ring_run::RingRun;
-pub use stream::{MAX_STREAMS, Stream, Then, Wants};
+pub use stream::{Stream, Then};
 
 use std::fmt;
 use std::io;
@@ -257,11 +257,6 @@ impl Peers {
         (0..self.links.len()).filter(|&r| self.links[r].is_some()).collect()
     }
 
-    /// Connections (lanes included) opened on demand so far (0 without a connector).
-    pub fn sockets_opened(&self) -> usize {
-        self.connector.as_ref().map_or(0, |c| c.sockets())
-    }
-
     /// True when links are opened on demand.
     pub fn connects_on_demand(&self) -> bool {
         self.connector.is_some()
@@ -303,11 +298,6 @@ impl Peers {
     /// Number of ranks (links, including the empty one for this rank).
     pub fn size(&self) -> usize {
         self.links.len()
-    }
-
-    /// The largest frame payload.
-    pub fn segment(&self) -> usize {
-        self.segment
     }
 
     /// The abort signal this engine watches.

@@ -256,7 +256,7 @@ pub(crate) fn wait_ready(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::shm::MIN_RING;
+    use crate::transport::shm::byte_ring::MIN_RING;
     use std::path::PathBuf;
     use std::thread;
     use std::time::Duration;

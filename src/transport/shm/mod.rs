@@ -70,7 +70,7 @@ mod segment;
 pub(crate) mod setup;
 pub mod window;
 
-pub use byte_ring::{MIN_RING, PUBLISH, pair_segment_len, ring_capacity};
+pub use byte_ring::pair_segment_len;
 pub use link::ShmTransport;
-pub use segment::{NAME_PREFIX, Segment, SegmentError, segment_name, sweep_stale};
+pub use segment::{NAME_PREFIX, Segment, segment_name};
 pub use setup::{ShmOptions, ShmSetup, connect};

@@ -119,11 +119,6 @@ impl Segment {
         self.map.len()
     }
 
-    /// True for an empty mapping (never: segments have a header).
-    pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
-    }
-
     /// The mapping as shared memory, for as long as `self` is borrowed.
     pub(crate) fn mem(&self) -> SharedMem<'_> {
         // SAFETY: the mapping is page aligned and stays mapped while `self` lives; processes

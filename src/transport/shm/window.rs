@@ -276,11 +276,6 @@ impl Window {
         self.region
     }
 
-    /// How waits went so far.
-    pub fn stats(&self) -> WaitStats {
-        self.stats
-    }
-
     /// True when members outnumber the host's online CPUs (waiters yield instead of spinning).
     pub fn oversubscribed(&self) -> bool {
         self.oversubscribed
@@ -329,11 +324,6 @@ impl Window {
     /// Writes `src · factor` into my region `buf` at `off` (floating types).
     pub fn put_scaled(&mut self, buf: usize, off: usize, src: &[u8], dtype: DataType, factor: f64) {
         reduce::scale_into(dtype, self.mine(buf, off, src.len()), src, factor);
-    }
-
-    /// Copies member `m`'s region `buf` at `off` into `dst`.
-    pub fn get(&self, m: usize, buf: usize, off: usize, dst: &mut [u8]) {
-        reduce::copy(dst, self.theirs(m, buf, off, dst.len()));
     }
 
     /// As [`Window::get`], with non-temporal stores when `stream` (see [`copy_streaming`]).
@@ -406,11 +396,6 @@ impl Window {
         }
         self.fp_checked[m] = true;
         Ok(())
-    }
-
-    /// My current stage.
-    pub fn stage(&self) -> u32 {
-        self.stage
     }
 
     /// Finishes a phase: stage + 1, visible to the other members (release), waking sleepers.

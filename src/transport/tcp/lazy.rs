@@ -568,6 +568,7 @@ impl Connector for Dialer {
         self.inbox.close(abort_frame);
     }
 
+    #[cfg(test)]
     fn sockets(&self) -> usize {
         self.sockets.load(Ordering::Relaxed)
     }

@@ -49,8 +49,8 @@ mod mesh;
 pub mod progress;
 pub mod striped;
 
-pub use handshake::{MAX_LANES, PROTOCOL_VERSION};
-pub use interface::{Interface, choose_address, interfaces, select_interfaces};
+pub use handshake::PROTOCOL_VERSION;
+pub use interface::{Interface, choose_address};
 pub use mesh::{Endpoint, MeshSpec, connect_mesh, listen};
 
 /// How connections between ranks are set up.
@@ -130,6 +130,7 @@ fn set_congestion(fd: BorrowedFd<'_>, name: &str) -> Result<()> {
     })
 }
 
+#[cfg(test)]
 /// The connection's congestion control as the kernel reports it.
 pub fn congestion_of(fd: BorrowedFd<'_>) -> io::Result<String> {
     socket::congestion(fd)
