@@ -207,6 +207,7 @@ fn fabric_gid() -> [u8; 16] {
 }
 
 /// Fault injection for a fake pair.
+#[cfg_attr(not(test), allow(dead_code))] // the unit tests' tools
 #[derive(Debug, Clone)]
 pub struct FakeControl {
     net: Arc<Mutex<Net>>,
@@ -225,6 +226,7 @@ impl FakeVerbs {
     /// # Panics
     ///
     /// When the process is out of descriptors for the endpoints' event descriptors (tests).
+    #[cfg_attr(not(test), allow(dead_code))] // the unit tests' tools
     pub fn pair(max_send: usize) -> (FakeVerbs, FakeVerbs, FakeControl) {
         Self::try_pair(max_send).expect("event descriptors for a fake queue pair")
     }
@@ -257,6 +259,7 @@ impl FakeVerbs {
     }
 }
 
+#[cfg_attr(not(test), allow(dead_code))] // the unit tests' tools
 impl FakeControl {
     /// Every write posted from now on lands `d` after it was posted.
     pub fn set_delay(&self, d: Duration) {

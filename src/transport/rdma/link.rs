@@ -168,8 +168,8 @@ mod tests {
     use super::*;
     use crate::sys::poll::poll;
     use crate::sys::socketpair;
-    use crate::transport::rdma::Geometry;
     use crate::transport::rdma::fake::FakeVerbs;
+    use crate::transport::rdma::write_ring::Geometry;
     use crate::transport::testutil::bytes;
     use std::os::fd::{AsFd, OwnedFd};
 

@@ -38,8 +38,6 @@ pub mod verbs;
 pub mod write_ring;
 
 pub use link::RdmaTransport;
-pub use verbs::{Completion, MrCache, QpInfo, Region, RemoteRegion, Verbs, WcOp};
-pub use write_ring::{Geometry, RdmaRing, RingInfo};
 
 #[cfg(test)]
 mod tests;

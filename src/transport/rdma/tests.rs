@@ -3,8 +3,8 @@
 use std::time::{Duration, Instant};
 
 use super::fake::{FakeControl, FakeVerbs};
-use super::verbs::WriteImm;
-use super::*;
+use super::verbs::{MrCache, QpInfo, Region, RemoteRegion, Verbs, WriteImm};
+use super::write_ring::{Geometry, RdmaRing, RingInfo};
 use crate::error::Error;
 use crate::transport::testutil::{Rng, bytes};
 

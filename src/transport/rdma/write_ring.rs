@@ -26,6 +26,7 @@ use super::verbs::{Completion, Region, RemoteRegion, Verbs, WcOp, WriteImm};
 use crate::error::{Error, Result};
 use crate::transport::ledger::{RecvLedger, SendLedger};
 
+#[cfg_attr(not(test), allow(dead_code))] // the unit tests' tools
 mod blocking;
 mod geometry;
 mod staging;
@@ -164,15 +165,18 @@ impl<V: Verbs> RdmaRing<V> {
     }
 
     /// The send side's ledger (slots written, published, credited).
+    #[cfg_attr(not(test), allow(dead_code))] // the unit tests' tools
     pub fn send_ledger(&self) -> &SendLedger {
         &self.tx
     }
 
+    #[cfg_attr(not(test), allow(dead_code))] // the unit tests' tools
     /// The receive side's ledger (slots arrived, consumed, released).
     pub fn recv_ledger(&self) -> &RecvLedger {
         &self.rx
     }
 
+    #[cfg_attr(not(test), allow(dead_code))] // the unit tests' tools
     /// Send-queue entries in use.
     pub fn send_queue_used(&self) -> usize {
         self.sq
