@@ -8,8 +8,8 @@
 #
 #   scripts/bench-ab.sh OLD_BIN_DIR NEW_BIN_DIR [ROUNDS=5] [RANKS=4] [extra toroid-bench args]
 set -euo pipefail
-a=${1:?directory with the first build's toroid-run and toroid-bench}
-b=${2:?directory with the second build's toroid-run and toroid-bench}
+a=${1:?directory with the first build: toroid-run and toroid-bench}
+b=${2:?directory with the second build: toroid-run and toroid-bench}
 rounds=${3:-5}
 ranks=${4:-4}
 shift $(( $# < 4 ? $# : 4 ))
@@ -17,7 +17,7 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 for ((i = 0; i < rounds; i++)); do
     for side in a b; do
-        dir=${!side}
+        if [ "$side" = a ]; then dir=$a; else dir=$b; fi
         "$dir/toroid-run" -n "$ranks" -- "$dir/toroid-bench" -b 4K -e 64M -f 4 "$@" \
             >"$out/$side.$i" 2>&1 || { cat "$out/$side.$i"; exit 1; }
     done
