@@ -46,6 +46,13 @@ pub use topology::Topology;
 /// may change in any release.
 #[doc(hidden)]
 pub mod internals {
+    /// The offset maths of the schedules (its doc example).
+    pub mod algorithm {
+        /// Balanced pieces.
+        pub mod schedule {
+            pub use crate::algorithm::schedule::piece;
+        }
+    }
     /// The vocabulary every rank agrees on.
     pub mod collective {
         pub use crate::collective::{CollKind, Fingerprint};
