@@ -115,8 +115,8 @@ fn code_only(text: &str) -> String {
     out
 }
 
-/// The top-level module a file belongs to (`src/comm/queue.rs` -> `comm`), and its module path
-/// (`["comm", "queue"]`; `mod.rs` names its folder). `None` for the crate root and binaries.
+/// The top-level module a file belongs to (`src/comm/enqueue/mod.rs` -> `comm`), and its module path
+/// (`["comm", "enqueue"]`; `mod.rs` names its folder). `None` for the crate root and binaries.
 fn module_of(path: &str) -> Option<(String, Vec<String>)> {
     let rel = path.strip_prefix("src/")?;
     if rel == "lib.rs" || rel.starts_with("bin/") {
