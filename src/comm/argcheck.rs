@@ -1,7 +1,7 @@
 //! Argument checks, for every caller: pure functions of the call, the rank and the size (so
 //! they are tested here without sockets). One call description, [`Call`], whose buffers are
 //! host memory ([`Buffers::Host`]: the Rust API, the queue, the C ABI) or device memory
-//! ([`Buffers::Device`]: the stream entry points, through `gpu::host::HostComm::check`), and
+//! ([`Buffers::Device`]: the stream entry points, through `gpu::host_comm::HostComm::check`), and
 //! one check, [`check`]: what both memories share is checked once (the reduce op for the type,
 //! the root or peer, the wire type), then what is particular to each. [`validate`] and
 //! [`check_device`] are its two entries, so every caller reports the same errors for the same
@@ -12,7 +12,7 @@ use crate::collective::{Algorithm, CallOptions, OpKind};
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
 #[cfg(feature = "cuda")]
-use crate::gpu::host::DeviceCall;
+use crate::gpu::host_comm::DeviceCall;
 use crate::memory::RawBufs;
 use crate::tuning;
 

@@ -1,5 +1,5 @@
 //! The communicator as the GPU path sees it: [`Communicator`] implements
-//! [`crate::gpu::host::HostComm`] and [`Inline`] implements [`crate::gpu::host::Meet`], so that
+//! [`crate::gpu::host_comm::HostComm`] and [`Inline`] implements [`crate::gpu::host_comm::Meet`], so that
 //! `gpu` runs its calls on device memory through them without naming `comm`. The device state
 //! itself lives in the communicator ([`super::Core`]'s device part).
 
@@ -11,7 +11,7 @@ use super::{Communicator, Hooks, RawOp, Work, argcheck};
 use crate::collective::{CallOptions, OpKind};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
-use crate::gpu::host::{DeviceCall, HostComm, Meet};
+use crate::gpu::host_comm::{DeviceCall, HostComm, Meet};
 use crate::gpu::stream::DeviceState;
 use crate::memory::RawBufs;
 

@@ -19,9 +19,9 @@
 //! | `argcheck` | every argument check: host operations (`validate`) and calls on device memory |
 //! | `enqueue` | the ordered queue and its worker, [`Work`], groups, persistent requests |
 //! | this file | the communicator, its shared state (`Core`, by concern) and running one operation |
-//! | `wire` | the compressed all-reduce (`TOROID_WIRE_DTYPE`) |
+//! | `compressed` | the compressed all-reduce (`TOROID_WIRE_DTYPE`) |
 //! | `control`, `stall` | the control plane (listener, abort frames) and the stall report |
-//! | `device` | the communicator as the GPU path sees it (`gpu::host::HostComm`, cargo feature `cuda`) |
+//! | `device` | the communicator as the GPU path sees it (`gpu::host_comm::HostComm`, cargo feature `cuda`) |
 
 mod api;
 mod argcheck;

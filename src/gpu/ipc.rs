@@ -34,7 +34,7 @@ use std::sync::Arc;
 
 use super::cuda::{self, CudaContext, CudaStream, DeviceAlloc};
 use super::device::DeviceKernels;
-use super::host::{DeviceCall, HostComm, Meet};
+use super::host_comm::{DeviceCall, HostComm, Meet};
 use crate::collective::OpKind;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};

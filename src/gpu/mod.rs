@@ -12,12 +12,12 @@
 //! Built for the CUDA 13.0 driver API (cudarc feature `cuda-13000`, matching NVRTC 13 that torch
 //! installs): the driver must support CUDA 13.0 (R580 or later).
 //!
-//! `gpu` never names the communicator: what it needs from one is the trait [`host::HostComm`],
+//! `gpu` never names the communicator: what it needs from one is the trait [`host_comm::HostComm`],
 //! which `comm` implements (and `comm` owns each communicator's [`stream::DeviceState`]).
 //!
 //! | part | what |
 //! |---|---|
-//! | [`host`] | what the GPU path needs from a communicator (traits), and a call's description |
+//! | [`host_comm`] | what the GPU path needs from a communicator (traits), and a call's description |
 //! | [`cuda`] | every cudarc call on memory, streams, events and IPC handles: guarded, errors mapped |
 //! | [`kernels`] | the kernels as CUDA C, one per (type, op), and their names |
 //! | [`device`] | the kernels loaded on one device, and launching them |
@@ -34,7 +34,7 @@
 
 pub mod cuda;
 pub mod device;
-pub mod host;
+pub mod host_comm;
 pub mod ipc;
 pub mod kernels;
 pub mod staged;

@@ -21,7 +21,7 @@
 use std::sync::Arc;
 
 use super::cuda::{self, CudaContext, CudaEvent, CudaStream, Pinned};
-use super::host::HostComm;
+use super::host_comm::HostComm;
 use crate::collective::OpKind;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
@@ -273,9 +273,9 @@ impl DeviceCollectives {
         &mut self,
         comm: &impl HostComm,
         stream: &Arc<CudaStream>,
-        call: &super::host::DeviceCall,
+        call: &super::host_comm::DeviceCall,
     ) -> Result<()> {
-        let super::host::DeviceCall { kind, dtype, count, send, recv } = *call;
+        let super::host_comm::DeviceCall { kind, dtype, count, send, recv } = *call;
         let (n, es, half) = (comm.size(), dtype.size(), CHUNK / 2);
         if n.saturating_mul(es) > half {
             return Err(Error::Unsupported(

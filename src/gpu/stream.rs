@@ -24,7 +24,7 @@
 //! rank; it returns at once with a work. The communicator's worker thread runs the collective
 //! in a hook of that queued job: its own stream waits for the event, the protocol of
 //! [`super::ipc`] runs there with the meetings made directly on the engine (the job holds the
-//! queue; [`super::host::Meet`]), and the stream is synchronised before the work completes. A failure fails the
+//! queue; [`super::host_comm::Meet`]), and the stream is synchronised before the work completes. A failure fails the
 //! communicator with the error, as a failed host collective does, and the work reports it.
 //! The caller's stream is **not** made to wait for the collective: the output is ready once
 //! the work has completed (wait on it before reading the output or writing either buffer). A
@@ -45,7 +45,7 @@ use std::time::{Duration, Instant};
 
 use super::cuda::{self, CudaContext, CudaEvent, CudaStream};
 use super::device::DeviceKernels;
-use super::host::{DeviceCall, HostComm, Meet};
+use super::host_comm::{DeviceCall, HostComm, Meet};
 use super::ipc::IpcWindows;
 use super::staged::DeviceCollectives;
 use crate::collective::OpKind;
