@@ -363,10 +363,9 @@ fn lines_naming(f: &Source, needles: &[&str]) -> Vec<usize> {
     let mut lines = Vec::new();
     for (n, line) in code.lines().enumerate() {
         let hit = needles.iter().any(|needle| {
-            line.match_indices(needle).any(|(p, _)| {
-                let before = line[..p].chars().next_back();
-                !before.is_some_and(|c| is_ident(c) && !needle.starts_with(|c: char| !is_ident(c)))
-            })
+            // Every needle starts with an identifier character: a match counts when no other
+            // identifier character runs into it (`mylibc::` is not `libc::`).
+            line.match_indices(needle).any(|(p, _)| !line[..p].chars().next_back().is_some_and(is_ident))
         });
         if hit {
             lines.push(n + 1);
