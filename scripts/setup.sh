@@ -5,7 +5,7 @@
 #
 #   scripts/setup.sh            Debian packages, then Python packages
 #   scripts/setup.sh --apt      Debian packages only
-#   scripts/setup.sh --python   Python packages only (numpy, pytest, torch)
+#   scripts/setup.sh --python   Python packages only (numpy, pytest, torch, build, auditwheel)
 #
 # Installing Debian packages needs root or password-less sudo. A Rust toolchain (1.89 or newer)
 # is not installed here: see the README.
@@ -21,12 +21,15 @@ apt_packages=(
   openmpi-bin                # tests/launchers.rs: mpirun
   slurm-wlm munge            # tests/launchers.rs: srun on a one-node cluster the test starts
   python3 python3-pip        # the Python binding and torch tests, torchrun
+  python3-venv               # scripts/test-package.sh: the wheel in a fresh virtual environment
+  patchelf                   # auditwheel repair (the wheel's manylinux tag)
   cmake libclang-dev         # cargo feature rdma: sideway's rdma-mummy-sys (CMake, bindgen)
 )
 # Python packages (import name = pip name). torch from PyPI is the CUDA build, about 3 GB; it
 # runs on the CPU, and pip reuses its cache between runs. expecttest and hypothesis: torch's own
-# distributed test suite imports them (python/torch_suite/).
-py_packages=(numpy pytest torch expecttest hypothesis)
+# distributed test suite imports them (python/torch_suite/). build and auditwheel: the sdist and
+# wheel and the wheel's manylinux tag (scripts/test-package.sh).
+py_packages=(numpy pytest torch expecttest hypothesis build auditwheel)
 PYTHON=${PYTHON:-python3}
 
 say() { echo "setup.sh: $*" >&2; }
@@ -55,6 +58,8 @@ setup_apt() {
     # an interpreter of pyenv or a virtual environment does as well.
     if [ "$p" = python3 ] && command -v "$PYTHON" >/dev/null 2>&1; then continue; fi
     if [ "$p" = python3-pip ] && "$PYTHON" -m pip --version >/dev/null 2>&1; then continue; fi
+    if [ "$p" = python3-venv ] && "$PYTHON" -c "import ensurepip, venv" >/dev/null 2>&1; then continue; fi
+    if [ "$p" = patchelf ] && command -v patchelf >/dev/null 2>&1; then continue; fi
     dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
   done
   [ ${#missing[@]} -eq 0 ] && return 0

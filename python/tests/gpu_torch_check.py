@@ -53,8 +53,9 @@ import time
 import traceback
 
 # Run from a checkout (python/tests/) or from a gpu-check bundle (DIR/python/tests/): the
-# toroid package is two levels up.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+# toroid package is two levels up (unless the tests run against the installed package).
+if os.environ.get("TOROID_TEST_INSTALLED") != "1":
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 SIZE = 2
 DRY = "--cpu-dry-run" in sys.argv

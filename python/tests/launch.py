@@ -36,7 +36,8 @@ def run_ranks(n: int, script: str, *args: str, timeout: float = 240, env: dict |
     """Runs `python script args...` as n ranks; kills every rank when one fails or at the timeout."""
     port, master_port = free_port(), free_port()
     base = dict(os.environ)
-    base["PYTHONPATH"] = os.pathsep.join([str(PYTHON_DIR), base.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    if os.environ.get("TOROID_TEST_INSTALLED") != "1":  # (conftest.py: the checkout's package)
+        base["PYTHONPATH"] = os.pathsep.join([str(PYTHON_DIR), base.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     base.update(
         TOROID_WORLD_SIZE=str(n),
         TOROID_STORE_ADDR=f"127.0.0.1:{port}",

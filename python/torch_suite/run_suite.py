@@ -40,7 +40,8 @@ import time
 import unittest
 
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # the toroid package of this checkout
+if os.environ.get("TOROID_TEST_INSTALLED") != "1":  # else the installed package (conftest.py)
+    sys.path.insert(0, str(HERE.parent))  # the toroid package of this checkout
 
 RUN_AS = os.environ.get("TOROID_SUITE_BACKEND", "gloo")
 os.environ.setdefault("WORLD_SIZE", "3")

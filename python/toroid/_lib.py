@@ -235,15 +235,19 @@ def __getattr__(name: str):
 
 
 def _candidates() -> list[pathlib.Path]:
-    """Where libtoroid.so may be: TOROID_LIBRARY, else the cargo target directory of the
-    checkout this package lives in (release or debug, the newest first)."""
+    """Where libtoroid.so may be, in order: TOROID_LIBRARY; the copy inside this package (an
+    installed wheel or sdist puts it there); the cargo target directory of the checkout this
+    package lives in (release or debug, the newest first); the system's library path."""
     env = os.environ.get("TOROID_LIBRARY")
     if env:
         return [pathlib.Path(env)]
-    repo = pathlib.Path(__file__).resolve().parents[2]
+    here = pathlib.Path(__file__).resolve().parent
+    found = [here / "libtoroid.so"] if (here / "libtoroid.so").exists() else []
+    repo = here.parent.parent
     target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", repo / "target"))
-    found = [p for p in (target / "release" / "libtoroid.so", target / "debug" / "libtoroid.so") if p.exists()]
-    found.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    built = [p for p in (target / "release" / "libtoroid.so", target / "debug" / "libtoroid.so") if p.exists()]
+    built.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    found += built
     system = ctypes.util.find_library("toroid")
     if system:
         found.append(pathlib.Path(system))
@@ -262,8 +266,9 @@ def lib() -> ctypes.CDLL:
             candidates = _candidates()
             if not candidates:
                 raise OSError(
-                    "libtoroid.so not found: build it with `cargo build --release` in the toroid "
-                    "checkout, or set TOROID_LIBRARY=/path/to/libtoroid.so"
+                    "libtoroid.so not found: install the package (`pip install .` in the toroid "
+                    "checkout), or build it there with `cargo build --release`, or set "
+                    "TOROID_LIBRARY=/path/to/libtoroid.so"
                 )
             loaded = ctypes.CDLL(str(candidates[0]))
             for name, (restype, argtypes) in SIGNATURES.items():

@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import sys
+import warnings
+from typing import Optional
 
 import torch.distributed as dist
 
-from ._group import ProcessGroupToroid
+from ._backend import _DeviceBackend
+from ._group import ProcessGroupToroid, _backend_constructible
 from ._types import BACKEND, DEVICES
 
 
@@ -30,12 +34,54 @@ bf16_wire_hook = _wire_hook("bf16")
 fp16_wire_hook = _wire_hook("f16")
 
 
-def _create(store, rank, size, timeout=None, *args, **kwargs) -> ProcessGroupToroid:
-    return ProcessGroupToroid(store, rank, size, timeout)
+class _MixedBackend(_DeviceBackend):
+    """toroid's backend in a group whose other devices have another backend ("cpu:toroid,
+    cuda:nccl"): torch's own ProcessGroup holds it for toroid's devices and the other backend
+    for the rest, so this backend owns its ProcessGroupToroid (a _DeviceBackend only refers to
+    the group that holds it)."""
+
+    def __init__(self, pg: ProcessGroupToroid, rank: int, size: int):
+        super().__init__(pg, rank, size)
+        self._owner = pg
+
+
+def _mixed_config() -> Optional[dict]:
+    """The device -> backend map when torch is creating toroid for some devices of a group and
+    another backend for the others, else None. torch passes a backend's creator no device;
+    its _new_process_group_helper (torch 2.4 to 2.15) holds the parsed backend string as the
+    local `backend_config`, read here from the creator's callers. Not found: None, and toroid
+    takes the whole group as before."""
+    frame = sys._getframe(1)
+    for _ in range(4):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        config = frame.f_locals.get("backend_config")
+        if config is not None and hasattr(config, "get_device_backend_map"):
+            devices = dict(config.get_device_backend_map())
+            return devices if any(b != BACKEND for b in devices.values()) else None
+    return None
+
+
+def _create(store, rank, size, timeout=None, *args, **kwargs):
+    """torch's creator for "toroid": the whole process group (a ProcessGroupToroid, which torch
+    returns as the group itself), or, when the backend string gives other devices another
+    backend, a c10d Backend that torch's ProcessGroup uses beside that backend."""
+    pg = ProcessGroupToroid(store, rank, size, timeout)
+    mixed = _mixed_config()
+    if mixed is None:
+        return pg
+    if not _backend_constructible():
+        warnings.warn(f"this torch cannot construct a Python c10d Backend: toroid takes the whole group, not only "
+                      f"{[d for d, b in mixed.items() if b == BACKEND]} of {mixed}", stacklevel=2)
+        return pg
+    return _MixedBackend(pg, rank, size)
 
 
 def register() -> None:
-    """Registers the backend "toroid" (done on import; repeated calls do nothing)."""
+    """Registers the backend "toroid" (done on import; repeated calls do nothing). An installed
+    package needs no import: torch calls this through the entry point `toroid` of the group
+    `torch.distributed.backends` (pyproject.toml) the first time a group names "toroid"."""
     if not hasattr(dist.Backend, BACKEND.upper()):
         dist.Backend.register_backend(BACKEND, _create, devices=list(DEVICES))
 
