@@ -1,13 +1,16 @@
 """Trains a small model with DistributedDataParallel over the "toroid" backend.
 
+    pip install .                                    # in the toroid checkout (once)
     torchrun --standalone --nproc-per-node 2 python/examples/ddp.py
+    python -m torch.distributed.run --standalone --nproc-per-node 2 python/examples/ddp.py
+
+There is no toroid import: torch finds the installed backend by its entry point. (From a
+checkout that is not installed, add `import toroid.torch` and put python/ on PYTHONPATH.)
 """
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-import toroid.torch  # noqa: F401 - registers the backend "toroid"
 
 dist.init_process_group("toroid")  # rank, size and store from torchrun's environment
 rank = dist.get_rank()
