@@ -20,4 +20,6 @@ TOROID_REQUIRE_NVRTC=1 cargo test --workspace
 cargo clippy --all-targets --features rdma -- -D warnings
 cargo test --lib --features rdma -- transport::rdma transport::ledger transport::shm
 cargo test --features rdma --test ffi -- libtoroid_
-python/run_tests.sh
+# The Rust crate and the Python wheel as they install, the Python and torch tests against the
+# installed wheel, and the README's quick starts as written.
+scripts/test-package.sh
