@@ -74,3 +74,17 @@ def test_toroid_run_is_a_command_of_the_environment(tmp_path):
     p = _run([exe, "-n", "3", "--", sys.executable, "-c", code], tmp_path, timeout=120)
     for rank in range(3):
         assert f"sum {rank} [3.0, 6.0, 9.0, 12.0, 15.0]" in p.stdout, p.stdout
+
+
+def test_the_package_loads_its_own_library_and_toroid_library_overrides_it(tmp_path):
+    code = "import toroid; print(toroid.library_path()); print(toroid.version())"
+    own = _run([sys.executable, "-c", code], tmp_path).stdout.split()
+    import toroid
+
+    package = pathlib.Path(toroid.__file__).parent
+    assert own[0] == str(package / "libtoroid.so"), own
+    copy = tmp_path / "libtoroid-copy.so"
+    shutil.copy(own[0], copy)
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, TOROID_LIBRARY=str(copy)))
+    assert p.returncode == 0 and p.stdout.split() == [str(copy), own[1]], p

@@ -5,9 +5,11 @@
     x = np.full(4, comm.rank, np.float32)
     comm.all_reduce(x)                       # in place: every rank holds the sum
 
-The library is libtoroid.so from $TOROID_LIBRARY, else from the cargo target directory of this
-checkout (target/release or target/debug, the newer one), else from the system library path.
-``import toroid.torch`` registers the torch.distributed backend "toroid".
+The library is libtoroid.so from $TOROID_LIBRARY, else the one inside this package (an installed
+package has it), else from the cargo target directory of the checkout this package lives in
+(target/release or target/debug, the newer one), else from the system library path. An installed
+package is the torch.distributed backend "toroid" without an import (torch's entry point
+``torch.distributed.backends``); ``import toroid.torch`` registers it too.
 """
 
 from ._lib import (

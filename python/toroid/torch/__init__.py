@@ -1,8 +1,12 @@
 """The torch.distributed backend "toroid".
 
     import torch.distributed as dist
-    import toroid.torch                         # registers the backend
     dist.init_process_group("toroid")           # env:// (torchrun) or any init_method
+
+An installed package needs no import: torch imports this module through the entry point
+`toroid = toroid.torch:register` (group `torch.distributed.backends`) the first time a group
+names "toroid", "cpu:toroid,cuda:nccl" included. `import toroid.torch` registers it too (a
+checkout on PYTHONPATH needs it).
 
 `ProcessGroupToroid` is a Python subclass of torch's c10d `Backend` (as ProcessGroupGloo is),
 registered for the "cpu" and "cuda" devices: torch wraps it in a ProcessGroup, so every
