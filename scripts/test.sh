@@ -3,8 +3,10 @@
 # pytest and torch, only those missing; root or sudo when something must be installed), then
 # formatting, lints, every Rust test (unit, integration with real processes and real launchers,
 # C programs against the generated header, doc tests), the same again for what the cargo
-# feature rdma adds, then the Python binding and the torch.distributed backend against real
-# processes. Each multi-process test carries its own timeout.
+# feature rdma adds, then scripts/test-package.sh: the crate packaged and installed, the Python
+# wheel built from the sdist and installed in a fresh virtual environment, the Python binding and
+# the torch.distributed backend tested against that installation, and the README's quick starts
+# run as written. Each multi-process test carries its own timeout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
