@@ -20,6 +20,7 @@ import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -69,13 +70,17 @@ def run(name: str, text: str, expect: str | None, venv: str | None, timeout: flo
     with tempfile.TemporaryDirectory(prefix=f"toroid-readme-{name}-") as tmp:
         env["HOME"] = tmp
         print(f"check-readme.py: {name}:\n{text}", flush=True)
+        # Its own session, so that at the timeout the whole block goes (ranks and launchers
+        # included), not only bash.
+        p = subprocess.Popen(["bash", "-euo", "pipefail", "-c", text], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
-            p = subprocess.run(["bash", "-euo", "pipefail", "-c", text], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
-                               start_new_session=True)
-            out, code = p.stdout, p.returncode
-        except subprocess.TimeoutExpired as e:
-            out, code = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""), None
+            out, _ = p.communicate(timeout=timeout)
+            code = p.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, _ = p.communicate()
+            code = None
     for f in untracked() - before:  # (e.g. ./quickstart, and build/ and *.egg-info from pip install .)
         path = ROOT / f
         if path.is_dir() and not path.is_symlink():

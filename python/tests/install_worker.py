@@ -11,8 +11,9 @@ import torch.distributed as dist
 def mixed(backend: str) -> None:
     """`backend` gives "cpu" to toroid and "cuda" to another backend: CPU collectives go through
     toroid's backend inside torch's own ProcessGroup, the other device keeps its backend."""
+    assert "toroid" not in sys.modules  # nothing imported it before the group: torch loads it
     dist.init_process_group(backend)
-    assert "toroid" not in sys.modules or "toroid.torch" in sys.modules  # only torch loaded it
+    assert "toroid.torch" in sys.modules  # torch did, through the entry point
     rank, size = dist.get_rank(), dist.get_world_size()
     pg = dist.group.WORLD
     cpu = pg._get_backend(torch.device("cpu"))

@@ -32,12 +32,20 @@ class RankResult:
     stderr: str
 
 
+def child_env() -> dict:
+    """This process's environment for a child process: with the checkout's package first on its
+    PYTHONPATH, unless the tests run against the installed package (TOROID_TEST_INSTALLED=1,
+    conftest.py)."""
+    env = dict(os.environ)
+    if env.get("TOROID_TEST_INSTALLED") != "1":
+        env["PYTHONPATH"] = os.pathsep.join([str(PYTHON_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
 def run_ranks(n: int, script: str, *args: str, timeout: float = 240, env: dict | None = None) -> list[RankResult]:
     """Runs `python script args...` as n ranks; kills every rank when one fails or at the timeout."""
     port, master_port = free_port(), free_port()
-    base = dict(os.environ)
-    if os.environ.get("TOROID_TEST_INSTALLED") != "1":  # (conftest.py: the checkout's package)
-        base["PYTHONPATH"] = os.pathsep.join([str(PYTHON_DIR), base.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    base = child_env()
     base.update(
         TOROID_WORLD_SIZE=str(n),
         TOROID_STORE_ADDR=f"127.0.0.1:{port}",

@@ -5,24 +5,20 @@ installation, so the checkout's python/ directory is not put on the PYTHONPATH."
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 
 import pytest
 
-from launch import PYTHON_DIR
+from launch import child_env
 
 from toroid import bench
 
 
 def _run(tmp_path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    if env.get("TOROID_TEST_INSTALLED") != "1":
-        env["PYTHONPATH"] = os.pathsep.join([str(PYTHON_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     # cwd: a directory without the package, so that only PYTHONPATH (or the installation) finds it
-    return subprocess.run([sys.executable, "-m", "toroid.bench", *args], env=env, cwd=tmp_path,
+    return subprocess.run([sys.executable, "-m", "toroid.bench", *args], env=child_env(), cwd=tmp_path,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
 
 

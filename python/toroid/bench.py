@@ -178,6 +178,8 @@ def worker(args: argparse.Namespace) -> None:
             if len(backends) == 2:
                 row["speedup"] = row["gloo_p50_us"] / row["toroid_p50_us"]
             print(json.dumps(row), file=results, flush=True)
+    if results:
+        results.close()
     dist.destroy_process_group()
 
 
