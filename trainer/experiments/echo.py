@@ -35,7 +35,7 @@ def main():
     p.add_argument("--max-fresh", type=int, default=40000, help="give up after this many fresh examples")
     p.add_argument("--test-limit", type=int, default=2000)
     p.add_argument("--echo-shuffle", type=int, default=512, help="shuffle buffer after the echo stage")
-    p.add_argument("--seeds", default="0")
+    p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reuse", action="store_true", help="keep completed runs already in --out")
     a = p.parse_args()
@@ -81,10 +81,20 @@ def main():
                 "t_down": statistics.median([r["t_down_s"] for r in steps]),
             })
 
-    # Mean over seeds per configuration.
+    # Mean over seeds per configuration (the runs that reached the target, for the "to target"
+    # columns), and the spread as min-max.
+    def vals(pt, e, key):
+        return [r[key] for r in results if r["point"] == pt and r["E"] == e and r[key] == r[key]]
+
     def mean(pt, e, key):
-        v = [r[key] for r in results if r["point"] == pt and r["E"] == e]
-        return sum(v) / len(v)
+        v = vals(pt, e, key)
+        return sum(v) / len(v) if v else float("nan")
+
+    def spread(pt, e, key, fmt, scale=1.0):
+        v = [scale * x for x in vals(pt, e, key)]
+        if len(v) < 2:
+            return format(sum(v) / len(v), fmt) if v else "not reached"
+        return f"{format(sum(v) / len(v), fmt)} [{format(min(v), fmt)}-{format(max(v), fmt)}]"
 
     # A smoother view than the first crossing: the mean test accuracy over the first K
     # evaluations (every run is evaluated every --eval-fresh fresh examples), K the fewest any
@@ -93,29 +103,45 @@ def main():
     for r in results:
         r["mean_acc"] = sum(r["accs"][:k]) / k
     base_fresh, base_s = mean("none", 1, "fresh"), mean("none", 1, "train_s")
-    header = ["insertion point", "E", "fresh examples to target", "steps", "train time to target (s)",
-              "R (median)", "t_up (ms)", "t_down (ms)", "fresh vs E=1", "time speed-up",
-              f"mean acc, first {k * a.eval_fresh} fresh"]
+    def speedups(pt, e, of_means):
+        """Baseline time over this run's time, seed by seed (min-max beside the ratio of means)."""
+        base = {r["seed"]: r["train_s"] for r in results if r["point"] == "none"}
+        v = [base[r["seed"]] / r["train_s"] for r in results if r["point"] == pt and r["E"] == e
+             and r["train_s"] == r["train_s"] and base.get(r["seed"], float("nan")) == base.get(r["seed"])]
+        if len(v) < 2:
+            return f"{of_means:.2f}x"
+        return f"{of_means:.2f}x [{min(v):.2f}-{max(v):.2f}]"
+
+    many = len(seeds) > 1
+    rng = " mean [min-max]" if many else ""
+    header = ["insertion point", "E", "reached", f"fresh examples to target{rng}", "steps",
+              f"train time to target (s){rng}", "R (median)", "t_up (ms)", "t_down (ms)", "fresh vs E=1",
+              f"time speed-up{' [per-seed min-max]' if many else ''}", f"mean acc, first {k * a.eval_fresh} fresh"]
     body = []
     for pt, e in runs:
         f, s = mean(pt, e, "fresh"), mean(pt, e, "train_s")
-        body.append([pt, e, f"{f:.0f}", f"{mean(pt, e, 'steps'):.0f}", f"{s:.1f}",
+        n_runs = len([r for r in results if r["point"] == pt and r["E"] == e])
+        body.append([pt, e, f"{len(vals(pt, e, 'fresh'))} of {n_runs}", spread(pt, e, "fresh", ".0f"),
+                     f"{mean(pt, e, 'steps'):.0f}", spread(pt, e, "train_s", ".1f"),
                      f"{mean(pt, e, 'R'):.2f}", f"{1e3 * mean(pt, e, 't_up'):.0f}",
                      f"{1e3 * mean(pt, e, 't_down'):.0f}", f"{f / base_fresh:.2f}",
-                     f"{base_s / s:.2f}x", f"{mean(pt, e, 'mean_acc'):.4f}"])
-    print(f"\nTarget {a.target:.0%} test top-1 on {a.test_limit} test images; seeds {seeds}; "
-          f"decode cost {a.decode_cost_us} us ({a.decode_cost}); batch {a.batch}")
+                     speedups(pt, e, base_s / s), f"{mean(pt, e, 'mean_acc'):.4f}"])
+    head = (f"Target {a.target:.0%} test top-1 on {a.test_limit} test images; seeds {seeds}; "
+            f"decode cost {a.decode_cost_us} us ({a.decode_cost}); batch {a.batch}")
+    print("\n" + head)
     text = table(header, body)
     with open(os.path.join(a.out, "table.md"), "w") as f:
-        f.write(text + "\n")
+        f.write(head + "\n\n" + text + "\n")
     with open(os.path.join(a.out, "summary.csv"), "w") as f:
         keys = ["point", "E", "seed", "reached", "fresh", "steps", "train_s", "best_acc", "mean_acc", "R", "t_up", "t_down"]
         f.write(",".join(keys) + "\n")
         for r in results:
             f.write(",".join(str(r[k]) for k in keys) + "\n")
     png = os.path.join(a.out, "echo.png")
-    compare_png(png, f"Data echoing, Fashion-MNIST, target {a.target:.0%}",
-                [(f"{r['point']} E={r['E']}", r["dir"]) for r in results if r["seed"] == seeds[0]],
+    # Seeds of one configuration share a label, so the figure draws their mean (up to the run that
+    # stopped first, at the target).
+    compare_png(png, f"Data echoing, Fashion-MNIST, target {a.target:.0%}, mean of seeds {','.join(map(str, seeds))}",
+                [(f"{r['point']} E={r['E']}", r["dir"]) for r in results],
                 ["fresh", "train_s"], ["test_acc"])
     print(f"\n{png}")
 

@@ -15,20 +15,25 @@
 //! With eta = 1 - 1/N and zeta = 1 (the paper's recommendation, `eta=auto` here), a constant G
 //! gives Delta -> N G: averaging N models shrinks the step by about N and the filter restores it.
 //!
-//! **Form.** This is the *implementation* form of fairseq (`fairseq/optim/bmuf.py`,
-//! `_block_sync`) and CNTK (`BlockMomentumSGD`), not the paper's: the next block starts from
+//! **Where the next block starts.** The paper tracks the filtered model W(n) = W(n-1) + Delta(n)
+//! and starts the next block from it (classical block momentum) or from the Nesterov look-ahead
+//! W_g(n) = W(n) + eta Delta(n). `form=paper` (the default) is that. The implementations of
+//! fairseq (`fairseq/optim/bmuf.py`, `_block_sync`), CNTK (`BlockMomentumSGD`) and pika (the
+//! BMUF-Adam article's reference code, `tencent-ailab/pika`, `trainer/bmuf.py`) store the
+//! look-ahead as the next start and add the next Delta to it, so the look-ahead is never taken
+//! back: W_g(n) - W_g(n-1) = (1 + eta) Delta(n) instead of the paper's (1 + eta) Delta(n) -
+//! eta Delta(n-1). With eta = 1 - 1/N that moves the model by up to 2 - 1/N times the paper's
+//! step (`form=kept` reproduces it). Both forms keep W_g only: the paper's W(n-1) is recovered as
+//! W_g(n-1) - eta Delta(n-1). Like fairseq, the all-reduce carries the models' differences from
+//! W_g(n-1) (small numbers, so f32 averaging loses less) and zeta applies to the *average*
+//! (CNTK and pika sum, or scale by (1 - eta), instead: their block_lr = N is zeta = 1 here).
 //!
-//! ```text
-//!   W_g(n) = W_g(n-1) + Delta(n)                        classical block momentum
-//!   W_g(n) = W_g(n-1) + Delta(n) + eta * Delta(n)       Nesterov (the look-ahead is kept)
-//! ```
-//!
-//! so W_g(n) - W_g(n-1) = (1 + eta) Delta(n) with Nesterov, where the paper's form gives
-//! (1 + eta) Delta(n) - eta Delta(n-1). The form is chosen so that fairseq and CNTK settings
-//! mean the same here. Like fairseq, the all-reduce carries the models' differences from
-//! W_g(n-1) (small numbers, so f32 averaging loses less) and zeta applies to the *average*;
-//! (CNTK and pika sum, or scale by (1 - eta), instead: their block_lr = N is zeta = 1 here.) The
-//! local optimiser's state (SGD momentum) stays local, as in fairseq's default.
+//! **The local optimiser's momentum.** pika re-creates its local SGD optimiser after every
+//! synchronisation, so each block's local momentum starts from zero; fairseq keeps each rank's
+//! momentum buffer across blocks. Kept, the buffer still holds the velocity of the rank's
+//! previous block, which block momentum has already applied to every rank through Delta, so the
+//! same history moves the model twice (measured: 7 points lost at N = 4, tau = 8; the trainer's
+//! README has the runs). `local=reset` (the default) zeroes it at every block, as pika does.
 //!
 //! **BMUF-Adam.** With Adam as the local optimiser, the moment buffers m and v travel in the same
 //! all-reduce as the model (3x the parameter bytes). Averaging them naively gives buffers that
@@ -63,6 +68,27 @@ pub enum Moments {
     Corrected,
 }
 
+/// Where the Nesterov look-ahead goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Form {
+    /// The paper's: the filtered model W(n) = W(n-1) + Delta(n) is tracked apart from the
+    /// next block's start W_g(n) = W(n) + eta Delta(n), so each look-ahead is taken back at the
+    /// next block and W_g(n) - W_g(n-1) = (1 + eta) Delta(n) - eta Delta(n-1).
+    Paper,
+    /// fairseq's, CNTK's and pika's: the look-ahead stays in the stored start,
+    /// W_g(n) - W_g(n-1) = (1 + eta) Delta(n).
+    Kept,
+}
+
+/// What happens to the local optimiser's SGD momentum at a block boundary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LocalMomentum {
+    /// It carries on from the rank's own last block (fairseq's default).
+    Keep,
+    /// It starts every block from zero (pika re-creates its SGD optimiser after every sync).
+    Reset,
+}
+
 /// A parsed `--bmuf` value, before the world size is known.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BmufSpec {
@@ -76,17 +102,30 @@ pub struct BmufSpec {
     pub nesterov: bool,
     /// BMUF-Adam's moment handling.
     pub moments: Moments,
+    /// Where the Nesterov look-ahead goes.
+    pub form: Form,
+    /// The local SGD momentum at block boundaries.
+    pub local: LocalMomentum,
 }
 
 impl BmufSpec {
-    /// Parses `tau=T,eta=auto|x,zeta=x,nesterov=bool,moments=corrected|naive`. `tau` is
-    /// required; the defaults are eta=auto, zeta=1, moments=corrected, and nesterov=false
-    /// (fairseq's default `use_nbm=False`: in this implementation form the Nesterov look-ahead
-    /// moves the start by (1 + eta) Delta per block, which measured too aggressive on top of
-    /// local SGD momentum; see the README's experiments).
+    /// The defaults (tau, which has none, is 0 here).
+    pub const DEFAULTS: BmufSpec = BmufSpec {
+        tau: 0,
+        eta: None,
+        zeta: 1.0,
+        nesterov: true,
+        moments: Moments::Corrected,
+        form: Form::Paper,
+        local: LocalMomentum::Reset,
+    };
+
+    /// Parses `tau=T,eta=auto|x,zeta=x,nesterov=bool,moments=corrected|naive,form=paper|kept,
+    /// local=reset|keep`. `tau` is required; the defaults are the BMUF papers' settings: eta=auto
+    /// (1 - 1/N), zeta=1, Nesterov block momentum in the paper's form, the local SGD momentum
+    /// reset at every block (as the BMUF-Adam article's code does), moments=corrected.
     pub fn parse(s: &str) -> Result<BmufSpec> {
-        let mut spec =
-            BmufSpec { tau: 0, eta: None, zeta: 1.0, nesterov: false, moments: Moments::Corrected };
+        let mut spec = BmufSpec { tau: 0, ..BmufSpec::DEFAULTS };
         for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let Some((k, v)) = part.split_once('=') else { bail!("--bmuf: '{part}' is not KEY=VALUE") };
             let (k, v) = (k.trim(), v.trim());
@@ -117,7 +156,17 @@ impl BmufSpec {
                     "naive" => spec.moments = Moments::Naive,
                     _ => bail!("--bmuf: moments={v} must be corrected or naive"),
                 },
-                _ => bail!("--bmuf: unknown key '{k}' (tau, eta, zeta, nesterov, moments)"),
+                "form" => match v {
+                    "paper" => spec.form = Form::Paper,
+                    "kept" => spec.form = Form::Kept,
+                    _ => bail!("--bmuf: form={v} must be paper or kept"),
+                },
+                "local" => match v {
+                    "keep" => spec.local = LocalMomentum::Keep,
+                    "reset" => spec.local = LocalMomentum::Reset,
+                    _ => bail!("--bmuf: local={v} must be keep or reset"),
+                },
+                _ => bail!("--bmuf: unknown key '{k}' (tau, eta, zeta, nesterov, moments, form, local)"),
             }
         }
         if spec.tau == 0 {
@@ -129,7 +178,15 @@ impl BmufSpec {
     /// The settings for a job of `world` ranks: eta = 1 - 1/N unless given.
     pub fn resolve(&self, world: usize) -> BmufConfig {
         let eta = self.eta.unwrap_or(1.0 - 1.0 / world.max(1) as f64);
-        BmufConfig { tau: self.tau, eta, zeta: self.zeta, nesterov: self.nesterov, moments: self.moments }
+        BmufConfig {
+            tau: self.tau,
+            eta,
+            zeta: self.zeta,
+            nesterov: self.nesterov,
+            moments: self.moments,
+            form: self.form,
+            local: self.local,
+        }
     }
 }
 
@@ -146,17 +203,26 @@ pub struct BmufConfig {
     pub nesterov: bool,
     /// BMUF-Adam's moment handling.
     pub moments: Moments,
+    /// Where the Nesterov look-ahead goes.
+    pub form: Form,
+    /// The local SGD momentum at block boundaries.
+    pub local: LocalMomentum,
 }
 
-/// The block update in the fairseq/CNTK form. `g` is G(n) = avg W_i(n) - W_g(n-1); `start`
+/// The block update (the form in `cfg.form`). `g` is G(n) = avg W_i(n) - W_g(n-1); `start`
 /// (W_g) and `delta` (Delta) are updated in place and `params` receives the next block's start.
 pub fn block_update(cfg: &BmufConfig, start: &mut [f32], delta: &mut [f32], g: &[f32], params: &mut [f32]) {
     let (eta, zeta) = (cfg.eta, cfg.zeta);
     for i in 0..start.len() {
-        let d = eta * delta[i] as f64 + zeta * g[i] as f64;
+        let old = delta[i] as f64;
+        let d = eta * old + zeta * g[i] as f64;
         let mut w = start[i] as f64 + d;
         if cfg.nesterov {
             w += eta * d;
+            if cfg.form == Form::Paper {
+                // W(n-1) = W_g(n-1) - eta Delta(n-1): the last look-ahead is taken back.
+                w -= eta * old;
+            }
         }
         delta[i] = d as f32;
         start[i] = w as f32;
@@ -310,24 +376,41 @@ mod tests {
     use crate::test_ranks::on_ranks;
 
     fn cfg(eta: f64, zeta: f64, nesterov: bool) -> BmufConfig {
-        BmufConfig { tau: 2, eta, zeta, nesterov, moments: Moments::Corrected }
+        BmufConfig {
+            tau: 2,
+            eta,
+            zeta,
+            nesterov,
+            moments: Moments::Corrected,
+            form: Form::Kept,
+            local: LocalMomentum::Keep,
+        }
     }
 
     #[test]
     fn parse_and_resolve() {
         let s = BmufSpec::parse("tau=8").unwrap();
-        assert_eq!(
-            s,
-            BmufSpec { tau: 8, eta: None, zeta: 1.0, nesterov: false, moments: Moments::Corrected }
-        );
+        assert_eq!(s, BmufSpec { tau: 8, ..BmufSpec::DEFAULTS });
+        // The defaults are the papers' settings.
+        assert!(s.nesterov && s.form == Form::Paper && s.local == LocalMomentum::Reset && s.zeta == 1.0);
         assert!((s.resolve(4).eta - 0.75).abs() < 1e-15);
         assert_eq!(s.resolve(1).eta, 0.0);
         let s = BmufSpec::parse("tau=4, eta=0.5,zeta=1.2,nesterov=false,moments=naive").unwrap();
         assert_eq!(
             s,
-            BmufSpec { tau: 4, eta: Some(0.5), zeta: 1.2, nesterov: false, moments: Moments::Naive }
+            BmufSpec {
+                tau: 4,
+                eta: Some(0.5),
+                zeta: 1.2,
+                nesterov: false,
+                moments: Moments::Naive,
+                ..BmufSpec::DEFAULTS
+            }
         );
         assert_eq!(s.resolve(8).eta, 0.5);
+        let s = BmufSpec::parse("tau=8,nesterov=true,form=paper,local=reset").unwrap();
+        assert_eq!((s.nesterov, s.form, s.local), (true, Form::Paper, LocalMomentum::Reset));
+        assert_eq!((s.resolve(4).form, s.resolve(4).local), (Form::Paper, LocalMomentum::Reset));
         for bad in [
             "",
             "eta=0.5",
@@ -337,6 +420,8 @@ mod tests {
             "tau=2,zeta=nan",
             "tau=2,nesterov=maybe",
             "tau=2,k=1",
+            "tau=2,form=fairseq",
+            "tau=2,local=zero",
             "tau",
         ] {
             assert!(BmufSpec::parse(bad).is_err(), "{bad}");
@@ -352,6 +437,16 @@ mod tests {
             let (mut start, mut delta, mut p) = (vec![1.0f32, 2.0], vec![0.1f32, -0.2], vec![0.0f32; 2]);
             block_update(&cfg(0.5, 1.0, nesterov), &mut start, &mut delta, &[0.3, 0.4], &mut p);
             assert!((delta[0] - 0.35).abs() < 1e-6 && (delta[1] - 0.3).abs() < 1e-6, "{delta:?}");
+            for i in 0..2 {
+                assert!((p[i] - want[i]).abs() < 1e-6 && start[i] == p[i], "{p:?} vs {want:?}");
+            }
+        }
+        // The paper's form takes the last look-ahead back: W(n-1) = 1 - 0.5 * 0.1 = 0.95, so
+        // W_g = 0.95 + 0.35 + 0.175 = 1.475 (and 2.1 + 0.3 + 0.15 = 2.55); classical is unchanged.
+        for (nesterov, want) in [(false, [1.35, 2.3]), (true, [1.475, 2.55])] {
+            let (mut start, mut delta, mut p) = (vec![1.0f32, 2.0], vec![0.1f32, -0.2], vec![0.0f32; 2]);
+            let c = BmufConfig { form: Form::Paper, ..cfg(0.5, 1.0, nesterov) };
+            block_update(&c, &mut start, &mut delta, &[0.3, 0.4], &mut p);
             for i in 0..2 {
                 assert!((p[i] - want[i]).abs() < 1e-6 && start[i] == p[i], "{p:?} vs {want:?}");
             }
@@ -381,7 +476,7 @@ mod tests {
     /// One BMUF-Adam block on a single rank (no communicator), checked against the formulas.
     #[test]
     fn adam_sync_advances_the_counter_and_sets_moments() {
-        let c = BmufConfig { tau: 2, eta: 0.5, zeta: 1.0, nesterov: true, moments: Moments::Corrected };
+        let c = BmufConfig { tau: 2, eta: 0.5, zeta: 1.0, nesterov: true, ..cfg(0.0, 1.0, true) };
         let mut b = Bmuf::new(c, vec![1.0]);
         assert!(!b.local_step() && b.local_step());
         let (mut p, mut m, mut v, mut t) = (vec![0.8f32], vec![0.4f32], vec![0.02f32], 2.0);
@@ -412,7 +507,7 @@ mod tests {
             |r: usize, step: usize, i: usize| ((r * 7 + step * 3 + i) % 5) as f32 - 2.0 + 0.1 * r as f32;
         let lr = 0.1f32;
         let out = on_ranks(n, move |r, comm| {
-            let c = BmufConfig { tau: 1, eta: 0.0, zeta: 1.0, nesterov: true, moments: Moments::Corrected };
+            let c = BmufConfig { tau: 1, eta: 0.0, zeta: 1.0, nesterov: true, ..cfg(0.0, 1.0, true) };
             let mut w = vec![1.0f32, -0.5, 2.0, 0.25];
             let mut b = Bmuf::new(c, w.clone());
             let mut history = vec![];
@@ -446,7 +541,7 @@ mod tests {
     #[test]
     fn bmuf_adam_ranks_agree_after_every_block() {
         let out = on_ranks(2, |r, comm| {
-            let c = BmufConfig { tau: 3, eta: 0.5, zeta: 1.0, nesterov: true, moments: Moments::Corrected };
+            let c = BmufConfig { tau: 3, eta: 0.5, zeta: 1.0, nesterov: true, ..cfg(0.0, 1.0, true) };
             let adam = AdamConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
             let mut w = vec![0.5f32, -1.0];
             let (mut m, mut v, mut t) = (vec![0.0f32; 2], vec![0.0f32; 2], 0.0f64);

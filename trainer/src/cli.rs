@@ -56,7 +56,7 @@ Examples:
   toroid-run -n 2 -- target/release/toroid-train --model resnet50 --input-size 32 --max-steps 300 --batch 64
   toroid-train --data /data/imagenet --format folder --input-size 224 --batch-schedule 0:256,5:512,20:1024
   toroid-train --echo example-before-aug:2 --echo-shuffle 1024 --decode-cost-us 2000 --eval-every 50
-  toroid-run -n 4 -- target/release/toroid-train --optimizer adam --bmuf tau=8,eta=auto,zeta=1,nesterov=false
+  toroid-run -n 4 -- target/release/toroid-train --optimizer adam --bmuf tau=8
   toroid-run -n 2 -- target/release/toroid-train --wire bf16 --error-feedback";
 
 /// Synchronous data-parallel ResNet training on toroid (start ranks with toroid-run, torchrun,
@@ -200,11 +200,13 @@ pub struct Args {
     /// Adam's epsilon.
     #[arg(long, default_value_t = 1e-8)]
     pub adam_eps: f64,
-    /// BMUF (Chen and Huo): tau=T,eta=auto|x,zeta=x,nesterov=bool[,moments=corrected|naive].
-    /// Each rank runs T local steps on its own data, then the models are averaged with one
-    /// all-reduce and filtered with block momentum eta (auto: 1 - 1/N) and block learning rate
-    /// zeta. With --optimizer adam: BMUF-Adam (Chen, Ding and Huo), moments corrected or naively
-    /// averaged. The LR follows the per-rank batch, as for one worker.
+    /// BMUF (Chen and Huo): tau=T[,eta=auto|x][,zeta=x][,nesterov=bool][,form=paper|kept]
+    /// [,local=reset|keep][,moments=corrected|naive]. Each rank runs T local steps on its own
+    /// data, then the models are averaged with one all-reduce and filtered with block momentum
+    /// eta (auto: 1 - 1/N) and block learning rate zeta; Nesterov block momentum in the paper's
+    /// form, local SGD momentum reset at every block, unless told otherwise. With --optimizer
+    /// adam: BMUF-Adam (Chen, Ding and Huo), moments corrected or naively averaged. The LR follows
+    /// the per-rank batch, as for one worker.
     #[arg(long, value_name = "SPEC")]
     pub bmuf: Option<String>,
     /// Momentum.

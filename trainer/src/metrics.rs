@@ -326,12 +326,28 @@ pub(crate) fn pe<E: std::fmt::Debug>(e: E) -> Error {
 /// A named, coloured line of (x, y) points.
 pub(crate) type Series<'a> = (&'a str, RGBColor, Vec<(f64, f64)>);
 
-/// A line chart of `series` (name, colour, points) in one panel.
+/// A line chart of `series` (name, colour, points) in one panel, with a legend when there is
+/// more than one series.
 pub(crate) fn panel<DB: DrawingBackend>(
     area: &DrawingArea<DB, plotters::coord::Shift>,
     caption: &str,
     xlabel: &str,
     series: &[Series],
+) -> Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    panel_with(area, caption, (xlabel, ""), series, series.len() > 1)
+}
+
+/// A line chart of `series` with axis descriptions `(x, y)` (empty: none) and the legend only
+/// when `legend` (a figure of several panels shows it once).
+pub(crate) fn panel_with<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    caption: &str,
+    (xlabel, ylabel): (&str, &str),
+    series: &[Series],
+    legend: bool,
 ) -> Result<()>
 where
     DB::ErrorType: 'static,
@@ -357,11 +373,32 @@ where
     let mut chart = ChartBuilder::on(area)
         .caption(caption, ("sans-serif", 20))
         .margin(10)
-        .x_label_area_size(35)
-        .y_label_area_size(60)
+        .x_label_area_size(40)
+        .y_label_area_size(if ylabel.is_empty() { 60 } else { 75 })
         .build_cartesian_2d(x0..x1, (y0 - pad)..(y1 + pad))
         .map_err(pe)?;
-    chart.configure_mesh().x_desc(xlabel).label_style(("sans-serif", 13)).draw().map_err(pe)?;
+    let ticks = |v: &f64| {
+        let a = v.abs();
+        if a >= 10.0 || a == 0.0 {
+            format!("{v:.0}")
+        } else if a >= 1.0 {
+            format!("{v:.1}")
+        } else if a >= 0.1 {
+            format!("{v:.2}")
+        } else {
+            format!("{v:.3}")
+        }
+    };
+    chart
+        .configure_mesh()
+        .x_desc(xlabel)
+        .y_desc(ylabel)
+        .x_label_formatter(&ticks)
+        .y_label_formatter(&ticks)
+        .label_style(("sans-serif", 13))
+        .axis_desc_style(("sans-serif", 15))
+        .draw()
+        .map_err(pe)?;
     for (name, colour, points) in series {
         let c = *colour;
         // Markers as well as lines: per-epoch series may have a single point.
@@ -372,11 +409,13 @@ where
             .label(*name)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
     }
-    if series.len() > 1 {
+    if legend {
         chart
             .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .label_font(("sans-serif", 14))
             .border_style(BLACK)
-            .background_style(WHITE.mix(0.8))
+            .background_style(WHITE.mix(0.85))
             .draw()
             .map_err(pe)?;
     }

@@ -2,7 +2,8 @@
 //!
 //! - BMUF with tau = 1, eta = 0, zeta = 1 on 2 ranks ends with the same parameters as
 //!   synchronous SGD (plain SGD: averaging the models after one step each is averaging the
-//!   gradients), and sends the same bytes;
+//!   gradients), and sends the same bytes; with `local=reset` the same holds with local momentum
+//!   0.9 (it is zeroed at every block), with `local=keep` it does not;
 //! - BMUF-Adam on 3 ranks with per-rank batch norm: the trainer compares the ranks' parameter
 //!   hashes after every block (`--check-every 1`), the final hashes agree, and the bytes are one
 //!   all-reduce of model, m and v per block;
@@ -53,8 +54,23 @@ fn bmuf_with_tau_1_eta_0_zeta_1_is_synchronous_averaging() {
         let last = csv(dir, "steps.csv").pop().unwrap();
         assert_eq!(last["bytes"], 5.0 * 4.0 * p, "{}", dir.display());
     }
-    let _ = std::fs::remove_dir_all(sync);
-    let _ = std::fs::remove_dir_all(bmuf);
+    // With local=reset every block starts its SGD momentum from zero, so with tau = 1 the local
+    // momentum of 0.9 never acts: the same model as synchronous SGD without momentum.
+    let reset = out_dir("bmuf-reset");
+    let spec = "tau=1,eta=0,zeta=1,nesterov=false,local=reset";
+    let with_momentum = ["--frozen-bn", "--momentum", "0.9", "--batch", "8", "--max-steps", "5"];
+    run(2, &common(&reset, &[&with_momentum[..], &["--bmuf", spec, "--lr-ref-batch", "6"]].concat()));
+    let d = max_diff(&ps, &params(&reset));
+    eprintln!("BMUF(tau 1, eta 0, local=reset, momentum 0.9) vs synchronous SGD without momentum: {d:.3e}");
+    assert!(d < 2e-5, "local momentum was not reset at every block: differs by {d}");
+    // And keeping it (the momentum then acts) gives another model.
+    let keep = out_dir("bmuf-keep");
+    let spec = "tau=1,eta=0,zeta=1,nesterov=false,local=keep";
+    run(2, &common(&keep, &[&with_momentum[..], &["--bmuf", spec, "--lr-ref-batch", "6"]].concat()));
+    assert!(max_diff(&ps, &params(&keep)) > 1e-4);
+    for dir in [sync, bmuf, reset, keep] {
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }
 
 #[test]

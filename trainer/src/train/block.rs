@@ -5,7 +5,7 @@
 use candle_core::Tensor;
 
 use super::Trainer;
-use crate::bmuf::AdamState;
+use crate::bmuf::{AdamState, LocalMomentum};
 use crate::error::Result;
 
 impl Trainer {
@@ -49,7 +49,15 @@ impl Trainer {
                 }
                 bytes
             }
-            None => bmuf.sync(self.rep.comm(), &mut params, None)?,
+            None => {
+                let bytes = bmuf.sync(self.rep.comm(), &mut params, None)?;
+                if bmuf.cfg.local == LocalMomentum::Reset {
+                    for h in &mut self.host {
+                        h.momentum.fill(0.0);
+                    }
+                }
+                bytes
+            }
         };
         self.progress.bytes += bytes as f64;
         let mut off = 0;
