@@ -49,6 +49,10 @@ def main():
     p.add_argument("--eval-examples", type=int, default=15000)
     p.add_argument("--sgd-lr", type=float, default=0.1, help="SGD LR for batch b")
     p.add_argument("--adam-lr", type=float, default=1e-3)
+    p.add_argument("--bmuf-adam-lr", default="same", choices=["same", "sqrt"],
+                   help="BMUF-Adam's local LR: --adam-lr (same), or --adam-lr / sqrt(N) (sqrt: block "
+                        "momentum multiplies the step by about N, so the block-level step follows the "
+                        "square-root rule that synchronous Adam follows)")
     p.add_argument("--width", type=float, default=0.25)
     p.add_argument("--stem", default="imagenet", help="imagenet (4x down-sampling: fast) or small")
     p.add_argument("--test-limit", type=int, default=10000)
@@ -110,7 +114,8 @@ def main():
                     syncs = steps
                 else:
                     adam = kind.startswith("adam")
-                    steps, args = common(n, a.adam_lr if adam else a.sgd_lr, seed)
+                    local = a.adam_lr / (math.sqrt(n) if a.bmuf_adam_lr == "sqrt" else 1.0)
+                    steps, args = common(n, local if adam else a.sgd_lr, seed)
                     moments = "naive" if kind == "adam-naive" else "corrected"
                     args += ["--bmuf", f"tau={tau},eta=auto,zeta=1,nesterov={a.nesterov},moments={moments},"
                              f"form={a.form},local={a.local}"]

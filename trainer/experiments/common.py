@@ -47,7 +47,8 @@ def train(out, args, ranks=1, log=None, reuse=False):
     # machine's directories (the logs are committed with the results).
     cmd = [binary("toroid-train")] + [str(a) for a in args] + ["--out", os.path.relpath(out, WORKSPACE)]
     if ranks > 1:
-        cmd = [binary("toroid-run"), "-n", str(ranks), "--timeout", "600", "--"] + cmd
+        # A job limit of an hour: 8 ranks sharing 2 cores with other work take well over 10 minutes.
+        cmd = [binary("toroid-run"), "-n", str(ranks), "--timeout", "3600", "--"] + cmd
     t = time.time()
     with open(os.path.join(out, "log.txt"), "w") as f:
         # The command as it reads from the workspace root (no machine-specific paths in results).
