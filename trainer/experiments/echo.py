@@ -13,6 +13,7 @@ and against training time); each run's CSVs are in OUT/<run>/.
 """
 
 import argparse
+import math
 import os
 import statistics
 
@@ -107,7 +108,7 @@ def main():
         """Baseline time over this run's time, seed by seed (min-max beside the ratio of means)."""
         base = {r["seed"]: r["train_s"] for r in results if r["point"] == "none"}
         v = [base[r["seed"]] / r["train_s"] for r in results if r["point"] == pt and r["E"] == e
-             and r["train_s"] == r["train_s"] and base.get(r["seed"], float("nan")) == base.get(r["seed"])]
+             and not math.isnan(r["train_s"]) and not math.isnan(base.get(r["seed"], math.nan))]
         if len(v) < 2:
             return f"{of_means:.2f}x"
         return f"{of_means:.2f}x [{min(v):.2f}-{max(v):.2f}]"

@@ -147,8 +147,9 @@ pub fn compare(out: &Path, title: &str, runs: &[Run], xs: &[String], ys: &[Strin
     if runs.is_empty() || xs.is_empty() || ys.is_empty() {
         bail!("--compare needs --compare-runs, --compare-x and --compare-y");
     }
+    // Each run's rows projected to the requested columns (xs, then ys), so runs whose files
+    // order their columns differently still line up.
     let mut data = vec![];
-    let mut cols: Option<Vec<usize>> = None;
     for r in runs {
         let (header, rows) = read_evals(&r.dir)?;
         let col = |name: &str| -> Result<usize> {
@@ -161,14 +162,13 @@ pub fn compare(out: &Path, title: &str, runs: &[Run], xs: &[String], ys: &[Strin
                 ),
             }
         };
-        let c: Vec<usize> = xs.iter().chain(ys).map(|c| col(c)).collect::<Result<_>>()?;
-        if cols.as_ref().is_some_and(|k| *k != c) {
-            bail!("{}: evals.csv has its columns in another order than the first run's", r.dir.display());
-        }
-        cols = Some(c);
-        data.push((r.label.as_str(), rows));
+        let cols: Vec<usize> = xs.iter().chain(ys).map(|c| col(c)).collect::<Result<_>>()?;
+        let picked = rows
+            .iter()
+            .map(|row| cols.iter().map(|&c| row.get(c).copied().unwrap_or(f64::NAN)).collect())
+            .collect();
+        data.push((r.label.as_str(), picked));
     }
-    let cols = cols.unwrap_or_default();
     let lines = average_by_label(&data);
     let (pw, ph) = (700u32, 450u32);
     let size = (pw * xs.len() as u32, ph * ys.len() as u32 + 40);
@@ -177,7 +177,7 @@ pub fn compare(out: &Path, title: &str, runs: &[Run], xs: &[String], ys: &[Strin
         for (yi, y) in ys.iter().enumerate() {
             for (xi, x) in xs.iter().enumerate() {
                 let ((xd, xk), (yd, yk)) = (axis(x), axis(y));
-                let (cx, cy) = (cols[xi], cols[xs.len() + yi]);
+                let (cx, cy) = (xi, xs.len() + yi);
                 let raw: Vec<Vec<(f64, f64)>> = lines
                     .iter()
                     .map(|(_, rows)| {
