@@ -36,6 +36,7 @@ def main():
     p.add_argument("--out", default=os.path.join(TRAINER_DIR, "experiments", "results", "bmuf-nesterov"))
     p.add_argument("--ranks", default="4,8")
     p.add_argument("--tau", type=int, default=8)
+    p.add_argument("--eta", default="auto", help="block momentum: auto (1 - 1/N, the papers') or a number")
     p.add_argument("--nesterov", default="true", choices=["true", "false"], help="Nesterov block momentum")
     p.add_argument("--form", default="paper", choices=["paper", "kept"],
                    help="where the Nesterov look-ahead goes (the trainer's --bmuf form=)")
@@ -53,6 +54,8 @@ def main():
                    help="BMUF-Adam's local LR: --adam-lr (same), or --adam-lr / sqrt(N) (sqrt: block "
                         "momentum multiplies the step by about N, so the block-level step follows the "
                         "square-root rule that synchronous Adam follows)")
+    p.add_argument("--warmup", type=float, default=0.0,
+                   help="LR warm-up from zero over this many epochs, every run (0: none)")
     p.add_argument("--width", type=float, default=0.25)
     p.add_argument("--stem", default="imagenet", help="imagenet (4x down-sampling: fast) or small")
     p.add_argument("--test-limit", type=int, default=10000)
@@ -79,6 +82,7 @@ def main():
             "--model", "resnet18", "--width", a.width, "--stem", a.stem,
             "--batch", n * b, "--lr", lr, "--lr-ref-batch", ref_batch, "--decay", a.decay,
             "--weight-decay", 5e-5, "--seed", seed,
+            *(["--warmup-epochs", a.warmup, "--warmup-from", 0] if a.warmup else []),
             "--test-limit", a.test_limit, "--eval-every", every, "--threads", 1,
             "--log-every", 10, "--checkpoint-every", 0, "--no-plot", "--check-every", 1,
         ]
@@ -117,7 +121,7 @@ def main():
                     local = a.adam_lr / (math.sqrt(n) if a.bmuf_adam_lr == "sqrt" else 1.0)
                     steps, args = common(n, local if adam else a.sgd_lr, seed)
                     moments = "naive" if kind == "adam-naive" else "corrected"
-                    args += ["--bmuf", f"tau={tau},eta=auto,zeta=1,nesterov={a.nesterov},moments={moments},"
+                    args += ["--bmuf", f"tau={tau},eta={a.eta},zeta=1,nesterov={a.nesterov},moments={moments},"
                              f"form={a.form},local={a.local}"]
                     args += ["--optimizer", "adam" if adam else "sgd"]
                     syncs = -(-steps // tau)
@@ -140,7 +144,9 @@ def main():
                      f"{100 * mean(name, 'best_acc'):.2f}%", f"{mean(name, 'final_loss'):.4f}"])
     length = f"{a.epochs} epochs" if a.epochs else f"{a.examples} examples"
     head = (f"Fashion-MNIST, ResNet-18 width {a.width}, per-rank batch {b}, tau {tau}, nesterov {a.nesterov}, "
-            f"{length} per run, LR decay {a.decay}, test on {a.test_limit} images, seeds {seeds}")
+            + (f"eta {a.eta}, " if a.eta != "auto" else "")
+            + (f"LR warm-up from zero over {a.warmup} epochs, " if a.warmup else "")
+            + f"{length} per run, LR decay {a.decay}, test on {a.test_limit} images, seeds {seeds}")
     print("\n" + head)
     text = table(header, body)
     # The claims, stated against the numbers above: each BMUF run against its synchronous

@@ -179,6 +179,10 @@ pub struct Args {
     /// Gradual warm-up length in epochs (fractions allowed).
     #[arg(long, default_value_t = 0.0)]
     pub warmup_epochs: f64,
+    /// Where the warm-up starts, as a fraction of the peak rate (0: from zero). Without it, the
+    /// warm-up starts at --lr (Goyal et al.), so a run at --lr-ref-batch has no ramp.
+    #[arg(long, value_name = "FRACTION", value_parser = fraction)]
+    pub warmup_from: Option<f64>,
     /// Decay after warm-up.
     #[arg(long, value_enum, default_value = "cosine")]
     pub decay: DecayKind,
@@ -289,4 +293,12 @@ pub struct Args {
     /// Do not draw curves.png.
     #[arg(long)]
     pub no_plot: bool,
+}
+
+/// A number in [0, 1] (clap value parser).
+fn fraction(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if (0.0..=1.0).contains(&x) => Ok(x),
+        _ => Err(format!("'{s}' is not a number in [0, 1]")),
+    }
 }

@@ -166,6 +166,9 @@ pub struct LrSchedule {
     pub ref_batch: usize,
     /// Warm-up length in epochs (may be fractional; 0: none).
     pub warmup_epochs: f64,
+    /// Where the warm-up starts, as a fraction of the peak rate; None: Goyal et al.'s start,
+    /// min(base_lr, peak) (so a run whose batch is `ref_batch` has no ramp).
+    pub warmup_from: Option<f64>,
     /// Decay after the warm-up.
     pub decay: Decay,
     /// Length of the run in epochs (for cosine).
@@ -180,7 +183,10 @@ impl LrSchedule {
     pub fn at(&self, t: f64, batch: usize) -> f64 {
         let peak = self.base_lr * batch as f64 / self.ref_batch as f64;
         if t < self.warmup_epochs {
-            let start = self.base_lr.min(peak);
+            let start = match self.warmup_from {
+                Some(f) => f * peak,
+                None => self.base_lr.min(peak),
+            };
             return start + (peak - start) * t / self.warmup_epochs;
         }
         match &self.decay {
@@ -263,6 +269,7 @@ mod tests {
             base_lr: 0.1,
             ref_batch: 256,
             warmup_epochs: 5.0,
+            warmup_from: None,
             decay: Decay::Step { milestones: vec![30.0, 60.0], gamma: 0.1 },
             total_epochs: 90.0,
         };
@@ -274,5 +281,9 @@ mod tests {
         let c = LrSchedule { decay: Decay::Cosine, warmup_epochs: 0.0, ..s };
         assert!((c.at(45.0, 256) - 0.05).abs() < 1e-12);
         assert!(c.at(90.0, 256).abs() < 1e-12);
+        // From a fraction of the peak: a run at its reference batch ramps too.
+        let z = LrSchedule { warmup_from: Some(0.0), warmup_epochs: 1.0, ..c };
+        assert!(z.at(0.0, 256).abs() < 1e-12 && (z.at(0.5, 256) - 0.05).abs() < 1e-12);
+        assert!((z.at(1.0, 256) - 0.1).abs() < 1e-12);
     }
 }

@@ -318,6 +318,7 @@ fn optimiser(args: &Args) -> Result<(BatchSchedule, LrSchedule, OptConfig)> {
         base_lr: args.lr,
         ref_batch: args.lr_ref_batch.max(1),
         warmup_epochs: args.warmup_epochs,
+        warmup_from: args.warmup_from,
         decay: match args.decay {
             DecayKind::None => Decay::None,
             DecayKind::Step => Decay::Step { milestones: args.lr_steps.clone(), gamma: args.lr_gamma },
