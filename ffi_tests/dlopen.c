@@ -18,6 +18,8 @@ static const char *const ENTRY_POINTS[] = {
     "toroid_barrier_async", "toroid_send_async", "toroid_recv_async", "toroid_recv_any_async",
     "toroid_work_wait", "toroid_work_test", "toroid_work_source", "toroid_work_free",
     "toroid_comm_init_env_async", "toroid_comm_init_async", "toroid_comm_shrink_async",
+    "toroid_comm_grow_offer", "toroid_grow_offer_token", "toroid_comm_grow", "toroid_comm_grow_async",
+    "toroid_grow_offer_free", "toroid_comm_join", "toroid_comm_join_async",
     "toroid_pending_test", "toroid_pending_wait", "toroid_pending_abort", "toroid_pending_free",
     "toroid_group_start", "toroid_group_end", "toroid_group_end_async", "toroid_all_reduce_init",
     "toroid_request_run", "toroid_request_free", "toroid_all_reduce_wire", "toroid_all_reduce_wire_async",

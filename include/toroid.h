@@ -35,6 +35,11 @@
 #define TOROID_SPLIT_NOCOLOR -1
 
 /**
+ * Room for a join token (toroid_grow_offer_token) and its NUL: always enough.
+ */
+#define TOROID_JOIN_TOKEN_MAX 256
+
+/**
  * The result of every call. `TOROID_SUCCESS` is 0; each error code matches one kind of failure
  * (the Rust `Error` variants, in order). `toroid_get_error_string` describes a code,
  * `toroid_get_last_error` gives the detail of the last failure.
@@ -160,8 +165,16 @@ typedef enum toroid_redop {
 typedef struct toroid_comm toroid_comm;
 
 /**
- * A communicator being created or shrunk in the background (toroid_comm_init_async,
- * toroid_comm_init_env_async, toroid_comm_shrink_async). Opaque; released by
+ * One rank's offer to grow its communicator (toroid_comm_grow_offer): the join token for
+ * the new processes, and what toroid_comm_grow needs. Opaque; released by
+ * toroid_grow_offer_free.
+ */
+typedef struct toroid_grow_offer toroid_grow_offer;
+
+/**
+ * A communicator being created, shrunk, grown or joined in the background
+ * (toroid_comm_init_async, toroid_comm_init_env_async, toroid_comm_shrink_async,
+ * toroid_comm_grow_async, toroid_comm_join_async). Opaque; released by
  * toroid_pending_free.
  */
 typedef struct toroid_pending toroid_pending;
@@ -464,6 +477,65 @@ enum toroid_result toroid_group_end(struct toroid_comm *comm);
  * group that recorded nothing. TOROID_INVALID_USAGE without an open group.
  */
 enum toroid_result toroid_group_end_async(struct toroid_comm *comm, struct toroid_work **work);
+
+/**
+ * Every rank of `comm` calls it to admit `added` new ranks (1 to 65536): a collective that
+ * returns at once with *out set to this rank's offer. Hand the offer's token
+ * (toroid_grow_offer_token) to the new processes, which call toroid_comm_join; then call
+ * toroid_comm_grow (or _async) with the offer. Free it with toroid_grow_offer_free.
+ */
+enum toroid_result toroid_comm_grow_offer(struct toroid_comm *comm,
+                                          int added,
+                                          struct toroid_grow_offer **out);
+
+/**
+ * Writes the offer's join token to `buf` as NUL-terminated text; `cap` is the room in `buf`
+ * (TOROID_JOIN_TOKEN_MAX is always enough; less than the token needs gives
+ * TOROID_INVALID_ARGUMENT and writes nothing). The token is the same on every rank of the
+ * grow, and stays readable after the grow.
+ */
+enum toroid_result toroid_grow_offer_token(const struct toroid_grow_offer *offer,
+                                           char *buf,
+                                           size_t cap);
+
+/**
+ * This old rank's part of the grow: once every new process has joined, sets *out to the new
+ * communicator, in which this rank keeps its rank. Bounded by `comm`'s timeout. Uses `offer`
+ * (made on `comm`) once; free it afterwards. `comm` stays as it was.
+ */
+enum toroid_result toroid_comm_grow(struct toroid_comm *comm,
+                                    struct toroid_grow_offer *offer,
+                                    struct toroid_comm **out);
+
+/**
+ * toroid_comm_grow in the background (see toroid_comm_init_env_async).
+ */
+enum toroid_result toroid_comm_grow_async(struct toroid_comm *comm,
+                                          struct toroid_grow_offer *offer,
+                                          struct toroid_pending **out);
+
+/**
+ * Releases `offer` (on rank 0, stopping the grow's store if no grow took it). NULL is a no-op.
+ */
+void toroid_grow_offer_free(struct toroid_grow_offer *offer);
+
+/**
+ * A new process joins the communicator the old ranks are growing: *out is set to the new
+ * communicator once every rank is there. `token` is the text of toroid_grow_offer_token;
+ * `config` gives the rank to join as (from the old size to the new size, each new process its
+ * own), the size (the token's), the timeout and interface (store_addr must be NULL).
+ */
+enum toroid_result toroid_comm_join(const char *token,
+                                    const struct toroid_config *config,
+                                    struct toroid_comm **out);
+
+/**
+ * toroid_comm_join in the background (see toroid_comm_init_env_async). `token` and `config`
+ * are read before this returns.
+ */
+enum toroid_result toroid_comm_join_async(const char *token,
+                                          const struct toroid_config *config,
+                                          struct toroid_pending **out);
 
 /**
  * Reduces `count` elements of every rank's `sendbuf` with `op`; every rank receives the result

@@ -34,7 +34,7 @@ mod transport;
 mod tuning;
 
 pub use collective::{Algorithm, CallOptions, OpKind};
-pub use comm::{Communicator, Group, OwnedBuffer, PendingComm, Persistent, Work};
+pub use comm::{Communicator, Group, GrowOffer, JoinToken, OwnedBuffer, PendingComm, Persistent, Work};
 pub use config::{AuthToken, Config, RdmaMode};
 pub use dtype::{DataType, Element, ReduceOp};
 pub use error::{Error, Result};

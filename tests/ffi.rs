@@ -400,6 +400,16 @@ fn c_shrink_leaves_out_a_rank_and_the_survivors_all_reduce() {
 }
 
 #[test]
+fn c_grow_admits_a_new_process_after_a_shrink() {
+    let exe = build("grow");
+    let dir = TempDir::new("grow");
+    let token = dir.0.join("token");
+    let out = run_ranks(3, 60, &[], &[exe.as_os_str(), token.as_os_str()]);
+    check(&out, "grow.c on 3 processes");
+    every_rank_says(&out, 3, "grow passed");
+}
+
+#[test]
 fn c_non_blocking_creation_and_shrink_poll_wait_and_abort() {
     let exe = build("pending");
     let out = run_ranks(3, 60, &[], &[exe.as_os_str()]);

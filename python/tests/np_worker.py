@@ -285,6 +285,55 @@ def shrink(comm):
             pass
 
 
+def grow(comm):
+    """The last rank leaves and comes back as a new member: the others shrink without it, offer
+    one rank (the token goes through a file, as a framework's store would carry it) and grow in
+    the background; the process that left, holding no communicator, joins with the token as
+    the last rank. Everyone all-reduces on the grown communicator, checked element by element.
+    A forged token (another secret) is refused; an offer is used once."""
+    path = os.path.join(os.environ["TOROID_TEST_TMP"], "join-token")
+    last = SIZE - 1
+    comm.barrier()
+    if RANK == last:
+        comm.destroy()
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path):
+            assert time.monotonic() < deadline, "no token was offered"
+            time.sleep(0.002)
+        with open(path) as f:
+            token = f.read()
+        head, secret, addr = token.rsplit("/", 2)
+        forged = f"{head}/{'0' if secret[0] != '0' else '1'}{secret[1:]}/{addr}"
+        try:
+            toroid.Comm.join(forged, last, timeout=20)
+            raise AssertionError("a forged token joined")
+        except toroid.ToroidError as e:
+            assert "refused this token" in str(e), str(e)
+        pending = toroid.Comm.join_async(token, last, timeout=20)
+        grown = pending.wait()
+    else:
+        small = comm.shrink([last])
+        offer = small.grow_offer(1)
+        assert offer.token.startswith(f"toroid-join1/{SIZE}/"), offer.token
+        if RANK == 0:
+            with open(path + ".tmp", "w") as f:
+                f.write(offer.token)
+            os.rename(path + ".tmp", path)
+        grown = small.grow_async(offer).wait()
+        try:
+            small.grow(offer)
+            raise AssertionError("an offer was used twice")
+        except toroid.InvalidUsageError:
+            pass
+        offer.release()
+        small.destroy()
+        comm.destroy()
+    assert (grown.rank, grown.size) == (RANK, SIZE), (grown.rank, grown.size)
+    x = data(60, RANK, 4099, np.int64)
+    same(grown.all_reduce(x.copy()), reference([data(60, r, 4099, np.int64) for r in range(SIZE)], "sum"), "after grow")
+    grown.destroy()
+
+
 def wire(comm):
     """`all_reduce(wire=...)`: float32 and float64, bf16 and f16, sum and avg, blocking and
     async; every element within the documented bound of the exact sum (computed here in float64
@@ -404,6 +453,10 @@ if __name__ == "__main__":
              np.array([np.prod(np.arange(1, SIZE + 1))], np.int64), "with_store all_reduce")
     elif SCENARIO == "shrink":
         shrink(created_in_the_background())
+        print(f"rank {RANK}: {SCENARIO} passed ({checks} element checks)")
+        sys.exit(0)
+    elif SCENARIO == "grow":
+        grow(toroid.Comm.from_env())
         print(f"rank {RANK}: {SCENARIO} passed ({checks} element checks)")
         sys.exit(0)
     else:

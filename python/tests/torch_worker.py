@@ -813,6 +813,122 @@ def peer_death(rank, size):
     print(f"rank {rank}: peer_death passed ({len(checks)} checks)", flush=True)
     os._exit(0)
 
+def shrink(rank, size):
+    """torch.distributed.shrink_group on toroid groups. (1) A healthy group drops its last rank
+    (which does not call it; SHRINK_DEFAULT): the survivors' new group has their ranks in order,
+    its all-reduce (int64 exact, float64 within 1e-12) and broadcast match the values computed
+    here from every survivor's inputs, and shrinking it again works. (2) The last rank dies; the
+    survivors' next all_reduce on the default group fails, shrink_group(SHRINK_ABORT) replaces
+    the default group, and its all-reduce matches. Also: an excluded rank calling it is refused
+    (torch's check), and a group shrinks once. Gloo's answer to the same call is recorded."""
+    last = size - 1
+    survivors = list(range(last))
+    g = dist.new_group(backend="toroid", timeout=datetime.timedelta(seconds=30))
+    # Made before any shrink: torch names groups by a per-process count that shrink_group
+    # advances on the survivors only, so the excluded rank's later new_group would not match.
+    g2 = dist.new_group(backend="toroid", timeout=datetime.timedelta(seconds=30))
+    assert g._get_backend(torch.device("cpu")).supports_shrinking
+    if rank == last:
+        try:
+            dist.shrink_group([last], group=g)
+            raise AssertionError("an excluded rank's shrink_group passed")
+        except RuntimeError as e:
+            assert "exclusion list" in str(e), repr(e)
+            checks.append("excluded rank refused")
+        dist.destroy_process_group(g)
+    else:
+        t = time.monotonic()
+        ng = dist.shrink_group([last], group=g)
+        took = time.monotonic() - t
+        assert ng.size() == last and ng.rank() == rank, (ng.size(), ng.rank())
+        assert dist.get_backend(ng) == "toroid", dist.get_backend(ng)
+        ints = [rand((4097,), torch.int64, 7000 + r) for r in survivors]
+        floats = [rand((1001,), torch.float64, 7100 + r) for r in survivors]
+        x, y = ints[rank].clone(), floats[rank].clone()
+        dist.all_reduce(x, group=ng)
+        dist.all_reduce(y, group=ng)
+        assert torch.equal(x, sum(ints)), "shrunk group all_reduce (int64)"
+        assert torch.allclose(y, sum(floats), rtol=1e-12, atol=1e-12), "shrunk group all_reduce (float64)"
+        b = floats[rank].clone()
+        dist.broadcast(b, group_src=0, group=ng)
+        assert torch.equal(b, floats[0]), "shrunk group broadcast"
+        checks.extend(["shrunk all_reduce int64", "shrunk all_reduce float64", "shrunk broadcast"])
+        print(f"rank {rank}: shrink_group of a healthy {size}-rank group took {took * 1e3:.1f} ms", flush=True)
+        if last >= 2:  # shrink the shrunk group once more: ranks 0..last-2 remain
+            if rank == last - 1:
+                dist.destroy_process_group(ng)
+            else:
+                ng2 = dist.shrink_group([last - 1], group=ng)
+                z = floats[rank].clone()
+                dist.all_reduce(z, group=ng2)
+                assert torch.allclose(z, sum(floats[: last - 1]), rtol=1e-12, atol=1e-12), "shrunk twice"
+                checks.append("shrunk twice")
+                dist.destroy_process_group(ng2)
+        else:
+            dist.destroy_process_group(ng)
+    # What gloo does with the same call (torch 2.15's gloo: recorded, not required).
+    gb = GLOO._get_backend(torch.device("cpu"))
+    print(f"rank {rank}: gloo supports_shrinking = {bool(getattr(gb, 'supports_shrinking', False))}", flush=True)
+
+    # (2) The last rank skips a collective (it is alive, in user code): the survivors' all_reduce
+    # stays pending until shrink_group(SHRINK_ABORT) aborts the group, which fails that work at
+    # once and never blocks; the new group all-reduces exactly.
+    if rank != last:
+        x = torch.ones(1000)
+        w = dist.all_reduce(x, group=g2, async_op=True)
+        time.sleep(0.3)
+        assert not w.is_completed(), "an all_reduce without the last rank completed"
+        t = time.monotonic()
+        ng = dist.shrink_group([last], group=g2, shrink_flags=dist.distributed_c10d.SHRINK_ABORT)
+        took = time.monotonic() - t
+        assert took < 5, f"shrink_group with SHRINK_ABORT took {took:.1f} s"
+        try:
+            w.wait()
+            raise AssertionError("the aborted group's pending all_reduce succeeded")
+        except dist.DistBackendError as e:
+            assert "abort" in str(e), repr(e)
+        ints = [rand((4097,), torch.int64, 7300 + r) for r in survivors]
+        x = ints[rank].clone()
+        dist.all_reduce(x, group=ng)
+        assert torch.equal(x, sum(ints)), "all_reduce after shrink_group(SHRINK_ABORT)"
+        checks.extend(["pending work failed by SHRINK_ABORT", "all_reduce after SHRINK_ABORT"])
+        print(f"rank {rank}: shrink_group(SHRINK_ABORT) with an all_reduce pending took {took * 1e3:.1f} ms",
+              flush=True)
+        dist.destroy_process_group(ng)
+    dist.barrier(group=GLOO)
+    if rank == last:
+        dist.destroy_process_group(g2)
+
+    # (3) The last rank dies; the survivors shrink the default group with SHRINK_ABORT.
+    dist.barrier(group=GLOO)
+    if rank == last:
+        print(f"rank {rank}: shrink passed ({len(checks)} checks; dies now)", flush=True)
+        os._exit(0)
+    time.sleep(0.5)
+    x = torch.ones(1000)
+    try:
+        dist.all_reduce(x)
+        raise AssertionError("all_reduce with a dead rank passed")
+    except dist.DistBackendError as e:
+        assert "a peer failed" in str(e), repr(e)
+    default = dist.distributed_c10d._get_default_group()
+    dist.shrink_group([last], group=default, shrink_flags=dist.distributed_c10d.SHRINK_ABORT)
+    try:  # the old default group's object shrinks once
+        default.shrink([last])
+        raise AssertionError("a second shrink of one group passed")
+    except RuntimeError as e:
+        assert "only once" in str(e), repr(e)
+        checks.append("one shrink per group")
+    assert dist.get_world_size() == last and dist.get_rank() == rank and dist.get_backend() == "toroid"
+    floats = [rand((65537,), torch.float32, 7200 + r) for r in survivors]
+    y = floats[rank].clone()
+    dist.all_reduce(y)
+    assert torch.allclose(y, sum(floats), rtol=1e-5, atol=1e-5), "shrunk default group all_reduce"
+    checks.append("shrunk default group after a death")
+    dist.destroy_process_group()
+    print(f"rank {rank}: shrink passed ({len(checks)} checks)", flush=True)
+    os._exit(0)
+
 if __name__ == "__main__":
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # "<scenario>/no-device-backend": the group as torch releases whose c10d Backend has no
@@ -832,7 +948,8 @@ if __name__ == "__main__":
         assert not isinstance(registered, toroid.torch._DeviceBackend), "a device backend was registered"
     GLOO = dist.new_group(backend="gloo")
     {"compare": compare, "ddp": ddp, "wire": wire, "entry_points": entry_points, "wait_timeout": wait_timeout,
-     "conformance": conformance, "errors": errors, "peer_death": peer_death}[SCENARIO](rank, size)
+     "conformance": conformance, "errors": errors, "peer_death": peer_death,
+     "shrink": shrink}[SCENARIO](rank, size)
     dist.barrier()
     dist.destroy_process_group()
     print(f"rank {rank}: {sys.argv[1]} passed ({len(checks)} comparisons with gloo)", flush=True)

@@ -28,11 +28,12 @@ from ._lib import (
     library_path,
     version,
 )
-from .comm import Comm, Pending, Request, Store, Work, numpy_dtype
+from .comm import Comm, GrowOffer, Pending, Request, Store, Work, numpy_dtype
 
 __all__ = [
     "AbortedError",
     "Comm",
+    "GrowOffer",
     "DataType",
     "InvalidArgumentError",
     "InvalidUsageError",

@@ -110,8 +110,9 @@ class Request:
 
 
 class Pending:
-    """A communicator being created or shrunk in the background (`Comm.from_env_async`,
-    `Comm.init_async`, `Comm.shrink_async`): poll it with `done()`, take the communicator with
+    """A communicator being created, shrunk, grown or joined in the background
+    (`Comm.from_env_async`, `Comm.init_async`, `Comm.shrink_async`, `Comm.grow_async`,
+    `Comm.join_async`): poll it with `done()`, take the communicator with
     `wait()`, give up with `abort()` (returns within about 100 ms). Released when collected."""
 
     def __init__(self, handle: int):
@@ -146,6 +147,35 @@ class Pending:
         handle, self._handle = self._handle, None
         if handle is not None:
             _lib.lib().toroid_pending_free(handle)
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+
+class GrowOffer:
+    """One rank's offer to grow its communicator (`Comm.grow_offer`): `token` is the text the
+    new processes join with (`Comm.join`); pass the offer to `Comm.grow` once. Released when
+    collected (on rank 0 that stops the grow's store if no grow took it)."""
+
+    def __init__(self, handle: int):
+        self._handle = handle
+        buf = ctypes.create_string_buffer(_lib.JOIN_TOKEN_MAX)
+        check("toroid_grow_offer_token", _lib.lib().toroid_grow_offer_token(handle, buf, len(buf)))
+        self.token: str = buf.value.decode()
+
+    def _live(self) -> int:
+        if self._handle is None:
+            raise ValueError("grow offer already released")
+        return self._handle
+
+    def release(self) -> None:
+        """Frees the offer."""
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            _lib.lib().toroid_grow_offer_free(handle)
 
     def __del__(self):
         try:

@@ -138,6 +138,7 @@ ReduceOp = _ReduceOp("ReduceOp", _members("toroid_redop"), module=__name__, qual
 ReduceOp.__doc__ = _ReduceOp.__doc__
 
 SPLIT_NOCOLOR = ABI["constants"]["TOROID_SPLIT_NOCOLOR"]["value"]
+JOIN_TOKEN_MAX = ABI["constants"]["TOROID_JOIN_TOKEN_MAX"]["value"]
 
 
 class ToroidError(RuntimeError):

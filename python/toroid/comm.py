@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from . import _lib
 from ._arrays import _buffer, numpy_dtype
-from ._handles import Pending, Request, Store, Work, _failed_array
+from ._handles import GrowOffer, Pending, Request, Store, Work, _failed_array
 from ._lib import DataType, ReduceOp, check
 from ._pointers import _PointerCalls
 
@@ -197,6 +197,56 @@ class Comm(_PointerCalls):
         out = ctypes.c_void_p()
         check("toroid_comm_shrink", _lib.lib().toroid_comm_shrink(self._live(), arr, n, ctypes.byref(out)), self._handle)
         return Comm(out.value)
+
+    def grow_offer(self, added: int) -> GrowOffer:
+        """Every rank calls it to admit `added` new ranks: a collective that returns at once
+        with the offer, whose `token` (the same on every rank) the new processes pass to
+        `Comm.join`. Then `grow(offer)`."""
+        out = ctypes.c_void_p()
+        check("toroid_comm_grow_offer", _lib.lib().toroid_comm_grow_offer(self._live(), int(added), ctypes.byref(out)),
+              self._handle)
+        return GrowOffer(out.value)
+
+    def grow(self, offer: GrowOffer) -> "Comm":
+        """The communicator with the new ranks, once every one has joined; this rank keeps its
+        rank. Uses `offer` (from `grow_offer` on this communicator) once."""
+        out = ctypes.c_void_p()
+        check("toroid_comm_grow", _lib.lib().toroid_comm_grow(self._live(), offer._live(), ctypes.byref(out)), self._handle)
+        return Comm(out.value)
+
+    def grow_async(self, offer: GrowOffer) -> Pending:
+        """`grow` in the background: returns at once with a `Pending`."""
+        out = ctypes.c_void_p()
+        check("toroid_comm_grow_async", _lib.lib().toroid_comm_grow_async(self._live(), offer._live(), ctypes.byref(out)),
+              self._handle)
+        return Pending(out.value)
+
+    @classmethod
+    def join(cls, token: str, rank: int, timeout: Optional[float] = None,
+             socket_ifname: Optional[str] = None) -> "Comm":
+        """A new process joins, as `rank` (from the old size to the new one), the communicator
+        the old ranks are growing with the offer whose `token` this is."""
+        cfg = cls._join_config(token, rank, timeout, socket_ifname)
+        out = ctypes.c_void_p()
+        check("toroid_comm_join", _lib.lib().toroid_comm_join(token.encode(), ctypes.byref(cfg), ctypes.byref(out)))
+        return cls(out.value)
+
+    @classmethod
+    def join_async(cls, token: str, rank: int, timeout: Optional[float] = None,
+                   socket_ifname: Optional[str] = None) -> Pending:
+        """`join` in the background: returns at once with a `Pending`."""
+        cfg = cls._join_config(token, rank, timeout, socket_ifname)
+        out = ctypes.c_void_p()
+        check("toroid_comm_join_async", _lib.lib().toroid_comm_join_async(token.encode(), ctypes.byref(cfg),
+                                                                          ctypes.byref(out)))
+        return Pending(out.value)
+
+    @staticmethod
+    def _join_config(token: str, rank: int, timeout, socket_ifname) -> "_lib.Config":
+        # The size is the token's (its second field); the C call checks the rest.
+        parts = token.split("/")
+        size = int(parts[1]) if len(parts) > 2 and parts[1].isdigit() else 0
+        return Comm._config(rank, size, None, timeout, socket_ifname)
 
     def shrink_async(self, failed=()) -> Pending:
         """`shrink` in the background: returns at once with a `Pending`."""

@@ -39,6 +39,7 @@ pub(crate) use argcheck::validate;
 pub use enqueue::group::Group;
 pub use enqueue::persistent::{AllReducePlan, Persistent};
 pub use enqueue::{Hook, Hooks, Work};
+pub use setup::grow::{GrowOffer, JoinToken};
 pub use setup::pending::PendingComm;
 
 use std::sync::atomic::AtomicUsize;

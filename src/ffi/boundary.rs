@@ -120,7 +120,7 @@ pub(crate) fn thread_error_text() -> *const c_char {
     THREAD_RETURNED.try_with(|slot| c_text(&mut slot.borrow_mut(), &text)).unwrap_or(c"".as_ptr())
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Every critical section here is a single map or slot update: a poisoned lock is still
     // consistent.
     m.lock().unwrap_or_else(|e| e.into_inner())

@@ -57,7 +57,7 @@ pub(crate) unsafe fn launch_of(p: *const toroid_config) -> Result<(Launch, Confi
 ///
 /// # Safety
 /// As [`from_config`].
-unsafe fn read_config(p: *const toroid_config) -> Result<(usize, usize, Config, Option<String>)> {
+pub(super) unsafe fn read_config(p: *const toroid_config) -> Result<(usize, usize, Config, Option<String>)> {
     if p.is_null() {
         return Err(Error::InvalidArgument("config is NULL".into()));
     }

@@ -9,7 +9,8 @@
 //! One file per noun of the API:
 //! - `comm.rs`: creating, splitting, querying, aborting and destroying a communicator
 //!   (`init.rs` turns the C config and store into the Rust ones); `pending.rs`: its
-//!   asynchronous creation; `shrink.rs`: a communicator without failed ranks; `stats.rs`,
+//!   asynchronous creation; `shrink.rs`: a communicator without failed ranks; `grow.rs`: one
+//!   with new ranks (the offer, its token, the grow, the newcomers' join); `stats.rs`,
 //!   `dump.rs`: what it has done.
 //! - `host.rs`: collectives and point-to-point on host memory, blocking and `_async`;
 //!   `compressed.rs`: the all-reduce whose bytes travel as a 16-bit float.
@@ -33,6 +34,7 @@ mod compressed;
 mod dump;
 mod errors;
 mod group;
+mod grow;
 mod host;
 mod init;
 mod names;

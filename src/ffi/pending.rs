@@ -1,4 +1,4 @@
-//! The non-blocking forms of creation and shrink: the C side of [`crate::PendingComm`].
+//! The non-blocking forms of creation and shrink (grow's are `grow.rs`'s): the C side of [`crate::PendingComm`].
 //!
 //! A `toroid_pending *` is a handle like the others (`boundary.rs`): looked up before use, its
 //! number never reused. The set-up runs on a thread of toroid's own, so these forms take no
@@ -33,7 +33,7 @@ impl Handle for PendingHandle {
 ///
 /// # Safety
 /// `out` must be valid for a write.
-unsafe fn hand_out(out: *mut *mut toroid_pending, p: PendingComm) {
+pub(super) unsafe fn hand_out(out: *mut *mut toroid_pending, p: PendingComm) {
     let h = PendingHandle::into_handle(Arc::new(PendingHandle { pending: p }));
     // SAFETY: forwarded from the caller.
     unsafe { write_out(out, h) }

@@ -169,6 +169,9 @@ impl RawResult {
 #[allow(dead_code)]
 pub const TOROID_SPLIT_NOCOLOR: c_int = -1;
 
+/// Room for a join token (toroid_grow_offer_token) and its NUL: always enough.
+pub const TOROID_JOIN_TOKEN_MAX: usize = 256;
+
 /// Settings for toroid_comm_init. Set `struct_size = sizeof(toroid_config)`: later versions
 /// append fields, and toroid reads only the fields that a caller's struct_size covers
 /// (a smaller size than this first version is rejected).
@@ -239,11 +242,20 @@ pub struct toroid_comm {
     _private: [u8; 0],
 }
 
-/// A communicator being created or shrunk in the background (toroid_comm_init_async,
-/// toroid_comm_init_env_async, toroid_comm_shrink_async). Opaque; released by
+/// A communicator being created, shrunk, grown or joined in the background
+/// (toroid_comm_init_async, toroid_comm_init_env_async, toroid_comm_shrink_async,
+/// toroid_comm_grow_async, toroid_comm_join_async). Opaque; released by
 /// toroid_pending_free.
 #[derive(Debug)]
 pub struct toroid_pending {
+    _private: [u8; 0],
+}
+
+/// One rank's offer to grow its communicator (toroid_comm_grow_offer): the join token for
+/// the new processes, and what toroid_comm_grow needs. Opaque; released by
+/// toroid_grow_offer_free.
+#[derive(Debug)]
+pub struct toroid_grow_offer {
     _private: [u8; 0],
 }
 

@@ -43,6 +43,21 @@ class _DeviceBackend(_C10dBackend):
     def supports_splitting(self) -> bool:
         return True  # split_group splits the toroid communicator (ProcessGroupToroid.split_group)
 
+    @property
+    def supports_shrinking(self) -> bool:
+        return True  # shrink_group shrinks the toroid communicator (ProcessGroupToroid.shrink)
+
+    def shrink(self, ranks_to_exclude, shrink_flags=0, opts=None) -> "_DeviceBackend":
+        """torch.distributed.shrink_group's backend call: the backend of a new group of the
+        ranks not excluded (it keeps that group alive: torch wraps the backend alone in the new
+        c10d ProcessGroup)."""
+        child = self._group().shrink(ranks_to_exclude, shrink_flags, opts)
+        backend = child._backend
+        if backend is None:
+            raise RuntimeError("toroid: shrink_group needs torch's Python-constructible c10d Backend")
+        backend._owned = child
+        return backend
+
     def monitored_barrier(self, opts, wait_all_ranks=False) -> None:
         timeout = getattr(opts, "timeout", None)
         self._group().monitored_barrier(timeout, wait_all_ranks)

@@ -59,11 +59,13 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
         # the device of their tensors (one object for both: torch keeps one backend per type).
         # torch before Python-constructible c10d Backends (2.11 says "No constructor defined")
         # gets none: its ProcessGroup calls this Python group's methods directly.
+        self._backend: Optional[_DeviceBackend] = None
+        self._shrunk = False  # a communicator shrinks once
         if _backend_constructible():
             kind = dist.Backend.backend_type_map.get(BACKEND, dist.ProcessGroup.BackendType.CUSTOM)
-            backend = _DeviceBackend(self, rank, size)
+            self._backend = _DeviceBackend(self, rank, size)
             for device in DEVICES:
-                self._register_backend(torch.device(device), kind, backend)
+                self._register_backend(torch.device(device), kind, self._backend)
             self._set_default_backend(kind)
 
     # The completion thread: toroid runs a group's operations in issue order, so completing the
@@ -333,6 +335,31 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
         if group_desc is not None:
             child._set_group_desc(group_desc)
         return child
+
+    # ---- shrinking (torch.distributed.shrink_group) ------------------------------------------
+
+    def shrink(self, ranks_to_exclude, shrink_flags=0, opts=None) -> "ProcessGroupToroid":
+        """One survivor's part of torch's shrink_group: a new group of the ranks not in
+        `ranks_to_exclude`, in their order, over the shrunk toroid communicator (NCCL's
+        ncclCommShrink: no rendezvous, the survivors' control-plane listeners). With
+        SHRINK_ABORT (flag 1) this group is aborted first: its pending operations fail at once
+        instead of holding the shrink up. Every survivor passes the same ranks; the excluded
+        ones do not call it. The new group's operations are bounded by `opts`'s timeout when it
+        has one, else by this group's."""
+        if self._shrunk:
+            raise RuntimeError("toroid: a process group can be shrunk only once (shrink the new group)")
+        excluded = sorted(int(r) for r in ranks_to_exclude)
+        if int(shrink_flags) & getattr(dist.distributed_c10d, "SHRINK_ABORT", 1):
+            self.abort()
+        self._shrunk = True
+        sub = self._comm.shrink(excluded)
+        opt_timeout = getattr(opts, "_timeout", None) if opts is not None else None
+        timeout = opt_timeout if opt_timeout else (
+            datetime.timedelta(seconds=self._timeout_s) if self._timeout_s else None)
+        # The new group's monitored_barrier keys: a prefix no other group of this store uses (a
+        # group shrinks once, and a shrunk group's store is itself under its parent's prefix).
+        store = dist.PrefixStore(f"toroid/shrink/{'-'.join(map(str, excluded))}/", self._store)
+        return ProcessGroupToroid(store, sub.rank, sub.size, timeout, comm=sub)
 
     # ---- life cycle --------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 //! Set-up: creating communicators: joining a job through a store (what each rank publishes:
 //! `roster.rs`), in the background (`pending.rs`), and splitting one. Both (and `shrink`, in
-//! `shrink.rs`) end in the same connect sequence ([`Communicator::connect`]): TCP
+//! `shrink.rs`; `grow`, in `grow.rs`, meets through a store of its own) end in the same connect sequence ([`Communicator::connect`]): TCP
 //! links, the topology, same-host links moved to shared memory, the communicator, and its cost
 //! model (probed or given).
 //!
@@ -15,6 +15,7 @@
 //!   every rank's keys (`N^2` reads in all).
 //! - `mesh`: every pair connects at set-up and every rank reads every rank's keys, as before.
 
+pub(super) mod grow;
 pub(super) mod pending;
 mod roster;
 mod shrink;
