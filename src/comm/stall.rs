@@ -23,6 +23,15 @@ use crate::trace::{PeerAnswer, Report};
 /// how much the report adds to the failure: an error arrives within the timeout plus this.
 pub(crate) const GRACE: Duration = Duration::from_secs(2);
 
+/// How long a peer has to answer when this rank's failure is a peer's (a closed connection, an
+/// abort, bad bytes: `Error::Remote`). The report already names that rank; the others' state is
+/// detail, and a survivor that
+/// saw the death first may already be rebuilding (a shrink stops serving the control plane
+/// while it connects), so it would not answer at all. The full grace there made the next
+/// survivor's error, and with it every survivor's shrink, 2 s late (`examples/grow_cycle.rs`,
+/// 8 ranks); a live rank that is not shrinking answers in well under this.
+const CLOSED_GRACE: Duration = Duration::from_millis(250);
+
 /// True for the failures the report explains: a deadline that passed, a peer that went away or
 /// a mismatch found on this rank's own links (not an abort frame relayed from a peer, which
 /// already carries that peer's report, nor this rank's own `abort`).
@@ -47,11 +56,11 @@ fn is_relayed_abort(message: &str) -> bool {
 }
 
 impl Core {
-    /// The report of every rank's state now (asks the peers, each within [`GRACE`]); `closed`:
+    /// The report of every rank's state now (asks the peers, each within `grace`); `closed`:
     /// the peer whose closed connection this rank's failure began with.
-    pub(crate) fn stall_report(&self, closed: Option<usize>) -> Report {
+    pub(crate) fn stall_report(&self, closed: Option<usize>, grace: Duration) -> Report {
         let own = self.own_snapshot();
-        let others: Vec<(usize, PeerAnswer)> = self.ask_peers(GRACE);
+        let others: Vec<(usize, PeerAnswer)> = self.ask_peers(grace);
         Report::build_after_close(&own, &others, closed)
     }
 
@@ -64,7 +73,8 @@ impl Core {
         // A lost connection names the peer that closed it: that one died; others found gone
         // by now most likely exited after failing because of it.
         let closed = if matches!(e, Error::Remote(_)) { e.peer() } else { None };
-        let report = self.stall_report(closed);
+        let grace = if matches!(e, Error::Remote(_)) { CLOSED_GRACE } else { GRACE };
+        let report = self.stall_report(closed, grace);
         tracing::error!(target: "toroid::stall", "rank {}: {e}\n{report}", self.ident.rank);
         if !report.is_informative() {
             return e;
@@ -80,7 +90,7 @@ impl Communicator {
     /// (each within two seconds); callable from any thread, also while an operation runs.
     pub fn dump(&self) -> Result<String> {
         self.core.forked()?;
-        Ok(self.core.stall_report(None).to_string())
+        Ok(self.core.stall_report(None, GRACE).to_string())
     }
 }
 
@@ -123,7 +133,7 @@ fn start_watcher() {
                         "toroid: rank {} of communicator {:#018x} (SIGUSR1): {}",
                         core.ident.rank,
                         core.ident.id,
-                        core.stall_report(None)
+                        core.stall_report(None, GRACE)
                     );
                     eprintln!("{text}");
                 }
