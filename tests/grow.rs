@@ -133,22 +133,11 @@ impl Drop for TempDir {
 /// rank, and grow back to 4 with the process that joins; everyone checks an all-reduce.
 fn replaced_rank_body() {
     let comm = Communicator::from_env().expect("create");
-    let mut buf = vec![1.0f32; 1 << 18];
     if comm.rank() == 3 {
-        std::thread::spawn(|| {
-            std::thread::sleep(Duration::from_millis(300));
-            // SAFETY: kill(2) on our own pid; no memory is involved.
-            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
-        });
+        util::kill_self_after(Duration::from_millis(300));
     }
-    let start = Instant::now();
-    let err = loop {
-        if let Err(e) = comm.all_reduce(&mut buf, ReduceOp::Sum) {
-            break e;
-        }
-        assert!(start.elapsed() < Duration::from_secs(60), "no error within 60 s");
-    };
-    println!("ERROR {} after {} ms: {err}", err.category(), start.elapsed().as_millis());
+    let (err, ms) = util::all_reduce_until_error(&comm, 1 << 18);
+    println!("ERROR {} after {ms} ms: {err}", err.category());
     let t = Instant::now();
     let small = comm.shrink(&[3]).unwrap_or_else(|e| panic!("rank {}: shrink: {e}", comm.rank()));
     let shrunk = t.elapsed();
@@ -198,32 +187,27 @@ fn replaced_rank_case(test: &str, tcp: bool) {
     }
 }
 
+/// A child process of a replaced-rank case runs its part; the test process runs the case.
+fn replaced_rank_test(test: &str, tcp: bool) {
+    if !util::is_child() {
+        return replaced_rank_case(test, tcp);
+    }
+    if std::env::var_os(JOIN_VAR).is_some() {
+        check_sum(&joiner_body(false));
+        println!("SUM OK");
+    } else {
+        replaced_rank_body();
+    }
+}
+
 #[test]
 fn a_killed_rank_is_replaced_by_a_new_process_over_shm() {
-    if util::is_child() {
-        if std::env::var_os(JOIN_VAR).is_some() {
-            check_sum(&joiner_body(false));
-            println!("SUM OK");
-        } else {
-            replaced_rank_body();
-        }
-        return;
-    }
-    replaced_rank_case("a_killed_rank_is_replaced_by_a_new_process_over_shm", false);
+    replaced_rank_test("a_killed_rank_is_replaced_by_a_new_process_over_shm", false);
 }
 
 #[test]
 fn a_killed_rank_is_replaced_by_a_new_process_over_tcp() {
-    if util::is_child() {
-        if std::env::var_os(JOIN_VAR).is_some() {
-            check_sum(&joiner_body(false));
-            println!("SUM OK");
-        } else {
-            replaced_rank_body();
-        }
-        return;
-    }
-    replaced_rank_case("a_killed_rank_is_replaced_by_a_new_process_over_tcp", true);
+    replaced_rank_test("a_killed_rank_is_replaced_by_a_new_process_over_tcp", true);
 }
 
 #[test]

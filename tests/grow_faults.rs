@@ -30,15 +30,6 @@ fn input(r: usize, i: usize) -> i64 {
     (util::data::mix(((r as u64) << 32) ^ i as u64 ^ 0xfa17) >> 24) as i64
 }
 
-/// SIGKILLs this process after `delay` (from another thread).
-fn kill_after(delay: Duration) {
-    std::thread::spawn(move || {
-        std::thread::sleep(delay);
-        // SAFETY: kill(2) on our own pid; no memory is involved.
-        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
-    });
-}
-
 /// All-reduces rank inputs: Ok when exact, Err on a failed call; a wrong element ends the
 /// process with status 3 at once.
 fn check(comm: &Communicator) -> toroid::Result<()> {
@@ -73,11 +64,11 @@ fn report(r: toroid::Result<()>) {
 fn rank_body(kind: &str, delay: Duration) -> toroid::Result<()> {
     let (rank, last) = (std::env::var("TOROID_RANK").unwrap().parse::<usize>().unwrap(), N - 1);
     if kind == "setup" && rank == last {
-        kill_after(delay); // before or while it makes its first connection
+        util::kill_self_after(delay); // before or while it makes its first connection
     }
     let comm = Communicator::from_env()?;
     if rank == last {
-        kill_after(delay);
+        util::kill_self_after(delay);
     }
     let mut buf = vec![1.0f32; 1 << 16];
     let start = Instant::now();
@@ -92,7 +83,7 @@ fn rank_body(kind: &str, delay: Duration) -> toroid::Result<()> {
         std::fs::rename(&tmp, token_path()).unwrap();
     }
     if kind == "survivor-mid" && rank == 1 {
-        kill_after(delay);
+        util::kill_self_after(delay);
     }
     let grown = small.grow(offer)?;
     check(&grown)
@@ -112,8 +103,8 @@ fn joiner_body(kind: &str, delay: Duration) -> toroid::Result<()> {
     };
     let token: JoinToken = text.parse()?;
     match kind {
-        "joiner-early" => kill_after(Duration::ZERO),
-        "joiner-mid" => kill_after(delay),
+        "joiner-early" => util::kill_self_after(Duration::ZERO),
+        "joiner-mid" => util::kill_self_after(delay),
         _ => {}
     }
     let grown = Communicator::join(&token, N - 1, Config::global()?)?;

@@ -57,22 +57,11 @@ enum How {
 /// all-reduce on the three of them.
 fn killed_rank_body(how: How) {
     let comm = Communicator::from_env().expect("create");
-    let mut buf = vec![1.0f32; 1 << 20];
     if comm.rank() == 2 {
-        std::thread::spawn(|| {
-            std::thread::sleep(Duration::from_millis(300));
-            // SAFETY: kill(2) on our own pid; no memory is involved.
-            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
-        });
+        util::kill_self_after(Duration::from_millis(300));
     }
-    let start = Instant::now();
-    let err = loop {
-        if let Err(e) = comm.all_reduce(&mut buf, ReduceOp::Sum) {
-            break e;
-        }
-        assert!(start.elapsed() < Duration::from_secs(60), "no error within 60 s");
-    };
-    println!("ERROR {} after {} ms: {err}", err.category(), start.elapsed().as_millis());
+    let (err, ms) = util::all_reduce_until_error(&comm, 1 << 20);
+    println!("ERROR {} after {ms} ms: {err}", err.category());
     let t = Instant::now();
     let failed: &[usize] = if how == How::Found { &[] } else { &[2] };
     let small = if how == How::Polled {

@@ -173,3 +173,25 @@ pub fn alive(pid: u32) -> bool {
         Err(_) => false,
     }
 }
+
+/// SIGKILLs this process after `delay`, from a thread of its own (a rank dying mid-operation).
+pub fn kill_self_after(delay: Duration) {
+    std::thread::spawn(move || {
+        std::thread::sleep(delay);
+        // SAFETY: kill(2) on our own pid; no memory is involved.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    });
+}
+
+/// All-reduces a buffer of `elems` floats in a loop until a call fails (within 60 s); returns
+/// the error and the milliseconds it took to come.
+pub fn all_reduce_until_error(comm: &Communicator, elems: usize) -> (toroid::Error, u128) {
+    let mut buf = vec![1.0f32; elems];
+    let start = Instant::now();
+    loop {
+        if let Err(e) = comm.all_reduce(&mut buf, toroid::ReduceOp::Sum) {
+            return (e, start.elapsed().as_millis());
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "no error within 60 s");
+    }
+}
