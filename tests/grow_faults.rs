@@ -1,8 +1,11 @@
-//! Randomized faults in the kill-shrink-grow cycle (4 rank processes and a new one): a rank
+//! Randomized faults in the kill-shrink-grow cycle (4 rank processes, or
+//! `TOROID_GROW_FAULT_RANKS`, and a new one): a rank
 //! killed before its first connection, in a loop of all-reduces, the new process killed before
 //! or while it joins, a survivor killed while the others grow. Every trial must end with every
 //! process that was not killed either done with exact results or failed with an error, all
-//! within the bound (no hang), never a wrong element, no process and no /dev/shm file left.
+//! within the bound (no hang), never a wrong element, no process left, and no /dev/shm name but
+//! one a killed process made inside its set-up window (which the next set-up would sweep; the
+//! test removes it).
 //! When the only fault is the killed rank in the loop, every process must succeed.
 //!
 //! CI runs `TRIALS` trials (each kind at least twice, random delays from a seed printed with
@@ -16,7 +19,8 @@ use std::time::{Duration, Instant};
 
 use toroid::{Communicator, Config, JoinToken, ReduceOp};
 
-const N: usize = 4;
+/// Rank processes per trial (`TOROID_GROW_FAULT_RANKS` overrides).
+const RANKS: usize = 4;
 const TIMEOUT_S: u64 = 3;
 const TRIALS: usize = 10;
 const COUNT: usize = 4099;
@@ -62,7 +66,8 @@ fn report(r: toroid::Result<()>) {
 }
 
 fn rank_body(kind: &str, delay: Duration) -> toroid::Result<()> {
-    let (rank, last) = (std::env::var("TOROID_RANK").unwrap().parse::<usize>().unwrap(), N - 1);
+    let var = |k: &str| std::env::var(k).unwrap().parse::<usize>().unwrap();
+    let (rank, last) = (var("TOROID_RANK"), var("TOROID_WORLD_SIZE") - 1);
     if kind == "setup" && rank == last {
         util::kill_self_after(delay); // before or while it makes its first connection
     }
@@ -107,15 +112,23 @@ fn joiner_body(kind: &str, delay: Duration) -> toroid::Result<()> {
         "joiner-mid" => util::kill_self_after(delay),
         _ => {}
     }
-    let grown = Communicator::join(&token, N - 1, Config::global()?)?;
+    let grown = Communicator::join(&token, token.size() - 1, Config::global()?)?;
     check(&grown)
 }
 
-fn spawn(test: &str, rank: Option<usize>, port: u16, kind: &str, delay_us: u64, dir: &Path) -> Child {
+fn spawn(
+    test: &str,
+    n: usize,
+    rank: Option<usize>,
+    port: u16,
+    kind: &str,
+    delay_us: u64,
+    dir: &Path,
+) -> Child {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
     cmd.args(["--exact", test, "--nocapture", "--test-threads=1"])
         .env(util::CHILD_VAR, "1")
-        .env("TOROID_WORLD_SIZE", N.to_string())
+        .env("TOROID_WORLD_SIZE", n.to_string())
         .env("TOROID_STORE_ADDR", format!("127.0.0.1:{port}"))
         .env("TOROID_TIMEOUT", TIMEOUT_S.to_string())
         .env(KIND_VAR, kind)
@@ -131,8 +144,17 @@ fn spawn(test: &str, rank: Option<usize>, port: u16, kind: &str, delay_us: u64, 
     cmd.spawn().expect("spawn")
 }
 
-fn shm_files() -> usize {
-    std::fs::read_dir("/dev/shm").map(|d| d.filter(|e| e.is_ok()).count()).unwrap_or(0)
+/// toroid's names in /dev/shm (`toroid-<pid>-...`), with the pid of the process that made each.
+fn shm_names() -> Vec<(String, Option<u32>)> {
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else { return Vec::new() };
+    dir.filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("toroid-"))
+        .map(|n| {
+            let pid = n["toroid-".len()..].split('-').next().and_then(|p| p.parse().ok());
+            (n, pid)
+        })
+        .collect()
 }
 
 #[test]
@@ -153,12 +175,14 @@ fn faults_in_the_grow_cycle_never_hang_or_corrupt() {
         report(r);
         return;
     }
-    let trials: usize =
-        std::env::var("TOROID_GROW_FAULT_TRIALS").ok().and_then(|v| v.parse().ok()).unwrap_or(TRIALS);
+    let env_or = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+    let (trials, n) =
+        (env_or("TOROID_GROW_FAULT_TRIALS", TRIALS), env_or("TOROID_GROW_FAULT_RANKS", RANKS).max(3));
     let now =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
     let seed = util::data::mix(std::process::id() as u64 ^ now);
-    let shm_before = shm_files();
+    let shm_before: Vec<String> = shm_names().into_iter().map(|(n, _)| n).collect();
+    let mut swept = 0;
     let mut outcomes = std::collections::BTreeMap::<String, usize>::new();
     for t in 0..trials {
         let kind = KINDS[t % KINDS.len()];
@@ -166,13 +190,15 @@ fn faults_in_the_grow_cycle_never_hang_or_corrupt() {
         let dir = std::env::temp_dir().join(format!("toroid-grow-faults-{}-{t}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let port = util::free_port();
-        let mut kids: Vec<Child> = (0..N).map(|r| spawn(test, Some(r), port, kind, delay_us, &dir)).collect();
-        kids.push(spawn(test, None, port, kind, delay_us, &dir));
+        let mut kids: Vec<Child> =
+            (0..n).map(|r| spawn(test, n, Some(r), port, kind, delay_us, &dir)).collect();
+        kids.push(spawn(test, n, None, port, kind, delay_us, &dir));
         let pids: Vec<u32> = kids.iter().map(|c| c.id()).collect();
         let deadline = Instant::now() + Duration::from_secs(8 * TIMEOUT_S + 10);
         let (statuses, outputs) = util::wait_all(kids, deadline);
         let _ = std::fs::remove_dir_all(&dir);
         let what = format!("trial {t} ({kind}, delay {delay_us} us, seed {seed:#x})");
+        let mut killed_pids = Vec::new();
         for (p, (st, out)) in statuses.iter().zip(&outputs).enumerate() {
             let st = st.unwrap_or_else(|| panic!("{what}: process {p} hung:\n{out}"));
             assert!(!out.contains("RESULT WRONG"), "{what}: process {p} saw a wrong result:\n{out}");
@@ -186,7 +212,10 @@ fn faults_in_the_grow_cycle_never_hang_or_corrupt() {
                 _ => panic!("{what}: process {p} ended with {st} and no result:\n{out}"),
             };
             assert!(st.success() || killed, "{what}: process {p} failed ({st}):\n{out}");
-            if kind == "loop" && p != N - 1 {
+            if killed {
+                killed_pids.push(pids[p]);
+            }
+            if kind == "loop" && p != n - 1 {
                 assert_eq!(outcome, "ok", "{what}: process {p} did not complete the cycle:\n{out}");
             }
             *outcomes.entry(format!("{kind}: {outcome}")).or_default() += 1;
@@ -194,7 +223,20 @@ fn faults_in_the_grow_cycle_never_hang_or_corrupt() {
         for pid in pids {
             assert!(!util::alive(pid), "{what}: process {pid} still running");
         }
-        assert_eq!(shm_files(), shm_before, "{what}: /dev/shm files left");
+        // A process SIGKILLed inside a set-up's window of milliseconds may leave the name of a
+        // segment it made (the next set-up on the host sweeps it once 30 s old; see
+        // src/transport/shm/mod.rs); any other name is a leak. The test removes them itself.
+        for (name, pid) in shm_names().into_iter().filter(|(n, _)| !shm_before.contains(n)) {
+            assert!(
+                pid.is_some_and(|p| killed_pids.contains(&p)),
+                "{what}: /dev/shm/{name} left by a process that was not killed"
+            );
+            let _ = std::fs::remove_file(format!("/dev/shm/{name}"));
+            swept += 1;
+        }
     }
-    println!("{trials} trials, outcomes per process: {outcomes:?}");
+    println!(
+        "{trials} trials of {n} ranks and a new process, outcomes per process: {outcomes:?}; \
+         segment names left by killed processes (removed): {swept}"
+    );
 }
