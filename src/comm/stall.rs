@@ -25,12 +25,12 @@ pub(crate) const GRACE: Duration = Duration::from_secs(2);
 
 /// How long a peer has to answer when this rank's failure is a peer's (a closed connection, an
 /// abort, bad bytes: `Error::Remote`). The report already names that rank; the others' state is
-/// detail, and a survivor that
-/// saw the death first may already be rebuilding (a shrink stops serving the control plane
-/// while it connects), so it would not answer at all. The full grace there made the next
-/// survivor's error, and with it every survivor's shrink, 2 s late (`examples/grow_cycle.rs`,
-/// 8 ranks); a live rank that is not shrinking answers in well under this.
-const CLOSED_GRACE: Duration = Duration::from_millis(250);
+/// detail, and a survivor that saw the death first may already be rebuilding (a shrink stops
+/// serving the control plane while it connects), so it would not answer at all. The full grace
+/// there made the next survivor's error, and with it every survivor's shrink, 2 s late
+/// (`examples/grow_cycle.rs`, 8 ranks); a live rank that is not shrinking answers in well under
+/// this.
+const REMOTE_GRACE: Duration = Duration::from_millis(250);
 
 /// True for the failures the report explains: a deadline that passed, a peer that went away or
 /// a mismatch found on this rank's own links (not an abort frame relayed from a peer, which
@@ -73,7 +73,7 @@ impl Core {
         // A lost connection names the peer that closed it: that one died; others found gone
         // by now most likely exited after failing because of it.
         let closed = if matches!(e, Error::Remote(_)) { e.peer() } else { None };
-        let grace = if matches!(e, Error::Remote(_)) { CLOSED_GRACE } else { GRACE };
+        let grace = if matches!(e, Error::Remote(_)) { REMOTE_GRACE } else { GRACE };
         let report = self.stall_report(closed, grace);
         tracing::error!(target: "toroid::stall", "rank {}: {e}\n{report}", self.ident.rank);
         if !report.is_informative() {

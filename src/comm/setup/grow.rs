@@ -191,24 +191,27 @@ impl Communicator {
     /// keeps its rank, once every new process has joined. Bounded by this communicator's
     /// timeout; rank 0 stops the grow's store when done, so the token admits nobody later.
     pub fn grow(&self, offer: GrowOffer) -> Result<Communicator> {
-        self.core.forked()?;
-        if offer.comm_id != self.id() {
-            return Err(Error::InvalidUsage("grow: the offer was made on another communicator".into()));
-        }
+        self.check_offer(&offer)?;
         grow_with(self.rank(), offer, &self.core.config)
     }
 
     /// [`Communicator::grow`] on a thread of its own: returns at once with a [`PendingComm`] to
     /// poll, wait for or abort.
     pub fn grow_async(&self, offer: GrowOffer) -> Result<PendingComm> {
-        self.core.forked()?;
-        if offer.comm_id != self.id() {
-            return Err(Error::InvalidUsage("grow: the offer was made on another communicator".into()));
-        }
+        self.check_offer(&offer)?;
         let (rank, cfg) = (self.rank(), self.core.config.clone());
         PendingComm::spawn(format!("grow of communicator {:#x}", self.id()), move || {
             grow_with(rank, offer, &cfg)
         })
+    }
+
+    /// A grow uses an offer made on this communicator, in this process.
+    fn check_offer(&self, offer: &GrowOffer) -> Result<()> {
+        self.core.forked()?;
+        if offer.comm_id != self.id() {
+            return Err(Error::InvalidUsage("grow: the offer was made on another communicator".into()));
+        }
+        Ok(())
     }
 
     /// A new process's part of a grow: joins as `rank` (from the old size to `token.size()`,
