@@ -40,6 +40,16 @@
 #define TOROID_JOIN_TOKEN_MAX 256
 
 /**
+ * toroid_comm_health's format: one JSON document.
+ */
+#define TOROID_HEALTH_JSON 0
+
+/**
+ * toroid_comm_health's format: Prometheus text exposition.
+ */
+#define TOROID_HEALTH_PROMETHEUS 1
+
+/**
  * The result of every call. `TOROID_SUCCESS` is 0; each error code matches one kind of failure
  * (the Rust `Error` variants, in order). `toroid_get_error_string` describes a code,
  * `toroid_get_last_error` gives the detail of the last failure.
@@ -436,6 +446,24 @@ enum toroid_result toroid_all_reduce_wire_async(struct toroid_comm *comm,
  * the report of some 300 ranks.
  */
 enum toroid_result toroid_comm_dump(const struct toroid_comm *comm, char *buf, size_t len);
+
+/**
+ * Writes the health of `comm` to `buf` as NUL-terminated text: with `format`
+ * TOROID_HEALTH_JSON one JSON document, with TOROID_HEALTH_PROMETHEUS Prometheus text (see
+ * docs/OBSERVABILITY.md section 8): every rank alive, stopped or dead, the operation it is in
+ * and how long it has waited there, the verdict, and the ranks ranked by how late they enter
+ * collectives. Asks every other rank at once, each within `grace_ms` milliseconds (0: the
+ * default, 60; at most 60000); fails nothing, callable from any thread, also while an
+ * operation runs or the job is stuck. `*needed` (non-NULL) gets the bytes the text takes with
+ * its NUL; when that is more than `len`, nothing is written and the call returns
+ * TOROID_INVALID_ARGUMENT (about 400 bytes per rank is enough for JSON).
+ */
+enum toroid_result toroid_comm_health(const struct toroid_comm *comm,
+                                      int format,
+                                      uint32_t grace_ms,
+                                      char *buf,
+                                      size_t len,
+                                      size_t *needed);
 
 /**
  * A static description of `result`, with a hint on what to do next.

@@ -107,6 +107,7 @@ pub const TOROID_VARS: &[&str] = &[
     "TOROID_CONNECT",
     "TOROID_DUMP_ON_SIGNAL",
     "TOROID_SHM_DIR",
+    "TOROID_STATUS_DIR",
     "TOROID_SHM_RING_SIZE",
     "TOROID_SHM_CHUNK_SIZE",
     "TOROID_TRACE_BUFFER",
@@ -182,6 +183,10 @@ pub struct Config {
     pub dump_on_signal: bool,
     /// Directory of shared-memory segments (`TOROID_SHM_DIR`, a tmpfs).
     pub shm_dir: std::path::PathBuf,
+    /// Directory where every communicator's ranks leave a status entry (their control-plane
+    /// address) for the health query of `toroid-run --status` (`TOROID_STATUS_DIR`; `toroid-run`
+    /// sets it; none: no entries).
+    pub status_dir: Option<std::path::PathBuf>,
     /// Bytes of each point-to-point shared-memory ring, per direction (`TOROID_SHM_RING_SIZE`).
     pub shm_ring_size: usize,
     /// Bytes each rank contributes per chunk to the shared window (`TOROID_SHM_CHUNK_SIZE`;
@@ -307,6 +312,7 @@ impl Default for Config {
             nthreads: 0,
             test_flow_rate: 0,
             shm_dir: DEFAULT_SHM_DIR.into(),
+            status_dir: None,
             shm_ring_size: DEFAULT_SHM_RING_SIZE,
             shm_chunk_size: DEFAULT_SHM_CHUNK_SIZE,
             vars: BTreeMap::new(),
@@ -493,6 +499,9 @@ impl Config {
         if let Some(v) = get("TOROID_SHM_DIR") {
             cfg.shm_dir = v.into();
         }
+        if let Some(v) = get("TOROID_STATUS_DIR") {
+            cfg.status_dir = (!v.is_empty()).then(|| v.into());
+        }
         if let Some(v) = get("TOROID_SHM_RING_SIZE") {
             let s = parse_size("TOROID_SHM_RING_SIZE", v)?;
             if !(4096..=1 << 30).contains(&s) {
@@ -534,6 +543,20 @@ impl Config {
 /// variable through [`Config::from_lookup`].
 pub fn timeline_path_from_env() -> Option<std::path::PathBuf> {
     std::env::var_os("TOROID_TIMELINE").filter(|v| !v.is_empty()).map(std::path::PathBuf::from)
+}
+
+/// The status directory a launcher was given in its own environment (`TOROID_STATUS_DIR`;
+/// unset or empty: none): `toroid-run` then leaves it to the ranks instead of making its own,
+/// and `toroid-run --status` asks that job by default.
+pub fn status_dir_from_env() -> Option<std::path::PathBuf> {
+    std::env::var_os("TOROID_STATUS_DIR").filter(|v| !v.is_empty()).map(std::path::PathBuf::from)
+}
+
+/// The job's `TOROID_AUTH_TOKEN` as the launcher's own environment has it (what `toroid-run
+/// --status` proves itself with); a malformed one is an error, as it is for the ranks.
+pub fn auth_token_from_env() -> Result<Option<AuthToken>> {
+    Config::from_lookup(|k| (k == "TOROID_AUTH_TOKEN").then(|| std::env::var(k).ok()).flatten())
+        .map(|c| c.auth_token)
 }
 
 /// Where NVRTC is, if the user says (`TOROID_NVRTC_PATH`); unset: the loader searches

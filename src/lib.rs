@@ -39,6 +39,7 @@ pub use config::{AuthToken, Config, RdmaMode};
 pub use dtype::{DataType, Element, ReduceOp};
 pub use error::{Error, Result};
 pub use topology::Topology;
+pub use trace::Health;
 
 /// The items behind the public API that toroid's own binaries (`toroid-bench`, `toroid-run`,
 /// `toroid-sim`), benches, examples, tests and the trainer use, each named (no module is
@@ -57,13 +58,16 @@ pub mod internals {
     pub mod collective {
         pub use crate::collective::{CollKind, Fingerprint};
     }
-    /// Raw operations and their hooks, persistent plans.
+    /// Raw operations and their hooks, persistent plans; the health query from outside a job.
     pub mod comm {
-        pub use crate::comm::{AllReducePlan, Hooks, RawOp};
+        pub use crate::comm::{AllReducePlan, HEALTH_GRACE, Hooks, RawOp, query_dir};
     }
     /// Settings: sizes as the variables write them, defaults, the variables the binaries read.
     pub mod config {
-        pub use crate::config::{DEFAULT_SHM_DIR, DEFAULT_SHM_RING_SIZE, parse_size, timeline_path_from_env};
+        pub use crate::config::{
+            DEFAULT_SHM_DIR, DEFAULT_SHM_RING_SIZE, auth_token_from_env, parse_size, status_dir_from_env,
+            timeline_path_from_env,
+        };
     }
     /// Buffer descriptors that outlive a borrow.
     pub mod memory {
@@ -101,6 +105,7 @@ pub mod internals {
     }
     /// The flight recorder's records and the timeline.
     pub mod trace {
+        pub use crate::trace::health::prometheus_header;
         pub use crate::trace::{OpState, Phase, timeline};
     }
     /// The shared-memory transport (benches) and the handshake's protocol version (tests).

@@ -185,6 +185,14 @@ fn c_dump_writes_the_stall_report_into_the_buffer() {
 }
 
 #[test]
+fn c_health_writes_the_document_into_the_buffer() {
+    let exe = build("health");
+    let out = run_ranks(3, 120, &[], &[exe.as_os_str()]);
+    check(&out, "health.c");
+    every_rank_says(&out, 3, "health passed");
+}
+
+#[test]
 fn c_dlopen_resolves_every_entry_point() {
     let exe = build("dlopen");
     let so = lib_dir().join("libtoroid.so");

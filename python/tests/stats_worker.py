@@ -40,4 +40,19 @@ with toroid.Comm.from_env() as comm:
     assert bc is not None and (bc["count"], bc["bytes"]) == (1, 800), bc
     assert sum(s["count"] for s in after) == sum(s["count"] for s in before) + 6, (before, after)
     assert len(after) == len(before) + 2, (before, after)
+
+    # The health document: every rank alive, this rank's completed count as counted here.
+    h = comm.health()
+    assert h["size"] == comm.size and len(h["ranks"]) == comm.size, h
+    assert all(r["state"] == "alive" for r in h["ranks"]), h
+    mine = h["ranks"][RANK]
+    assert mine["completed"] == sum(s["count"] for s in after), (mine, after)
+    text = comm.health(format="prometheus", grace=0.5)
+    assert f'rank="{RANK}",state="alive"}} 1' in text, text
+    try:
+        comm.health(format="xml")
+        raise AssertionError("format xml accepted")
+    except ValueError:
+        pass
+    comm.barrier()  # every rank's control plane up until all have asked
     print(f"rank {RANK}: stats passed", flush=True)

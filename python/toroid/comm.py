@@ -301,6 +301,32 @@ class Comm(_PointerCalls):
         check("toroid_comm_dump", _lib.lib().toroid_comm_dump(self._live(), buf, len(buf)), self._handle)
         return buf.value.decode("utf-8", "replace")
 
+    def health(self, format: str = "json", grace: Optional[float] = None) -> Any:
+        """The health of this communicator now: every rank alive, stopped or dead, the
+        operation it is in and how long it has waited there, the verdict (the stall report's
+        conclusion) and the stragglers (ranks ranked by how late they enter collectives).
+        Asks every other rank at once, each within `grace` seconds (default 0.06); fails
+        nothing. `format="json"` returns the document as a dict, `"prometheus"` the text."""
+        import json
+
+        fmts = {"json": _lib.ABI["constants"]["TOROID_HEALTH_JSON"]["value"],
+                "prometheus": _lib.ABI["constants"]["TOROID_HEALTH_PROMETHEUS"]["value"]}
+        if format not in fmts:
+            raise ValueError(f"format {format!r}: expected 'json' or 'prometheus'")
+        ms = 0 if grace is None else max(1, min(60_000, int(round(grace * 1000))))
+        needed = ctypes.c_size_t(0)
+        size = 64 * 1024
+        for _ in range(3):
+            buf = ctypes.create_string_buffer(size)
+            rc = _lib.lib().toroid_comm_health(self._live(), fmts[format], ms, buf, len(buf), ctypes.byref(needed))
+            if rc == 0:
+                text = buf.value.decode("utf-8", "replace")
+                return json.loads(text) if format == "json" else text
+            if needed.value <= size:
+                break
+            size = needed.value + 4096  # a larger job than the buffer: ask again with room
+        check("toroid_comm_health", rc, self._handle)
+
     def destroy(self) -> None:
         """Releases the communicator once its queued operations have finished.
 

@@ -12,15 +12,17 @@
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use super::health::StatusFile;
 use super::{Core, lock};
 use crate::error::{Error, Result};
 use crate::sys::eventfd::EventFd;
 use crate::sys::fork::ForkGuarded;
-use crate::trace::{PeerAnswer, Snapshot};
+use crate::trace::{Asked, PeerAnswer, Snapshot, now_ns};
 use crate::transport::tcp::{self, control as proto};
 
 pub(crate) use proto::shrink_id;
@@ -39,6 +41,8 @@ pub(crate) struct Control {
     stop: Arc<EventFd>,
     thread: Mutex<Option<JoinHandle<Served>>>,
     snapshot: SnapshotFn,
+    /// This rank's entry for the health query (`TOROID_STATUS_DIR`), while it serves.
+    status: Mutex<Option<StatusFile>>,
 }
 
 impl std::fmt::Debug for Control {
@@ -58,6 +62,7 @@ impl Control {
         addrs: Arc<[SocketAddr]>,
         snapshot: SnapshotFn,
         inbox: Option<Arc<tcp::lazy::Inbox>>,
+        status_dir: Option<&Path>,
     ) -> Result<Control> {
         let stop = Arc::new(EventFd::new().map_err(|e| Error::system("eventfd for the control thread", e))?);
         // A forked child must not keep the listener: a peer would then find it listening after
@@ -72,11 +77,23 @@ impl Control {
                 (listener, parked)
             })
             .map_err(|e| Error::system("spawning the control thread", e))?;
-        Ok(Control { ctx, addrs, ifname: endpoint.ifname, stop, thread: Mutex::new(Some(thread)), snapshot })
+        let status =
+            status_dir.and_then(|d| StatusFile::write(d, ctx.comm_id, ctx.rank, ctx.size, addrs[ctx.rank]));
+        Ok(Control {
+            ctx,
+            addrs,
+            ifname: endpoint.ifname,
+            stop,
+            thread: Mutex::new(Some(thread)),
+            snapshot,
+            status: Mutex::new(status),
+        })
     }
 
     /// Stops the thread; returns the listener and what it parked (`None` once stopped before).
     fn stop(&self) -> Option<Served> {
+        // Nobody answers at this address for this communicator any more.
+        drop(lock(&self.status).take());
         let h = lock(&self.thread).take()?;
         self.stop.signal();
         h.join().ok()
@@ -98,28 +115,14 @@ impl Core {
 
     /// Asks every other rank for its snapshot, all at once, each within `grace`.
     pub(crate) fn ask_peers(&self, grace: Duration) -> Vec<(usize, PeerAnswer)> {
+        self.ask_peers_timed(grace).into_iter().map(|a| (a.rank, a.answer)).collect()
+    }
+
+    /// [`Core::ask_peers`], with this rank's clock around each question.
+    pub(crate) fn ask_peers_timed(&self, grace: Duration) -> Vec<Asked> {
         let c = &self.watch.control;
         let peers: Vec<usize> = (0..c.addrs.len()).filter(|r| *r != c.ctx.rank).collect();
-        let mut out = Vec::with_capacity(peers.len());
-        // One thread per peer in batches (this runs only when a job is stuck or on demand).
-        for batch in peers.chunks(64) {
-            std::thread::scope(|s| {
-                let hs: Vec<_> = batch
-                    .iter()
-                    .map(|&p| {
-                        s.spawn(move || {
-                            (p, proto::ask(&c.ctx, p, c.addrs[p], proto::REQUEST_SNAPSHOT, grace))
-                        })
-                    })
-                    .collect();
-                for h in hs {
-                    if let Ok((p, reply)) = h.join() {
-                        out.push((p, answer_of(p, reply)));
-                    }
-                }
-            });
-        }
-        out
+        ask_all(&|_| c.ctx.clone(), &peers, &c.addrs, grace)
     }
 
     /// The other ranks whose process is gone (their listener refuses connections), with why;
@@ -179,6 +182,39 @@ impl Core {
     pub(crate) fn addrs(&self) -> &[SocketAddr] {
         &self.watch.control.addrs
     }
+}
+
+/// Asks every rank of `peers` (listening at `addrs[p]`) for its snapshot, all at once, each
+/// within `grace`, as `ctx_of(p)`; notes the asker's clock around each question.
+pub(crate) fn ask_all(
+    ctx_of: &(dyn Fn(usize) -> proto::ControlCtx + Sync),
+    peers: &[usize],
+    addrs: &[SocketAddr],
+    grace: Duration,
+) -> Vec<Asked> {
+    let mut out = Vec::with_capacity(peers.len());
+    // One thread per peer in batches (this runs only when a job is stuck or on demand).
+    for batch in peers.chunks(64) {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = batch
+                .iter()
+                .filter(|&&p| p < addrs.len())
+                .map(|&p| {
+                    s.spawn(move || {
+                        let sent_ns = now_ns();
+                        let reply = proto::ask(&ctx_of(p), p, addrs[p], proto::REQUEST_SNAPSHOT, grace);
+                        Asked { rank: p, answer: answer_of(p, reply), sent_ns, got_ns: now_ns() }
+                    })
+                })
+                .collect();
+            for h in hs {
+                if let Ok(a) = h.join() {
+                    out.push(a);
+                }
+            }
+        });
+    }
+    out
 }
 
 fn answer_of(peer: usize, r: proto::Reply) -> PeerAnswer {

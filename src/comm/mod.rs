@@ -31,6 +31,8 @@ mod core;
 #[cfg(feature = "cuda")]
 mod device;
 mod enqueue;
+mod health;
+pub use health::{HEALTH_GRACE, query_dir};
 mod setup;
 mod stall;
 

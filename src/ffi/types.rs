@@ -172,6 +172,11 @@ pub const TOROID_SPLIT_NOCOLOR: c_int = -1;
 /// Room for a join token (toroid_grow_offer_token) and its NUL: always enough.
 pub const TOROID_JOIN_TOKEN_MAX: usize = 256;
 
+/// toroid_comm_health's format: one JSON document.
+pub const TOROID_HEALTH_JSON: c_int = 0;
+/// toroid_comm_health's format: Prometheus text exposition.
+pub const TOROID_HEALTH_PROMETHEUS: c_int = 1;
+
 /// Settings for toroid_comm_init. Set `struct_size = sizeof(toroid_config)`: later versions
 /// append fields, and toroid reads only the fields that a caller's struct_size covers
 /// (a smaller size than this first version is rejected).

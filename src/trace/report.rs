@@ -68,6 +68,9 @@ pub struct Report {
     /// The conclusion says something about the stall (false: no rank holds flight records and
     /// every rank answered, so there is nothing to tell).
     informative: bool,
+    /// The ranks the conclusion names as the cause (dead, stopped, behind, disagreeing, not
+    /// asked), sorted.
+    named: Vec<usize>,
 }
 
 impl Report {
@@ -87,9 +90,18 @@ impl Report {
         closed: Option<usize>,
     ) -> Report {
         let size = (own.size as usize).max(own.rank as usize + 1);
+        let mut all = Vec::with_capacity(others.len() + 1);
+        all.push((own.rank as usize, PeerAnswer::Report(own.clone())));
+        all.extend(others.iter().cloned());
+        Report::from_answers(size, &all, closed)
+    }
+
+    /// The report of a communicator of `size` ranks from every rank's answer, as an observer
+    /// outside it sees them (`toroid-run --status`); ranks with no answer are reported as not
+    /// asked. `closed` as in [`Report::build_after_close`].
+    pub fn from_answers(size: usize, answers: &[(usize, PeerAnswer)], closed: Option<usize>) -> Report {
         let mut views: Vec<View> = vec![View::Unknown("no answer".into()); size];
-        views[own.rank as usize] = view_of(own);
-        for (r, a) in others {
+        for (r, a) in answers {
             if let Some(v) = views.get_mut(*r) {
                 *v = match a {
                     PeerAnswer::Report(s) => view_of(s),
@@ -122,9 +134,20 @@ impl Report {
             }
             let informative = !parts.is_empty();
             parts.push("no flight records to compare (TOROID_TRACE_BUFFER=0)".into());
-            return Report { rows, conclusion: parts.join("; "), informative };
+            let named =
+                (0..size).filter(|&r| !matches!(views[r], View::Known { .. } | View::Exited(_))).collect();
+            return Report { rows, conclusion: parts.join("; "), informative, named };
         }
-        Report { rows, conclusion: conclude(&views), informative: true }
+        let mut blamed = vec![false; size];
+        let conclusion = conclude(&views, &mut blamed);
+        let named = (0..size).filter(|&r| blamed[r]).collect();
+        Report { rows, conclusion, informative: true, named }
+    }
+
+    /// The ranks the conclusion names as the cause, sorted (none when every rank is only slow
+    /// or idle).
+    pub fn named(&self) -> &[usize] {
+        &self.named
     }
 
     /// False when the report has nothing to tell about a stall (the recorder is off and every
@@ -265,7 +288,8 @@ fn verb(n: usize, one: &'static str, many: &'static str) -> &'static str {
     if n == 1 { one } else { many }
 }
 
-fn conclude(views: &[View]) -> String {
+/// The conclusion; marks in `blamed` (one per rank, all false on entry) the ranks it names.
+fn conclude(views: &[View], blamed: &mut [bool]) -> String {
     let known = |r: usize| match &views[r] {
         View::Known { cur, last, records, .. } => Some((cur, last, records)),
         _ => None,
@@ -304,6 +328,9 @@ fn conclude(views: &[View]) -> String {
                 .max_by_key(|&i| (groups[i].1.len(), usize::MAX - groups[i].1[0]))
                 .unwrap_or(0);
             let minor = if major == 0 { 1 } else { 0 };
+            for &r in &groups[minor].1 {
+                blamed[r] = true;
+            }
             return format!(
                 "{} and {} disagree at #{seq}: {} vs {}",
                 ranks(&groups[minor].1),
@@ -326,7 +353,6 @@ fn conclude(views: &[View]) -> String {
     // Grouped by where they were last seen, in the order of their lowest rank.
     let mut behind: Vec<(String, Vec<usize>)> = Vec::new();
     let mut unmatched: Vec<String> = Vec::new();
-    let mut blamed = vec![false; views.len()];
     // Ranks that completed the collective before the one in flight less than a second ago are
     // between two collectives, not behind: they will wait too (a peer's death is seen at once,
     // while others are still in user code; a dump catches ranks on their way). A rank that

@@ -174,6 +174,12 @@ pub fn alive(pid: u32) -> bool {
     }
 }
 
+/// True while the process with this pid is stopped (`SIGSTOP`: state `T`).
+pub fn is_stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| s.rsplit(')').next().unwrap_or("").trim_start().starts_with('T'))
+}
+
 /// SIGKILLs this process after `delay`, from a thread of its own (a rank dying mid-operation).
 pub fn kill_self_after(delay: Duration) {
     std::thread::spawn(move || {

@@ -258,8 +258,14 @@ impl Communicator {
                 rdma_cfg,
             };
             let inbox = Arc::new(Inbox::new(lctx.clone())?);
-            let control =
-                Control::start(endpoint, ctl_ctx, shared_addrs.clone(), snapshot, Some(inbox.clone()))?;
+            let control = Control::start(
+                endpoint,
+                ctl_ctx,
+                shared_addrs.clone(),
+                snapshot,
+                Some(inbox.clone()),
+                cfg.status_dir.as_deref(),
+            )?;
             let mut dialer = Dialer::new(lctx, shared_addrs.clone(), opts, inbox);
             // Linked now: the ranks of this host that shared memory pairs with (both allow
             // it). Every other rank looks like another host to the shared-memory set-up.
@@ -276,7 +282,14 @@ impl Communicator {
             let mesh = tcp::MeshSpec { rank, addrs, comm_id: id, lanes, auth: cfg.auth_token.as_ref() };
             let transports = tcp::connect_mesh(&mesh, &endpoint, accepted, &opts, deadline)?;
             // Every peer is connected: from now on the listener serves the control plane.
-            let control = Control::start(endpoint, ctl_ctx, shared_addrs.clone(), snapshot, None)?;
+            let control = Control::start(
+                endpoint,
+                ctl_ctx,
+                shared_addrs.clone(),
+                snapshot,
+                None,
+                cfg.status_dir.as_deref(),
+            )?;
             (transports, control, None, topology.host_of.clone())
         };
         let links =

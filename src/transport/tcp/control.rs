@@ -297,6 +297,7 @@ impl Conn {
                         self.phase = Phase::Request { from: *from };
                     }
                     Ok(false) => return Next::Wait,
+                    Err(e) if gave_up(&e) => return Next::Close(None),
                     Err(e) => return Next::Close(Some(format!("ack failed: {e}"))),
                 },
                 Phase::Request { from } => {
@@ -318,11 +319,18 @@ impl Conn {
                 Phase::Answer { msg, sent } => match flush(&mut self.stream, msg, sent) {
                     Ok(true) => return Next::Close(None),
                     Ok(false) => return Next::Wait,
+                    Err(e) if gave_up(&e) => return Next::Close(None),
                     Err(e) => return Next::Close(Some(format!("answer failed: {e}"))),
                 },
             }
         }
     }
+}
+
+/// The asker closed the connection before the answer was out: it stopped waiting (its grace
+/// passed while this rank was stopped or busy). Nothing to warn about.
+fn gave_up(e: &io::Error) -> bool {
+    matches!(e.kind(), io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset)
 }
 
 /// What asking one peer's control plane gave.

@@ -14,6 +14,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use clap::{CommandFactory, Parser, error::ErrorKind};
+
+mod status;
 use toroid::internals::sys::process::{self, CpuSet, SIGHUP, SIGINT, SIGKILL, SIGTERM, SIGUSR1, Signal};
 
 const ABOUT: &str = "Start N ranks of a program on this host (a small torchrun for toroid)";
@@ -60,9 +62,27 @@ Examples:
 )]
 struct Cli {
     /// Number of ranks to start (at least 1).
-    #[arg(short = 'n', long = "nprocs", value_name = "N",
+    #[arg(short = 'n', long = "nprocs", value_name = "N", required_unless_present = "status",
           value_parser = clap::value_parser!(u32).range(1..))]
-    nprocs: u32,
+    nprocs: Option<u32>,
+
+    /// Print the health of a running job and exit, instead of starting one: TARGET is the
+    /// job's toroid-run pid or its status directory (default: TOROID_STATUS_DIR, else the
+    /// only job of this user). Every rank is asked at once over the control plane, also while
+    /// the job is stuck. Exit status 0: healthy; 1: a rank is dead, stopped or named by the
+    /// verdict; 3: nothing to ask.
+    #[arg(long, value_name = "TARGET", num_args = 0..=1, conflicts_with_all = ["nprocs", "command"])]
+    status: Option<Option<String>>,
+
+    /// --status output: one JSON document, or Prometheus text.
+    #[arg(long, value_enum, default_value = "json", requires = "status")]
+    format: status::Format,
+
+    /// --status: milliseconds each rank has to answer (a rank that takes the connection and
+    /// does not answer in time is reported stopped).
+    #[arg(long, value_name = "MS", default_value = "60", requires = "status",
+          value_parser = clap::value_parser!(u64).range(1..=60_000))]
+    answer_within: u64,
 
     /// Pretend the ranks are on H hosts (1..=N): rank r is on host r*H/N, consecutive ranks share
     /// a host, uneven splits allowed. Sets TOROID_HOST_ID=host<h> and the local rank and size.
@@ -101,7 +121,12 @@ struct Cli {
     env: Vec<(String, String)>,
 
     /// The program to run and its arguments (after `--`).
-    #[arg(value_name = "PROGRAM", required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+    #[arg(
+        value_name = "PROGRAM",
+        required_unless_present = "status",
+        trailing_var_arg = true,
+        allow_hyphen_values = true
+    )]
     command: Vec<OsString>,
 }
 
@@ -347,7 +372,17 @@ const DRAIN: Duration = Duration::from_secs(2);
 
 fn main() {
     let cli = Cli::parse();
-    let n = cli.nprocs as usize;
+    if let Some(target) = &cli.status {
+        let code = match status::resolve(target.as_deref()) {
+            Ok(dir) => status::run(&dir, cli.format, Duration::from_millis(cli.answer_within)),
+            Err(e) => {
+                eprintln!("toroid-run: {e}");
+                status::NO_JOB
+            }
+        };
+        std::process::exit(code);
+    }
+    let n = cli.nprocs.map_or(1, |n| n as usize);
     let hosts = cli.emulate_hosts.map_or(1, |h| h as usize);
     if !(1..=n).contains(&hosts) {
         let msg = format!("--emulate-hosts must be in 1..={n}");
@@ -368,6 +403,10 @@ fn main() {
         fail(1, format!("cannot install signal handlers: {e}"));
     }
 
+    // The status directory for `--status`, unless the ranks are given their own.
+    let own_status = cli.env.iter().all(|(k, _)| k != "TOROID_STATUS_DIR")
+        && toroid::internals::config::status_dir_from_env().is_none();
+    let status_dir = if own_status { status::create_dir() } else { None };
     let (lines, rx) = mpsc::channel();
     let mut job: Vec<Rank> = Vec::with_capacity(n);
     let cpus = allowed_cpus();
@@ -382,6 +421,9 @@ fn main() {
         if cli.emulate_hosts.is_some() {
             env.push(("TOROID_HOST_ID", format!("host{}", place.host)));
         }
+        if let Some(d) = &status_dir {
+            env.push(("TOROID_STATUS_DIR", d.display().to_string()));
+        }
         let mut child = match spawn(&cli, &env, binding(cli.bind_to, r, n, &cpus).as_deref()) {
             Ok(child) => child,
             Err(e) => {
@@ -390,6 +432,7 @@ fn main() {
                 let msg = msg.split(" (os error").next().unwrap_or_default();
                 eprintln!("toroid-run: cannot start '{program}': {msg}");
                 shutdown(&mut job, SIGTERM, cli.grace);
+                remove_status_dir(status_dir.as_deref());
                 let not_found = e.kind() == io::ErrorKind::NotFound;
                 std::process::exit(if not_found { 127 } else { 126 });
             }
@@ -451,7 +494,14 @@ fn main() {
         }
     }
     merge_timeline(&cli, n);
+    remove_status_dir(status_dir.as_deref());
     std::process::exit(code);
+}
+
+fn remove_status_dir(dir: Option<&std::path::Path>) {
+    if let Some(d) = dir {
+        let _ = std::fs::remove_dir_all(d);
+    }
 }
 
 /// With `TOROID_TIMELINE=path` (in this environment or `--env`), merges the ranks' timeline files
