@@ -328,9 +328,12 @@ fn ranks_die_with_a_killed_launcher() {
     let pids = wait_for_pids(&dir, "rank.", 2);
     // Give the ranks time to exec (the pid file is written just before).
     thread::sleep(Duration::from_millis(100));
+    let launcher = child.id();
     child.kill().expect("SIGKILL the launcher");
     child.wait().expect("reap the launcher");
     assert_all_gone(&pids);
+    // A killed launcher cannot remove its status directory (the next launcher sweeps it).
+    let _ = std::fs::remove_dir_all(std::env::temp_dir().join(format!("toroid-run-{launcher}")));
 }
 
 #[test]

@@ -36,6 +36,7 @@ pub fn dir_of(pid: u32) -> PathBuf {
 /// when it cannot.
 pub fn create_dir() -> Option<PathBuf> {
     use std::os::unix::fs::DirBuilderExt as _;
+    sweep();
     let dir = dir_of(std::process::id());
     // A directory left by an earlier launcher with this pid (killed before it cleaned up).
     let _ = std::fs::remove_dir_all(&dir);
@@ -67,7 +68,9 @@ pub fn resolve(target: Option<&str>) -> Result<PathBuf, String> {
     let mut found: Vec<PathBuf> = std::fs::read_dir(&tmp)
         .map_err(|e| format!("reading {}: {e}", tmp.display()))?
         .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with(PREFIX))
+        .filter(|e| {
+            launcher_of(&e.file_name()).is_some_and(|pid| Path::new(&format!("/proc/{pid}")).exists())
+        })
         .filter(|e| owned_by_me(&e.path()))
         .map(|e| e.path())
         .collect();
@@ -83,6 +86,28 @@ pub fn resolve(target: Option<&str>) -> Result<PathBuf, String> {
             Err(format!("several jobs; name one (--status PID or DIR): {}", list.join(" ")))
         }
     }
+}
+
+/// Removes the status directories of this user's launchers that are gone (killed before they
+/// could remove their own).
+fn sweep() {
+    let Ok(rd) = std::fs::read_dir(std::env::temp_dir()) else { return };
+    for e in rd.flatten() {
+        let name = e.file_name();
+        let Some(pid) =
+            name.to_str().and_then(|n| n.strip_prefix(PREFIX)).and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() && owned_by_me(&e.path()) {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+/// The launcher pid of a status directory's name (`toroid-run-<pid>`).
+fn launcher_of(name: &std::ffi::OsStr) -> Option<u32> {
+    name.to_str()?.strip_prefix(PREFIX)?.parse().ok()
 }
 
 fn owned_by_me(p: &Path) -> bool {
