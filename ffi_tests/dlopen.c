@@ -9,7 +9,7 @@
 static const char *const ENTRY_POINTS[] = {
     "toroid_comm_init_env", "toroid_comm_init", "toroid_comm_init_with_store",
     "toroid_comm_init_with_store_config", "toroid_comm_split", "toroid_comm_shrink", "toroid_comm_stats",
-    "toroid_comm_rank", "toroid_comm_size", "toroid_comm_abort", "toroid_comm_dump", "toroid_comm_health", "toroid_comm_destroy",
+    "toroid_comm_rank", "toroid_comm_size", "toroid_comm_abort", "toroid_comm_revoke", "toroid_comm_is_revoked", "toroid_comm_dump", "toroid_comm_health", "toroid_comm_destroy",
     "toroid_all_reduce", "toroid_reduce_scatter", "toroid_all_gather", "toroid_broadcast",
     "toroid_reduce", "toroid_all_to_all", "toroid_barrier", "toroid_send", "toroid_recv",
     "toroid_recv_any",

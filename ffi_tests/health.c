@@ -4,7 +4,9 @@
  *
  * The JSON document names every rank alive; the Prometheus text has a sample per rank; a buffer
  * too small gets TOROID_INVALID_ARGUMENT, nothing written and the size needed; bad arguments are
- * refused. */
+ * refused. Then rank 0 revokes the communicator: every rank's next all-reduce fails with
+ * TOROID_ABORTED (rank 0 sent nothing for it), every rank sees it revoked, and the health query
+ * still answers. */
 #include "test_util.h"
 
 int main(void) {
@@ -49,6 +51,23 @@ int main(void) {
 
   /* Every rank keeps its control plane up until all have asked. */
   CHECK(toroid_barrier(comm));
+
+  int revoked = -1;
+  CHECK(toroid_comm_is_revoked(comm, &revoked));
+  EXPECT(revoked == 0);
+  if (g_rank == 0) {
+    CHECK(toroid_comm_revoke(comm));
+    CHECK(toroid_comm_revoke(comm)); /* idempotent */
+  }
+  EXPECT_CODE(TOROID_ABORTED, toroid_all_reduce(comm, x, x, 16, TOROID_FLOAT32, TOROID_SUM));
+  CHECK(toroid_comm_is_revoked(comm, &revoked));
+  EXPECT(revoked == 1);
+  EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_comm_is_revoked(comm, NULL));
+  CHECK(toroid_comm_health(comm, TOROID_HEALTH_JSON, 1000, buf, sizeof buf, &needed));
+  EXPECT(strstr(buf, "\"size\":3") != NULL);
+  /* Until every rank has asked (a rank gone meanwhile would be reported dead). */
+  struct timespec nap = {0, 300 * 1000 * 1000};
+  nanosleep(&nap, NULL);
   CHECK(toroid_comm_destroy(comm));
   printf("health passed\n");
   return 0;

@@ -397,6 +397,22 @@ enum toroid_result toroid_comm_size(const struct toroid_comm *comm, int *size);
 enum toroid_result toroid_comm_abort(struct toroid_comm *comm);
 
 /**
+ * Revokes `comm` (NCCL's ncclCommRevoke, MPI's MPIX_Comm_revoke): every operation queued or
+ * running on it fails with TOROID_ABORTED, on this rank and on every other rank (which need
+ * not call it), and later operations fail at once; the error names the revoke. What a
+ * recovery needs stays: the handle, the control plane (toroid_comm_health, toroid_comm_dump)
+ * and the listeners toroid_comm_shrink builds the survivors' communicator through. Idempotent;
+ * never blocks; callable from any thread. The handle stays valid until toroid_comm_destroy.
+ */
+enum toroid_result toroid_comm_revoke(struct toroid_comm *comm);
+
+/**
+ * Sets `*revoked` to 1 once `comm` is revoked (toroid_comm_revoke on this rank, or on another
+ * rank and seen here by a failed operation), else 0.
+ */
+enum toroid_result toroid_comm_is_revoked(const struct toroid_comm *comm, int *revoked);
+
+/**
  * Releases `comm`, after its queued operations have finished (call toroid_comm_abort first to
  * make them fail fast). NULL is a no-op returning TOROID_SUCCESS; a handle that was already
  * destroyed gives TOROID_INVALID_USAGE. Work handles of `comm` stay valid until freed. When

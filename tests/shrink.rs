@@ -230,3 +230,68 @@ fn survivors_that_disagree_on_the_failed_ranks_all_fail_within_the_timeout() {
         assert!(line.contains("same failed ranks") || line.contains("disagree"), "rank {r}: {line}");
     }
 }
+
+/// Revoke, then shrink: ranks 0-2 wait in an all-reduce that rank 3 (busy in user code) never
+/// enters; a watchdog thread of rank 0 revokes. Every waiting rank's call fails at once with the
+/// revoke named, rank 3's next call fails too, every rank reports the communicator revoked,
+/// and ranks 0-2 shrink without rank 3 and all-reduce exactly on the result.
+fn revoke_then_shrink(tcp: bool) {
+    let cfg = toroid::Config { shm_disable: tcp, ..util::test_config(30.0) };
+    util::run_threads(4, &cfg, |comm| {
+        let comm = std::sync::Arc::new(comm);
+        let me = comm.rank();
+        let mut v = vec![1i64; 1000];
+        let t = Instant::now();
+        let watchdog = (me == 0).then(|| {
+            let c = comm.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(300));
+                let t = Instant::now();
+                c.revoke();
+                c.revoke(); // idempotent
+                assert!(t.elapsed() < Duration::from_millis(100), "revoke blocked for {:?}", t.elapsed());
+            })
+        });
+        if me == 3 {
+            std::thread::sleep(Duration::from_millis(1500));
+        }
+        // A rank whose peers' data for this all-reduce all went out before the revoke (rank 3,
+        // entering late; or a rank that needs only rank 3's and pre-revoke data) completes it,
+        // exactly; the abort frames behind that data fail its next call.
+        let e = match comm.all_reduce(&mut v, ReduceOp::Sum) {
+            Err(e) => e,
+            Ok(()) => {
+                assert!(v.iter().all(|&x| x == 4), "rank {me}: a completed all-reduce is exact");
+                comm.all_reduce(&mut v, ReduceOp::Sum).expect_err("the revoke fails the next call")
+            }
+        };
+        if me != 3 {
+            assert!(t.elapsed() < Duration::from_secs(5), "rank {me} waited {:?}: {e}", t.elapsed());
+        }
+        assert!(e.to_string().contains("rank 0 revoked the communicator"), "rank {me}: {e}");
+        assert!(comm.is_revoked(), "rank {me}");
+        let again = comm.all_reduce(&mut v, ReduceOp::Sum).expect_err("revoked for good");
+        assert!(again.to_string().contains("revoked"), "rank {me}: {again}");
+        if let Some(w) = watchdog {
+            w.join().unwrap();
+        }
+        // The health query still answers on a revoked communicator.
+        let h = comm.health(Duration::from_millis(500)).unwrap();
+        assert_eq!(h.ranks.len(), 4);
+        if me == 3 {
+            return;
+        }
+        let small = comm.shrink(&[3]).expect("shrink after the revoke");
+        check_sum(&small, me, &[0, 1, 2]);
+    });
+}
+
+#[test]
+fn revoke_then_shrink_shm() {
+    revoke_then_shrink(false);
+}
+
+#[test]
+fn revoke_then_shrink_tcp() {
+    revoke_then_shrink(true);
+}

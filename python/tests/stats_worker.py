@@ -55,4 +55,17 @@ with toroid.Comm.from_env() as comm:
     except ValueError:
         pass
     comm.barrier()  # every rank's control plane up until all have asked
+
+    # Revoke: rank 0 revokes; every rank's next all-reduce fails as aborted (rank 0 sent nothing
+    # for it), and every rank then sees the communicator revoked.
+    assert not comm.is_revoked()
+    if RANK == 0:
+        comm.revoke()
+        comm.revoke()  # idempotent
+    try:
+        comm.all_reduce(np.ones(8, dtype=np.float32))
+        raise AssertionError("an all-reduce after the revoke succeeded")
+    except toroid.AbortedError as e:
+        assert "rank 0 revoked the communicator" in str(e), e
+    assert comm.is_revoked()
     print(f"rank {RANK}: stats passed", flush=True)

@@ -293,6 +293,18 @@ class Comm(_PointerCalls):
         """Fails pending and later operations; never blocks."""
         check("toroid_comm_abort", _lib.lib().toroid_comm_abort(self._live()), self._handle)
 
+    def revoke(self) -> None:
+        """Revokes the communicator (NCCL's ncclCommRevoke): every queued or running operation
+        fails, here and on every other rank, and later ones fail at once; the handle, health(),
+        dump() and shrink() keep working. Idempotent; never blocks."""
+        check("toroid_comm_revoke", _lib.lib().toroid_comm_revoke(self._live()), self._handle)
+
+    def is_revoked(self) -> bool:
+        """True once revoked, here or by another rank (seen by a failed operation)."""
+        flag = ctypes.c_int(0)
+        check("toroid_comm_is_revoked", _lib.lib().toroid_comm_is_revoked(self._live(), ctypes.byref(flag)), self._handle)
+        return bool(flag.value)
+
     def dump(self) -> str:
         """The stall report now, without failing anything: the conclusion line first, then one
         line per rank (last completed operation, the one it is in, whom it waits on, or dead /

@@ -54,6 +54,7 @@ use crate::dtype::DataType;
 use crate::error::Error;
 use crate::memory::RawBufs;
 use crate::topology::Topology;
+use crate::transport::REVOKED;
 use crate::tuning::{CostModel, Shape};
 use core::Core;
 
@@ -185,6 +186,39 @@ impl Communicator {
             engine.fail(&format!("rank {} called abort", self.core.ident.rank));
         }
         self.core.queue.cv.notify_all();
+    }
+
+    /// Revokes the communicator (NCCL 2.28's `ncclCommRevoke`, MPI ULFM's `MPIX_Comm_revoke`):
+    /// every operation queued or running on it fails, on this rank and, through abort frames
+    /// (and the shared window's flag), on every other rank, which need not call it; later
+    /// operations fail at once. Nothing a recovery needs is released: the handle, the control
+    /// plane (its listener, [`Communicator::health`], [`Communicator::dump`]) and the ranks'
+    /// addresses stay, so the framework can quiesce, ask, decide, then
+    /// [`shrink`](Communicator::shrink) (which builds new links through the same listeners) and
+    /// grow the result, or destroy it. The links are closed, as after any failure: a revoked
+    /// communicator carries no more data. Idempotent; never blocks; callable from any thread.
+    ///
+    /// It differs from [`Communicator::abort`] in what every rank is told: the error names the
+    /// revoke (`rank r revoked the communicator`), [`Communicator::is_revoked`] is true on every
+    /// rank that has seen it, and no stall report is made (a revoke explains itself).
+    pub fn revoke(&self) {
+        if self.core.forked().is_err() {
+            return;
+        }
+        let reason = format!("rank {} {REVOKED}", self.core.ident.rank);
+        self.core.abort.fire(Error::Aborted(reason.clone().into()));
+        // Idle: close the links now. Busy: the running operation sees the signal and does it
+        // (with the same reason, which the abort frames carry to every peer).
+        if let Ok(mut engine) = self.core.engine.try_lock() {
+            engine.fail(&reason);
+        }
+        self.core.queue.cv.notify_all();
+    }
+
+    /// True once this communicator is revoked: by [`Communicator::revoke`] on this rank, or on
+    /// another rank and seen here (an operation failed with its abort frame).
+    pub fn is_revoked(&self) -> bool {
+        self.core.abort.is_fired() && self.core.abort.error().to_string().contains(REVOKED)
     }
 
     /// The transport linking this rank to `peer` (`"shm"`, `"rdma"`, `"tcp"` or `"tcp-striped"`;

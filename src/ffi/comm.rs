@@ -160,6 +160,41 @@ pub unsafe extern "C" fn toroid_comm_abort(comm: *mut toroid_comm) -> toroid_res
     })
 }
 
+/// Revokes `comm` (NCCL's ncclCommRevoke, MPI's MPIX_Comm_revoke): every operation queued or
+/// running on it fails with TOROID_ABORTED, on this rank and on every other rank (which need
+/// not call it), and later operations fail at once; the error names the revoke. What a
+/// recovery needs stays: the handle, the control plane (toroid_comm_health, toroid_comm_dump)
+/// and the listeners toroid_comm_shrink builds the survivors' communicator through. Idempotent;
+/// never blocks; callable from any thread. The handle stays valid until toroid_comm_destroy.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn toroid_comm_revoke(comm: *mut toroid_comm) -> toroid_result {
+    const NAME: &str = "toroid_comm_revoke";
+    ffi_boundary!(NAME, {
+        with_comm(NAME, comm, |h| {
+            h.comm.revoke();
+            Ok(())
+        })
+    })
+}
+
+/// Sets `*revoked` to 1 once `comm` is revoked (toroid_comm_revoke on this rank, or on another
+/// rank and seen here by a failed operation), else 0.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn toroid_comm_is_revoked(
+    comm: *const toroid_comm,
+    revoked: *mut c_int,
+) -> toroid_result {
+    const NAME: &str = "toroid_comm_is_revoked";
+    ffi_boundary!(NAME, {
+        with_comm(NAME, comm, |h| {
+            check_out(revoked, "revoked")?;
+            // SAFETY: non-NULL (checked) and valid (the caller's promise).
+            unsafe { write_out(revoked, c_int::from(h.comm.is_revoked())) };
+            Ok(())
+        })
+    })
+}
+
 /// Releases `comm`, after its queued operations have finished (call toroid_comm_abort first to
 /// make them fail fast). NULL is a no-op returning TOROID_SUCCESS; a handle that was already
 /// destroyed gives TOROID_INVALID_USAGE. Work handles of `comm` stay valid until freed. When

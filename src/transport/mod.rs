@@ -48,7 +48,7 @@ use std::time::Instant;
 
 use crate::sys::poll::{Events, PollFd};
 
-pub use exchange::{AbortSignal, Peers, Sink, Source};
+pub use exchange::{AbortSignal, Peers, REVOKED, Sink, Source};
 
 /// Opens links on demand (`TOROID_CONNECT=lazy`): the progress engine asks for a link to a
 /// peer the first time an operation needs it. Of each pair the higher rank opens the

@@ -5,6 +5,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::error::{Error, Result};
 
+/// What a revoke's reason says after `rank <r> ` (`Communicator::revoke`): it travels in the
+/// abort frames, and a peer that reads it reports the revoke as such.
+pub const REVOKED: &str = "revoked the communicator";
+
 /// The abort state shared by a communicator's threads: a flag, the first reason, and an event
 /// descriptor that wakes a rank sleeping in `poll(2)`.
 #[derive(Debug)]

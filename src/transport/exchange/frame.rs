@@ -93,8 +93,15 @@ pub(super) fn read_abort(
     }
     if got == buf.len() {
         reason.extend_from_slice(&buf[skip..]);
-        Error::Remote(format!("rank {peer} aborted: {}", String::from_utf8_lossy(&reason)).into())
-            .with_peer(peer)
+        let text = String::from_utf8_lossy(&reason);
+        let msg = format!("rank {peer} aborted: {text}");
+        // A revoke is no failure of the peer: every rank reports it as aborted, as the rank
+        // that revoked does (relayed by a rank that learnt of it first, too).
+        if text.contains(super::abort::REVOKED) {
+            Error::Aborted(msg.into()).with_peer(peer)
+        } else {
+            Error::Remote(msg.into()).with_peer(peer)
+        }
     } else {
         Error::Remote(format!("rank {peer} aborted (its reason did not arrive)").into()).with_peer(peer)
     }

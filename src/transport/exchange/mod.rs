@@ -51,7 +51,7 @@ mod stream;
 mod tx;
 mod wait;
 
-pub use abort::AbortSignal;
+pub use abort::{AbortSignal, REVOKED};
 pub use frame::HEADER_LEN;
 pub use pairwise::{AllToAllPlan, AllToAllRun, WINDOW};
 pub use ring_run::RingRun;
