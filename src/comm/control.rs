@@ -149,6 +149,13 @@ impl Core {
         out
     }
 
+    /// Whether rank `p`'s process is gone (its listener refuses connections), with why; within
+    /// `timeout`.
+    pub(crate) fn peer_gone(&self, p: usize, timeout: Duration) -> Option<String> {
+        let c = &self.watch.control;
+        (p != c.ctx.rank).then(|| c.addrs.get(p).and_then(|a| proto::is_gone(*a, timeout))).flatten()
+    }
+
     /// Stops the control thread and hands over this rank's listener for shrink attempt
     /// `attempt`, with the connections other survivors already made to it for that attempt
     /// (accepted, their hello unread).

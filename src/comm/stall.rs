@@ -32,6 +32,12 @@ pub(crate) const GRACE: Duration = Duration::from_secs(2);
 /// this.
 const REMOTE_GRACE: Duration = Duration::from_millis(250);
 
+/// How long one check that a peer whose connection closed is gone may take (a refused
+/// connection comes back in one round trip; a live peer's kernel accepts).
+const DEATH_PROBE: Duration = Duration::from_millis(100);
+/// How long a peer whose connection closed may still accept connections and yet be dying.
+const DEATH_WINDOW: Duration = Duration::from_millis(50);
+
 /// True for the failures the report explains: a deadline that passed, a peer that went away or
 /// a mismatch found on this rank's own links (not an abort frame relayed from a peer, which
 /// already carries that peer's report, nor this rank's own `abort`).
@@ -64,6 +70,40 @@ impl Core {
         Report::build_after_close(&own, &others, closed)
     }
 
+    /// Whether `peer`, whose connection closed, is gone, with why. A process being killed
+    /// closes its descriptors one by one: its listener may still take a connection a moment
+    /// after its links closed, so a live answer is asked again, briefly.
+    fn died(&self, peer: usize) -> Option<String> {
+        let until = std::time::Instant::now() + DEATH_WINDOW;
+        loop {
+            if let Some(why) = self.peer_gone(peer, DEATH_PROBE) {
+                return Some(why);
+            }
+            if std::time::Instant::now() >= until {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// The report when peer `dead` is known gone (`why`): this rank's own state and the dead
+    /// rank, the others not asked.
+    fn death_report(&self, dead: usize, why: String) -> Report {
+        let own = self.own_snapshot();
+        let others: Vec<(usize, PeerAnswer)> = (0..self.ident.size)
+            .filter(|&r| r != self.ident.rank)
+            .map(|r| {
+                let a = if r == dead {
+                    PeerAnswer::Dead(why.clone())
+                } else {
+                    PeerAnswer::Failed(format!("not asked: rank {dead} is gone"))
+                };
+                (r, a)
+            })
+            .collect();
+        Report::build_after_close(&own, &others, Some(dead))
+    }
+
     /// `e` with the stall report's conclusion in front of its message, when `e` is a failure
     /// the report explains (the whole report goes to the log, target `toroid::stall`).
     pub(crate) fn with_stall_report(&self, e: Error) -> Error {
@@ -74,7 +114,13 @@ impl Core {
         // by now most likely exited after failing because of it.
         let closed = if matches!(e, Error::Remote(_)) { e.peer() } else { None };
         let grace = if matches!(e, Error::Remote(_)) { REMOTE_GRACE } else { GRACE };
-        let report = self.stall_report(closed, grace);
+        let report = match closed.and_then(|c| self.died(c).map(|why| (c, why))) {
+            // The peer whose connection closed is gone: that is the whole story. Asking the
+            // others would wait for survivors already rebuilding (shrinking ranks do not serve
+            // the control plane), for nothing the conclusion needs.
+            Some((c, why)) => self.death_report(c, why),
+            None => self.stall_report(closed, grace),
+        };
         tracing::error!(target: "toroid::stall", "rank {}: {e}\n{report}", self.ident.rank);
         if !report.is_informative() {
             return e;

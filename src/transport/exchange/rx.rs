@@ -127,7 +127,8 @@ impl Rx {
                                 self.peer
                             )
                             .into(),
-                        ));
+                        )
+                        .with_peer(self.peer));
                     }
                     Ok(n) => {
                         progressed = true;
@@ -185,7 +186,8 @@ impl Rx {
                             self.peer
                         )
                         .into(),
-                    ));
+                    )
+                    .with_peer(self.peer));
                 }
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,

@@ -124,7 +124,10 @@ impl Window {
                         "local rank {m} closed its connection during {fp} (it exited, crashed or aborted)"
                     )
                     .into(),
-                ));
+                )
+                // Every rank is a member of the window (it exists only when all are on one
+                // host), so member `m` is rank `m`.
+                .with_peer(m));
             }
             if now >= deadline {
                 return Err(Error::Timeout(
