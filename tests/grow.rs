@@ -150,6 +150,11 @@ fn replaced_rank_body() {
     let grown = small.grow(offer).unwrap_or_else(|e| panic!("rank {}: grow: {e}", small.rank()));
     assert_eq!((grown.rank(), grown.size()), (comm.rank(), 4), "old ranks keep their ranks");
     let g = t.elapsed();
+    // Neither probed again: the survivors' and the grown communicator's cost model is the
+    // parent's measured one (the new process is on the parent's host).
+    assert_eq!(small.cost_model().0, comm.cost_model().0, "the shrink inherits the cost model");
+    assert_eq!(grown.cost_model().0, comm.cost_model().0, "the grow inherits the cost model");
+    assert_ne!(comm.cost_model().0, &toroid::internals::tuning::CostModel::default(), "the parent probed");
     check_sum(&grown);
     println!(
         "CYCLE shrink {} ms, offer {} ms, grow {} ms, first all-reduce {} ms (after the error)",

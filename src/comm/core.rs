@@ -76,6 +76,9 @@ pub(super) struct Tuning {
     /// The cost model and shape every choice uses: the untuned defaults until the probe (or
     /// `TOROID_COST_MODEL`) sets them, identically on every rank.
     pub model: OnceLock<(CostModel, Shape)>,
+    /// The agreed probe measurements the model came from (`setup::calibrate`), for the
+    /// communicators made from this one.
+    pub measured: OnceLock<crate::tuning::ProbeResult>,
     pub untuned: (CostModel, Shape),
     /// Sizes whose algorithm choice was already logged (log once per collective and size class).
     pub logged: Mutex<HashSet<(CollKind, u32, Algorithm)>>,

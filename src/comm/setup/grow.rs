@@ -25,6 +25,7 @@ use std::net::SocketAddr;
 use std::str::FromStr;
 use std::sync::Arc;
 
+use super::Calibration;
 use super::pending::PendingComm;
 use crate::comm::Communicator;
 use crate::config::{AuthToken, Config};
@@ -192,17 +193,23 @@ impl Communicator {
     /// timeout; rank 0 stops the grow's store when done, so the token admits nobody later.
     pub fn grow(&self, offer: GrowOffer) -> Result<Communicator> {
         self.check_offer(&offer)?;
-        grow_with(self.rank(), offer, &self.core.config)
+        grow_with(self.rank(), offer, &self.core.config, self.parent_measurements())
     }
 
     /// [`Communicator::grow`] on a thread of its own: returns at once with a [`PendingComm`] to
     /// poll, wait for or abort.
     pub fn grow_async(&self, offer: GrowOffer) -> Result<PendingComm> {
         self.check_offer(&offer)?;
-        let (rank, cfg) = (self.rank(), self.core.config.clone());
+        let (rank, cfg, parent) = (self.rank(), self.core.config.clone(), self.parent_measurements());
         PendingComm::spawn(format!("grow of communicator {:#x}", self.id()), move || {
-            grow_with(rank, offer, &cfg)
+            grow_with(rank, offer, &cfg, parent)
         })
+    }
+
+    /// What the grown communicator's cost model may start from: this one's measurements and
+    /// host count (`setup::calibrate`).
+    fn parent_measurements(&self) -> Calibration {
+        Calibration::Grow(self.measured().map(|m| (m, self.core.ident.topology.hosts)))
     }
 
     /// A grow uses an offer made on this communicator, in this process.
@@ -233,7 +240,7 @@ impl Communicator {
 }
 
 /// An old rank's grow: rank 0 through its own serving store, the others as its clients.
-fn grow_with(rank: usize, offer: GrowOffer, cfg: &Config) -> Result<Communicator> {
+fn grow_with(rank: usize, offer: GrowOffer, cfg: &Config, calibration: Calibration) -> Result<Communicator> {
     let GrowOffer { token, server, .. } = offer;
     let what = format!("rank {rank}: grow to {} ranks", token.size);
     let store: Arc<dyn Store> = match &server {
@@ -241,7 +248,8 @@ fn grow_with(rank: usize, offer: GrowOffer, cfg: &Config) -> Result<Communicator
         None => Arc::new(connect(&token, cfg)?),
     };
     let host = token.addr.ip().to_string();
-    let comm = Communicator::build(rank, token.size, store, cfg, Some(&host)).map_err(|e| e.context(&what));
+    let comm = Communicator::build(rank, token.size, store, cfg, Some(&host), calibration)
+        .map_err(|e| e.context(&what));
     // As at creation: rank 0's set-up returns only once every rank has read what it needs.
     if let Some(s) = server {
         s.stop_serving();
@@ -257,7 +265,8 @@ fn join_with(token: &JoinToken, rank: usize, cfg: &Config) -> Result<Communicato
     }
     let store: Arc<dyn Store> = Arc::new(connect(token, cfg).map_err(|e| e.context(&what))?);
     let host = token.addr.ip().to_string();
-    Communicator::build(rank, token.size, store, cfg, Some(&host)).map_err(|e| e.context(&what))
+    Communicator::build(rank, token.size, store, cfg, Some(&host), Calibration::Grow(None))
+        .map_err(|e| e.context(&what))
 }
 
 /// A client of the grow's store, proving the token's secret.

@@ -15,8 +15,10 @@
 //!   every rank's keys (`N^2` reads in all).
 //! - `mesh`: every pair connects at set-up and every rank reads every rank's keys, as before.
 
+mod calibrate;
 pub(super) mod grow;
 pub(super) mod pending;
+pub(crate) use calibrate::Calibration;
 mod roster;
 mod shrink;
 
@@ -30,13 +32,13 @@ use roster::{
 use std::time::Instant;
 
 use crate::algorithm::Scratch;
-use crate::collective::{CallOptions, OpKind};
+use crate::collective::OpKind;
 use crate::comm::control::Control;
 use crate::comm::core::{Buffers, Core, Engine, Identity, Links, QueueSlot, Tuning, Watch};
 use crate::comm::enqueue::Queue;
 use crate::comm::{Communicator, lock};
 use crate::config::Config;
-use crate::dtype::{DataType, ReduceOp};
+use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::rendezvous::{self, Store};
 use crate::topology::{Layout, Topology};
@@ -98,8 +100,14 @@ impl Communicator {
             rendezvous::env::StoreAddr::Tcp { host, .. } => Some(host.clone()),
             rendezvous::env::StoreAddr::File(_) => None,
         };
-        let comm =
-            Communicator::build(launch.rank, launch.size, opened.store.clone(), cfg, store_host.as_deref())?;
+        let comm = Communicator::build(
+            launch.rank,
+            launch.size,
+            opened.store.clone(),
+            cfg,
+            store_host.as_deref(),
+            Calibration::Probe,
+        )?;
         // Rank 0's store server is needed no longer: every rank reads every address from the
         // store (or the roster) before it connects to anyone, and rank 0's set-up returns only
         // after every higher rank has connected to it (a mesh: it accepts them all) or has
@@ -121,7 +129,7 @@ impl Communicator {
         config: &Config,
     ) -> Result<Communicator> {
         crate::config::init_logging();
-        Communicator::build(rank, size, store, config, None)
+        Communicator::build(rank, size, store, config, None, Calibration::Probe)
     }
 
     fn build(
@@ -130,6 +138,7 @@ impl Communicator {
         store: Arc<dyn Store>,
         cfg: &Config,
         store_host: Option<&str>,
+        calibration: Calibration,
     ) -> Result<Communicator> {
         if size == 0 || rank >= size {
             return Err(Error::InvalidArgument(format!("rank {rank} is not in a world of {size}").into()));
@@ -194,7 +203,8 @@ impl Communicator {
             lazy,
         };
         let listening = Listening { iface, endpoint, accepted: Vec::new() };
-        let comm = Communicator::connect(members, listening, id, cfg, Some(store.clone()), deadline)?;
+        let comm =
+            Communicator::connect(members, listening, id, cfg, Some(store.clone()), deadline, calibration)?;
         if lazy {
             finish_roster(&*store, &prefix, rank, size, deadline)?;
         }
@@ -213,6 +223,7 @@ impl Communicator {
         cfg: &Config,
         store: Option<Arc<dyn Store>>,
         deadline: Instant,
+        calibration: Calibration,
     ) -> Result<Communicator> {
         let Members { rank, addrs, hosts, machines, lanes, shm_ok, rdma_ok, lazy } = members;
         let Listening { iface, endpoint, accepted } = listening;
@@ -356,6 +367,7 @@ impl Communicator {
             tuning: Tuning {
                 filter,
                 model: std::sync::OnceLock::new(),
+                measured: std::sync::OnceLock::new(),
                 untuned: (CostModel::default(), shape),
                 logged: Mutex::new(std::collections::HashSet::new()),
             },
@@ -385,32 +397,8 @@ impl Communicator {
         };
         let comm = Communicator { core: Arc::new(core), worker: Mutex::new(None) };
         crate::comm::stall::watch(&comm.core);
-        comm.calibrate(explicit)?;
+        comm.calibrate(explicit, calibration)?;
         Ok(comm)
-    }
-
-    /// Sets the cost model: `explicit` when given, else the probe's measurements agreed by an
-    /// all-reduce of maxima (a collective: every rank runs it at creation).
-    fn calibrate(&self, explicit: Option<CostModel>) -> Result<()> {
-        let shape = self.core.tuning.untuned.1.clone();
-        let model = match explicit {
-            Some(m) => (m, shape),
-            None if self.size() == 1 => (CostModel::default(), shape),
-            None => {
-                let mut r = [0f64; crate::tuning::PROBE_LEN];
-                self.go(OpKind::Probe, DataType::F64, None, Some(bytemuck::cast_slice_mut(&mut r)))?;
-                // Exact, whatever TOROID_WIRE_DTYPE says: f16 would flush the link costs
-                // (microseconds, nanoseconds per byte) to zero.
-                let exact = CallOptions { wire: Some(DataType::F64), ..CallOptions::default() };
-                self.all_reduce_with(&mut r, ReduceOp::Max, exact)?;
-                (CostModel::from_probe(&r), Shape { cpu_share: r[5].max(1.0), ..shape })
-            }
-        };
-        if self.rank() == 0 {
-            tracing::info!(target: "toroid::tuning", "cost model: {} (cpu share {:.1})", model.0, model.1.cpu_share);
-        }
-        let _ = self.core.tuning.model.set(model);
-        Ok(())
     }
 
     /// Splits into sub-communicators: ranks passing the same `color` form one, ordered by
@@ -488,6 +476,15 @@ impl Communicator {
             lazy: self.core.config.connect_lazy,
         };
         let listening = Listening { iface: self.core.links.iface.clone(), endpoint, accepted: Vec::new() };
-        Communicator::connect(members, listening, id, &self.core.config, None, deadline).map(Some)
+        Communicator::connect(
+            members,
+            listening,
+            id,
+            &self.core.config,
+            None,
+            deadline,
+            Calibration::Inherit(self.measured()),
+        )
+        .map(Some)
     }
 }

@@ -20,7 +20,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use super::pending::PendingComm;
-use super::{Listening, Members};
+use super::{Calibration, Listening, Members};
 use crate::comm::{Communicator, Core, control};
 use crate::error::{Error, Result};
 
@@ -104,10 +104,18 @@ impl Core {
             lazy: false,
         };
         let listening = Listening { iface: self.links.iface.clone(), endpoint, accepted };
-        let comm =
-            Communicator::connect(members, listening, id, &self.config, None, deadline).map_err(|e| {
-                e.context(&format!("{what} (every survivor must name the same failed ranks, and be alive)"))
-            })?;
+        let comm = Communicator::connect(
+            members,
+            listening,
+            id,
+            &self.config,
+            None,
+            deadline,
+            Calibration::Inherit(self.tuning.measured.get().copied()),
+        )
+        .map_err(|e| {
+            e.context(&format!("{what} (every survivor must name the same failed ranks, and be alive)"))
+        })?;
         comm.agree_on(n, &failed, &survivors).map_err(|e| e.context(&what))?;
         Ok(comm)
     }
