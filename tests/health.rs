@@ -9,6 +9,7 @@
 mod job;
 mod util;
 
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -100,7 +101,8 @@ fn run_case(test: &str, case: &str, tcp: bool) {
     let dir: PathBuf =
         std::env::temp_dir().join(format!("toroid-health-{}-{case}-{tcp}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    // Private, as toroid-run makes it: the ranks leave no entry in a directory others can read.
+    std::fs::DirBuilder::new().mode(0o700).create(&dir).unwrap();
     let mut env = vec![
         ("TOROID_TIMEOUT".to_string(), TIMEOUT_S.to_string()),
         ("HEALTH_CASE".to_string(), case.to_string()),
@@ -241,6 +243,34 @@ fn skipped_collective_shm() {
 #[test]
 fn skipped_collective_tcp() {
     run_case("skipped_collective_tcp", "skip", true);
+}
+
+/// Entries appear (one per rank, removed with the communicator) in a private directory, and
+/// none in a directory others may read (an entry names the communicator); the query then has
+/// nothing to ask.
+#[test]
+fn entries_only_in_a_private_status_directory() {
+    for (mode, want) in [(0o700, 2usize), (0o755, 0)] {
+        let dir = std::env::temp_dir().join(format!("toroid-health-dir-{}-{mode:o}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::DirBuilder::new().mode(mode).create(&dir).unwrap();
+        let cfg = toroid::Config { status_dir: Some(dir.clone()), ..util::test_config(20.0) };
+        let d = dir.clone();
+        util::run_threads(2, &cfg, move |comm| {
+            comm.barrier().unwrap(); // both ranks' entries written (at creation)
+            let n = std::fs::read_dir(&d).map(|e| e.count()).unwrap_or(usize::MAX);
+            assert_eq!(n, want, "mode {mode:o}");
+            comm.barrier().unwrap();
+        });
+        let left = std::fs::read_dir(&dir).map(|e| e.count()).unwrap_or(usize::MAX);
+        let out = Command::new(env!("CARGO_BIN_EXE_toroid-run"))
+            .args(["--status", &dir.display().to_string()])
+            .output()
+            .unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(left, 0, "entries left after the communicators went (mode {mode:o})");
+        assert_eq!(out.status.code(), Some(3), "{}", String::from_utf8_lossy(&out.stderr));
+    }
 }
 
 /// `toroid-run` gives its job a status directory and `--status PID` finds it; the directory

@@ -35,7 +35,9 @@ const MAX_ENTRY: u64 = 512;
 const MAX_ENTRIES: usize = 1 << 16;
 const ENTRY_TAG: &str = "toroid-status1";
 /// The largest communicator an entry may name (bounds what the query allocates).
-const MAX_SIZE: usize = 1 << 20;
+const MAX_SIZE: usize = 1 << 16;
+/// Communicators asked at once (each asks its ranks 64 at a time).
+const COMMS_AT_ONCE: usize = 16;
 
 /// One rank's status entry: the file and what it says.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,6 +96,12 @@ impl StatusFile {
     ) -> Option<StatusFile> {
         use std::io::Write as _;
         use std::os::unix::fs::OpenOptionsExt as _;
+        if let Err(why) = private_dir(dir) {
+            tracing::warn!(target: "toroid::health",
+                "rank {rank}: no status entry in {} ({why}): an entry names the communicator, which \
+                 admits its holder to it (without TOROID_AUTH_TOKEN)", dir.display());
+            return None;
+        }
         let e = Entry { comm_id, rank, size, addr, pid: std::process::id() };
         let path = dir.join(e.file_name());
         // Written whole under a temporary name, then renamed: a reader sees all of it or none.
@@ -116,6 +124,22 @@ impl StatusFile {
             }
         }
     }
+}
+
+/// `dir` is a directory of this process's user that nobody else may read or enter.
+fn private_dir(dir: &Path) -> std::result::Result<(), String> {
+    use std::os::unix::fs::MetadataExt as _;
+    let m = std::fs::metadata(dir).map_err(|e| e.to_string())?;
+    if !m.is_dir() {
+        return Err("not a directory".into());
+    }
+    if m.uid() != crate::sys::user::euid() {
+        return Err(format!("owned by uid {}, not this user", m.uid()));
+    }
+    if m.mode() & 0o077 != 0 {
+        return Err(format!("mode {:o}: others may read it (make it 0700)", m.mode() & 0o777));
+    }
+    Ok(())
 }
 
 impl Drop for StatusFile {
@@ -173,13 +197,16 @@ pub fn query_dir(dir: &Path, grace: Duration, auth: Option<&AuthToken>) -> Resul
     // communicator.
     let jobs: Vec<(u64, usize, Vec<Option<Entry>>)> =
         comms.into_iter().map(|(id, (n, e))| (id, n, e)).collect();
-    let asked: Vec<Vec<Asked>> = std::thread::scope(|s| {
-        let hs: Vec<_> = jobs
-            .iter()
-            .map(|(id, size, entries)| s.spawn(move || ask_comm(*id, *size, entries, grace, auth)))
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap_or_default()).collect()
-    });
+    let mut asked: Vec<Vec<Asked>> = Vec::with_capacity(jobs.len());
+    for batch in jobs.chunks(COMMS_AT_ONCE) {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = batch
+                .iter()
+                .map(|(id, size, entries)| s.spawn(move || ask_comm(*id, *size, entries, grace, auth)))
+                .collect();
+            asked.extend(hs.into_iter().map(|h| h.join().unwrap_or_default()));
+        });
+    }
     for ((id, size, _), a) in jobs.iter().zip(asked) {
         out.push(Health::build(*id, *size, &a));
     }
