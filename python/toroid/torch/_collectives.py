@@ -13,7 +13,7 @@ import torch.distributed as dist
 from .._lib import DataType, ReduceOp
 from ._errors import _opt_timeout
 from ._staging import _staged
-from ._types import _BITWISE, _Output, _device_type, _dtype, _flat, _op, _stream_op, stream_path
+from ._types import _BITWISE, _Output, _device_type, _dtype, _flat, _op, _reduce_opts, _stream_op, stream_path
 from ._work import ToroidWork, _Finished
 
 
@@ -54,7 +54,9 @@ class _Collectives:
 
     def allreduce(self, tensors, opts=None):
         """In place, per tensor. CUDA tensors: on the stream path when stream_path allows it for
-        every one (toroid_all_reduce_stream on torch's current stream), else staged."""
+        every one (toroid_all_reduce_stream on torch's current stream), else staged. `opts`:
+        AllreduceOptions, or a bare ReduceOp (as torch's ProcessGroup.allreduce takes)."""
+        opts = _reduce_opts(opts)
         torch_op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         if _device_type(tensors) == "cuda":
             op = _stream_op(torch_op)
@@ -152,7 +154,9 @@ class _Collectives:
         ones into one all-reduce itself (NCCL's ncclGroupStart/End), and a large one travels
         alone, without the copy into and out of one concatenation of everything. CUDA tensors
         of one type, each on the stream path: one stream call each (they cannot be recorded in
-        a group); otherwise the whole call is staged."""
+        a group); otherwise the whole call is staged. `opts`: AllreduceCoalescedOptions, or a bare
+        ReduceOp."""
+        opts = _reduce_opts(opts, dist.AllreduceCoalescedOptions)
         if tensors and _device_type(tensors) == "cuda":
             op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
             if len({t.dtype for t in tensors}) == 1 and self._on_stream(tensors, op, self._wire):

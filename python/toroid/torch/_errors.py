@@ -40,7 +40,7 @@ def _torch_error(e: BaseException, name: str, rank: int, timeout_s: Optional[flo
         ms = f"{timeout_s * 1000:.0f}ms" if timeout_s else "the timeout"
         text = f"[Rank {rank}]: Timed out waiting {ms} for {name} to complete. toroid: {e}"
     elif isinstance(e, _lib.RemoteError):
-        text = f"[Rank {rank}]: {name} failed: a peer failed (connection closed by peer, or it aborted). toroid: {e}"
+        text = f"[Rank {rank}]: {name} failed: a peer failed (Connection closed by peer, or it aborted). toroid: {e}"
     elif isinstance(e, _lib.AbortedError):
         text = f"[Rank {rank}]: {name} failed: the group was aborted (an earlier operation failed, or abort was called). toroid: {e}"
     else:

@@ -52,6 +52,16 @@ def _op(torch_op) -> ReduceOp:
                      "BAND, BOR and BXOR in all_reduce only)")
 
 
+def _reduce_opts(opts, options=dist.AllreduceOptions):
+    """torch's ProcessGroup.allreduce also takes a bare ReduceOp where its options go (the
+    pybind overload `allreduce(tensors, op)`, which torchft's tests call): as options."""
+    if isinstance(opts, dist.ReduceOp):  # (ReduceOp.SUM, a RedOpType, is one too)
+        o = options()
+        o.reduceOp = opts
+        return o
+    return opts
+
+
 def _stream_op(torch_op) -> Optional[ReduceOp]:
     """toroid's op for a call on CUDA tensors; None for those only the CPU path runs or refuses
     (BAND/BOR/BXOR, PREMUL_SUM), whose call is then staged."""

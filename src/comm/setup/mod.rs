@@ -2,7 +2,7 @@
 //! `roster.rs`), in the background (`pending.rs`), and splitting one. Both (and `shrink`, in
 //! `shrink.rs`; `grow`, in `grow.rs`, meets through a store of its own) end in the same connect sequence ([`Communicator::connect`]): TCP
 //! links, the topology, same-host links moved to shared memory, the communicator, and its cost
-//! model (probed or given).
+//! model (probed, given, or inherited from the parent: `calibrate.rs`).
 //!
 //! Two ways to link the ranks (`TOROID_CONNECT`):
 //!
