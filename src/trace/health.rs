@@ -164,14 +164,7 @@ impl Health {
             match &a.answer {
                 PeerAnswer::Report(s) => {
                     let off = offset(s, a.sent_ns, a.got_ns);
-                    let op = s.running().copied().or_else(|| {
-                        s.records
-                            .iter()
-                            .rev()
-                            .find(|r| r.state != OpState::Queued)
-                            .filter(|r| r.state == OpState::Failed)
-                            .copied()
-                    });
+                    let op = s.current();
                     h.liveness = Liveness::Alive;
                     h.why.clear();
                     h.pid = s.pid;

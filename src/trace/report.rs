@@ -179,14 +179,7 @@ impl fmt::Display for Report {
 }
 
 fn view_of(s: &Snapshot) -> View {
-    let cur = s.running().copied().or_else(|| {
-        s.records
-            .iter()
-            .rev()
-            .find(|r| r.state != OpState::Queued)
-            .filter(|r| r.state == OpState::Failed)
-            .copied()
-    });
+    let cur = s.current();
     let done = |r: &&OpRecord| r.state == OpState::Done;
     View::Known {
         cur,

@@ -295,6 +295,19 @@ impl Snapshot {
     pub fn running(&self) -> Option<&OpRecord> {
         self.records.iter().find(|r| r.state == OpState::Running)
     }
+
+    /// The operation the rank is in: the running one, else the last one issued if it failed
+    /// (the communicator failed inside it).
+    pub fn current(&self) -> Option<OpRecord> {
+        self.running().copied().or_else(|| {
+            self.records
+                .iter()
+                .rev()
+                .find(|r| r.state != OpState::Queued)
+                .filter(|r| r.state == OpState::Failed)
+                .copied()
+        })
+    }
 }
 
 #[cfg(test)]
