@@ -245,7 +245,17 @@ fn revoke_then_shrink(tcp: bool) {
         let watchdog = (me == 0).then(|| {
             let c = comm.clone();
             std::thread::spawn(move || {
-                std::thread::sleep(Duration::from_millis(300));
+                // Once ranks 0-2 are inside the all-reduce (asked with the health query: a
+                // rank still finishing set-up would see its set-up revoked instead).
+                let until = Instant::now() + Duration::from_secs(20);
+                loop {
+                    let h = c.health(Duration::from_millis(500)).unwrap().to_json();
+                    let inside = (0..3).all(|r| h["ranks"][r]["op"]["kind"] == "all_reduce");
+                    if inside || Instant::now() > until {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
                 let t = Instant::now();
                 c.revoke();
                 c.revoke(); // idempotent

@@ -18,6 +18,8 @@ def row(stats, kind, size_class):
 
 
 with toroid.Comm.from_env() as comm:
+    # A second communicator of the same ranks, for the end: the revoke below leaves it alone.
+    sync = comm.split(0, RANK)
     before = comm.stats()
     assert row(before, "all_reduce", 12) is None and row(before, "broadcast", 10) is None, before
     for it in range(5):
@@ -54,10 +56,10 @@ with toroid.Comm.from_env() as comm:
         raise AssertionError("format xml accepted")
     except ValueError:
         pass
-    comm.barrier()  # every rank's control plane up until all have asked
-
     # Revoke: rank 0 revokes; every rank's next all-reduce fails as aborted (rank 0 sent nothing
-    # for it), and every rank then sees the communicator revoked.
+    # for it), and every rank then sees the communicator revoked. (No collective between the
+    # queries and the revoke: a rank still inside one when rank 0 revokes would fail it. The
+    # control plane answers after the revoke, so the others' queries still see every rank.)
     assert not comm.is_revoked()
     if RANK == 0:
         comm.revoke()
@@ -68,4 +70,6 @@ with toroid.Comm.from_env() as comm:
     except toroid.AbortedError as e:
         assert "rank 0 revoked the communicator" in str(e), e
     assert comm.is_revoked()
+    sync.barrier()  # every rank's control plane up until all have asked
+    sync.destroy()
     print(f"rank {RANK}: stats passed", flush=True)
