@@ -21,7 +21,9 @@ int main(void) {
 
   static char buf[64 * 1024];
   size_t needed = 0;
-  CHECK(toroid_comm_health(comm, TOROID_HEALTH_JSON, 0, buf, sizeof buf, &needed));
+  /* A generous grace: a loaded machine can keep a live rank from answering within the 60 ms
+   * default (0 takes the default: checked below with the misuse cases). */
+  CHECK(toroid_comm_health(comm, TOROID_HEALTH_JSON, 2000, buf, sizeof buf, &needed));
   EXPECT(needed == strlen(buf) + 1);
   EXPECT(strncmp(buf, "{", 1) == 0);
   EXPECT(strstr(buf, "\"size\":3") != NULL);
@@ -31,7 +33,7 @@ int main(void) {
   EXPECT(alive == 3);
   EXPECT(strstr(buf, "\"dead\"") == NULL && strstr(buf, "\"stopped\"") == NULL);
 
-  CHECK(toroid_comm_health(comm, TOROID_HEALTH_PROMETHEUS, 500, buf, sizeof buf, &needed));
+  CHECK(toroid_comm_health(comm, TOROID_HEALTH_PROMETHEUS, 2000, buf, sizeof buf, &needed));
   EXPECT(strstr(buf, "# TYPE toroid_rank_state gauge") != NULL);
   for (int r = 0; r < 3; r++) {
     char want[64];
@@ -66,7 +68,7 @@ int main(void) {
   CHECK(toroid_comm_is_revoked(comm, &revoked));
   EXPECT(revoked == 1);
   EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_comm_is_revoked(comm, NULL));
-  CHECK(toroid_comm_health(comm, TOROID_HEALTH_JSON, 1000, buf, sizeof buf, &needed));
+  CHECK(toroid_comm_health(comm, TOROID_HEALTH_JSON, 0, buf, sizeof buf, &needed));
   EXPECT(strstr(buf, "\"size\":3") != NULL);
   /* Until every rank has asked (a rank gone meanwhile would be reported dead). */
   CHECK(toroid_barrier(sync));

@@ -54,7 +54,7 @@ fn rank_body(case: &str) {
         }
         if i == AT + 8 && case == "slow" {
             // Every rank asks its own communicator's health once, mid-run.
-            let h = comm.health(Duration::from_millis(500)).unwrap();
+            let h = comm.health(Duration::from_secs(2)).unwrap();
             let first = h.stragglers.first().map_or(usize::MAX, |s| s.rank);
             event("OWN", &format!("healthy={} first={first} verdict={}", h.healthy, h.verdict));
         }
@@ -80,7 +80,10 @@ fn rank_body(case: &str) {
 fn status(dir: &Path) -> (i32, serde_json::Value, f64) {
     let t = Instant::now();
     let out = Command::new(env!("CARGO_BIN_EXE_toroid-run"))
-        .args(["--status", &dir.display().to_string()])
+        // A generous grace: a loaded machine (the tests run side by side) can keep a live
+        // rank's control thread waiting past the 60 ms default; the 100 ms bound is measured in
+        // examples/health_query.rs, not here.
+        .args(["--status", &dir.display().to_string(), "--answer-within", "2000"])
         .output()
         .expect("run toroid-run --status");
     let took = t.elapsed().as_secs_f64() * 1e3;
@@ -309,7 +312,7 @@ fn toroid_run_status_finds_its_job() {
             .unwrap_or(0);
         if n == 3 {
             let out = Command::new(env!("CARGO_BIN_EXE_toroid-run"))
-                .args(["--status", &pid.to_string(), "--format", "prometheus"])
+                .args(["--status", &pid.to_string(), "--format", "prometheus", "--answer-within", "2000"])
                 .output()
                 .unwrap();
             last = Some((out.status.code(), String::from_utf8_lossy(&out.stdout).to_string()));

@@ -44,12 +44,12 @@ with toroid.Comm.from_env() as comm:
     assert len(after) == len(before) + 2, (before, after)
 
     # The health document: every rank alive, this rank's completed count as counted here.
-    h = comm.health()
+    h = comm.health(grace=2.0)  # generous: a loaded machine can delay a live rank's answer
     assert h["size"] == comm.size and len(h["ranks"]) == comm.size, h
     assert all(r["state"] == "alive" for r in h["ranks"]), h
     mine = h["ranks"][RANK]
     assert mine["completed"] == sum(s["count"] for s in after), (mine, after)
-    text = comm.health(format="prometheus", grace=0.5)
+    text = comm.health(format="prometheus", grace=2.0)
     assert f'rank="{RANK}",state="alive"}} 1' in text, text
     try:
         comm.health(format="xml")
