@@ -127,6 +127,7 @@ fn run_case(test: &str, case: &str, tcp: bool) {
             assert!(job.wait_event(&[CULPRIT], "STOPPING", deadline));
             // Stopped, and the others inside the collective it stopped before.
             while !util::is_stopped(job.ranks[CULPRIT].pid) {
+                assert!(Instant::now() < deadline, "rank {CULPRIT} never stopped");
                 std::thread::sleep(Duration::from_millis(5));
             }
             std::thread::sleep(Duration::from_millis(300));
