@@ -34,6 +34,55 @@ fn async_work_completes_in_issue_order_with_correct_results() {
     });
 }
 
+/// A wait on work the worker has not started runs it (and the queued work before it) on the
+/// waiting thread: several threads of each rank wait on works of one queue at once, in orders
+/// that differ between ranks and between runs, while the worker takes what nobody waits on.
+/// Every operation must still run once, in issue order on every rank (a different order
+/// mismatches the ranks' collectives: an error, or wrong sums below), with exact results.
+#[test]
+fn waits_on_queued_work_run_it_in_issue_order_from_any_thread() {
+    util::run_threads(3, &util::test_config(30.0), |comm| {
+        let r = comm.rank();
+        for round in 0..20usize {
+            let works: Vec<_> = (0..12usize)
+                .map(|k| {
+                    let len = 1 + (k * 977 + round * 131) % 5000;
+                    comm.all_reduce_async(vec![(r * 100 + k + round) as u64; len], ReduceOp::Sum).unwrap()
+                })
+                .collect();
+            let want = |k: usize| (0..comm.size()).map(|x| (x * 100 + k + round) as u64).sum::<u64>();
+            // Three waiters split the works by k mod 3, each in its own order (rank and round
+            // dependent); a blocking call issued meanwhile queues behind them all.
+            let mut parts: Vec<Vec<(usize, toroid::Work<Vec<u64>>)>> =
+                vec![Vec::new(), Vec::new(), Vec::new()];
+            for (k, w) in works.into_iter().enumerate() {
+                parts[k % 3].push((k, w));
+            }
+            std::thread::scope(|s| {
+                for (i, mut part) in parts.into_iter().enumerate() {
+                    if (i + r + round) % 2 == 1 {
+                        part.reverse();
+                    }
+                    s.spawn(move || {
+                        for (k, w) in part {
+                            let v = w.wait().unwrap();
+                            assert!(
+                                v.iter().all(|x| *x == want(k)),
+                                "round {round} work {k}: {} != {}",
+                                v[0],
+                                want(k)
+                            );
+                        }
+                    });
+                }
+                let mut x = [r as u64 + round as u64];
+                comm.all_reduce(&mut x, ReduceOp::Max).unwrap();
+                assert_eq!(x[0], (comm.size() - 1 + round) as u64);
+            });
+        }
+    });
+}
+
 #[test]
 fn async_reduce_scatter_and_all_gather_round_trip() {
     util::run_threads(4, &util::test_config(30.0), |comm| {

@@ -177,6 +177,22 @@ def compare(rank, size):
     w.wait()
     assert w.is_completed()
 
+    # An async all_reduce nobody waits on completes by polling is_completed() alone (it is not
+    # handed to the completion thread: only wait(), get_future() or is_completed() finish it), and
+    # a future asked for once it is done is done already, with the tensor.
+    vals = [rand((1500,), torch.float64, 900 + r) for r in range(size)]
+    p = vals[rank].clone()
+    w = dist.all_reduce(p, async_op=True)
+    t0 = time.monotonic()
+    while not w.is_completed():
+        assert time.monotonic() - t0 < 30, "an async all_reduce polled with is_completed() never completed"
+        time.sleep(0.001)
+    close(p, sum(vals), "async all_reduce polled with is_completed()")
+    fut = w.get_future()
+    assert fut.done(), "the future of a completed work is not done"
+    close(fut.value()[0], sum(vals), "the future of a completed work")
+    w.wait()
+
     # Errors carry toroid's message; the group stays usable.
     try:
         dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.AVG)
@@ -872,7 +888,10 @@ def shrink(rank, size):
 
     # (2) The last rank skips a collective (it is alive, in user code): the survivors' all_reduce
     # stays pending until shrink_group(SHRINK_ABORT) aborts the group, which fails that work at
-    # once and never blocks; the new group all-reduces exactly.
+    # once and never blocks; the new group all-reduces exactly. (The barrier lines the ranks up:
+    # a survivor that got here first would otherwise abort the group before another one's check
+    # that its work is still pending.)
+    dist.barrier(group=GLOO)
     if rank != last:
         x = torch.ones(1000)
         w = dist.all_reduce(x, group=g2, async_op=True)

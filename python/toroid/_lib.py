@@ -126,6 +126,9 @@ class _ReduceOp(enum.IntEnum):
         if isinstance(value, cls):
             return value
         if isinstance(value, str):
+            known = _OPS_BY_NAME.get(value)  # (every call's path: a lookup, not a parse)
+            if known is not None:
+                return known
             names = {"product": "PROD", "mean": "AVG"}
             try:
                 return cls[names.get(value.lower(), value.upper())]
@@ -136,6 +139,7 @@ class _ReduceOp(enum.IntEnum):
 
 ReduceOp = _ReduceOp("ReduceOp", _members("toroid_redop"), module=__name__, qualname="ReduceOp")
 ReduceOp.__doc__ = _ReduceOp.__doc__
+_OPS_BY_NAME = {m.name.lower(): m for m in ReduceOp}
 
 SPLIT_NOCOLOR = ABI["constants"]["TOROID_SPLIT_NOCOLOR"]["value"]
 JOIN_TOKEN_MAX = ABI["constants"]["TOROID_JOIN_TOKEN_MAX"]["value"]

@@ -61,8 +61,7 @@ class _PointerCalls:
         work = ctypes.c_void_p()
         check("toroid_recv_any_async", f.toroid_recv_any_async(handle, *args, ctypes.byref(work)), handle)
         w = Work(self, work.value, _refs, None, "toroid_recv_any_async", any_source=True)
-        with self._lock:
-            self._inflight.append(w)
+        self._keep(w)
         return w
 
     # Device memory (CUDA) on a stream: toroid_{all_reduce,broadcast,all_gather,reduce_scatter}_stream.
@@ -83,8 +82,7 @@ class _PointerCalls:
         if work.value is None:
             return None  # completed before returning (the staged path)
         w = Work(self, work.value, refs, None, name + "_async")
-        with self._lock:
-            self._inflight.append(w)
+        self._keep(w)
         return w
 
     def all_reduce_stream_ptr(self, send: int, recv: int, count: int, dtype, op="sum", stream: int = 0,

@@ -13,6 +13,9 @@ from ._handles import GrowOffer, Pending, Request, Store, Work, _failed_array
 from ._lib import DataType, ReduceOp, check
 from ._pointers import _PointerCalls
 
+# The unfinished works a Comm holds before it tests them all (see Comm._prune).
+_PRUNE_MIN = 64
+
 try:  # numpy is optional for the pointer-level API
     import numpy as np
 except ImportError:  # pragma: no cover
@@ -33,7 +36,10 @@ class Comm(_PointerCalls):
     def __init__(self, handle: int):
         self._handle = handle
         self._lock = threading.Lock()
-        self._inflight: list[Work] = []
+        # Unfinished async works by id: each keeps its arrays alive until done, even if the
+        # caller drops it. A work leaves when it is found finished (wait, test, the prune).
+        self._inflight: dict[int, Work] = {}
+        self._prune_at = _PRUNE_MIN
         self._group_depth = 0
         self._group_refs: list = []
         rank, size = ctypes.c_int(), ctypes.c_int()
@@ -170,16 +176,22 @@ class Comm(_PointerCalls):
 
     def _forget(self, work: Work) -> None:
         with self._lock:
-            try:
-                self._inflight.remove(work)
-            except ValueError:
-                pass
+            self._inflight.pop(id(work), None)
+
+    def _keep(self, work: Work) -> None:
+        with self._lock:
+            self._inflight[id(work)] = work
 
     def _prune(self) -> None:
+        """Drops the finished works that nobody waited on, once their number has doubled since
+        the last prune (testing every work at every call would cost each call their number)."""
+        if len(self._inflight) < self._prune_at:
+            return
         with self._lock:
-            works = list(self._inflight)
+            works = list(self._inflight.values())
         for w in works:
             w.test()
+        self._prune_at = max(_PRUNE_MIN, 2 * len(self._inflight))
 
     def split(self, color: int, key: int = 0) -> Optional["Comm"]:
         """Ranks with the same color form a new communicator ordered by key; color < 0 (or
@@ -348,7 +360,7 @@ class Comm(_PointerCalls):
         if handle is not None:
             rc = _lib.lib().toroid_comm_destroy(handle)
             with self._lock:
-                works, self._inflight = self._inflight, []
+                works, self._inflight = list(self._inflight.values()), {}
             for w in works:  # all finished now
                 w._done = True
             check("toroid_comm_destroy", rc)
@@ -427,8 +439,7 @@ class Comm(_PointerCalls):
         if not work.value:
             return None
         w = Work(self, work.value, refs, None, "toroid_group_end_async")
-        with self._lock:
-            self._inflight.append(w)  # keeps the arrays alive even if the caller drops it
+        self._keep(w)  # keeps the arrays alive even if the caller drops it
         return w
 
     def _call(self, name: str, args: tuple, async_op: bool, refs: tuple, result: Any):
@@ -443,8 +454,7 @@ class Comm(_PointerCalls):
         work = ctypes.c_void_p()
         check(name + "_async", getattr(f, name + "_async")(handle, *args, ctypes.byref(work)), handle)
         w = Work(self, work.value, refs, result, name + "_async")
-        with self._lock:
-            self._inflight.append(w)
+        self._keep(w)
         return w
 
     # Pointer-level collectives: addresses (int), counts in elements, DataType or its name.
@@ -461,12 +471,13 @@ class Comm(_PointerCalls):
         `wire="bf16"` or `"f16"`: a float32/float64 all-reduce travels in that type (half the
         bytes, reductions in the array's own type, the same result on every rank; see
         docs/reference/c-abi.md, compressed all-reduce); None: TOROID_WIRE_DTYPE decides."""
-        recv = send if recv is None else recv
-        self._same(send, recv)
-        return self.all_reduce_ptr(
-            _buffer(send, False), _buffer(recv, True), send.size, numpy_dtype(send), op, async_op, (send, recv), recv,
-            wire,
-        )
+        if recv is None or recv is send:  # in place: one address
+            recv = send
+            src = dst = _buffer(send, True)
+        else:
+            self._same(send, recv)
+            src, dst = _buffer(send, False), _buffer(recv, True)
+        return self.all_reduce_ptr(src, dst, send.size, numpy_dtype(send), op, async_op, (send, recv), recv, wire)
 
     def all_reduce_init(self, send, recv=None, op="sum") -> Request:
         """A persistent all-reduce of `send` into `recv` (in place when recv is None), checked

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from .._lib import DataType, ReduceOp
 from ._errors import _opt_timeout
 from ._staging import _staged
-from ._types import _BITWISE, _Output, _device_type, _dtype, _flat, _op, _reduce_opts, _stream_op, stream_path
-from ._work import ToroidWork, _Finished
+from ._types import _BITWISE, _TYPES, _Output, _device_type, _dtype, _flat, _op, _reduce_opts, _stream_op, stream_path
+from ._work import ToroidWork, _DoneWork, _Finished
 
 
 class _Collectives:
@@ -58,6 +58,10 @@ class _Collectives:
         AllreduceOptions, or a bare ReduceOp (as torch's ProcessGroup.allreduce takes)."""
         opts = _reduce_opts(opts)
         torch_op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        if len(tensors) == 1 and self._wire is None:
+            fast = self._allreduce_dense(tensors[0], torch_op, opts)
+            if fast is not None:
+                return fast
         if _device_type(tensors) == "cuda":
             op = _stream_op(torch_op)
             if op is not None and self._on_stream(tensors, op, self._wire):
@@ -67,6 +71,32 @@ class _Collectives:
 
                 return self._stream_work(tensors, "allreduce", call, _opt_timeout(opts))
         return self._allreduce_host(tensors, opts)
+
+    def _allreduce_dense(self, t: torch.Tensor, torch_op, opts) -> Optional[ToroidWork]:
+        """The common call, straight to toroid: one dense contiguous CPU tensor of a toroid
+        element type, reduced with SUM, PRODUCT, MIN, MAX or AVG, uncompressed. What
+        _allreduce_host does for it, without its general steps (staging, stand-ins, several
+        tensors): a blocking 4 KiB all-reduce through torch is mostly this method's time. None
+        for any other call, which takes the general path."""
+        if not t.is_cpu or t.layout != torch.strided or not t.is_contiguous():
+            return None
+        dtype = _TYPES.get(t.dtype)
+        op = _stream_op(torch_op)
+        if dtype is None or op is None:
+            return None  # complex, bool, another type; BAND/BOR/BXOR, PREMUL_SUM
+        p = t.data_ptr()
+        timeout = _opt_timeout(opts)
+        if opts is not None and not getattr(opts, "asyncOp", True) and timeout is None:
+            # torch's blocking dist.all_reduce: it sets asyncOp = False and waits on the work at
+            # once. A blocking toroid call runs on this thread when the group is idle (else
+            # behind its queued work, running that too), without an async call's hand-over to
+            # toroid's worker thread, whose wake-up alone costs a small all-reduce most of its
+            # time on a small host; the work returned is complete.
+            self._comm.all_reduce_ptr(p, p, t.numel(), dtype, op, False)
+            self.stats["allreduce"] += 1
+            return _DoneWork([t], "allreduce")
+        work = self._comm.all_reduce_ptr(p, p, t.numel(), dtype, op, True, (t,))
+        return self._work([work], [t], None, "allreduce", timeout)
 
     @_staged(outputs=("tensors",))
     def _allreduce_host(self, tensors, opts=None):
@@ -84,7 +114,7 @@ class _Collectives:
             works.append(self._comm.all_reduce_ptr(p, p, o.buf.numel(), _dtype(o.buf), op, True, (o.buf,),
                                                    wire=self._wire_for(o.buf)))
             outs.append(o)
-        return self._work(works, tensors, lambda: [o.copy_back() for o in outs], "allreduce", _opt_timeout(opts))
+        return self._work(works, tensors, _Output.copy_backs(outs), "allreduce", _opt_timeout(opts))
 
     def _bitwise_allreduce(self, tensors, name: str, fold, opts):
         """BAND / BOR / BXOR (integer and bool tensors, as gloo): toroid's reductions are
@@ -186,7 +216,7 @@ class _Collectives:
             # Also after a refused call: the calls recorded so far are queued on every rank alike.
             work = self._comm.group_end(async_op=True)
         works = [work] if work is not None else []
-        return self._work(works, tensors, lambda: [o.copy_back() for o in outs], "allreduce_coalesced")
+        return self._work(works, tensors, _Output.copy_backs(outs), "allreduce_coalesced")
 
     def broadcast(self, tensors, opts=None):
         """In place from the root, per tensor. CUDA tensors: on the stream path when
@@ -210,7 +240,7 @@ class _Collectives:
             p = o.buf.data_ptr()
             works.append(self._comm.broadcast_ptr(p, p, o.buf.numel(), _dtype(o.buf), root, True, (o.buf,)))
             outs.append(o)
-        return self._work(works, tensors, lambda: [o.copy_back() for o in outs], "broadcast")
+        return self._work(works, tensors, _Output.copy_backs(outs), "broadcast")
 
     def reduce(self, tensors, opts=None):
         """In place at the root, per tensor (the others' tensors are left as they were). CUDA
@@ -238,7 +268,7 @@ class _Collectives:
             p = o.buf.data_ptr()
             works.append(self._comm.reduce_ptr(p, p, o.buf.numel(), _dtype(o.buf), op, root, True, (o.buf,)))
             outs.append(o)
-        return self._work(works, tensors, lambda: [o.copy_back() for o in outs], "reduce")
+        return self._work(works, tensors, _Output.copy_backs(outs), "reduce")
 
     def _gather_into(self, output: torch.Tensor, input: torch.Tensor):
         """all_gather of `input` into the flat `output` (size x numel) as a toroid work."""
@@ -312,7 +342,7 @@ class _Collectives:
     @_staged(outputs=("output",), inputs=("input",))
     def _all_gather_single_host(self, output, input, opts=None):
         w, o = self._gather_into(output, input)
-        return self._work([w], output, o.copy_back, "all_gather_single")
+        return self._work([w], output, _Output.copy_backs([o]), "all_gather_single")
 
     _allgather_base = all_gather_single
 
@@ -364,7 +394,7 @@ class _Collectives:
     def _reduce_scatter_single_host(self, output, input, opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         w, o = self._scatter_from(output, input, op)
-        return self._work([w], output, o.copy_back, "reduce_scatter_single")
+        return self._work([w], output, _Output.copy_backs([o]), "reduce_scatter_single")
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -414,7 +444,7 @@ class _Collectives:
             if src.numel() % n or o.buf.numel() != src.numel():
                 raise ValueError("all_to_all_single with equal splits needs equal inputs and outputs divisible by the size")
             w = self._comm.all_to_all_ptr(src.data_ptr(), o.buf.data_ptr(), src.numel() // n, _dtype(src), True, (src, o.buf))
-            return self._work([w], output, o.copy_back, "all_to_all_single")
+            return self._work([w], output, _Output.copy_backs([o]), "all_to_all_single")
         # Uneven splits are counted in rows of dim 0.
         row = src[0].numel() if src.dim() > 0 and src.shape[0] else 1
         ins = list(input_split_sizes) or [input.shape[0] // n] * n

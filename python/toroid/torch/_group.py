@@ -81,7 +81,8 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
               timeout: Optional[float] = None) -> ToroidWork:
         w = ToroidWork(self, works, result, finish, name, timeout, self._take_staging())
         self.stats[name] += 1
-        self._queue.put(w)
+        if not w._lazy:
+            w._enqueue()
         return w
 
     def _take_staging(self) -> Optional[_Staging]:
@@ -129,7 +130,7 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
         p = o.buf.data_ptr()
         work = self._comm.all_reduce_ptr(p, p, o.buf.numel(), _dtype(o.buf), rop, True, (o.buf,),
                                          wire=self._wire_for(o.buf, w))
-        return self._work([work], [tensor], o.copy_back, "allreduce_wire")
+        return self._work([work], [tensor], _Output.copy_backs([o]), "allreduce_wire")
 
 
     def barrier(self, opts=None):
@@ -296,13 +297,9 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
             for _, _, _, w in ops:  # (queued even if a later op failed to issue: they complete)
                 if w in issued:
                     self.stats[w._name] += 1
-                    self._queue.put(w)
+                    w._enqueue()
                 else:
-                    w._deferred = False
-                    w._exception = RuntimeError(f"toroid {w._name}: not issued (an earlier operation of its batch failed)")
-                    w._done = True
-                    w._future.set_exception(w._exception)
-                    w._completed.set()
+                    w._fail_unissued(RuntimeError(f"toroid {w._name}: not issued (an earlier operation of its batch failed)"))
 
         def finish():
             for w in issued:

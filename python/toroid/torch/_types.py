@@ -4,7 +4,7 @@ staging (`stream_path`), and `_Output`, an output tensor or its contiguous stand
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -154,11 +154,25 @@ def _cuda_devices(value) -> list:
 class _Output:
     """An output tensor, or a contiguous stand-in copied back when the operation is done."""
 
+    def stand_in(self) -> bool:
+        """Whether the operation writes a stand-in that must be copied back."""
+        return not self.target.is_contiguous()
+
+    @staticmethod
+    def copy_backs(outs: list[_Output]) -> Optional[Callable[[], None]]:
+        """What copies every stand-in of `outs` back, or None when the operation writes the
+        outputs themselves (a work with nothing left to do completes on the waiting thread:
+        see ToroidWork._lazy)."""
+        pending = [o for o in outs if o.stand_in()]
+        if not pending:
+            return None
+        return lambda: [o.copy_back() for o in pending]
+
     def __init__(self, t: torch.Tensor, op: Optional[ReduceOp] = None):
         self.target = t
         self.buf = _flat(t if t.is_contiguous() else t.contiguous(), op)
 
     def copy_back(self) -> None:
-        if not self.target.is_contiguous():
+        if self.stand_in():
             src = torch.view_as_complex(self.buf) if self.target.is_complex() else self.buf
             self.target.copy_(src)

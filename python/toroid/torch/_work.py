@@ -1,6 +1,7 @@
 """`ToroidWork`: the torch Work of a toroid operation (its future, wait with a timeout, the
 copy back of staged and non-contiguous outputs), completed in issue order by the group's
-completion thread."""
+completion thread, or on the caller's thread when nothing remains to do but wait (see
+ToroidWork._lazy)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,44 @@ class _Finished:
         if self._error is not None:
             raise self._error
 
+    def test(self) -> bool:
+        return True
+
+
+class _DoneWork(dist.Work):
+    """The torch Work of an operation that completed before its call returned (a blocking toroid
+    call for torch's blocking dist.all_reduce): every answer at once, none of ToroidWork's
+    completion machinery (its locks and future cost a small call several microseconds)."""
+
+    def __init__(self, result: Any, name: str):
+        super().__init__()
+        self._result = result
+        self._name = name
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def get_future(self) -> Future:
+        devices = _cuda_devices(self._result)
+        future = Future(devices=devices) if devices else Future()
+        future.set_result(self._result)
+        return future
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self):
+        return None
+
+    def result(self):
+        return self._result
+
+    def __repr__(self) -> str:
+        return f"ToroidWork({self._name}, done=True)"
+
 
 class ToroidWork(dist.Work):
     """A torch Work over toroid async works: wait() blocks until they are done, get_future()
@@ -54,14 +93,25 @@ class ToroidWork(dist.Work):
         self._result = result
         self._finish = finish
         self._name = name
-        devices = _cuda_devices(result)
-        self._future = Future(devices=devices) if devices else Future()
+        # The future and the event a waiter sleeps on are made when first asked for: a blocking
+        # call needs neither, and each costs microseconds.
+        self._future: Optional[Future] = None
         self._lock = threading.Lock()
         self._done = False
-        self._completed = threading.Event()  # set once done and the future is completed
+        self._is_settled = False  # done, and the future (if made by then) completed
+        self._settled_event: Optional[threading.Event] = None  # set once settled
         self._settler: Optional[int] = None  # the thread that completes the future
         self._deferred = False  # a send/recv of a coalescing block, not issued yet
         self._exception: Optional[BaseException] = None
+        # A work with nothing to do once its toroid works are done (no copy back, no finishing
+        # step: an in-place CPU all-reduce, broadcast, barrier ...) goes to the completion
+        # thread only when something needs its completion without a wait: get_future(), or a
+        # wait with a timeout. A plain wait() (every blocking torch call) then completes it on
+        # the caller's thread, where toroid runs the operation itself if its worker has not
+        # started it: no hand-over to two other threads and back, which cost a blocking 4 KiB
+        # all-reduce most of its time. is_completed() tests the toroid works.
+        self._lazy = finish is None and self._copy_back is None
+        self._queued = False
 
     def _complete(self) -> None:
         """Waits for the toroid works, runs the copy-backs, completes the future (once)."""
@@ -82,19 +132,49 @@ class ToroidWork(dist.Work):
             self._done = True
             self._works = []
             self._settler = threading.get_ident()
+            future = self._future  # (one made later is completed by get_future)
         # The future's callbacks run here, outside the lock (they may wait on other works).
+        if future is not None:
+            self._settle_future(future)
+        with self._lock:
+            self._is_settled = True
+            event = self._settled_event
+        if event is not None:
+            event.set()
+
+    def _settle_future(self, future: Future) -> None:
         if self._exception is not None:
-            self._future.set_exception(self._exception)
+            future.set_exception(self._exception)
         else:
-            self._future.set_result(self._result)
-        self._completed.set()
+            future.set_result(self._result)
+
+    def _fail_unissued(self, error: BaseException) -> None:
+        """Completes a work whose operation was never issued with `error`."""
+        self._deferred = False
+        self._exception = error
+        self._done = True
+        self._is_settled = True
+
+    def _enqueue(self) -> None:
+        """Hands the work to the group's completion thread (once)."""
+        with self._lock:
+            if self._queued or self._done:
+                return
+            self._queued = True
+        self._pg._queue.put(self)
 
     def _settled(self, seconds: Optional[float]) -> bool:
         """Waits until the future is completed too (a callback of that future, running on the
         completing thread, does not wait for itself)."""
         if self._settler == threading.get_ident():
             return True
-        return self._completed.wait(seconds)
+        with self._lock:
+            if self._is_settled:
+                return True
+            if self._settled_event is None:
+                self._settled_event = threading.Event()
+            event = self._settled_event
+        return event.wait(seconds)
 
     def wait(self, timeout=None) -> bool:
         """Waits for completion (the future too); raises the operation's error. With a timeout
@@ -108,7 +188,7 @@ class ToroidWork(dist.Work):
         if seconds is None:
             self._complete()
             self._settled(None)
-        elif not self._settled(seconds):  # the group's completion thread completes it
+        elif self._enqueue() or not self._settled(seconds):  # the completion thread completes it
             raise RuntimeError(f"Operation timed out! toroid {self._name} did not complete within {seconds:g} s "
                                "(Work.wait timeout; the operation is still pending)")
         if self._exception is not None:
@@ -116,15 +196,31 @@ class ToroidWork(dist.Work):
         return True
 
     def get_future(self) -> Future:
-        return self._future
+        with self._lock:
+            made = self._future is None
+            if made:
+                devices = _cuda_devices(self._result)
+                self._future = Future(devices=devices) if devices else Future()
+            late = made and self._done  # _complete has passed the point where it completes it
+            future = self._future
+        if late:
+            self._settle_future(future)
+        else:
+            self._enqueue()
+        return future
 
     def is_completed(self) -> bool:
-        return self._completed.is_set()
+        if not self._is_settled and not self._queued and not self._deferred:
+            works = self._works
+            if all(w.test() for w in works):
+                self._complete()  # (done: it does not block)
+        return self._is_settled
 
     def is_success(self) -> bool:
         return self.is_completed() and self._exception is None
 
     def exception(self):
+        self.is_completed()
         return self._exception
 
     def result(self):

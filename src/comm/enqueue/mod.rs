@@ -1,25 +1,27 @@
 //! The ordered work queue: blocking calls run on the caller's thread when nothing is queued,
 //! async calls run on the communicator's one worker thread in issue order, and each returns a
-//! [`Work`] that completes when its operation has run. Beside it: groups of operations run
-//! as one job (`group.rs`), persistent requests (`persistent.rs`), and the direct runner
-//! queued jobs' hooks meet the other ranks with ([`Inline`]).
+//! [`Work`] that completes when its operation has run; a wait that finds its operation not yet
+//! started runs it (and the queued work before it) on the waiting thread instead. Beside it:
+//! groups of operations run as one job (`group.rs`), persistent requests (`persistent.rs`), and
+//! the direct runner queued jobs' hooks meet the other ranks with ([`Inline`]).
 
 pub(super) mod group;
 pub(super) mod persistent;
+mod work;
+
+pub(crate) use work::Completion;
+pub use work::Work;
 
 use std::any::Any;
 use std::collections::VecDeque;
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
 use crate::collective::{CallOptions, OpKind};
 use crate::comm::{Communicator, Core, RawOp, lock};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::memory::{RawBufMut, RawBufs};
-use crate::transport::exchange::AbortSignal;
 
 /// The queue of operations not yet run.
 #[derive(Default)]
@@ -134,13 +136,14 @@ impl Communicator {
                 q.running = true;
                 drop(q);
                 let r = self.core.execute_guarded(&op, &mut hooks, 0);
-                lock(&self.core.queue.jobs).running = false;
-                self.core.queue.cv.notify_all();
+                self.core.queue_idle();
                 return r;
             }
         }
-        // Queued behind async work: wait for it. The caller's borrows outlive this wait.
+        // Queued behind async work: wait for it (running it and the work ahead of it here when
+        // the worker has not started them). The caller's borrows outlive this wait.
         let done = self.enqueue(op, None, hooks)?;
+        self.core.run_queued_through(&done);
         done.wait_done(&self.core.abort, self.core.timeout)
     }
 
@@ -225,6 +228,7 @@ impl Communicator {
     fn work_of(&self, done: Arc<Completion>) -> Work<()> {
         Work {
             done,
+            core: Arc::downgrade(&self.core),
             abort: self.core.abort.clone(),
             timeout: self.core.timeout,
             fork_generation: self.core.ident.fork_generation,
@@ -377,22 +381,66 @@ impl Core {
                     q = self.queue.cv.wait(q).unwrap_or_else(|e| e.into_inner());
                 }
             };
-            let r = self.execute_guarded(&job.op, &mut job.hooks, job.issued_ns);
-            if let Err(e) = &r {
-                *lock(&self.watch.last_error) = Some(e.to_string());
-            }
+            self.run_job(&mut job);
+        }
+    }
+
+    /// Runs a job taken from the queue (whose `running` the taker set), completes it and frees
+    /// the queue for the next.
+    fn run_job(&self, job: &mut Job) {
+        let r = self.execute_guarded(&job.op, &mut job.hooks, job.issued_ns);
+        if let Err(e) = &r {
+            *lock(&self.watch.last_error) = Some(e.to_string());
+        }
+        {
+            let mut q = lock(&self.queue.jobs);
+            if let Err(e) = &r
+                && q.shutdown
             {
-                let mut q = lock(&self.queue.jobs);
-                if let Err(e) = &r
-                    && q.shutdown
-                {
-                    q.failed_in_shutdown += 1;
-                    q.first_shutdown_error.get_or_insert_with(|| e.clone());
-                }
+                q.failed_in_shutdown += 1;
+                q.first_shutdown_error.get_or_insert_with(|| e.clone());
             }
-            job.done.complete(r);
-            lock(&self.queue.jobs).running = false;
+        }
+        job.done.complete(r);
+        self.queue_idle();
+    }
+
+    /// Frees the queue after a job ran, waking the worker only when it has something to do:
+    /// queued jobs, or the shutdown (a needless wake-up takes a core from the ranks).
+    fn queue_idle(&self) {
+        let mut q = lock(&self.queue.jobs);
+        q.running = false;
+        let wake = !q.jobs.is_empty() || q.shutdown;
+        drop(q);
+        if wake {
             self.queue.cv.notify_all();
+        }
+    }
+
+    /// A waiter's fast path: while the worker has not started the queued jobs up to and
+    /// including the one `done` completes, runs them here, one at a time in issue order, as the
+    /// worker would have (the `running` flag keeps it to one runner). A call waited on at once
+    /// thus runs on the caller's thread, without the two cross-core wake-ups of a hand-over to
+    /// the worker and back (tens of microseconds each). Stops, leaving the rest to the worker,
+    /// at a job with hooks (those of device collectives expect the worker's thread) and as
+    /// soon as anything else is running.
+    fn run_queued_through(&self, done: &Arc<Completion>) {
+        while !done.is_done() {
+            let mut job = {
+                let mut q = lock(&self.queue.jobs);
+                let steal = !q.running
+                    && q.jobs.front().is_some_and(|j| j.hooks.before.is_none() && j.hooks.after.is_none())
+                    && q.jobs.iter().any(|j| Arc::ptr_eq(&j.done, done));
+                if !steal {
+                    return;
+                }
+                let Some(job) = q.jobs.pop_front() else {
+                    return;
+                };
+                q.running = true;
+                job
+            };
+            self.run_job(&mut job);
         }
     }
 
@@ -432,152 +480,6 @@ impl Core {
                 // The engine's lock may be poisoned by the panic; `lock` takes it anyway, and
                 // closing every link is the one thing left to do with it.
                 Err(self.failed(&mut lock(&self.engine), e))
-            }
-        }
-    }
-}
-
-/// Completion state of one queued operation.
-pub(crate) struct Completion {
-    result: Mutex<Option<Result<()>>>,
-    cv: Condvar,
-    done: AtomicBool,
-    keep: Mutex<Option<Box<dyn Any + Send>>>,
-}
-
-impl Completion {
-    fn new(keep: Option<Box<dyn Any + Send>>) -> Completion {
-        Completion {
-            result: Mutex::new(None),
-            cv: Condvar::new(),
-            done: AtomicBool::new(false),
-            keep: Mutex::new(keep),
-        }
-    }
-
-    fn complete(&self, r: Result<()>) {
-        *lock(&self.result) = Some(r);
-        self.done.store(true, Ordering::Release);
-        self.cv.notify_all();
-    }
-
-    fn is_done(&self) -> bool {
-        self.done.load(Ordering::Acquire)
-    }
-
-    /// Waits for completion. Past `timeout` the communicator is aborted (so the operation
-    /// fails fast) and the wait continues until it has actually stopped: a caller's buffers are
-    /// never released while the operation may still touch them.
-    fn wait_done(&self, abort: &AbortSignal, timeout: Duration) -> Result<()> {
-        let deadline = crate::config::deadline_in(timeout);
-        // Poll briefly first: waking a sleeping thread costs tens of microseconds.
-        let spin_until = Instant::now() + Duration::from_micros(20);
-        while !self.is_done() && Instant::now() < spin_until {
-            std::hint::spin_loop();
-        }
-        let mut r = lock(&self.result);
-        let mut timed_out = false;
-        while r.is_none() {
-            let now = Instant::now();
-            if !timed_out && now >= deadline {
-                timed_out = true;
-                abort.fire(Error::Timeout(format!("work not completed within {timeout:?}").into()));
-            }
-            let wait = if timed_out { Duration::from_millis(50) } else { deadline - now };
-            r = self.cv.wait_timeout(r, wait).unwrap_or_else(|e| e.into_inner()).0;
-        }
-        let res = r.clone().unwrap_or(Ok(()));
-        match res {
-            // The operation stopped because this wait's deadline aborted the communicator.
-            Err(Error::Aborted(_)) if timed_out => Err(Error::Timeout(
-                format!("work not completed within {timeout:?} (communicator aborted)").into(),
-            )),
-            other => other,
-        }
-    }
-}
-
-/// A handle to an operation issued asynchronously.
-///
-/// The operation runs on the communicator's worker thread in issue order. Dropping the handle
-/// does not cancel it; owned buffers stay alive until it has run.
-pub struct Work<B = ()> {
-    pub(super) done: Arc<Completion>,
-    pub(super) abort: Arc<AbortSignal>,
-    pub(super) timeout: Duration,
-    /// The fork generation of its communicator: a forked child has no worker to wait for.
-    pub(super) fork_generation: u64,
-    pub(super) _buf: PhantomData<fn() -> B>,
-}
-
-impl<B> std::fmt::Debug for Work<B> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Work").field("done", &self.done.is_done()).finish()
-    }
-}
-
-impl Work<()> {
-    /// The same work, typed as giving back the `B` its completion keeps (the caller put a `B`
-    /// there when it queued the operation).
-    pub(super) fn keeping<B>(self) -> Work<B> {
-        Work {
-            done: self.done,
-            abort: self.abort,
-            timeout: self.timeout,
-            fork_generation: self.fork_generation,
-            _buf: PhantomData,
-        }
-    }
-}
-
-impl<B: 'static> Work<B> {
-    fn not_forked(&self) -> Result<()> {
-        if crate::sys::fork::generation() == self.fork_generation {
-            return Ok(());
-        }
-        Err(Error::InvalidUsage(
-            "this work belongs to a communicator created before fork(); a forked child cannot wait on it"
-                .into(),
-        ))
-    }
-
-    /// True once the operation has finished (successfully or not). Never blocks.
-    pub fn test(&self) -> bool {
-        self.done.is_done()
-    }
-
-    /// The error, once finished with one.
-    pub fn error(&self) -> Option<Error> {
-        if !self.test() {
-            return None;
-        }
-        lock(&self.done.result).clone().and_then(Result::err)
-    }
-
-    /// Waits up to `timeout`. Past it the communicator is aborted (this and every pending
-    /// operation fail) and `Err(Timeout)` is returned once the operation has stopped.
-    pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
-        self.not_forked()?;
-        let r = self.done.wait_done(&self.abort, timeout);
-        if r.is_ok() && !self.test() {
-            return Err(Error::Timeout(format!("work not completed within {timeout:?}").into()));
-        }
-        r
-    }
-
-    /// Waits (with the communicator's timeout) and returns the buffer the operation owned.
-    pub fn wait(self) -> Result<B> {
-        self.not_forked()?;
-        self.done.wait_done(&self.abort, self.timeout)?;
-        let keep = lock(&self.done.keep).take();
-        match keep.map(|b| b.downcast::<B>()) {
-            Some(Ok(b)) => Ok(*b),
-            _ => {
-                // `B = ()` for raw submissions.
-                let unit: Box<dyn Any> = Box::new(());
-                unit.downcast::<B>()
-                    .map(|b| *b)
-                    .map_err(|_| Error::Internal("work buffer already taken".into()))
             }
         }
     }
