@@ -17,6 +17,15 @@ from ._types import _BITWISE, _TYPES, _Output, _device_type, _dtype, _flat, _op,
 from ._work import ToroidWork, _DoneWork, _Finished
 
 
+def _waits_at_once(opts) -> bool:
+    """Whether torch waits on this call's work as soon as it is returned: its blocking
+    collectives (dist.all_reduce, broadcast, barrier without async_op) set asyncOp = False in the
+    options and call wait() at once (torch 2.15's distributed_c10d). Such a call can run as a
+    blocking toroid call, unless it has a timeout of its own (a blocking call is bounded by the
+    group's)."""
+    return opts is not None and not getattr(opts, "asyncOp", True) and _opt_timeout(opts) is None
+
+
 class _Collectives:
     """The collectives of ProcessGroupToroid (a mixin: `self` is the group; see _group.py)."""
 
@@ -85,18 +94,16 @@ class _Collectives:
         if dtype is None or op is None:
             return None  # complex, bool, another type; BAND/BOR/BXOR, PREMUL_SUM
         p = t.data_ptr()
-        timeout = _opt_timeout(opts)
-        if opts is not None and not getattr(opts, "asyncOp", True) and timeout is None:
-            # torch's blocking dist.all_reduce: it sets asyncOp = False and waits on the work at
-            # once. A blocking toroid call runs on this thread when the group is idle (else
-            # behind its queued work, running that too), without an async call's hand-over to
-            # toroid's worker thread, whose wake-up alone costs a small all-reduce most of its
-            # time on a small host; the work returned is complete.
+        if _waits_at_once(opts):
+            # torch's blocking dist.all_reduce. A blocking toroid call runs on this thread when
+            # the group is idle (else behind its queued work, running that too), without an
+            # async call's hand-over to toroid's worker thread, whose wake-up alone costs a
+            # small all-reduce most of its time on a small host; the work returned is complete.
             self._comm.all_reduce_ptr(p, p, t.numel(), dtype, op, False)
             self.stats["allreduce"] += 1
             return _DoneWork([t], "allreduce")
         work = self._comm.all_reduce_ptr(p, p, t.numel(), dtype, op, True, (t,))
-        return self._work([work], [t], None, "allreduce", timeout)
+        return self._work([work], [t], None, "allreduce", _opt_timeout(opts))
 
     @_staged(outputs=("tensors",))
     def _allreduce_host(self, tensors, opts=None):
@@ -221,6 +228,15 @@ class _Collectives:
     def broadcast(self, tensors, opts=None):
         """In place from the root, per tensor. CUDA tensors: on the stream path when
         stream_path allows it for every one (toroid_broadcast_stream), else staged."""
+        if len(tensors) == 1 and _waits_at_once(opts):
+            t = tensors[0]
+            dtype = _TYPES.get(t.dtype)
+            if t.is_cpu and t.layout == torch.strided and t.is_contiguous() and dtype is not None:
+                # torch's blocking dist.broadcast: a blocking toroid call (see _allreduce_dense).
+                p = t.data_ptr()
+                self._comm.broadcast_ptr(p, p, t.numel(), dtype, opts.rootRank, False)
+                self.stats["broadcast"] += 1
+                return _DoneWork(tensors, "broadcast")
         if _device_type(tensors) == "cuda" and self._on_stream(tensors, None):
             root = opts.rootRank if opts is not None else 0
 

@@ -19,12 +19,12 @@ import torch.distributed as dist
 from .._lib import DataType
 from ..comm import Comm
 from ._backend import _DeviceBackend
-from ._collectives import _Collectives
+from ._collectives import _Collectives, _waits_at_once
 from ._errors import _BACKEND_ERROR, _opt_timeout, _torch_errors
 from ._staging import _Staging, _staged
 from ._store import TorchStore, _is_store_timeout
 from ._types import BACKEND, DEVICES, _Output, _dtype, _flat, _op
-from ._work import ToroidWork
+from ._work import ToroidWork, _DoneWork
 
 
 def _backend_constructible() -> bool:
@@ -134,6 +134,11 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
 
 
     def barrier(self, opts=None):
+        if _waits_at_once(opts):
+            # torch's blocking dist.barrier: a blocking toroid call (see _allreduce_dense).
+            self._comm.barrier()
+            self.stats["barrier"] += 1
+            return _DoneWork(None, "barrier")
         return self._work([self._comm.barrier(async_op=True)], None, None, "barrier", _opt_timeout(opts))
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False) -> None:
