@@ -13,7 +13,7 @@ import torch.distributed as dist
 from .._lib import DataType, ReduceOp
 from ._errors import _opt_timeout
 from ._staging import _staged
-from ._types import _BITWISE, _TYPES, _Output, _device_type, _dtype, _flat, _op, _reduce_opts, _stream_op, stream_path
+from ._types import _BITWISE, _Output, _dense_type, _device_type, _dtype, _flat, _op, _reduce_opts, _stream_op, stream_path
 from ._work import ToroidWork, _DoneWork, _Finished
 
 
@@ -81,15 +81,13 @@ class _Collectives:
                 return self._stream_work(tensors, "allreduce", call, _opt_timeout(opts))
         return self._allreduce_host(tensors, opts)
 
-    def _allreduce_dense(self, t: torch.Tensor, torch_op, opts) -> Optional[ToroidWork]:
+    def _allreduce_dense(self, t: torch.Tensor, torch_op, opts) -> Optional[dist.Work]:
         """The common call, straight to toroid: one dense contiguous CPU tensor of a toroid
         element type, reduced with SUM, PRODUCT, MIN, MAX or AVG, uncompressed. What
         _allreduce_host does for it, without its general steps (staging, stand-ins, several
         tensors): a blocking 4 KiB all-reduce through torch is mostly this method's time. None
         for any other call, which takes the general path."""
-        if not t.is_cpu or t.layout != torch.strided or not t.is_contiguous():
-            return None
-        dtype = _TYPES.get(t.dtype)
+        dtype = _dense_type(t)
         op = _stream_op(torch_op)
         if dtype is None or op is None:
             return None  # complex, bool, another type; BAND/BOR/BXOR, PREMUL_SUM
@@ -230,8 +228,8 @@ class _Collectives:
         stream_path allows it for every one (toroid_broadcast_stream), else staged."""
         if len(tensors) == 1 and _waits_at_once(opts):
             t = tensors[0]
-            dtype = _TYPES.get(t.dtype)
-            if t.is_cpu and t.layout == torch.strided and t.is_contiguous() and dtype is not None:
+            dtype = _dense_type(t)
+            if dtype is not None:
                 # torch's blocking dist.broadcast: a blocking toroid call (see _allreduce_dense).
                 p = t.data_ptr()
                 self._comm.broadcast_ptr(p, p, t.numel(), dtype, opts.rootRank, False)

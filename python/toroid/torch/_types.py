@@ -89,6 +89,14 @@ def _dtype(t: torch.Tensor) -> DataType:
     return _TYPES[t.dtype]
 
 
+def _dense_type(t: torch.Tensor) -> Optional[DataType]:
+    """toroid's type of a dense contiguous CPU tensor of a toroid element type, the tensor a
+    call can hand to toroid as it is (the blocking fast paths); None for any other."""
+    if not t.is_cpu or t.layout != torch.strided or not t.is_contiguous():
+        return None
+    return _TYPES.get(t.dtype)
+
+
 # ---- CUDA tensors ------------------------------------------------------------------------------
 # all_reduce, broadcast, all_gather_into_tensor and reduce_scatter_tensor of CUDA tensors run on
 # device memory through the C entry points toroid_*_stream (Comm.*_stream_ptr), ordered on

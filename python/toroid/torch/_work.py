@@ -188,9 +188,11 @@ class ToroidWork(dist.Work):
         if seconds is None:
             self._complete()
             self._settled(None)
-        elif self._enqueue() or not self._settled(seconds):  # the completion thread completes it
-            raise RuntimeError(f"Operation timed out! toroid {self._name} did not complete within {seconds:g} s "
-                               "(Work.wait timeout; the operation is still pending)")
+        else:
+            self._enqueue()  # the completion thread completes it
+            if not self._settled(seconds):
+                raise RuntimeError(f"Operation timed out! toroid {self._name} did not complete within "
+                                   f"{seconds:g} s (Work.wait timeout; the operation is still pending)")
         if self._exception is not None:
             raise self._exception
         return True
