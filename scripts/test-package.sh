@@ -51,7 +51,7 @@ scripts_dir=$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_path("scripts"
 user_scripts=$("$PYTHON" -c 'import os, sysconfig; print(sysconfig.get_path("scripts", os.name + "_user"))')
 PATH="$scripts_dir:$user_scripts:$PATH" "$PYTHON" -m auditwheel repair --wheel-dir "$tmp/wheelhouse" "$tmp"/dist/toroid-*.whl >"$tmp/audit.log" 2>&1 \
   || { cat "$tmp/audit.log"; exit 1; }
-wheel=$(ls "$tmp"/wheelhouse/toroid-*-py3-none-manylinux_*_x86_64.whl)
+wheel=$(ls "$tmp"/wheelhouse/toroid-*-manylinux_*_x86_64.whl)
 say "audited: $(basename "$wheel") ($(du -h "$wheel" | cut -f1))"
 
 make_venv "$tmp/venv"

@@ -223,6 +223,88 @@ def errors(comm: toroid.Comm):
         pass
 
 
+def fastcall(comm: toroid.Comm):
+    """toroid._fastcall, the C extension the blocking all_reduce and broadcast take where it is
+    built (toroid._lib.FAST): the same results and the same errors as the ctypes path, and what
+    it cannot take left to that path. Prints whether it is bound (test_numpy.py reads that)."""
+    from toroid import _lib
+
+    fast = _lib.FAST
+    print(f"rank {RANK}: fastcall {'bound' if fast is not None else 'not built'}", flush=True)
+    if fast is None:
+        return
+    t = 500
+    for dtype in ["int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64"]:
+        for op in ["sum", "prod", "min", "max", "avg", toroid.ReduceOp.MAX]:
+            if op == "avg" and np.dtype(dtype).kind != "f":
+                continue
+            for n in [0, 1, 7, 1024, 100_003]:
+                t += 1
+                name = op.name.lower() if isinstance(op, toroid.ReduceOp) else op
+                xs = [data(t, r, n, dtype, name) for r in range(SIZE)]
+                want = reference(xs, name)
+                got = {}
+                for path in ("fast", "ctypes"):
+                    _lib.FAST = fast if path == "fast" else None
+                    try:
+                        mine = xs[RANK].copy()
+                        if t % 2:
+                            got[path] = comm.all_reduce(mine, np.empty_like(mine), op=op)
+                            same(mine, xs[RANK], f"{path} all_reduce input untouched")
+                        else:
+                            got[path] = comm.all_reduce(mine, op=op)
+                            assert got[path] is mine
+                    finally:
+                        _lib.FAST = fast
+                    same(got[path], want, f"{path} all_reduce {dtype} {name} n={n}")
+                assert got["fast"].tobytes() == got["ctypes"].tobytes(), f"fast and ctypes differ: {dtype} {name} n={n}"
+                if n and name == "sum":
+                    for root in range(SIZE):
+                        buf = data(t, RANK, n, dtype)
+                        same(comm.broadcast(buf, root), data(t, root, n, dtype), f"fast broadcast root {root}")
+    # What the extension leaves to the general path raises there, as without it.
+    a = np.arange(16, dtype=np.float32)
+    frozen = np.ones(16, np.float32)
+    frozen.flags.writeable = False
+    for what, call, error in [
+        ("a strided array", lambda: comm.all_reduce(a[::2]), ValueError),
+        ("a read-only output", lambda: comm.all_reduce(a, frozen), ValueError),
+        ("a read-only array in place", lambda: comm.all_reduce(frozen), ValueError),
+        ("an output of another type", lambda: comm.all_reduce(a, np.zeros(16, np.int32)), TypeError),
+        ("an output of another size", lambda: comm.all_reduce(a, np.zeros(15, np.float32)), ValueError),
+        ("a list", lambda: comm.all_reduce([1.0, 2.0]), TypeError),
+        ("a bool array", lambda: comm.all_reduce(np.ones(4, bool)), TypeError),
+        ("a strided broadcast", lambda: comm.broadcast(a[::2], 0), ValueError),
+        ("a root out of range", lambda: comm.broadcast(a, SIZE + 3), toroid.InvalidArgumentError),
+        ("avg on integers", lambda: comm.all_reduce(np.zeros(4, np.int32), op="avg"), toroid.UnsupportedError),
+    ]:
+        try:
+            call()
+            raise AssertionError(f"{what} accepted")
+        except error:
+            pass
+    # The extension itself: what it cannot take is NOT_TAKEN (-1), never a call with a size it
+    # did not derive; bad arguments are Python errors; a null communicator is toroid's error.
+    h = comm._live()
+    f32, f64 = int(toroid.DataType.FLOAT32), int(toroid.DataType.FLOAT64)
+    assert fast.all_reduce(h, a, None, 63, 0) == -1  # a type without a width
+    assert fast.all_reduce(h, a, None, -1, 0) == -1
+    assert fast.all_reduce(h, np.ones(3, np.float64), None, f32, 0) == -1  # 8-byte items as 4-byte ones
+    assert fast.all_reduce(h, memoryview(bytes(16)).cast("f"), None, f32, 0) == -1  # read-only in place
+    assert fast.all_reduce(h, np.ones(4, np.float64), np.ones(5, np.float64), f64, 0) == -1  # sizes differ
+    assert fast.all_reduce(h, a[::2], None, f32, 0) == -1
+    assert fast.broadcast(h, a, f32, 1 << 40) == -1  # a root beyond a C int
+    for bad in [(h, a, None, f32), (h, a, None, "float32", 0), ("comm", a, None, f32, 0)]:
+        try:
+            fast.all_reduce(*bad)
+            raise AssertionError(f"all_reduce{bad[2:]} accepted")
+        except TypeError:
+            pass
+    assert fast.all_reduce(0, a, None, f32, 0) == toroid.Result.INVALID_ARGUMENT
+    # Still usable, through both paths.
+    same(comm.all_reduce(np.ones(5, np.int64)), np.full(5, SIZE, np.int64), "usable after the checks")
+
+
 def created_in_the_background():
     """Comm.from_env_async, polled until done (the last rank comes 300 ms late)."""
     if RANK == SIZE - 1:
@@ -462,7 +544,7 @@ if __name__ == "__main__":
     else:
         comm = toroid.Comm.from_env()
         {"collectives": collectives, "async": async_and_pointers, "errors": errors, "dump": dump, "group": group,
-         "wire": wire}[
+         "wire": wire, "fastcall": fastcall}[
             SCENARIO
         ](comm)
     comm.barrier()

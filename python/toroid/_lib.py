@@ -280,8 +280,32 @@ def lib() -> ctypes.CDLL:
                 fn = getattr(loaded, name)
                 fn.restype = restype
                 fn.argtypes = argtypes
+            _bind_fastcall(loaded)
             _lib = loaded
         return _lib
+
+
+# toroid._fastcall (python/toroid/_fastcall.c), the blocking all-reduce and broadcast without
+# ctypes, bound to the loaded library; None where the extension was not built (a source
+# checkout, a Python before 3.11, no C compiler at install): the callers then use ctypes.
+FAST = None
+
+
+def _bind_fastcall(loaded: ctypes.CDLL) -> None:
+    global FAST
+    if os.environ.get("TOROID_PYTHON_FASTCALL", "1") == "0":  # (the tests compare both paths)
+        return
+    try:
+        from . import _fastcall
+    except ImportError:
+        return
+    widths = bytearray(max(DataType) + 1)
+    for t in DataType:
+        widths[t] = t.itemsize
+    address = ctypes.cast  # (the functions' addresses in the library just loaded)
+    _fastcall.bind(address(loaded.toroid_all_reduce, ctypes.c_void_p).value,
+                   address(loaded.toroid_broadcast, ctypes.c_void_p).value, bytes(widths))
+    FAST = _fastcall
 
 
 def library_path() -> str:

@@ -8,18 +8,22 @@ import threading
 from typing import Any, Optional
 
 from . import _lib
-from ._arrays import _buffer, numpy_dtype
+from ._arrays import _BY_DTYPE, _buffer, numpy_dtype
 from ._handles import GrowOffer, Pending, Request, Store, Work, _failed_array
 from ._lib import DataType, ReduceOp, check
 from ._pointers import _PointerCalls
 
 # The unfinished works a Comm holds before it tests them all (see Comm._prune).
 _PRUNE_MIN = 64
+# The fast path's op codes: by the names ReduceOp.of reads at once ("sum", ...) and by member.
+_FAST_OPS = {**{m.name.lower(): int(m) for m in ReduceOp}, **{m: int(m) for m in ReduceOp}}
+_NOT_TAKEN = -1  # (toroid._fastcall: the call was not made; take the general path)
 
 try:  # numpy is optional for the pointer-level API
     import numpy as np
 except ImportError:  # pragma: no cover
     np = None
+_NDARRAY = np.ndarray if np is not None else None  # (no type is None: the fast paths are not taken)
 
 
 class Comm(_PointerCalls):
@@ -471,6 +475,18 @@ class Comm(_PointerCalls):
         `wire="bf16"` or `"f16"`: a float32/float64 all-reduce travels in that type (half the
         bytes, reductions in the array's own type, the same result on every rank; see
         docs/reference/c-abi.md, compressed all-reduce); None: TOROID_WIRE_DTYPE decides."""
+        fast = _lib.FAST
+        if fast is not None and not async_op and wire is None and not self._group_depth and type(send) is _NDARRAY:
+            # The C extension's path (see _lib.FAST): the buffer checks are its own; it returns
+            # NOT_TAKEN for what only the general path below handles or reports.
+            t, o = _BY_DTYPE.get(send.dtype), _FAST_OPS.get(op)
+            same = recv is None or recv is send or (type(recv) is _NDARRAY and recv.dtype == send.dtype)
+            if t is not None and o is not None and same:
+                handle = self._live()
+                code = fast.all_reduce(handle, send, recv, t, o)
+                if code != _NOT_TAKEN:
+                    check("toroid_all_reduce", code, handle)
+                    return send if recv is None else recv
         if recv is None or recv is send:  # in place: one address
             recv = send
             src = dst = _buffer(send, True)
@@ -516,6 +532,15 @@ class Comm(_PointerCalls):
 
     def broadcast(self, buf, root: int, async_op: bool = False):
         """Root's `buf` is copied into every rank's `buf`."""
+        fast = _lib.FAST
+        if fast is not None and not async_op and not self._group_depth and type(buf) is _NDARRAY:
+            t = _BY_DTYPE.get(buf.dtype)  # (the C extension's path, as in all_reduce)
+            if t is not None and type(root) is int:
+                handle = self._live()
+                code = fast.broadcast(handle, buf, t, root)
+                if code != _NOT_TAKEN:
+                    check("toroid_broadcast", code, handle)
+                    return buf
         p = _buffer(buf, True)
         return self.broadcast_ptr(p, p, buf.size, numpy_dtype(buf), root, async_op, (buf,), buf)
 

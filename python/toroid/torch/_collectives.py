@@ -5,6 +5,7 @@ or staged."""
 from __future__ import annotations
 
 from .. import _lib
+import datetime
 from typing import Any, Callable, Optional
 
 import torch
@@ -14,7 +15,7 @@ from .._lib import DataType, ReduceOp
 from ._errors import _opt_timeout
 from ._staging import _staged
 from ._types import _BITWISE, _Output, _dense_type, _device_type, _dtype, _flat, _op, _reduce_opts, _stream_op, stream_path
-from ._work import ToroidWork, _DoneWork, _Finished
+from ._work import ToroidWork, _Finished
 
 
 def _waits_at_once(opts) -> bool:
@@ -22,8 +23,21 @@ def _waits_at_once(opts) -> bool:
     collectives (dist.all_reduce, broadcast, barrier without async_op) set asyncOp = False in the
     options and call wait() at once (torch 2.15's distributed_c10d). Such a call can run as a
     blocking toroid call, unless it has a timeout of its own (a blocking call is bounded by the
-    group's)."""
-    return opts is not None and not getattr(opts, "asyncOp", True) and _opt_timeout(opts) is None
+    group's). Every call's path: torch's options hold a timedelta, compared as it is."""
+    if opts is None or getattr(opts, "asyncOp", True):
+        return False
+    timeout = getattr(opts, "timeout", None)
+    return timeout <= _NO_TIMEOUT if type(timeout) is datetime.timedelta else _opt_timeout(opts) is None
+
+
+# (torch's unset timeout is timedelta(milliseconds=-1); timedelta(0) is its "none")
+_NO_TIMEOUT = datetime.timedelta(0)
+# A blocking call's fast path returns this: torch's blocking functions take a None work as done
+# ("the backend has sync'ed": `elif work is not None: work.wait()`), and a completed Work
+# object costs a small call more than a microsecond to create.
+_DONE = None
+# _allreduce_dense's answer for a call it does not take.
+_NOT_TAKEN = object()
 
 
 class _Collectives:
@@ -69,7 +83,7 @@ class _Collectives:
         torch_op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         if len(tensors) == 1 and self._wire is None:
             fast = self._allreduce_dense(tensors[0], torch_op, opts)
-            if fast is not None:
+            if fast is not _NOT_TAKEN:
                 return fast
         if _device_type(tensors) == "cuda":
             op = _stream_op(torch_op)
@@ -81,16 +95,17 @@ class _Collectives:
                 return self._stream_work(tensors, "allreduce", call, _opt_timeout(opts))
         return self._allreduce_host(tensors, opts)
 
-    def _allreduce_dense(self, t: torch.Tensor, torch_op, opts) -> Optional[dist.Work]:
+    def _allreduce_dense(self, t: torch.Tensor, torch_op, opts) -> Any:
         """The common call, straight to toroid: one dense contiguous CPU tensor of a toroid
         element type, reduced with SUM, PRODUCT, MIN, MAX or AVG, uncompressed. What
         _allreduce_host does for it, without its general steps (staging, stand-ins, several
-        tensors): a blocking 4 KiB all-reduce through torch is mostly this method's time. None
-        for any other call, which takes the general path."""
+        tensors): a blocking 4 KiB all-reduce through torch is mostly this method's time.
+        Returns the call's work (_DONE for a blocking call), or _NOT_TAKEN for any other call,
+        which takes the general path."""
         dtype = _dense_type(t)
-        op = _stream_op(torch_op)
-        if dtype is None or op is None:
-            return None  # complex, bool, another type; BAND/BOR/BXOR, PREMUL_SUM
+        op = _stream_op(torch_op) if dtype is not None else None
+        if op is None:
+            return _NOT_TAKEN  # complex, bool, another type; BAND/BOR/BXOR, PREMUL_SUM
         p = t.data_ptr()
         if _waits_at_once(opts):
             # torch's blocking dist.all_reduce. A blocking toroid call runs on this thread when
@@ -99,7 +114,7 @@ class _Collectives:
             # small all-reduce most of its time on a small host; the work returned is complete.
             self._comm.all_reduce_ptr(p, p, t.numel(), dtype, op, False)
             self.stats["allreduce"] += 1
-            return _DoneWork([t], "allreduce")
+            return _DONE
         work = self._comm.all_reduce_ptr(p, p, t.numel(), dtype, op, True, (t,))
         return self._work([work], [t], None, "allreduce", _opt_timeout(opts))
 
@@ -234,7 +249,7 @@ class _Collectives:
                 p = t.data_ptr()
                 self._comm.broadcast_ptr(p, p, t.numel(), dtype, opts.rootRank, False)
                 self.stats["broadcast"] += 1
-                return _DoneWork(tensors, "broadcast")
+                return _DONE
         if _device_type(tensors) == "cuda" and self._on_stream(tensors, None):
             root = opts.rootRank if opts is not None else 0
 

@@ -19,12 +19,12 @@ import torch.distributed as dist
 from .._lib import DataType
 from ..comm import Comm
 from ._backend import _DeviceBackend
-from ._collectives import _Collectives, _waits_at_once
+from ._collectives import _DONE, _Collectives, _waits_at_once
 from ._errors import _BACKEND_ERROR, _opt_timeout, _torch_errors
 from ._staging import _Staging, _staged
 from ._store import TorchStore, _is_store_timeout
 from ._types import BACKEND, DEVICES, _Output, _dtype, _flat, _op
-from ._work import ToroidWork, _DoneWork
+from ._work import ToroidWork
 
 
 def _backend_constructible() -> bool:
@@ -138,7 +138,7 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
             # torch's blocking dist.barrier: a blocking toroid call (see _allreduce_dense).
             self._comm.barrier()
             self.stats["barrier"] += 1
-            return _DoneWork(None, "barrier")
+            return _DONE
         return self._work([self._comm.barrier(async_op=True)], None, None, "barrier", _opt_timeout(opts))
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False) -> None:

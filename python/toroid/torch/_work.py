@@ -37,41 +37,6 @@ class _Finished:
         return True
 
 
-class _DoneWork(dist.Work):
-    """The torch Work of an operation that completed before its call returned (a blocking toroid
-    call for torch's blocking dist.all_reduce): every answer at once, none of ToroidWork's
-    completion machinery (its locks and future cost a small call several microseconds)."""
-
-    def __init__(self, result: Any, name: str):
-        super().__init__()
-        self._result = result
-        self._name = name
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def get_future(self) -> Future:
-        devices = _cuda_devices(self._result)
-        future = Future(devices=devices) if devices else Future()
-        future.set_result(self._result)
-        return future
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def exception(self):
-        return None
-
-    def result(self):
-        return self._result
-
-    def __repr__(self) -> str:
-        return f"ToroidWork({self._name}, done=True)"
-
-
 class ToroidWork(dist.Work):
     """A torch Work over toroid async works: wait() blocks until they are done, get_future()
     completes when they are (set by the group's completion thread, or by wait()).
