@@ -11,21 +11,30 @@ from ._handles import Work
 from ._lib import DataType, ReduceOp, check
 
 
+# The C extension's codes (see _lib.FAST), by member and by the names DataType.of and
+# ReduceOp.of read at once; other spellings take the general path.
+_FAST_TYPES = {**{m.name.lower(): int(m) for m in DataType}, **{m: int(m) for m in DataType}}
+_FAST_OPS = {**{m.name.lower(): int(m) for m in ReduceOp}, **{m: int(m) for m in ReduceOp}}
+_NOT_TAKEN = -1  # (toroid._fastcall: the call was not made)
+
+
 class _PointerCalls:
     """Comm's pointer-level calls (a mixin: `self` is the Comm; see comm.py)."""
 
     def all_reduce_ptr(self, send: int, recv: int, count: int, dtype, op="sum", async_op=False, _refs=(), _result=None,
                        wire=None):
+        fast = _lib.FAST  # (the C extension, where built: the blocking call without ctypes)
+        if fast is not None and not async_op and wire is None and not self._group_depth and type(send) is int:
+            t, o = _FAST_TYPES.get(dtype), _FAST_OPS.get(op)  # (a member or a name: no parse)
+            if t is not None and o is not None and type(recv) is int:
+                code = fast.all_reduce_addr(self._live(), send, recv, count, t, o)
+                if code != _NOT_TAKEN:
+                    if code:
+                        check("toroid_all_reduce", code, self._handle)
+                    return _result
         args = (send, recv, count, DataType.of(dtype), ReduceOp.of(op))
         if wire is not None:
             return self._call("toroid_all_reduce_wire", args + (DataType.of(wire),), async_op, _refs, _result)
-        fast = _lib.FAST  # (the C extension, where built: the same call without ctypes)
-        if fast is not None and not async_op and not self._group_depth and type(send) is int and type(recv) is int:
-            handle = self._live()
-            code = fast.all_reduce_addr(handle, *args)
-            if code != -1:  # (-1: not taken)
-                check("toroid_all_reduce", code, handle)
-                return _result
         return self._call("toroid_all_reduce", args, async_op, _refs, _result)
 
     def reduce_scatter_ptr(self, send: int, recv: int, recvcount: int, dtype, op="sum", async_op=False, _refs=(), _result=None):

@@ -11,13 +11,10 @@ from . import _lib
 from ._arrays import _BY_DTYPE, _buffer, numpy_dtype
 from ._handles import GrowOffer, Pending, Request, Store, Work, _failed_array
 from ._lib import DataType, ReduceOp, check
-from ._pointers import _PointerCalls
+from ._pointers import _FAST_OPS, _NOT_TAKEN, _PointerCalls
 
 # The unfinished works a Comm holds before it tests them all (see Comm._prune).
 _PRUNE_MIN = 64
-# The fast path's op codes: by the names ReduceOp.of reads at once ("sum", ...) and by member.
-_FAST_OPS = {**{m.name.lower(): int(m) for m in ReduceOp}, **{m: int(m) for m in ReduceOp}}
-_NOT_TAKEN = -1  # (toroid._fastcall: the call was not made; take the general path)
 
 try:  # numpy is optional for the pointer-level API
     import numpy as np
@@ -482,10 +479,10 @@ class Comm(_PointerCalls):
             t, o = _BY_DTYPE.get(send.dtype), _FAST_OPS.get(op)
             same = recv is None or recv is send or (type(recv) is _NDARRAY and recv.dtype == send.dtype)
             if t is not None and o is not None and same:
-                handle = self._live()
-                code = fast.all_reduce(handle, send, recv, t, o)
+                code = fast.all_reduce(self._live(), send, recv, t, o)
                 if code != _NOT_TAKEN:
-                    check("toroid_all_reduce", code, handle)
+                    if code:
+                        check("toroid_all_reduce", code, self._handle)
                     return send if recv is None else recv
         if recv is None or recv is send:  # in place: one address
             recv = send
@@ -536,10 +533,10 @@ class Comm(_PointerCalls):
         if fast is not None and not async_op and not self._group_depth and type(buf) is _NDARRAY:
             t = _BY_DTYPE.get(buf.dtype)  # (the C extension's path, as in all_reduce)
             if t is not None and type(root) is int:
-                handle = self._live()
-                code = fast.broadcast(handle, buf, t, root)
+                code = fast.broadcast(self._live(), buf, t, root)
                 if code != _NOT_TAKEN:
-                    check("toroid_broadcast", code, handle)
+                    if code:
+                        check("toroid_broadcast", code, self._handle)
                     return buf
         p = _buffer(buf, True)
         return self.broadcast_ptr(p, p, buf.size, numpy_dtype(buf), root, async_op, (buf,), buf)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from .._lib import DataType, ReduceOp
 from ._errors import _opt_timeout
 from ._staging import _staged
-from ._types import _BITWISE, _Output, _dense_type, _device_type, _dtype, _flat, _op, _reduce_opts, _stream_op, stream_path
+from ._types import _BITWISE, _TYPES, _Output, _dense_type, _device_type, _dtype, _flat, _op, _reduce_opts, _stream_op, stream_path
 from ._work import ToroidWork, _Finished
 
 
@@ -38,6 +38,9 @@ _NO_TIMEOUT = datetime.timedelta(0)
 _DONE = None
 # _allreduce_dense's answer for a call it does not take.
 _NOT_TAKEN = object()
+_ALLREDUCE_OPTIONS = dist.AllreduceOptions
+_STRIDED = torch.strided
+_SUM = dist.ReduceOp.SUM
 
 
 class _Collectives:
@@ -79,6 +82,18 @@ class _Collectives:
         """In place, per tensor. CUDA tensors: on the stream path when stream_path allows it for
         every one (toroid_all_reduce_stream on torch's current stream), else staged. `opts`:
         AllreduceOptions, or a bare ReduceOp (as torch's ProcessGroup.allreduce takes)."""
+        if type(opts) is _ALLREDUCE_OPTIONS and len(tensors) == 1 and self._wire is None and _waits_at_once(opts):
+            # torch's blocking dist.all_reduce of one tensor: its most common call, checked in
+            # the fewest steps (each costs a 4 KiB call a few percent of its time).
+            t = tensors[0]
+            dtype = _TYPES.get(t.dtype) if t.is_cpu and t.layout is _STRIDED and t.is_contiguous() else None
+            torch_op = opts.reduceOp
+            op = ReduceOp.SUM if torch_op == _SUM else _stream_op(torch_op)
+            if dtype is not None and op is not None:
+                p = t.data_ptr()
+                self._comm.all_reduce_ptr(p, p, t.numel(), dtype, op, False)
+                self.stats["allreduce"] += 1
+                return _DONE
         opts = _reduce_opts(opts)
         torch_op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         if len(tensors) == 1 and self._wire is None:
@@ -96,22 +111,22 @@ class _Collectives:
         return self._allreduce_host(tensors, opts)
 
     def _allreduce_dense(self, t: torch.Tensor, torch_op, opts) -> Any:
-        """The common call, straight to toroid: one dense contiguous CPU tensor of a toroid
-        element type, reduced with SUM, PRODUCT, MIN, MAX or AVG, uncompressed. What
+        """The common async call, straight to toroid: one dense contiguous CPU tensor of a
+        toroid element type, reduced with SUM, PRODUCT, MIN, MAX or AVG, uncompressed. What
         _allreduce_host does for it, without its general steps (staging, stand-ins, several
-        tensors): a blocking 4 KiB all-reduce through torch is mostly this method's time.
-        Returns the call's work (_DONE for a blocking call), or _NOT_TAKEN for any other call,
-        which takes the general path."""
+        tensors). Returns the call's work, or _NOT_TAKEN for any other call, which takes the
+        general path. (torch's blocking call took allreduce's first branch.)"""
         dtype = _dense_type(t)
         op = _stream_op(torch_op) if dtype is not None else None
         if op is None:
             return _NOT_TAKEN  # complex, bool, another type; BAND/BOR/BXOR, PREMUL_SUM
         p = t.data_ptr()
         if _waits_at_once(opts):
-            # torch's blocking dist.all_reduce. A blocking toroid call runs on this thread when
-            # the group is idle (else behind its queued work, running that too), without an
-            # async call's hand-over to toroid's worker thread, whose wake-up alone costs a
-            # small all-reduce most of its time on a small host; the work returned is complete.
+            # A blocking call torch did not make with its own options type: as allreduce's first
+            # branch. A blocking toroid call runs on this thread when the group is idle (else
+            # behind its queued work, running that too), without an async call's hand-over to
+            # toroid's worker thread, whose wake-up alone costs a small all-reduce most of its
+            # time on a small host.
             self._comm.all_reduce_ptr(p, p, t.numel(), dtype, op, False)
             self.stats["allreduce"] += 1
             return _DONE
