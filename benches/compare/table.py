@@ -3,8 +3,9 @@
 
 Every implementation prints nccl-tests' columns (size, count, type, redop, root, then time,
 algbw, busbw, #wrong for out-of-place and for in-place). For each rank count and size this takes
-the median over runs of each column and prints toroid next to MPI (and gloo, in-place only: torch
-all-reduces in place), with the ratio toroid/other: busbw ratio (> 1: toroid faster) and time.
+the median over runs of each column and prints toroid next to MPI, oneCCL (out-of-place busbw)
+and gloo (in-place only: torch all-reduces in place), when their files are there, with the ratio
+toroid/other: busbw ratio (> 1: toroid faster) and time.
 
     table.py DIR 2 4
 """
@@ -75,12 +76,15 @@ def main():
         toroid, kt = medians(sorted(glob.glob(os.path.join(d, f"toroid-n{n}-r*.txt"))))
         mpi, km = medians(sorted(glob.glob(os.path.join(d, f"mpi-n{n}-r*.txt"))))
         gloo, kg = medians(sorted(glob.glob(os.path.join(d, f"gloo-n{n}-r*.txt"))))
+        ccl, kc = medians(sorted(glob.glob(os.path.join(d, f"oneccl-n{n}-r*.txt"))))
         print()
         print(f"## {n} ranks: all-reduce, float sum, median of {kt} toroid / {km} MPI"
-              + (f" / {kg} gloo" if kg else "") + " runs")
+              + (f" / {kc} oneCCL" if kc else "") + (f" / {kg} gloo" if kg else "") + " runs")
         print("#  busbw in GB/s (decimal), time in us; ratio = toroid busbw / other busbw (time: other / toroid)")
         head = (f"{'size':>8} | {'toroid us':>9} {'MPI us':>9} {'ratio':>5} | {'toroid busbw':>12} {'MPI busbw':>9} "
                 f"{'ratio':>5} | {'in-place: toroid':>16} {'MPI':>6} {'ratio':>5}")
+        if kc:
+            head += f" | {'oneCCL busbw':>12} {'ratio':>5}"
         if kg:
             head += f" | {'gloo':>6} {'ratio':>5}"
         head += " | algorithm"
@@ -99,11 +103,14 @@ def main():
             else:
                 line += f"{'-':>9} {'-':>5} | {bus(size, t[0], k):>12.2f} {'-':>9} {'-':>5} | "
                 line += f"{bus(size, t[2], k):>16.2f} {'-':>6} {'-':>5}"
+            c = ccl.get(size)
+            if kc:
+                line += f" | {bus(size, c[0], k):>12.2f} {c[0] / t[0]:>5.2f}" if c else f" | {'-':>12} {'-':>5}"
             if kg:
                 g = gloo.get(size)
                 line += f" | {bus(size, g[2], k):>6.2f} {g[2] / t[2]:>5.2f}" if g else f" | {'-':>6} {'-':>5}"
             line += f" | {t[5]}"
-            if t[4] or (m and m[4]):
+            if t[4] or (m and m[4]) or (c and c[4]):
                 line += "  WRONG VALUES"
             print(line)
 
