@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Side-by-side all-reduce on this host: toroid (toroid-bench under toroid-run) against Open MPI
-# (our own mpi_allreduce_bench.c, timed the same way), and PyTorch's gloo backend when torch is
-# installed. Prints one table per rank count with the median over RUNS interleaved runs and the
-# ratio toroid/other per size, for busbw (higher is better) and time (lower is better).
+# (our own mpi_allreduce_bench.c, timed the same way), oneCCL (oneccl_allreduce_bench.cpp), and
+# PyTorch's gloo backend when torch is installed. Prints one table per rank count with the median
+# over RUNS interleaved runs and the ratio toroid/other per size, for busbw (higher is better) and
+# time (lower is better); then, with torch, toroid and gloo through torch.distributed.
 #
 #   benches/compare/run.sh                  # 2 and 4 ranks, 4 KiB .. 64 MiB, 5 runs each
 #   RANKS="2 4 8" RUNS=3 benches/compare/run.sh
 #   GLOO=0 benches/compare/run.sh           # skip torch/gloo even when torch is installed
 #   ONECCL=0 benches/compare/run.sh         # skip oneCCL
+#   TORCH=0 benches/compare/run.sh          # skip the all-reduce through torch.distributed
 #
 # oneCCL (Intel's CPU collective library) comes from PyPI into $OUT/oneccl on first use (about
 # 500 MB of wheels): oneccl-cpu 2022.2's libccl.so.1, which needs libccl.so.2 from the oneccl
@@ -38,6 +40,7 @@ ITERS=${ITERS:-20}
 WARMUP=${WARMUP:-5}
 GLOO=${GLOO:-1}
 ONECCL=${ONECCL:-1}
+TORCH=${TORCH:-1}
 ONECCL_VERSION=2022.2.0
 out="${OUT:-$root/target/compare}"
 mkdir -p "$out"
@@ -125,3 +128,16 @@ for n in $RANKS; do
 done
 echo "# uptime after:  $(uptime)"
 python3 "$here/table.py" "$out" $RANKS
+# Through torch: torch.distributed's all_reduce on toroid and on gloo in the same processes,
+# alternating (python -m toroid.bench, which checks every result), with this checkout's package
+# and release library.
+if [ "$TORCH" = 1 ] && python3 -c "import torch.distributed, numpy" 2>/dev/null; then
+    (cd "$root" && cargo build --release --quiet --lib)
+    for n in $RANKS; do
+        echo
+        echo "## $n ranks through torch.distributed (python -m toroid.bench)"
+        PYTHONPATH="$root/python" TOROID_LIBRARY="$root/target/release/libtoroid.so" \
+            python3 -m toroid.bench --ranks "$n" -b "$MINB" -e "$MAXB" -f "$FACTOR" --timeout 900 \
+            || echo "# toroid.bench failed (exit status $?)"
+    done
+fi
