@@ -262,6 +262,23 @@ def fastcall(comm: toroid.Comm):
                     for root in range(SIZE):
                         buf = data(t, RANK, n, dtype)
                         same(comm.broadcast(buf, root), data(t, root, n, dtype), f"fast broadcast root {root}")
+    # The pointer-level calls (the torch backend's blocking all-reduce and broadcast), both paths.
+    for path in ("fast", "ctypes"):
+        _lib.FAST = fast if path == "fast" else None
+        try:
+            for n in [1, 4099]:
+                t += 1
+                xs = [data(t, r, n, "float64") for r in range(SIZE)]
+                mine, out = xs[RANK].copy(), np.zeros(n, np.float64)
+                comm.all_reduce_ptr(mine.ctypes.data, out.ctypes.data, n, "float64", toroid.ReduceOp.SUM)
+                same(out, reference(xs, "sum"), f"{path} all_reduce_ptr n={n}")
+                same(mine, xs[RANK], f"{path} all_reduce_ptr input untouched")
+                for root in range(SIZE):
+                    buf = data(t, RANK, n, "int32")
+                    comm.broadcast_ptr(buf.ctypes.data, buf.ctypes.data, n, toroid.DataType.INT32, root)
+                    same(buf, data(t, root, n, "int32"), f"{path} broadcast_ptr root {root}")
+        finally:
+            _lib.FAST = fast
     # What the extension leaves to the general path raises there, as without it.
     a = np.arange(16, dtype=np.float32)
     frozen = np.ones(16, np.float32)
@@ -294,6 +311,8 @@ def fastcall(comm: toroid.Comm):
     assert fast.all_reduce(h, np.ones(4, np.float64), np.ones(5, np.float64), f64, 0) == -1  # sizes differ
     assert fast.all_reduce(h, a[::2], None, f32, 0) == -1
     assert fast.broadcast(h, a, f32, 1 << 40) == -1  # a root beyond a C int
+    assert fast.broadcast_addr(h, a.ctypes.data, a.ctypes.data, 16, f32, 1 << 40) == -1
+    assert fast.all_reduce_addr(h, a.ctypes.data, a.ctypes.data, 16, 63, 0) == -1
     for bad in [(h, a, None, f32), (h, a, None, "float32", 0), ("comm", a, None, f32, 0)]:
         try:
             fast.all_reduce(*bad)

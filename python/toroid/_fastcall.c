@@ -1,5 +1,5 @@
-/* toroid._fastcall: the blocking all-reduce and broadcast of the Python binding, called without
- * ctypes (issue 36: a 4 KiB all-reduce through ctypes costs ~5 us of argument conversion and
+/* toroid._fastcall: the blocking all-reduce and broadcast of the Python binding (on numpy
+ * buffers and on addresses), called without ctypes (issue 36: a 4 KiB all-reduce through ctypes costs ~5 us of argument conversion and
  * Python-level checks on top of the library's ~3 us).
  *
  * A CPython extension on the stable ABI of Python 3.11 (Py_LIMITED_API: the buffer protocol
@@ -181,6 +181,30 @@ static PyObject *all_reduce_addr(PyObject *self, PyObject *const *args, Py_ssize
     return PyLong_FromLong(code);
 }
 
+/* broadcast_addr(comm, send, recv, count, dtype, root) -> toroid_result: on raw addresses, as
+ * all_reduce_addr. */
+static PyObject *broadcast_addr(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long dtype_root[2];
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "broadcast_addr(comm, send, recv, count, dtype, root)");
+        return NULL;
+    }
+    void *comm = PyLong_AsVoidPtr(args[0]);
+    void *send = PyLong_AsVoidPtr(args[1]);
+    void *recv = PyLong_AsVoidPtr(args[2]);
+    size_t count = PyLong_AsSize_t(args[3]);
+    if (PyErr_Occurred() || !longs(args, 4, 2, dtype_root))
+        return NULL;
+    if (broadcast_ptr == NULL || width_of(dtype_root[0]) == 0 || dtype_root[1] < INT_MIN || dtype_root[1] > INT_MAX)
+        return PyLong_FromLong(NOT_TAKEN);
+    int code;
+    Py_BEGIN_ALLOW_THREADS
+    code = broadcast_ptr(comm, send, recv, count, (int)dtype_root[0], (int)dtype_root[1]);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(code);
+}
+
 static PyMethodDef methods[] = {
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL, "bind(all_reduce, broadcast, widths)"},
     {"all_reduce", (PyCFunction)(void (*)(void))all_reduce, METH_FASTCALL,
@@ -189,6 +213,8 @@ static PyMethodDef methods[] = {
      "broadcast(comm, buf, dtype, root) -> toroid_result, or -1 (not taken)"},
     {"all_reduce_addr", (PyCFunction)(void (*)(void))all_reduce_addr, METH_FASTCALL,
      "all_reduce_addr(comm, send, recv, count, dtype, op) -> toroid_result, or -1 (not taken)"},
+    {"broadcast_addr", (PyCFunction)(void (*)(void))broadcast_addr, METH_FASTCALL,
+     "broadcast_addr(comm, send, recv, count, dtype, root) -> toroid_result, or -1 (not taken)"},
     {NULL, NULL, 0, NULL},
 };
 

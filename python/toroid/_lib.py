@@ -293,7 +293,7 @@ FAST = None
 
 def _bind_fastcall(loaded: ctypes.CDLL) -> None:
     global FAST
-    if os.environ.get("TOROID_PYTHON_FASTCALL", "1") == "0":  # (the tests compare both paths)
+    if os.environ.get("TOROID_PYTHON_FASTCALL", "1") == "0":  # (docs/ENV.md; to rule it out)
         return
     try:
         from . import _fastcall

@@ -46,6 +46,15 @@ class _PointerCalls:
         return self._call("toroid_all_gather", args, async_op, _refs, _result)
 
     def broadcast_ptr(self, send: int, recv: int, count: int, dtype, root: int, async_op=False, _refs=(), _result=None):
+        fast = _lib.FAST  # (as in all_reduce_ptr)
+        if fast is not None and not async_op and not self._group_depth and type(send) is int and type(recv) is int:
+            t = _FAST_TYPES.get(dtype)
+            if t is not None and type(root) is int:
+                code = fast.broadcast_addr(self._live(), send, recv, count, t, root)
+                if code != _NOT_TAKEN:
+                    if code:
+                        check("toroid_broadcast", code, self._handle)
+                    return _result
         args = (send, recv, count, DataType.of(dtype), root)
         return self._call("toroid_broadcast", args, async_op, _refs, _result)
 
