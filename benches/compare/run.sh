@@ -12,8 +12,8 @@
 #   TORCH=0 benches/compare/run.sh          # skip the all-reduce through torch.distributed
 #
 # oneCCL (Intel's CPU collective library) comes from PyPI into $OUT/oneccl on first use (about
-# 500 MB of wheels): oneccl-cpu 2022.2's libccl.so.1, which needs libccl.so.2 from the oneccl
-# wheel, which needs Intel's SYCL and compiler runtimes (intel-sycl-rt, intel-cmplr-lib-rt);
+# 500 MB of wheels, 1.9 GB installed): oneccl-cpu 2022.2's libccl.so.1, which needs libccl.so.2
+# from the oneccl wheel, which needs Intel's SYCL and compiler runtimes (intel-sycl-rt, intel-cmplr-lib-rt);
 # oneccl-devel's headers; Intel MPI (impi-rt), whose mpiexec.hydra launches the ranks and whose
 # libmpi is oneCCL's transport (CCL_ATL_TRANSPORT=mpi: the OFI transport needs a libfabric the
 # wheels do not carry). Its configuration is the best of those the issue that asked for it
