@@ -11,7 +11,7 @@
  * CCL_ATL_SHM, ...: run.sh says which). Barriers are ccl::barrier.
  *
  *   c++ -O2 -I$VENV/include -o oneccl_allreduce_bench oneccl_allreduce_bench.cpp -L$VENV/lib -lccl
- *   toroid-run -n 2 -- ./oneccl_allreduce_bench -i /tmp/ccl-kvs -b 4K -e 64M -f 4
+ *   toroid-run -n 2 -- ./oneccl_allreduce_bench -i ccl-kvs -b 4K -e 64M -f 4
  */
 #include <oneapi/ccl.hpp>
 #include <time.h>
