@@ -910,7 +910,12 @@ enum toroid_result toroid_comm_stats(struct toroid_comm *comm,
  * `recvbuf` (the same pointer: in place) with `op`, ordered on `stream` (a cudaStream_t of the
  * buffers' device, or NULL for the legacy default stream): work enqueued on the stream before
  * the call is complete before its data is read, and the result is in `recvbuf` when the call
- * returns. TOROID_UNSUPPORTED when CUDA is not available; TOROID_INVALID_ARGUMENT for host
+ * returns. On the stream-ordered path (TOROID_CUDA_ORDERED=1, every rank its own process on
+ * one host) the call returns once the collective is enqueued, as NCCL's: later work on
+ * `stream` sees the result, the buffers must stay untouched until the stream has run it, it
+ * may be captured in a CUDA graph, and a failure on the device (a rank that never made the
+ * call, ranks making different calls) is returned by the next call, which fails the
+ * communicator. TOROID_UNSUPPORTED when CUDA is not available; TOROID_INVALID_ARGUMENT for host
  * memory; TOROID_INVALID_USAGE inside a group (the call runs at once, ahead of the calls the
  * group recorded).
  */
@@ -1027,7 +1032,8 @@ enum toroid_result toroid_recv_stream(struct toroid_comm *comm,
 /**
  * toroid_all_reduce_stream, asynchronous for the host: returns once the collective is queued,
  * with `*work` set to a work that completes when it has (wait on it, then free it), or to NULL
- * when the call completed before returning (the staged path between hosts). The input is read
+ * when the call completed before returning (the staged path between hosts) or is enqueued on
+ * `stream` (the stream-ordered path: later work on `stream` sees the result). The input is read
  * after the work queued on `stream` before the call; `stream` is NOT made to wait for the
  * collective: the output is ready once the work has completed, and until then nothing may
  * read or write either buffer. Errors as toroid_all_reduce_stream; a failure of the

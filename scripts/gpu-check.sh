@@ -15,6 +15,8 @@
 #                                      Python package (for a GPU machine without a Rust
 #                                      toolchain: carry DIR there)
 #   scripts/gpu-check.sh --run DIR     run the checks in DIR
+#   scripts/gpu-check.sh --run-ordered DIR   only the stream-ordered checks and the side-by-side
+#                                      with NCCL (ORDERED_SWEEP, ORDERED_COLLECTIVES, ORDERED_MPS=0)
 #
 # NVRTC: TOROID_NVRTC_PATH, else the libnvrtc.so.13 of python3's CUDA wheels or of
 # /usr/local/cuda; it must not be newer than the driver (PTX from NVRTC 13.2 does not load on
@@ -46,11 +48,8 @@ for l in sys.stdin:
   cp python/tests/gpu_torch_check.py "$dir/python/tests/"
 }
 
-run() {
-  local dir=$1
-  local failed=0
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || echo "nvidia-smi: not found"
-  echo "RDMA devices (/sys/class/infiniband): $(ls /sys/class/infiniband 2>/dev/null | tr '\n' ' ' || true)"
+# TOROID_NVRTC_PATH, else python3's CUDA wheels' or the toolkit's libnvrtc.so.13.
+find_nvrtc() {
   if [ -z "${TOROID_NVRTC_PATH:-}" ]; then
     TOROID_NVRTC_PATH=$( (python3 -c 'import nvidia, os
 for p in nvidia.__path__:
@@ -60,6 +59,14 @@ for p in nvidia.__path__:
     export TOROID_NVRTC_PATH
   fi
   echo "NVRTC: ${TOROID_NVRTC_PATH:-none found}"
+}
+
+run() {
+  local dir=$1
+  local failed=0
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || echo "nvidia-smi: not found"
+  echo "RDMA devices (/sys/class/infiniband): $(ls /sys/class/infiniband 2>/dev/null | tr '\n' ' ' || true)"
+  find_nvrtc
   TOROID_REQUIRE_NVRTC=1 "$dir/gpu-tests" --include-ignored --test-threads 1 --nocapture
   local cuda_h
   cuda_h=$( (ls /usr/local/cuda/include/cuda.h /usr/local/cuda*/include/cuda.h 2>/dev/null;
@@ -102,7 +109,75 @@ for p in nvidia.__path__:
         -n 10 -w 2 || { echo "FAIL: TOROID_CUDA_IPC=0 toroid-bench --device 0 --collective $c"; failed=1; }
     done
   fi
+  ordered_check "$dir" || failed=1
   torch_check "$dir"
+  return "$failed"
+}
+
+# The stream-ordered path (src/gpu/ordered.rs): ffi_tests/gpu/ordered.c on 2 processes (each
+# call returns before its stream ran it, a consumer on the stream reads the exact result, a CUDA
+# graph of 10 collectives replayed 100 times), then toroid and NCCL side by side on the same 2
+# ranks of the one GPU (benches/compare/nccl_device_bench.c, NCCL's multi-rank switch on), every
+# collective, without MPS and, where the machine has it, with it.
+ordered_check() {
+  local dir=$1 failed=0
+  # Off by default until a GPU run has shown it (docs/ENV.md).
+  export TOROID_CUDA_ORDERED=1
+  local cuda_h
+  cuda_h=$( (ls /usr/local/cuda/include/cuda.h /usr/local/cuda*/include/cuda.h 2>/dev/null;
+    python3 -c 'import nvidia, os
+for p in nvidia.__path__:
+    f = os.path.join(p, "cu13", "include", "cuda.h")
+    if os.path.exists(f): print(f)' 2>/dev/null) | head -1 || true)
+  local libcuda
+  libcuda=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}')
+  libcuda=${libcuda:-$(ls /usr/local/nvidia/lib64/libcuda.so.1 /usr/lib/x86_64-linux-gnu/libcuda.so.1 2>/dev/null | head -1 || true)}
+  if [ -z "$cuda_h" ]; then
+    echo "SKIPPED ffi_tests/gpu/ordered.c: no cuda.h (CUDA toolkit) on this machine"
+  else
+    cc -O1 -I include -I ffi_tests -I "$(dirname "$cuda_h")" ffi_tests/gpu/ordered.c \
+      -L "$dir" -ltoroid "${libcuda:--lcuda}" -Wl,-rpath,"$(cd "$dir" && pwd)" -o "$dir/ordered"
+    echo "ffi_tests/gpu/ordered.c, 2 processes:"
+    TOROID_DEBUG=INFO TOROID_DEBUG_SUBSYS=GPU timeout 180 "$dir/toroid-run" -n 2 "$dir/ordered" ||
+      { echo "FAIL: ffi_tests/gpu/ordered.c"; failed=1; }
+  fi
+  NCCL_LIBRARY=${NCCL_LIBRARY:-$(python3 -c 'import nvidia.nccl, os
+print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null || true)}
+  export NCCL_LIBRARY
+  cc -std=c11 -O2 -o "$dir/nccl_device_bench" benches/compare/nccl_device_bench.c -ldl
+  local sweep=${ORDERED_SWEEP:--b 8K -e 256M -f 4 -n 20 -w 5}
+  side_by_side() {
+    local c
+    for c in ${ORDERED_COLLECTIVES:-all_reduce all_gather reduce_scatter broadcast}; do
+      echo "== $c, 2 ranks on GPU 0 ($1): toroid-bench --device 0"
+      # shellcheck disable=SC2086
+      timeout 150 "$dir/toroid-run" -n 2 "$dir/toroid-bench" --device 0 --collective "$c" $sweep ||
+        { echo "FAIL: toroid-bench --device 0 --collective $c ($1)"; failed=1; }
+      echo "== $c, 2 ranks on GPU 0 ($1): NCCL ($NCCL_LIBRARY)"
+      # shellcheck disable=SC2086
+      timeout 150 "$dir/toroid-run" -n 2 "$dir/nccl_device_bench" --id-file "$dir/nccl-id" --collective "$c" $sweep
+      case $? in
+        0) ;;
+        3) echo "SKIPPED NCCL: libnccl.so.2 not found (nvidia-nccl-cu13)" ;;
+        *) echo "FAIL: nccl_device_bench --collective $c ($1)"; failed=1 ;;
+      esac
+    done
+  }
+  side_by_side "no MPS"
+  if [ "${ORDERED_MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control >/dev/null; then
+    export CUDA_MPS_PIPE_DIRECTORY=$dir/mps-pipe CUDA_MPS_LOG_DIRECTORY=$dir/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if nvidia-cuda-mps-control -d; then
+      side_by_side "MPS"
+      echo quit | nvidia-cuda-mps-control
+    else
+      echo "SKIPPED MPS: nvidia-cuda-mps-control -d failed"
+    fi
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  else
+    echo "SKIPPED MPS: no nvidia-cuda-mps-control on this machine (or ORDERED_MPS=0)"
+  fi
+  unset TOROID_CUDA_ORDERED
   return "$failed"
 }
 
@@ -122,10 +197,11 @@ torch_check() {
 case "${1:-}" in
   --build) build "$2" ;;
   --run) run "$2" ;;
+  --run-ordered) find_nvrtc; ordered_check "$2" ;;
   "")
     # (Not `build && run`: set -e does not stop on a failure left of &&.)
     build target/gpu-check
     run target/gpu-check
     ;;
-  *) sed -n '2,21p' "$0"; exit 2 ;;
+  *) sed -n '2,23p' "$0"; exit 2 ;;
 esac

@@ -165,6 +165,10 @@ pub struct Config {
     /// Collectives on device memory between ranks of one host through CUDA IPC
     /// (`TOROID_CUDA_IPC`, default on); off, they are staged through pinned host memory.
     pub cuda_ipc: bool,
+    /// On the CUDA IPC path between processes, collectives enqueued on the caller's stream as
+    /// one kernel each, the ranks meeting on the device (`TOROID_CUDA_ORDERED`, default off
+    /// until it has run on a GPU); off, the host drives each chunk.
+    pub cuda_ordered: bool,
     /// The RDMA device (and port) to use (`TOROID_IB_HCA`, `name` or `name:port`, e.g.
     /// `mlx5_0:1`); unset, the first device's port 1. Read by the RDMA transport (cargo feature
     /// `rdma`).
@@ -302,6 +306,7 @@ impl Default for Config {
             cost_model: None,
             shm_disable: false,
             cuda_ipc: true,
+            cuda_ordered: false,
             ib_hca: None,
             ib_gid_index: 0,
             rdma: RdmaMode::Auto,
@@ -429,6 +434,9 @@ impl Config {
         }
         if let Some(v) = get("TOROID_CUDA_IPC") {
             cfg.cuda_ipc = parse_bool("TOROID_CUDA_IPC", v)?;
+        }
+        if let Some(v) = get("TOROID_CUDA_ORDERED") {
+            cfg.cuda_ordered = parse_bool("TOROID_CUDA_ORDERED", v)?;
         }
         cfg.ib_hca = get("TOROID_IB_HCA").map(str::to_string);
         if let Some(v) = get("TOROID_IB_GID_INDEX") {

@@ -56,6 +56,10 @@ impl HostComm for Communicator {
         self.core.config.cuda_ipc
     }
 
+    fn cuda_ordered(&self) -> bool {
+        self.core.config.cuda_ordered
+    }
+
     fn device_state(&self) -> &Mutex<Option<DeviceState>> {
         &self.core.device
     }

@@ -186,6 +186,14 @@ impl Communicator {
             engine.fail(&format!("rank {} called abort", self.core.ident.rank));
         }
         self.core.queue.cv.notify_all();
+        // Kernels of collectives on device memory waiting for peers end too (never blocks: a
+        // call launching right now holds the state and its kernel ends at its deadline).
+        #[cfg(feature = "cuda")]
+        if let Ok(state) = self.core.device.try_lock()
+            && let Some(state) = state.as_ref()
+        {
+            state.abort();
+        }
     }
 
     /// Revokes the communicator (NCCL 2.28's `ncclCommRevoke`, MPI ULFM's `MPIX_Comm_revoke`):

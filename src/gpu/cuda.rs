@@ -102,6 +102,11 @@ pub fn wait_host(event: &CudaEvent, what: &'static str) -> Result<()> {
     call(what, || event.synchronize())
 }
 
+/// Whether `event` has completed (an error reads as completed: nothing more will come of it).
+pub fn is_complete(event: &CudaEvent) -> bool {
+    guard("querying an event", || event.is_complete()).unwrap_or(true)
+}
+
 /// Makes `stream` wait for `event` (`what`: what it waits for).
 pub fn wait_stream(stream: &CudaStream, event: &CudaEvent, what: &'static str) -> Result<()> {
     call(what, || stream.wait(event))
@@ -397,5 +402,136 @@ pub unsafe fn launch_scale(
         l.arg(&dst).arg(&src).arg(&n).arg(&factor);
         // SAFETY: the caller's contract: the kernel's signature and the pointers' validity.
         unsafe { l.launch(grid.config()) }.map(drop)
+    })
+}
+
+/// Enqueues `f(args)` on `stream`: a kernel whose one parameter is `args` by value.
+///
+/// # Safety
+/// `f` takes exactly one parameter of `T`'s layout, and every address in `args` is valid for
+/// what the kernel does with it until the stream has run it.
+pub unsafe fn launch_args<T: bytemuck::Pod>(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    grid: Grid,
+    args: &T,
+) -> Result<()> {
+    let what = "launching a collective on device memory";
+    guard(what, || -> Result<()> {
+        stream.context().bind_to_thread().map_err(driver_err("binding the context"))?;
+        let mut param = (args as *const T).cast_mut().cast::<std::ffi::c_void>();
+        // SAFETY: one parameter, `param` points at `args`, alive for the call (the driver copies
+        // parameters at launch); the caller vouches for the kernel's signature and addresses.
+        let r = unsafe {
+            cu::cuLaunchKernel(
+                f.cu_function(),
+                grid.blocks,
+                1,
+                1,
+                grid.threads,
+                1,
+                1,
+                0,
+                raw_stream(stream).cast(),
+                &mut param,
+                std::ptr::null_mut(),
+            )
+        };
+        if r == CUresult::CUDA_SUCCESS {
+            Ok(())
+        } else {
+            Err(Error::System(format!("CUDA: {what}: {r:?}").into()))
+        }
+    })?
+}
+
+/// `words` 64-bit words of page-locked host memory mapped into the device's address space,
+/// zeroed: the device writes and reads them with system-scope operations, the host with
+/// atomics, neither through a copy.
+#[derive(Debug)]
+pub struct HostMapped {
+    ctx: Arc<CudaContext>,
+    host: *mut u64,
+    dev: u64,
+    words: usize,
+}
+
+// SAFETY: the memory is plain page-locked memory owned by this value; every access goes through
+// atomics (`load`, `store`), so sharing it between threads is sound.
+unsafe impl Send for HostMapped {}
+// SAFETY: as above.
+unsafe impl Sync for HostMapped {}
+
+impl HostMapped {
+    /// Allocates `words` zeroed words in `ctx`.
+    pub fn new(ctx: &Arc<CudaContext>, words: usize) -> Result<HostMapped> {
+        let what = "allocating mapped host memory";
+        guard(what, || -> Result<HostMapped> {
+            ctx.bind_to_thread().map_err(driver_err("binding the context"))?;
+            let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
+            let flags = cu::CU_MEMHOSTALLOC_DEVICEMAP | cu::CU_MEMHOSTALLOC_PORTABLE;
+            // SAFETY: the driver writes the allocation's address into `p`.
+            let r = unsafe { cu::cuMemHostAlloc(&mut p, words.max(1) * 8, flags) };
+            if r != CUresult::CUDA_SUCCESS || p.is_null() {
+                return Err(Error::System(format!("CUDA: {what}: {r:?}").into()));
+            }
+            let host = p.cast::<u64>();
+            // SAFETY: `host` is a fresh allocation of `words` words, 4 KiB-aligned.
+            unsafe { std::ptr::write_bytes(host, 0, words.max(1)) };
+            let mut dev = 0u64;
+            // SAFETY: `p` is a mapped page-locked allocation of this context.
+            let r = unsafe { cu::cuMemHostGetDevicePointer_v2(&mut dev, p, 0) };
+            let m = HostMapped { ctx: ctx.clone(), host, dev, words: words.max(1) };
+            if r != CUresult::CUDA_SUCCESS {
+                return Err(Error::System(format!("CUDA: mapping host memory for the device: {r:?}").into()));
+            }
+            Ok(m)
+        })?
+    }
+
+    /// The device address of word 0.
+    pub fn device_ptr(&self) -> u64 {
+        self.dev
+    }
+
+    fn word(&self, i: usize) -> &std::sync::atomic::AtomicU64 {
+        let i = i.min(self.words - 1);
+        // SAFETY: `i` is in the allocation (clamped), 8-byte aligned, alive while `self` is;
+        // every access is atomic.
+        unsafe { &*self.host.add(i).cast::<std::sync::atomic::AtomicU64>() }
+    }
+
+    /// Word `i` (clamped to the last), as the device last wrote it.
+    pub fn load(&self, i: usize) -> u64 {
+        self.word(i).load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Sets word `i` (clamped to the last).
+    pub fn store(&self, i: usize, v: u64) {
+        self.word(i).store(v, std::sync::atomic::Ordering::Release)
+    }
+}
+
+impl Drop for HostMapped {
+    fn drop(&mut self) {
+        let _ = guard("freeing mapped host memory", || {
+            if self.ctx.bind_to_thread().is_ok() {
+                // SAFETY: allocated by cuMemHostAlloc in `new`; nothing uses it any more (its
+                // owner waited for the last kernel that could).
+                let _ = unsafe { cu::cuMemFreeHost(self.host.cast()) };
+            }
+        });
+    }
+}
+
+/// Sets `bytes` bytes at `ptr` to zero and waits.
+///
+/// # Safety
+/// `ptr` is device memory of `ctx` valid for `bytes` bytes that nothing else uses meanwhile.
+pub unsafe fn zero(ctx: &Arc<CudaContext>, ptr: u64, bytes: usize) -> Result<()> {
+    call("zeroing device memory", || {
+        ctx.bind_to_thread()?;
+        // SAFETY: forwarded contract.
+        unsafe { cudarc::driver::result::memset_d8_sync(ptr, 0, bytes) }
     })
 }

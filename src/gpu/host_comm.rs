@@ -65,6 +65,9 @@ pub trait HostComm {
     fn is_aborted(&self) -> bool;
     /// Whether CUDA IPC may be used (`TOROID_CUDA_IPC`).
     fn cuda_ipc(&self) -> bool;
+    /// Whether the IPC path between processes may enqueue on the caller's stream
+    /// (`TOROID_CUDA_ORDERED`).
+    fn cuda_ordered(&self) -> bool;
     /// The device state of this communicator's calls on device memory (made by the first).
     fn device_state(&self) -> &Mutex<Option<DeviceState>>;
     /// Checks `call`'s arguments, as every other call on this communicator is checked: the

@@ -39,8 +39,12 @@ use crate::collective::OpKind;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 
-/// Bytes of each rank's device window: two halves of [`HALF`].
+/// Bytes of each rank's device window: two halves of [`HALF`]. The allocation also holds the
+/// signal area of the stream-ordered path after it ([`ALLOCATION`]).
 pub const WINDOW: usize = 64 << 20;
+/// Bytes of each rank's allocation: the window, then the signal area ([`super::signal`]),
+/// zeroed when made.
+pub const ALLOCATION: usize = WINDOW + super::signal::SIGNAL_BYTES;
 /// Bytes of a chunk (a window half).
 pub const HALF: usize = WINDOW / 2;
 
@@ -225,6 +229,11 @@ pub struct IpcWindows {
     /// Whether the next chunk uses the second half of every window (flips per chunk, the same
     /// on every rank: each makes the same calls).
     half: bool,
+    /// This rank.
+    rank: usize,
+    /// Whether every rank is a process of its own (the same answer on every rank: from every
+    /// rank's record).
+    separate: bool,
     /// This rank's window (declared last: freed after the peers' mappings are closed).
     own: DeviceAlloc,
 }
@@ -246,13 +255,15 @@ fn make_window(
     kernels: impl FnOnce() -> Result<Arc<DeviceKernels>>,
 ) -> Result<(DeviceAlloc, WindowRecord, Arc<DeviceKernels>)> {
     let kernels = kernels()?;
-    let own = DeviceAlloc::new(ctx, WINDOW, "allocating the device window")?;
+    let own = DeviceAlloc::new(ctx, ALLOCATION, "allocating the device window")?;
+    // SAFETY: the whole allocation, just made, used by nothing yet.
+    unsafe { cuda::zero(ctx, own.ptr, ALLOCATION) }?;
     let handle = own.ipc_handle()?;
     let record = WindowRecord {
         usable: true,
         device: ordinal as u32,
         pid: std::process::id(),
-        bytes: WINDOW as u64,
+        bytes: ALLOCATION as u64,
         ptr: own.ptr,
         handle,
     };
@@ -284,10 +295,15 @@ impl IpcWindows {
             .enumerate()
             .map(|(k, b)| WindowRecord::decode(k, b))
             .collect::<Result<Vec<_>>>();
+        let mut separate = false;
         let mapped = match (&local, records) {
             (Err(e), _) => Err(Error::Unsupported(format!("this rank: {e}").into())),
             (Ok(_), Err(e)) => Err(e),
             (Ok(_), Ok(records)) => {
+                let mut pids: Vec<u32> = records.iter().map(|r| r.pid).collect();
+                pids.sort_unstable();
+                pids.dedup();
+                separate = pids.len() == records.len();
                 map_windows(comm.rank(), &records, |_, h| cuda::ipc_open(ctx, h), |p| close_handle(ctx, p))
             }
         };
@@ -296,9 +312,15 @@ impl IpcWindows {
         let as_bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut ok);
         comm.run_bytes(OpKind::AllReduce(ReduceOp::Min), DataType::U32, None, Some(as_bytes))?;
         match (mapped, local) {
-            (Ok(windows), Ok((own, _, kernels))) if ok[0] == 1 => {
-                Ok(IpcWindows { ctx: ctx.clone(), windows, kernels, half: false, own })
-            }
+            (Ok(windows), Ok((own, _, kernels))) if ok[0] == 1 => Ok(IpcWindows {
+                ctx: ctx.clone(),
+                windows,
+                kernels,
+                half: false,
+                rank: comm.rank(),
+                separate,
+                own,
+            }),
             (Ok(windows), _) => {
                 for m in windows {
                     if let Mapping::Opened(p) = m {
@@ -311,6 +333,26 @@ impl IpcWindows {
             }
             (Err(e), _) => Err(e),
         }
+    }
+
+    /// Every rank's window (then its signal area, at [`WINDOW`]), as this process reaches it.
+    pub fn ptrs(&self) -> Vec<u64> {
+        self.windows.iter().map(|m| m.ptr()).collect()
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Whether every rank is a process of its own (the same on every rank).
+    pub fn separate_processes(&self) -> bool {
+        self.separate
+    }
+
+    /// The kernels.
+    pub fn kernels(&self) -> &Arc<DeviceKernels> {
+        &self.kernels
     }
 
     /// Waits for `stream`, then meets every rank. The first meeting of a call also checks that

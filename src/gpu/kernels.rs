@@ -24,7 +24,7 @@ use crate::dtype::{DataType, ReduceOp};
 
 /// How a type is stored and combined in the generated source.
 #[derive(Clone, Copy)]
-enum Repr {
+pub(super) enum Repr {
     /// An integer type and its unsigned twin.
     Int(&'static str, &'static str),
     Float(&'static str),
@@ -32,7 +32,7 @@ enum Repr {
     Bf16,
 }
 
-fn repr(d: DataType) -> Repr {
+pub(super) fn repr(d: DataType) -> Repr {
     match d {
         DataType::I8 => Repr::Int("signed char", "unsigned char"),
         DataType::U8 => Repr::Int("unsigned char", "unsigned char"),
@@ -53,7 +53,7 @@ pub const TYPES: [DataType; 10] = DataType::ALL;
 /// The ops that are kernels (`Avg` is a scale and a sum).
 pub const OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max];
 
-fn op_name(op: ReduceOp) -> &'static str {
+pub(super) fn op_name(op: ReduceOp) -> &'static str {
     match op {
         ReduceOp::Sum => "sum",
         ReduceOp::Prod => "prod",
@@ -78,17 +78,22 @@ pub fn names() -> Vec<String> {
     let mut v: Vec<String> =
         TYPES.iter().flat_map(|&d| OPS.iter().filter_map(move |&o| reduce_kernel(d, o))).collect();
     v.extend(TYPES.iter().filter_map(|&d| scale_kernel(d)));
+    v.extend(super::ordered_kernels::names());
     v
 }
 
+/// The helpers every kernel uses. The PTX conversions are for the device only: a host
+/// compiler that emulates the kernels (`TR_EMULATION`, tests/ordered_emulation.rs) brings its own.
 const PRELUDE: &str = r#"
 typedef unsigned long long u64_t;
+#ifndef TR_EMULATION
 __device__ __forceinline__ float h2f(unsigned short h) {
   float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
 }
 __device__ __forceinline__ unsigned short f2h(float f) {
   unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
 }
+#endif
 __device__ __forceinline__ float b2f(unsigned short b) { return __uint_as_float(((unsigned)b) << 16); }
 __device__ __forceinline__ unsigned short f2b(float f) {
   unsigned x = __float_as_uint(f);
@@ -98,7 +103,7 @@ __device__ __forceinline__ unsigned short f2b(float f) {
 "#;
 
 /// The C expression combining `a` and `b` of representation `r` with `op`.
-fn combine(r: Repr, op: ReduceOp) -> String {
+pub(super) fn combine(r: Repr, op: ReduceOp) -> String {
     let pick = |widen: &str, narrow: &str| {
         let (x, y) = (format!("{widen}(a)"), format!("{widen}(b)"));
         let e = match op {
@@ -122,7 +127,7 @@ fn combine(r: Repr, op: ReduceOp) -> String {
     }
 }
 
-fn storage(r: Repr) -> &'static str {
+pub(super) fn storage(r: Repr) -> &'static str {
     match r {
         Repr::Int(t, _) | Repr::Float(t) => t,
         Repr::F16 | Repr::Bf16 => "unsigned short",
@@ -182,7 +187,20 @@ pub fn source() -> String {
             s.push_str(&kernel(&name, t, d.size(), &["a"], ", double factor", &body));
         }
     }
+    s.push_str(&super::ordered_kernels::source());
     s
+}
+
+/// The scaled value of `a` by `factor` as a C expression (floats; `a` for integers, which are
+/// never scaled): the same conversions as the scale kernels.
+pub(super) fn scale_expr(d: DataType) -> String {
+    match repr(d) {
+        Repr::F16 => "f2h(h2f(a) * (float)factor)".into(),
+        Repr::Bf16 => "f2b(b2f(a) * (float)factor)".into(),
+        Repr::Float(_) if d == DataType::F64 => "a * factor".into(),
+        Repr::Float(_) => "a * (float)factor".into(),
+        Repr::Int(..) => "a".into(),
+    }
 }
 
 #[cfg(test)]
@@ -192,14 +210,15 @@ mod tests {
     #[test]
     fn every_type_has_its_four_reductions_and_floats_a_scale() {
         let names = names();
-        assert_eq!(names.len(), 10 * 4 + 4);
+        assert_eq!(names.len(), 10 * 4 + 4 + super::super::ordered_kernels::names().len());
         assert!(names.contains(&"toroid_sum_bfloat16".to_string()));
         assert!(names.contains(&"toroid_scale_double".to_string()));
         assert_eq!(reduce_kernel(DataType::F32, ReduceOp::Avg), None);
         assert_eq!(scale_kernel(DataType::I32), None);
         let src = source();
         for n in &names {
-            assert_eq!(src.matches(&format!("void {n}(")).count(), 1, "{n}");
+            let once = |form: String| src.matches(&form).count() == 1;
+            assert!(once(format!("void {n}(")) || once(format!("void __launch_bounds__(512) {n}(")), "{n}");
         }
         // Signed integers wrap through the unsigned type, never signed overflow.
         assert!(src.contains("(int)((unsigned int)a + (unsigned int)b)"));

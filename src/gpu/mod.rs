@@ -22,21 +22,28 @@
 //! | [`kernels`] | the kernels as CUDA C, one per (type, op), and their names |
 //! | [`device`] | the kernels loaded on one device, and launching them |
 //! | [`stream`] | collectives on device memory ordered on a caller's stream: picks the path |
-//! | [`ipc`] | CUDA IPC between the ranks of one host, reduced on the GPU |
+//! | [`ipc`] | CUDA IPC between the ranks of one host, reduced on the GPU, driven by the host |
+//! | [`ordered`] | CUDA IPC between processes of one host, one kernel per call on the caller's stream |
+//! | [`ordered_kernels`] | those kernels as CUDA C |
+//! | [`signal`] | the flag protocol the ordered kernels meet through: its model and its CUDA C |
 //! | [`staged`] | collectives on device memory through pinned host memory, one chunk pipeline |
 //! | this file | finding the libraries, compiling |
 //!
 //! Asynchronous for the host on the IPC path (all-reduce, broadcast, all-gather and
 //! reduce-scatter: [`stream::on_stream_async`]); every collective and send/receive on device
-//! memory runs, the others staged and blocking. Not built: ordering the caller's stream after
-//! an asynchronous collective (the output is ready once its work has completed), and IPC
-//! combined with staging for ranks on several hosts (those stage everything).
+//! memory runs, the others staged and blocking. Enqueued on the caller's stream (NCCL's
+//! contract) on the stream-ordered path ([`ordered`], `TOROID_CUDA_ORDERED=1`: off by default
+//! until it has run on a GPU). Not built: IPC combined with staging for ranks on several hosts
+//! (those stage everything), the stream-ordered path for ranks that are threads of one process.
 
 pub mod cuda;
 pub mod device;
 pub mod host_comm;
 pub mod ipc;
 pub mod kernels;
+pub mod ordered;
+pub mod ordered_kernels;
+pub mod signal;
 pub mod staged;
 pub mod stream;
 

@@ -2,9 +2,13 @@
 //! `toroid_*_stream`, and through them the torch backend): the path is picked once per
 //! communicator, the same on every rank.
 //!
+//! - **Stream-ordered** ([`super::ordered`]) when the IPC path below is taken, every rank is a
+//!   process of its own and `TOROID_CUDA_ORDERED=1` on every rank: each all-reduce, broadcast,
+//!   all-gather and reduce-scatter is one kernel enqueued on the caller's stream, and the call
+//!   returns once it is (blocking and `_async` alike: there is nothing to wait for on the host).
 //! - **CUDA IPC** ([`super::ipc`]) when every rank is on this host, each could make its device
 //!   window and load the kernels, and `TOROID_CUDA_IPC` is not off: data moves and is reduced
-//!   on the GPU.
+//!   on the GPU, the host meeting the ranks between chunks.
 //! - **Staged** ([`super::staged`]) otherwise (ranks on several hosts, no NVRTC, IPC refused
 //!   by the driver): through pinned host memory and the communicator's host collectives.
 //!   Reduce, all-to-all, send and receive are always staged: the device windows run the
@@ -47,6 +51,7 @@ use super::cuda::{self, CudaContext, CudaEvent, CudaStream};
 use super::device::DeviceKernels;
 use super::host_comm::{DeviceCall, HostComm, Meet};
 use super::ipc::IpcWindows;
+use super::ordered::Ordered;
 use super::staged::DeviceCollectives;
 use crate::collective::OpKind;
 use crate::dtype::DataType;
@@ -62,10 +67,21 @@ struct IpcRun {
     stream: Arc<CudaStream>,
 }
 
+/// The stream-ordered path: the kernels, then the windows they read (dropped in this order:
+/// the path waits for its last kernel before the windows are unmapped).
+#[derive(Debug)]
+struct OrderedRun {
+    ordered: Ordered,
+    _windows: IpcWindows,
+}
+
 /// The path a communicator's collectives on device memory take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DevicePath {
-    /// CUDA IPC between the ranks of one host, reduced on the GPU.
+    /// Enqueued on the caller's stream, one kernel per call, the ranks meeting on the device
+    /// (CUDA IPC between processes of one host: [`super::ordered`]).
+    Ordered,
+    /// CUDA IPC between the ranks of one host, reduced on the GPU, driven by the host.
     Ipc,
     /// Staged through pinned host memory.
     Staged,
@@ -78,6 +94,7 @@ enum Route {
     Unchosen,
     Staged,
     Ipc(Arc<Mutex<IpcRun>>),
+    Ordered(Box<OrderedRun>),
 }
 
 /// A communicator's device, staging and (when it runs) IPC path.
@@ -153,13 +170,51 @@ impl DeviceState {
                 comm.hosts());
         }
         self.route = match ipc {
-            Some(windows) => {
-                let stream = cuda::new_stream(&self.ctx)?;
-                Route::Ipc(Arc::new(Mutex::new(IpcRun { windows, stream })))
-            }
+            Some(windows) => match self.ordered(comm, &windows)? {
+                Some(ordered) => {
+                    tracing::info!(target: "toroid::gpu", rank = comm.rank(),
+                        "device collectives on device {ordinal}: enqueued on the caller's stream (one process per rank)");
+                    Route::Ordered(Box::new(OrderedRun { ordered, _windows: windows }))
+                }
+                None => {
+                    let stream = cuda::new_stream(&self.ctx)?;
+                    Route::Ipc(Arc::new(Mutex::new(IpcRun { windows, stream })))
+                }
+            },
             None => Route::Staged,
         };
         Ok(())
+    }
+
+    /// The stream-ordered path over `windows`, when every rank can take it (each its own
+    /// process, `TOROID_CUDA_ORDERED` not off, its parts made): collective, the same answer
+    /// on every rank.
+    fn ordered(&self, comm: &impl HostComm, windows: &IpcWindows) -> Result<Option<Ordered>> {
+        let mine = if windows.separate_processes() && comm.cuda_ordered() {
+            Ordered::new(&self.ctx, windows, comm.timeout()).map_err(|e| {
+                tracing::info!(target: "toroid::gpu", rank = comm.rank(), "no stream-ordered path: {e}");
+            })
+        } else {
+            Err(())
+        };
+        // Every rank takes it or none does, with the same most blocks per launch.
+        let mut agreed = [u32::from(mine.is_ok()), mine.as_ref().map_or(0, Ordered::max_blocks)];
+        let as_bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut agreed);
+        comm.run_bytes(OpKind::AllReduce(crate::dtype::ReduceOp::Min), DataType::U32, None, Some(as_bytes))?;
+        Ok(match mine {
+            Ok(mut o) if agreed[0] == 1 => {
+                o.limit_blocks(agreed[1]);
+                Some(o)
+            }
+            _ => None,
+        })
+    }
+
+    /// Makes every kernel of the stream-ordered path that is waiting end (an abort).
+    pub fn abort(&self) {
+        if let Route::Ordered(run) = &self.route {
+            run.ordered.abort();
+        }
     }
 
     /// The path this state's collectives take; `None` before the first collective.
@@ -168,6 +223,7 @@ impl DeviceState {
             Route::Unchosen => None,
             Route::Staged => Some(DevicePath::Staged),
             Route::Ipc(_) => Some(DevicePath::Ipc),
+            Route::Ordered(_) => Some(DevicePath::Ordered),
         }
     }
 }
@@ -280,6 +336,16 @@ unsafe fn issue<C: HostComm>(
     let DeviceCall { kind, dtype, count, send, recv } = *call;
     if !matches!(kind, OpKind::Send(_) | OpKind::Recv(_)) {
         st.choose_path(comm)?;
+    }
+    if let Route::Ordered(run) = &st.route
+        && on_windows(kind)
+    {
+        // SAFETY: forwarded contract: the buffers stay valid until the stream has run the
+        // kernel (NCCL's contract), the stream is the caller's, of this context.
+        return match unsafe { run.ordered.enqueue(&stream, call) } {
+            Ok(()) => Ok(None),
+            Err(e) => Err(comm.meet().fail(e)),
+        };
     }
     if matches!(st.route, Route::Ipc(_)) && on_windows(kind) {
         // SAFETY: forwarded contract.

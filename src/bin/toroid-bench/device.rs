@@ -1,8 +1,9 @@
 //! `toroid-bench --device N`: the benchmark's buffers in memory of CUDA device N, every call
 //! through the stream entry points' path (`gpu::stream::on_stream`: CUDA IPC between the ranks
 //! of a host for the collectives the device windows run, staged through pinned host memory
-//! otherwise) on a stream of the benchmark's own. The calls are blocking (the result is in
-//! device memory when one returns), so the host clock times them as it times host calls.
+//! otherwise) on a stream of the benchmark's own. The timed loop ends with a synchronisation of
+//! that stream (on the stream-ordered path a call returns once enqueued), so the host clock
+//! times the calls' work.
 //! The inputs are filled and the outputs checked on the host, copied in and out around the
 //! timed calls.
 
@@ -35,6 +36,12 @@ impl DeviceBufs {
     pub fn upload(&mut self, send: &[u8], out: &[u8]) -> Result<()> {
         self.send.upload(&self.stream, 0, send)?;
         self.out.upload(&self.stream, 0, out)
+    }
+
+    /// Waits until the stream has run every call made so far (the stream-ordered path returns
+    /// once a call is enqueued).
+    pub fn sync(&self) -> Result<()> {
+        cuda::sync(&self.stream)
     }
 
     /// Copies the front of the output buffer into `out` (host).
@@ -73,6 +80,7 @@ impl DeviceBufs {
 /// The `algorithm` column of a device row: where `kind` ran ("ipc" or "staged").
 pub fn route(comm: &Communicator, kind: OpKind) -> &'static str {
     match stream::route_of(comm, kind) {
+        Some(DevicePath::Ordered) => "ordered",
         Some(DevicePath::Ipc) => "ipc",
         Some(DevicePath::Staged) => "staged",
         None => "none",

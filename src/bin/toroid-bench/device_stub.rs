@@ -12,6 +12,9 @@ impl DeviceBufs {
     pub fn upload(&mut self, _: &[u8], _: &[u8]) -> Result<()> {
         match *self {}
     }
+    pub fn sync(&self) -> Result<()> {
+        match *self {}
+    }
     pub fn download(&mut self, _: &mut [u8]) -> Result<()> {
         match *self {}
     }

@@ -356,10 +356,16 @@ impl Bench {
             for _ in 0..self.cli.warmup {
                 self.run_once(dev.as_ref(), &send, recv, in_place, count)?;
             }
+            if let Some(d) = dev.as_ref() {
+                d.sync()?;
+            }
             self.comm.barrier()?;
             let t = Instant::now();
             for _ in 0..self.cli.iters {
                 self.run_once(dev.as_ref(), &send, recv, in_place, count)?;
+            }
+            if let Some(d) = dev.as_ref() {
+                d.sync()?;
             }
             let mut secs = [t.elapsed().as_secs_f64() / self.cli.iters.max(1) as f64];
             self.comm.all_reduce_with(&mut secs, ReduceOp::Avg, EXACT)?;

@@ -1,0 +1,318 @@
+//! Collectives on device memory enqueued on the caller's stream (NCCL's contract): between ranks
+//! of one host that are each their own process, an all-reduce, a broadcast, an all-gather or a
+//! reduce-scatter is one kernel launched on the caller's stream ([`super::ordered_kernels`]);
+//! the call returns once it is launched. The kernels of the ranks meet through the flag
+//! protocol of [`super::signal`] in their device windows' signal areas, so no chunk needs the
+//! host, later work on the stream sees the result, the host never blocks, and the call can be
+//! captured in a CUDA graph and replayed (the step counters live in device memory).
+//!
+//! **Errors, as NCCL's asynchronous errors.** A kernel whose wait passes the communicator's
+//! timeout, or that finds another rank making another call (the fingerprint of kind, operation
+//! or root, type and count differs), records the fault in a status word in page-locked host
+//! memory and ends; the kernels of the other ranks then time out or see the same mismatch. The
+//! host reads the word before every call ([`Ordered::fault`]): a fault fails the communicator
+//! (every later call, and the other ranks through the links, report it) and is returned. An
+//! abort sets the second status word, which every waiting kernel polls, so they end at once.
+//!
+//! **Why separate processes only.** Kernels that wait for each other must run at the same time.
+//! Ranks of one process put their kernels on streams of one context, which may share one of the
+//! device's hardware queues, where a waiting kernel holds back the very launch it waits for
+//! (the deadlock [`super::stream`] describes for stream memory operations). Ranks that are
+//! threads of one process keep the host-driven path ([`super::ipc`]).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::cuda::{self, CudaContext, CudaEvent, CudaFunction, CudaStream, Grid, HostMapped};
+use super::device::DeviceKernels;
+use super::host_comm::DeviceCall;
+use super::ipc::{HALF, IpcWindows};
+use super::ordered_kernels::{self as k, THREADS};
+use super::signal::{self, Fault, MAX_BLOCKS, MAX_RANKS};
+
+/// Bytes of a block's region of a window half (a step's chunk: `ordered_kernels`).
+const REGION: usize = HALF / MAX_BLOCKS;
+use crate::collective::OpKind;
+use crate::dtype::{DataType, ReduceOp};
+use crate::error::{Error, Result};
+
+/// The argument of every ordered kernel (`TrArgs` in its source): same layout.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct Args {
+    /// This rank's input.
+    pub input: u64,
+    /// This rank's output.
+    pub output: u64,
+    /// Elements per rank (bytes for broadcast and all-gather).
+    pub count: u64,
+    /// Elements per chunk (per piece, for reduce-scatter).
+    pub chunk: u64,
+    /// Bytes of a window half.
+    pub half: u64,
+    /// The call's fingerprint.
+    pub fp: u64,
+    /// How long a wait may last.
+    pub timeout_ns: u64,
+    /// The status words (fault, abort), host memory mapped for the device.
+    pub status: u64,
+    /// Every rank's window, in this process.
+    pub win: [u64; MAX_RANKS],
+    /// Every rank's signal area, in this process.
+    pub sig: [u64; MAX_RANKS],
+    /// Scale of an average (1/n), when `scale` is 1.
+    pub factor: f64,
+    /// Ranks.
+    pub nranks: i32,
+    /// This rank.
+    pub rank: i32,
+    /// The root of a broadcast.
+    pub root: i32,
+    /// 1: scale the reduction by `factor`.
+    pub scale: i32,
+}
+
+/// The ordered kernels of one device, by name.
+#[derive(Debug)]
+struct Functions {
+    all_reduce: Vec<CudaFunction>,
+    reduce_scatter: Vec<CudaFunction>,
+    broadcast: CudaFunction,
+    all_gather: CudaFunction,
+}
+
+impl Functions {
+    fn load(kernels: &DeviceKernels) -> Result<Functions> {
+        let mut all_reduce = Vec::new();
+        let mut reduce_scatter = Vec::new();
+        for &d in &super::kernels::TYPES {
+            for &op in &super::kernels::OPS {
+                all_reduce.push(kernels.function(&k::all_reduce_kernel(d, op))?);
+                reduce_scatter.push(kernels.function(&k::reduce_scatter_kernel(d, op))?);
+            }
+        }
+        Ok(Functions {
+            all_reduce,
+            reduce_scatter,
+            broadcast: kernels.function(k::BROADCAST)?,
+            all_gather: kernels.function(k::ALL_GATHER)?,
+        })
+    }
+
+    /// The reduction kernel of `dtype` with `op` (avg: the sum's) from `table`.
+    fn reduction(table: &[CudaFunction], dtype: DataType, op: ReduceOp) -> Result<&CudaFunction> {
+        let op = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
+        let t = super::kernels::TYPES.iter().position(|&d| d == dtype);
+        let o = super::kernels::OPS.iter().position(|&x| x == op);
+        t.zip(o)
+            .and_then(|(t, o)| table.get(t * super::kernels::OPS.len() + o))
+            .ok_or_else(|| Error::Internal(format!("no ordered kernel for {op:?} of {dtype}").into()))
+    }
+}
+
+/// The stream-ordered path of one communicator: where the windows are, the status words, the
+/// kernels. Its owner keeps the [`IpcWindows`] it was made from and drops them after it (Drop
+/// waits for the last kernel that reads them).
+#[derive(Debug)]
+pub struct Ordered {
+    /// Every rank's window (then its signal area, at [`super::ipc::WINDOW`]) in this process.
+    ptrs: Vec<u64>,
+    rank: usize,
+    status: HostMapped,
+    functions: Functions,
+    /// Blocks a launch may have.
+    max_blocks: u32,
+    /// Recorded after every launch, so that dropping waits for the last kernel.
+    last: CudaEvent,
+    /// The communicator's timeout (how long Drop lets the last kernel run).
+    timeout: Duration,
+}
+
+impl Drop for Ordered {
+    fn drop(&mut self) {
+        // The windows must outlive every kernel that reads them. The last one may still be
+        // waiting for its peers (the caller destroyed the communicator before its stream ran):
+        // give it the communicator's timeout, then make it end, then wait for it.
+        let deadline = Instant::now() + self.timeout;
+        let mut nap = Duration::from_micros(50);
+        while !cuda::is_complete(&self.last) && Instant::now() < deadline {
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(10));
+        }
+        self.status.store(1, 1);
+        let _ = cuda::wait_host(&self.last, "waiting for the last collective on device memory");
+    }
+}
+
+impl Ordered {
+    /// The path over `windows` (set up by every rank: the same on all); `timeout` bounds every
+    /// wait of its kernels.
+    pub fn new(ctx: &Arc<CudaContext>, windows: &IpcWindows, timeout: Duration) -> Result<Ordered> {
+        let (ptrs, rank) = (windows.ptrs(), windows.rank());
+        if ptrs.len() > MAX_RANKS {
+            return Err(Error::Unsupported(format!("{} ranks: at most {MAX_RANKS}", ptrs.len()).into()));
+        }
+        let functions = Functions::load(windows.kernels())?;
+        let status = HostMapped::new(ctx, 2)?;
+        let sms = cuda::multiprocessor_count(ctx)?;
+        let max_blocks = (sms as usize).clamp(1, MAX_BLOCKS) as u32;
+        let last = cuda::new_event(ctx, false)?;
+        Ok(Ordered { ptrs, rank, status, functions, max_blocks, last, timeout })
+    }
+
+    /// The fault a kernel recorded, as an error (`None`: none).
+    pub fn fault(&self, timeout: Duration) -> Option<Error> {
+        let w = self.status.load(0);
+        if w == 0 {
+            return None;
+        }
+        Some(match Fault::from_word(w) {
+            Some(Fault::Timeout { peer }) => Error::Timeout(
+                format!("a collective on device memory waited more than {timeout:?} for rank {peer} (on the device)")
+                    .into(),
+            ),
+            Some(Fault::Mismatch { peer }) => Error::InvalidUsage(
+                format!(
+                    "collectives on device memory: rank {peer} made another call (kind, operation or root, type \
+                     or count differ)"
+                )
+                .into(),
+            ),
+            _ => Error::Internal(format!("a collective on device memory ended with status {w:#x}").into()),
+        })
+    }
+
+    /// Blocks a launch may have (at most one per multiprocessor of this device).
+    pub fn max_blocks(&self) -> u32 {
+        self.max_blocks
+    }
+
+    /// Lowers the blocks a launch may have to `blocks` (what every rank agreed on: the ranks'
+    /// launches of one call must have the same grid).
+    pub fn limit_blocks(&mut self, blocks: u32) {
+        self.max_blocks = self.max_blocks.min(blocks).max(1);
+    }
+
+    /// Makes every waiting kernel end (abort).
+    pub fn abort(&self) {
+        self.status.store(1, 1);
+    }
+
+    /// The launch of `call`: its kernel and argument.
+    fn prepare(&self, call: &DeviceCall, timeout: Duration) -> Result<(&CudaFunction, Args, u64)> {
+        let (ptrs, n, me) = (&self.ptrs, self.ptrs.len(), self.rank);
+        let es = call.dtype.size();
+        let mut a = Args {
+            input: call.send,
+            output: call.recv,
+            count: call.count as u64,
+            chunk: (REGION / es) as u64,
+            half: HALF as u64,
+            fp: 0,
+            timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
+            status: self.status.device_ptr(),
+            win: [0; MAX_RANKS],
+            sig: [0; MAX_RANKS],
+            factor: 0.0,
+            nranks: n as i32,
+            rank: me as i32,
+            root: 0,
+            scale: 0,
+        };
+        for (r, p) in ptrs.iter().enumerate() {
+            a.win[r] = *p;
+            a.sig[r] = *p + super::ipc::WINDOW as u64;
+        }
+        let scale = |a: &mut Args, op: ReduceOp| -> Result<()> {
+            if op == ReduceOp::Avg {
+                if !call.dtype.is_float() {
+                    return Err(Error::Unsupported(
+                        format!("avg of {}: averages take float types", call.dtype).into(),
+                    ));
+                }
+                a.scale = 1;
+                a.factor = 1.0 / n as f64;
+            }
+            Ok(())
+        };
+        let (f, fp_op, bytes) = match call.kind {
+            OpKind::AllReduce(op) => {
+                scale(&mut a, op)?;
+                (
+                    Functions::reduction(&self.functions.all_reduce, call.dtype, op)?,
+                    1 + op as u64,
+                    call.bytes(),
+                )
+            }
+            OpKind::ReduceScatter(op) => {
+                scale(&mut a, op)?;
+                // n pieces of `chunk` in a region, each a multiple of 16 bytes.
+                a.chunk = ((REGION / n / 16) * 16 / es) as u64;
+                (
+                    Functions::reduction(&self.functions.reduce_scatter, call.dtype, op)?,
+                    100 + op as u64,
+                    call.bytes(),
+                )
+            }
+            OpKind::Broadcast(root) => {
+                a.root = root as i32;
+                a.count = call.bytes() as u64;
+                a.chunk = REGION as u64;
+                (&self.functions.broadcast, 200 + root as u64, call.bytes())
+            }
+            OpKind::AllGather => {
+                a.count = call.bytes() as u64;
+                a.chunk = REGION as u64;
+                (&self.functions.all_gather, 300, call.bytes())
+            }
+            other => return Err(Error::Internal(format!("{other:?} is not an ordered collective").into())),
+        };
+        a.fp = signal::fingerprint([fp_op, call.dtype as u64, call.count as u64, n as u64]);
+        Ok((f, a, bytes as u64))
+    }
+
+    /// Blocks of a launch moving `bytes` per rank: one per 64 KiB, at most one per
+    /// multiprocessor (the ranks' kernels must all fit at once). The same on every rank making
+    /// the same call.
+    fn blocks(&self, bytes: u64) -> u32 {
+        (bytes.div_ceil(64 << 10).min(u64::from(u32::MAX)) as u32).clamp(1, self.max_blocks)
+    }
+
+    /// Enqueues `call` on `stream` and returns.
+    ///
+    /// # Safety
+    /// `call`'s buffers are device memory of this context valid for its sizes (as the argument
+    /// check accepted them) until the stream has run the kernel; `stream` is a live stream of
+    /// this context.
+    pub unsafe fn enqueue(&self, stream: &CudaStream, call: &DeviceCall) -> Result<()> {
+        if let Some(e) = self.fault(self.timeout) {
+            return Err(e);
+        }
+        if call.count == 0 {
+            return Ok(());
+        }
+        let (f, args, bytes) = self.prepare(call, self.timeout)?;
+        let grid = Grid { blocks: self.blocks(bytes), threads: THREADS };
+        // SAFETY: `f` takes one `TrArgs` (this layout); the buffers are valid as the caller
+        // says; the windows and signal areas are every rank's, mapped by the owner's
+        // IpcWindows, dropped only after `self`, which waits for the last kernel (Drop); the
+        // status words are mapped host memory of `self`.
+        unsafe { cuda::launch_args(stream, f, grid, &args) }?;
+        cuda::record(&self.last, stream)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_argument_has_the_kernels_layout() {
+        // A region holds a piece of every rank for a reduce-scatter, 16-byte aligned.
+        const { assert!(REGION / MAX_RANKS >= 16 && REGION.is_multiple_of(16)) };
+        // Eight words, two tables of MAX_RANKS words, a double and four ints, no padding.
+        assert_eq!(std::mem::size_of::<Args>(), 8 * 8 + 2 * MAX_RANKS * 8 + 8 + 4 * 4);
+        assert_eq!(std::mem::offset_of!(Args, win), 64);
+        assert_eq!(std::mem::offset_of!(Args, factor), 64 + 2 * MAX_RANKS * 8);
+    }
+}
