@@ -148,7 +148,7 @@ print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/de
   local sweep=${ORDERED_SWEEP:--b 8K -e 256M -f 4 -n 20 -w 5}
   side_by_side() {
     local c
-    for c in ${ORDERED_COLLECTIVES:-all_reduce all_gather reduce_scatter broadcast}; do
+    for c in ${ORDERED_COLLECTIVES:-all_reduce all_gather reduce_scatter broadcast reduce all_to_all}; do
       echo "== $c, 2 ranks on GPU 0 ($1): toroid-bench --device 0"
       # shellcheck disable=SC2086
       timeout 150 "$dir/toroid-run" -n 2 "$dir/toroid-bench" --device 0 --collective "$c" $sweep ||

@@ -133,6 +133,10 @@ pub mod internals {
         pub mod kernels {
             pub use crate::gpu::kernels::{OPS, TYPES, names, source};
         }
+        /// The stream-ordered kernels as CUDA C (a module of their own) and their names.
+        pub mod ordered_kernels {
+            pub use crate::gpu::ordered_kernels::{names, source};
+        }
         /// The kernels loaded on a device.
         pub mod device {
             pub use crate::gpu::device::DeviceKernels;

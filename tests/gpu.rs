@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use toroid::internals::gpu::staged::{self, DeviceCollectives};
-use toroid::internals::gpu::{self, device::DeviceKernels, kernels};
+use toroid::internals::gpu::{self, device::DeviceKernels, kernels, ordered_kernels};
 use toroid::internals::reduce;
 use toroid::{DataType, Error, ReduceOp};
 
@@ -68,6 +68,16 @@ fn every_kernel_compiles_with_nvrtc() {
     if let Some(out) = std::env::var_os("TOROID_WRITE_PTX") {
         std::fs::write(out, &ptx).expect("writing the PTX");
     }
+    // The stream-ordered kernels: a module of their own (loaded only on that path).
+    let ordered = gpu::compile(&ordered_kernels::source()).expect("every stream-ordered kernel compiles");
+    for name in ordered_kernels::names() {
+        assert!(ordered.contains(&format!(".entry {name}(")), "{name} missing from the PTX");
+    }
+    println!(
+        "{} stream-ordered kernels compiled to {} bytes of PTX",
+        ordered_kernels::names().len(),
+        ordered.len()
+    );
 }
 
 #[test]

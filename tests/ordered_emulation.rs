@@ -10,7 +10,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use toroid::internals::gpu::kernels;
+use toroid::internals::gpu::ordered_kernels;
 
 fn build() -> PathBuf {
     let dir = std::env::temp_dir().join(format!("toroid-ordered-emulation-{}", std::process::id()));
@@ -19,7 +19,7 @@ fn build() -> PathBuf {
     let src = format!(
         "#include \"{}\"\n{}\n#include \"{}\"\n",
         here.join("shim.h").display(),
-        kernels::source(),
+        ordered_kernels::source(),
         here.join("driver.cpp").display()
     );
     let file = dir.join("emulation.cpp");

@@ -21,8 +21,6 @@ pub struct DeviceKernels {
     /// The scales, by [`kernels::TYPES`] (none for integers).
     scale: Vec<Option<CudaFunction>>,
     max_blocks: u32,
-    /// The module, for the kernels loaded by name ([`Self::function`]).
-    module: Arc<cuda::CudaModule>,
 }
 
 impl DeviceKernels {
@@ -44,12 +42,7 @@ impl DeviceKernels {
             .map(|&d| kernels::scale_kernel(d).map(load).transpose())
             .collect::<Result<Vec<_>>>()?;
         let max_blocks = cuda::multiprocessor_count(&ctx)? * 8;
-        Ok(DeviceKernels { ctx, stream, reduce, scale, max_blocks, module })
-    }
-
-    /// The kernel `name` of the module (the ordered collectives load theirs once per path).
-    pub fn function(&self, name: &str) -> Result<CudaFunction> {
-        cuda::load_function(&self.module, name)
+        Ok(DeviceKernels { ctx, stream, reduce, scale, max_blocks })
     }
 
     /// The context (to allocate and copy in tests and benchmarks).

@@ -350,11 +350,6 @@ impl IpcWindows {
         self.separate
     }
 
-    /// The kernels.
-    pub fn kernels(&self) -> &Arc<DeviceKernels> {
-        &self.kernels
-    }
-
     /// Waits for `stream`, then meets every rank. The first meeting of a call also checks that
     /// every rank makes the same call: one all-reduce of maxima over the values and their
     /// complements (so the minimum and maximum of each); later ones are barriers.

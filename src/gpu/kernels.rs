@@ -78,13 +78,12 @@ pub fn names() -> Vec<String> {
     let mut v: Vec<String> =
         TYPES.iter().flat_map(|&d| OPS.iter().filter_map(move |&o| reduce_kernel(d, o))).collect();
     v.extend(TYPES.iter().filter_map(|&d| scale_kernel(d)));
-    v.extend(super::ordered_kernels::names());
     v
 }
 
 /// The helpers every kernel uses. The PTX conversions are for the device only: a host
 /// compiler that emulates the kernels (`TR_EMULATION`, tests/ordered_emulation.rs) brings its own.
-const PRELUDE: &str = r#"
+pub(super) const PRELUDE: &str = r#"
 typedef unsigned long long u64_t;
 #ifndef TR_EMULATION
 __device__ __forceinline__ float h2f(unsigned short h) {
@@ -187,7 +186,6 @@ pub fn source() -> String {
             s.push_str(&kernel(&name, t, d.size(), &["a"], ", double factor", &body));
         }
     }
-    s.push_str(&super::ordered_kernels::source());
     s
 }
 
@@ -210,15 +208,14 @@ mod tests {
     #[test]
     fn every_type_has_its_four_reductions_and_floats_a_scale() {
         let names = names();
-        assert_eq!(names.len(), 10 * 4 + 4 + super::super::ordered_kernels::names().len());
+        assert_eq!(names.len(), 10 * 4 + 4);
         assert!(names.contains(&"toroid_sum_bfloat16".to_string()));
         assert!(names.contains(&"toroid_scale_double".to_string()));
         assert_eq!(reduce_kernel(DataType::F32, ReduceOp::Avg), None);
         assert_eq!(scale_kernel(DataType::I32), None);
         let src = source();
         for n in &names {
-            let once = |form: String| src.matches(&form).count() == 1;
-            assert!(once(format!("void {n}(")) || once(format!("void __launch_bounds__(512) {n}(")), "{n}");
+            assert_eq!(src.matches(&format!("void {n}(")).count(), 1, "{n}");
         }
         // Signed integers wrap through the unsigned type, never signed overflow.
         assert!(src.contains("(int)((unsigned int)a + (unsigned int)b)"));

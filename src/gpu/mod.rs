@@ -98,6 +98,19 @@ pub fn ptx() -> Result<&'static str> {
     .map_err(|e| Error::Unsupported(e.clone().into()))
 }
 
+/// The stream-ordered kernels' PTX ([`ordered_kernels`]), compiled once per process, when the
+/// first communicator takes that path.
+pub fn ordered_ptx() -> Result<&'static str> {
+    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+    PTX.get_or_init(|| {
+        let path = crate::config::nvrtc_path();
+        load_nvrtc(path.as_deref()).map_err(|e| e.to_string())?;
+        compile(&ordered_kernels::source()).map_err(|e| e.to_string())
+    })
+    .as_deref()
+    .map_err(|e| Error::Unsupported(e.clone().into()))
+}
+
 /// Compiles `src` to PTX for [`PTX_ARCH`], exact arithmetic (no fast math, no flush to zero, no
 /// contraction). NVRTC must be loaded ([`load_nvrtc`]).
 pub fn compile(src: &str) -> Result<String> {

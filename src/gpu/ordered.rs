@@ -1,6 +1,7 @@
 //! Collectives on device memory enqueued on the caller's stream (NCCL's contract): between ranks
-//! of one host that are each their own process, an all-reduce, a broadcast, an all-gather or a
-//! reduce-scatter is one kernel launched on the caller's stream ([`super::ordered_kernels`]);
+//! of one host that are each their own process, an all-reduce, a broadcast, an all-gather, a
+//! reduce-scatter, a reduce or an all-to-all is one kernel launched on the caller's stream
+//! ([`super::ordered_kernels`]);
 //! the call returns once it is launched. The kernels of the ranks meet through the flag
 //! protocol of [`super::signal`] in their device windows' signal areas, so no chunk needs the
 //! host, later work on the stream sees the result, the host never blocks, and the call can be
@@ -24,7 +25,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::cuda::{self, CudaContext, CudaEvent, CudaFunction, CudaStream, Grid, HostMapped};
-use super::device::DeviceKernels;
 use super::host_comm::DeviceCall;
 use super::ipc::{HALF, IpcWindows};
 use super::ordered_kernels::{self as k, THREADS};
@@ -72,30 +72,53 @@ pub struct Args {
     pub scale: i32,
 }
 
+/// Which kinds the stream-ordered path runs (sends and receives are staged: only two ranks make
+/// them, and the protocol's steps are every rank's).
+pub fn runs(kind: OpKind) -> bool {
+    matches!(
+        kind,
+        OpKind::AllReduce(_)
+            | OpKind::Broadcast(_)
+            | OpKind::AllGather
+            | OpKind::ReduceScatter(_)
+            | OpKind::Reduce(..)
+            | OpKind::AllToAll
+    )
+}
+
 /// The ordered kernels of one device, by name.
 #[derive(Debug)]
 struct Functions {
     all_reduce: Vec<CudaFunction>,
     reduce_scatter: Vec<CudaFunction>,
+    reduce: Vec<CudaFunction>,
     broadcast: CudaFunction,
     all_gather: CudaFunction,
+    all_to_all: CudaFunction,
 }
 
 impl Functions {
-    fn load(kernels: &DeviceKernels) -> Result<Functions> {
+    /// Loads the ordered kernels' module in `ctx` (compiled once per process).
+    fn load(ctx: &Arc<CudaContext>) -> Result<Functions> {
+        let module = cuda::load_module(ctx, super::ordered_ptx()?)?;
+        let kernels = |name: &str| cuda::load_function(&module, name);
         let mut all_reduce = Vec::new();
         let mut reduce_scatter = Vec::new();
+        let mut reduce = Vec::new();
         for &d in &super::kernels::TYPES {
             for &op in &super::kernels::OPS {
-                all_reduce.push(kernels.function(&k::all_reduce_kernel(d, op))?);
-                reduce_scatter.push(kernels.function(&k::reduce_scatter_kernel(d, op))?);
+                all_reduce.push(kernels(&k::all_reduce_kernel(d, op))?);
+                reduce_scatter.push(kernels(&k::reduce_scatter_kernel(d, op))?);
+                reduce.push(kernels(&k::reduce_kernel(d, op))?);
             }
         }
         Ok(Functions {
             all_reduce,
             reduce_scatter,
-            broadcast: kernels.function(k::BROADCAST)?,
-            all_gather: kernels.function(k::ALL_GATHER)?,
+            reduce,
+            broadcast: kernels(k::BROADCAST)?,
+            all_gather: kernels(k::ALL_GATHER)?,
+            all_to_all: kernels(k::ALL_TO_ALL)?,
         })
     }
 
@@ -152,7 +175,7 @@ impl Ordered {
         if ptrs.len() > MAX_RANKS {
             return Err(Error::Unsupported(format!("{} ranks: at most {MAX_RANKS}", ptrs.len()).into()));
         }
-        let functions = Functions::load(windows.kernels())?;
+        let functions = Functions::load(ctx)?;
         let status = HostMapped::new(ctx, 2)?;
         let sms = cuda::multiprocessor_count(ctx)?;
         let max_blocks = (sms as usize).clamp(1, MAX_BLOCKS) as u32;
@@ -235,39 +258,46 @@ impl Ordered {
             }
             Ok(())
         };
-        let (f, fp_op, bytes) = match call.kind {
+        // Pieces of every rank in a region, each a multiple of 16 bytes (reduce-scatter,
+        // all-to-all).
+        let piece = (REGION / n / 16) * 16;
+        // (kernel, what the fingerprint adds to the type and count: kind and op or root).
+        let (f, what) = match call.kind {
             OpKind::AllReduce(op) => {
                 scale(&mut a, op)?;
-                (
-                    Functions::reduction(&self.functions.all_reduce, call.dtype, op)?,
-                    1 + op as u64,
-                    call.bytes(),
-                )
+                (Functions::reduction(&self.functions.all_reduce, call.dtype, op)?, (1 << 32) | op as u64)
             }
             OpKind::ReduceScatter(op) => {
                 scale(&mut a, op)?;
-                // n pieces of `chunk` in a region, each a multiple of 16 bytes.
-                a.chunk = ((REGION / n / 16) * 16 / es) as u64;
-                (
-                    Functions::reduction(&self.functions.reduce_scatter, call.dtype, op)?,
-                    100 + op as u64,
-                    call.bytes(),
-                )
+                a.chunk = (piece / es) as u64;
+                (Functions::reduction(&self.functions.reduce_scatter, call.dtype, op)?, (2 << 32) | op as u64)
+            }
+            OpKind::Reduce(op, root) => {
+                scale(&mut a, op)?;
+                a.root = root as i32;
+                let f = Functions::reduction(&self.functions.reduce, call.dtype, op)?;
+                (f, (3 << 32) | (op as u64) << 16 | root as u64)
             }
             OpKind::Broadcast(root) => {
                 a.root = root as i32;
                 a.count = call.bytes() as u64;
                 a.chunk = REGION as u64;
-                (&self.functions.broadcast, 200 + root as u64, call.bytes())
+                (&self.functions.broadcast, (4 << 32) | root as u64)
             }
             OpKind::AllGather => {
                 a.count = call.bytes() as u64;
                 a.chunk = REGION as u64;
-                (&self.functions.all_gather, 300, call.bytes())
+                (&self.functions.all_gather, 5 << 32)
+            }
+            OpKind::AllToAll => {
+                a.count = call.bytes() as u64;
+                a.chunk = piece as u64;
+                (&self.functions.all_to_all, 6 << 32)
             }
             other => return Err(Error::Internal(format!("{other:?} is not an ordered collective").into())),
         };
-        a.fp = signal::fingerprint([fp_op, call.dtype as u64, call.count as u64, n as u64]);
+        a.fp = signal::fingerprint([what, call.dtype as u64, call.count as u64, n as u64]);
+        let bytes = call.bytes();
         Ok((f, a, bytes as u64))
     }
 

@@ -17,8 +17,12 @@
 //!   rank order (so every rank gets the same bits), scaled by `factor` for an average.
 //! - `toroid_ordered_reduce_scatter_<op>_<type>`: each rank copies piece `k` of its chunk into
 //!   its window at `k x chunk` (every `k` but its own); rank `r` reduces piece `r`.
+//! - `toroid_ordered_reduce_<op>_<type>`: every rank but the root copies its chunk into its
+//!   window; the root reduces.
 //! - `toroid_ordered_broadcast`, `toroid_ordered_all_gather`: bytes; the root (every rank) copies
 //!   into its window, the others copy out.
+//! - `toroid_ordered_all_to_all`: bytes; each rank copies block `k` of its chunk into piece `k`
+//!   of its window region; rank `r` copies piece `r` of every region out.
 
 use super::kernels::{OPS, TYPES, combine, op_name, repr, scale_expr, storage};
 use crate::dtype::{DataType, ReduceOp};
@@ -32,6 +36,12 @@ pub fn all_reduce_kernel(d: DataType, op: ReduceOp) -> String {
     format!("toroid_ordered_all_reduce_{}_{}", op_name(op), d.name())
 }
 
+/// The reduce kernel of `d` with `op` (`Avg`: the sum's, scaled).
+pub fn reduce_kernel(d: DataType, op: ReduceOp) -> String {
+    let op = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
+    format!("toroid_ordered_reduce_{}_{}", op_name(op), d.name())
+}
+
 /// The reduce-scatter kernel of `d` with `op` (`Avg`: the sum's, scaled).
 pub fn reduce_scatter_kernel(d: DataType, op: ReduceOp) -> String {
     let op = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
@@ -42,6 +52,8 @@ pub fn reduce_scatter_kernel(d: DataType, op: ReduceOp) -> String {
 pub const BROADCAST: &str = "toroid_ordered_broadcast";
 /// The all-gather kernel (bytes).
 pub const ALL_GATHER: &str = "toroid_ordered_all_gather";
+/// The all-to-all kernel (bytes).
+pub const ALL_TO_ALL: &str = "toroid_ordered_all_to_all";
 
 /// Every ordered kernel's name.
 pub fn names() -> Vec<String> {
@@ -50,10 +62,12 @@ pub fn names() -> Vec<String> {
         for &op in &OPS {
             v.push(all_reduce_kernel(d, op));
             v.push(reduce_scatter_kernel(d, op));
+            v.push(reduce_kernel(d, op));
         }
     }
     v.push(BROADCAST.into());
     v.push(ALL_GATHER.into());
+    v.push(ALL_TO_ALL.into());
     v
 }
 
@@ -189,6 +203,42 @@ __device__ void tr_reduce_scatter(const TrArgs& a, F f, S sc) {
       });
   });
 }
+/* Every rank writes its chunk; the root reduces (its own input and every peer's region). */
+template <typename T, typename F, typename S>
+__device__ void tr_reduce(const TrArgs& a, F f, S sc) {
+  const T* in = (const T*)a.in;
+  T* out = (T*)a.out;
+  tr_run(a, 16 / sizeof(T), [&](u64_t c0, u64_t len, u64_t s) {
+    return tr_step(a, s,
+      [&] { if (a.rank != a.root) tr_copy((char*)tr_region(a, a.rank, s), (const char*)(in + c0), len * sizeof(T)); },
+      [&] {
+        if (a.rank != a.root) return;
+        const T* src[TR_MAX_RANKS];
+        for (int r = 0; r < a.nranks; r++) src[r] = r == a.rank ? in + c0 : (const T*)tr_region(a, r, s);
+        tr_fold<T>(out + c0, src, a.nranks, len, f, sc, a.scale, a.factor);
+      });
+  });
+}
+/* Bytes; block k of `count` bytes of this rank's input goes to rank k: piece k of a step's region
+   holds its chunk (`chunk` bytes a piece), rank r reads piece r of every region. */
+extern "C" __global__ void __launch_bounds__(512) toroid_ordered_all_to_all(TrArgs a) {
+  const char* in = (const char*)a.in;
+  char* out = (char*)a.out;
+  tr_run(a, 16, [&](u64_t c0, u64_t len, u64_t s) {
+    return tr_step(a, s,
+      [&] {
+        char* mine = (char*)tr_region(a, a.rank, s);
+        for (int k = 0; k < a.nranks; k++)
+          if (k != a.rank) tr_copy(mine + k * a.chunk, in + k * a.count + c0, len);
+      },
+      [&] {
+        for (int r = 0; r < a.nranks; r++) {
+          const char* src = r == a.rank ? in + r * a.count + c0 : (const char*)tr_region(a, r, s) + a.rank * a.chunk;
+          tr_copy(out + r * a.count + c0, src, len);
+        }
+      });
+  });
+}
 extern "C" __global__ void __launch_bounds__(512) toroid_ordered_broadcast(TrArgs a) {
   const char* in = (const char*)a.in;
   char* out = (char*)a.out;
@@ -212,9 +262,11 @@ extern "C" __global__ void __launch_bounds__(512) toroid_ordered_all_gather(TrAr
 }
 "#;
 
-/// The whole source of the ordered kernels (after the reduction kernels' prelude).
+/// The whole source of the ordered kernels: a module of its own, compiled and loaded only when
+/// a communicator takes the stream-ordered path ([`super::ordered_ptx`]).
 pub fn source() -> String {
-    let mut s = super::signal::cuda_source();
+    let mut s = String::from(super::kernels::PRELUDE);
+    s.push_str(&super::signal::cuda_source());
     s.push_str(COMMON);
     for &d in &TYPES {
         let r = repr(d);
@@ -233,6 +285,7 @@ pub fn source() -> String {
             for (name, body) in [
                 (all_reduce_kernel(d, op), "tr_all_reduce"),
                 (reduce_scatter_kernel(d, op), "tr_reduce_scatter"),
+                (reduce_kernel(d, op), "tr_reduce"),
             ] {
                 s.push_str(&format!(
                     "extern \"C\" __global__ void __launch_bounds__(512) {name}(TrArgs a) {{ {body}<{t}>(a, TrOp_{o}_{ty}(), TrScale_{ty}()); }}\n"
@@ -253,7 +306,7 @@ mod tests {
         for n in names() {
             assert_eq!(src.matches(&format!("void __launch_bounds__(512) {n}(")).count(), 1, "{n}");
         }
-        assert_eq!(names().len(), 10 * 4 * 2 + 2);
+        assert_eq!(names().len(), 10 * 4 * 3 + 3);
         assert_eq!(
             all_reduce_kernel(DataType::F32, ReduceOp::Avg),
             all_reduce_kernel(DataType::F32, ReduceOp::Sum)

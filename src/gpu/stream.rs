@@ -4,8 +4,9 @@
 //!
 //! - **Stream-ordered** ([`super::ordered`]) when the IPC path below is taken, every rank is a
 //!   process of its own and `TOROID_CUDA_ORDERED=1` on every rank: each all-reduce, broadcast,
-//!   all-gather and reduce-scatter is one kernel enqueued on the caller's stream, and the call
-//!   returns once it is (blocking and `_async` alike: there is nothing to wait for on the host).
+//!   all-gather, reduce-scatter, reduce and all-to-all is one kernel enqueued on the caller's
+//!   stream, and the call returns once it is (blocking and `_async` alike: there is nothing to
+//!   wait for on the host). Sends and receives are staged.
 //! - **CUDA IPC** ([`super::ipc`]) when every rank is on this host, each could make its device
 //!   window and load the kernels, and `TOROID_CUDA_IPC` is not off: data moves and is reduced
 //!   on the GPU, the host meeting the ranks between chunks.
@@ -239,11 +240,15 @@ fn on_windows(kind: OpKind) -> bool {
     matches!(kind, OpKind::AllReduce(_) | OpKind::Broadcast(_) | OpKind::AllGather | OpKind::ReduceScatter(_))
 }
 
-/// The path a call of `kind` on `comm`'s device memory takes: [`path`] for the kinds the
-/// device windows run, [`DevicePath::Staged`] for the others; `None` before the first
-/// collective chose the path.
+/// The path a call of `kind` on `comm`'s device memory takes: [`path`] for the kinds that path
+/// runs, [`DevicePath::Staged`] for the others; `None` before the first collective chose the
+/// path.
 pub fn route_of(comm: &impl HostComm, kind: OpKind) -> Option<DevicePath> {
-    path(comm).map(|p| if on_windows(kind) { p } else { DevicePath::Staged })
+    path(comm).map(|p| match p {
+        DevicePath::Ordered if super::ordered::runs(kind) => p,
+        DevicePath::Ipc if on_windows(kind) => p,
+        _ => DevicePath::Staged,
+    })
 }
 
 /// What a C caller asks: `kind` (an all-reduce, a broadcast, an all-gather, a reduce-scatter,
@@ -338,7 +343,7 @@ unsafe fn issue<C: HostComm>(
         st.choose_path(comm)?;
     }
     if let Route::Ordered(run) = &st.route
-        && on_windows(kind)
+        && super::ordered::runs(kind)
     {
         // SAFETY: forwarded contract: the buffers stay valid until the stream has run the
         // kernel (NCCL's contract), the stream is the caller's, of this context.

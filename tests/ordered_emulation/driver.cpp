@@ -11,7 +11,7 @@
 //
 // Checks, every element against a reference computed here: all-reduce (sum, max, avg, in place,
 // misaligned, many chunks), reduce-scatter (and NCCL's in-place form), broadcast, all-gather
-// (and its in-place form), ten launches of the same argument (a graph replayed), a rank making
+// (and its in-place form), reduce (every root, in place), all-to-all (in place), ten launches of the same argument (a graph replayed), a rank making
 // another call (a mismatch on every rank), a rank that never launches (a timeout naming it).
 
 #include <sys/mman.h>
@@ -197,6 +197,45 @@ static void all_gather_bytes(int call, u64_t bytes, bool in_place) {
     }
 }
 
+static void reduce_f32(int call, u64_t count, int root, bool in_place) {
+  g_used = 0;
+  float* in = alloc<float>(count, 0.f);
+  float* out = alloc<float>(count, -999.f);
+  for (u64_t i = 0; i < count; i++) in[i] = val(ME, i, call);
+  float* dst = in_place ? in : out;
+  TrArgs a = args((u64_t)in, (u64_t)(ME == root ? dst : nullptr), count, REGION / 4, 500 + root);
+  a.root = root;
+  launch(toroid_ordered_reduce_sum_float, a, 1 + call % 4);
+  if (ME != root) {
+    CHECK(out[0] == -999.f && in[0] == val(ME, 0, call), "reduce: a non-root's buffers changed");
+    return;
+  }
+  for (u64_t i = 0; i < count; i++) {
+    float want = 0;
+    for (int r = 0; r < N; r++) want += val(r, i, call);
+    CHECK(dst[i] == want, "reduce root %d in_place %d: [%llu] = %g, want %g", root, in_place, i, dst[i], want);
+    if (dst[i] != want) break;
+  }
+}
+
+static void all_to_all_bytes(int call, u64_t bytes, bool in_place) {
+  g_used = 0;
+  unsigned char* in = alloc<unsigned char>(N * bytes, 0);
+  unsigned char* out = in_place ? in : alloc<unsigned char>(N * bytes, 0);
+  // Block k of rank r's input: what rank k receives from r.
+  for (int k = 0; k < N; k++)
+    for (u64_t i = 0; i < bytes; i++) in[k * bytes + i] = (unsigned char)(ME * 41 + k * 13 + i * 7 + call);
+  TrArgs a = args((u64_t)in, (u64_t)out, bytes, (REGION / N / 16) * 16, 600);
+  launch(toroid_ordered_all_to_all, a, 1 + call % 4);
+  for (int r = 0; r < N; r++)
+    for (u64_t i = 0; i < bytes; i++) {
+      unsigned char want = (unsigned char)(r * 41 + ME * 13 + i * 7 + call);
+      CHECK(out[r * bytes + i] == want, "all_to_all in_place %d: from rank %d [%llu] = %d, want %d", in_place, r, i,
+            out[r * bytes + i], want);
+      if (out[r * bytes + i] != want) break;
+    }
+}
+
 // A rank making another call: every rank's status says mismatch (naming a rank that differs).
 static void mismatch() {
   g_used = 0;
@@ -236,6 +275,10 @@ static int rank_main() {
     for (bool ip : {false, true}) reduce_scatter_f32(call++, count, ip);
   for (int root = 0; root < N; root++) broadcast_bytes(call++, 10000 + root, root);
   for (bool ip : {false, true}) all_gather_bytes(call++, 9001, ip);
+  for (int root = 0; root < N; root++)
+    for (bool ip : {false, true}) reduce_f32(call++, 1500 + root, root, ip);
+  for (u64_t bytes : {1ull, 17ull, 5000ull})
+    for (bool ip : {false, true}) all_to_all_bytes(call++, bytes, ip);
   // A graph's replays: the same argument ten times, the step counters carried by the areas.
   for (int k = 0; k < 10; k++) all_reduce_f32(0, 3000, 0, false, 3);
   if (g_failed) return 1;

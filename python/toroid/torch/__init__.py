@@ -47,7 +47,10 @@ it passed on an NVIDIA H200 and an H100 with torch 2.11):
   queued (it runs on toroid's own stream), so DDP's gradient all-reduces overlap its backward
   pass; the work completes when the collective has, and wait() blocks the host until then
   (torch's stream is not made to wait: read the result after wait(), as torch requires). The
-  staged path completes before returning. Failures of the collective are the work's (wait() raises them, as
+  staged path completes before returning. On the stream-ordered path (TOROID_CUDA_ORDERED=1,
+  one process per rank on one host: not yet run on a GPU) the collective is enqueued on the
+  current stream and nothing blocks the host; wait() makes the then-current stream wait for it,
+  as ProcessGroupNCCL's work does. Failures of the collective are the work's (wait() raises them, as
   for CPU tensors); argument errors are raised at once. `stream_path` is the rule that picks
   this path.
 - reduce of such tensors and all_to_all_single with equal splits run on device memory too

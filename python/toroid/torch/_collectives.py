@@ -60,21 +60,30 @@ class _Collectives:
         """Runs `call(tensor, stream)` for each CUDA tensor on the current stream of its device:
         one stream call per tensor, each returning its toroid Work (an asynchronous call on the
         IPC path: toroid_*_stream_async, queued, the host free) or None (it completed before
-        returning: the staged path, and the blocking reduce and all-to-all). The returned work
+        returning: the staged path, and the blocking reduce and all-to-all; or it is enqueued on
+        the stream: the stream-ordered path, TOROID_CUDA_ORDERED=1, where wait() makes the
+        current stream wait for it and nothing blocks the host). The returned work
         completes when all of them have. A refusal of the request (a toroid
         InvalidArgumentError, UnsupportedError or InvalidUsageError) is raised here, as the CPU
         path raises them when issuing; a failure of the collective itself (a peer, a deadline)
         is the work's, raised by wait() and set on its future, as for an async CPU call."""
         works: list = []
         for t in tensors:
+            stream = torch.cuda.current_stream(t.device)
             try:
-                w = call(t, torch.cuda.current_stream(t.device).cuda_stream)
+                w = call(t, stream.cuda_stream)
             except (_lib.InvalidArgumentError, _lib.UnsupportedError, _lib.InvalidUsageError):
                 raise
             except _lib.ToroidError as e:
                 works.append(_Finished(e))  # the communicator is aborted: the others would fail alike
                 break
-            works.append(w if w is not None else _Finished())
+            if w is None:
+                # Completed, or enqueued on `stream` (the stream-ordered path): wait() makes the
+                # then-current stream wait for it, as ProcessGroupNCCL's work does.
+                event = torch.cuda.Event()
+                event.record(stream)
+                w = _Finished(event=event, device=t.device)
+            works.append(w)
         self.stats[f"{name}:stream"] += 1
         return self._work(works, tensors, None, name, timeout)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Optional, TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 from torch.futures import Future
 
@@ -20,21 +21,28 @@ if TYPE_CHECKING:  # (imported at run time it would be a cycle: _group imports t
 
 
 class _Finished:
-    """A toroid call that has already run (a stream call that completed before returning, or
-    the failure that stopped issuing the others) as a work of a ToroidWork: wait() raises its
-    failure, if any."""
+    """A toroid call that has already run on the host (a stream call that returned having
+    completed or having enqueued its collective on the caller's stream, or the failure that
+    stopped issuing the others) as a work of a ToroidWork: wait() raises its failure, if any.
+    With `event` (recorded on the caller's stream right after a stream call), the ToroidWork's
+    wait() makes the current stream of the event's device wait for it (on the waiting thread,
+    every wait), and test() is whether the device has run it: ProcessGroupNCCL's rules, so a
+    result read on another stream after wait() is the collective's even where the library only
+    enqueued it (the stream-ordered path)."""
 
     _any_source = False
 
-    def __init__(self, error: Optional[BaseException] = None):
+    def __init__(self, error: Optional[BaseException] = None, event=None, device=None):
         self._error = error
+        self.event = event
+        self.device = device
 
     def wait(self, timeout=None) -> None:
         if self._error is not None:
             raise self._error
 
     def test(self) -> bool:
-        return True
+        return self._event is None or self._event.query()
 
 
 class ToroidWork(dist.Work):
@@ -55,6 +63,8 @@ class ToroidWork(dist.Work):
         self._timeout_s = timeout if timeout is not None else pg._timeout_s
         self._source: Optional[int] = None  # the sender, for a receive from any source
         self._works = works
+        # Stream calls' events: wait() makes the waiter's current stream wait for each.
+        self._events = [(w.event, w.device) for w in works if getattr(w, "event", None) is not None]
         self._result = result
         self._finish = finish
         self._name = name
@@ -160,6 +170,9 @@ class ToroidWork(dist.Work):
                                    f"{seconds:g} s (Work.wait timeout; the operation is still pending)")
         if self._exception is not None:
             raise self._exception
+        for event, device in self._events:
+            with torch.cuda.device(device):
+                event.wait(torch.cuda.current_stream(device))
         return True
 
     def get_future(self) -> Future:
