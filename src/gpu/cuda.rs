@@ -123,6 +123,17 @@ pub fn raw_stream(stream: &CudaStream) -> *mut std::ffi::c_void {
     stream.cu_stream() as *mut std::ffi::c_void
 }
 
+/// Whether `stream` is being captured into a CUDA graph (an error reads as not captured).
+pub fn is_capturing(stream: &CudaStream) -> bool {
+    guard("asking whether a stream is captured", || {
+        let mut status = cu::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: `status` is a live value the driver writes; the stream is live (borrowed).
+        let r = unsafe { cu::cuStreamIsCapturing(stream.cu_stream(), &mut status) };
+        r == CUresult::CUDA_SUCCESS && status != cu::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+    })
+    .unwrap_or(false)
+}
+
 /// Queues `dst <- src`, `bytes` bytes of device memory, on `stream` (`what`: what is copied).
 ///
 /// # Safety

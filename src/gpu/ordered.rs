@@ -22,6 +22,7 @@
 //! threads of one process keep the host-driven path ([`super::ipc`]).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use super::cuda::{self, CudaContext, CudaEvent, CudaFunction, CudaStream, Grid, HostMapped};
@@ -133,6 +134,106 @@ impl Functions {
     }
 }
 
+/// Which ordered kernel a call launches (the reductions by type and op: avg launches the sum's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kernel {
+    AllReduce(DataType, ReduceOp),
+    ReduceScatter(DataType, ReduceOp),
+    Reduce(DataType, ReduceOp),
+    Broadcast,
+    AllGather,
+    AllToAll,
+}
+
+/// The kernel and argument of `call` on rank `rank` of the ranks whose windows are at `ptrs`
+/// (each followed by its signal area), with the status words at `status` (a device address)
+/// and waits bounded by `timeout`. Pure: the same call gives the same grid-independent argument
+/// on every rank but for its own buffers and rank.
+fn plan(
+    call: &DeviceCall,
+    ptrs: &[u64],
+    rank: usize,
+    status: u64,
+    timeout: Duration,
+) -> Result<(Kernel, Args)> {
+    let n = ptrs.len();
+    if n > MAX_RANKS || rank >= n {
+        return Err(Error::Internal(
+            format!("rank {rank} of {n}: the ordered path takes at most {MAX_RANKS}").into(),
+        ));
+    }
+    let (es, d) = (call.dtype.size(), call.dtype);
+    let mut a = Args {
+        input: call.send,
+        output: call.recv,
+        count: call.count as u64,
+        chunk: (REGION / es) as u64,
+        half: HALF as u64,
+        fp: 0,
+        timeout_ns: timeout.as_nanos().min(u128::from(u64::MAX)) as u64,
+        status,
+        win: [0; MAX_RANKS],
+        sig: [0; MAX_RANKS],
+        factor: 0.0,
+        nranks: n as i32,
+        rank: rank as i32,
+        root: 0,
+        scale: 0,
+    };
+    for (r, p) in ptrs.iter().enumerate() {
+        a.win[r] = *p;
+        a.sig[r] = *p + super::ipc::WINDOW as u64;
+    }
+    let scale = |a: &mut Args, op: ReduceOp| -> Result<()> {
+        if op == ReduceOp::Avg {
+            if !d.is_float() {
+                return Err(Error::Unsupported(format!("avg of {d}: averages take float types").into()));
+            }
+            a.scale = 1;
+            a.factor = 1.0 / n as f64;
+        }
+        Ok(())
+    };
+    // Pieces of every rank in a region, each a multiple of 16 bytes (reduce-scatter, all-to-all).
+    let piece = (REGION / n / 16) * 16;
+    // (kernel, what the fingerprint adds to the type and count: kind and op or root).
+    let (kernel, what) = match call.kind {
+        OpKind::AllReduce(op) => {
+            scale(&mut a, op)?;
+            (Kernel::AllReduce(d, op), (1 << 32) | op as u64)
+        }
+        OpKind::ReduceScatter(op) => {
+            scale(&mut a, op)?;
+            a.chunk = (piece / es) as u64;
+            (Kernel::ReduceScatter(d, op), (2 << 32) | op as u64)
+        }
+        OpKind::Reduce(op, root) => {
+            scale(&mut a, op)?;
+            a.root = root as i32;
+            (Kernel::Reduce(d, op), (3 << 32) | (op as u64) << 16 | root as u64)
+        }
+        OpKind::Broadcast(root) => {
+            a.root = root as i32;
+            a.count = call.bytes() as u64;
+            a.chunk = REGION as u64;
+            (Kernel::Broadcast, (4 << 32) | root as u64)
+        }
+        OpKind::AllGather => {
+            a.count = call.bytes() as u64;
+            a.chunk = REGION as u64;
+            (Kernel::AllGather, 5 << 32)
+        }
+        OpKind::AllToAll => {
+            a.count = call.bytes() as u64;
+            a.chunk = piece as u64;
+            (Kernel::AllToAll, 6 << 32)
+        }
+        other => return Err(Error::Internal(format!("{other:?} is not an ordered collective").into())),
+    };
+    a.fp = signal::fingerprint([what, d as u64, call.count as u64, n as u64]);
+    Ok((kernel, a))
+}
+
 /// The stream-ordered path of one communicator: where the windows are, the status words, the
 /// kernels. Its owner keeps the [`IpcWindows`] it was made from and drops them after it (Drop
 /// waits for the last kernel that reads them).
@@ -145,8 +246,11 @@ pub struct Ordered {
     functions: Functions,
     /// Blocks a launch may have.
     max_blocks: u32,
-    /// Recorded after every launch, so that dropping waits for the last kernel.
+    /// Recorded after every launch, so that dropping waits for the last kernel, and a call on
+    /// another stream than the last one's runs after it.
     last: CudaEvent,
+    /// The stream of the last launch (its address + 1; 0: none yet).
+    last_stream: AtomicUsize,
     /// The communicator's timeout (how long Drop lets the last kernel run).
     timeout: Duration,
 }
@@ -180,7 +284,16 @@ impl Ordered {
         let sms = cuda::multiprocessor_count(ctx)?;
         let max_blocks = (sms as usize).clamp(1, MAX_BLOCKS) as u32;
         let last = cuda::new_event(ctx, false)?;
-        Ok(Ordered { ptrs, rank, status, functions, max_blocks, last, timeout })
+        Ok(Ordered {
+            ptrs,
+            rank,
+            status,
+            functions,
+            max_blocks,
+            last,
+            last_stream: AtomicUsize::new(0),
+            timeout,
+        })
     }
 
     /// The fault a kernel recorded, as an error (`None`: none).
@@ -223,82 +336,16 @@ impl Ordered {
 
     /// The launch of `call`: its kernel and argument.
     fn prepare(&self, call: &DeviceCall, timeout: Duration) -> Result<(&CudaFunction, Args, u64)> {
-        let (ptrs, n, me) = (&self.ptrs, self.ptrs.len(), self.rank);
-        let es = call.dtype.size();
-        let mut a = Args {
-            input: call.send,
-            output: call.recv,
-            count: call.count as u64,
-            chunk: (REGION / es) as u64,
-            half: HALF as u64,
-            fp: 0,
-            timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
-            status: self.status.device_ptr(),
-            win: [0; MAX_RANKS],
-            sig: [0; MAX_RANKS],
-            factor: 0.0,
-            nranks: n as i32,
-            rank: me as i32,
-            root: 0,
-            scale: 0,
+        let (kernel, args) = plan(call, &self.ptrs, self.rank, self.status.device_ptr(), timeout)?;
+        let f = match kernel {
+            Kernel::AllReduce(d, op) => Functions::reduction(&self.functions.all_reduce, d, op)?,
+            Kernel::ReduceScatter(d, op) => Functions::reduction(&self.functions.reduce_scatter, d, op)?,
+            Kernel::Reduce(d, op) => Functions::reduction(&self.functions.reduce, d, op)?,
+            Kernel::Broadcast => &self.functions.broadcast,
+            Kernel::AllGather => &self.functions.all_gather,
+            Kernel::AllToAll => &self.functions.all_to_all,
         };
-        for (r, p) in ptrs.iter().enumerate() {
-            a.win[r] = *p;
-            a.sig[r] = *p + super::ipc::WINDOW as u64;
-        }
-        let scale = |a: &mut Args, op: ReduceOp| -> Result<()> {
-            if op == ReduceOp::Avg {
-                if !call.dtype.is_float() {
-                    return Err(Error::Unsupported(
-                        format!("avg of {}: averages take float types", call.dtype).into(),
-                    ));
-                }
-                a.scale = 1;
-                a.factor = 1.0 / n as f64;
-            }
-            Ok(())
-        };
-        // Pieces of every rank in a region, each a multiple of 16 bytes (reduce-scatter,
-        // all-to-all).
-        let piece = (REGION / n / 16) * 16;
-        // (kernel, what the fingerprint adds to the type and count: kind and op or root).
-        let (f, what) = match call.kind {
-            OpKind::AllReduce(op) => {
-                scale(&mut a, op)?;
-                (Functions::reduction(&self.functions.all_reduce, call.dtype, op)?, (1 << 32) | op as u64)
-            }
-            OpKind::ReduceScatter(op) => {
-                scale(&mut a, op)?;
-                a.chunk = (piece / es) as u64;
-                (Functions::reduction(&self.functions.reduce_scatter, call.dtype, op)?, (2 << 32) | op as u64)
-            }
-            OpKind::Reduce(op, root) => {
-                scale(&mut a, op)?;
-                a.root = root as i32;
-                let f = Functions::reduction(&self.functions.reduce, call.dtype, op)?;
-                (f, (3 << 32) | (op as u64) << 16 | root as u64)
-            }
-            OpKind::Broadcast(root) => {
-                a.root = root as i32;
-                a.count = call.bytes() as u64;
-                a.chunk = REGION as u64;
-                (&self.functions.broadcast, (4 << 32) | root as u64)
-            }
-            OpKind::AllGather => {
-                a.count = call.bytes() as u64;
-                a.chunk = REGION as u64;
-                (&self.functions.all_gather, 5 << 32)
-            }
-            OpKind::AllToAll => {
-                a.count = call.bytes() as u64;
-                a.chunk = piece as u64;
-                (&self.functions.all_to_all, 6 << 32)
-            }
-            other => return Err(Error::Internal(format!("{other:?} is not an ordered collective").into())),
-        };
-        a.fp = signal::fingerprint([what, call.dtype as u64, call.count as u64, n as u64]);
-        let bytes = call.bytes();
-        Ok((f, a, bytes as u64))
+        Ok((f, args, call.bytes() as u64))
     }
 
     /// Blocks of a launch moving `bytes` per rank: one per 64 KiB, at most one per
@@ -323,18 +370,97 @@ impl Ordered {
         }
         let (f, args, bytes) = self.prepare(call, self.timeout)?;
         let grid = Grid { blocks: self.blocks(bytes), threads: THREADS };
+        // The calls of a communicator run in issue order, also across streams (as NCCL's): a
+        // call on another stream waits for the last one's kernel. Not while a graph is being
+        // captured: a capture cannot wait for work outside it (ordering inside it is the
+        // capture's), and an event recorded into it is the graph's, not this launch's.
+        let capturing = cuda::is_capturing(stream);
+        let raw = (cuda::raw_stream(stream) as usize).wrapping_add(1); // (the NULL stream too is not 0)
+        if !capturing {
+            let before = self.last_stream.swap(raw, Ordering::Relaxed);
+            if before != 0 && before != raw {
+                cuda::wait_stream(stream, &self.last, "waiting for the communicator's last collective")?;
+            }
+        }
         // SAFETY: `f` takes one `TrArgs` (this layout); the buffers are valid as the caller
         // says; the windows and signal areas are every rank's, mapped by the owner's
         // IpcWindows, dropped only after `self`, which waits for the last kernel (Drop); the
         // status words are mapped host memory of `self`.
         unsafe { cuda::launch_args(stream, f, grid, &args) }?;
-        cuda::record(&self.last, stream)
+        if capturing { Ok(()) } else { cuda::record(&self.last, stream) }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn call(kind: OpKind, dtype: DataType, count: usize) -> DeviceCall {
+        DeviceCall { kind, dtype, count, send: 0x1000, recv: 0x2000 }
+    }
+
+    fn planned(kind: OpKind, dtype: DataType, count: usize, n: usize) -> (Kernel, Args) {
+        let ptrs: Vec<u64> = (0..n as u64).map(|r| (r + 1) << 32).collect();
+        plan(&call(kind, dtype, count), &ptrs, n - 1, 0x77, Duration::from_secs(2)).expect("a plan")
+    }
+
+    #[test]
+    fn every_kind_gets_its_kernel_chunks_that_fit_a_region_and_the_windows() {
+        for n in [2, 3, 5, MAX_RANKS] {
+            let (k, a) = planned(OpKind::AllReduce(ReduceOp::Avg), DataType::BF16, 1000, n);
+            assert_eq!(k, Kernel::AllReduce(DataType::BF16, ReduceOp::Avg));
+            assert_eq!((a.chunk * 2, a.count, a.scale, a.factor), (REGION as u64, 1000, 1, 1.0 / n as f64));
+            assert_eq!(
+                (a.nranks, a.rank, a.status, a.timeout_ns),
+                (n as i32, n as i32 - 1, 0x77, 2_000_000_000)
+            );
+            for r in 0..n {
+                assert_eq!(a.win[r], (r as u64 + 1) << 32);
+                assert_eq!(a.sig[r], a.win[r] + super::super::ipc::WINDOW as u64);
+            }
+            // n pieces of a region, each 16-byte aligned.
+            let (_, a) = planned(OpKind::ReduceScatter(ReduceOp::Sum), DataType::F64, 7, n);
+            assert!(
+                a.chunk * 8 * n as u64 <= REGION as u64 && (a.chunk * 8).is_multiple_of(16) && a.chunk > 0
+            );
+            let (k, a) = planned(OpKind::AllToAll, DataType::I32, 7, n);
+            assert_eq!((k, a.count), (Kernel::AllToAll, 28));
+            assert!(a.chunk * n as u64 <= REGION as u64 && a.chunk.is_multiple_of(16) && a.chunk > 0);
+            let (k, a) = planned(OpKind::Broadcast(1), DataType::F16, 5, n);
+            assert_eq!((k, a.count, a.chunk, a.root), (Kernel::Broadcast, 10, REGION as u64, 1));
+            let (k, a) = planned(OpKind::Reduce(ReduceOp::Max, 0), DataType::U8, 5, n);
+            assert_eq!((k, a.count, a.scale), (Kernel::Reduce(DataType::U8, ReduceOp::Max), 5, 0));
+        }
+    }
+
+    #[test]
+    fn calls_that_differ_differ_in_fingerprint_and_the_rest_is_refused() {
+        let fp = |kind, dtype, count| planned(kind, dtype, count, 3).1.fp;
+        let base = fp(OpKind::AllReduce(ReduceOp::Sum), DataType::F32, 64);
+        assert_eq!(base, fp(OpKind::AllReduce(ReduceOp::Sum), DataType::F32, 64));
+        for other in [
+            fp(OpKind::AllReduce(ReduceOp::Max), DataType::F32, 64),
+            fp(OpKind::AllReduce(ReduceOp::Sum), DataType::I32, 64),
+            fp(OpKind::AllReduce(ReduceOp::Sum), DataType::F32, 65),
+            fp(OpKind::ReduceScatter(ReduceOp::Sum), DataType::F32, 64),
+            fp(OpKind::Reduce(ReduceOp::Sum, 0), DataType::F32, 64),
+            fp(OpKind::Reduce(ReduceOp::Sum, 1), DataType::F32, 64),
+            fp(OpKind::Broadcast(0), DataType::F32, 64),
+            fp(OpKind::AllGather, DataType::F32, 64),
+            fp(OpKind::AllToAll, DataType::F32, 64),
+        ] {
+            assert_ne!(other, base);
+        }
+        let ptrs = [1u64 << 32, 2 << 32];
+        let t = Duration::from_secs(1);
+        let avg_int = call(OpKind::AllReduce(ReduceOp::Avg), DataType::I32, 4);
+        assert!(matches!(plan(&avg_int, &ptrs, 0, 0, t), Err(Error::Unsupported(_))));
+        assert!(plan(&call(OpKind::Barrier, DataType::U8, 0), &ptrs, 0, 0, t).is_err());
+        assert!(plan(&call(OpKind::AllGather, DataType::U8, 1), &ptrs, 2, 0, t).is_err());
+        for kind in [OpKind::Send(1), OpKind::Recv(0), OpKind::Barrier] {
+            assert!(!runs(kind));
+        }
+    }
 
     #[test]
     fn the_argument_has_the_kernels_layout() {
