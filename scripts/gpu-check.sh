@@ -48,6 +48,18 @@ for l in sys.stdin:
   cp python/tests/gpu_torch_check.py "$dir/python/tests/"
 }
 
+# cuda_h: the CUDA toolkit's (or python3's CUDA wheels') cuda.h; libcuda: the driver library
+# (set in the caller's scope; empty when not found).
+find_cuda() {
+  cuda_h=$( (ls /usr/local/cuda/include/cuda.h /usr/local/cuda*/include/cuda.h 2>/dev/null;
+    python3 -c 'import nvidia, os
+for p in nvidia.__path__:
+    f = os.path.join(p, "cu13", "include", "cuda.h")
+    if os.path.exists(f): print(f)' 2>/dev/null) | head -1 || true)
+  libcuda=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}')
+  libcuda=${libcuda:-$(ls /usr/local/nvidia/lib64/libcuda.so.1 /usr/lib/x86_64-linux-gnu/libcuda.so.1 2>/dev/null | head -1 || true)}
+}
+
 # TOROID_NVRTC_PATH, else python3's CUDA wheels' or the toolkit's libnvrtc.so.13.
 find_nvrtc() {
   if [ -z "${TOROID_NVRTC_PATH:-}" ]; then
@@ -68,15 +80,8 @@ run() {
   echo "RDMA devices (/sys/class/infiniband): $(ls /sys/class/infiniband 2>/dev/null | tr '\n' ' ' || true)"
   find_nvrtc
   TOROID_REQUIRE_NVRTC=1 "$dir/gpu-tests" --include-ignored --test-threads 1 --nocapture
-  local cuda_h
-  cuda_h=$( (ls /usr/local/cuda/include/cuda.h /usr/local/cuda*/include/cuda.h 2>/dev/null;
-    python3 -c 'import nvidia, os
-for p in nvidia.__path__:
-    f = os.path.join(p, "cu13", "include", "cuda.h")
-    if os.path.exists(f): print(f)' 2>/dev/null) | head -1 || true)
-  local libcuda
-  libcuda=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}')
-  libcuda=${libcuda:-$(ls /usr/local/nvidia/lib64/libcuda.so.1 /usr/lib/x86_64-linux-gnu/libcuda.so.1 2>/dev/null | head -1 || true)}
+  local cuda_h libcuda
+  find_cuda
   if [ -z "$cuda_h" ]; then
     echo "SKIPPED ffi_tests/gpu/stream.c: no cuda.h (CUDA toolkit) on this machine"
   else
@@ -123,15 +128,8 @@ ordered_check() {
   local dir=$1 failed=0
   # Off by default until a GPU run has shown it (docs/ENV.md).
   export TOROID_CUDA_ORDERED=1
-  local cuda_h
-  cuda_h=$( (ls /usr/local/cuda/include/cuda.h /usr/local/cuda*/include/cuda.h 2>/dev/null;
-    python3 -c 'import nvidia, os
-for p in nvidia.__path__:
-    f = os.path.join(p, "cu13", "include", "cuda.h")
-    if os.path.exists(f): print(f)' 2>/dev/null) | head -1 || true)
-  local libcuda
-  libcuda=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}')
-  libcuda=${libcuda:-$(ls /usr/local/nvidia/lib64/libcuda.so.1 /usr/lib/x86_64-linux-gnu/libcuda.so.1 2>/dev/null | head -1 || true)}
+  local cuda_h libcuda
+  find_cuda
   if [ -z "$cuda_h" ]; then
     echo "SKIPPED ffi_tests/gpu/ordered.c: no cuda.h (CUDA toolkit) on this machine"
   else

@@ -89,23 +89,26 @@ pub const PTX_ARCH: &str = "compute_75";
 /// `TOROID_NVRTC_PATH`).
 pub fn ptx() -> Result<&'static str> {
     static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
-    PTX.get_or_init(|| {
-        let path = crate::config::nvrtc_path();
-        load_nvrtc(path.as_deref()).map_err(|e| e.to_string())?;
-        compile(&kernels::source()).map_err(|e| e.to_string())
-    })
-    .as_deref()
-    .map_err(|e| Error::Unsupported(e.clone().into()))
+    compiled_once(&PTX, kernels::source)
 }
 
 /// The stream-ordered kernels' PTX ([`ordered_kernels`]), compiled once per process, when the
 /// first communicator takes that path.
 pub fn ordered_ptx() -> Result<&'static str> {
     static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
-    PTX.get_or_init(|| {
+    compiled_once(&PTX, ordered_kernels::source)
+}
+
+/// The PTX of `source()` kept in `cell`: compiled by the first caller, the outcome (the PTX or
+/// why not) the same for every later one.
+fn compiled_once(
+    cell: &'static OnceLock<std::result::Result<String, String>>,
+    source: fn() -> String,
+) -> Result<&'static str> {
+    cell.get_or_init(|| {
         let path = crate::config::nvrtc_path();
         load_nvrtc(path.as_deref()).map_err(|e| e.to_string())?;
-        compile(&ordered_kernels::source()).map_err(|e| e.to_string())
+        compile(&source()).map_err(|e| e.to_string())
     })
     .as_deref()
     .map_err(|e| Error::Unsupported(e.clone().into()))
