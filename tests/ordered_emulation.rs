@@ -12,9 +12,19 @@ use std::process::Command;
 
 use toroid::internals::gpu::ordered_kernels;
 
-fn build() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("toroid-ordered-emulation-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("a temporary directory");
+/// A temporary directory, removed when dropped (also when a check fails).
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Builds the driver into `dir`: its path.
+fn build(dir: &TempDir) -> PathBuf {
+    let dir = &dir.0;
+    std::fs::create_dir_all(dir).expect("a temporary directory");
     let here = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/ordered_emulation");
     let src = format!(
         "#include \"{}\"\n{}\n#include \"{}\"\n",
@@ -42,7 +52,8 @@ fn build() -> PathBuf {
 
 #[test]
 fn the_ordered_kernels_give_every_element_on_emulated_ranks() {
-    let exe = build();
+    let dir = TempDir(std::env::temp_dir().join(format!("toroid-ordered-emulation-{}", std::process::id())));
+    let exe = build(&dir);
     for n in [2, 3, 5] {
         let out = Command::new(&exe).arg(n.to_string()).output().expect("running the driver");
         let text =
@@ -53,5 +64,4 @@ fn the_ordered_kernels_give_every_element_on_emulated_ranks() {
             "{text}"
         );
     }
-    let _ = std::fs::remove_dir_all(exe.parent().expect("a directory"));
 }
