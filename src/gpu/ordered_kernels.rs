@@ -93,22 +93,58 @@ __device__ __forceinline__ void tr_part(u64_t count, u64_t unit, u64_t* lo, u64_
 __device__ __forceinline__ u64_t tr_region(const TrArgs& a, int rank, u64_t s) {
   return a.win[rank] + (s & 1) * a.half + (u64_t)blockIdx.x * (a.half / TR_MAX_BLOCKS);
 }
-/* dst <- src, bytes, by the block's threads (16 bytes at a time when both are aligned). */
+/* dst <- src, bytes, by the block's threads: 16 bytes at a time when both are aligned, four such
+   loads in flight per thread before their stores (more bytes in flight per thread is what keeps
+   the memory system busy), then one at a time, then bytes. */
 __device__ void tr_copy(char* dst, const char* src, u64_t bytes) {
   if (dst == src || bytes == 0) return;
-  u64_t nv = ((((u64_t)dst | (u64_t)src) & 15) == 0) ? bytes / 16 : 0;
-  for (u64_t i = threadIdx.x; i < nv; i += blockDim.x) ((uint4*)dst)[i] = ((const uint4*)src)[i];
-  for (u64_t j = nv * 16 + threadIdx.x; j < bytes; j += blockDim.x) dst[j] = src[j];
+  const u64_t nv = ((((u64_t)dst | (u64_t)src) & 15) == 0) ? bytes / 16 : 0;
+  const uint4* s = (const uint4*)src;
+  uint4* d = (uint4*)dst;
+  const u64_t bd = blockDim.x;
+  u64_t i = threadIdx.x;
+  for (; i + 3 * bd < nv; i += 4 * bd) {
+    const uint4 a = s[i], b = s[i + bd], c = s[i + 2 * bd], e = s[i + 3 * bd];
+    d[i] = a; d[i + bd] = b; d[i + 2 * bd] = c; d[i + 3 * bd] = e;
+  }
+  for (; i < nv; i += bd) d[i] = s[i];
+  for (u64_t j = nv * 16 + threadIdx.x; j < bytes; j += bd) dst[j] = src[j];
 }
-/* out[i] = src[0][i] op src[1][i] op ... (rank order), scaled when asked. */
+/* out[i] = src[0][i] op src[1][i] op ... (rank order), scaled when asked: U vectors of 16 bytes
+   per thread per round (every source's loads issued together), then one vector at a time, then
+   element by element (the tail, and everything when a pointer is not 16-byte aligned). */
 template <typename T, typename F, typename S>
 __device__ void tr_fold(T* out, const T* const* src, int n, u64_t len, F f, S sc, int scale, double factor) {
-  enum { V = 16 / sizeof(T) };
+  enum { V = 16 / sizeof(T), U = 4 };
   typedef union { uint4 u; T e[V]; } Vec;
   u64_t al = (u64_t)out;
   for (int r = 0; r < n; r++) al |= (u64_t)src[r];
   const u64_t nv = (al & 15) == 0 ? len / V : 0;
-  for (u64_t i = threadIdx.x; i < nv; i += blockDim.x) {
+  const u64_t bd = blockDim.x;
+  u64_t i = threadIdx.x;
+  for (; i + (U - 1) * bd < nv; i += U * bd) {
+    Vec acc[U];
+#pragma unroll
+    for (int u = 0; u < U; u++) acc[u].u = ((const uint4*)src[0])[i + u * bd];
+    for (int r = 1; r < n; r++) {
+      Vec x[U];
+#pragma unroll
+      for (int u = 0; u < U; u++) x[u].u = ((const uint4*)src[r])[i + u * bd];
+#pragma unroll
+      for (int u = 0; u < U; u++)
+#pragma unroll
+        for (int k = 0; k < V; k++) acc[u].e[k] = f(acc[u].e[k], x[u].e[k]);
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      if (scale) {
+#pragma unroll
+        for (int k = 0; k < V; k++) acc[u].e[k] = sc(acc[u].e[k], factor);
+      }
+      ((uint4*)out)[i + u * bd] = acc[u].u;
+    }
+  }
+  for (; i < nv; i += bd) {
     Vec acc; acc.u = ((const uint4*)src[0])[i];
     for (int r = 1; r < n; r++) {
       Vec x; x.u = ((const uint4*)src[r])[i];
@@ -121,7 +157,7 @@ __device__ void tr_fold(T* out, const T* const* src, int n, u64_t len, F f, S sc
     }
     ((uint4*)out)[i] = acc.u;
   }
-  for (u64_t j = nv * V + threadIdx.x; j < len; j += blockDim.x) {
+  for (u64_t j = nv * V + threadIdx.x; j < len; j += bd) {
     T acc = src[0][j];
     for (int r = 1; r < n; r++) acc = f(acc, src[r][j]);
     if (scale) acc = sc(acc, factor);

@@ -99,10 +99,7 @@ class _Collectives:
             torch_op = opts.reduceOp
             op = ReduceOp.SUM if torch_op == _SUM else _stream_op(torch_op)
             if dtype is not None and op is not None:
-                p = t.data_ptr()
-                self._comm.all_reduce_ptr(p, p, t.numel(), dtype, op, False)
-                self.stats["allreduce"] += 1
-                return _DONE
+                return self._all_reduce_now(t, dtype, op)
         opts = _reduce_opts(opts)
         torch_op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         if len(tensors) == 1 and self._wire is None:
@@ -119,6 +116,17 @@ class _Collectives:
                 return self._stream_work(tensors, "allreduce", call, _opt_timeout(opts))
         return self._allreduce_host(tensors, opts)
 
+    def _all_reduce_now(self, t: torch.Tensor, dtype: DataType, op: ReduceOp) -> Any:
+        """A blocking in-place all-reduce of one dense contiguous CPU tensor: torch's blocking
+        calls, which accept None for a work. It runs on this thread when the group is idle (else
+        behind its queued work, running that too), without an async call's hand-over to toroid's
+        worker thread, whose wake-up alone costs a small all-reduce most of its time on a small
+        host."""
+        p = t.data_ptr()
+        self._comm.all_reduce_ptr(p, p, t.numel(), dtype, op, False)
+        self.stats["allreduce"] += 1
+        return _DONE
+
     def _allreduce_dense(self, t: torch.Tensor, torch_op, opts) -> Any:
         """The common async call, straight to toroid: one dense contiguous CPU tensor of a
         toroid element type, reduced with SUM, PRODUCT, MIN, MAX or AVG, uncompressed. What
@@ -129,16 +137,11 @@ class _Collectives:
         op = _stream_op(torch_op) if dtype is not None else None
         if op is None:
             return _NOT_TAKEN  # complex, bool, another type; BAND/BOR/BXOR, PREMUL_SUM
-        p = t.data_ptr()
         if _waits_at_once(opts):
             # A blocking call torch did not make with its own options type: as allreduce's first
-            # branch. A blocking toroid call runs on this thread when the group is idle (else
-            # behind its queued work, running that too), without an async call's hand-over to
-            # toroid's worker thread, whose wake-up alone costs a small all-reduce most of its
-            # time on a small host.
-            self._comm.all_reduce_ptr(p, p, t.numel(), dtype, op, False)
-            self.stats["allreduce"] += 1
-            return _DONE
+            # branch.
+            return self._all_reduce_now(t, dtype, op)
+        p = t.data_ptr()
         work = self._comm.all_reduce_ptr(p, p, t.numel(), dtype, op, True, (t,))
         return self._work([work], [t], None, "allreduce", _opt_timeout(opts))
 
