@@ -234,6 +234,8 @@ pub struct IpcWindows {
     /// Whether every rank is a process of its own (the same answer on every rank: from every
     /// rank's record).
     separate: bool,
+    /// Ranks on this rank's device, this one included.
+    sharing: usize,
     /// This rank's window (declared last: freed after the peers' mappings are closed).
     own: DeviceAlloc,
 }
@@ -295,7 +297,7 @@ impl IpcWindows {
             .enumerate()
             .map(|(k, b)| WindowRecord::decode(k, b))
             .collect::<Result<Vec<_>>>();
-        let mut separate = false;
+        let (mut separate, mut sharing) = (false, 1);
         let mapped = match (&local, records) {
             (Err(e), _) => Err(Error::Unsupported(format!("this rank: {e}").into())),
             (Ok(_), Err(e)) => Err(e),
@@ -304,6 +306,8 @@ impl IpcWindows {
                 pids.sort_unstable();
                 pids.dedup();
                 separate = pids.len() == records.len();
+                let mine = records.get(comm.rank()).map_or(u32::MAX, |r| r.device);
+                sharing = records.iter().filter(|r| r.device == mine).count().max(1);
                 map_windows(comm.rank(), &records, |_, h| cuda::ipc_open(ctx, h), |p| close_handle(ctx, p))
             }
         };
@@ -319,6 +323,7 @@ impl IpcWindows {
                 half: false,
                 rank: comm.rank(),
                 separate,
+                sharing,
                 own,
             }),
             (Ok(windows), _) => {
@@ -348,6 +353,11 @@ impl IpcWindows {
     /// Whether every rank is a process of its own (the same on every rank).
     pub fn separate_processes(&self) -> bool {
         self.separate
+    }
+
+    /// How many ranks use this rank's device (this one included).
+    pub fn ranks_on_device(&self) -> usize {
+        self.sharing
     }
 
     /// Waits for `stream`, then meets every rank. The first meeting of a call also checks that

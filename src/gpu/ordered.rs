@@ -281,8 +281,11 @@ impl Ordered {
         }
         let functions = Functions::load(ctx)?;
         let status = HostMapped::new(ctx, 2)?;
-        let sms = cuda::multiprocessor_count(ctx)?;
-        let max_blocks = (sms as usize).clamp(1, MAX_BLOCKS) as u32;
+        // The kernels of the ranks on one device must all be resident at once (block b of each
+        // waits for block b of the others): the device's multiprocessors shared among them, at
+        // most one block each.
+        let sms = cuda::multiprocessor_count(ctx)? as usize;
+        let max_blocks = (sms / windows.ranks_on_device()).clamp(1, MAX_BLOCKS) as u32;
         let last = cuda::new_event(ctx, false)?;
         Ok(Ordered {
             ptrs,
@@ -348,9 +351,9 @@ impl Ordered {
         Ok((f, args, call.bytes() as u64))
     }
 
-    /// Blocks of a launch moving `bytes` per rank: one per 64 KiB, at most one per
-    /// multiprocessor (the ranks' kernels must all fit at once). The same on every rank making
-    /// the same call.
+    /// Blocks of a launch moving `bytes` per rank: one per 64 KiB, at most the device's
+    /// multiprocessors over the ranks sharing it (the ranks' kernels must all fit at once). The
+    /// same on every rank making the same call.
     fn blocks(&self, bytes: u64) -> u32 {
         (bytes.div_ceil(64 << 10).min(u64::from(u32::MAX)) as u32).clamp(1, self.max_blocks)
     }
