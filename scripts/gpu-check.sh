@@ -48,9 +48,11 @@ for l in sys.stdin:
   cp python/tests/gpu_torch_check.py "$dir/python/tests/"
 }
 
-# cuda_h: the CUDA toolkit's (or python3's CUDA wheels') cuda.h; libcuda: the driver library
-# (set in the caller's scope; empty when not found).
-find_cuda() {
+# Builds ffi_tests/gpu/NAME.c into DIR/NAME against DIR's libtoroid.so with the CUDA toolkit's
+# (or python3's CUDA wheels') cuda.h and the driver library; says SKIPPED and returns 1 when
+# this machine has no cuda.h; a build that fails ends the script.
+build_gpu_c() {
+  local dir=$1 name=$2 cuda_h libcuda
   cuda_h=$( (ls /usr/local/cuda/include/cuda.h /usr/local/cuda*/include/cuda.h 2>/dev/null;
     python3 -c 'import nvidia, os
 for p in nvidia.__path__:
@@ -58,6 +60,13 @@ for p in nvidia.__path__:
     if os.path.exists(f): print(f)' 2>/dev/null) | head -1 || true)
   libcuda=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}')
   libcuda=${libcuda:-$(ls /usr/local/nvidia/lib64/libcuda.so.1 /usr/lib/x86_64-linux-gnu/libcuda.so.1 2>/dev/null | head -1 || true)}
+  if [ -z "$cuda_h" ]; then
+    echo "SKIPPED ffi_tests/gpu/$name.c: no cuda.h (CUDA toolkit) on this machine"
+    return 1
+  fi
+  cc -O1 -I include -I ffi_tests -I "$(dirname "$cuda_h")" "ffi_tests/gpu/$name.c" \
+    -L "$dir" -ltoroid "${libcuda:--lcuda}" -Wl,-rpath,"$(cd "$dir" && pwd)" -o "$dir/$name" ||
+    { echo "FAIL: building ffi_tests/gpu/$name.c"; exit 1; }  # (set -e does not stop inside an `if`)
 }
 
 # TOROID_NVRTC_PATH, else python3's CUDA wheels' or the toolkit's libnvrtc.so.13.
@@ -80,13 +89,7 @@ run() {
   echo "RDMA devices (/sys/class/infiniband): $(ls /sys/class/infiniband 2>/dev/null | tr '\n' ' ' || true)"
   find_nvrtc
   TOROID_REQUIRE_NVRTC=1 "$dir/gpu-tests" --include-ignored --test-threads 1 --nocapture
-  local cuda_h libcuda
-  find_cuda
-  if [ -z "$cuda_h" ]; then
-    echo "SKIPPED ffi_tests/gpu/stream.c: no cuda.h (CUDA toolkit) on this machine"
-  else
-    cc -O1 -I include -I ffi_tests -I "$(dirname "$cuda_h")" ffi_tests/gpu/stream.c \
-      -L "$dir" -ltoroid "${libcuda:--lcuda}" -Wl,-rpath,"$(cd "$dir" && pwd)" -o "$dir/stream"
+  if build_gpu_c "$dir" stream; then
     echo "ffi_tests/gpu/stream.c, CUDA IPC:"
     TOROID_DEBUG=INFO TOROID_DEBUG_SUBSYS=GPU "$dir/toroid-run" -n 2 "$dir/stream"
     echo "ffi_tests/gpu/stream.c, staged (TOROID_CUDA_IPC=0):"
@@ -128,13 +131,7 @@ ordered_check() {
   local dir=$1 failed=0
   # Off by default until a GPU run has shown it (docs/ENV.md).
   export TOROID_CUDA_ORDERED=1
-  local cuda_h libcuda
-  find_cuda
-  if [ -z "$cuda_h" ]; then
-    echo "SKIPPED ffi_tests/gpu/ordered.c: no cuda.h (CUDA toolkit) on this machine"
-  else
-    cc -O1 -I include -I ffi_tests -I "$(dirname "$cuda_h")" ffi_tests/gpu/ordered.c \
-      -L "$dir" -ltoroid "${libcuda:--lcuda}" -Wl,-rpath,"$(cd "$dir" && pwd)" -o "$dir/ordered"
+  if build_gpu_c "$dir" ordered; then
     echo "ffi_tests/gpu/ordered.c, 2 processes:"
     TOROID_DEBUG=INFO TOROID_DEBUG_SUBSYS=GPU timeout 180 "$dir/toroid-run" -n 2 "$dir/ordered" ||
       { echo "FAIL: ffi_tests/gpu/ordered.c"; failed=1; }

@@ -2,7 +2,7 @@
  * side-by-side with toroid. Several ranks (processes) share ONE GPU.
  *
  *   cc -O2 -o nccl_device_bench benches/compare/nccl_device_bench.c -ldl
- *   toroid-run -n 2 ./nccl_device_bench --id-file /tmp/nccl-id -b 1M -e 256M -f 4 -n 20 -w 5
+ *   toroid-run -n 2 ./nccl_device_bench --id-file nccl-id -b 1M -e 256M -f 4 -n 20 -w 5
  *
  * Options: -b MINBYTES -e MAXBYTES -f FACTOR -n ITERS -w WARMUP (K/M/G suffixes; as toroid-bench,
  * through bench_format.h), -c 0|1 (check, default 1), --collective all_reduce|broadcast|reduce|
@@ -290,7 +290,7 @@ static void usage(void) {
     fprintf(stderr, "usage: nccl_device_bench [-b MINBYTES] [-e MAXBYTES] [-f FACTOR] [-n ITERS] [-w WARMUP]\n"
                     "         [-c 0|1] [--collective NAME] [--device N] [--id-file PATH]\n"
                     "  NAME: all_reduce broadcast reduce all_gather reduce_scatter all_to_all\n"
-                    "  e.g. toroid-run -n 2 ./nccl_device_bench --id-file /tmp/nccl-id -b 1M -e 256M\n");
+                    "  e.g. toroid-run -n 2 ./nccl_device_bench --id-file nccl-id -b 1M -e 256M\n");
 }
 
 static int env_int(const char *name, const char *fallback, int dflt) {

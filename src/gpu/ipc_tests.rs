@@ -91,3 +91,14 @@ fn segments_cover_the_chunk_in_rank_order_balanced() {
         }
     }
 }
+
+#[test]
+fn the_records_say_whether_ranks_are_processes_of_their_own_and_how_many_share_a_device() {
+    use super::super::window_map::{ranks_on_device, separate_processes};
+    let apart = [record(1, 0, 0x10), record(2, 0, 0x20), record(3, 1, 0x30)];
+    assert!(separate_processes(&apart));
+    assert_eq!((ranks_on_device(0, &apart), ranks_on_device(2, &apart)), (2, 1));
+    let threads = [record(1, 0, 0x10), record(1, 0, 0x20), record(3, 0, 0x30)];
+    assert!(!separate_processes(&threads));
+    assert_eq!(ranks_on_device(1, &threads), 3);
+}

@@ -23,6 +23,7 @@
 //! | [`device`] | the kernels loaded on one device, and launching them |
 //! | [`stream`] | collectives on device memory ordered on a caller's stream: picks the path |
 //! | [`ipc`] | CUDA IPC between the ranks of one host, reduced on the GPU, driven by the host |
+//! | [`window_map`] | what each rank publishes about its device window, and how each is reached |
 //! | [`ordered`] | CUDA IPC between processes of one host, one kernel per call on the caller's stream |
 //! | [`ordered_kernels`] | those kernels as CUDA C |
 //! | [`signal`] | the flag protocol the ordered kernels meet through: its model and its CUDA C |
@@ -46,6 +47,7 @@ pub mod ordered_kernels;
 pub mod signal;
 pub mod staged;
 pub mod stream;
+pub mod window_map;
 
 use std::sync::OnceLock;
 
