@@ -235,8 +235,8 @@ fn plan(
 }
 
 /// The stream-ordered path of one communicator: where the windows are, the status words, the
-/// kernels. Its owner keeps the [`IpcWindows`] it was made from and drops them after it (Drop
-/// waits for the last kernel that reads them).
+/// kernels. Its owner keeps the [`IpcWindows`] it was made from and unmaps them only once
+/// [`Ordered::quiesce`] says no kernel reads them any more.
 #[derive(Debug)]
 pub struct Ordered {
     /// Every rank's window (then its signal area, at [`super::ipc::WINDOW`]) in this process.
@@ -246,29 +246,13 @@ pub struct Ordered {
     functions: Functions,
     /// Blocks a launch may have.
     max_blocks: u32,
-    /// Recorded after every launch, so that dropping waits for the last kernel, and a call on
-    /// another stream than the last one's runs after it.
+    /// Recorded after every launch, so that [`Self::quiesce`] waits for the last kernel, and a
+    /// call on another stream than the last one's runs after it.
     last: CudaEvent,
     /// The stream of the last launch (its address + 1; 0: none yet).
     last_stream: AtomicUsize,
-    /// The communicator's timeout (how long Drop lets the last kernel run).
+    /// The communicator's timeout (how long `quiesce` lets the last kernel run, twice).
     timeout: Duration,
-}
-
-impl Drop for Ordered {
-    fn drop(&mut self) {
-        // The windows must outlive every kernel that reads them. The last one may still be
-        // waiting for its peers (the caller destroyed the communicator before its stream ran):
-        // give it the communicator's timeout, then make it end, then wait for it.
-        let deadline = Instant::now() + self.timeout;
-        let mut nap = Duration::from_micros(50);
-        while !cuda::is_complete(&self.last) && Instant::now() < deadline {
-            std::thread::sleep(nap);
-            nap = (nap * 2).min(Duration::from_millis(10));
-        }
-        self.status.store(1, 1);
-        let _ = cuda::wait_host(&self.last, "waiting for the last collective on device memory");
-    }
 }
 
 impl Ordered {
@@ -337,6 +321,31 @@ impl Ordered {
         self.status.store(1, 1);
     }
 
+    /// Waits until the last kernel launched has ended, so the windows it reads may go: it may
+    /// still be waiting for its peers (the caller destroys the communicator before its stream
+    /// ran it), so it gets the communicator's timeout, then is made to end (abort) and gets as
+    /// long again (it could sit behind other work on its stream). False when it has not ended
+    /// by then: the owner must then keep the windows mapped (leak them) rather than unmap memory
+    /// a kernel may still touch.
+    pub fn quiesce(&self) -> bool {
+        let idle = |deadline: Instant| {
+            let mut nap = Duration::from_micros(50);
+            while !cuda::is_complete(&self.last) {
+                if Instant::now() > deadline {
+                    return false;
+                }
+                std::thread::sleep(nap);
+                nap = (nap * 2).min(Duration::from_millis(10));
+            }
+            true
+        };
+        if idle(Instant::now() + self.timeout) {
+            return true;
+        }
+        self.abort();
+        idle(Instant::now() + self.timeout)
+    }
+
     /// The launch of `call`: its kernel and argument.
     fn prepare(&self, call: &DeviceCall, timeout: Duration) -> Result<(&CudaFunction, Args, u64)> {
         let (kernel, args) = plan(call, &self.ptrs, self.rank, self.status.device_ptr(), timeout)?;
@@ -387,8 +396,8 @@ impl Ordered {
         }
         // SAFETY: `f` takes one `TrArgs` (this layout); the buffers are valid as the caller
         // says; the windows and signal areas are every rank's, mapped by the owner's
-        // IpcWindows, dropped only after `self`, which waits for the last kernel (Drop); the
-        // status words are mapped host memory of `self`.
+        // IpcWindows, unmapped only once `quiesce` saw the last kernel end (else leaked, with
+        // `self` and its status words: the owner's Drop).
         unsafe { cuda::launch_args(stream, f, grid, &args) }?;
         if capturing { Ok(()) } else { cuda::record(&self.last, stream) }
     }

@@ -44,6 +44,7 @@
 //! The arguments are checked by the communicator's argument check ([`HostComm::check`]), the
 //! one every call on it goes through; this module only picks the path and runs.
 
+use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -68,12 +69,28 @@ struct IpcRun {
     stream: Arc<CudaStream>,
 }
 
-/// The stream-ordered path: the kernels, then the windows they read (dropped in this order:
-/// the path waits for its last kernel before the windows are unmapped).
+/// The stream-ordered path: the kernels and the windows they read. Dropping it waits (bounded)
+/// for the last kernel; one that does not end keeps both alive for the process's life, since
+/// unmapping memory a kernel still touches would fault the device.
 #[derive(Debug)]
 struct OrderedRun {
-    ordered: Ordered,
-    _windows: IpcWindows,
+    ordered: ManuallyDrop<Ordered>,
+    windows: ManuallyDrop<IpcWindows>,
+}
+
+impl Drop for OrderedRun {
+    fn drop(&mut self) {
+        if self.ordered.quiesce() {
+            // SAFETY: each is dropped once, here, and never used again.
+            unsafe {
+                ManuallyDrop::drop(&mut self.ordered);
+                ManuallyDrop::drop(&mut self.windows);
+            }
+        } else {
+            tracing::warn!(target: "toroid::gpu",
+                "a collective on device memory did not end: its device windows stay mapped (leaked)");
+        }
+    }
 }
 
 /// The path a communicator's collectives on device memory take.
@@ -175,7 +192,10 @@ impl DeviceState {
                 Some(ordered) => {
                     tracing::info!(target: "toroid::gpu", rank = comm.rank(),
                         "device collectives on device {ordinal}: enqueued on the caller's stream (one process per rank)");
-                    Route::Ordered(Box::new(OrderedRun { ordered, _windows: windows }))
+                    Route::Ordered(Box::new(OrderedRun {
+                        ordered: ManuallyDrop::new(ordered),
+                        windows: ManuallyDrop::new(windows),
+                    }))
                 }
                 None => {
                     let stream = cuda::new_stream(&self.ctx)?;
