@@ -68,6 +68,7 @@ class _Collectives:
         path raises them when issuing; a failure of the collective itself (a peer, a deadline)
         is the work's, raised by wait() and set on its future, as for an async CPU call."""
         works: list = []
+        events: list = []
         for t in tensors:
             stream = torch.cuda.current_stream(t.device)
             try:
@@ -82,10 +83,11 @@ class _Collectives:
                 # then-current stream wait for it, as ProcessGroupNCCL's work does.
                 event = torch.cuda.Event()
                 event.record(stream)
-                w = _Finished(event=event, device=t.device)
+                w = _Finished(event=event)
+                events.append((event, t.device))
             works.append(w)
         self.stats[f"{name}:stream"] += 1
-        return self._work(works, tensors, None, name, timeout)
+        return self._work(works, tensors, None, name, timeout, tuple(events))
 
     def allreduce(self, tensors, opts=None):
         """In place, per tensor. CUDA tensors: on the stream path when stream_path allows it for

@@ -78,8 +78,8 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
             w._complete()
 
     def _work(self, works: list, result: Any, finish: Optional[Callable[[], None]] = None, name: str = "",
-              timeout: Optional[float] = None) -> ToroidWork:
-        w = ToroidWork(self, works, result, finish, name, timeout, self._take_staging())
+              timeout: Optional[float] = None, events: tuple = ()) -> ToroidWork:
+        w = ToroidWork(self, works, result, finish, name, timeout, self._take_staging(), events)
         self.stats[name] += 1
         if not w._lazy:
             w._enqueue()

@@ -24,18 +24,17 @@ class _Finished:
     """A toroid call that has already run on the host (a stream call that returned having
     completed or having enqueued its collective on the caller's stream, or the failure that
     stopped issuing the others) as a work of a ToroidWork: wait() raises its failure, if any.
-    With `event` (recorded on the caller's stream right after a stream call), the ToroidWork's
-    wait() makes the current stream of the event's device wait for it (on the waiting thread,
-    every wait), and test() is whether the device has run it: ProcessGroupNCCL's rules, so a
+    With `event` (recorded on the caller's stream right after a stream call, and handed to the
+    ToroidWork with its device), the ToroidWork's wait() makes the current stream of that device
+    wait for it (on the waiting thread, every wait), and test() is whether the device has run it: ProcessGroupNCCL's rules, so a
     result read on another stream after wait() is the collective's even where the library only
     enqueued it (the stream-ordered path)."""
 
     _any_source = False
 
-    def __init__(self, error: Optional[BaseException] = None, event=None, device=None):
+    def __init__(self, error: Optional[BaseException] = None, event=None):
         self._error = error
         self.event = event
-        self.device = device
 
     def wait(self, timeout=None) -> None:
         if self._error is not None:
@@ -54,7 +53,7 @@ class ToroidWork(dist.Work):
     gets a future that names their devices (torch refuses CUDA tensors in a CPU-only future)."""
 
     def __init__(self, pg: "ProcessGroupToroid", works: list, result: Any, finish: Optional[Callable[[], None]], name: str,
-                 timeout: Optional[float] = None, staging: Optional[_Staging] = None):
+                 timeout: Optional[float] = None, staging: Optional[_Staging] = None, events: tuple = ()):
         super().__init__()
         if staging is not None:
             result = staging.original(result)
@@ -63,8 +62,9 @@ class ToroidWork(dist.Work):
         self._timeout_s = timeout if timeout is not None else pg._timeout_s
         self._source: Optional[int] = None  # the sender, for a receive from any source
         self._works = works
-        # Stream calls' events: wait() makes the waiter's current stream wait for each.
-        self._events = [(w.event, w.device) for w in works if getattr(w, "event", None) is not None]
+        # Stream calls' events: wait() makes the waiter's current stream wait for each (only
+        # CUDA stream calls have any: no list is made for the others).
+        self._events = events
         self._result = result
         self._finish = finish
         self._name = name
