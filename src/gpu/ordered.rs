@@ -284,8 +284,8 @@ impl Ordered {
     }
 
     /// The fault a kernel recorded, as an error (`None`: none).
-    pub fn fault(&self, timeout: Duration) -> Option<Error> {
-        let w = self.status.load(0);
+    pub fn fault(&self) -> Option<Error> {
+        let (w, timeout) = (self.status.load(0), self.timeout);
         if w == 0 {
             return None;
         }
@@ -347,8 +347,8 @@ impl Ordered {
     }
 
     /// The launch of `call`: its kernel and argument.
-    fn prepare(&self, call: &DeviceCall, timeout: Duration) -> Result<(&CudaFunction, Args, u64)> {
-        let (kernel, args) = plan(call, &self.ptrs, self.rank, self.status.device_ptr(), timeout)?;
+    fn prepare(&self, call: &DeviceCall) -> Result<(&CudaFunction, Args, u64)> {
+        let (kernel, args) = plan(call, &self.ptrs, self.rank, self.status.device_ptr(), self.timeout)?;
         let f = match kernel {
             Kernel::AllReduce(d, op) => Functions::reduction(&self.functions.all_reduce, d, op)?,
             Kernel::ReduceScatter(d, op) => Functions::reduction(&self.functions.reduce_scatter, d, op)?,
@@ -374,13 +374,13 @@ impl Ordered {
     /// check accepted them) until the stream has run the kernel; `stream` is a live stream of
     /// this context.
     pub unsafe fn enqueue(&self, stream: &CudaStream, call: &DeviceCall) -> Result<()> {
-        if let Some(e) = self.fault(self.timeout) {
+        if let Some(e) = self.fault() {
             return Err(e);
         }
         if call.count == 0 {
             return Ok(());
         }
-        let (f, args, bytes) = self.prepare(call, self.timeout)?;
+        let (f, args, bytes) = self.prepare(call)?;
         let grid = Grid { blocks: self.blocks(bytes), threads: THREADS };
         // The calls of a communicator run in issue order, also across streams (as NCCL's): a
         // call on another stream waits for the last one's kernel. Not while a graph is being
