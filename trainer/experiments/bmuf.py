@@ -13,7 +13,8 @@ evaluated every --eval-examples examples on --test-limit test images. Runs:
                 block momentum as --nesterov/--form/--local say (defaults: the papers' Nesterov
                 block momentum, eta = 1 - 1/N, zeta = 1, local momentum reset at every block)
   adam-naive    BMUF-Adam, moments of the next block = plain average
-  adam-corr     BMUF-Adam, moments corrected as Chen, Ding and Huo (ICASSP 2020)
+  adam-corr     BMUF-Adam, moments corrected as Chen, Ding and Huo (ICASSP 2020), the first
+                moment then reset at every block unless --first moments
 and the single-worker baselines (N = 1, batch b): sgd, adam.
 
 Each is repeated for every seed in --seeds. Writes OUT/summary.csv (one row per run and seed),
@@ -33,7 +34,7 @@ TRAIN_EXAMPLES = 60000  # Fashion-MNIST's training set
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.path.join(TRAINER_DIR, "experiments", "results", "bmuf-nesterov"))
+    p.add_argument("--out", default=os.path.join(TRAINER_DIR, "experiments", "results", "bmuf-first-reset"))
     p.add_argument("--ranks", default="4,8")
     p.add_argument("--tau", type=int, default=8)
     p.add_argument("--eta", default="auto", help="block momentum: auto (1 - 1/N, the papers') or a number")
@@ -42,6 +43,10 @@ def main():
                    help="where the Nesterov look-ahead goes (the trainer's --bmuf form=)")
     p.add_argument("--local", default="reset", choices=["keep", "reset"],
                    help="local SGD momentum at block boundaries (the trainer's --bmuf local=)")
+    p.add_argument("--first", default="reset", choices=["moments", "reset"],
+                   help="BMUF-Adam's first moment at block boundaries (the trainer's --bmuf first=): "
+                   "zeroed like local=reset (the default), or as --bmuf moments= sets it (the "
+                   "article's; results/bmuf-nesterov/ was made with it)")
     p.add_argument("--batch", type=int, default=32, help="per-rank batch b")
     p.add_argument("--epochs", type=int, default=6,
                    help="epochs per run (every run sees the same examples); 0: --examples instead")
@@ -122,7 +127,7 @@ def main():
                     steps, args = common(n, local if adam else a.sgd_lr, seed)
                     moments = "naive" if kind == "adam-naive" else "corrected"
                     args += ["--bmuf", f"tau={tau},eta={a.eta},zeta=1,nesterov={a.nesterov},moments={moments},"
-                             f"form={a.form},local={a.local}"]
+                             f"form={a.form},local={a.local},first={a.first}"]
                     args += ["--optimizer", "adam" if adam else "sgd"]
                     syncs = -(-steps // tau)
                 out = os.path.join(a.out, f"s{seed}", f"{kind}-n{n}")
@@ -146,6 +151,7 @@ def main():
     head = (f"Fashion-MNIST, ResNet-18 width {a.width}, per-rank batch {b}, tau {tau}, nesterov {a.nesterov}, "
             + (f"eta {a.eta}, " if a.eta != "auto" else "")
             + (f"LR warm-up from zero over {a.warmup} epochs, " if a.warmup else "")
+            + f"BMUF-Adam first moment {a.first}, "
             + f"{length} per run, LR decay {a.decay}, test on {a.test_limit} images, seeds {seeds}")
     print("\n" + head)
     text = table(header, body)
@@ -180,8 +186,8 @@ def main():
         bm = "Nesterov" if a.nesterov == "true" else "classical"
         mine_n = [(r["run"], r["dir"]) for r in results if r["N"] == n]
         every = [(r["run"], r["dir"]) for r in results if r["N"] == 1] + mine + mine_n
-        compare_png(png, f"BMUF ({bm} block momentum, local momentum {a.local}) and synchronous training, "
-                    f"N = {n}, tau = {tau}, mean of seeds {','.join(map(str, seeds))}",
+        compare_png(png, f"N = {n}, tau = {tau}: BMUF ({bm}; SGD momentum {a.local}, Adam's m {a.first}) and "
+                    f"synchronous, mean of seeds {','.join(map(str, seeds))}",
                     every, ["examples", "mb"], ["test_acc", "train_loss"])
         print(png)
 

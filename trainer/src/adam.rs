@@ -29,12 +29,15 @@ pub struct AdamConfig {
 
 impl AdamConfig {
     /// Updates `w` in place with gradient `g` and moments `m`, `v` at rate `lr`, as step `t`
-    /// (counted from 1). `decay` says whether the tensor takes weight decay.
+    /// (counted from 1) of `m` and step `t2` of `v`: the two are one counter except under
+    /// BMUF-Adam's `first=reset`, which restarts m every block. `decay` says whether the tensor
+    /// takes weight decay.
     #[allow(clippy::too_many_arguments)]
     pub fn update(
         &self,
         lr: f64,
         t: f64,
+        t2: f64,
         w: &mut [f32],
         g: &[f32],
         m: &mut [f32],
@@ -47,7 +50,7 @@ impl AdamConfig {
         let (g1, g2) = ((1.0 - self.beta1) as f32, (1.0 - self.beta2) as f32);
         // Bias corrections folded into the step size, as PyTorch does.
         let c1 = 1.0 - self.beta1.powf(t);
-        let c2 = 1.0 - self.beta2.powf(t);
+        let c2 = 1.0 - self.beta2.powf(t2);
         let step = (lr / c1) as f32;
         let (inv_c2, eps) = ((1.0 / c2) as f32, self.eps as f32);
         for i in 0..w.len() {
@@ -68,16 +71,16 @@ mod tests {
         let a = AdamConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
         let (mut w, mut m, mut v) = (vec![1.0f32], vec![0.0f32], vec![0.0f32]);
         // Step 1, g = 2: m = 0.2, v = 0.004; m^ = 2, v^ = 4; w = 1 - 0.1 * 2 / (2 + 1e-8).
-        a.update(0.1, 1.0, &mut w, &[2.0], &mut m, &mut v, true);
+        a.update(0.1, 1.0, 1.0, &mut w, &[2.0], &mut m, &mut v, true);
         assert!((m[0] - 0.2).abs() < 1e-6 && (v[0] - 0.004).abs() < 1e-8, "{m:?} {v:?}");
         assert!((w[0] - 0.9).abs() < 1e-6, "{w:?}");
         // Step 2, g = -1: m = 0.08, v = 0.004996; m^ = 0.08 / 0.19, v^ = 0.004996 / 0.001999.
-        a.update(0.1, 2.0, &mut w, &[-1.0], &mut m, &mut v, true);
+        a.update(0.1, 2.0, 2.0, &mut w, &[-1.0], &mut m, &mut v, true);
         let want = 0.9 - 0.1 * (0.08 / 0.19) / ((0.004996f64 / 0.001999).sqrt() + 1e-8);
         assert!((w[0] as f64 - want).abs() < 1e-6, "{} vs {want}", w[0]);
         // A fractional step count only changes the bias corrections.
         let (mut w2, mut m2, mut v2) = (vec![1.0f32], vec![0.2f32], vec![0.004f32]);
-        a.update(0.1, 2.5, &mut w2, &[-1.0], &mut m2, &mut v2, true);
+        a.update(0.1, 2.5, 2.5, &mut w2, &[-1.0], &mut m2, &mut v2, true);
         let c1 = 1.0 - 0.9f64.powf(2.5);
         let c2 = 1.0 - 0.999f64.powf(2.5);
         let want = 1.0 - 0.1 * (0.08 / c1) / ((0.004996 / c2).sqrt() + 1e-8);
@@ -85,10 +88,10 @@ mod tests {
         // L2 decay joins the gradient on decayed tensors only.
         let d = AdamConfig { weight_decay: 0.5, ..a };
         let (mut w3, mut m3, mut v3) = (vec![2.0f32], vec![0.0f32], vec![0.0f32]);
-        d.update(0.1, 1.0, &mut w3, &[0.0], &mut m3, &mut v3, true);
+        d.update(0.1, 1.0, 1.0, &mut w3, &[0.0], &mut m3, &mut v3, true);
         assert!((m3[0] - 0.1).abs() < 1e-7 && (w3[0] - 1.9).abs() < 1e-6);
         let (mut w4, mut m4, mut v4) = (vec![2.0f32], vec![0.0f32], vec![0.0f32]);
-        d.update(0.1, 1.0, &mut w4, &[0.0], &mut m4, &mut v4, false);
+        d.update(0.1, 1.0, 1.0, &mut w4, &[0.0], &mut m4, &mut v4, false);
         assert_eq!(w4, vec![2.0]);
     }
 }

@@ -53,6 +53,16 @@
 //! b1^(tau + eta rho_n) m_init(n) + (1 - b1^(tau + eta rho_n)) g^: what Adam would hold after
 //! tau + eta rho_n steps of g^. The reference applies it with the Nesterov look-ahead; it is
 //! applied unchanged with classical block momentum.
+//!
+//! **BMUF-Adam's first moment.** The corrected m_init(n+1) is close to g^ itself (at N = 8,
+//! tau + eta rho_n tends to 64 steps, and b1^64 ~ 0.001), so the next block's first local steps
+//! move along the last block's average direction again, from a start that block momentum has
+//! already moved along it: the double count of a kept SGD momentum, smaller (m is an average,
+//! not a sum) but amplified by the block momentum's ~N. `first=reset` zeroes m at every block
+//! and restarts its bias correction (Adam's own first steps: m^ = g at the block's first step),
+//! while v and the step counter keep the correction. Measured (the trainer's README): it trains
+//! faster in every run; at the end, N = 8, the article's form is 1.04 points below synchronous
+//! Adam and `first=reset` 0.80 (3 seeds; the final gain is within their noise).
 
 use toroid::{Communicator, ReduceOp};
 
@@ -89,6 +99,16 @@ pub enum LocalMomentum {
     Reset,
 }
 
+/// BMUF-Adam's first moment m at a block boundary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FirstMoment {
+    /// Set by `moments` (corrected or naive), as the article does (`first=moments`).
+    Moments,
+    /// Zeroed, with its bias correction counted from the block's first step (the second
+    /// moment stays as `moments` sets it): the Adam form of `local=reset`. The default.
+    Reset,
+}
+
 /// A parsed `--bmuf` value, before the world size is known.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BmufSpec {
@@ -106,6 +126,8 @@ pub struct BmufSpec {
     pub form: Form,
     /// The local SGD momentum at block boundaries.
     pub local: LocalMomentum,
+    /// BMUF-Adam's first moment at block boundaries.
+    pub first: FirstMoment,
 }
 
 impl BmufSpec {
@@ -118,12 +140,15 @@ impl BmufSpec {
         moments: Moments::Corrected,
         form: Form::Paper,
         local: LocalMomentum::Reset,
+        first: FirstMoment::Reset,
     };
 
     /// Parses `tau=T,eta=auto|x,zeta=x,nesterov=bool,moments=corrected|naive,form=paper|kept,
-    /// local=reset|keep`. `tau` is required; the defaults are the BMUF papers' settings: eta=auto
-    /// (1 - 1/N), zeta=1, Nesterov block momentum in the paper's form, the local SGD momentum
-    /// reset at every block (as the BMUF-Adam article's code does), moments=corrected.
+    /// local=reset|keep,first=reset|moments`. `tau` is required; the defaults are the BMUF papers'
+    /// settings: eta=auto (1 - 1/N), zeta=1, Nesterov block momentum in the paper's form, the
+    /// local SGD momentum reset at every block (as the BMUF-Adam article's code does),
+    /// moments=corrected; and BMUF-Adam's first moment reset at every block (first=reset, ours:
+    /// see the module documentation).
     pub fn parse(s: &str) -> Result<BmufSpec> {
         let mut spec = BmufSpec { tau: 0, ..BmufSpec::DEFAULTS };
         for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
@@ -166,7 +191,14 @@ impl BmufSpec {
                     "reset" => spec.local = LocalMomentum::Reset,
                     _ => bail!("--bmuf: local={v} must be keep or reset"),
                 },
-                _ => bail!("--bmuf: unknown key '{k}' (tau, eta, zeta, nesterov, moments, form, local)"),
+                "first" => match v {
+                    "moments" => spec.first = FirstMoment::Moments,
+                    "reset" => spec.first = FirstMoment::Reset,
+                    _ => bail!("--bmuf: first={v} must be moments or reset"),
+                },
+                _ => {
+                    bail!("--bmuf: unknown key '{k}' (tau, eta, zeta, nesterov, moments, form, local, first)")
+                }
             }
         }
         if spec.tau == 0 {
@@ -186,6 +218,7 @@ impl BmufSpec {
             moments: self.moments,
             form: self.form,
             local: self.local,
+            first: self.first,
         }
     }
 }
@@ -207,6 +240,8 @@ pub struct BmufConfig {
     pub form: Form,
     /// The local SGD momentum at block boundaries.
     pub local: LocalMomentum,
+    /// BMUF-Adam's first moment at block boundaries.
+    pub first: FirstMoment,
 }
 
 /// The block update (the form in `cfg.form`). `g` is G(n) = avg W_i(n) - W_g(n-1); `start`
@@ -250,8 +285,10 @@ pub struct AdamState<'a> {
     pub m: &'a mut [f32],
     /// Second moments.
     pub v: &'a mut [f32],
-    /// Adam's step counter.
+    /// Adam's step counter (the second moment's bias correction).
     pub t: &'a mut f64,
+    /// The first moment's step counter (equal to `t` unless `first=reset`).
+    pub t1: &'a mut f64,
     /// Adam's beta1.
     pub beta1: f64,
     /// Adam's beta2.
@@ -362,6 +399,11 @@ impl Bmuf {
                     *a.t += eta * rho;
                 }
             }
+            *a.t1 = *a.t;
+            if self.cfg.first == FirstMoment::Reset {
+                a.m.fill(0.0);
+                *a.t1 = 0.0;
+            }
         }
         self.steps_in_block = 0;
         self.blocks += 1;
@@ -384,6 +426,7 @@ mod tests {
             moments: Moments::Corrected,
             form: Form::Kept,
             local: LocalMomentum::Keep,
+            first: FirstMoment::Moments,
         }
     }
 
@@ -411,6 +454,8 @@ mod tests {
         let s = BmufSpec::parse("tau=8,nesterov=true,form=paper,local=reset").unwrap();
         assert_eq!((s.nesterov, s.form, s.local), (true, Form::Paper, LocalMomentum::Reset));
         assert_eq!((s.resolve(4).form, s.resolve(4).local), (Form::Paper, LocalMomentum::Reset));
+        assert_eq!(s.first, FirstMoment::Reset);
+        assert_eq!(BmufSpec::parse("tau=8,first=moments").unwrap().resolve(8).first, FirstMoment::Moments);
         for bad in [
             "",
             "eta=0.5",
@@ -422,6 +467,7 @@ mod tests {
             "tau=2,k=1",
             "tau=2,form=fairseq",
             "tau=2,local=zero",
+            "tau=2,first=zero",
             "tau",
         ] {
             assert!(BmufSpec::parse(bad).is_err(), "{bad}");
@@ -479,9 +525,10 @@ mod tests {
         let c = BmufConfig { tau: 2, eta: 0.5, zeta: 1.0, nesterov: true, ..cfg(0.0, 1.0, true) };
         let mut b = Bmuf::new(c, vec![1.0]);
         assert!(!b.local_step() && b.local_step());
-        let (mut p, mut m, mut v, mut t) = (vec![0.8f32], vec![0.4f32], vec![0.02f32], 2.0);
-        let a = AdamState { m: &mut m, v: &mut v, t: &mut t, beta1: 0.9, beta2: 0.99 };
+        let (mut p, mut m, mut v, mut t, mut t1) = (vec![0.8f32], vec![0.4f32], vec![0.02f32], 2.0, 2.0);
+        let a = AdamState { m: &mut m, v: &mut v, t: &mut t, t1: &mut t1, beta1: 0.9, beta2: 0.99 };
         assert_eq!(b.sync(None, &mut p, Some(a)).unwrap(), 0);
+        assert_eq!(t1, t);
         // rho_1 = 2; G = -0.2; Delta = -0.2; W_g = 1 - 0.2 - 0.1 = 0.7; t = 2 + 0.5 * 2 = 3.
         assert!((p[0] - 0.7).abs() < 1e-6 && b.rho() == 2.0 && t == 3.0, "{p:?} {t}");
         // m_init(2) = (1 - 0.9^2 * 0.9) / (1 - 0.81) * 0.4; v likewise with 0.99.
@@ -491,10 +538,19 @@ mod tests {
         // Naive: plain averages, counter untouched.
         let mut b = Bmuf::new(BmufConfig { moments: Moments::Naive, ..c }, vec![1.0]);
         b.local_step();
-        let (mut p, mut m, mut v, mut t) = (vec![0.8f32], vec![0.4f32], vec![0.02f32], 2.0);
-        let a = AdamState { m: &mut m, v: &mut v, t: &mut t, beta1: 0.9, beta2: 0.99 };
+        let (mut p, mut m, mut v, mut t, mut t1) = (vec![0.8f32], vec![0.4f32], vec![0.02f32], 2.0, 2.0);
+        let a = AdamState { m: &mut m, v: &mut v, t: &mut t, t1: &mut t1, beta1: 0.9, beta2: 0.99 };
         b.sync(None, &mut p, Some(a)).unwrap();
-        assert_eq!((m[0], v[0], t), (0.4, 0.02, 2.0));
+        assert_eq!((m[0], v[0], t, t1), (0.4, 0.02, 2.0, 2.0));
+        // first=reset: m zeroed and its counter restarted; v and t as `moments` says.
+        let mut b = Bmuf::new(BmufConfig { first: FirstMoment::Reset, ..c }, vec![1.0]);
+        b.local_step();
+        let (mut p, mut m, mut v, mut t, mut t1) = (vec![0.8f32], vec![0.4f32], vec![0.02f32], 2.0, 2.0);
+        let a = AdamState { m: &mut m, v: &mut v, t: &mut t, t1: &mut t1, beta1: 0.9, beta2: 0.99 };
+        b.sync(None, &mut p, Some(a)).unwrap();
+        let want_v = (1.0 - 0.99f64.powf(1.5)) / (1.0 - 0.99f64.powi(1)) * 0.02;
+        assert_eq!((m[0], t1), (0.0, 0.0));
+        assert!(t == 2.5 && (v[0] as f64 - want_v).abs() < 1e-7, "{v:?} {t}");
     }
 
     /// tau = 1, eta = 0, zeta = 1 is synchronous model averaging: after every step each rank
@@ -544,16 +600,18 @@ mod tests {
             let c = BmufConfig { tau: 3, eta: 0.5, zeta: 1.0, nesterov: true, ..cfg(0.0, 1.0, true) };
             let adam = AdamConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
             let mut w = vec![0.5f32, -1.0];
-            let (mut m, mut v, mut t) = (vec![0.0f32; 2], vec![0.0f32; 2], 0.0f64);
+            let (mut m, mut v, mut t, mut t1) = (vec![0.0f32; 2], vec![0.0f32; 2], 0.0f64, 0.0f64);
             let mut b = Bmuf::new(c, w.clone());
             let mut history = vec![];
             for step in 0..6 {
                 let g: Vec<f32> =
                     w.iter().map(|x| x - if r == 0 { 1.0 } else { -1.0 } + 0.01 * step as f32).collect();
                 t += 1.0;
-                adam.update(0.01, t, &mut w, &g, &mut m, &mut v, true);
+                t1 += 1.0;
+                adam.update(0.01, t1, t, &mut w, &g, &mut m, &mut v, true);
                 if b.local_step() {
-                    let a = AdamState { m: &mut m, v: &mut v, t: &mut t, beta1: 0.9, beta2: 0.999 };
+                    let a =
+                        AdamState { m: &mut m, v: &mut v, t: &mut t, t1: &mut t1, beta1: 0.9, beta2: 0.999 };
                     assert_eq!(b.sync(Some(&comm), &mut w, Some(a)).unwrap(), 24);
                     history.push((w.clone(), m.clone(), v.clone(), t));
                 }

@@ -77,7 +77,8 @@ fn bmuf_with_tau_1_eta_0_zeta_1_is_synchronous_averaging() {
 fn bmuf_adam_ranks_hold_identical_models_after_each_block() {
     let out = out_dir("bmuf-adam");
     let args = ["--batch", "12", "--max-steps", "6", "--optimizer", "adam", "--lr", "0.01"];
-    let o = run(3, &common(&out, &[&args[..], &["--bmuf", "tau=2,eta=auto,zeta=1,nesterov=true"]].concat()));
+    let spec = "tau=2,eta=auto,zeta=1,nesterov=true,first=moments";
+    let o = run(3, &common(&out, &[&args[..], &["--bmuf", spec]].concat()));
     let log = String::from_utf8_lossy(&o.stderr).into_owned();
     assert!(log.contains("eta: 0.6666"), "{log}");
     let hashes: Vec<&str> = log.lines().filter_map(|l| l.split("parameter hash ").nth(1)).collect();
@@ -88,11 +89,21 @@ fn bmuf_adam_ranks_hold_identical_models_after_each_block() {
     assert_eq!(last["bytes"], 3.0 * 3.0 * 4.0 * num_params(&log));
     // The corrected moments and the naive average lead to different models.
     let naive = out_dir("bmuf-adam-naive");
-    let spec = "tau=2,eta=auto,zeta=1,nesterov=true,moments=naive";
+    let spec = "tau=2,eta=auto,zeta=1,nesterov=true,moments=naive,first=moments";
     run(3, &common(&naive, &[&args[..], &["--bmuf", spec]].concat()));
     assert!(max_diff(&params(&out), &params(&naive)) > 1e-4);
-    let _ = std::fs::remove_dir_all(out);
-    let _ = std::fs::remove_dir_all(naive);
+    // The first moment reset at every block: the ranks still agree, on another model.
+    let reset = out_dir("bmuf-adam-first-reset");
+    let spec = "tau=2,eta=auto,zeta=1,nesterov=true,first=reset";
+    let o = run(3, &common(&reset, &[&args[..], &["--bmuf", spec]].concat()));
+    let log = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(log.contains("first: Reset"), "{log}");
+    let hashes: Vec<&str> = log.lines().filter_map(|l| l.split("parameter hash ").nth(1)).collect();
+    assert!(hashes.len() == 3 && hashes.iter().all(|h| *h == hashes[0]), "{hashes:?}");
+    assert!(max_diff(&params(&out), &params(&reset)) > 1e-4);
+    for dir in [out, naive, reset] {
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }
 
 #[test]

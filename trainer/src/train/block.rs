@@ -37,8 +37,14 @@ impl Trainer {
         let bytes = match &self.adam {
             Some(a) => {
                 let (mut m, mut v) = (flat(|h| &h.momentum), flat(|h| &h.second));
-                let state =
-                    AdamState { m: &mut m, v: &mut v, t: &mut self.adam_t, beta1: a.beta1, beta2: a.beta2 };
+                let state = AdamState {
+                    m: &mut m,
+                    v: &mut v,
+                    t: &mut self.adam_t,
+                    t1: &mut self.adam_t1,
+                    beta1: a.beta1,
+                    beta2: a.beta2,
+                };
                 let bytes = bmuf.sync(self.rep.comm(), &mut params, Some(state))?;
                 let mut off = 0;
                 for h in &mut self.host {

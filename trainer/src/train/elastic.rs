@@ -39,6 +39,7 @@ use crate::metrics::Metrics;
 pub(super) struct SavePoint {
     host: Vec<HostParam>,
     adam_t: f64,
+    adam_t1: f64,
     step: u64,
     progress: Progress,
 }
@@ -58,6 +59,7 @@ impl Trainer {
                     dst.second.copy_from_slice(&src.second);
                 }
                 s.adam_t = self.adam_t;
+                s.adam_t1 = self.adam_t1;
                 s.step = self.step;
                 s.progress = self.progress.clone();
             }
@@ -65,6 +67,7 @@ impl Trainer {
                 self.elastic = Some(SavePoint {
                     host: self.host.clone(),
                     adam_t: self.adam_t,
+                    adam_t1: self.adam_t1,
                     step: self.step,
                     progress: self.progress.clone(),
                 });
@@ -96,7 +99,8 @@ impl Trainer {
             h.momentum.copy_from_slice(&s.momentum);
             h.second.copy_from_slice(&s.second);
         }
-        (self.adam_t, self.step, self.progress) = (save.adam_t, save.step, save.progress.clone());
+        (self.adam_t, self.adam_t1) = (save.adam_t, save.adam_t1);
+        (self.step, self.progress) = (save.step, save.progress.clone());
         for (p, h) in self.model.params.iter().zip(&self.host) {
             p.var.set(&candle_core::Tensor::from_slice(&h.data, p.var.shape(), &self.dev)?)?;
         }

@@ -84,6 +84,9 @@ struct Trainer {
     adam: Option<AdamConfig>,
     /// Adam's step counter (advanced by BMUF-Adam's eta * rho_n after each block).
     adam_t: f64,
+    /// The first moment's step counter: `adam_t`, except that BMUF-Adam's `first=reset`
+    /// restarts it every block.
+    adam_t1: f64,
     /// BMUF state, when training with `--bmuf`.
     bmuf: Option<Bmuf>,
     /// Data echoing: insertion point and factor (no echoing: factor 1).

@@ -248,6 +248,7 @@ impl Trainer {
             opt,
             adam,
             adam_t: 0.0,
+            adam_t1: 0.0,
             bmuf,
             echo,
             echo_factor,

@@ -140,8 +140,9 @@ impl Trainer {
     /// applies the optimiser at `rate` to the host copies, then to the model.
     fn update(&mut self, rate: f64) -> Result<CommTime> {
         let (model, host, opt, dev) = (&self.model, &mut self.host, &self.opt, &self.dev);
-        self.adam_t += 1.0; // Adam's step counter, counted from 1
-        let (adam, t) = (self.adam, self.adam_t);
+        self.adam_t += 1.0; // Adam's step counters, counted from 1
+        self.adam_t1 += 1.0;
+        let (adam, t, t1) = (self.adam, self.adam_t, self.adam_t1);
         self.rep.finish(|params, offsets, grads| {
             for (&pi, &off) in params.iter().zip(offsets) {
                 let p = &model.params[pi];
@@ -149,7 +150,7 @@ impl Trainer {
                 let n = h.data.len();
                 let g = &grads[off..off + n];
                 match &adam {
-                    Some(a) => a.update(rate, t, &mut h.data, g, &mut h.momentum, &mut h.second, p.decay),
+                    Some(a) => a.update(rate, t1, t, &mut h.data, g, &mut h.momentum, &mut h.second, p.decay),
                     None => opt.update(rate, &mut h.data, g, &mut h.momentum, p.decay),
                 }
                 p.var.set(&Tensor::from_slice(&h.data, p.var.shape(), dev)?)?;
