@@ -85,6 +85,12 @@ mod tests {
         let c2 = 1.0 - 0.999f64.powf(2.5);
         let want = 1.0 - 0.1 * (0.08 / c1) / ((0.004996 / c2).sqrt() + 1e-8);
         assert!((w2[0] as f64 - want).abs() < 1e-6, "{} vs {want}", w2[0]);
+        // The two counters apart (BMUF-Adam's first=reset): m's correction uses t, v's uses t2.
+        let (mut w5, mut m5, mut v5) = (vec![1.0f32], vec![0.0f32], vec![0.004f32]);
+        a.update(0.1, 1.0, 3.0, &mut w5, &[2.0], &mut m5, &mut v5, true);
+        let v_hat = (0.999 * 0.004 + 0.001 * 4.0) / (1.0 - 0.999f64.powi(3));
+        let want = 1.0 - 0.1 * (0.2 / 0.1) / (v_hat.sqrt() + 1e-8);
+        assert!((w5[0] as f64 - want).abs() < 1e-5, "{} vs {want}", w5[0]);
         // L2 decay joins the gradient on decayed tensors only.
         let d = AdamConfig { weight_decay: 0.5, ..a };
         let (mut w3, mut m3, mut v3) = (vec![2.0f32], vec![0.0f32], vec![0.0f32]);
