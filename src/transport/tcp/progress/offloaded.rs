@@ -133,25 +133,40 @@ impl Transport for Offloaded {
     }
 
     fn peek(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        // The rest of the current chunk on its lane, then the head of the next lane, ...
-        let (mut lane, mut left) = (self.rx.lane, self.rx.left);
-        let mut got = 0;
+        // The rest of the current chunk on its lane, then the head of the next lane, ... A lane
+        // comes round again once every lane was visited (at the next visit, with one lane): what
+        // the earlier visits peeked from its ring is skipped, not seen twice.
+        let lanes = self.lanes.len();
+        let (start, first) = (self.rx.lane, self.rx.left);
+        let (mut left, mut got, mut visit) = (first, 0, 0);
         while got < buf.len() {
+            let lane = (start + visit) % lanes;
+            // Every earlier visit took all it was offered: `first` bytes on the first visit to
+            // the starting lane, a whole chunk on every other.
+            let earlier = visit / lanes;
+            let skip = match (earlier, lane == start) {
+                (0, _) => 0,
+                (e, true) => first + (e - 1) * CHUNK,
+                (e, false) => e * CHUNK,
+            };
             let l = &mut self.lanes[lane];
-            let want = left.min(buf.len() - got).min(l.inp.slots());
+            let want = left.min(buf.len() - got).min(l.inp.slots().saturating_sub(skip));
             if want == 0 {
                 break;
             }
-            let Ok(chunk) = l.inp.read_chunk(want) else { break };
+            let Ok(chunk) = l.inp.read_chunk(skip + want) else { break };
             let (a, b) = chunk.as_slices();
-            buf[got..got + a.len()].copy_from_slice(a);
-            buf[got + a.len()..got + want].copy_from_slice(b);
+            let dst = &mut buf[got..got + want];
+            let from_a = a.len().saturating_sub(skip).min(want);
+            dst[..from_a].copy_from_slice(&a[skip.min(a.len())..skip.min(a.len()) + from_a]);
+            let b_skip = skip.saturating_sub(a.len());
+            dst[from_a..].copy_from_slice(&b[b_skip..b_skip + want - from_a]);
             // (Not committed: peeking consumes nothing.)
             got += want;
             if want < left {
                 break;
             }
-            lane = (lane + 1) % self.lanes.len();
+            visit += 1;
             left = CHUNK;
         }
         if got == 0
