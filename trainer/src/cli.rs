@@ -206,10 +206,10 @@ pub struct Args {
     pub adam_eps: f64,
     /// BMUF (Chen and Huo): tau=T[,eta=auto|x][,zeta=x][,nesterov=bool][,form=paper|kept]
     /// [,local=reset|keep][,moments=corrected|naive][,first=reset|moments]. Each rank runs T
-    /// local steps on its own
-    /// data, then the models are averaged with one all-reduce and filtered with block momentum
-    /// eta (auto: 1 - 1/N) and block learning rate zeta; Nesterov block momentum in the paper's
-    /// form, local SGD momentum reset at every block, unless told otherwise. With --optimizer
+    /// local steps on its own data, then the models are averaged with one all-reduce and
+    /// filtered with block momentum eta (auto: 1 - 1/N) and block learning rate zeta; Nesterov
+    /// block momentum in the paper's form, local SGD momentum reset at every block, unless told
+    /// otherwise. With --optimizer
     /// adam: BMUF-Adam (Chen, Ding and Huo), moments corrected or naively averaged, the first
     /// moment reset at every block unless first=moments. The LR follows the per-rank batch, as
     /// for one worker.

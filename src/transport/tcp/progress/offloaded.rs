@@ -156,11 +156,10 @@ impl Transport for Offloaded {
             }
             let Ok(chunk) = l.inp.read_chunk(skip + want) else { break };
             let (a, b) = chunk.as_slices();
-            let dst = &mut buf[got..got + want];
-            let from_a = a.len().saturating_sub(skip).min(want);
-            dst[..from_a].copy_from_slice(&a[skip.min(a.len())..skip.min(a.len()) + from_a]);
-            let b_skip = skip.saturating_sub(a.len());
-            dst[from_a..].copy_from_slice(&b[b_skip..b_skip + want - from_a]);
+            let (a, b) = if skip < a.len() { (&a[skip..], b) } else { (&[][..], &b[skip - a.len()..]) };
+            let from_a = a.len().min(want);
+            buf[got..got + from_a].copy_from_slice(&a[..from_a]);
+            buf[got + from_a..got + want].copy_from_slice(&b[..want - from_a]);
             // (Not committed: peeking consumes nothing.)
             got += want;
             if want < left {
