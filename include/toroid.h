@@ -233,6 +233,11 @@ typedef struct toroid_config {
    * the default (the interface that routes to the store).
    */
   const char *socket_ifname;
+  /**
+   * Encrypted links between ranks (second version of this struct): 1 on, -1 off, 0 as
+   * TOROID_ENCRYPT says. Encryption needs TOROID_AUTH_TOKEN; every rank must choose alike.
+   */
+  int encrypt;
 } toroid_config;
 
 /**

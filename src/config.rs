@@ -105,6 +105,7 @@ pub const TOROID_VARS: &[&str] = &[
     "TOROID_COST_MODEL",
     "TOROID_SHM_DISABLE",
     "TOROID_CONNECT",
+    "TOROID_ENCRYPT",
     "TOROID_DUMP_ON_SIGNAL",
     "TOROID_SHM_DIR",
     "TOROID_STATUS_DIR",
@@ -182,6 +183,10 @@ pub struct Config {
     /// connects the first time an operation needs it, and set-up reads O(1) store keys per
     /// rank. `false` (`TOROID_CONNECT=mesh`): every pair connects at set-up, as before.
     pub connect_lazy: bool,
+    /// Encrypt and authenticate every TCP link between ranks (`TOROID_ENCRYPT=1`): TLS 1.3
+    /// with keys pinned through the store, then AES-GCM records
+    /// (`transport::tcp::secure`). Needs `auth_token`.
+    pub encrypt: bool,
     /// `SIGUSR1` prints the stall report of every live communicator to stderr
     /// (`TOROID_DUMP_ON_SIGNAL`, default on).
     pub dump_on_signal: bool,
@@ -311,6 +316,7 @@ impl Default for Config {
             ib_gid_index: 0,
             rdma: RdmaMode::Auto,
             connect_lazy: true,
+            encrypt: false,
             dump_on_signal: true,
             wire: None,
             nsocks: 0,
@@ -472,6 +478,9 @@ impl Config {
                     ));
                 }
             };
+        }
+        if let Some(v) = get("TOROID_ENCRYPT") {
+            cfg.encrypt = parse_bool("TOROID_ENCRYPT", v)?;
         }
         if let Some(v) = get("TOROID_DUMP_ON_SIGNAL") {
             cfg.dump_on_signal = parse_bool("TOROID_DUMP_ON_SIGNAL", v)?;

@@ -108,16 +108,18 @@ pub mod internals {
         pub use crate::trace::health::prometheus_header;
         pub use crate::trace::{OpState, Phase, timeline};
     }
-    /// The shared-memory transport (benches) and the handshake's protocol version (tests).
+    /// The shared-memory transport and encrypted links' records (benches), the handshake's
+    /// protocol version (tests).
     pub mod transport {
         pub use crate::transport::Transport;
         /// Shared-memory links.
         pub mod shm {
             pub use crate::transport::shm::{ShmTransport, pair_segment_len};
         }
-        /// TCP links.
+        /// TCP links; the record keys of encrypted links (`benches/record.rs`).
         pub mod tcp {
             pub use crate::transport::tcp::PROTOCOL_VERSION;
+            pub use crate::transport::tcp::secure::record::{Direction, MAX_PLAIN, MAX_RECORD, SECRET_LEN};
         }
     }
     /// The cost model (`toroid-sim`).

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use toroid::fuzzing::{self, FrameVerdict};
 
-const TARGETS: [&str; 5] = ["frame", "handshake", "store", "shm_offer", "store_decode"];
+const TARGETS: [&str; 6] = ["frame", "handshake", "store", "shm_offer", "store_decode", "record"];
 
 fn fuzz_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz")
@@ -23,6 +23,7 @@ fn run(target: &str, data: &[u8]) {
         "store" => drop(fuzzing::store_session(data)),
         "shm_offer" => drop(fuzzing::shm_offer(data)),
         "store_decode" => drop(fuzzing::store_decode(data)),
+        "record" => drop(fuzzing::record(data)),
         _ => panic!("no fuzz target {target}"),
     }
 }
@@ -155,6 +156,29 @@ fn shm_seeds() -> Vec<(&'static str, Vec<u8>)> {
     ]
 }
 
+/// Encrypted links' record streams (first byte: the size of each socket read).
+fn record_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    let plain: Vec<u8> = (0..40_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+    let stream = fuzzing::record_stream(&plain, 32 << 10);
+    let with = |piece: u8, s: &[u8]| [&[piece][..], s].concat();
+    let mut flipped = stream.clone();
+    flipped[20_000] ^= 4;
+    let mut bad_len = stream.clone();
+    bad_len[3] = 0xff;
+    let mut replayed = stream.clone();
+    let first = 5 + (32 << 10) + 16;
+    replayed.splice(first..first, stream[..first].to_vec());
+    vec![
+        ("valid", with(200, &stream)),
+        ("valid_small_reads", with(0, &fuzzing::record_stream(&plain[..5000], 700))),
+        ("flipped", with(13, &flipped)),
+        ("bad_length", with(255, &bad_len)),
+        ("replayed", with(90, &replayed)),
+        ("cut", with(7, &stream[..stream.len() - 3])),
+        ("plaintext_frame", with(1, &fuzzing::frame_header(1, &fuzzing::expected_fingerprint(), 0, 16))),
+    ]
+}
+
 fn seeds(target: &str) -> Vec<(&'static str, Vec<u8>)> {
     match target {
         "frame" => frame_seeds(),
@@ -162,6 +186,7 @@ fn seeds(target: &str) -> Vec<(&'static str, Vec<u8>)> {
         "store" => store_seeds(),
         "shm_offer" => shm_seeds(),
         "store_decode" => store_decode_seeds(),
+        "record" => record_seeds(),
         _ => panic!("no fuzz target {target}"),
     }
 }
@@ -219,6 +244,16 @@ fn well_formed_seeds_are_accepted_and_bad_ones_refused() {
         // Requests are handled (answered; those over a cap with a refusal); the hello is not a
         // request and a value longer than its frame is malformed.
         assert_eq!(fuzzing::store_decode(&bytes), !(name == "set_truncated" || name == "hello"), "{name}");
+    }
+    // A well-formed record stream reads back whole; any change to it is an error after a
+    // correct prefix.
+    for (name, bytes) in record_seeds() {
+        let v = fuzzing::record(&bytes);
+        match name {
+            "valid" => assert_eq!(v, fuzzing::RecordVerdict { plain: 40_000, failed: false }),
+            "valid_small_reads" => assert_eq!(v, fuzzing::RecordVerdict { plain: 5000, failed: false }),
+            _ => assert!(v.failed && v.plain < 40_000, "{name}: {v:?}"),
+        }
     }
     // The store answers the hello and a request: more than the hello's answer alone.
     let set = store_seeds().into_iter().find(|(n, _)| *n == "set").expect("seed").1;

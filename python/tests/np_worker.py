@@ -552,6 +552,11 @@ if __name__ == "__main__":
         comm = toroid.Comm.with_store(RANK, SIZE, FileStore(os.environ["TOROID_TEST_TMP"]))
         same(comm.all_reduce(np.array([RANK + 1], np.int64), op="prod"),
              np.array([np.prod(np.arange(1, SIZE + 1))], np.int64), "with_store all_reduce")
+    elif SCENARIO == "encrypted":
+        # TLS on every link (the test sets TOROID_AUTH_TOKEN and no shared memory); a rank
+        # without the token would be refused at set-up.
+        comm = toroid.Comm.with_store(RANK, SIZE, FileStore(os.environ["TOROID_TEST_TMP"]), encrypt=True)
+        collectives(comm)
     elif SCENARIO == "shrink":
         shrink(created_in_the_background())
         print(f"rank {RANK}: {SCENARIO} passed ({checks} element checks)")

@@ -18,6 +18,13 @@ def test_numpy(scenario, n):
 
 
 @pytest.mark.parametrize("n", [2, 3])
+def test_encrypted(n):
+    """Comm.with_store(encrypt=True): every collective exact over TLS links."""
+    env = {"TOROID_AUTH_TOKEN": "pytest-encrypted-links", "TOROID_SHM_DISABLE": "1"}
+    assert_all_passed(run_ranks(n, WORKER, "encrypted", timeout=180, env=env), "encrypted passed")
+
+
+@pytest.mark.parametrize("n", [2, 3])
 def test_fastcall(n):
     """The C extension's all_reduce and broadcast (toroid._fastcall) against the ctypes path and
     an independent reference. An installed wheel built by CPython 3.11+ must carry it (setup.py

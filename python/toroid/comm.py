@@ -72,21 +72,23 @@ class Comm(_PointerCalls):
         store_addr: Optional[str] = None,
         timeout: Optional[float] = None,
         socket_ifname: Optional[str] = None,
+        encrypt: Optional[bool] = None,
     ) -> Pending:
         """`init` in the background: returns at once with a `Pending`."""
-        cfg = Comm._config(rank, size, store_addr, timeout, socket_ifname)
+        cfg = Comm._config(rank, size, store_addr, timeout, socket_ifname, encrypt)
         out = ctypes.c_void_p()
         check("toroid_comm_init_async", _lib.lib().toroid_comm_init_async(ctypes.byref(out), ctypes.byref(cfg)))
         return Pending(out.value)
 
     @staticmethod
-    def _config(rank, size, store_addr, timeout, socket_ifname) -> "_lib.Config":
+    def _config(rank, size, store_addr, timeout, socket_ifname, encrypt=None) -> "_lib.Config":
         cfg = _lib.Config()
         cfg.struct_size = ctypes.sizeof(_lib.Config)
         cfg.rank, cfg.size = rank, size
         cfg.store_addr = store_addr.encode() if store_addr else None
         cfg.timeout_ms = int(timeout * 1000) if timeout else 0
         cfg.socket_ifname = socket_ifname.encode() if socket_ifname else None
+        cfg.encrypt = 0 if encrypt is None else (1 if encrypt else -1)
         return cfg
 
     @classmethod
@@ -97,10 +99,12 @@ class Comm(_PointerCalls):
         store_addr: Optional[str] = None,
         timeout: Optional[float] = None,
         socket_ifname: Optional[str] = None,
+        encrypt: Optional[bool] = None,
     ) -> "Comm":
         """Rank 0 serves a TCP store at `store_addr` ("host:port", or "file:///dir"); None: from
-        the environment. `timeout` in seconds (None: TOROID_TIMEOUT or 300 s)."""
-        cfg = cls._config(rank, size, store_addr, timeout, socket_ifname)
+        the environment. `timeout` in seconds (None: TOROID_TIMEOUT or 300 s). `encrypt`: TLS
+        1.3 on every TCP link between ranks (needs TOROID_AUTH_TOKEN; None: TOROID_ENCRYPT)."""
+        cfg = cls._config(rank, size, store_addr, timeout, socket_ifname, encrypt)
         out = ctypes.c_void_p()
         check("toroid_comm_init", _lib.lib().toroid_comm_init(ctypes.byref(out), ctypes.byref(cfg)))
         return cls(out.value)
@@ -113,9 +117,11 @@ class Comm(_PointerCalls):
         store: Store,
         timeout: Optional[float] = None,
         socket_ifname: Optional[str] = None,
+        encrypt: Optional[bool] = None,
     ) -> "Comm":
         """Meets the other ranks through `store` (set/get, see `Store`): no port of toroid's own.
         `timeout` in seconds bounds set-up and every later call (None: TOROID_TIMEOUT or 300 s).
+        `encrypt` as for `init`.
 
         A store that raises (rather than reporting a missing key with None) fails the set-up at
         once: the callbacks protocol has only "failed" to tell toroid, so after the first
@@ -155,6 +161,7 @@ class Comm(_PointerCalls):
         cfg.store_addr = None
         cfg.timeout_ms = max(1, int(timeout * 1000)) if timeout else 0
         cfg.socket_ifname = socket_ifname.encode() if socket_ifname else None
+        cfg.encrypt = 0 if encrypt is None else (1 if encrypt else -1)
         out = ctypes.c_void_p()
         code = _lib.lib().toroid_comm_init_with_store_config(ctypes.byref(out), ctypes.byref(cfg), ctypes.byref(ops), None)
         try:

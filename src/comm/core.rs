@@ -102,6 +102,9 @@ pub(super) struct Links {
     pub rdma_ok: Vec<bool>,
     /// Every rank is on this host and maps the shared window (`shm_direct` can run).
     pub has_window: bool,
+    /// Encrypted links (`TOROID_ENCRYPT`): this rank's key pair and every rank's public key,
+    /// which a split or shrink keeps.
+    pub security: Option<std::sync::Arc<tcp::secure::LinkSecurity>>,
 }
 
 /// The ordered queue of operations and the signal its worker waits on.

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::boundary::{non_negative, opt_str};
 use super::store::CallbackStore;
-use super::types::{toroid_config, toroid_store_ops};
+use super::types::{toroid_config, toroid_config_v1, toroid_store_ops};
 use crate::Communicator;
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -63,9 +63,17 @@ pub(super) unsafe fn read_config(p: *const toroid_config) -> Result<(usize, usiz
     }
     // SAFETY: every version of the struct starts with struct_size.
     let struct_size = unsafe { p.cast::<usize>().read() };
-    check_struct_size(struct_size, std::mem::size_of::<toroid_config>(), "toroid_config")?;
-    // SAFETY: struct_size >= v1, so the first-version fields are there; later fields are ignored.
-    let c = unsafe { p.read() };
+    check_struct_size(struct_size, std::mem::size_of::<toroid_config_v1>(), "toroid_config")?;
+    // SAFETY: struct_size >= v1, so the first-version fields are there (the same layout as the
+    // start of `toroid_config`); later fields are read only where struct_size covers them.
+    let c = unsafe { p.cast::<toroid_config_v1>().read() };
+    let encrypt_end = std::mem::offset_of!(toroid_config, encrypt) + std::mem::size_of::<c_int>();
+    let encrypt = if struct_size >= encrypt_end {
+        // SAFETY: the caller's struct holds this field (struct_size covers it).
+        unsafe { std::ptr::addr_of!((*p).encrypt).read() }
+    } else {
+        0
+    };
     let (rank, size) = world(c.rank, c.size)?;
     let mut cfg = Config::global()?.clone();
     if c.timeout_ms > 0 {
@@ -75,6 +83,17 @@ pub(super) unsafe fn read_config(p: *const toroid_config) -> Result<(usize, usiz
     // SAFETY: the caller promises NULL or NUL-terminated strings.
     if let Some(ifname) = unsafe { opt_str(c.socket_ifname, "socket_ifname")? } {
         cfg.socket_ifname = Some(ifname);
+    }
+    match encrypt {
+        0 => {}
+        1 => cfg.encrypt = true,
+        -1 => cfg.encrypt = false,
+        v => {
+            return Err(Error::InvalidArgument(
+                format!("toroid_config.encrypt is {v}: expected 1 (on), -1 (off) or 0 (TOROID_ENCRYPT)")
+                    .into(),
+            ));
+        }
     }
     // SAFETY: as above.
     let store_addr = unsafe { opt_str(c.store_addr, "store_addr")? };

@@ -199,6 +199,21 @@ pub struct toroid_config {
     /// Interface selection in NCCL syntax ("eth0", "^lo,docker"). NULL: TOROID_SOCKET_IFNAME or
     /// the default (the interface that routes to the store).
     pub socket_ifname: *const c_char,
+    /// Encrypted links between ranks (second version of this struct): 1 on, -1 off, 0 as
+    /// TOROID_ENCRYPT says. Encryption needs TOROID_AUTH_TOKEN; every rank must choose alike.
+    pub encrypt: c_int,
+}
+
+/// The first version of [`toroid_config`]: the fields every caller's struct holds.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct toroid_config_v1 {
+    pub struct_size: usize,
+    pub rank: c_int,
+    pub size: c_int,
+    pub store_addr: *const c_char,
+    pub timeout_ms: i64,
+    pub socket_ifname: *const c_char,
 }
 
 /// Stores `len` bytes of `value` under the NUL-terminated `key`, replacing any value. Returns 0

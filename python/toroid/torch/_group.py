@@ -37,18 +37,21 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
     """A torch.distributed process group whose collectives run on a toroid communicator."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: Optional[datetime.timedelta] = None,
-                 comm: Optional[Comm] = None, wire_dtype: Optional[str] = None):
+                 comm: Optional[Comm] = None, wire_dtype: Optional[str] = None,
+                 encrypt: Optional[bool] = None):
         """A group of `size` ranks meeting through `store`, or over `comm` when given (a split
         of a parent's communicator; `store` then serves monitored_barrier only). `wire_dtype`
         ("bf16" or "f16"): every float32/float64 all-reduce of the group travels in that type
-        (see `set_wire_dtype`)."""
+        (see `set_wire_dtype`). `encrypt`: TLS 1.3 on every TCP link between the ranks (needs
+        TOROID_AUTH_TOKEN; None: TOROID_ENCRYPT decides)."""
         super().__init__(rank, size)
         self._wire: Optional[DataType] = None
         self.set_wire_dtype(wire_dtype)
         self._timeout_s = timeout.total_seconds() if timeout else None
         self._store = store  # (monitored_barrier meets through it)
         self._monitored = 0  # monitored barriers so far (every rank counts the same)
-        self._comm = comm if comm is not None else Comm.with_store(rank, size, TorchStore(store), timeout=self._timeout_s)
+        self._comm = comm if comm is not None else Comm.with_store(rank, size, TorchStore(store), timeout=self._timeout_s,
+                                                                       encrypt=encrypt)
         self.stats: collections.Counter = collections.Counter()  # operations issued, by name
         self._coalesced: Optional[list] = None  # send/recv recorded in a coalescing block
         self._staging = threading.local()  # .current: the staging of the CUDA call being issued

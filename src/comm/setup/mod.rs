@@ -26,8 +26,8 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Condvar, Mutex};
 
 use roster::{
-    Published, connect_mode, finish_roster, get_key, host_identity, machine_identity, not_joined, read_all,
-    read_roster,
+    Published, connect_mode, finish_roster, get_key, host_identity, key_line, machine_identity, not_joined,
+    read_all, read_roster,
 };
 use std::time::Instant;
 
@@ -46,6 +46,7 @@ use crate::trace::Recorder;
 use crate::transport::exchange::{AbortSignal, SpinPolicy};
 use crate::transport::tcp::control::ControlCtx;
 use crate::transport::tcp::lazy::{Dialer, Inbox, LazyCtx};
+use crate::transport::tcp::secure::{Identity as LinkIdentity, LinkSecurity};
 use crate::transport::tcp::striped::{LinkPrefs, lanes_for};
 use crate::transport::{Peers, rdma, shm, tcp};
 use crate::tuning::{AlgoFilter, CostModel, Shape};
@@ -68,6 +69,8 @@ pub(super) struct Members<'a> {
     pub rdma_ok: &'a [bool],
     /// Connect pairs on demand (`TOROID_CONNECT=lazy`) rather than all at set-up.
     pub lazy: bool,
+    /// The members' keys when links are encrypted (`TOROID_ENCRYPT`).
+    pub security: Option<Arc<LinkSecurity>>,
 }
 
 /// Where this rank listens for the members' connections: the interface, its listening
@@ -170,20 +173,23 @@ impl Communicator {
         let mut prefs = LinkPrefs::local(cfg, &iface.name, size);
         prefs.rdma = size > 1 && rdma::setup::wanted(cfg);
         let lazy = cfg.connect_lazy && size > 1;
+        let identity = encryption_identity(cfg, prefs.rdma)?;
         let host = format!(
-            "{}\n{}\n{}\nconnect={}",
+            "{}\n{}\n{}\nconnect={}{}",
             host_identity(cfg),
             machine_identity(),
             prefs.encode(),
-            connect_mode(lazy)
+            connect_mode(lazy),
+            identity.as_ref().map(|i| format!("\n{}", key_line(i.public_key()))).unwrap_or_default()
         );
         store.set(&format!("{prefix}/addr/{rank}"), endpoint.addr.to_string().as_bytes())?;
         store.set(&format!("{prefix}/host/{rank}"), host.as_bytes())?;
-        let Published { addrs, hosts, machines, prefs: all_prefs } = if lazy {
+        let Published { addrs, hosts, machines, prefs: all_prefs, keys } = if lazy {
             read_roster(&*store, &prefix, rank, size, deadline)?
         } else {
             read_all(&*store, &prefix, rank, size, deadline)?
         };
+        let security = pinned_keys(identity, keys, cfg)?;
         let lanes: Vec<usize> = (0..size)
             .map(|r| {
                 let loopback = addrs[r].ip().is_loopback() || addrs[rank].ip().is_loopback();
@@ -201,6 +207,7 @@ impl Communicator {
             shm_ok: &shm_ok,
             rdma_ok: &rdma_ok,
             lazy,
+            security,
         };
         let listening = Listening { iface, endpoint, accepted: Vec::new() };
         let comm =
@@ -225,7 +232,7 @@ impl Communicator {
         deadline: Instant,
         calibration: Calibration,
     ) -> Result<Communicator> {
-        let Members { rank, addrs, hosts, machines, lanes, shm_ok, rdma_ok, lazy } = members;
+        let Members { rank, addrs, hosts, machines, lanes, shm_ok, rdma_ok, lazy, security } = members;
         let Listening { iface, endpoint, accepted } = listening;
         let size = addrs.len();
         let lazy = lazy && size > 1;
@@ -248,7 +255,8 @@ impl Communicator {
         let snapshot: crate::comm::control::SnapshotFn = Arc::new(move || snapshot.snapshot());
         let ctl_ctx = ControlCtx { rank, size, comm_id: id, auth: cfg.auth_token.clone() };
         let shared_addrs: Arc<[SocketAddr]> = addrs.into();
-        let opts = tcp::SocketOptions::from_config(cfg);
+        let mut opts = tcp::SocketOptions::from_config(cfg);
+        opts.secure = security.clone();
         let topology = Topology::from_ids(rank, hosts, machines);
         // RDMA between hosts, where both ranks of a pair can (docs/reference/rdma.md).
         let rdma_peer = |p: usize| {
@@ -377,6 +385,7 @@ impl Communicator {
                 shm_ok: shm_ok.to_vec(),
                 rdma_ok: rdma_ok.to_vec(),
                 has_window,
+                security,
             },
             abort,
             engine: Mutex::new(Engine {
@@ -464,6 +473,7 @@ impl Communicator {
         let lanes: Vec<usize> = members.iter().map(|(_, r)| self.core.links.lanes[*r]).collect();
         let shm_ok: Vec<bool> = members.iter().map(|(_, r)| self.core.links.shm_ok[*r]).collect();
         let rdma_ok: Vec<bool> = members.iter().map(|(_, r)| self.core.links.rdma_ok[*r]).collect();
+        let old_ranks: Vec<usize> = members.iter().map(|(_, r)| *r).collect();
         tracing::info!(target: "toroid::init", "rank {} split (color {color:?}, key {key}) into rank {new_rank} of {}", self.rank(), members.len());
         let members = Members {
             rank: new_rank,
@@ -474,6 +484,14 @@ impl Communicator {
             shm_ok: &shm_ok,
             rdma_ok: &rdma_ok,
             lazy: self.core.config.connect_lazy,
+            security: self
+                .core
+                .links
+                .security
+                .as_ref()
+                .map(|s| s.for_members(&old_ranks))
+                .transpose()?
+                .map(Arc::new),
         };
         let listening = Listening { iface: self.core.links.iface.clone(), endpoint, accepted: Vec::new() };
         Communicator::connect(
@@ -487,4 +505,59 @@ impl Communicator {
         )
         .map(Some)
     }
+}
+
+/// This rank's key pair for encrypted links, when `TOROID_ENCRYPT` asks for them; refuses
+/// what encryption cannot cover.
+fn encryption_identity(cfg: &Config, rdma: bool) -> Result<Option<Arc<LinkIdentity>>> {
+    if !cfg.encrypt {
+        return Ok(None);
+    }
+    if cfg.auth_token.is_none() {
+        return Err(Error::InvalidUsage(
+            "TOROID_ENCRYPT=1 needs TOROID_AUTH_TOKEN: the ranks' keys are pinned through the token-authenticated \
+             store and every link is bound to the token"
+                .into(),
+        ));
+    }
+    if rdma {
+        return Err(Error::InvalidUsage(
+            "TOROID_ENCRYPT=1 does not cover RDMA links yet: set TOROID_RDMA=0 (or leave encryption off)"
+                .into(),
+        ));
+    }
+    Ok(Some(Arc::new(LinkIdentity::generate()?)))
+}
+
+/// Every rank's published key, pinned for this communicator's links; an error when ranks
+/// disagree on `TOROID_ENCRYPT`.
+fn pinned_keys(
+    identity: Option<Arc<LinkIdentity>>,
+    keys: Vec<Option<Vec<u8>>>,
+    cfg: &Config,
+) -> Result<Option<Arc<LinkSecurity>>> {
+    let mismatch = |r: usize, theirs: bool| {
+        Error::InvalidUsage(
+            format!(
+                "rank {r} {} TOROID_ENCRYPT and this rank {}: every rank must set it alike",
+                if theirs { "sets" } else { "does not set" },
+                if theirs { "does not" } else { "does" }
+            )
+            .into(),
+        )
+        .with_peer(r)
+    };
+    let Some(identity) = identity else {
+        return match keys.iter().position(Option::is_some) {
+            Some(r) => Err(mismatch(r, true)),
+            None => Ok(None),
+        };
+    };
+    let keys = keys
+        .into_iter()
+        .enumerate()
+        .map(|(r, k)| k.ok_or_else(|| mismatch(r, false)))
+        .collect::<Result<Vec<_>>>()?;
+    let token = cfg.auth_token.clone().ok_or_else(|| Error::Internal("encryption without a token".into()))?;
+    Ok(Some(Arc::new(LinkSecurity::new(identity, keys, token, cfg.timeout.min(crate::config::MAX_TIMEOUT)))))
 }

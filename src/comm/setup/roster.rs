@@ -24,6 +24,8 @@ pub(super) struct Published {
     pub machines: Vec<String>,
     /// What every rank asks of its links.
     pub prefs: Vec<LinkPrefs>,
+    /// Every rank's public key for encrypted links (`TOROID_ENCRYPT`), if it published one.
+    pub keys: Vec<Option<Vec<u8>>>,
 }
 
 impl Published {
@@ -33,6 +35,7 @@ impl Published {
             hosts: Vec::with_capacity(n),
             machines: Vec::with_capacity(n),
             prefs: Vec::with_capacity(n),
+            keys: Vec::with_capacity(n),
         }
     }
 
@@ -44,13 +47,20 @@ impl Published {
             .map_err(|e| Error::Remote(format!("rank {r} published a bad address: {e}").into()))?;
         self.addrs.push(a);
         let ids = String::from_utf8_lossy(host).into_owned();
-        let mut lines = ids.splitn(4, '\n');
+        let mut lines = ids.splitn(5, '\n');
         let (h, m, p) = (lines.next().unwrap_or(""), lines.next(), lines.next());
         if let Some(theirs) = lines.next().and_then(|c| c.strip_prefix("connect="))
             && theirs != connect_mode(lazy)
         {
             return Err(connect_mismatch(r, theirs, lazy));
         }
+        let key = match lines.next().and_then(|k| k.strip_prefix("key=")) {
+            None => None,
+            Some(hex) => Some(decode_hex(hex).ok_or_else(|| {
+                Error::Remote(format!("rank {r} published a malformed public key").into()).with_peer(r)
+            })?),
+        };
+        self.keys.push(key);
         self.hosts.push(h.to_string());
         self.machines.push(m.unwrap_or(h).to_string());
         self.prefs.push(p.and_then(LinkPrefs::decode).ok_or_else(|| {
@@ -58,6 +68,24 @@ impl Published {
         })?);
         Ok(())
     }
+}
+
+/// The host record's line for this rank's public key (`TOROID_ENCRYPT`).
+pub(super) fn key_line(key: &[u8]) -> String {
+    let mut s = String::with_capacity(4 + 2 * key.len());
+    s.push_str("key=");
+    for b in key {
+        s.push_str(&format!("{b:02x}"));
+    }
+    s
+}
+
+/// The bytes of a public key as [`key_line`] writes them (at most 1 KiB).
+fn decode_hex(hex: &str) -> Option<Vec<u8>> {
+    if !hex.len().is_multiple_of(2) || hex.len() > 2048 {
+        return None;
+    }
+    (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok()).collect()
 }
 
 /// `TOROID_CONNECT`'s value as published in the host record.

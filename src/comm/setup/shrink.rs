@@ -17,6 +17,7 @@
 //! survivor expects a rank that never comes, or is refused): that error says so too.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::pending::PendingComm;
@@ -102,6 +103,13 @@ impl Core {
             shm_ok: &shm_ok,
             rdma_ok: &rdma_ok,
             lazy: false,
+            security: self
+                .links
+                .security
+                .as_ref()
+                .map(|s| s.for_members(&survivors))
+                .transpose()?
+                .map(Arc::new),
         };
         let listening = Listening { iface: self.links.iface.clone(), endpoint, accepted };
         let comm = Communicator::connect(

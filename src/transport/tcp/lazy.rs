@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use super::handshaking::{Ctx, Incoming, Outgoing};
-use super::mesh::{HANDSHAKE_ALLOWANCE, transport_of};
+use super::mesh::{HANDSHAKE_ALLOWANCE, LinkEnd, transport_of};
 use super::{SocketOptions, control};
 use crate::config::{AuthToken, Config};
 use crate::error::{Error, Result};
@@ -489,7 +489,8 @@ impl Dialer {
                     let streams: Vec<TcpStream> =
                         lanes.by_ref().take(n).filter_map(Outgoing::into_stream).collect();
                     self.sockets.fetch_add(streams.len(), Ordering::Relaxed);
-                    let t = transport_of(streams, &self.opts)?
+                    let end = LinkEnd { me: ctx.rank, peer, dialer: true, deadline, abort: Some(abort) };
+                    let t = transport_of(streams, &self.opts, end)?
                         .ok_or_else(|| Error::Internal("a dial produced no connection".into()))?;
                     links.push((peer, t));
                 }
@@ -543,7 +544,10 @@ impl Connector for Dialer {
         let mut out = Vec::new();
         for (p, lanes, up) in self.inbox.take_ready() {
             self.sockets.fetch_add(lanes.len(), Ordering::Relaxed);
-            if let Some(t) = transport_of(lanes, &self.opts)? {
+            // The dialer is securing this link now (it does so right after its handshake).
+            let deadline = Instant::now() + self.opts.secure.as_ref().map_or(Duration::ZERO, |s| s.timeout());
+            let end = LinkEnd { me: self.ctx.rank, peer: p, dialer: false, deadline, abort: None };
+            if let Some(t) = transport_of(lanes, &self.opts, end)? {
                 out.push((
                     p,
                     match up {

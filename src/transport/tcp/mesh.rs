@@ -111,19 +111,50 @@ pub fn connect_mesh(
     }
     let streams = mesh.run()?;
     let mut out: Vec<Option<Box<dyn Transport>>> = Vec::with_capacity(size);
-    for lanes in streams {
-        out.push(transport_of(lanes, opts)?);
+    // Encrypted links shake hands one peer after another in rank order on both ends: the
+    // lowest unfinished pair is always next on both of its ranks, so this cannot deadlock.
+    for (peer, lanes) in streams.into_iter().enumerate() {
+        let end = LinkEnd { me: rank, peer, dialer: peer < rank, deadline, abort: None };
+        out.push(transport_of(lanes, opts, end)?);
     }
     Ok(out)
 }
 
+/// Which end of a link this rank holds, for securing it (`TOROID_ENCRYPT`).
+pub(super) struct LinkEnd<'a> {
+    pub me: usize,
+    pub peer: usize,
+    /// This rank opened the connections (the TLS client).
+    pub dialer: bool,
+    pub deadline: Instant,
+    pub abort: Option<&'a crate::transport::AbortSignal>,
+}
+
 /// The transport over the checked connections of one peer, in lane order: none, one
 /// [`TcpTransport`], or a [`StripedTransport`] over several; with progress threads
-/// (`TOROID_NTHREADS`), their [`Offloaded`](super::progress::Offloaded) side of the lanes.
+/// (`TOROID_NTHREADS`), their [`Offloaded`](super::progress::Offloaded) side of the lanes;
+/// with encryption, [`secure::Sealed`](super::secure::Sealed) over that.
 pub(super) fn transport_of(
-    mut lanes: Vec<TcpStream>,
+    lanes: Vec<TcpStream>,
     opts: &SocketOptions,
+    end: LinkEnd<'_>,
 ) -> Result<Option<Box<dyn Transport>>> {
+    let plain = plain_transport_of(lanes, opts)?;
+    match (plain, &opts.secure) {
+        (Some(t), Some(sec)) => Ok(Some(super::secure::secure_link(
+            t,
+            end.me,
+            end.peer,
+            end.dialer,
+            sec,
+            end.deadline,
+            end.abort,
+        )?)),
+        (t, _) => Ok(t),
+    }
+}
+
+fn plain_transport_of(mut lanes: Vec<TcpStream>, opts: &SocketOptions) -> Result<Option<Box<dyn Transport>>> {
     if let Some(threads) = opts.progress.as_ref().filter(|_| !lanes.is_empty()) {
         let lanes = lanes.into_iter().map(|s| super::configure(s, opts)).collect::<Result<Vec<_>>>()?;
         return Ok(Some(Box::new(threads.attach(lanes)?)));

@@ -28,6 +28,7 @@
 //! | `handshake` | the hello and ack bytes and their MACs |
 //! | `handshaking` | one connection whose handshake is under way, on a non-blocking socket |
 //! | `striped` | one byte stream over several connections (lanes), and how many a pair uses |
+//! | `secure` | encrypted links (`TOROID_ENCRYPT`): the TLS 1.3 handshake and the record layer |
 //! | this file | the connection options and the [`TcpTransport`] itself |
 
 use std::io::{self, IoSlice, IoSliceMut};
@@ -47,6 +48,7 @@ mod interface;
 pub mod lazy;
 mod mesh;
 pub mod progress;
+pub mod secure;
 pub mod striped;
 
 pub use handshake::PROTOCOL_VERSION;
@@ -66,6 +68,9 @@ pub struct SocketOptions {
     /// Progress threads that move the bytes of every connection (`TOROID_NTHREADS`); `None`:
     /// the calling thread does.
     pub progress: Option<progress::ProgressThreads>,
+    /// Encrypted links (`TOROID_ENCRYPT`): the keys of the communicator's ranks; set by the
+    /// communicator's set-up once they are published, `None` for plaintext.
+    pub secure: Option<std::sync::Arc<secure::LinkSecurity>>,
 }
 
 impl SocketOptions {
@@ -76,6 +81,7 @@ impl SocketOptions {
             congestion: cfg.tcp_congestion.clone(),
             flow_rate: cfg.test_flow_rate,
             progress: (cfg.nthreads > 0).then(|| progress::ProgressThreads::new(cfg.nthreads)),
+            secure: None,
         }
     }
 }
@@ -213,11 +219,20 @@ mod tests {
         let opts = SocketOptions::from_config(&c.unwrap());
         assert_eq!(
             opts,
-            SocketOptions { buffer: 4 << 20, congestion: Some("cubic".into()), flow_rate: 0, progress: None }
+            SocketOptions {
+                buffer: 4 << 20,
+                congestion: Some("cubic".into()),
+                flow_rate: 0,
+                progress: None,
+                secure: None
+            }
         );
         let none = SocketOptions::from_config(&Config::from_lookup(|_| None).unwrap());
         let default = crate::config::DEFAULT_SOCKET_BUFFER;
-        assert_eq!(none, SocketOptions { buffer: default, congestion: None, flow_rate: 0, progress: None });
+        assert_eq!(
+            none,
+            SocketOptions { buffer: default, congestion: None, flow_rate: 0, progress: None, secure: None }
+        );
     }
 
     #[test]
