@@ -43,7 +43,7 @@ def compare(name, cmd_of, runs):
         for enc in (0, 1):
             env = dict(os.environ, TOROID_ENCRYPT=str(enc), TOROID_AUTH_TOKEN="encryption-bench")
             results[enc].append(bench_rows(cmd_of(), env))
-    print(f"\n{name}: median of {runs} interleaved runs, busbw in GB/s (time at 4 KiB)")
+    print(f"\n{name}: median of {runs} interleaved runs, busbw in GB/s and time (time only at 4 KiB)")
     print("| size | plaintext | encrypted | encrypted / plaintext |")
     print("|---:|---:|---:|---:|")
     for size in sorted(results[0][0]):
@@ -55,7 +55,7 @@ def compare(name, cmd_of, runs):
         if size <= 4096:
             print(f"| {label} (time) | {t0:.1f} us | {t1:.1f} us | {t1 / t0:.2f}x the time |")
         else:
-            print(f"| {label} | {b0:.2f} | {b1:.2f} | {b1 / b0:.2f} |")
+            print(f"| {label} | {b0:.3g} ({t0 / 1000:.3g} ms) | {b1:.3g} ({t1 / 1000:.3g} ms) | {b1 / b0:.2f} |")
 
 
 def main():

@@ -323,3 +323,30 @@ fn ranks_that_disagree_on_encryption_fail_at_set_up() {
     let e = Communicator::with_store(0, 1, Arc::new(MemStore::new()), &no_token).map(|_| ()).unwrap_err();
     assert!(e.to_string().contains("needs TOROID_AUTH_TOKEN"), "{e}");
 }
+
+#[test]
+fn splits_and_shrinks_keep_their_links_encrypted() {
+    let cfg = encrypted(true);
+    util::run_threads(4, &cfg, |comm| {
+        let r = comm.rank();
+        let check = |c: &Communicator, what: &str| {
+            let n = c.size();
+            let mut v: Vec<u64> = (0..4099).map(|i| (i * 31 + c.rank() * 7) as u64).collect();
+            c.all_reduce(&mut v, toroid::ReduceOp::Sum).unwrap();
+            for (i, x) in v.iter().enumerate() {
+                let want: u64 = (0..n).map(|q| (i * 31 + q * 7) as u64).sum();
+                assert_eq!(*x, want, "{what}: rank {}: element {i}", c.rank());
+            }
+            let kinds: Vec<_> = (0..n).filter(|&p| p != c.rank()).filter_map(|p| c.transport_to(p)).collect();
+            assert!(!kinds.is_empty() && kinds.iter().all(|k| k.ends_with("+tls")), "{what}: {kinds:?}");
+        };
+        let half = comm.split(Some((r % 2) as u32), r as i64).unwrap().expect("a member");
+        check(&half, "split");
+        if r == 3 {
+            return;
+        }
+        let shrunk = comm.shrink(&[3]).unwrap();
+        assert_eq!(shrunk.size(), 3);
+        check(&shrunk, "shrink");
+    });
+}

@@ -7,8 +7,8 @@
 //! 1. **A TLS 1.3 handshake** ([`tls`], rustls with aws-lc-rs) on the link's stream, the dialing
 //!    rank as client. Each side presents the Ed25519 key its rank made at start-up and
 //!    published through the store beside its address; each accepts only the key the peer's
-//!    rank published ([`LinkSecurity`] holds them, one per rank). Key exchange: rustls's
-//!    default groups (X25519 with ML-KEM-768 first, then X25519).
+//!    rank published ([`LinkSecurity`] holds them, one per rank). Key exchange: X25519 with
+//!    ML-KEM-768 (hybrid post-quantum), else X25519.
 //! 2. **Token binding.** Each side sends HMAC-SHA256 under `TOROID_AUTH_TOKEN` of a value
 //!    exported from the handshake (RFC 8446 section 7.5) and its role, and checks the peer's:
 //!    keys read from a store that someone rewrote in transit still cannot put a machine in

@@ -72,7 +72,10 @@ pub struct Direction {
 impl std::fmt::Debug for Direction {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // Never the keys.
-        f.debug_struct("Direction").field("epoch", &self.epoch).field("seq", &self.seq).finish_non_exhaustive()
+        f.debug_struct("Direction")
+            .field("epoch", &self.epoch)
+            .field("seq", &self.seq)
+            .finish_non_exhaustive()
     }
 }
 

@@ -27,10 +27,14 @@ use crate::error::{Error, Result};
 use crate::sys::poll::{PollFd, poll};
 use crate::transport::{AbortSignal, Transport};
 
-/// The provider every handshake uses: aws-lc-rs, TLS 1.3 with AES-128-GCM only.
+/// The provider every handshake uses: aws-lc-rs, TLS 1.3 with AES-128-GCM only, key exchange
+/// by X25519 with ML-KEM-768 (a hybrid: recorded traffic stays safe if either holds), else
+/// X25519 alone.
 fn provider() -> Arc<CryptoProvider> {
-    let mut p = rustls::crypto::aws_lc_rs::default_provider();
-    p.cipher_suites = vec![rustls::crypto::aws_lc_rs::cipher_suite::TLS13_AES_128_GCM_SHA256];
+    use rustls::crypto::aws_lc_rs::{cipher_suite, default_provider, kx_group};
+    let mut p = default_provider();
+    p.cipher_suites = vec![cipher_suite::TLS13_AES_128_GCM_SHA256];
+    p.kx_groups = vec![kx_group::X25519MLKEM768, kx_group::X25519];
     Arc::new(p)
 }
 
