@@ -55,7 +55,9 @@ wheel=$(ls "$tmp"/wheelhouse/toroid-*-manylinux_*_x86_64.whl)
 say "audited: $(basename "$wheel") ($(du -h "$wheel" | cut -f1))"
 
 make_venv "$tmp/venv"
-"$tmp/venv/bin/python" -m pip install --quiet --no-deps --no-index "$wheel"
+# --force-reinstall: a toroid already in the system site-packages (the venv sees them) must not
+# stand in for the wheel under test.
+"$tmp/venv/bin/python" -m pip install --quiet --no-deps --no-index --force-reinstall "$wheel"
 say "the Python and torch tests against the installed wheel"
 (
   cd "$tmp"

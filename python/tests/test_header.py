@@ -53,7 +53,7 @@ def test_structs_follow_the_description():
                         (_lib.Stat, "toroid_stat")]:
         assert [f[0] for f in cls._fields_] == [f["name"] for f in _lib.ABI["structs"][c_name]]
     assert ctypes.sizeof(_lib.Stat) == 3 * 4 + 4 + 6 * 8 + 32 * 8  # padding after size_class
-    assert ctypes.sizeof(_lib.Config) == 8 + 4 + 4 + 8 + 8 + 8
+    assert ctypes.sizeof(_lib.Config) == 8 + 4 + 4 + 8 + 8 + 8 + 4 + 4  # encrypt, then padding
 
 
 @pytest.mark.parametrize("c, expected", [

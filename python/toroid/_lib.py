@@ -216,7 +216,7 @@ def _struct(c_name: str, py_name: str, doc: str) -> type:
 
 
 StoreOps = _struct("toroid_store_ops", "StoreOps", "toroid_store_ops.")
-Config = _struct("toroid_config", "Config", "toroid_config (first version).")
+Config = _struct("toroid_config", "Config", "toroid_config (second version: encrypt).")
 Stat = _struct("toroid_stat", "Stat", "toroid_stat: one row of toroid_comm_stats (see Comm.stats).")
 assert set(_STRUCTS) == set(ABI["structs"]), "_abi.json has a struct toroid._lib does not declare"
 

@@ -204,5 +204,16 @@ fn exchange(
     }
 }
 
+/// A connected pair of plain TCP transports over loopback (the tests secure them).
+#[cfg(test)]
+fn tcp_pair() -> (Box<dyn Transport>, Box<dyn Transport>) {
+    use crate::transport::tcp::{SocketOptions, TcpTransport};
+    let (mut a, mut b) = crate::transport::testutil::loopback_sockets(1);
+    let opts = SocketOptions::default();
+    let a = TcpTransport::new(a.pop().unwrap(), &opts).unwrap();
+    let b = TcpTransport::new(b.pop().unwrap(), &opts).unwrap();
+    (Box::new(a), Box::new(b))
+}
+
 #[cfg(test)]
 mod tests;

@@ -3,16 +3,8 @@
 //! after a correct prefix, never in other data.
 
 use super::*;
-use crate::transport::tcp::{SocketOptions, TcpTransport};
-use crate::transport::testutil::{Rng, loopback_sockets, random_bytes, read_to_end, write_all};
-
-fn tcp_pair() -> (Box<dyn Transport>, Box<dyn Transport>) {
-    let (mut a, mut b) = loopback_sockets(1);
-    let opts = SocketOptions::default();
-    let a = TcpTransport::new(a.pop().unwrap(), &opts).unwrap();
-    let b = TcpTransport::new(b.pop().unwrap(), &opts).unwrap();
-    (Box::new(a), Box::new(b))
-}
+use crate::transport::tcp::secure::tcp_pair;
+use crate::transport::testutil::{Rng, random_bytes, read_to_end, write_all};
 
 const S1: [u8; SECRET_LEN] = [1; SECRET_LEN];
 const S2: [u8; SECRET_LEN] = [2; SECRET_LEN];

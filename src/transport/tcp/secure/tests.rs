@@ -5,16 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::*;
-use crate::transport::tcp::{SocketOptions, TcpTransport};
-use crate::transport::testutil::{exchange, loopback_sockets, random_bytes};
-
-fn tcp_pair() -> (Box<dyn Transport>, Box<dyn Transport>) {
-    let (mut a, mut b) = loopback_sockets(1);
-    let opts = SocketOptions::default();
-    let a = TcpTransport::new(a.pop().unwrap(), &opts).unwrap();
-    let b = TcpTransport::new(b.pop().unwrap(), &opts).unwrap();
-    (Box::new(a), Box::new(b))
-}
+use crate::transport::testutil::{exchange, random_bytes};
 
 /// One end's outcome.
 type Secured = Result<Box<dyn Transport>>;

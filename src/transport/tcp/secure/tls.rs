@@ -84,28 +84,47 @@ impl Pinned {
     fn check(&self, presented: &CertificateDer<'_>, intermediates: &[CertificateDer<'_>]) -> bool {
         intermediates.is_empty() && presented.as_ref() == self.key.as_slice()
     }
-
-    fn verify(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls13_signature_with_raw_key(
-            message,
-            &SubjectPublicKeyInfoDer::from(cert.as_ref()),
-            dss,
-            &self.algs,
-        )
-    }
 }
 
 fn not_pinned() -> rustls::Error {
     rustls::Error::InvalidCertificate(rustls::CertificateError::ApplicationVerificationFailure)
 }
 
-fn no_tls12() -> rustls::Error {
-    rustls::Error::PeerIncompatible(rustls::PeerIncompatible::Tls12NotOffered)
+/// The methods both verifier traits share, the same for both: TLS 1.2 refused, TLS 1.3
+/// signatures checked against the raw public key, raw public keys required.
+macro_rules! raw_key_signatures {
+    () => {
+        fn verify_tls12_signature(
+            &self,
+            _message: &[u8],
+            _cert: &CertificateDer<'_>,
+            _dss: &DigitallySignedStruct,
+        ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+            Err(rustls::Error::PeerIncompatible(rustls::PeerIncompatible::Tls12NotOffered))
+        }
+
+        fn verify_tls13_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+            verify_tls13_signature_with_raw_key(
+                message,
+                &SubjectPublicKeyInfoDer::from(cert.as_ref()),
+                dss,
+                &self.algs,
+            )
+        }
+
+        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+            self.algs.supported_schemes()
+        }
+
+        fn requires_raw_public_keys(&self) -> bool {
+            true
+        }
+    };
 }
 
 impl ServerCertVerifier for Pinned {
@@ -124,31 +143,7 @@ impl ServerCertVerifier for Pinned {
         }
     }
 
-    fn verify_tls12_signature(
-        &self,
-        _message: &[u8],
-        _cert: &CertificateDer<'_>,
-        _dss: &DigitallySignedStruct,
-    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-        Err(no_tls12())
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-        self.verify(message, cert, dss)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.algs.supported_schemes()
-    }
-
-    fn requires_raw_public_keys(&self) -> bool {
-        true
-    }
+    raw_key_signatures!();
 }
 
 impl ClientCertVerifier for Pinned {
@@ -169,31 +164,7 @@ impl ClientCertVerifier for Pinned {
         }
     }
 
-    fn verify_tls12_signature(
-        &self,
-        _message: &[u8],
-        _cert: &CertificateDer<'_>,
-        _dss: &DigitallySignedStruct,
-    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-        Err(no_tls12())
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-        self.verify(message, cert, dss)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.algs.supported_schemes()
-    }
-
-    fn requires_raw_public_keys(&self) -> bool {
-        true
-    }
+    raw_key_signatures!();
 }
 
 /// A connection in its handshake: this rank dials (client) or was dialed (server), and
