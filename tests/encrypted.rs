@@ -157,8 +157,9 @@ impl Relay {
     }
 }
 
-impl Drop for Relay {
-    fn drop(&mut self) {
+impl Relay {
+    /// Ends the relay's threads (they hold the relay, so dropping the test's handle cannot).
+    fn close(&self) {
         self.stop.store(true, Ordering::Relaxed);
     }
 }
@@ -261,6 +262,7 @@ fn exchange_patterns(n: usize, cfg: &Config) -> (usize, usize) {
     }
     blocks(bytemuck_bytes(&pattern(100)), &mut known);
     blocks(bytemuck_bytes(&sums[0]), &mut known);
+    relay.close();
     let seen = relay.seen.lock().unwrap().clone();
     (sightings(&seen, &known), seen.len())
 }
@@ -289,6 +291,7 @@ fn tampering_in_transit_fails_every_rank_within_the_timeout() {
         let start = Instant::now();
         let results = through_relay(3, &cfg, &relay, |comm| util::all_reduce_until_error(&comm, 1 << 18));
         let took = start.elapsed();
+        relay.close();
         assert!(relay.tampered.load(Ordering::SeqCst), "{tamper:?}: the relay never tampered");
         let errors: Vec<String> = results
             .into_iter()

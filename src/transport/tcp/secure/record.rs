@@ -307,17 +307,24 @@ impl Sealed {
     /// The body length of the next record if it is all here; an error if its header is not
     /// one this layer sends.
     fn whole_record(&mut self) -> io::Result<Option<usize>> {
-        let have = self.in_end - self.in_at;
-        if have < HEADER {
-            return Ok(None);
-        }
-        match body_len(&self.inb[self.in_at..self.in_at + HEADER]) {
-            Some(body) => Ok((have >= HEADER + body).then_some(body)),
-            None => Err(self.fail(format!(
+        match self.next_record() {
+            Ok(body) => Ok(body),
+            Err(()) => Err(self.fail(format!(
                 "the encrypted link to rank {} received a malformed record header (corrupted or forged)",
                 self.peer
             ))),
         }
+    }
+
+    /// The body length of the next record if it is all here; `Err` for a header this layer
+    /// does not send.
+    fn next_record(&self) -> std::result::Result<Option<usize>, ()> {
+        let have = self.in_end - self.in_at;
+        if have < HEADER {
+            return Ok(None);
+        }
+        let body = body_len(&self.inb[self.in_at..self.in_at + HEADER]).ok_or(())?;
+        Ok((have >= HEADER + body).then_some(body))
     }
 
     fn forged(&mut self) -> io::Error {
@@ -485,18 +492,11 @@ impl Transport for Sealed {
     }
 
     fn arm(&mut self, read: bool, write: bool) -> Option<Events> {
-        if read && self.failed.is_none() && (self.plain_at < self.plain_end || self.whole_record_buffered()) {
+        if read && self.failed.is_none() && (self.plain_at < self.plain_end || self.next_record() != Ok(None))
+        {
             return None;
         }
         self.inner.arm(read, write || self.out_at < self.out_end)
-    }
-}
-
-impl Sealed {
-    fn whole_record_buffered(&self) -> bool {
-        let have = self.in_end - self.in_at;
-        have >= HEADER
-            && body_len(&self.inb[self.in_at..self.in_at + HEADER]).is_none_or(|b| have >= HEADER + b)
     }
 }
 
