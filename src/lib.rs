@@ -28,6 +28,7 @@ mod memory;
 mod reduce;
 pub mod rendezvous;
 mod sys;
+mod tls;
 mod topology;
 mod trace;
 mod transport;

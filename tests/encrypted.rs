@@ -3,7 +3,8 @@
 //! in this test, on loopback) sees none of the data the ranks all-reduce and broadcast, and a
 //! byte it flips, a stretch it replays or drops makes the next collective fail on every rank
 //! within the timeout; ranks that disagree on encryption, or encrypt without a token, fail at
-//! set-up with a clear error.
+//! set-up with a clear error. The same relay in front of an encrypted TCP store sees none of
+//! the values, and tampering fails the store call.
 
 mod util;
 
@@ -352,4 +353,72 @@ fn splits_and_shrinks_keep_their_links_encrypted() {
         assert_eq!(shrunk.size(), 3);
         check(&shrunk, "shrink");
     });
+}
+
+/// 1 MiB of a pattern through a TCP store behind `relay`: one client sets 16 values of 64 KiB,
+/// another reads them back. Returns what the reads gave (or the first error), and the blocks
+/// of the pattern the relay saw.
+fn store_through_relay(encrypt: bool, relay: &Arc<Relay>) -> (Result<(), String>, usize) {
+    use toroid::rendezvous::TcpStore;
+    let token = AuthToken::new(b"encrypted-store-test");
+    let t = Duration::from_secs(10);
+    let server = if encrypt {
+        TcpStore::serve_encrypted("127.0.0.1:0", t, &token)
+    } else {
+        TcpStore::serve_with_token("127.0.0.1:0", t, Some(&token))
+    }
+    .unwrap();
+    let front = relay.front(server.server_addr().unwrap()).to_string();
+    let connect = || {
+        if encrypt {
+            TcpStore::connect_encrypted(&front, t, &token)
+        } else {
+            TcpStore::connect_with_token(&front, t, Some(&token))
+        }
+    };
+    let value = |k: usize| bytemuck_bytes(&pattern(200 + k)[..16 << 10]).to_vec();
+    let run = || -> toroid::Result<()> {
+        let (a, b) = (connect()?, connect()?);
+        for k in 0..16 {
+            a.set(&format!("v{k}"), &value(k))?;
+        }
+        for k in 0..16 {
+            let got = b.get(&format!("v{k}"), t)?;
+            // Tampering may fail a call, never change a value.
+            assert!(got == value(k), "value {k} came back changed");
+        }
+        Ok(())
+    };
+    let res = run().map_err(|e| e.to_string());
+    relay.close();
+    let mut known = HashSet::new();
+    for k in 0..16 {
+        blocks(&value(k), &mut known);
+    }
+    let seen = relay.seen.lock().unwrap().clone();
+    (res, sightings(&seen, &known))
+}
+
+#[test]
+fn a_relay_sees_none_of_the_store_values_and_tampering_fails_the_call() {
+    let relay = Relay::new(Tamper::None);
+    let (res, hits) = store_through_relay(true, &relay);
+    res.unwrap();
+    let bytes = relay.seen.lock().unwrap().len();
+    assert!(bytes > 2 << 20, "the relay saw only {bytes} bytes: the store bypassed it");
+    assert_eq!(hits, 0, "the relay saw {hits} blocks of the store's values in {bytes} bytes");
+    // The same in plaintext: the relay sees them (so the check above can fail).
+    let (res, hits) = store_through_relay(false, &Relay::new(Tamper::None));
+    res.unwrap();
+    assert!(hits > 10_000, "plaintext store: only {hits} blocks of the values seen");
+    for tamper in [Tamper::Flip(300_001), Tamper::Replay(400_000), Tamper::Drop(500_000)] {
+        let relay = Relay::new(tamper);
+        let start = Instant::now();
+        let (res, _) = store_through_relay(true, &relay);
+        assert!(relay.tampered.load(Ordering::SeqCst), "{tamper:?}: the relay never tampered");
+        let e = res.expect_err("a tampered store connection went unnoticed");
+        eprintln!("{tamper:?}: {e}");
+        assert!(start.elapsed() < Duration::from_secs(30), "{tamper:?}: {:?}: {e}", start.elapsed());
+        assert!(e.contains("store"), "{tamper:?}: {e}");
+    }
 }

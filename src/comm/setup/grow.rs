@@ -181,7 +181,10 @@ impl Communicator {
         crate::sys::random::fill(&mut secret).map_err(|e| Error::system("grow: random secret", e))?;
         let ip = self.core.links.iface.addr;
         let bind = SocketAddr::new(ip, 0).to_string();
-        let store = TcpStore::serve_with_token(&bind, self.core.timeout, Some(&AuthToken::new(&secret)))?;
+        // Encrypted when this communicator's links are: the newcomers' keys cross it.
+        let encrypt = self.core.config.encrypt;
+        let store =
+            TcpStore::serve_secured(&bind, self.core.timeout, Some(&AuthToken::new(&secret)), encrypt)?;
         let addr =
             store.server_addr().ok_or_else(|| Error::Internal("grow: the store has no address".into()))?;
         Ok((Arc::new(store), JoinToken { size, addr, secret }))
@@ -272,7 +275,8 @@ fn join_with(token: &JoinToken, rank: usize, cfg: &Config) -> Result<Communicato
 /// A client of the grow's store, proving the token's secret.
 fn connect(token: &JoinToken, cfg: &Config) -> Result<TcpStore> {
     let secret = AuthToken::new(&token.secret);
-    TcpStore::connect_with_token(&token.addr.to_string(), cfg.timeout, Some(&secret)).map_err(|e| match e {
+    TcpStore::connect_secured(&token.addr.to_string(), cfg.timeout, Some(&secret), cfg.encrypt).map_err(|e| {
+        match e {
         // The store's message names TOROID_AUTH_TOKEN, which is not what a newcomer got wrong.
         Error::Remote(m) if m.to_string().contains("authentication") => Error::Remote(
             format!(
@@ -282,6 +286,7 @@ fn connect(token: &JoinToken, cfg: &Config) -> Result<TcpStore> {
             .into(),
         ),
         e => e,
+    }
     })
 }
 

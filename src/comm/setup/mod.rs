@@ -98,7 +98,7 @@ impl Communicator {
     /// rank 0 serves a TCP store (or everyone opens the file store) and the ranks connect.
     pub fn from_launch(launch: &rendezvous::env::Launch, cfg: &Config) -> Result<Communicator> {
         crate::config::init_logging();
-        let opened = rendezvous::env::open_store(launch, cfg.timeout, cfg.auth_token.as_ref())?;
+        let opened = rendezvous::env::open_store(launch, cfg.timeout, cfg.auth_token.as_ref(), cfg.encrypt)?;
         let store_host = match &launch.store {
             rendezvous::env::StoreAddr::Tcp { host, .. } => Some(host.clone()),
             rendezvous::env::StoreAddr::File(_) => None,

@@ -45,7 +45,8 @@ impl OpenedStore {
 /// Opens the store of `launch`: rank 0 serves a TCP store, the others connect; or everyone opens
 /// the file store (for a single-host job's private directory, a fresh subdirectory per
 /// communicator, removed by the last rank to drop it). With `token` (`TOROID_AUTH_TOKEN`), the
-/// TCP store's server and clients authenticate each other (see `tcp_store`).
+/// TCP store's server and clients authenticate each other, and with `encrypt` as well
+/// (`TOROID_ENCRYPT`) their connections are in TLS (see `tcp_store`).
 ///
 /// Rank 0 binds the loopback address when the store host is a loopback name or address (a
 /// single-host job); otherwise the first address of the store host that is an address of this
@@ -56,7 +57,12 @@ impl OpenedStore {
 ///
 /// # Errors
 /// As [`TcpStore::serve`], [`TcpStore::connect`] and [`FileStore::new`].
-pub fn open_store(launch: &Launch, timeout: Duration, token: Option<&AuthToken>) -> Result<OpenedStore> {
+pub fn open_store(
+    launch: &Launch,
+    timeout: Duration,
+    token: Option<&AuthToken>,
+    encrypt: bool,
+) -> Result<OpenedStore> {
     let plain = |store| Ok(OpenedStore { store, server: None });
     match &launch.store {
         StoreAddr::File(dir) if is_job_dir(dir) => plain(open_job_store(dir, launch, timeout)?),
@@ -64,12 +70,16 @@ pub fn open_store(launch: &Launch, timeout: Duration, token: Option<&AuthToken>)
         StoreAddr::Tcp { host, port } if launch.rank == 0 => {
             let bind = bind_addr(host, *port, is_local);
             tracing::info!(target: "toroid::store", "rank 0 serves the store on {bind} for {}{}", launch.store,
-                if token.is_some() { " (authenticated)" } else { "" });
-            let s = Arc::new(TcpStore::serve_with_token(&bind, timeout, token)?);
+            match (token.is_some(), encrypt) {
+                (_, true) => " (authenticated, encrypted)",
+                (true, false) => " (authenticated)",
+                _ => "",
+            });
+            let s = Arc::new(TcpStore::serve_secured(&bind, timeout, token, encrypt)?);
             Ok(OpenedStore { store: s.clone(), server: Some(s) })
         }
         StoreAddr::Tcp { host, port } => {
-            plain(Arc::new(TcpStore::connect_with_token(&join_host_port(host, *port), timeout, token)?))
+            plain(Arc::new(TcpStore::connect_secured(&join_host_port(host, *port), timeout, token, encrypt)?))
         }
     }
 }
@@ -206,12 +216,12 @@ mod tests {
         let t = Duration::from_secs(5);
         let peer = std::thread::spawn(move || {
             // Rank 1 may start first: connect retries until rank 0 serves.
-            let s = open_store(&launch(1), t, None).unwrap().store;
+            let s = open_store(&launch(1), t, None, false).unwrap().store;
             s.set("from1", b"hi").unwrap();
             s.get("from0", t).unwrap()
         });
         std::thread::sleep(Duration::from_millis(50));
-        let s0 = open_store(&launch(0), t, None).unwrap().store;
+        let s0 = open_store(&launch(0), t, None, false).unwrap().store;
         s0.set("from0", b"yo").unwrap();
         assert_eq!(s0.get("from1", t).unwrap(), b"hi");
         assert_eq!(peer.join().unwrap(), b"yo");
@@ -219,7 +229,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("toroid-env-open-{}", std::process::id()));
         let mut l = launch(1);
         l.store = StoreAddr::File(dir.clone());
-        let fs = open_store(&l, t, None).unwrap().store;
+        let fs = open_store(&l, t, None, false).unwrap().store;
         fs.set("k", b"v").unwrap();
         assert_eq!(fs.get("k", t).unwrap(), b"v");
         std::fs::remove_dir_all(&dir).unwrap();
@@ -238,7 +248,7 @@ mod tests {
                 vars.push(("OMPI_COMM_WORLD_RANK", "1".into()));
                 let l1 = detect_owned(&vars).unwrap();
                 std::thread::spawn(move || {
-                    let s = open_store(&l1, t, None).unwrap().store;
+                    let s = open_store(&l1, t, None, false).unwrap().store;
                     s.set("from1", b"hi").unwrap();
                     let got = s.get("from0", t).unwrap();
                     s.wait(&["done0"], t).unwrap();
@@ -247,7 +257,7 @@ mod tests {
             };
             vars.retain(|(k, _)| *k != "OMPI_COMM_WORLD_RANK");
             vars.push(("OMPI_COMM_WORLD_RANK", "0".into()));
-            let s0 = open_store(&detect_owned(&vars).unwrap(), t, None).unwrap().store;
+            let s0 = open_store(&detect_owned(&vars).unwrap(), t, None, false).unwrap().store;
             let sub = dir.join(format!("c{round}"));
             assert!(sub.is_dir(), "{} for communicator {round}", sub.display());
             let meta = fs::metadata(private_base()).unwrap();

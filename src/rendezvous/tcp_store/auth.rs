@@ -11,8 +11,15 @@
 //! recorded exchange cannot be replayed (a new connection gets a new nonce), and the token never
 //! crosses the wire. The labels differ between the two tags, and from the labels of the rank
 //! handshake (`transport::tcp::handshake`), so no tag can be passed off as another. Tags are
-//! compared in constant time. There is no encryption: an observer of the network sees the keys
-//! and values (see docs/ENV.md).
+//! compared in constant time.
+//!
+//! With `TOROID_ENCRYPT` the client's plaintext hello asks for TLS (flag `TLS`, no nonce), the
+//! server agrees, and the exchange above runs inside TLS with the hello extended by a value
+//! both ends export from that handshake ([`BINDING_LABEL`]). The TLS keys are made fresh and
+//! never checked against anything else: the tags are what proves that the other end of *this*
+//! TLS session holds the token (a machine in the middle would face two sessions with two
+//! different exported values). Without it, an observer of the network sees the keys and values
+//! (see docs/ENV.md).
 
 use hmac::{KeyInit, Mac};
 
@@ -29,6 +36,11 @@ pub(super) const TAG_LEN: usize = 32;
 pub(super) type Nonce = [u8; NONCE_LEN];
 /// A tag.
 pub(super) type Tag = [u8; TAG_LEN];
+
+/// The exporter label (RFC 8446 section 7.5) of the value the tags cover under TLS.
+pub(super) const BINDING_LABEL: &[u8] = b"EXPORTER-toroid-store-binding-v1";
+/// Bytes of that value.
+pub(super) const BINDING_LEN: usize = 32;
 
 const LABEL_SERVER: &[u8] = b"toroid store v2 server proof";
 const LABEL_CLIENT: &[u8] = b"toroid store v2 client proof";

@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 
 use super::auth::{self, NONCE_LEN, TAG_LEN};
 use super::deadline;
-use super::protocol::{Enc, FLAG_AUTH, MAX_FRAME, ST_BAD_REQUEST, ST_INVALID_USAGE, ST_OK, ST_TIMEOUT};
+use super::protocol::{
+    Enc, FLAG_AUTH, FLAG_TLS, MAX_FRAME, ST_BAD_REQUEST, ST_INVALID_USAGE, ST_OK, ST_TIMEOUT,
+};
 use crate::config::AuthToken;
 use crate::error::{Error, Result};
 
@@ -26,6 +28,8 @@ pub(super) struct Client {
 
 struct ClientConn {
     stream: TcpStream,
+    /// TLS over the stream once the hello agreed on it (`TOROID_ENCRYPT`).
+    tls: Option<Box<rustls::ClientConnection>>,
     /// Why the connection cannot be used any more, after an I/O error left it out of step.
     broken: Option<String>,
 }
@@ -55,15 +59,21 @@ fn retriable(e: &io::Error) -> bool {
 
 impl Client {
     /// One connection attempt to any of `addrs` within `attempt`, then the hello (with `auth`,
-    /// the challenge-response of `auth`). `timeout` is the client's deadline for calls without
-    /// one of their own.
+    /// the challenge-response of `auth`; with `encrypt` as well, inside TLS). `timeout` is the
+    /// client's deadline for calls without one of their own.
     pub(super) fn connect(
         addr: &str,
         addrs: &[SocketAddr],
         attempt: Duration,
         timeout: Duration,
         auth: Option<&AuthToken>,
+        encrypt: bool,
     ) -> std::result::Result<Client, Retry> {
+        if encrypt && auth.is_none() {
+            return Err(Retry::Fatal(Error::InvalidArgument(
+                "an encrypted store needs a token (TOROID_AUTH_TOKEN)".into(),
+            )));
+        }
         let deadline = deadline(attempt);
         let mut last = if addrs.is_empty() {
             format!("'{addr}' resolves to no address")
@@ -90,24 +100,76 @@ impl Client {
             let client = Client {
                 addr: addr.to_string(),
                 timeout,
-                conn: Mutex::new(ClientConn { stream, broken: None }),
+                conn: Mutex::new(ClientConn { stream, tls: None, broken: None }),
             };
             let io_timeout = deadline.saturating_duration_since(Instant::now());
+            if encrypt {
+                client.start_tls(io_timeout).map_err(Retry::Fatal)?;
+            }
             client.hello(auth, io_timeout).map_err(Retry::Fatal)?;
             tracing::info!(target: "toroid::store", "connected to store at {addr} ({a}){}",
-                if auth.is_some() { ", authenticated" } else { "" });
+            match (auth.is_some(), encrypt) {
+                (_, true) => ", authenticated and encrypted",
+                (true, false) => ", authenticated",
+                _ => "",
+            });
             return Ok(client);
         }
         Err(Retry::Again(last))
     }
 
+    /// The plaintext hello that asks for TLS, then the TLS handshake, within `io_timeout` for
+    /// each socket call. The server's key is not checked here: the token's challenge-response
+    /// that follows covers a value exported from this handshake ([`auth::BINDING_LABEL`]).
+    fn start_tls(&self, io_timeout: Duration) -> Result<()> {
+        let addr = &self.addr;
+        match self.exchange(Enc::hello_tls(), io_timeout)?.as_slice() {
+            [ST_OK, FLAG_TLS] => {}
+            [ST_OK, ..] => return Err(self.bad_answer("hello", "the server did not agree to TLS")),
+            [_, msg @ ..] => {
+                return Err(Error::Remote(
+                    format!("store at {addr} refused the hello: {}", String::from_utf8_lossy(msg)).into(),
+                ));
+            }
+            [] => return Err(self.bad_answer("hello", "empty answer")),
+        }
+        let mut tls = crate::tls::store_client()?;
+        let mut c = self.lock();
+        let res = (|| -> io::Result<()> {
+            let t = Some(io_timeout.saturating_add(IO_MARGIN));
+            c.stream.set_write_timeout(t)?;
+            c.stream.set_read_timeout(t)?;
+            while tls.is_handshaking() {
+                tls.complete_io(&mut c.stream)?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = res {
+            c.broken = Some(format!("TLS handshake: {e}"));
+            return Err(match e.kind() {
+                io::ErrorKind::InvalidData => {
+                    Error::Remote(format!("store {addr}: TLS handshake failed: {e}").into())
+                }
+                _ => self.io_error(e, io_timeout),
+            });
+        }
+        c.tls = Some(Box::new(tls));
+        Ok(())
+    }
+
     /// The hello, and with a token the challenge-response: the server must prove it holds the
-    /// token before this client proves it does.
+    /// token before this client proves it does. Under TLS the tags also cover the value both
+    /// ends export from the handshake.
     fn hello(&self, token: Option<&AuthToken>, io_timeout: Duration) -> Result<()> {
         let addr = &self.addr;
         let nonce = token.map(|_| auth::nonce()).transpose()?;
         let hello = Enc::hello(nonce.as_ref().map(|n| &n[..]));
-        let hello_payload = hello.payload().to_vec();
+        let mut hello_payload = hello.payload().to_vec();
+        if let Some(tls) = &self.lock().tls {
+            let mut b = [0; auth::BINDING_LEN];
+            crate::tls::export(tls, auth::BINDING_LABEL, &mut b)?;
+            hello_payload.extend_from_slice(&b);
+        }
         let answer = self.exchange(hello, io_timeout)?;
         let body = match answer.split_first() {
             Some((&ST_OK, body)) => body,
@@ -171,23 +233,12 @@ impl Client {
             ));
         }
         let io_timeout = Some(timeout.saturating_add(IO_MARGIN));
-        let res = (|| {
-            c.stream.set_write_timeout(io_timeout)?;
-            c.stream.set_read_timeout(io_timeout)?;
-            c.stream.write_all(&frame)?;
-            let mut len = [0; 4];
-            c.stream.read_exact(&mut len)?;
-            let len = u32::from_le_bytes(len) as usize;
-            if len > MAX_FRAME {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    format!("server sent a frame of {len} bytes, above the limit of {MAX_FRAME}"),
-                ));
-            }
-            let mut body = vec![0; len];
-            c.stream.read_exact(&mut body)?;
-            Ok(body)
-        })();
+        let ClientConn { stream, tls, .. } = &mut *c;
+        let res = stream.set_write_timeout(io_timeout).and_then(|()| stream.set_read_timeout(io_timeout));
+        let res = res.and_then(|()| match tls {
+            Some(tls) => round_trip(&mut rustls::Stream::new(&mut **tls, stream), &frame),
+            None => round_trip(stream, &frame),
+        });
         res.map_err(|e| {
             c.broken = Some(e.to_string());
             self.io_error(e, timeout)
@@ -232,6 +283,24 @@ impl Client {
     pub(super) fn bad_answer(&self, what: &str, why: &str) -> Error {
         Error::Remote(format!("store {}: {what}: malformed answer: {why}", self.addr).into())
     }
+}
+
+/// Writes one frame and reads the answer's frame.
+fn round_trip(s: &mut (impl Read + Write), frame: &[u8]) -> io::Result<Vec<u8>> {
+    s.write_all(frame)?;
+    s.flush()?;
+    let mut len = [0; 4];
+    s.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_FRAME {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("server sent a frame of {len} bytes, above the limit of {MAX_FRAME}"),
+        ));
+    }
+    let mut body = vec![0; len];
+    s.read_exact(&mut body)?;
+    Ok(body)
 }
 
 #[cfg(test)]

@@ -89,6 +89,8 @@ mod client;
 pub(crate) mod protocol;
 pub(crate) mod requests;
 mod server;
+#[cfg(test)]
+mod tls_tests;
 
 use client::{Client, Retry};
 use protocol::{Dec, Enc, OP_ADD, OP_DELETE, OP_GET, OP_SET, OP_WAIT};
@@ -142,6 +144,26 @@ impl TcpStore {
     /// # Errors
     /// As [`TcpStore::serve`].
     pub fn serve_with_token(addr: &str, timeout: Duration, token: Option<&AuthToken>) -> Result<TcpStore> {
+        TcpStore::serve_secured(addr, timeout, token, false)
+    }
+
+    /// As [`TcpStore::serve_with_token`], with every connection (after a plaintext hello that
+    /// asks for it) in TLS 1.3, and the token's challenge-response bound to each connection's
+    /// handshake: the keys and values cross the network encrypted (`TOROID_ENCRYPT`).
+    ///
+    /// # Errors
+    /// As [`TcpStore::serve`].
+    pub fn serve_encrypted(addr: &str, timeout: Duration, token: &AuthToken) -> Result<TcpStore> {
+        TcpStore::serve_secured(addr, timeout, Some(token), true)
+    }
+
+    /// Serves with `token` and, if `encrypt`, TLS (which needs the token).
+    pub(crate) fn serve_secured(
+        addr: &str,
+        timeout: Duration,
+        token: Option<&AuthToken>,
+        encrypt: bool,
+    ) -> Result<TcpStore> {
         let (host, port) = split_host_port(addr)?;
         let candidates =
             resolve(&host, port).map_err(|e| Error::system(format!("store: resolve '{addr}'"), e))?;
@@ -164,7 +186,7 @@ impl TcpStore {
             }
         };
         let bound = listener.local_addr().map_err(|e| Error::system("store: local address", e))?;
-        let handle = server::start(listener, bound, token.cloned(), MAX_CONNECTIONS)?;
+        let handle = server::start(listener, bound, token.cloned(), encrypt, MAX_CONNECTIONS)?;
 
         // An unspecified bind address is not something to connect to: use loopback.
         let local = match bound.ip() {
@@ -177,8 +199,8 @@ impl TcpStore {
             _ => bound,
         };
         // On failure `handle` drops here, which stops and joins the server.
-        let client =
-            Client::connect(&local.to_string(), &[local], timeout, timeout, token).map_err(|r| match r {
+        let client = Client::connect(&local.to_string(), &[local], timeout, timeout, token, encrypt)
+            .map_err(|r| match r {
                 Retry::Again(e) => {
                     Error::System(format!("store: cannot reach its own server at {local}: {e}").into())
                 }
@@ -207,6 +229,25 @@ impl TcpStore {
     /// As [`TcpStore::connect`]; [`Error::Remote`] naming `TOROID_AUTH_TOKEN` when the server
     /// has another token or none.
     pub fn connect_with_token(addr: &str, timeout: Duration, token: Option<&AuthToken>) -> Result<TcpStore> {
+        TcpStore::connect_secured(addr, timeout, token, false)
+    }
+
+    /// As [`TcpStore::connect_with_token`] to a server of [`TcpStore::serve_encrypted`].
+    ///
+    /// # Errors
+    /// As [`TcpStore::connect_with_token`]; [`Error::Remote`] naming `TOROID_ENCRYPT` when the
+    /// server does not encrypt.
+    pub fn connect_encrypted(addr: &str, timeout: Duration, token: &AuthToken) -> Result<TcpStore> {
+        TcpStore::connect_secured(addr, timeout, Some(token), true)
+    }
+
+    /// Connects with `token` and, if `encrypt`, TLS (which needs the token).
+    pub(crate) fn connect_secured(
+        addr: &str,
+        timeout: Duration,
+        token: Option<&AuthToken>,
+        encrypt: bool,
+    ) -> Result<TcpStore> {
         let (host, port) = split_host_port(addr)?;
         if port == 0 {
             return Err(Error::InvalidArgument(format!("store: cannot connect to port 0 ('{addr}')").into()));
@@ -221,6 +262,7 @@ impl TcpStore {
                     deadline.saturating_duration_since(Instant::now()),
                     timeout,
                     token,
+                    encrypt,
                 ) {
                     Ok(client) => {
                         return Ok(TcpStore { client, server: Mutex::new(None) });

@@ -47,6 +47,9 @@ const MAGIC: &[u8; 4] = b"TRDV";
 pub(super) const VERSION: u32 = 2;
 /// Hello flag: the client authenticates (its nonce follows the flags).
 pub(super) const FLAG_AUTH: u8 = 1;
+/// Hello flag: the client encrypts (`TOROID_ENCRYPT`). Sent alone, in plaintext, before a TLS
+/// handshake; the hello with [`FLAG_AUTH`] then follows inside TLS.
+pub(super) const FLAG_TLS: u8 = 2;
 
 pub(super) const OP_SET: u8 = 1;
 pub(super) const OP_GET: u8 = 2;
@@ -76,6 +79,14 @@ impl Enc {
         if let Some(n) = nonce {
             e.0.extend_from_slice(n);
         }
+        e
+    }
+    /// The plaintext hello of a client that encrypts: magic, version, [`FLAG_TLS`].
+    pub(super) fn hello_tls() -> Enc {
+        let mut e = Enc(vec![0; 4]);
+        e.0.extend_from_slice(MAGIC);
+        e.u32(VERSION);
+        e.0.push(FLAG_TLS);
         e
     }
     /// A frame of raw bytes (the client's proof).
@@ -166,6 +177,8 @@ pub(crate) enum Hello<'a> {
     Plain,
     /// With authentication: the client's nonce.
     Auth(&'a [u8]),
+    /// A request to continue in TLS.
+    Tls,
 }
 
 /// Parses a client's first frame.
@@ -176,6 +189,7 @@ pub(crate) fn parse_hello(payload: &[u8]) -> Hello<'_> {
     match (payload[8], &payload[9..]) {
         (0, []) => Hello::Plain,
         (FLAG_AUTH, n) if n.len() == super::auth::NONCE_LEN => Hello::Auth(n),
+        (FLAG_TLS, []) => Hello::Tls,
         _ => Hello::Foreign,
     }
 }
@@ -210,6 +224,7 @@ mod tests {
         assert_eq!(parse_hello(&Enc::hello(Some(&n)).finish().unwrap()[4..]), Hello::Auth(&n[..]));
         assert_eq!(parse_hello(&Enc::hello(Some(&n[1..])).finish().unwrap()[4..]), Hello::Foreign);
         assert_eq!(parse_hello(b"HTTP/1.1"), Hello::Foreign);
+        assert_eq!(parse_hello(&Enc::hello_tls().finish().unwrap()[4..]), Hello::Tls);
         let mut old = Enc::hello(None).finish().unwrap()[4..].to_vec();
         old[4] = 1; // version 1
         assert_eq!(parse_hello(&old), Hello::Foreign);

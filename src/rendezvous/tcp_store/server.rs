@@ -25,7 +25,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::io;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::thread::JoinHandle;
@@ -39,19 +39,34 @@ use crate::error::{Error, Result};
 use crate::sys::epoll::{self, EpollSet, Interest, ReadyList};
 
 mod conn;
+mod conn_io;
+
+use conn_io::ConnIo;
 
 /// Starts the server thread on `listener` (bound to `bound`); it serves until the handle drops.
 /// With `auth`, every connection must prove it holds that token before any request. At most
 /// `max_connections` are served at once ([`MAX_CONNECTIONS`](super::MAX_CONNECTIONS); tests use fewer).
+/// With `encrypt` (which needs `auth`), every connection continues in TLS after its plaintext
+/// hello, under a key pair made here.
 pub(super) fn start(
     listener: TcpListener,
     bound: SocketAddr,
     auth: Option<AuthToken>,
+    encrypt: bool,
     max_connections: usize,
 ) -> Result<ServerHandle> {
+    let tls = match (encrypt, &auth) {
+        (false, _) => None,
+        (true, Some(_)) => Some(crate::tls::store_server(&crate::tls::Identity::generate()?)?),
+        (true, None) => {
+            return Err(Error::InvalidArgument(
+                "an encrypted store needs a token (TOROID_AUTH_TOKEN)".into(),
+            ));
+        }
+    };
     listener.set_nonblocking(true).map_err(|e| Error::system("store: set_nonblocking", e))?;
     let (wake_tx, wake_rx) = UnixStream::pair().map_err(|e| Error::system("store: socketpair", e))?;
-    let ctx = Ctx { table: Table::default(), auth, log: Throttle::default() };
+    let ctx = Ctx { table: Table::default(), auth, tls, log: Throttle::default() };
     let epoll = EpollSet::new().map_err(|e| Error::system("store: epoll_create", e))?;
     epoll.add(wake_rx.as_raw_fd(), epoll::IN).map_err(|e| Error::system("store: epoll_ctl", e))?;
     epoll.add(listener.as_raw_fd(), epoll::IN).map_err(|e| Error::system("store: epoll_ctl", e))?;
@@ -134,6 +149,8 @@ impl Throttle {
 struct Ctx {
     table: Table,
     auth: Option<AuthToken>,
+    /// The TLS configuration when the store encrypts.
+    tls: Option<std::sync::Arc<rustls::ServerConfig>>,
     log: Throttle,
 }
 
@@ -172,7 +189,7 @@ enum State {
 }
 
 struct Conn {
-    stream: TcpStream,
+    io: ConnIo,
     peer: SocketAddr,
     state: State,
     /// Input; bytes before `rpos` are consumed.
@@ -224,6 +241,15 @@ impl Server {
             self.epoll.wait(&mut ready, timeout_ms)?;
             touched.clear();
             touched.append(&mut again);
+            for fd in &touched {
+                // Input that TLS decrypted earlier and still holds: the socket shows nothing.
+                if let Some(c) = self.conns.get_mut(fd)
+                    && c.io.has_buffered_input()
+                    && c.wants_input()
+                {
+                    c.fill();
+                }
+            }
             let mut accept = false;
             for (fd, _) in ready.iter() {
                 if fd == self.wake.as_raw_fd() {
@@ -312,13 +338,13 @@ impl Server {
             }
             c.scheduled = next;
         }
-        let interest =
-            if c.wants_input() { epoll::IN } else { 0 } | if c.wpos < c.wbuf.len() { epoll::OUT } else { 0 };
+        let unsent = c.wpos < c.wbuf.len() || c.io.wants_write();
+        let interest = if c.wants_input() { epoll::IN } else { 0 } | if unsent { epoll::OUT } else { 0 };
         if interest != c.interest {
             self.epoll.modify(fd, interest)?;
             c.interest = interest;
         }
-        if c.has_work() {
+        if c.has_work() || (c.wants_input() && c.io.has_buffered_input()) {
             again.push(fd);
         }
         Ok(())
@@ -376,7 +402,7 @@ impl Server {
                     self.conns.insert(
                         fd,
                         Conn {
-                            stream,
+                            io: ConnIo::plain(stream),
                             peer,
                             state: State::New,
                             rbuf: Vec::new(),

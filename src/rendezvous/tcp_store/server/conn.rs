@@ -1,14 +1,13 @@
 //! One connection's life on the server: its hello and the challenge-response, its buffers and
 //! their caps, the requests it drives through the table, parking, expiry and flushing.
 
-use std::io::{self, Read, Write};
-use std::net::Shutdown;
+use std::io;
 use std::time::Instant;
 
 use super::super::auth;
 use super::super::protocol::{
-    FLAG_AUTH, HANDSHAKE_DEADLINE, Hello, MAX_FRAME, MAX_HELLO_FRAME, MAX_INPUT, MAX_OUTPUT, ST_BAD_REQUEST,
-    ST_OK, VERSION, answer, parse_hello,
+    FLAG_AUTH, FLAG_TLS, HANDSHAKE_DEADLINE, Hello, MAX_FRAME, MAX_HELLO_FRAME, MAX_INPUT, MAX_OUTPUT,
+    ST_BAD_REQUEST, ST_OK, VERSION, answer, parse_hello,
 };
 use super::super::requests::{Handled, handle};
 use super::{Conn, Ctx, KEEP_CAPACITY, State, Throttle};
@@ -72,7 +71,7 @@ impl Conn {
             if room == 0 {
                 return;
             }
-            match self.stream.read(&mut chunk[..room]) {
+            match self.io.read(&mut chunk[..room]) {
                 Ok(0) => {
                     self.eof = true;
                     return;
@@ -176,9 +175,35 @@ impl Conn {
     }
 
     /// Handles the first frame: the hello, and with a token the server's challenge and proof.
+    /// A client that encrypts asks for TLS first; its hello with the token's nonce then comes
+    /// inside TLS, and the tags cover the value exported from that handshake too.
     pub(super) fn hello(&mut self, ctx: &mut Ctx, frame: &[u8]) {
-        match (parse_hello(frame), &ctx.auth) {
-            (Hello::Foreign, _) => {
+        let hello = parse_hello(frame);
+        match (&hello, &ctx.tls, self.io.is_tls()) {
+            (Hello::Foreign, ..) => {}
+            (Hello::Tls, Some(cfg), false) => {
+                let cfg = cfg.clone();
+                return self.start_tls(ctx, &cfg);
+            }
+            (Hello::Tls, None, _) => {
+                return self.reject(
+                    &mut ctx.log,
+                    "this client encrypts (TOROID_ENCRYPT) but the store's server does not: set it alike on every rank",
+                );
+            }
+            (_, Some(_), false) => {
+                return self.reject(
+                    &mut ctx.log,
+                    "the store encrypts (TOROID_ENCRYPT on its server) but this client does not: set it alike on every rank",
+                );
+            }
+            (Hello::Tls, Some(_), true) => {
+                return self.reject(&mut ctx.log, "bad hello: TLS asked for twice");
+            }
+            _ => {}
+        }
+        match (hello, &ctx.auth) {
+            (Hello::Foreign | Hello::Tls, _) => {
                 self.reject(&mut ctx.log, &format!("bad hello: not a toroid store client of protocol version {VERSION}"))
             }
             (Hello::Plain, None) => {
@@ -192,17 +217,40 @@ impl Conn {
                 &mut ctx.log,
                 "this client authenticates but the store's server has no TOROID_AUTH_TOKEN set",
             ),
-            (Hello::Auth(_), Some(t)) => match auth::nonce() {
-                Ok(nonce) => {
-                    let tag = auth::server_tag(t, frame, &nonce);
-                    let mut a = vec![ST_OK, FLAG_AUTH];
-                    a.extend_from_slice(&nonce);
-                    a.extend_from_slice(&tag);
-                    self.send(&a);
-                    self.state = State::Proving { hello: frame.to_vec(), nonce };
+            (Hello::Auth(_), Some(t)) => {
+                let mut bound = frame.to_vec();
+                if self.io.is_tls() {
+                    let Some(b) = self.io.binding() else {
+                        return self.reject(&mut ctx.log, "a request before the TLS handshake finished");
+                    };
+                    bound.extend_from_slice(&b);
                 }
-                Err(e) => self.reject(&mut ctx.log, &format!("internal error: {e}")),
-            },
+                match auth::nonce() {
+                    Ok(nonce) => {
+                        let tag = auth::server_tag(t, &bound, &nonce);
+                        let mut a = vec![ST_OK, FLAG_AUTH];
+                        a.extend_from_slice(&nonce);
+                        a.extend_from_slice(&tag);
+                        self.send(&a);
+                        self.state = State::Proving { hello: bound, nonce };
+                    }
+                    Err(e) => self.reject(&mut ctx.log, &format!("internal error: {e}")),
+                }
+            }
+        }
+    }
+
+    /// Agrees to TLS: the answer goes out in plaintext, then the handshake follows (whatever
+    /// arrived after the hello is its start).
+    fn start_tls(&mut self, ctx: &mut Ctx, cfg: &std::sync::Arc<rustls::ServerConfig>) {
+        let body = answer(ST_OK, &[FLAG_TLS]);
+        let mut prefix = (body.len() as u32).to_le_bytes().to_vec();
+        prefix.extend_from_slice(&body);
+        let early = self.rbuf.split_off(self.rpos);
+        self.rbuf.clear();
+        self.rpos = 0;
+        if let Err(e) = self.io.start_tls(cfg, prefix, &early) {
+            self.reject(&mut ctx.log, &format!("TLS handshake: {e}"));
         }
     }
 
@@ -231,7 +279,7 @@ impl Conn {
     /// Writes what the socket takes now.
     pub(super) fn flush(&mut self) {
         while self.wpos < self.wbuf.len() && !matches!(self.state, State::Dead) {
-            match self.stream.write(&self.wbuf[self.wpos..]) {
+            match self.io.write(&self.wbuf[self.wpos..]) {
                 Ok(0) => self.state = State::Dead,
                 Ok(n) => self.wpos += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -241,6 +289,10 @@ impl Conn {
                     self.state = State::Dead;
                 }
             }
+        }
+        if let Err(e) = self.io.push() {
+            tracing::debug!(target: "toroid::store", "store client {}: {e}", self.peer);
+            self.state = State::Dead;
         }
         if self.wpos == self.wbuf.len() {
             self.wpos = 0;
@@ -253,9 +305,13 @@ impl Conn {
             self.wbuf.drain(..self.wpos);
             self.wpos = 0;
         }
-        if matches!(self.state, State::Closing) && self.wbuf.is_empty() && !self.write_shut {
+        if matches!(self.state, State::Closing)
+            && self.wbuf.is_empty()
+            && !self.io.wants_write()
+            && !self.write_shut
+        {
             self.write_shut = true;
-            let _ = self.stream.shutdown(Shutdown::Write);
+            self.io.shutdown_write();
         }
     }
 }

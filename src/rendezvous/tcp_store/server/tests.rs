@@ -7,6 +7,7 @@ use super::super::tests::{T, raw_frame, raw_read, server};
 use super::*;
 use crate::rendezvous::Store;
 use std::io::{Read, Write};
+use std::net::TcpStream;
 
 fn token(s: &[u8]) -> AuthToken {
     AuthToken::new(s)
@@ -251,7 +252,7 @@ fn past_the_connection_cap_new_connections_wait_for_a_slot() {
     let cap = 64;
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
-    let _server = start(listener, addr, None, cap).unwrap();
+    let _server = start(listener, addr, None, false, cap).unwrap();
     let mut held: Vec<TcpStream> = Vec::new();
     let hello = Enc::hello(None).finish().unwrap();
     for _ in 0..cap {

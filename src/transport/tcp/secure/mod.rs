@@ -4,7 +4,7 @@
 //! How a link is secured, after the plaintext hello and ack ([`super::handshake`]) have
 //! checked the peer's rank, the communicator and the job's token on every lane:
 //!
-//! 1. **A TLS 1.3 handshake** ([`tls`], rustls with aws-lc-rs) on the link's stream, the dialing
+//! 1. **A TLS 1.3 handshake** ([`tls`], rustls with aws-lc-rs; configured by the crate's `tls`) on the link's stream, the dialing
 //!    rank as client. Each side presents the Ed25519 key its rank made at start-up and
 //!    published through the store beside its address; each accepts only the key the peer's
 //!    rank published ([`LinkSecurity`] holds them, one per rank). Key exchange: X25519 with
@@ -30,8 +30,8 @@ use crate::transport::{AbortSignal, Transport};
 pub mod record;
 pub mod tls;
 
+pub use crate::tls::Identity;
 pub use record::Sealed;
-pub use tls::Identity;
 
 const LINK_LABEL: &[u8] = b"EXPORTER-toroid-link-keys-v1";
 const BIND_LABEL: &[u8] = b"EXPORTER-toroid-token-binding-v1";
@@ -115,12 +115,12 @@ pub fn secure_link(
         .keys
         .get(peer)
         .ok_or_else(|| Error::Internal(format!("{what}: no published key for rank {peer}").into()))?;
-    let mut conn = tls::connection(&sec.identity, key, dialer)?;
+    let mut conn = crate::tls::link_connection(&sec.identity, key, dialer)?;
     tls::handshake(&mut conn, &mut *inner, deadline, abort, &what)?;
     let mut secrets = [0u8; 2 * record::SECRET_LEN];
-    tls::export(&conn, LINK_LABEL, &mut secrets)?;
+    crate::tls::export_link(&conn, LINK_LABEL, &mut secrets)?;
     let mut bind = [0u8; BIND_LEN];
-    tls::export(&conn, BIND_LABEL, &mut bind)?;
+    crate::tls::export_link(&conn, BIND_LABEL, &mut bind)?;
     drop(conn);
     let (to_server, to_client) = secrets.split_at(record::SECRET_LEN);
     let (tx, rx) = if dialer { (to_server, to_client) } else { (to_client, to_server) };

@@ -1,0 +1,265 @@
+//! TLS 1.3 as toroid uses it (rustls, aws-lc-rs provider): one provider, the Ed25519 key
+//! pairs ranks and store servers present as RFC 7250 raw public keys, and the verifiers that
+//! decide which keys a side accepts.
+//!
+//! - Links between ranks ([`link_connection`]): both sides authenticate, and each accepts
+//!   exactly the key the peer's rank published ([`Pinned`]). The handshake itself runs over a
+//!   link's transport (`transport::tcp::secure`).
+//! - The TCP store ([`store_client`], [`store_server`]): the server presents a key made when it
+//!   starts, which no client can know beforehand, so the client accepts any key whose
+//!   signature holds ([`AnyKey`]) and the store's token challenge, computed over a value
+//!   exported from this very handshake, is what authenticates both ends
+//!   (`rendezvous::tcp_store::auth`): a machine in the middle would hold two handshakes with
+//!   two different exported values, and cannot compute either side's answer without the token.
+//!
+//! TLS 1.2, certificates chains and session resumption are never offered.
+
+use std::sync::Arc;
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::{CryptoProvider, WebPkiSupportedAlgorithms, verify_tls13_signature_with_raw_key};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, SubjectPublicKeyInfoDer, UnixTime};
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use rustls::sign::CertifiedKey;
+use rustls::{DigitallySignedStruct, DistinguishedName, SignatureScheme};
+
+use crate::error::{Error, Result};
+
+/// The provider every handshake uses: aws-lc-rs, TLS 1.3 with AES-128-GCM only, key exchange
+/// by X25519 with ML-KEM-768 (a hybrid: recorded traffic stays safe if either holds), else
+/// X25519 alone.
+fn provider() -> Arc<CryptoProvider> {
+    use rustls::crypto::aws_lc_rs::{cipher_suite, default_provider, kx_group};
+    let mut p = default_provider();
+    p.cipher_suites = vec![cipher_suite::TLS13_AES_128_GCM_SHA256];
+    p.kx_groups = vec![kx_group::X25519MLKEM768, kx_group::X25519];
+    Arc::new(p)
+}
+
+/// This rank's key pair for the links of its communicators.
+#[derive(Debug)]
+pub struct Identity {
+    key: Arc<CertifiedKey>,
+    /// The public key as DER SubjectPublicKeyInfo: what the rank publishes and peers pin.
+    public: Vec<u8>,
+}
+
+impl Identity {
+    /// A fresh Ed25519 key pair.
+    pub fn generate() -> Result<Identity> {
+        let rng = aws_lc_rs::rand::SystemRandom::new();
+        let pkcs8 = aws_lc_rs::signature::Ed25519KeyPair::generate_pkcs8(&rng)
+            .map_err(|_| Error::Internal("generating an Ed25519 key pair failed".into()))?;
+        let der = PrivateKeyDer::try_from(pkcs8.as_ref().to_vec())
+            .map_err(|e| Error::Internal(format!("the new key's encoding: {e}").into()))?;
+        let signer = provider()
+            .key_provider
+            .load_private_key(der)
+            .map_err(|e| Error::Internal(format!("loading the new key: {e}").into()))?;
+        let public = signer
+            .public_key()
+            .ok_or_else(|| Error::Internal("the new key has no public key".into()))?
+            .as_ref()
+            .to_vec();
+        let key = Arc::new(CertifiedKey::new(vec![CertificateDer::from(public.clone())], signer));
+        Ok(Identity { key, public })
+    }
+
+    /// The public key peers pin (DER SubjectPublicKeyInfo).
+    pub fn public_key(&self) -> &[u8] {
+        &self.public
+    }
+}
+
+/// Accepts exactly one raw public key: the one rank `peer` published.
+#[derive(Debug)]
+struct Pinned {
+    key: Vec<u8>,
+    algs: WebPkiSupportedAlgorithms,
+}
+
+impl Pinned {
+    fn check(&self, presented: &CertificateDer<'_>, intermediates: &[CertificateDer<'_>]) -> bool {
+        intermediates.is_empty() && presented.as_ref() == self.key.as_slice()
+    }
+}
+
+fn not_pinned() -> rustls::Error {
+    rustls::Error::InvalidCertificate(rustls::CertificateError::ApplicationVerificationFailure)
+}
+
+/// The methods both verifier traits share, the same for both: TLS 1.2 refused, TLS 1.3
+/// signatures checked against the raw public key, raw public keys required.
+macro_rules! raw_key_signatures {
+    () => {
+        fn verify_tls12_signature(
+            &self,
+            _message: &[u8],
+            _cert: &CertificateDer<'_>,
+            _dss: &DigitallySignedStruct,
+        ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+            Err(rustls::Error::PeerIncompatible(rustls::PeerIncompatible::Tls12NotOffered))
+        }
+
+        fn verify_tls13_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+            verify_tls13_signature_with_raw_key(
+                message,
+                &SubjectPublicKeyInfoDer::from(cert.as_ref()),
+                dss,
+                &self.algs,
+            )
+        }
+
+        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+            self.algs.supported_schemes()
+        }
+
+        fn requires_raw_public_keys(&self) -> bool {
+            true
+        }
+    };
+}
+
+impl ServerCertVerifier for Pinned {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> std::result::Result<ServerCertVerified, rustls::Error> {
+        if self.check(end_entity, intermediates) {
+            Ok(ServerCertVerified::assertion())
+        } else {
+            Err(not_pinned())
+        }
+    }
+
+    raw_key_signatures!();
+}
+
+impl ClientCertVerifier for Pinned {
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        &[]
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        _now: UnixTime,
+    ) -> std::result::Result<ClientCertVerified, rustls::Error> {
+        if self.check(end_entity, intermediates) {
+            Ok(ClientCertVerified::assertion())
+        } else {
+            Err(not_pinned())
+        }
+    }
+
+    raw_key_signatures!();
+}
+
+/// A connection in its handshake: this rank dials (client) or was dialed (server), and
+/// accepts only `peer_key`.
+pub fn link_connection(me: &Identity, peer_key: &[u8], dialer: bool) -> Result<rustls::Connection> {
+    let provider = provider();
+    let pinned =
+        Arc::new(Pinned { key: peer_key.to_vec(), algs: provider.signature_verification_algorithms });
+    if dialer {
+        let cfg = rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(tls_err)?
+            .dangerous()
+            .with_custom_certificate_verifier(pinned)
+            .with_client_cert_resolver(Arc::new(rustls::client::AlwaysResolvesClientRawPublicKeys::new(
+                me.key.clone(),
+            )));
+        Ok(rustls::ClientConnection::new(Arc::new(cfg), server_name()?).map_err(tls_err)?.into())
+    } else {
+        let mut cfg = rustls::ServerConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(tls_err)?
+            .with_client_cert_verifier(pinned)
+            .with_cert_resolver(Arc::new(rustls::server::AlwaysResolvesServerRawPublicKeys::new(
+                me.key.clone(),
+            )));
+        cfg.send_tls13_tickets = 0;
+        Ok(rustls::ServerConnection::new(Arc::new(cfg)).map_err(tls_err)?.into())
+    }
+}
+
+/// Accepts any raw public key whose handshake signature holds: for the store, whose server's
+/// key is made at start-up and which the token binding authenticates instead.
+#[derive(Debug)]
+struct AnyKey {
+    algs: WebPkiSupportedAlgorithms,
+}
+
+impl ServerCertVerifier for AnyKey {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> std::result::Result<ServerCertVerified, rustls::Error> {
+        if intermediates.is_empty() { Ok(ServerCertVerified::assertion()) } else { Err(not_pinned()) }
+    }
+
+    raw_key_signatures!();
+}
+
+fn tls_err(e: rustls::Error) -> Error {
+    Error::Internal(format!("TLS configuration: {e}").into())
+}
+
+/// The name a client gives (nothing checks it: keys are raw, not certificates).
+fn server_name() -> Result<ServerName<'static>> {
+    ServerName::try_from("toroid").map_err(|e| Error::Internal(format!("{e}").into()))
+}
+
+/// A store client's connection in its handshake: accepts the server's key, presents none.
+pub fn store_client() -> Result<rustls::ClientConnection> {
+    let provider = provider();
+    let any = Arc::new(AnyKey { algs: provider.signature_verification_algorithms });
+    let cfg = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(tls_err)?
+        .dangerous()
+        .with_custom_certificate_verifier(any)
+        .with_no_client_auth();
+    rustls::ClientConnection::new(Arc::new(cfg), server_name()?).map_err(tls_err)
+}
+
+/// The configuration of a store server presenting `me`; clients present no key.
+pub fn store_server(me: &Identity) -> Result<Arc<rustls::ServerConfig>> {
+    let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(tls_err)?
+        .with_no_client_auth()
+        .with_cert_resolver(Arc::new(rustls::server::AlwaysResolvesServerRawPublicKeys::new(me.key.clone())));
+    cfg.send_tls13_tickets = 0;
+    Ok(Arc::new(cfg))
+}
+
+/// Exports `out.len()` bytes of keying material under `label` from a link's handshake.
+pub fn export_link(conn: &rustls::Connection, label: &[u8], out: &mut [u8]) -> Result<()> {
+    match conn {
+        rustls::Connection::Client(c) => export(c, label, out),
+        rustls::Connection::Server(s) => export(s, label, out),
+    }
+}
+
+/// Exports `out.len()` bytes of keying material under `label` (RFC 8446 section 7.5).
+pub fn export<D>(conn: &rustls::ConnectionCommon<D>, label: &[u8], out: &mut [u8]) -> Result<()> {
+    conn.export_keying_material(&mut *out, label, None)
+        .map(|_| ())
+        .map_err(|e| Error::Internal(format!("TLS exporter: {e}").into()))
+}
