@@ -106,6 +106,9 @@ pub const TOROID_VARS: &[&str] = &[
     "TOROID_SHM_DISABLE",
     "TOROID_CONNECT",
     "TOROID_ENCRYPT",
+    "TOROID_TLS_CA",
+    "TOROID_TLS_CERT",
+    "TOROID_TLS_KEY",
     "TOROID_DUMP_ON_SIGNAL",
     "TOROID_SHM_DIR",
     "TOROID_STATUS_DIR",
@@ -123,6 +126,18 @@ pub const TOROID_VARS: &[&str] = &[
     "TOROID_IB_GID_INDEX",
     "TOROID_RDMA",
 ];
+
+/// A site's certificate files for encrypted links (PEM): the CAs that sign the ranks'
+/// certificates, this rank's certificate chain, and its private key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// `TOROID_TLS_CA`.
+    pub ca: std::path::PathBuf,
+    /// `TOROID_TLS_CERT`.
+    pub cert: std::path::PathBuf,
+    /// `TOROID_TLS_KEY`.
+    pub key: std::path::PathBuf,
+}
 
 /// Settings of the library, from the environment or built by hand.
 #[derive(Debug, Clone)]
@@ -187,6 +202,9 @@ pub struct Config {
     /// with keys pinned through the store, then AES-GCM records
     /// (`transport::tcp::secure`). Needs `auth_token`.
     pub encrypt: bool,
+    /// With `encrypt`: certificate files instead of keys made at start-up
+    /// (`TOROID_TLS_CA`, `TOROID_TLS_CERT`, `TOROID_TLS_KEY`, all three or none).
+    pub tls_files: Option<TlsFiles>,
     /// `SIGUSR1` prints the stall report of every live communicator to stderr
     /// (`TOROID_DUMP_ON_SIGNAL`, default on).
     pub dump_on_signal: bool,
@@ -317,6 +335,7 @@ impl Default for Config {
             rdma: RdmaMode::Auto,
             connect_lazy: true,
             encrypt: false,
+            tls_files: None,
             dump_on_signal: true,
             wire: None,
             nsocks: 0,
@@ -482,6 +501,20 @@ impl Config {
         if let Some(v) = get("TOROID_ENCRYPT") {
             cfg.encrypt = parse_bool("TOROID_ENCRYPT", v)?;
         }
+        let tls =
+            ["TOROID_TLS_CA", "TOROID_TLS_CERT", "TOROID_TLS_KEY"].map(|k| get(k).filter(|v| !v.is_empty()));
+        cfg.tls_files = match tls {
+            [Some(ca), Some(cert), Some(key)] => {
+                Some(TlsFiles { ca: ca.into(), cert: cert.into(), key: key.into() })
+            }
+            [None, None, None] => None,
+            _ => {
+                return Err(Error::InvalidArgument(
+                    "TOROID_TLS_CA, TOROID_TLS_CERT and TOROID_TLS_KEY go together: set all three or none"
+                        .into(),
+                ));
+            }
+        };
         if let Some(v) = get("TOROID_DUMP_ON_SIGNAL") {
             cfg.dump_on_signal = parse_bool("TOROID_DUMP_ON_SIGNAL", v)?;
         }

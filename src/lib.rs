@@ -36,7 +36,7 @@ mod tuning;
 
 pub use collective::{Algorithm, CallOptions, OpKind};
 pub use comm::{Communicator, Group, GrowOffer, JoinToken, OwnedBuffer, PendingComm, Persistent, Work};
-pub use config::{AuthToken, Config, RdmaMode};
+pub use config::{AuthToken, Config, RdmaMode, TlsFiles};
 pub use dtype::{DataType, Element, ReduceOp};
 pub use error::{Error, Result};
 pub use topology::Topology;

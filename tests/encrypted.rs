@@ -422,3 +422,54 @@ fn a_relay_sees_none_of_the_store_values_and_tampering_fails_the_call() {
         assert!(e.contains("store"), "{tamper:?}: {e}");
     }
 }
+
+/// A site CA, and one certificate of it for every rank (valid, or expired) in `dir`.
+fn site_files(dir: &std::path::Path, expired: bool) -> toroid::TlsFiles {
+    use rcgen::{
+        BasicConstraints, CertificateParams, CertifiedIssuer, ExtendedKeyUsagePurpose, IsCa, KeyPair,
+    };
+    let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = CertifiedIssuer::self_signed(p, KeyPair::generate().unwrap()).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let mut p = CertificateParams::new(vec!["ranks.example".to_string()]).unwrap();
+    p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+    if expired {
+        p.not_before = rcgen::date_time_ymd(2019, 1, 1);
+        p.not_after = rcgen::date_time_ymd(2020, 1, 1);
+    }
+    let cert = p.signed_by(&key, &ca).unwrap();
+    std::fs::create_dir_all(dir).unwrap();
+    let write = |name: &str, text: String| {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    toroid::TlsFiles {
+        ca: write("ca.pem", ca.pem()),
+        cert: write("cert.pem", cert.pem()),
+        key: write("key.pem", key.serialize_pem()),
+    }
+}
+
+#[test]
+fn certificate_files_of_the_sites_ca_encrypt_every_link_and_an_expired_one_is_refused() {
+    let dir = std::env::temp_dir().join(format!("toroid-encrypted-certs-{}", std::process::id()));
+    let cfg = Config { tls_files: Some(site_files(&dir.join("ok"), false)), ..encrypted(true) };
+    util::run_threads(3, &cfg, |comm| {
+        let n = comm.size();
+        let mut v: Vec<u32> = (0..100_003).map(|i| (i * 3 + comm.rank()) as u32).collect();
+        comm.all_reduce(&mut v, toroid::ReduceOp::Sum).unwrap();
+        for (i, x) in v.iter().enumerate() {
+            let want: u32 = (0..n).map(|q| (i * 3 + q) as u32).sum();
+            assert_eq!(*x, want, "rank {}: element {i}", comm.rank());
+        }
+        let kinds: Vec<_> =
+            (0..n).filter(|&p| p != comm.rank()).filter_map(|p| comm.transport_to(p)).collect();
+        assert!(!kinds.is_empty() && kinds.iter().all(|k| k.ends_with("+tls")), "{kinds:?}");
+    });
+    let old = Config { tls_files: Some(site_files(&dir.join("old"), true)), ..encrypted(true) };
+    let e = Communicator::with_store(0, 1, Arc::new(MemStore::new()), &old).map(|_| ()).unwrap_err();
+    assert!(e.to_string().contains("expired"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

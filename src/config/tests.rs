@@ -133,3 +133,19 @@ fn size_suffixes() {
     assert!(parse_size("x", "M").is_err());
     assert!(parse_size("x", "99999999999999T").is_err());
 }
+
+#[test]
+fn certificate_files_come_all_three_or_not_at_all() {
+    let all = [("TOROID_TLS_CA", "/ca.pem"), ("TOROID_TLS_CERT", "/c.pem"), ("TOROID_TLS_KEY", "/k.pem")];
+    let f = cfg(&all).unwrap().tls_files.unwrap();
+    assert_eq!(
+        (f.ca.to_str(), f.cert.to_str(), f.key.to_str()),
+        (Some("/ca.pem"), Some("/c.pem"), Some("/k.pem"))
+    );
+    assert!(cfg(&[]).unwrap().tls_files.is_none());
+    for missing in 0..3 {
+        let some: Vec<_> = all.iter().enumerate().filter(|(i, _)| *i != missing).map(|(_, kv)| *kv).collect();
+        let e = cfg(&some).unwrap_err().to_string();
+        assert!(e.contains("all three or none"), "{e}");
+    }
+}

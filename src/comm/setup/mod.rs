@@ -507,10 +507,17 @@ impl Communicator {
     }
 }
 
-/// This rank's key pair for encrypted links, when `TOROID_ENCRYPT` asks for them; refuses
-/// what encryption cannot cover.
+/// This rank's key pair for encrypted links, when `TOROID_ENCRYPT` asks for them (made here,
+/// or with `TOROID_TLS_*` the site's certificate and key); refuses what encryption cannot
+/// cover.
 fn encryption_identity(cfg: &Config, rdma: bool) -> Result<Option<Arc<LinkIdentity>>> {
     if !cfg.encrypt {
+        if cfg.tls_files.is_some() {
+            return Err(Error::InvalidUsage(
+                "TOROID_TLS_CA/CERT/KEY are set but TOROID_ENCRYPT is not: set TOROID_ENCRYPT=1 to use them"
+                    .into(),
+            ));
+        }
         return Ok(None);
     }
     if cfg.auth_token.is_none() {
@@ -526,7 +533,11 @@ fn encryption_identity(cfg: &Config, rdma: bool) -> Result<Option<Arc<LinkIdenti
                 .into(),
         ));
     }
-    Ok(Some(Arc::new(LinkIdentity::generate()?)))
+    let identity = match &cfg.tls_files {
+        None => LinkIdentity::generate()?,
+        Some(f) => LinkIdentity::from_files(&f.ca, &f.cert, &f.key)?,
+    };
+    Ok(Some(Arc::new(identity)))
 }
 
 /// Every rank's published key, pinned for this communicator's links; an error when ranks

@@ -216,4 +216,6 @@ fn tcp_pair() -> (Box<dyn Transport>, Box<dyn Transport>) {
 }
 
 #[cfg(test)]
+mod cert_tests;
+#[cfg(test)]
 mod tests;

@@ -12,7 +12,7 @@ type Secured = Result<Box<dyn Transport>>;
 
 /// Secures both ends at once: rank 1 dials rank 0. `keys0`/`keys1`: the keys each side pins
 /// (index = rank).
-fn handshake(
+pub(super) fn handshake(
     id0: Arc<Identity>,
     keys0: Vec<Vec<u8>>,
     tok0: &[u8],

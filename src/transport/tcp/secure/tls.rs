@@ -130,15 +130,26 @@ pub fn handshake(
 
 /// The error for a handshake rustls rejected.
 fn refused(what: &str, e: &rustls::Error) -> Error {
+    use rustls::AlertDescription as A;
     let why = match e {
-        rustls::Error::InvalidCertificate(_) => {
+        rustls::Error::InvalidCertificate(rustls::CertificateError::ApplicationVerificationFailure) => {
             "the peer presented a key other than the one its rank published (a process with the job's \
              token but not that rank's key?)"
                 .to_string()
         }
+        rustls::Error::InvalidCertificate(_) => {
+            format!("the peer's certificate was refused: {}", crate::tls::cert_refusal(e))
+        }
+        rustls::Error::AlertReceived(a @ (A::CertificateExpired | A::UnknownCA | A::BadCertificate)) => {
+            format!("the peer refused this rank's certificate ({a:?}): see its log for why")
+        }
         rustls::Error::AlertReceived(a) => {
             format!("the peer refused the handshake ({a:?}): it refused this rank's key")
         }
+        rustls::Error::PeerIncompatible(p) => format!(
+            "the peer cannot use this rank's kind of identity ({p:?}): TOROID_TLS_CA/CERT/KEY must be set \
+             alike on every rank"
+        ),
         other => other.to_string(),
     };
     Error::Remote(format!("{what}: TLS handshake refused: {why}").into())
