@@ -15,7 +15,7 @@ set -euo pipefail
 secs=${1:-60}
 shift || true
 cd "$(dirname "$0")/../fuzz"
-if [ $# -gt 0 ]; then targets=("$@"); else targets=(frame handshake shm_offer store_decode store); fi
+if [ $# -gt 0 ]; then targets=("$@"); else targets=(frame handshake shm_offer store_decode store record tls_handshake); fi
 
 if ! cargo +nightly fuzz --version >/dev/null 2>&1; then
   cargo install --locked cargo-fuzz

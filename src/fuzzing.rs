@@ -304,12 +304,13 @@ pub fn record_stream(plain: &[u8], per_record: usize) -> Vec<u8> {
     out
 }
 
-/// A transport that hands out `data` in pieces and takes every write.
+/// A transport that hands out `data` in pieces and takes (and counts) every write.
 #[derive(Debug)]
 struct Feed {
     data: Vec<u8>,
     at: usize,
     piece: usize,
+    written: usize,
 }
 
 impl crate::transport::Transport for Feed {
@@ -317,7 +318,9 @@ impl crate::transport::Transport for Feed {
         "feed"
     }
     fn try_write(&mut self, bufs: &[&[u8]]) -> std::io::Result<usize> {
-        Ok(bufs.iter().map(|b| b.len()).sum())
+        let n = bufs.iter().map(|b| b.len()).sum();
+        self.written += n;
+        Ok(n)
     }
     fn try_read(&mut self, bufs: &mut [&mut [u8]]) -> std::io::Result<usize> {
         let Some(b) = bufs.iter_mut().find(|b| !b.is_empty()) else { return Ok(0) };
@@ -354,7 +357,7 @@ pub fn record(data: &[u8]) -> RecordVerdict {
     use crate::transport::tcp::secure::record::{Direction, Sealed};
     let Some((&first, rest)) = data.split_first() else { return RecordVerdict { plain: 0, failed: false } };
     let piece = 1 + usize::from(first) * 613;
-    let feed = Feed { data: rest.to_vec(), at: 0, piece };
+    let feed = Feed { data: rest.to_vec(), at: 0, piece, written: 0 };
     let keys = || Direction::new(&RECORD_SECRET).expect("record keys");
     let mut link = Sealed::new(Box::new(feed), 1, keys(), keys());
     let mut buf = vec![0u8; 70_001];
@@ -370,4 +373,58 @@ pub fn record(data: &[u8]) -> RecordVerdict {
         }
     }
     RecordVerdict { plain, failed: false }
+}
+
+/// The key pair of the `tls_handshake` target's rank (made once: key generation is slow).
+fn tls_identity() -> &'static crate::tls::Identity {
+    static ID: OnceLock<crate::tls::Identity> = OnceLock::new();
+    ID.get_or_init(|| crate::tls::Identity::generate().expect("an Ed25519 key pair"))
+}
+
+/// What an encrypted link's TLS handshake made of a peer's bytes.
+#[derive(Debug, PartialEq, Eq)]
+pub struct TlsVerdict {
+    /// Bytes this side sent back (its own flight, or an alert).
+    pub answered: usize,
+    /// The handshake completed (never, for bytes not made with the pinned peer's key).
+    pub completed: bool,
+}
+
+/// Runs the TLS handshake of an encrypted link (`transport::tcp::secure::tls`) over
+/// `data[1..]` as the bytes its peer sent: the first byte's low bit picks this side's role
+/// (0: it was dialed, the server; 1: it dialed, the client), the rest how many bytes each read
+/// returns. The peer's pinned key is this side's own, which no input can sign for.
+pub fn tls_handshake(data: &[u8]) -> TlsVerdict {
+    let Some((&first, rest)) = data.split_first() else {
+        return TlsVerdict { answered: 0, completed: false };
+    };
+    let me = tls_identity();
+    let dialer = first & 1 == 1;
+    let mut feed = Feed { data: rest.to_vec(), at: 0, piece: 1 + usize::from(first >> 1) * 97, written: 0 };
+    let Ok(mut conn) = crate::tls::link_connection(me, me.public_key(), dialer) else {
+        panic!("a TLS configuration that cannot be built")
+    };
+    let deadline = Instant::now() + Duration::from_secs(1);
+    let done = crate::transport::tcp::secure::tls::handshake(&mut conn, &mut feed, deadline, None, "fuzz");
+    TlsVerdict { answered: feed.written, completed: done.is_ok() }
+}
+
+/// Real first flights of a link's handshake, for seeds: a client's hello, and a server's
+/// answer to it. (They carry fresh randoms and key shares: no two calls give the same bytes.)
+pub fn tls_flights() -> (Vec<u8>, Vec<u8>) {
+    let me = tls_identity();
+    let conn =
+        |dialer| crate::tls::link_connection(me, me.public_key(), dialer).expect("a TLS configuration");
+    let (mut client, mut server) = (conn(true), conn(false));
+    let mut hello = Vec::new();
+    while client.wants_write() {
+        client.write_tls(&mut hello).expect("writing to memory");
+    }
+    server.read_tls(&mut hello.as_slice()).expect("reading from memory");
+    server.process_new_packets().expect("a client hello of our own");
+    let mut answer = Vec::new();
+    while server.wants_write() {
+        server.write_tls(&mut answer).expect("writing to memory");
+    }
+    (hello, answer)
 }
