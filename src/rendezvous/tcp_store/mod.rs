@@ -4,10 +4,13 @@
 //!
 //! Integers are little-endian. Every message is a frame: `len: u32` then `len` bytes of payload.
 //! The first frame a client sends is a hello: `b"TRDV"`, `version: u32`, `flags: u8` (1: it
-//! authenticates), and with that flag a 16-byte nonce. Without a token the server answers OK
-//! and `flags = 0`; with one, it runs the challenge-response of `auth` (its nonce and proof, the
-//! client's proof, OK). A hello of another magic, version or token setting is answered with an
-//! error naming `TOROID_AUTH_TOKEN` where that is the cause, and the connection closed. Then
+//! authenticates, 2: it encrypts), and with flag 1 a 16-byte nonce. Without a token the server
+//! answers OK and `flags = 0`; with one, it runs the challenge-response of `auth` (its nonce and
+//! proof, the client's proof, OK). With `TOROID_ENCRYPT` the client's first hello carries flag 2
+//! alone, the server answers OK and `flags = 2`, a TLS 1.3 handshake follows, and inside it the
+//! hello with flag 1 and the challenge-response, bound to that handshake (`auth`). A hello of
+//! another magic, version, token or encryption setting is answered with an error naming
+//! `TOROID_AUTH_TOKEN` or `TOROID_ENCRYPT` where that is the cause, and the connection closed. Then
 //! every request gets exactly one response, in order. `bytes` is `len: u32` then the bytes.
 //!
 //! ```text
@@ -35,6 +38,7 @@
 //! | keys of one WAIT | [`MAX_WAIT_KEYS`] = 16,384 | error answer |
 //! | connections | [`MAX_CONNECTIONS`] = 4,096 | new ones wait in the listen backlog |
 //! | hello (and proof) | [`HANDSHAKE_DEADLINE`] = 4 s | connection closed |
+//! | TLS handshake bytes (encrypted store) | 16 KiB, within the same 4 s | connection closed |
 //! | buffered input per connection | one frame | not read until answered |
 //! | unsent output per connection | 64 KiB, plus the one answer that crossed it | requests not answered, input not read, until the peer reads |
 //! | GET/WAIT timeout | [`MAX_PARK`] = 24 h | cut to it: every parked request has a deadline |
@@ -68,9 +72,9 @@
 //! | part | what |
 //! |---|---|
 //! | `protocol` | constants and limits, frame encoder and decoder, the hello |
-//! | `auth` | the challenge-response with `TOROID_AUTH_TOKEN` |
+//! | `auth` | the challenge-response with `TOROID_AUTH_TOKEN`, and its binding to TLS |
 //! | `client` | one connection: hello, then a request and its answer at a time |
-//! | `server` | the `epoll(7)` loop: connections, their buffers, parked requests by key, deadlines |
+//! | `server` | the `epoll(7)` loop: connections, their buffers, parked requests by key, deadlines; a connection's socket or TLS over it (`conn_io`) |
 //! | `requests` | the bounded table, the operations, parked requests |
 //! | this file | [`TcpStore`]: addresses, serving, connecting with backoff, the [`Store`] calls |
 

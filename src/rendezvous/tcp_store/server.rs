@@ -2,8 +2,9 @@
 //!
 //! A new connection must complete its hello (with a token, the challenge-response of `auth`)
 //! within [`HANDSHAKE_DEADLINE`] or it is closed; until then its frames are capped at a few
-//! dozen bytes, so a stranger that connects and stays silent, drips bytes or floods connections
-//! costs a few hundred bytes per connection and delays no one: every connection is served by
+//! dozen bytes (with encryption, the TLS handshake before them to 16 KiB), so a stranger that
+//! connects and stays silent, drips bytes or floods connections costs a few hundred bytes (a
+//! few KiB) per connection and delays no one: every connection is served by
 //! the same loop from its own buffers, and none is ever read or written with blocking calls.
 //!
 //! A GET or WAIT whose keys are missing parks its connection (later requests on it stay
