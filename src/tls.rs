@@ -5,14 +5,15 @@
 //! - Links between ranks ([`link_connection`]): both sides authenticate, and each accepts
 //!   exactly the key the peer's rank published ([`Pinned`]). The handshake itself runs over a
 //!   link's transport (`transport::tcp::secure`).
-//! - The TCP store ([`store_client`], [`store_server`]): the server presents a key made when it
-//!   starts, which no client can know beforehand, so the client accepts any key whose
-//!   signature holds ([`AnyKey`]) and the store's token challenge, computed over a value
-//!   exported from this very handshake, is what authenticates both ends
-//!   (`rendezvous::tcp_store::auth`): a machine in the middle would hold two handshakes with
-//!   two different exported values, and cannot compute either side's answer without the token.
+//! - The TCP store and the control plane ([`bound_client`], [`bound_server`]): the server
+//!   presents a key made when it starts, which no client can know beforehand (an outside
+//!   process asks the control plane too), so the client accepts any key whose signature holds
+//!   ([`AnyKey`]) and the token, through a value exported from this very handshake, is what
+//!   authenticates both ends (`rendezvous::tcp_store::auth`, `transport::tcp::control`): a
+//!   machine in the middle would hold two handshakes with two different exported values, and
+//!   cannot compute either side's proof without the token.
 //!
-//! TLS 1.2, certificates chains and session resumption are never offered.
+//! TLS 1.2 and session resumption are never offered.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -408,7 +409,7 @@ fn file_err(path: &Path, why: &str) -> Error {
     Error::InvalidArgument(format!("{}: {why}", path.display()).into())
 }
 
-/// Accepts any raw public key whose handshake signature holds: for the store, whose server's
+/// Accepts any raw public key whose handshake signature holds: for token-bound servers, whose
 /// key is made at start-up and which the token binding authenticates instead.
 #[derive(Debug)]
 struct AnyKey {
@@ -439,8 +440,9 @@ fn server_name() -> Result<ServerName<'static>> {
     ServerName::try_from("toroid").map_err(|e| Error::Internal(format!("{e}").into()))
 }
 
-/// A store client's connection in its handshake: accepts the server's key, presents none.
-pub fn store_client() -> Result<rustls::ClientConnection> {
+/// A client's connection to a token-bound server (the store, the control plane) in its
+/// handshake: it accepts the server's key and presents none.
+pub fn bound_client() -> Result<rustls::ClientConnection> {
     let provider = provider();
     let any = Arc::new(AnyKey { algs: provider.signature_verification_algorithms });
     let cfg = rustls::ClientConfig::builder_with_provider(provider)
@@ -452,8 +454,9 @@ pub fn store_client() -> Result<rustls::ClientConnection> {
     rustls::ClientConnection::new(Arc::new(cfg), server_name()?).map_err(tls_err)
 }
 
-/// The configuration of a store server presenting `me`; clients present no key.
-pub fn store_server(me: &Identity) -> Result<Arc<rustls::ServerConfig>> {
+/// The configuration of a token-bound server (the store, the control plane) presenting `me`;
+/// clients present no key.
+pub fn bound_server(me: &Identity) -> Result<Arc<rustls::ServerConfig>> {
     let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls_err)?

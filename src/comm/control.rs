@@ -77,8 +77,9 @@ impl Control {
                 (listener, parked)
             })
             .map_err(|e| Error::system("spawning the control thread", e))?;
-        let status =
-            status_dir.and_then(|d| StatusFile::write(d, ctx.comm_id, ctx.rank, ctx.size, addrs[ctx.rank]));
+        let status = status_dir.and_then(|d| {
+            StatusFile::write(d, ctx.comm_id, ctx.rank, ctx.size, addrs[ctx.rank], ctx.encrypt)
+        });
         Ok(Control {
             ctx,
             addrs,

@@ -47,6 +47,8 @@ pub(crate) struct Entry {
     pub size: usize,
     pub addr: SocketAddr,
     pub pid: u32,
+    /// Its control plane answers in TLS (`TOROID_ENCRYPT`): the word `tls` at the end.
+    pub tls: bool,
 }
 
 impl Entry {
@@ -55,7 +57,11 @@ impl Entry {
     }
 
     fn line(&self) -> String {
-        format!("{ENTRY_TAG} {:016x} {} {} {} {}\n", self.comm_id, self.rank, self.size, self.addr, self.pid)
+        let tls = if self.tls { " tls" } else { "" };
+        format!(
+            "{ENTRY_TAG} {:016x} {} {} {} {}{tls}\n",
+            self.comm_id, self.rank, self.size, self.addr, self.pid
+        )
     }
 
     fn parse(text: &str) -> Option<Entry> {
@@ -68,12 +74,18 @@ impl Entry {
         let size: usize = w.next()?.parse().ok()?;
         let addr: SocketAddr = w.next()?.parse().ok()?;
         let pid: u32 = w.next()?.parse().ok()?;
+        let tls = match w.next() {
+            None => false,
+            Some("tls") => true,
+            Some(_) => return None,
+        };
         (w.next().is_none() && rank < size && size <= MAX_SIZE).then_some(Entry {
             comm_id,
             rank,
             size,
             addr,
             pid,
+            tls,
         })
     }
 }
@@ -93,6 +105,7 @@ impl StatusFile {
         rank: usize,
         size: usize,
         addr: SocketAddr,
+        tls: bool,
     ) -> Option<StatusFile> {
         use std::io::Write as _;
         use std::os::unix::fs::OpenOptionsExt as _;
@@ -102,7 +115,7 @@ impl StatusFile {
                  admits its holder to it (without TOROID_AUTH_TOKEN)", dir.display());
             return None;
         }
-        let e = Entry { comm_id, rank, size, addr, pid: std::process::id() };
+        let e = Entry { comm_id, rank, size, addr, pid: std::process::id(), tls };
         let path = dir.join(e.file_name());
         // Written whole under a temporary name, then renamed: a reader sees all of it or none.
         let tmp = dir.join(format!(".{}.{}", e.file_name(), e.pid));
@@ -233,7 +246,10 @@ fn ask_comm(
             .map(|&r| Asked { rank: r, answer: PeerAnswer::Failed(why.clone()), sent_ns: t, got_ns: t })
             .collect();
     }
-    let ctx_of = |p: usize| ControlCtx { rank: usize::from(p == 0), size, comm_id, auth: auth.cloned() };
+    // The ranks say in their entries whether their control planes answer in TLS.
+    let encrypt = entries.iter().flatten().any(|e| e.tls);
+    let ctx_of =
+        |p: usize| ControlCtx { rank: usize::from(p == 0), size, comm_id, auth: auth.cloned(), encrypt };
     ask_all(&ctx_of, &peers, &addrs, grace)
 }
 
@@ -251,8 +267,18 @@ mod tests {
 
     #[test]
     fn entries_round_trip_and_bad_ones_are_refused() {
-        let e = Entry { comm_id: 0xabc, rank: 3, size: 8, addr: "127.0.0.1:4242".parse().unwrap(), pid: 77 };
+        let e = Entry {
+            comm_id: 0xabc,
+            rank: 3,
+            size: 8,
+            addr: "127.0.0.1:4242".parse().unwrap(),
+            pid: 77,
+            tls: false,
+        };
         assert_eq!(Entry::parse(&e.line()), Some(e.clone()));
+        let t = Entry { tls: true, ..e.clone() };
+        assert!(t.line().ends_with(" 77 tls\n"));
+        assert_eq!(Entry::parse(&t.line()), Some(t));
         assert_eq!(e.file_name(), "0000000000000abc.3");
         for bad in [
             "",

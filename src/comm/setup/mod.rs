@@ -253,7 +253,8 @@ impl Communicator {
         }));
         let snapshot = recorder.clone();
         let snapshot: crate::comm::control::SnapshotFn = Arc::new(move || snapshot.snapshot());
-        let ctl_ctx = ControlCtx { rank, size, comm_id: id, auth: cfg.auth_token.clone() };
+        let ctl_ctx =
+            ControlCtx { rank, size, comm_id: id, auth: cfg.auth_token.clone(), encrypt: cfg.encrypt };
         let shared_addrs: Arc<[SocketAddr]> = addrs.into();
         let mut opts = tcp::SocketOptions::from_config(cfg);
         opts.secure = security.clone();

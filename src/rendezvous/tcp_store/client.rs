@@ -133,7 +133,7 @@ impl Client {
             }
             [] => return Err(self.bad_answer("hello", "empty answer")),
         }
-        let mut tls = crate::tls::store_client()?;
+        let mut tls = crate::tls::bound_client()?;
         let mut c = self.lock();
         let res = (|| -> io::Result<()> {
             let t = Some(io_timeout.saturating_add(IO_MARGIN));

@@ -58,7 +58,7 @@ pub(super) fn start(
 ) -> Result<ServerHandle> {
     let tls = match (encrypt, &auth) {
         (false, _) => None,
-        (true, Some(_)) => Some(crate::tls::store_server(&crate::tls::Identity::generate()?)?),
+        (true, Some(_)) => Some(crate::tls::bound_server(&crate::tls::Identity::generate()?)?),
         (true, None) => {
             return Err(Error::InvalidArgument(
                 "an encrypted store needs a token (TOROID_AUTH_TOKEN)".into(),

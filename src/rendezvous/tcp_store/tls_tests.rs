@@ -51,7 +51,7 @@ fn asked_for_tls(addr: &str) -> (TcpStream, Vec<u8>) {
 fn tls_client(addr: &str) -> rustls::StreamOwned<rustls::ClientConnection, TcpStream> {
     let (mut s, answer) = asked_for_tls(addr);
     assert_eq!(answer, [ST_OK, FLAG_TLS]);
-    let mut c = crate::tls::store_client().unwrap();
+    let mut c = crate::tls::bound_client().unwrap();
     while c.is_handshaking() {
         c.complete_io(&mut s).unwrap();
     }
@@ -170,7 +170,7 @@ fn middle(real: String) -> (SocketAddr, std::thread::JoinHandle<()>) {
         assert_eq!(hello, Enc::hello_tls().payload());
         write_frame(&mut c, &[ST_OK, FLAG_TLS]);
         let id = crate::tls::Identity::generate().unwrap();
-        let mut sc = rustls::ServerConnection::new(crate::tls::store_server(&id).unwrap()).unwrap();
+        let mut sc = rustls::ServerConnection::new(crate::tls::bound_server(&id).unwrap()).unwrap();
         while sc.is_handshaking() {
             sc.complete_io(&mut c).unwrap();
         }

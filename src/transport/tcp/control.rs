@@ -9,7 +9,8 @@
 //! The listener is as open to strangers as it was during set-up, and held to the same bounds:
 //! at most [`MAX_PENDING`] connections in progress (the oldest dropped first), each with
 //! [`ALLOWANCE`] to finish, at most the hello, its nonce and MAC read before the checks, and
-//! nothing answered before the hello (and with `TOROID_AUTH_TOKEN` its MAC) checked out.
+//! nothing answered before the hello (and with `TOROID_AUTH_TOKEN` its MAC) checked out. With
+//! `TOROID_ENCRYPT` the request and the answer cross in TLS bound to the token ([`secure`]).
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -73,6 +74,9 @@ pub struct ControlCtx {
     pub comm_id: u64,
     /// `TOROID_AUTH_TOKEN`.
     pub auth: Option<AuthToken>,
+    /// After the hello and ack, the request and answer cross in TLS (`TOROID_ENCRYPT`;
+    /// [`secure`]). Needs `auth`.
+    pub encrypt: bool,
 }
 
 /// A connection a survivor made for a shrink, accepted and not read, with its shrink attempt
@@ -94,6 +98,8 @@ enum Phase {
     Request { from: usize },
     /// Sending the answer.
     Answer { msg: Vec<u8>, sent: usize },
+    /// With encryption, after the ack: TLS, the bindings, the request and the answer.
+    Secure { server: Box<secure::Server>, from: usize },
 }
 
 struct Conn {
@@ -128,6 +134,17 @@ pub fn serve(
     let mut conns: Vec<Conn> = Vec::new();
     let mut parked: Vec<Parked> = Vec::new();
     let mut fds: Vec<PollFd> = Vec::new();
+    // With encryption, the key this control plane presents (askers bind to it by the token).
+    let tls = match ctx.encrypt {
+        false => None,
+        true => match crate::tls::Identity::generate().and_then(|id| crate::tls::bound_server(&id)) {
+            Ok(cfg) => Some(cfg),
+            Err(e) => {
+                tracing::error!(target: "toroid::control", "no TLS for the control plane ({e}): its requests go unanswered");
+                None
+            }
+        },
+    };
     let mut warned = 0usize;
     let mut warn = |from: SocketAddr, why: &str| {
         // A flood of strangers must not flood the log: the first few, then every 1000th.
@@ -142,8 +159,9 @@ pub fn serve(
         fds.push(PollFd::new(stop, PollFd::IN));
         fds.push(PollFd::new(listener.as_raw_fd(), PollFd::IN));
         for c in &conns {
-            let ev = match c.phase {
+            let ev = match &c.phase {
                 Phase::Ack { .. } | Phase::Answer { .. } => PollFd::OUT,
+                Phase::Secure { server, .. } if server.wants_write() => PollFd::IN | PollFd::OUT,
                 _ => PollFd::IN,
             };
             fds.push(PollFd::new(c.stream.as_raw_fd(), ev | PollFd::RDHUP));
@@ -182,7 +200,7 @@ pub fn serve(
         let mut keep = Vec::with_capacity(conns.len());
         for (i, mut c) in conns.drain(..).enumerate() {
             let data = inbox.map(|i| i.comm_id());
-            let next = if ready[i] { c.step(ctx, answer, data) } else { Next::Wait };
+            let next = if ready[i] { c.step(ctx, tls.as_ref(), answer, data) } else { Next::Wait };
             match next {
                 Next::Wait if now < c.deadline => keep.push(c),
                 Next::Wait => warn(c.from, "did not finish within its allowance"),
@@ -236,7 +254,13 @@ fn accept_all(listener: &TcpListener, conns: &mut Vec<Conn>, warn: &mut dyn FnMu
 }
 
 impl Conn {
-    fn step(&mut self, ctx: &ControlCtx, answer: &dyn Fn(u8, usize) -> Vec<u8>, data: Option<u64>) -> Next {
+    fn step(
+        &mut self,
+        ctx: &ControlCtx,
+        tls: Option<&std::sync::Arc<rustls::ServerConfig>>,
+        answer: &dyn Fn(u8, usize) -> Vec<u8>,
+        data: Option<u64>,
+    ) -> Next {
         loop {
             match &mut self.phase {
                 Phase::Peek => {
@@ -293,6 +317,16 @@ impl Conn {
                     self.phase = Phase::Ack { msg, sent: 0, from };
                 }
                 Phase::Ack { msg, sent, from } => match flush(&mut self.stream, msg, sent) {
+                    Ok(true) if ctx.encrypt => {
+                        let from = *from;
+                        let Some(cfg) = tls else {
+                            return Next::Close(Some("no TLS on this control plane (see its error)".into()));
+                        };
+                        match secure::Server::new(cfg) {
+                            Ok(server) => self.phase = Phase::Secure { server: Box::new(server), from },
+                            Err(e) => return Next::Close(Some(format!("TLS: {e}"))),
+                        }
+                    }
                     Ok(true) => {
                         self.phase = Phase::Request { from: *from };
                     }
@@ -322,6 +356,17 @@ impl Conn {
                     Err(e) if gave_up(&e) => return Next::Close(None),
                     Err(e) => return Next::Close(Some(format!("answer failed: {e}"))),
                 },
+                Phase::Secure { server, from } => {
+                    let from = *from;
+                    let Some(token) = ctx.auth.as_ref() else {
+                        return Next::Close(Some("encryption without a token".into()));
+                    };
+                    return match server.step(&mut self.stream, token, &mut |req| answer(req, from)) {
+                        secure::Progress::Wait => Next::Wait,
+                        secure::Progress::Done => Next::Close(None),
+                        secure::Progress::Failed(why) => Next::Close(Some(format!("rank {from}: {why}"))),
+                    };
+                }
             }
         }
     }
@@ -418,7 +463,10 @@ fn exchange(
     let mut req = [0u8; REQUEST_LEN];
     req[..4].copy_from_slice(&REQUEST_MAGIC);
     req[4] = request;
-    s.write_all(&req)?;
+    if !ctx.encrypt {
+        // Sent at once: the rank reads it after its ack.
+        s.write_all(&req)?;
+    }
     let mut ack = [0u8; HELLO_LEN + MAC_LEN];
     let need = HELLO_LEN + if ctx.auth.is_some() { MAC_LEN } else { 0 };
     read_exact(s, &mut ack[..need], deadline)?;
@@ -433,6 +481,10 @@ fn exchange(
         && !handshake::ack_is_authentic(&h, &ack[HELLO_LEN..need], &nonce, t)
     {
         return Err(invalid(format!("rank {peer} failed authentication")));
+    }
+    if ctx.encrypt {
+        let token = ctx.auth.as_ref().ok_or_else(|| invalid("encryption without a token".into()))?;
+        return secure::ask(s, token, &req, deadline);
     }
     let mut len = [0u8; 4];
     read_exact(s, &mut len, deadline)?;
@@ -469,9 +521,11 @@ impl std::fmt::Debug for ControlCtx {
             .field("rank", &self.rank)
             .field("size", &self.size)
             .field("auth", &self.auth.is_some())
+            .field("encrypt", &self.encrypt)
             .finish_non_exhaustive()
     }
 }
 
+mod secure;
 #[cfg(test)]
 mod tests;

@@ -5,17 +5,31 @@ use crate::sys::eventfd::EventFd;
 use std::net::Ipv4Addr;
 
 fn ctx(rank: usize, token: Option<&str>) -> ControlCtx {
-    ControlCtx { rank, size: 4, comm_id: 0x5eed, auth: token.map(|t| AuthToken::new(t.as_bytes())) }
+    ControlCtx {
+        rank,
+        size: 4,
+        comm_id: 0x5eed,
+        auth: token.map(|t| AuthToken::new(t.as_bytes())),
+        encrypt: false,
+    }
+}
+
+/// As [`ctx`], with encryption.
+fn ctx_tls(rank: usize, token: &str) -> ControlCtx {
+    ControlCtx { encrypt: true, ..ctx(rank, Some(token)) }
 }
 
 /// Serves rank 2's listener on a thread until the returned closure stops it (it returns
 /// what was parked).
 fn server(token: Option<&str>) -> (SocketAddr, impl FnOnce() -> Vec<Parked>) {
+    server_of(ctx(2, token))
+}
+
+fn server_of(c: ControlCtx) -> (SocketAddr, impl FnOnce() -> Vec<Parked>) {
     let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
     l.set_nonblocking(true).unwrap();
     let addr = l.local_addr().unwrap();
     let stop = Arc::new(EventFd::new().unwrap());
-    let c = ctx(2, token);
     let s2 = stop.clone();
     let h = std::thread::spawn(move || {
         let answer = |req: u8, from: usize| format!("request {req} from rank {from}").into_bytes();
@@ -149,4 +163,72 @@ fn ids_are_distinct_per_purpose_and_attempt() {
     assert_ne!(shrink_id(7, 1), shrink_id(7, 2));
     assert_ne!(shrink_id(7, 1), c);
     assert_ne!(shrink_id(7, 1), shrink_id(8, 1));
+}
+
+/// A TCP proxy for one connection to `real`: returns its address and what crossed it.
+fn recording_proxy(real: SocketAddr) -> (SocketAddr, std::thread::JoinHandle<Vec<u8>>) {
+    let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let addr = l.local_addr().unwrap();
+    let h = std::thread::spawn(move || {
+        let (c, _) = l.accept().unwrap();
+        let s = TcpStream::connect(real).unwrap();
+        let pump = |mut from: TcpStream, mut to: TcpStream| {
+            std::thread::spawn(move || {
+                let mut seen = Vec::new();
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = from.read(&mut buf) {
+                    if n == 0 || to.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                    seen.extend_from_slice(&buf[..n]);
+                }
+                let _ = to.shutdown(std::net::Shutdown::Write);
+                seen
+            })
+        };
+        let up = pump(c.try_clone().unwrap(), s.try_clone().unwrap());
+        let down = pump(s, c);
+        let mut seen = up.join().unwrap();
+        seen.extend(down.join().unwrap());
+        seen
+    });
+    (addr, h)
+}
+
+#[test]
+fn an_encrypted_control_plane_answers_a_member_in_tls_and_refuses_the_rest() {
+    let (addr, stop) = server_of(ctx_tls(2, "secret"));
+    let grace = Duration::from_secs(3);
+    let r = ask(&ctx_tls(1, "secret"), 2, addr, REQUEST_SNAPSHOT, grace);
+    assert_eq!(r, Reply::Answer(b"request 1 from rank 1".to_vec()));
+    // Through a proxy: the answer does not cross in the clear (and does without TLS below).
+    let (front, seen) = recording_proxy(addr);
+    let r = ask(&ctx_tls(1, "secret"), 2, front, REQUEST_SNAPSHOT, grace);
+    assert_eq!(r, Reply::Answer(b"request 1 from rank 1".to_vec()));
+    let seen = seen.join().unwrap();
+    assert!(seen.len() > 500, "{} bytes crossed", seen.len());
+    assert!(!seen.windows(9).any(|w| w == b"from rank"), "the answer crossed in the clear");
+    // A wrong token, and an asker that does not encrypt: no answer, and no hang.
+    for c in [ctx_tls(1, "guess"), ctx(1, Some("secret"))] {
+        let t0 = Instant::now();
+        let r = ask(&c, 2, addr, REQUEST_SNAPSHOT, grace);
+        assert!(!matches!(r, Reply::Answer(_)), "{c:?}: {r:?}");
+        assert!(t0.elapsed() < grace + Duration::from_secs(1), "{c:?}: {:?}", t0.elapsed());
+    }
+    // The rank still answers a member afterwards.
+    let r = ask(&ctx_tls(1, "secret"), 2, addr, REQUEST_SNAPSHOT, grace);
+    assert_eq!(r, Reply::Answer(b"request 1 from rank 1".to_vec()));
+    stop();
+    // The same through the proxy without TLS: the answer is visible (so the check can fail).
+    let (addr, stop) = server(Some("secret"));
+    let (front, seen) = recording_proxy(addr);
+    let r = ask(&ctx(1, Some("secret")), 2, front, REQUEST_SNAPSHOT, grace);
+    assert_eq!(r, Reply::Answer(b"request 1 from rank 1".to_vec()));
+    assert!(seen.join().unwrap().windows(9).any(|w| w == b"from rank"));
+    stop();
+    // An encrypting asker of a rank that does not encrypt: no answer, no hang.
+    let (addr, stop) = server(Some("secret"));
+    let r = ask(&ctx_tls(1, "secret"), 2, addr, REQUEST_SNAPSHOT, grace);
+    assert!(!matches!(r, Reply::Answer(_)), "{r:?}");
+    stop();
 }

@@ -48,6 +48,7 @@ impl Served {
             size,
             comm_id: COMM,
             auth: auth.map(|t| AuthToken::new(t.as_bytes())),
+            encrypt: false,
         };
         let thread = std::thread::spawn(move || {
             let answer = |_: u8, _: usize| Vec::new();

@@ -16,9 +16,9 @@
 //! 3. **Records** ([`record`]): the stream continues as AES-128-GCM records under keys
 //!    exported from the same handshake, one secret per direction ([`Sealed`]).
 //!
-//! What this does not cover yet: the store's and the control plane's own connections
-//! (`docs/RELIABILITY.md`, threat model), and RDMA links (refused with encryption on). Shared
-//! memory stays as it is: one host, one user.
+//! The store and the control plane have their own TLS, bound to the token rather than to a
+//! rank's key (`rendezvous::tcp_store`, `super::control`). Not covered: RDMA links (refused with
+//! encryption on). Shared memory stays as it is: one host, one user (`docs/RELIABILITY.md`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
