@@ -150,9 +150,10 @@ fn not_pinned() -> rustls::Error {
 }
 
 /// The methods both verifier traits share, the same for both: TLS 1.2 refused, TLS 1.3
-/// signatures checked against the raw public key, raw public keys required.
-macro_rules! raw_key_signatures {
-    () => {
+/// signatures checked against the presented key: a raw public key (`true`, which is then
+/// required) or a certificate's (`false`).
+macro_rules! signature_methods {
+    ($raw:literal) => {
         fn verify_tls12_signature(
             &self,
             _message: &[u8],
@@ -168,12 +169,12 @@ macro_rules! raw_key_signatures {
             cert: &CertificateDer<'_>,
             dss: &DigitallySignedStruct,
         ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-            verify_tls13_signature_with_raw_key(
-                message,
-                &SubjectPublicKeyInfoDer::from(cert.as_ref()),
-                dss,
-                &self.algs,
-            )
+            if $raw {
+                let spki = SubjectPublicKeyInfoDer::from(cert.as_ref());
+                verify_tls13_signature_with_raw_key(message, &spki, dss, &self.algs)
+            } else {
+                rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algs)
+            }
         }
 
         fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
@@ -181,7 +182,7 @@ macro_rules! raw_key_signatures {
         }
 
         fn requires_raw_public_keys(&self) -> bool {
-            true
+            $raw
         }
     };
 }
@@ -202,7 +203,7 @@ impl ServerCertVerifier for Pinned {
         }
     }
 
-    raw_key_signatures!();
+    signature_methods!(true);
 }
 
 impl ClientCertVerifier for Pinned {
@@ -223,7 +224,7 @@ impl ClientCertVerifier for Pinned {
         }
     }
 
-    raw_key_signatures!();
+    signature_methods!(true);
 }
 
 /// A connection in its handshake: this rank dials (client) or was dialed (server), and
@@ -310,34 +311,6 @@ impl PinnedCert {
     }
 }
 
-/// The methods both verifier traits share for certificates: TLS 1.2 refused, TLS 1.3
-/// signatures checked against the certificate's key.
-macro_rules! certificate_signatures {
-    () => {
-        fn verify_tls12_signature(
-            &self,
-            _message: &[u8],
-            _cert: &CertificateDer<'_>,
-            _dss: &DigitallySignedStruct,
-        ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-            Err(rustls::Error::PeerIncompatible(rustls::PeerIncompatible::Tls12NotOffered))
-        }
-
-        fn verify_tls13_signature(
-            &self,
-            message: &[u8],
-            cert: &CertificateDer<'_>,
-            dss: &DigitallySignedStruct,
-        ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-            rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algs)
-        }
-
-        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-            self.algs.supported_schemes()
-        }
-    };
-}
-
 impl ServerCertVerifier for PinnedCert {
     fn verify_server_cert(
         &self,
@@ -359,7 +332,7 @@ impl ServerCertVerifier for PinnedCert {
         Ok(ServerCertVerified::assertion())
     }
 
-    certificate_signatures!();
+    signature_methods!(false);
 }
 
 impl ClientCertVerifier for PinnedCert {
@@ -378,7 +351,7 @@ impl ClientCertVerifier for PinnedCert {
         Ok(ClientCertVerified::assertion())
     }
 
-    certificate_signatures!();
+    signature_methods!(false);
 }
 
 /// Why a certificate was refused, in words a user can act on.
@@ -428,7 +401,7 @@ impl ServerCertVerifier for AnyKey {
         if intermediates.is_empty() { Ok(ServerCertVerified::assertion()) } else { Err(not_pinned()) }
     }
 
-    raw_key_signatures!();
+    signature_methods!(true);
 }
 
 fn tls_err(e: rustls::Error) -> Error {
