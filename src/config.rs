@@ -12,6 +12,9 @@ use crate::error::{Error, Result};
 
 mod logging;
 mod parse;
+mod vars;
+
+pub use vars::{LAUNCHER_VARS, TOROID_VARS};
 
 pub use logging::init_logging;
 pub use parse::parse_size;
@@ -42,90 +45,6 @@ pub fn deadline_from(start: std::time::Instant, timeout: Duration) -> std::time:
     // CLOCK_MONOTONIC counts from boot in a 64-bit timespec: 30 days more always fits.
     start.checked_add(timeout.min(MAX_TIMEOUT)).unwrap_or(start)
 }
-
-/// Launcher variables read besides the `TOROID_*` ones (see `rendezvous::env`).
-pub const LAUNCHER_VARS: &[&str] = &[
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "SLURM_PROCID",
-    "SLURM_NTASKS",
-    "SLURM_LOCALID",
-    "SLURM_NTASKS_PER_NODE",
-    "SLURM_JOB_NODELIST",
-    "SLURM_NODELIST",
-    "SLURM_JOB_ID",
-    "SLURM_STEP_ID",
-    "SLURM_STEP_NUM_NODES",
-    "SLURM_SRUN_COMM_PORT",
-    "SLURM_CLUSTER_NAME",
-    "OMPI_COMM_WORLD_RANK",
-    "OMPI_COMM_WORLD_SIZE",
-    "OMPI_COMM_WORLD_LOCAL_RANK",
-    "OMPI_COMM_WORLD_LOCAL_SIZE",
-    "OMPI_MCA_ess_base_jobid",
-    "OMPI_MCA_orte_hnp_uri",
-    "OMPI_MCA_orte_jobfam_session_dir",
-    "PMIX_NAMESPACE",
-    "PMIX_SERVER_URI2",
-    "PMIX_SERVER_URI21",
-    "PMIX_SERVER_URI3",
-    "PMIX_SERVER_URI4",
-    "PMIX_SERVER_URI41",
-    "PMI_RANK",
-    "PMI_SIZE",
-    "MPI_LOCALRANKID",
-    "MPI_LOCALNRANKS",
-];
-
-/// Every `TOROID_*` variable the library reads.
-pub const TOROID_VARS: &[&str] = &[
-    "TOROID_RANK",
-    "TOROID_WORLD_SIZE",
-    "TOROID_LOCAL_RANK",
-    "TOROID_LOCAL_SIZE",
-    "TOROID_STORE_ADDR",
-    "TOROID_TIMEOUT",
-    "TOROID_SOCKET_IFNAME",
-    "TOROID_SOCKET_FAMILY",
-    "TOROID_SOCKET_BUFFER",
-    "TOROID_TCP_CONGESTION",
-    "TOROID_AUTH_TOKEN",
-    "TOROID_SPIN_US",
-    "TOROID_SEGMENT_SIZE",
-    "TOROID_PIPELINE_CHUNK",
-    "TOROID_ALGO",
-    "TOROID_DEBUG",
-    "TOROID_DEBUG_SUBSYS",
-    "TOROID_HOST_ID",
-    "TOROID_TORUS_SHAPE",
-    "TOROID_COST_MODEL",
-    "TOROID_SHM_DISABLE",
-    "TOROID_CONNECT",
-    "TOROID_ENCRYPT",
-    "TOROID_TLS_CA",
-    "TOROID_TLS_CERT",
-    "TOROID_TLS_KEY",
-    "TOROID_DUMP_ON_SIGNAL",
-    "TOROID_SHM_DIR",
-    "TOROID_STATUS_DIR",
-    "TOROID_SHM_RING_SIZE",
-    "TOROID_SHM_CHUNK_SIZE",
-    "TOROID_TRACE_BUFFER",
-    "TOROID_TIMELINE",
-    "TOROID_WIRE_DTYPE",
-    "TOROID_NSOCKS",
-    "TOROID_NTHREADS",
-    "TOROID_TEST_FLOW_RATE",
-    "TOROID_NVRTC_PATH",
-    "TOROID_CUDA_IPC",
-    "TOROID_IB_HCA",
-    "TOROID_IB_GID_INDEX",
-    "TOROID_RDMA",
-];
 
 /// A site's certificate files for encrypted links (PEM): the CAs that sign the ranks'
 /// certificates, this rank's certificate chain, and its private key.

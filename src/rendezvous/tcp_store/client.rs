@@ -135,11 +135,17 @@ impl Client {
         }
         let mut tls = crate::tls::bound_client()?;
         let mut c = self.lock();
+        // One deadline for the whole handshake, not one per socket call: a server that drips
+        // its flight cannot stretch it.
+        let deadline = deadline(io_timeout.saturating_add(IO_MARGIN));
         let res = (|| -> io::Result<()> {
-            let t = Some(io_timeout.saturating_add(IO_MARGIN));
-            c.stream.set_write_timeout(t)?;
-            c.stream.set_read_timeout(t)?;
             while tls.is_handshaking() {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(io::ErrorKind::TimedOut.into());
+                }
+                c.stream.set_write_timeout(Some(left))?;
+                c.stream.set_read_timeout(Some(left))?;
                 tls.complete_io(&mut c.stream)?;
             }
             Ok(())
