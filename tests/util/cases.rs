@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use toroid::{Algorithm, CallOptions, Communicator, DataType, OpKind, ReduceOp};
 
-use super::data::{Val, decode, expected, fill, input, matches};
+use super::data::{Inputs, Val, decode, fill, matches};
 
 #[derive(Debug, Clone, Copy)]
 pub enum Coll {
@@ -36,6 +36,7 @@ pub fn check(comm: &Communicator, id: u64, c: &Case) -> Result<(), String> {
     let d = c.dtype;
     let s = d.size();
     let opts = CallOptions { timeout: None, algorithm: c.algo, wire: None };
+    let inputs = Inputs::new(id, n, d, c.op);
     let elem = |buf: &[u8], k: usize| decode(d, &buf[k * s..(k + 1) * s]);
     let mut bad = Vec::new();
     let mut expect = |what: &str, k: usize, got: Val, want: Val, tol: f64| {
@@ -59,7 +60,7 @@ pub fn check(comm: &Communicator, id: u64, c: &Case) -> Result<(), String> {
                 out
             };
             for k in 0..c.count {
-                let (want, tol) = expected(id, n, k, d, c.op);
+                let (want, tol) = inputs.expected(k);
                 expect("out", k, elem(&out, k), want, tol);
             }
         }
@@ -75,7 +76,7 @@ pub fn check(comm: &Communicator, id: u64, c: &Case) -> Result<(), String> {
                 (out, 0)
             };
             for k in 0..c.count {
-                let (want, tol) = expected(id, n, r * c.count + k, d, c.op);
+                let (want, tol) = inputs.expected(r * c.count + k);
                 expect("out", k, elem(&out, base + k), want, tol);
             }
         }
@@ -91,13 +92,7 @@ pub fn check(comm: &Communicator, id: u64, c: &Case) -> Result<(), String> {
             }
             for j in 0..n {
                 for k in 0..c.count {
-                    expect(
-                        "out",
-                        j * c.count + k,
-                        elem(&out, j * c.count + k),
-                        input(id, j, k, d, c.op),
-                        0.0,
-                    );
+                    expect("out", j * c.count + k, elem(&out, j * c.count + k), inputs.of(j, k), 0.0);
                 }
             }
         }
@@ -115,7 +110,7 @@ pub fn check(comm: &Communicator, id: u64, c: &Case) -> Result<(), String> {
                 out
             };
             for k in 0..c.count {
-                expect("out", k, elem(&out, k), input(id, root, k, d, c.op), 0.0);
+                expect("out", k, elem(&out, k), inputs.of(root, k), 0.0);
             }
         }
         Coll::Reduce(root) => {
@@ -131,7 +126,7 @@ pub fn check(comm: &Communicator, id: u64, c: &Case) -> Result<(), String> {
             let result = if c.in_place { &inp } else { &out };
             if r == root {
                 for k in 0..c.count {
-                    let (want, tol) = expected(id, n, k, d, c.op);
+                    let (want, tol) = inputs.expected(k);
                     expect("out", k, elem(result, k), want, tol);
                 }
             } else if inp != original || (!c.in_place && out.iter().any(|b| *b != GARBAGE)) {
@@ -152,7 +147,7 @@ pub fn check(comm: &Communicator, id: u64, c: &Case) -> Result<(), String> {
             for j in 0..n {
                 for k in 0..c.count {
                     let idx = j * c.count + k;
-                    expect("out", idx, elem(&out, idx), input(id, j, r * c.count + k, d, c.op), 0.0);
+                    expect("out", idx, elem(&out, idx), inputs.of(j, r * c.count + k), 0.0);
                 }
             }
         }

@@ -49,20 +49,114 @@ pub fn wrap(v: i128, d: DataType) -> i128 {
 
 /// The input element `i` of `rank` in case `case` for op `op`.
 pub fn input(case: u64, rank: usize, i: usize, d: DataType, op: ReduceOp) -> Val {
-    let r =
-        mix(case.wrapping_mul(0x1000_0000_01B3) ^ mix(rank as u64) ^ (i as u64).wrapping_mul(0x9E37_79B9));
-    if d.is_float() {
-        let u = (r >> 11) as f64 / (1u64 << 53) as f64; // [0, 1)
-        let v = match op {
-            // Products stay near 1 so nine of them neither overflow nor vanish.
-            ReduceOp::Prod => (0.5 + u) * if r & 1 == 0 { 1.0 } else { -1.0 },
-            _ => u * 2.0 - 1.0,
-        };
-        let mut b = [0u8; 8];
-        encode(d, Val::F(v), &mut b[..d.size()]);
-        Val::F(decode(d, &b[..d.size()]).as_f())
-    } else {
-        Val::I(wrap(r as i64 as i128, d))
+    value(seed(case, rank), i, d, op)
+}
+
+/// What `rank`'s inputs of `case` are drawn from.
+fn seed(case: u64, rank: usize) -> u64 {
+    case.wrapping_mul(0x1000_0000_01B3) ^ mix(rank as u64)
+}
+
+/// Element `i` of the inputs drawn from `seed`: floats in [-1, 1) (products near +-1), rounded
+/// to the element type; integers are the random bits truncated to the type.
+fn value(seed: u64, i: usize, d: DataType, op: ReduceOp) -> Val {
+    let r = mix(seed ^ (i as u64).wrapping_mul(0x9E37_79B9));
+    if d.is_float() { Val::F(float_value(r, d, op)) } else { Val::I(int_value(r, d)) }
+}
+
+fn float_value(r: u64, d: DataType, op: ReduceOp) -> f64 {
+    let u = (r >> 11) as f64 / (1u64 << 53) as f64; // [0, 1)
+    let v = match op {
+        // Products stay near 1 so nine of them neither overflow nor vanish.
+        ReduceOp::Prod => (0.5 + u) * if r & 1 == 0 { 1.0 } else { -1.0 },
+        _ => u * 2.0 - 1.0,
+    };
+    match d {
+        DataType::F64 => v,
+        DataType::F32 => v as f32 as f64,
+        DataType::F16 => f16::from_f64(v).to_f64(),
+        DataType::BF16 => bf16::from_f64(v).to_f64(),
+        _ => unreachable!(),
+    }
+}
+
+/// `r` as the integer type `d` (two's complement wrap-around, as [`wrap`]).
+fn int_value(r: u64, d: DataType) -> i128 {
+    match d {
+        DataType::I8 => r as i8 as i128,
+        DataType::U8 => r as u8 as i128,
+        DataType::I32 => r as i32 as i128,
+        DataType::U32 => r as u32 as i128,
+        DataType::I64 => r as i64 as i128,
+        DataType::U64 => r as i128,
+        _ => unreachable!(),
+    }
+}
+
+/// Every rank's inputs of one case, with each rank's seed drawn once: a check of a million
+/// elements against nine ranks' inputs costs one splitmix64 per input element.
+pub struct Inputs {
+    d: DataType,
+    op: ReduceOp,
+    seeds: Vec<u64>,
+}
+
+impl Inputs {
+    /// The inputs of ranks `0..ranks` in case `case`.
+    pub fn new(case: u64, ranks: usize, d: DataType, op: ReduceOp) -> Inputs {
+        Inputs { d, op, seeds: (0..ranks).map(|r| seed(case, r)).collect() }
+    }
+
+    /// Element `i` of `rank`'s input (the same as [`input`]).
+    pub fn of(&self, rank: usize, i: usize) -> Val {
+        value(self.seeds[rank], i, self.d, self.op)
+    }
+
+    /// The expected reduction of element `i` over every rank, and the tolerance for floats
+    /// (the same as [`expected`]).
+    pub fn expected(&self, i: usize) -> (Val, f64) {
+        let (d, op) = (self.d, self.op);
+        let n = self.seeds.len();
+        let draw = |s: u64| mix(s ^ (i as u64).wrapping_mul(0x9E37_79B9));
+        if d.is_float() {
+            let (mut sum, mut abs_sum, mut prod) = (0.0f64, 0.0f64, 1.0f64);
+            let (mut min, mut max) = (f64::INFINITY, f64::NEG_INFINITY);
+            for &s in &self.seeds {
+                let x = float_value(draw(s), d, op);
+                sum += x;
+                abs_sum += x.abs();
+                prod *= x;
+                min = min.min(x);
+                max = max.max(x);
+            }
+            let (v, scale) = match op {
+                ReduceOp::Sum => (sum, abs_sum),
+                ReduceOp::Avg => (sum / n as f64, abs_sum / n as f64),
+                ReduceOp::Prod => (prod, prod.abs()),
+                ReduceOp::Min => (min, 0.0),
+                ReduceOp::Max => (max, 0.0),
+            };
+            // Every partial result is rounded once per rank (plus the pre-scale of avg and the
+            // final rounding of the output type).
+            let tol = 2.0 * (n as f64 + 2.0) * eps(d) * scale + 1e-300;
+            (Val::F(v), tol)
+        } else {
+            let mut acc: Option<i128> = None;
+            for &s in &self.seeds {
+                let x = int_value(draw(s), d);
+                acc = Some(match acc {
+                    None => x,
+                    Some(a) => match op {
+                        ReduceOp::Sum => wrap(a.wrapping_add(x), d),
+                        ReduceOp::Prod => wrap(a.wrapping_mul(x), d),
+                        ReduceOp::Min => a.min(x),
+                        ReduceOp::Max => a.max(x),
+                        ReduceOp::Avg => unreachable!("avg is rejected for integers"),
+                    },
+                });
+            }
+            (Val::I(acc.unwrap_or(0)), 0.0)
+        }
     }
 }
 
@@ -105,9 +199,9 @@ pub fn decode(d: DataType, b: &[u8]) -> Val {
 
 /// Fills `buf` with `rank`'s input for elements `start..start + buf.len() / size`.
 pub fn fill(buf: &mut [u8], case: u64, rank: usize, start: usize, d: DataType, op: ReduceOp) {
-    let s = d.size();
-    for (k, chunk) in buf.chunks_exact_mut(s).enumerate() {
-        encode(d, input(case, rank, start + k, d, op), chunk);
+    let seed = seed(case, rank);
+    for (k, chunk) in buf.chunks_exact_mut(d.size()).enumerate() {
+        encode(d, value(seed, start + k, d, op), chunk);
     }
 }
 
@@ -119,49 +213,6 @@ pub fn eps(d: DataType) -> f64 {
         DataType::F16 => 2f64.powi(-10),
         DataType::BF16 => 2f64.powi(-7),
         _ => 0.0,
-    }
-}
-
-/// The expected reduction of element `i` over `n` ranks, and the tolerance for floats.
-pub fn expected(case: u64, n: usize, i: usize, d: DataType, op: ReduceOp) -> (Val, f64) {
-    if d.is_float() {
-        let (mut sum, mut abs_sum, mut prod) = (0.0f64, 0.0f64, 1.0f64);
-        let (mut min, mut max) = (f64::INFINITY, f64::NEG_INFINITY);
-        for r in 0..n {
-            let x = input(case, r, i, d, op).as_f();
-            sum += x;
-            abs_sum += x.abs();
-            prod *= x;
-            min = min.min(x);
-            max = max.max(x);
-        }
-        let (v, scale) = match op {
-            ReduceOp::Sum => (sum, abs_sum),
-            ReduceOp::Avg => (sum / n as f64, abs_sum / n as f64),
-            ReduceOp::Prod => (prod, prod.abs()),
-            ReduceOp::Min => (min, 0.0),
-            ReduceOp::Max => (max, 0.0),
-        };
-        // Every partial result is rounded once per rank (plus the pre-scale of avg and the final
-        // rounding of the output type).
-        let tol = 2.0 * (n as f64 + 2.0) * eps(d) * scale + 1e-300;
-        (Val::F(v), tol)
-    } else {
-        let mut acc: Option<i128> = None;
-        for r in 0..n {
-            let Val::I(x) = input(case, r, i, d, op) else { unreachable!() };
-            acc = Some(match acc {
-                None => x,
-                Some(a) => match op {
-                    ReduceOp::Sum => wrap(a.wrapping_add(x), d),
-                    ReduceOp::Prod => wrap(a.wrapping_mul(x), d),
-                    ReduceOp::Min => a.min(x),
-                    ReduceOp::Max => a.max(x),
-                    ReduceOp::Avg => unreachable!("avg is rejected for integers"),
-                },
-            });
-        }
-        (Val::I(acc.unwrap_or(0)), 0.0)
     }
 }
 
