@@ -60,8 +60,13 @@ fn seed(case: u64, rank: usize) -> u64 {
 /// Element `i` of the inputs drawn from `seed`: floats in [-1, 1) (products near +-1), rounded
 /// to the element type; integers are the random bits truncated to the type.
 fn value(seed: u64, i: usize, d: DataType, op: ReduceOp) -> Val {
-    let r = mix(seed ^ (i as u64).wrapping_mul(0x9E37_79B9));
+    let r = draw(seed, i);
     if d.is_float() { Val::F(float_value(r, d, op)) } else { Val::I(int_value(r, d)) }
+}
+
+/// The random bits of element `i` drawn from `seed`.
+fn draw(seed: u64, i: usize) -> u64 {
+    mix(seed ^ (i as u64).wrapping_mul(0x9E37_79B9))
 }
 
 fn float_value(r: u64, d: DataType, op: ReduceOp) -> f64 {
@@ -112,17 +117,16 @@ impl Inputs {
         value(self.seeds[rank], i, self.d, self.op)
     }
 
-    /// The expected reduction of element `i` over every rank, and the tolerance for floats
-    /// (the same as [`expected`]).
+    /// The expected reduction of element `i` over every rank, computed in f64 from the rounded
+    /// inputs (floats, with the tolerance) or in wrapping i128 (integers, tolerance 0).
     pub fn expected(&self, i: usize) -> (Val, f64) {
         let (d, op) = (self.d, self.op);
         let n = self.seeds.len();
-        let draw = |s: u64| mix(s ^ (i as u64).wrapping_mul(0x9E37_79B9));
         if d.is_float() {
             let (mut sum, mut abs_sum, mut prod) = (0.0f64, 0.0f64, 1.0f64);
             let (mut min, mut max) = (f64::INFINITY, f64::NEG_INFINITY);
             for &s in &self.seeds {
-                let x = float_value(draw(s), d, op);
+                let x = float_value(draw(s, i), d, op);
                 sum += x;
                 abs_sum += x.abs();
                 prod *= x;
@@ -143,7 +147,7 @@ impl Inputs {
         } else {
             let mut acc: Option<i128> = None;
             for &s in &self.seeds {
-                let x = int_value(draw(s), d);
+                let x = int_value(draw(s, i), d);
                 acc = Some(match acc {
                     None => x,
                     Some(a) => match op {
