@@ -47,11 +47,6 @@ pub fn wrap(v: i128, d: DataType) -> i128 {
     if signed && low >> (bits - 1) == 1 { low - (1i128 << bits) } else { low }
 }
 
-/// The input element `i` of `rank` in case `case` for op `op`.
-pub fn input(case: u64, rank: usize, i: usize, d: DataType, op: ReduceOp) -> Val {
-    value(seed(case, rank), i, d, op)
-}
-
 /// What `rank`'s inputs of `case` are drawn from.
 fn seed(case: u64, rank: usize) -> u64 {
     case.wrapping_mul(0x1000_0000_01B3) ^ mix(rank as u64)
@@ -112,7 +107,7 @@ impl Inputs {
         Inputs { d, op, seeds: (0..ranks).map(|r| seed(case, r)).collect() }
     }
 
-    /// Element `i` of `rank`'s input (the same as [`input`]).
+    /// Element `i` of `rank`'s input (what [`fill`] writes there).
     pub fn of(&self, rank: usize, i: usize) -> Val {
         value(self.seeds[rank], i, self.d, self.op)
     }
@@ -160,16 +155,6 @@ impl Inputs {
                 });
             }
             (Val::I(acc.unwrap_or(0)), 0.0)
-        }
-    }
-}
-
-impl Val {
-    /// The float.
-    pub fn as_f(self) -> f64 {
-        match self {
-            Val::F(f) => f,
-            Val::I(i) => i as f64,
         }
     }
 }

@@ -118,8 +118,8 @@ impl Client {
         Err(Retry::Again(last))
     }
 
-    /// The plaintext hello that asks for TLS, then the TLS handshake, within `io_timeout` for
-    /// each socket call. The server's key is not checked here: the token's challenge-response
+    /// The plaintext hello that asks for TLS (within `io_timeout` plus a margin), then the TLS
+    /// handshake (within one such deadline in all). The server's key is not checked here: the token's challenge-response
     /// that follows covers a value exported from this handshake ([`auth::BINDING_LABEL`]).
     fn start_tls(&self, io_timeout: Duration) -> Result<()> {
         let addr = &self.addr;
