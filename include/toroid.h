@@ -219,8 +219,9 @@ typedef struct toroid_config {
   int size;
   /**
    * Rendezvous store: "host:port" (rank 0 serves a TCP store there; the others connect) or
-   * "file:///shared/dir". NULL: from the environment (TOROID_STORE_ADDR, else MASTER_ADDR and
-   * MASTER_PORT+1; see docs/ENV.md).
+   * "file:///shared/dir", or "torch://host:port" (a torch TCPStore where rank 0 publishes the
+   * port of the store it serves). NULL: from the environment (TOROID_STORE_ADDR, else
+   * torchrun's store or MASTER_ADDR and MASTER_PORT+1; see docs/ENV.md).
    */
   const char *store_addr;
   /**

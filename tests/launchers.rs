@@ -1,8 +1,8 @@
 //! toroid-bench under real launchers on this host: Open MPI's `mpirun`, PyTorch's `torchrun`
 //! and Slurm's `srun` (a one-node Slurm cluster that the test configures, starts and stops
 //! itself, with its own munge daemon). No store address is given: every job finds its store from
-//! the launcher's own variables (a private file store for mpirun and srun on one host, MASTER_ADDR
-//! and MASTER_PORT+1 under torchrun). Each run is bounded in time, every value is checked
+//! the launcher's own variables (a private file store for mpirun and srun on one host; under
+//! torchrun, a port rank 0 publishes in torchrun's own store at MASTER_ADDR:MASTER_PORT). Each run is bounded in time, every value is checked
 //! (`-c 1`, `#wrong` 0 on every row, exit 0), and everything started is stopped and removed
 //! even when a check fails.
 //!
@@ -81,12 +81,12 @@ fn mpirun_on_one_host() {
     assert_eq!(job_dirs("ompi"), before, "single-host stores left behind");
 }
 
-#[test]
-fn torchrun_standalone() {
+/// The python that has torch, or a test failure saying what to install.
+fn torch_python() -> String {
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
     let probe = Command::new(&python).args(["-c", "import torch.distributed.run"]).output();
     match probe {
-        Ok(o) if o.status.success() => {}
+        Ok(o) if o.status.success() => python,
         Ok(o) => panic!(
             "{python} cannot import torch.distributed.run: install torch (`pip install torch`; \
              scripts/setup.sh does): {}",
@@ -94,8 +94,12 @@ fn torchrun_standalone() {
         ),
         Err(e) => panic!("cannot run {python}: {e}; install python3 and torch (scripts/setup.sh does)"),
     }
+}
+
+/// `torchrun <args> --no-python toroid-bench` on 2 ranks, every value checked.
+fn torchrun_bench(what: &str, args: &[&str]) {
+    let python = torch_python();
     let dir = TempDir::new("torchrun");
-    let what = "torchrun --standalone --nproc-per-node 2 toroid-bench";
     let mut cmd = Command::new(&python);
     bench_check::clean_launcher_env(&mut cmd);
     // torchrun's own default of OMP_NUM_THREADS=1 (and its warning about it).
@@ -103,10 +107,37 @@ fn torchrun_standalone() {
     // torchrun makes its own torchelastic_* directory under TMPDIR and leaves it behind: keep
     // it inside the test's directory, which is removed.
     cmd.env("TMPDIR", dir.path());
-    cmd.args(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python", BENCH])
+    cmd.args(["-m", "torch.distributed.run"])
+        .args(args)
+        .args(["--nproc-per-node", "2", "--no-python", BENCH])
         .args(BENCH_ARGS);
     let job = run_bounded(what, &mut cmd, &dir, LIMIT);
     assert_bench_ok(what, &job, &expect("all_reduce", 2));
+}
+
+#[test]
+fn torchrun_standalone() {
+    torchrun_bench("torchrun --standalone --nproc-per-node 2 toroid-bench", &["--standalone"]);
+}
+
+/// toroid's store takes a free port and publishes it in torchrun's own store: the port after
+/// `MASTER_PORT` (the rule before torchrun's store was used) held by another socket does not
+/// matter.
+#[test]
+fn torchrun_with_the_port_after_master_port_taken() {
+    // A listener on some port q, and q - 1 free as torchrun's MASTER_PORT.
+    let (held, master) = (0..50)
+        .find_map(|_| {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").ok()?;
+            let q = l.local_addr().ok()?.port();
+            let free = std::net::TcpListener::bind(("127.0.0.1", q.checked_sub(1)?)).is_ok();
+            free.then_some((l, q - 1))
+        })
+        .expect("no pair of adjacent ports with the lower one free");
+    let port = master.to_string();
+    let what = format!("torchrun --master-port {port} toroid-bench, port {} held", master + 1);
+    torchrun_bench(&what, &["--master-addr", "127.0.0.1", "--master-port", &port]);
+    drop(held);
 }
 
 /// A one-node Slurm cluster in a temporary directory: its own munge daemon (own key and socket),

@@ -190,8 +190,9 @@ pub struct toroid_config {
     /// Number of ranks, at least 1.
     pub size: c_int,
     /// Rendezvous store: "host:port" (rank 0 serves a TCP store there; the others connect) or
-    /// "file:///shared/dir". NULL: from the environment (TOROID_STORE_ADDR, else MASTER_ADDR and
-    /// MASTER_PORT+1; see docs/ENV.md).
+    /// "file:///shared/dir", or "torch://host:port" (a torch TCPStore where rank 0 publishes the
+    /// port of the store it serves). NULL: from the environment (TOROID_STORE_ADDR, else
+    /// torchrun's store or MASTER_ADDR and MASTER_PORT+1; see docs/ENV.md).
     pub store_addr: *const c_char,
     /// Deadline of set-up and of every call, in milliseconds. <= 0: TOROID_TIMEOUT or the
     /// default (300 s).

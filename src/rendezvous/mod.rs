@@ -9,11 +9,13 @@
 //!   as PyTorch hands over its own store;
 //! - [`MemStore`]: in-process, for ranks that are threads (tests).
 //!
-//! [`env`] reads rank, size and store address from the launcher's variables.
+//! [`env`] reads rank, size and store address from the launcher's variables; under torchrun
+//! the ranks find rank 0's [`TcpStore`] through torchrun's own store (`torch_store`).
 
 pub mod env;
 pub mod file_store;
 pub mod tcp_store;
+pub(crate) mod torch_store;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex};

@@ -100,7 +100,9 @@ impl Communicator {
         crate::config::init_logging();
         let opened = rendezvous::env::open_store(launch, cfg.timeout, cfg.auth_token.as_ref(), cfg.encrypt)?;
         let store_host = match &launch.store {
-            rendezvous::env::StoreAddr::Tcp { host, .. } => Some(host.clone()),
+            rendezvous::env::StoreAddr::Tcp { host, .. } | rendezvous::env::StoreAddr::Torch { host, .. } => {
+                Some(host.clone())
+            }
             rendezvous::env::StoreAddr::File(_) => None,
         };
         let comm = Communicator::build(

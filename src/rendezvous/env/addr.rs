@@ -12,8 +12,9 @@ use crate::error::{Error, Result};
 pub const SLURM_PORT_BASE: u16 = 29600;
 const SLURM_PORT_SPAN: u64 = 1000;
 
-/// The store address from the environment alone (`TOROID_STORE_ADDR`, then `MASTER_ADDR` and
-/// `MASTER_PORT`+1, then a private file store for a job of Open MPI, Slurm or PMIx on one host,
+/// The store address from the environment alone (`TOROID_STORE_ADDR`, then torchrun's agent
+/// store at `MASTER_ADDR:MASTER_PORT` when `TORCHELASTIC_USE_AGENT_STORE=True`, else
+/// `MASTER_ADDR` and `MASTER_PORT`+1, then a private file store for a job of Open MPI, Slurm or PMIx on one host,
 /// then Slurm's node list when `launcher` is Slurm), for callers that know rank and size some
 /// other way (the C ABI's `toroid_comm_init` with a NULL `store_addr`).
 ///
@@ -61,13 +62,21 @@ pub fn store_addr(cfg: &Config, launcher: Launcher) -> Result<StoreAddr> {
         None if slurm => slurm_first_host(cfg)?,
         None => None,
     };
+    // torchrun promises its agent's TCPStore at MASTER_ADDR:MASTER_PORT (torch trusts the same
+    // flag for the same address, `torch.distributed.rendezvous._agent_store_serves`): rank 0
+    // publishes our store's port there rather than guess that MASTER_PORT+1 is free.
+    let agent = cfg.var("TORCHELASTIC_USE_AGENT_STORE") == Some("True") && cfg.var("MASTER_ADDR").is_some();
     let port = match cfg.var("MASTER_PORT") {
-        // torchrun's own store already listens on MASTER_PORT.
         Some(v) => {
-            let p: u16 = v
-                .parse()
-                .map_err(|_| Error::InvalidArgument(format!("MASTER_PORT={v}: not a port number").into()))?;
-            Some(p.checked_add(1).filter(|_| p != 0).ok_or_else(|| {
+            let p: u16 = v.parse().ok().filter(|p| *p != 0).ok_or_else(|| {
+                Error::InvalidArgument(format!("MASTER_PORT={v}: not a port number").into())
+            })?;
+            if let Some(host) = host.as_ref().filter(|_| agent) {
+                let restart = num::<u32>(cfg, "TORCHELASTIC_RESTART_COUNT")?.unwrap_or(0);
+                return Ok(StoreAddr::Torch { host: host.clone(), port: p, restart });
+            }
+            // A store of torch's (torchrun's, or init_process_group's) may listen on MASTER_PORT.
+            Some(p.checked_add(1).ok_or_else(|| {
                 Error::InvalidArgument(
                     format!("MASTER_PORT={v}: must be in 1..=65534 (the store uses MASTER_PORT+1)").into(),
                 )

@@ -11,9 +11,11 @@
 //! | Open MPI | `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_SIZE` |
 //! | MPICH / Intel MPI | `PMI_RANK`, `PMI_SIZE` | `MPI_LOCALRANKID`, `MPI_LOCALNRANKS` |
 //!
-//! The store address is `TOROID_STORE_ADDR` when set; otherwise `MASTER_ADDR` and
-//! `MASTER_PORT + 1`: torchrun's own TCP store (torch's, not ours) already listens on
-//! `MASTER_PORT`, so ours takes the next port. Under Slurm without `MASTER_ADDR` the host is
+//! The store address is `TOROID_STORE_ADDR` when set; otherwise, under torchrun
+//! (`TORCHELASTIC_USE_AGENT_STORE=True`), torchrun's own TCP store (torch's, not ours) at
+//! `MASTER_ADDR:MASTER_PORT`, where rank 0 publishes the free port it serves ours on
+//! ([`StoreAddr::Torch`]); otherwise `MASTER_ADDR` and `MASTER_PORT + 1` (a torch store may
+//! listen on `MASTER_PORT`). Under Slurm without `MASTER_ADDR` the host is
 //! the first node of the job's node list and, without `MASTER_PORT`, the port is
 //! [`SLURM_PORT_BASE`] + `SLURM_JOB_ID % 1000` (29600..=30599: clear of torch's default 29500 and
 //! of Linux's ephemeral ports, and different for most pairs of jobs that share a node).
@@ -68,6 +70,17 @@ pub enum StoreAddr {
     },
     /// A file store in this directory.
     File(PathBuf),
+    /// torch's `TCPStore` at `host:port` (torchrun's agent store): rank 0 serves toroid's TCP
+    /// store on a free port of `host` and publishes the port there (`rendezvous::torch_store`).
+    Torch {
+        /// Host name or address (rank 0's host).
+        host: String,
+        /// torch's store's port.
+        port: u16,
+        /// torchrun's restart count (`TORCHELASTIC_RESTART_COUNT`): the agent's store outlives a
+        /// restart of the workers, so each attempt publishes under its own keys.
+        restart: u32,
+    },
 }
 
 impl fmt::Display for StoreAddr {
@@ -76,12 +89,14 @@ impl fmt::Display for StoreAddr {
         match self {
             StoreAddr::Tcp { host, port } => write!(f, "tcp://{}", join_host_port(host, *port)),
             StoreAddr::File(p) => write!(f, "file://{}", p.display()),
+            StoreAddr::Torch { host, port, .. } => write!(f, "torch://{}", join_host_port(host, *port)),
         }
     }
 }
 
 impl StoreAddr {
-    /// Parses `host:port`, `tcp://host:port`, `[v6addr]:port` or `file:///absolute/dir`.
+    /// Parses `host:port`, `tcp://host:port`, `[v6addr]:port`, `file:///absolute/dir` or
+    /// `torch://host:port` (a torch `TCPStore` to publish toroid's store's port in).
     ///
     /// ```
     /// use toroid::rendezvous::env::StoreAddr;
@@ -107,14 +122,18 @@ impl StoreAddr {
             }
             return Ok(StoreAddr::File(PathBuf::from(path)));
         }
-        let hostport = match s.split_once("://") {
-            Some(("tcp", rest)) => rest,
+        let (hostport, torch) = match s.split_once("://") {
+            Some(("tcp", rest)) => (rest, false),
+            Some(("torch", rest)) => (rest, true),
             Some((scheme, _)) => {
                 return Err(Error::InvalidArgument(
-                    format!("store address '{s}': unknown scheme '{scheme}' (use tcp:// or file://)").into(),
+                    format!(
+                        "store address '{s}': unknown scheme '{scheme}' (use tcp://, file:// or torch://)"
+                    )
+                    .into(),
                 ));
             }
-            None => s,
+            None => (s, false),
         };
         let (host, port) = split_host_port(hostport)?;
         if port == 0 {
@@ -122,12 +141,12 @@ impl StoreAddr {
                 format!("store address '{s}': port 0 cannot be agreed on").into(),
             ));
         }
-        Ok(StoreAddr::Tcp { host, port })
+        Ok(if torch { StoreAddr::Torch { host, port, restart: 0 } } else { StoreAddr::Tcp { host, port } })
     }
 }
 
 /// `host:port`, with brackets around an IPv6 host.
-fn join_host_port(host: &str, port: u16) -> String {
+pub(crate) fn join_host_port(host: &str, port: u16) -> String {
     if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") }
 }
 
@@ -331,6 +350,21 @@ mod tests {
         assert_eq!((l.local_rank, l.local_size), (None, None));
         // Without TOROID_STORE_ADDR the torchrun address is used.
         assert_eq!(l.store, tcp("node0", 29501));
+        // torchrun's agent store, when torchrun says it serves one: our port is published there.
+        let mut agent = all.clone();
+        agent.extend_from_slice(&[
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("TORCHELASTIC_RESTART_COUNT", "2"),
+        ]);
+        let torch = StoreAddr::Torch { host: "node0".into(), port: 29500, restart: 2 };
+        assert_eq!(detect_with(&agent).unwrap().store, torch);
+        assert_eq!(torch.to_string(), "torch://node0:29500");
+        agent.retain(|(k, _)| *k != "TORCHELASTIC_RESTART_COUNT");
+        agent.push(("TORCHELASTIC_RESTART_COUNT", "x"));
+        invalid_arg_naming(detect_with(&agent), &["TORCHELASTIC_RESTART_COUNT"]);
+        agent.retain(|(k, _)| !k.starts_with("TORCHELASTIC_"));
+        agent.push(("TORCHELASTIC_USE_AGENT_STORE", "False"));
+        assert_eq!(detect_with(&agent).unwrap().store, tcp("node0", 29501));
 
         let drop_keys = |keys: &[&str]| -> Vec<(&str, &str)> {
             all.iter().filter(|(k, _)| !keys.iter().any(|d| k.starts_with(d))).copied().collect()
@@ -395,5 +429,9 @@ mod tests {
         assert_eq!(StoreAddr::parse("[::1]:7").unwrap(), tcp("::1", 7));
         assert_eq!(StoreAddr::parse("tcp://[fe80::2]:8").unwrap().to_string(), "tcp://[fe80::2]:8");
         assert_eq!(StoreAddr::parse("file:///a/b").unwrap().to_string(), "file:///a/b");
+        assert_eq!(
+            StoreAddr::parse("torch://[::1]:29500").unwrap(),
+            StoreAddr::Torch { host: "::1".into(), port: 29500, restart: 0 }
+        );
     }
 }

@@ -12,7 +12,8 @@ use std::time::Duration;
 use super::job_dir::{ensure_private_dir, is_job_dir};
 use super::{Launch, StoreAddr, join_host_port};
 use crate::config::AuthToken;
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::rendezvous::torch_store::TorchStore;
 use crate::rendezvous::{FileStore, Store, TcpStore};
 
 /// Store key counting the ranks that dropped a job store.
@@ -81,6 +82,81 @@ pub fn open_store(
         StoreAddr::Tcp { host, port } => {
             plain(Arc::new(TcpStore::connect_secured(&join_host_port(host, *port), timeout, token, encrypt)?))
         }
+        StoreAddr::Torch { host, port, restart } => {
+            let meeting = TorchMeeting { host, port: *port, restart: *restart };
+            meeting.open(launch, timeout, token, encrypt)
+        }
+    }
+}
+
+/// Meeting through a torch `TCPStore` (torchrun's agent store): rank 0 serves toroid's store on
+/// a free port and publishes it under a key of this attempt and communicator; the others read
+/// it there and connect (`rendezvous::torch_store`).
+struct TorchMeeting<'a> {
+    host: &'a str,
+    port: u16,
+    restart: u32,
+}
+
+impl TorchMeeting<'_> {
+    fn open(
+        &self,
+        launch: &Launch,
+        timeout: Duration,
+        token: Option<&AuthToken>,
+        encrypt: bool,
+    ) -> Result<OpenedStore> {
+        // Communicators made from the environment, counted per torch store and rank in this
+        // process: every rank creates them in the same order (as `open_job_store`).
+        static OPENED: Mutex<Option<HashMap<(String, u16, u32, usize), u64>>> = Mutex::new(None);
+        let n = {
+            let mut map = OPENED.lock().unwrap_or_else(|e| e.into_inner());
+            let k = (self.host.to_string(), self.port, self.restart, launch.rank);
+            let c = map.get_or_insert_with(HashMap::new).entry(k).or_insert(0);
+            *c += 1;
+            *c
+        };
+        // torch's own clients prefix keys with '/': `store.get("toroid/store/...")` in torch sees it.
+        let key = format!("/toroid/store/{}/{n}", self.restart);
+        let deadline = crate::config::deadline_in(timeout);
+        let mut torch = TorchStore::connect(self.host, self.port, deadline)?;
+        if launch.rank == 0 {
+            let bind = bind_addr(self.host, 0, is_local);
+            let s = Arc::new(TcpStore::serve_secured(&bind, timeout, token, encrypt)?);
+            let addr = s.server_addr().ok_or_else(|| Error::Internal("store: no address".into()))?;
+            let port = addr.port();
+            torch.set(&key, port.to_string().as_bytes(), deadline)?;
+            tracing::info!(target: "toroid::store",
+                "rank 0 serves the store on {addr}, published as '{key}' in torch's store at {}",
+                join_host_port(self.host, self.port));
+            return Ok(OpenedStore { store: s.clone(), server: Some(s) });
+        }
+        let value = torch.get(&key, deadline).map_err(|e| match e {
+            Error::Timeout(_) => Error::Timeout(
+                format!(
+                    "rank 0 did not publish its store's port as '{key}' in torch's store at {} within {timeout:?} \
+                     (is rank 0 running toroid too?)",
+                    join_host_port(self.host, self.port)
+                )
+                .into(),
+            ),
+            e => e,
+        })?;
+        let port = std::str::from_utf8(&value)
+            .ok()
+            .and_then(|v| v.parse::<u16>().ok())
+            .filter(|p| *p != 0)
+            .ok_or_else(|| {
+            Error::Remote(
+                format!(
+                    "torch's store holds '{}' under '{key}', not a port number",
+                    String::from_utf8_lossy(&value)
+                )
+                .into(),
+            )
+        })?;
+        let store = TcpStore::connect_secured(&join_host_port(self.host, port), timeout, token, encrypt)?;
+        Ok(OpenedStore { store: Arc::new(store), server: None })
     }
 }
 
