@@ -108,7 +108,8 @@ impl TorchMeeting<'_> {
     ) -> Result<OpenedStore> {
         // Communicators made from the environment, counted per torch store and rank in this
         // process: every rank creates them in the same order (as `open_job_store`).
-        static OPENED: Mutex<Option<HashMap<(String, u16, u32, usize), u64>>> = Mutex::new(None);
+        type Meeting = (String, u16, u32, usize);
+        static OPENED: Mutex<Option<HashMap<Meeting, u64>>> = Mutex::new(None);
         let n = {
             let mut map = OPENED.lock().unwrap_or_else(|e| e.into_inner());
             let k = (self.host.to_string(), self.port, self.restart, launch.rank);
