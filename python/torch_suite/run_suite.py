@@ -178,12 +178,23 @@ def main() -> int:
     return 0
 
 
-def _run(backend: str, world_size: int, ks: list) -> dict:
-    """Runs the suite in a child process; returns {test: PASS|SKIP|FAIL|ERROR}."""
+def _start(backend: str, world_size: int, ks: list) -> subprocess.Popen:
+    """Starts the suite in a child process, its output to a temporary file (two run at once)."""
     cmd = [sys.executable, __file__, "--backend", backend, "--world-size", str(world_size)]
     for k in ks:
         cmd += ["-k", k]
-    out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, check=False).stdout
+    out = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL, text=True)
+    proc.out = out
+    return proc
+
+
+def _results(backend: str, proc: subprocess.Popen) -> dict:
+    """Waits for a child of `_start`; returns {test: PASS|SKIP|FAIL|ERROR}."""
+    proc.wait()
+    proc.out.seek(0)
+    out = proc.out.read()
+    proc.out.close()
     results = {}
     for line in out.splitlines():
         parts = line.split()
@@ -194,9 +205,17 @@ def _run(backend: str, world_size: int, ks: list) -> dict:
     return results
 
 
+def _run(backend: str, world_size: int, ks: list) -> dict:
+    return _results(backend, _start(backend, world_size, ks))
+
+
 def compare(args) -> int:
-    gloo = _run("gloo", args.world_size, args.k)
-    toroid = _run("toroid", args.world_size, args.k)
+    # Side by side: each test mostly waits (its processes start, meet and join), so the two
+    # runs share the cores well; a test that fails on toroid alone runs again alone below.
+    gloo_run = _start("gloo", args.world_size, args.k)
+    toroid_run = _start("toroid", args.world_size, args.k)
+    gloo = _results("gloo", gloo_run)
+    toroid = _results("toroid", toroid_run)
     behind = sorted(t for t, r in gloo.items() if r == "PASS" and toroid.get(t) != "PASS")
     if behind:
         print(f"again, alone: {' '.join(behind)}", flush=True)
