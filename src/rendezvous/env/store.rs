@@ -312,6 +312,108 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// A stand-in for torch's `TCPStore` server: VALIDATE, SET, WAIT and GET in torch's wire
+    /// format (`rendezvous::torch_store`), a thread per connection, until the client leaves.
+    fn fake_torch_store() -> u16 {
+        use std::io::{Read, Write};
+        type Table = Arc<(Mutex<HashMap<Vec<u8>, Vec<u8>>>, std::sync::Condvar)>;
+        fn read_n(c: &mut std::net::TcpStream, n: usize) -> Option<Vec<u8>> {
+            let mut b = vec![0u8; n];
+            c.read_exact(&mut b).ok().map(|_| b)
+        }
+        fn string(c: &mut std::net::TcpStream) -> Option<Vec<u8>> {
+            let n = u64::from_le_bytes(read_n(c, 8)?.try_into().ok()?);
+            read_n(c, usize::try_from(n).ok().filter(|n| *n < 4096)?)
+        }
+        fn serve(mut c: std::net::TcpStream, table: Table) -> Option<()> {
+            let hello = read_n(&mut c, 5)?;
+            assert_eq!(hello, [0, 0xce, 0xf7, 0x85, 0x3c], "VALIDATE first");
+            loop {
+                match read_n(&mut c, 1)?[0] {
+                    1 => {
+                        let (k, v) = (string(&mut c)?, string(&mut c)?);
+                        table.0.lock().unwrap().insert(k, v);
+                        table.1.notify_all();
+                    }
+                    6 => {
+                        assert_eq!(u64::from_le_bytes(read_n(&mut c, 8)?.try_into().ok()?), 1);
+                        let k = string(&mut c)?;
+                        let mut t = table.0.lock().unwrap();
+                        while !t.contains_key(&k) {
+                            t = table.1.wait(t).unwrap();
+                        }
+                        drop(t);
+                        c.write_all(&[0]).ok()?;
+                    }
+                    3 => {
+                        let k = string(&mut c)?;
+                        let v = table.0.lock().unwrap().get(&k).cloned().unwrap_or_default();
+                        c.write_all(&(v.len() as u64).to_le_bytes()).ok()?;
+                        c.write_all(&v).ok()?;
+                    }
+                    op => panic!("request {op} is not one toroid sends"),
+                }
+            }
+        }
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let table: Table = Arc::default();
+        std::thread::spawn(move || {
+            for c in l.incoming().flatten() {
+                let t = table.clone();
+                std::thread::spawn(move || serve(c, t));
+            }
+        });
+        port
+    }
+
+    #[test]
+    fn under_torchrun_rank_0_publishes_its_port_in_torchs_store() {
+        let torch_port = fake_torch_store();
+        let launch = move |rank, restart| Launch {
+            rank,
+            size: 3,
+            local_rank: None,
+            local_size: None,
+            store: StoreAddr::Torch { host: "127.0.0.1".into(), port: torch_port, restart },
+            launcher: Launcher::Torchrun,
+        };
+        let t = Duration::from_secs(5);
+        // Two communicators in a row, ranks 1 and 2 asking before rank 0 publishes: each meets
+        // in a store of its own (the second is not the first's, served no longer).
+        for round in 0..2 {
+            let peers: Vec<_> = (1..3)
+                .map(|r| {
+                    std::thread::spawn(move || {
+                        let s = open_store(&launch(r, 7), t, None, false).unwrap().store;
+                        s.add("joined", 1).unwrap();
+                        s.get("from0", t).unwrap()
+                    })
+                })
+                .collect();
+            std::thread::sleep(Duration::from_millis(50));
+            let opened = open_store(&launch(0, 7), t, None, false).unwrap();
+            let s0 = opened.store.clone();
+            s0.wait(&["joined"], t).unwrap();
+            s0.set("from0", format!("round {round}").as_bytes()).unwrap();
+            for p in peers {
+                assert_eq!(p.join().unwrap(), format!("round {round}").as_bytes());
+            }
+            // Both other ranks counted in this round's store alone.
+            while s0.add("joined", 0).unwrap() < 2 {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            assert_eq!(s0.add("joined", 0).unwrap(), 2);
+            opened.stop_serving();
+        }
+        // A rank of a later restart does not take this attempt's port, and without a rank 0
+        // it fails within its timeout, saying so.
+        let start = std::time::Instant::now();
+        let e = open_store(&launch(1, 8), Duration::from_millis(300), None, false).unwrap_err();
+        assert!(matches!(e, Error::Timeout(_)) && e.to_string().contains("did not publish"), "{e}");
+        assert!(start.elapsed() < Duration::from_secs(3), "{:?}", start.elapsed());
+    }
+
     #[test]
     fn job_store_is_private_and_removed_by_the_last_rank() {
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
