@@ -101,8 +101,9 @@ class Comm(_PointerCalls):
         socket_ifname: Optional[str] = None,
         encrypt: Optional[bool] = None,
     ) -> "Comm":
-        """Rank 0 serves a TCP store at `store_addr` ("host:port", or "file:///dir"); None: from
-        the environment. `timeout` in seconds (None: TOROID_TIMEOUT or 300 s). `encrypt`: TLS
+        """Rank 0 serves a TCP store at `store_addr` ("host:port", or "file:///dir", or
+        "torch://host:port": a torch TCPStore where rank 0 publishes the port it serves on);
+        None: from the environment. `timeout` in seconds (None: TOROID_TIMEOUT or 300 s). `encrypt`: TLS
         1.3 on every TCP link between ranks (needs TOROID_AUTH_TOKEN; None: TOROID_ENCRYPT)."""
         cfg = cls._config(rank, size, store_addr, timeout, socket_ifname, encrypt)
         out = ctypes.c_void_p()

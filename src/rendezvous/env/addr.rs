@@ -14,9 +14,9 @@ const SLURM_PORT_SPAN: u64 = 1000;
 
 /// The store address from the environment alone (`TOROID_STORE_ADDR`, then torchrun's agent
 /// store at `MASTER_ADDR:MASTER_PORT` when `TORCHELASTIC_USE_AGENT_STORE=True`, else
-/// `MASTER_ADDR` and `MASTER_PORT`+1, then a private file store for a job of Open MPI, Slurm or PMIx on one host,
-/// then Slurm's node list when `launcher` is Slurm), for callers that know rank and size some
-/// other way (the C ABI's `toroid_comm_init` with a NULL `store_addr`).
+/// `MASTER_ADDR` and `MASTER_PORT`+1, then a private file store for a job of Open MPI, Slurm or
+/// PMIx on one host, then Slurm's node list when `launcher` is Slurm), for callers that know
+/// rank and size some other way (the C ABI's `toroid_comm_init` with a NULL `store_addr`).
 ///
 /// # Errors
 /// As [`detect`](super::detect) for the store part.
