@@ -5,9 +5,9 @@ shipped in the wheel as torch.testing._internal.distributed.distributed_test) ag
     python3 python/torch_suite/run_suite.py --backend toroid [-k PATTERN] [--world-size 3]
     python3 python/torch_suite/run_suite.py --compare [--world-size 3]
 
---compare runs the suite on gloo, then on toroid, and fails (exit 1) when a test that passes on
-gloo does not pass on toroid (such tests are run once more first, alone, to tell a flaky timing
-test from a real difference).
+--compare runs the suite on gloo and on toroid side by side (two child processes at once), and
+fails (exit 1) when a test that passes on gloo does not pass on toroid (such tests are run once
+more first, alone, to tell a flaky timing test from a real difference).
 
 The suite decides at import time which tests a backend may run (decorators that compare the
 backend's name with "gloo", "nccl", ...). With `--backend toroid` the decorators see "gloo", so
