@@ -2,9 +2,9 @@
 //! and Slurm's `srun` (a one-node Slurm cluster that the test configures, starts and stops
 //! itself, with its own munge daemon). No store address is given: every job finds its store from
 //! the launcher's own variables (a private file store for mpirun and srun on one host; under
-//! torchrun, a port rank 0 publishes in torchrun's own store at MASTER_ADDR:MASTER_PORT). Each run is bounded in time, every value is checked
-//! (`-c 1`, `#wrong` 0 on every row, exit 0), and everything started is stopped and removed
-//! even when a check fails.
+//! torchrun, a port rank 0 publishes in torchrun's own store at MASTER_ADDR:MASTER_PORT). Each
+//! run is bounded in time, every value is checked (`-c 1`, `#wrong` 0 on every row, exit 0), and
+//! everything started is stopped and removed even when a check fails.
 //!
 //! A missing launcher fails its test with what to install (`scripts/setup.sh` installs them all:
 //! openmpi-bin, slurm-wlm and munge from Debian, torch from PyPI).

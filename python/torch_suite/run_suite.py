@@ -178,23 +178,23 @@ def main() -> int:
     return 0
 
 
-def _start(backend: str, world_size: int, ks: list) -> subprocess.Popen:
-    """Starts the suite in a child process, its output to a temporary file (two run at once)."""
+def _start(backend: str, world_size: int, ks: list) -> tuple:
+    """Starts the suite in a child process with its output in a temporary file (two run at
+    once); returns the process and the file."""
     cmd = [sys.executable, __file__, "--backend", backend, "--world-size", str(world_size)]
     for k in ks:
         cmd += ["-k", k]
     out = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL, text=True)
-    proc.out = out
-    return proc
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL, text=True), out
 
 
-def _results(backend: str, proc: subprocess.Popen) -> dict:
+def _results(backend: str, started: tuple) -> dict:
     """Waits for a child of `_start`; returns {test: PASS|SKIP|FAIL|ERROR}."""
+    proc, file = started
     proc.wait()
-    proc.out.seek(0)
-    out = proc.out.read()
-    proc.out.close()
+    with file:
+        file.seek(0)
+        out = file.read()
     results = {}
     for line in out.splitlines():
         parts = line.split()

@@ -50,7 +50,7 @@ pub struct TorchStore {
 
 impl TorchStore {
     /// Connects to torch's store at `host:port`, trying again until `deadline` while nothing
-    /// listens there yet, and sends the VALIDATE message.
+    /// listens there yet (the errors `tcp_store` retries on), and sends the VALIDATE message.
     ///
     /// # Errors
     /// [`Error::Timeout`] when nothing accepted before `deadline`; [`Error::System`] for
@@ -77,7 +77,10 @@ impl TorchStore {
                         s.send(&msg, deadline)?;
                         return Ok(s);
                     }
-                    Err(e) => last = format!("{a}: {e}"),
+                    Err(e) if super::tcp_store::retriable(&e) => last = format!("{a}: {e}"),
+                    Err(e) => {
+                        return Err(Error::system(format!("torch's store: connect to {addr} ({a})"), e));
+                    }
                 }
             }
             if Instant::now() + RETRY >= deadline {

@@ -108,15 +108,8 @@ impl TorchMeeting<'_> {
     ) -> Result<OpenedStore> {
         // Communicators made from the environment, counted per torch store and rank in this
         // process: every rank creates them in the same order (as `open_job_store`).
-        type Meeting = (String, u16, u32, usize);
-        static OPENED: Mutex<Option<HashMap<Meeting, u64>>> = Mutex::new(None);
-        let n = {
-            let mut map = OPENED.lock().unwrap_or_else(|e| e.into_inner());
-            let k = (self.host.to_string(), self.port, self.restart, launch.rank);
-            let c = map.get_or_insert_with(HashMap::new).entry(k).or_insert(0);
-            *c += 1;
-            *c
-        };
+        static OPENED: Counters<(String, u16, u32, usize)> = Mutex::new(None);
+        let n = count(&OPENED, (self.host.to_string(), self.port, self.restart, launch.rank));
         // torch's own clients prefix keys with '/': `store.get("toroid/store/...")` in torch sees it.
         let key = format!("/toroid/store/{}/{n}", self.restart);
         let deadline = crate::config::deadline_in(timeout);
@@ -227,19 +220,25 @@ impl Drop for JobStore {
     }
 }
 
+/// Per-process counters of the communicators opened from one meeting place.
+type Counters<K> = Mutex<Option<HashMap<K, u64>>>;
+
+/// Counts one more at `key` and returns the count (1 the first time).
+fn count<K: std::hash::Hash + Eq>(counters: &Counters<K>, key: K) -> u64 {
+    let mut map = counters.lock().unwrap_or_else(|e| e.into_inner());
+    let c = map.get_or_insert_with(HashMap::new).entry(key).or_insert(0);
+    *c += 1;
+    *c
+}
+
 /// Opens the store of communicator number N (counted per job directory and rank in this process:
 /// every rank creates its communicators in the same order) of a single-host job.
 fn open_job_store(job_dir: &Path, launch: &Launch, timeout: Duration) -> Result<Arc<dyn Store>> {
-    static OPENED: Mutex<Option<HashMap<(PathBuf, usize), u64>>> = Mutex::new(None);
+    static OPENED: Counters<(PathBuf, usize)> = Mutex::new(None);
     if let Some(base) = job_dir.parent() {
         ensure_private_dir(base)?;
     }
-    let n = {
-        let mut map = OPENED.lock().unwrap_or_else(|e| e.into_inner());
-        let c = map.get_or_insert_with(HashMap::new).entry((job_dir.to_path_buf(), launch.rank)).or_insert(0);
-        *c += 1;
-        *c
-    };
+    let n = count(&OPENED, (job_dir.to_path_buf(), launch.rank));
     let dir = job_dir.join(format!("c{n}"));
     // The last rank of the previous communicator may remove the (then empty) job directory
     // while this one creates it: try again.
@@ -338,9 +337,14 @@ mod tests {
                     6 => {
                         assert_eq!(u64::from_le_bytes(read_n(&mut c, 8)?.try_into().ok()?), 1);
                         let k = string(&mut c)?;
-                        let mut t = table.0.lock().unwrap();
-                        while !t.contains_key(&k) {
-                            t = table.1.wait(t).unwrap();
+                        // Bounded, as every wait: a key that never comes ends this connection.
+                        let t = table.0.lock().unwrap();
+                        let (t, _) = table
+                            .1
+                            .wait_timeout_while(t, Duration::from_secs(10), |t| !t.contains_key(&k))
+                            .unwrap();
+                        if !t.contains_key(&k) {
+                            return None;
                         }
                         drop(t);
                         c.write_all(&[0]).ok()?;

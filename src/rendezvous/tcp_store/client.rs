@@ -42,7 +42,8 @@ pub(super) enum Retry {
     Fatal(Error),
 }
 
-fn retriable(e: &io::Error) -> bool {
+/// Whether a connection attempt that failed with `e` is worth another (nothing answered yet).
+pub(crate) fn retriable(e: &io::Error) -> bool {
     use io::ErrorKind::*;
     matches!(
         e.kind(),
@@ -119,8 +120,9 @@ impl Client {
     }
 
     /// The plaintext hello that asks for TLS (within `io_timeout` plus a margin), then the TLS
-    /// handshake (within one such deadline in all). The server's key is not checked here: the token's challenge-response
-    /// that follows covers a value exported from this handshake ([`auth::BINDING_LABEL`]).
+    /// handshake (within one such deadline in all). The server's key is not checked here: the
+    /// token's challenge-response that follows covers a value exported from this handshake
+    /// ([`auth::BINDING_LABEL`]).
     fn start_tls(&self, io_timeout: Duration) -> Result<()> {
         let addr = &self.addr;
         match self.exchange(Enc::hello_tls(), io_timeout)?.as_slice() {

@@ -96,6 +96,7 @@ mod server;
 #[cfg(test)]
 mod tls_tests;
 
+pub(crate) use client::retriable;
 use client::{Client, Retry};
 use protocol::{Dec, Enc, OP_ADD, OP_DELETE, OP_GET, OP_SET, OP_WAIT};
 pub use protocol::{
