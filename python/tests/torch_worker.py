@@ -843,6 +843,8 @@ def shrink(rank, size):
     # Made before any shrink: torch names groups by a per-process count that shrink_group
     # advances on the survivors only, so the excluded rank's later new_group would not match.
     g2 = dist.new_group(backend="toroid", timeout=datetime.timedelta(seconds=30))
+    # The survivors line up on it in (2) between checking their pending work and aborting it.
+    checked = dist.new_group(survivors, backend="gloo", timeout=datetime.timedelta(seconds=30))
     assert g._get_backend(torch.device("cpu")).supports_shrinking
     if rank == last:
         try:
@@ -888,15 +890,17 @@ def shrink(rank, size):
 
     # (2) The last rank skips a collective (it is alive, in user code): the survivors' all_reduce
     # stays pending until shrink_group(SHRINK_ABORT) aborts the group, which fails that work at
-    # once and never blocks; the new group all-reduces exactly. (The barrier lines the ranks up:
-    # a survivor that got here first would otherwise abort the group before another one's check
-    # that its work is still pending.)
+    # once and never blocks; the new group all-reduces exactly. (The barrier lines the ranks up
+    # before the all_reduce; the survivors' barrier on `checked` after their checks keeps a
+    # survivor from aborting the group before another one has checked that its work is pending.)
     dist.barrier(group=GLOO)
     if rank != last:
         x = torch.ones(1000)
         w = dist.all_reduce(x, group=g2, async_op=True)
         time.sleep(0.3)
         assert not w.is_completed(), "an all_reduce without the last rank completed"
+        # Every survivor has checked before any aborts (an abort fails the others' work too).
+        dist.barrier(group=checked)
         t = time.monotonic()
         ng = dist.shrink_group([last], group=g2, shrink_flags=dist.distributed_c10d.SHRINK_ABORT)
         took = time.monotonic() - t
