@@ -3,7 +3,7 @@
 //! Values are generated per (case, rank) with splitmix64, so every rank can compute every other
 //! rank's input and the expected result without communicating. Floats are generated in f64,
 //! rounded to the element type, and the reference is computed in f64 from the rounded values;
-//! integers use wrapping i128 arithmetic truncated to the type's width.
+//! integers use the type's wrapping arithmetic (two's complement, as C's unsigned types wrap).
 
 use half::{bf16, f16};
 use toroid::{DataType, ReduceOp};
@@ -64,13 +64,18 @@ fn draw(seed: u64, i: usize) -> u64 {
     mix(seed ^ (i as u64).wrapping_mul(0x9E37_79B9))
 }
 
-fn float_value(r: u64, d: DataType, op: ReduceOp) -> f64 {
+/// A float input before its rounding to the element type: in [-1, 1), or for products +-[0.5,
+/// 1.5), so that nine of them neither overflow nor vanish.
+fn unrounded(r: u64, op: ReduceOp) -> f64 {
     let u = (r >> 11) as f64 / (1u64 << 53) as f64; // [0, 1)
-    let v = match op {
-        // Products stay near 1 so nine of them neither overflow nor vanish.
+    match op {
         ReduceOp::Prod => (0.5 + u) * if r & 1 == 0 { 1.0 } else { -1.0 },
         _ => u * 2.0 - 1.0,
-    };
+    }
+}
+
+fn float_value(r: u64, d: DataType, op: ReduceOp) -> f64 {
+    let v = unrounded(r, op);
     match d {
         DataType::F64 => v,
         DataType::F32 => v as f32 as f64,
@@ -112,64 +117,185 @@ impl Inputs {
         value(self.seeds[rank], i, self.d, self.op)
     }
 
-    /// The expected reduction of element `i` over every rank, computed in f64 from the rounded
-    /// inputs (floats, with the tolerance) or in wrapping i128 (integers, tolerance 0).
-    pub fn expected(&self, i: usize) -> (Val, f64) {
-        let (d, op) = (self.d, self.op);
-        let n = self.seeds.len();
-        if d.is_float() {
-            let (mut sum, mut abs_sum, mut prod) = (0.0f64, 0.0f64, 1.0f64);
-            let (mut min, mut max) = (f64::INFINITY, f64::NEG_INFINITY);
-            for &s in &self.seeds {
-                let x = float_value(draw(s, i), d, op);
-                sum += x;
-                abs_sum += x.abs();
-                prod *= x;
-                min = min.min(x);
-                max = max.max(x);
+    /// Checks `out`, elements `start..` of the reduction over every rank, element by element
+    /// against the reference: computed in f64 from the rounded inputs (floats, with a tolerance),
+    /// or in the integer type's own wrapping arithmetic (exact). One pass per rank over the
+    /// range, with the type and the operation chosen once, not per element: this reference is
+    /// most of a large test's time. Pushes one line per mismatch to `bad`, at most 5 in all.
+    pub fn check_reduced(&self, start: usize, out: &[u8], bad: &mut Vec<String>) {
+        let f = |b: &[u8]| -> [u8; 2] { b.try_into().unwrap() };
+        match self.d {
+            DataType::F64 => {
+                self.check_floats(start, out, bad, |v| v, |b| f64::from_le_bytes(b.try_into().unwrap()))
             }
-            let (v, scale) = match op {
-                ReduceOp::Sum => (sum, abs_sum),
-                ReduceOp::Avg => (sum / n as f64, abs_sum / n as f64),
-                ReduceOp::Prod => (prod, prod.abs()),
-                ReduceOp::Min => (min, 0.0),
-                ReduceOp::Max => (max, 0.0),
-            };
-            // Every partial result is rounded once per rank (plus the pre-scale of avg and the
-            // final rounding of the output type).
-            let tol = 2.0 * (n as f64 + 2.0) * eps(d) * scale + 1e-300;
-            (Val::F(v), tol)
-        } else {
-            let mut acc: Option<i128> = None;
-            for &s in &self.seeds {
-                let x = int_value(draw(s, i), d);
-                acc = Some(match acc {
-                    None => x,
-                    Some(a) => match op {
-                        ReduceOp::Sum => wrap(a.wrapping_add(x), d),
-                        ReduceOp::Prod => wrap(a.wrapping_mul(x), d),
-                        ReduceOp::Min => a.min(x),
-                        ReduceOp::Max => a.max(x),
-                        ReduceOp::Avg => unreachable!("avg is rejected for integers"),
-                    },
-                });
-            }
-            (Val::I(acc.unwrap_or(0)), 0.0)
+            DataType::F32 => self.check_floats(
+                start,
+                out,
+                bad,
+                |v| v as f32 as f64,
+                |b| f32::from_le_bytes(b.try_into().unwrap()) as f64,
+            ),
+            DataType::F16 => self.check_floats(
+                start,
+                out,
+                bad,
+                |v| f16::from_f64(v).to_f64(),
+                |b| f16::from_le_bytes(f(b)).to_f64(),
+            ),
+            DataType::BF16 => self.check_floats(
+                start,
+                out,
+                bad,
+                |v| bf16::from_f64(v).to_f64(),
+                |b| bf16::from_le_bytes(f(b)).to_f64(),
+            ),
+            DataType::I8 => self.check_ints::<i8>(start, out, bad),
+            DataType::U8 => self.check_ints::<u8>(start, out, bad),
+            DataType::I32 => self.check_ints::<i32>(start, out, bad),
+            DataType::U32 => self.check_ints::<u32>(start, out, bad),
+            DataType::I64 => self.check_ints::<i64>(start, out, bad),
+            DataType::U64 => self.check_ints::<u64>(start, out, bad),
         }
+    }
+
+    fn check_floats(
+        &self,
+        start: usize,
+        out: &[u8],
+        bad: &mut Vec<String>,
+        round: impl Fn(f64) -> f64,
+        read: impl Fn(&[u8]) -> f64,
+    ) {
+        let size = self.d.size();
+        let want = self.floats(start, out.len() / size, round);
+        for (k, (b, &(w, tol))) in out.chunks_exact(size).zip(&want).enumerate() {
+            let got = read(b);
+            if !matches(Val::F(got), Val::F(w), tol) {
+                mismatch(bad, k, Val::F(got), Val::F(w), tol);
+            }
+        }
+    }
+
+    fn check_ints<T: Int>(&self, start: usize, out: &[u8], bad: &mut Vec<String>) {
+        let size = std::mem::size_of::<T>();
+        let want = self.ints::<T>(start, out.len() / size);
+        for (k, (b, &w)) in out.chunks_exact(size).zip(&want).enumerate() {
+            let got = T::read(b);
+            if got != w {
+                mismatch(bad, k, Val::I(got.into()), Val::I(w.into()), 0.0);
+            }
+        }
+    }
+
+    /// The expected (value, tolerance) of elements `start..start + len`.
+    fn floats(&self, start: usize, len: usize, round: impl Fn(f64) -> f64) -> Vec<(f64, f64)> {
+        match self.op {
+            // The sum and the sum of magnitudes (the tolerance's scale).
+            ReduceOp::Sum | ReduceOp::Avg => {
+                self.float_pass(start, len, &round, (0.0, 0.0), |(s, a), x| (s + x, a + x.abs()))
+            }
+            ReduceOp::Prod => self.float_pass(start, len, &round, (1.0, 0.0), |(p, _), x| (p * x, 0.0)),
+            ReduceOp::Min => {
+                self.float_pass(start, len, &round, (f64::INFINITY, 0.0), |(m, _), x| (m.min(x), 0.0))
+            }
+            ReduceOp::Max => {
+                self.float_pass(start, len, &round, (f64::NEG_INFINITY, 0.0), |(m, _), x| (m.max(x), 0.0))
+            }
+        }
+    }
+
+    /// Folds every rank's rounded inputs, in rank order, into (value, scale) per element.
+    fn float_pass(
+        &self,
+        start: usize,
+        len: usize,
+        round: &impl Fn(f64) -> f64,
+        init: (f64, f64),
+        fold: impl Fn((f64, f64), f64) -> (f64, f64),
+    ) -> Vec<(f64, f64)> {
+        let (op, n) = (self.op, self.seeds.len() as f64);
+        let mut acc = vec![init; len];
+        for &s in &self.seeds {
+            for (k, a) in acc.iter_mut().enumerate() {
+                *a = fold(*a, round(unrounded(draw(s, start + k), op)));
+            }
+        }
+        // Every partial result is rounded once per rank (plus the pre-scale of avg and the
+        // final rounding of the output type).
+        let per_scale = 2.0 * (n + 2.0) * eps(self.d);
+        for a in &mut acc {
+            let (v, abs_sum) = *a;
+            let (v, scale) = match op {
+                ReduceOp::Sum => (v, abs_sum),
+                ReduceOp::Avg => (v / n, abs_sum / n),
+                ReduceOp::Prod => (v, v.abs()),
+                ReduceOp::Min | ReduceOp::Max => (v, 0.0),
+            };
+            *a = (v, per_scale * scale + 1e-300);
+        }
+        acc
+    }
+
+    /// The expected values of elements `start..start + len`.
+    fn ints<T: Int>(&self, start: usize, len: usize) -> Vec<T> {
+        match self.op {
+            ReduceOp::Sum => self.int_pass::<T>(start, len, T::wrapping_add),
+            ReduceOp::Prod => self.int_pass::<T>(start, len, T::wrapping_mul),
+            ReduceOp::Min => self.int_pass::<T>(start, len, Ord::min),
+            ReduceOp::Max => self.int_pass::<T>(start, len, Ord::max),
+            ReduceOp::Avg => unreachable!("avg is rejected for integers"),
+        }
+    }
+
+    /// Folds every rank's inputs, in rank order, in the type's own wrapping arithmetic.
+    fn int_pass<T: Int>(&self, start: usize, len: usize, fold: impl Fn(T, T) -> T) -> Vec<T> {
+        let (&first, rest) = self.seeds.split_first().expect("at least one rank");
+        let mut acc: Vec<T> = (0..len).map(|k| T::from_bits(draw(first, start + k))).collect();
+        for &s in rest {
+            for (k, a) in acc.iter_mut().enumerate() {
+                *a = fold(*a, T::from_bits(draw(s, start + k)));
+            }
+        }
+        acc
     }
 }
 
-/// Encodes one value into the type's bytes (floats rounded to nearest).
-pub fn encode(d: DataType, v: Val, out: &mut [u8]) {
-    match (d, v) {
-        (DataType::F64, Val::F(f)) => out.copy_from_slice(&f.to_le_bytes()),
-        (DataType::F32, Val::F(f)) => out.copy_from_slice(&(f as f32).to_le_bytes()),
-        (DataType::F16, Val::F(f)) => out.copy_from_slice(&f16::from_f64(f).to_le_bytes()),
-        (DataType::BF16, Val::F(f)) => out.copy_from_slice(&bf16::from_f64(f).to_le_bytes()),
-        (_, Val::I(i)) => out.copy_from_slice(&i.to_le_bytes()[..d.size()]),
-        _ => unreachable!(),
+/// Reports a mismatch of element `k`, as the checks of the other collectives do.
+fn mismatch(bad: &mut Vec<String>, k: usize, got: Val, want: Val, tol: f64) {
+    if bad.len() < 5 {
+        bad.push(format!("out[{k}] = {got:?}, expected {want:?} (tol {tol:e})"));
     }
 }
+
+/// The integer element types, for the reference's arithmetic.
+trait Int: Copy + Ord + Into<i128> {
+    /// The low bits of `r` as this type (as [`int_value`]).
+    fn from_bits(r: u64) -> Self;
+    fn wrapping_add(self, other: Self) -> Self;
+    fn wrapping_mul(self, other: Self) -> Self;
+    /// The element in `b`, little-endian.
+    fn read(b: &[u8]) -> Self;
+}
+
+macro_rules! int {
+    ($($t:ty),*) => {$(
+        impl Int for $t {
+            fn from_bits(r: u64) -> Self {
+                r as $t
+            }
+            fn wrapping_add(self, other: Self) -> Self {
+                <$t>::wrapping_add(self, other)
+            }
+            fn wrapping_mul(self, other: Self) -> Self {
+                <$t>::wrapping_mul(self, other)
+            }
+            fn read(b: &[u8]) -> Self {
+                <$t>::from_le_bytes(b.try_into().unwrap())
+            }
+        }
+    )*};
+}
+int!(i8, u8, i32, u32, i64, u64);
 
 /// Decodes one element.
 pub fn decode(d: DataType, b: &[u8]) -> Val {
@@ -186,11 +312,27 @@ pub fn decode(d: DataType, b: &[u8]) -> Val {
     }
 }
 
-/// Fills `buf` with `rank`'s input for elements `start..start + buf.len() / size`.
+/// Fills `buf` with `rank`'s input for elements `start..start + buf.len() / size`: each element
+/// [`value`] in the type's bytes (floats rounded to nearest), with the type chosen once.
 pub fn fill(buf: &mut [u8], case: u64, rank: usize, start: usize, d: DataType, op: ReduceOp) {
     let seed = seed(case, rank);
-    for (k, chunk) in buf.chunks_exact_mut(d.size()).enumerate() {
-        encode(d, value(seed, start + k, d, op), chunk);
+    match d {
+        DataType::F64 => fill_with(buf, seed, start, |r| unrounded(r, op).to_le_bytes()),
+        DataType::F32 => fill_with(buf, seed, start, |r| (unrounded(r, op) as f32).to_le_bytes()),
+        DataType::F16 => fill_with(buf, seed, start, |r| f16::from_f64(unrounded(r, op)).to_le_bytes()),
+        DataType::BF16 => fill_with(buf, seed, start, |r| bf16::from_f64(unrounded(r, op)).to_le_bytes()),
+        DataType::I8 => fill_with(buf, seed, start, |r| (r as i8).to_le_bytes()),
+        DataType::U8 => fill_with(buf, seed, start, |r| (r as u8).to_le_bytes()),
+        DataType::I32 => fill_with(buf, seed, start, |r| (r as i32).to_le_bytes()),
+        DataType::U32 => fill_with(buf, seed, start, |r| (r as u32).to_le_bytes()),
+        DataType::I64 => fill_with(buf, seed, start, |r| (r as i64).to_le_bytes()),
+        DataType::U64 => fill_with(buf, seed, start, |r| r.to_le_bytes()),
+    }
+}
+
+fn fill_with<const N: usize>(buf: &mut [u8], seed: u64, start: usize, bytes: impl Fn(u64) -> [u8; N]) {
+    for (k, chunk) in buf.chunks_exact_mut(N).enumerate() {
+        chunk.copy_from_slice(&bytes(draw(seed, start + k)));
     }
 }
 
