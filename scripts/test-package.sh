@@ -63,7 +63,8 @@ say "the Python and torch tests against the installed wheel"
   cd "$tmp"
   export PATH="$tmp/venv/bin:$PATH" VIRTUAL_ENV="$tmp/venv" TOROID_TEST_INSTALLED=1 TMPDIR="$tmp"
   unset PYTHONPATH TOROID_LIBRARY
-  python -m pytest -q -p no:cacheprovider "$root/python/tests" "$@"
+  # --durations: the slowest tests' times in CI's log, where its minutes go.
+  python -m pytest -q -p no:cacheprovider --durations=15 "$root/python/tests" "$@"
 )
 
 say "the README's quick starts, as written"
