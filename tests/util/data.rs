@@ -3,7 +3,7 @@
 //! Values are generated per (case, rank) with splitmix64, so every rank can compute every other
 //! rank's input and the expected result without communicating. Floats are generated in f64,
 //! rounded to the element type, and the reference is computed in f64 from the rounded values;
-//! integers use the type's wrapping arithmetic (two's complement, as C's unsigned types wrap).
+//! integers use the type's own wrapping (two's complement) arithmetic.
 
 use half::{bf16, f16};
 use toroid::{DataType, ReduceOp};
@@ -123,7 +123,7 @@ impl Inputs {
     /// range, with the type and the operation chosen once, not per element: this reference is
     /// most of a large test's time. Pushes one line per mismatch to `bad`, at most 5 in all.
     pub fn check_reduced(&self, start: usize, out: &[u8], bad: &mut Vec<String>) {
-        let f = |b: &[u8]| -> [u8; 2] { b.try_into().unwrap() };
+        let two = |b: &[u8]| -> [u8; 2] { b.try_into().unwrap() };
         match self.d {
             DataType::F64 => {
                 self.check_floats(start, out, bad, |v| v, |b| f64::from_le_bytes(b.try_into().unwrap()))
@@ -140,14 +140,14 @@ impl Inputs {
                 out,
                 bad,
                 |v| f16::from_f64(v).to_f64(),
-                |b| f16::from_le_bytes(f(b)).to_f64(),
+                |b| f16::from_le_bytes(two(b)).to_f64(),
             ),
             DataType::BF16 => self.check_floats(
                 start,
                 out,
                 bad,
                 |v| bf16::from_f64(v).to_f64(),
-                |b| bf16::from_le_bytes(f(b)).to_f64(),
+                |b| bf16::from_le_bytes(two(b)).to_f64(),
             ),
             DataType::I8 => self.check_ints::<i8>(start, out, bad),
             DataType::U8 => self.check_ints::<u8>(start, out, bad),
