@@ -336,12 +336,79 @@ def obj(seed):
             "name": "x" * g.randrange(0, 5000), "nested": (seed, [seed] * (seed % 7))}
 
 
+def fastcall_built():
+    """Whether toroid._fastcall, with its torch call, is built and bound to the library."""
+    try:
+        from toroid import _fastcall
+    except ImportError:
+        return False
+    return hasattr(_fastcall, "torch_all_reduce") and toroid._lib.FAST is not None
+
+
+def fastcall_paths(rank, size):
+    """torch's blocking dist.all_reduce goes through toroid._fastcall's torch_all_reduce (C) when
+    it is one dense contiguous CPU tensor of a toroid type with SUM, and through the group's
+    Python method otherwise; both against every element of a reference computed here from
+    every rank's seed (integers exactly). Where the extension is absent (a source checkout) the
+    C path does not run, and this says so instead of counting it."""
+    pg = dist.distributed_c10d._get_default_group()
+    built = fastcall_built()
+    if not built:
+        print(f"rank {rank}: toroid._fastcall is not built here: torch's C all-reduce path DID NOT RUN", flush=True)
+
+    def run(what, make, taken, op=dist.ReduceOp.SUM, fold=sum, async_op=False, rtol=1e-5, atol=1e-5):
+        x = make(rank)
+        before = pg.stats["allreduce:fastcall"]
+        work = dist.all_reduce(x, op=op, async_op=async_op)
+        if async_op:
+            work.wait()
+        went = pg.stats["allreduce:fastcall"] - before
+        assert went == (1 if taken and built else 0), f"{what}: the C path ran {went} times, want {int(taken and built)}"
+        want = fold([make(r) for r in range(size)])
+        close(x, want.to(x.dtype) if want.dtype != x.dtype else want, f"fastcall {what}", rtol=rtol, atol=atol)
+
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8):
+        for shape in ((1,), (1000,), (33, 17), (0,)):
+            run(f"{dtype} {shape}", lambda r, d=dtype, sh=shape: rand(sh, d, 1300 + r).to(d), True,
+                fold=lambda xs, d=dtype: sum(xs[1:], xs[0].clone()).to(d))
+    # Not taken: the Python path gives the same results.
+    run("AVG", lambda r: rand((100,), torch.float32, 1400 + r), False, op=dist.ReduceOp.AVG,
+        fold=lambda xs: sum(xs) / size)
+    run("MAX", lambda r: rand((100,), torch.int64, 1410 + r), False, op=dist.ReduceOp.MAX,
+        fold=lambda xs: torch.stack(xs).max(0).values)
+    run("non-contiguous", lambda r: rand((20, 30), torch.float32, 1420 + r).t(), False)
+    run("async_op", lambda r: rand((100,), torch.float32, 1430 + r), False, async_op=True)
+    run("complex64 (as its real view, a float32 tensor)", lambda r: rand((50,), torch.complex64, 1440 + r), True,
+        rtol=1e-5, atol=1e-5)
+    # broadcast from every rank: taken for a blocking call of a dense tensor, else the Python path's.
+    for root in range(size):
+        for dtype, shape, taken, async_op in ((torch.float32, (1000,), True, False), (torch.int64, (7, 3), True, False),
+                                              (torch.bfloat16, (1,), True, False), (torch.float64, (0,), True, False),
+                                              (torch.float32, (100,), False, True)):
+            x = rand(shape, dtype, 1500 + 10 * root + rank)
+            before = pg.stats["broadcast:fastcall"]
+            work = dist.broadcast(x, src=root, async_op=async_op)
+            if async_op:
+                work.wait()
+            went = pg.stats["broadcast:fastcall"] - before
+            want = int(taken and built)
+            assert went == want, f"broadcast {dtype} from {root}: the C path ran {went} times, want {want}"
+            close(x, rand(shape, dtype, 1500 + 11 * root), f"fastcall broadcast {dtype} {shape} from {root}")
+    x = rand((20, 30), torch.float32, 1600 + rank).t()
+    before = pg.stats["broadcast:fastcall"]
+    dist.broadcast(x, src=size - 1)
+    assert pg.stats["broadcast:fastcall"] == before, "a non-contiguous broadcast took the C path"
+    close(x, rand((20, 30), torch.float32, 1600 + size - 1).t(), "fastcall broadcast non-contiguous")
+    checks.append("fastcall paths")
+
+
 def entry_points(rank, size):
     """torch.distributed functions that pick the group's backend by device, on toroid against
     gloo and against references computed here from every rank's seed."""
     pg = dist.distributed_c10d._get_default_group()
     assert torch.device("cpu") in pg._device_types
     assert isinstance(pg._get_backend(torch.device("cpu")), toroid.torch._CpuBackend)
+    fastcall_paths(rank, size)
 
     def ran(name, before):
         assert pg.stats[name] > before[name], f"{name} did not run on toroid: {dict(pg.stats)}"
@@ -820,6 +887,8 @@ def peer_death(rank, size):
             if name == "toroid":
                 assert isinstance(e, dist.DistBackendError), repr(e)
                 assert "a peer failed" in str(e) and "closed" in str(e), repr(e)
+                # (the blocking call's C path raised it, where the extension is built: see fastcall_paths)
+                assert group.stats["allreduce:fastcall"] == (1 if fastcall_built() else 0), dict(group.stats)
             else:
                 assert "Connection closed by peer" in str(e) or "closed" in str(e), repr(e)
             checks.append(f"{name} peer death")

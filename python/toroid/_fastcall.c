@@ -1,6 +1,8 @@
 /* toroid._fastcall: the blocking all-reduce and broadcast of the Python binding (on numpy
- * buffers and on addresses), called without ctypes (issue 36: a 4 KiB all-reduce through ctypes costs ~5 us of argument conversion and
- * Python-level checks on top of the library's ~3 us).
+ * buffers and on addresses) and of the torch backend (torch's dist.all_reduce and
+ * dist.broadcast of one CPU tensor), called without ctypes (issue 36: a 4 KiB all-reduce through
+ * ctypes costs ~5 us of argument conversion and Python-level checks on top of the library's
+ * ~3 us, and through the torch backend's Python checks about as much again).
  *
  * A CPython extension on the stable ABI of Python 3.11 (Py_LIMITED_API: the buffer protocol
  * entered it in 3.11), built by setup.py where a C compiler and Python's headers exist; where it
@@ -205,6 +207,207 @@ static PyObject *broadcast_addr(PyObject *self, PyObject *const *args, Py_ssize_
     return PyLong_FromLong(code);
 }
 
+/* ---- the torch backend's blocking all-reduce and broadcast (python/toroid/torch/) ----------
+ * torch's dist.all_reduce(tensor) calls ProcessGroupToroid.allreduce([tensor], opts), and
+ * dist.broadcast(tensor, src) its broadcast([tensor], opts); with asyncOp False torch takes a
+ * None work as done. In Python, the checks that pick the blocking call (the options' type,
+ * asyncOp, timeout and reduceOp; the tensor's type, device, layout, contiguity and element type)
+ * cost about as much as a 4 KiB all-reduce itself (issue 36). torch_all_reduce and
+ * torch_broadcast make the same checks here; a call they do not pass, or an attribute that is not
+ * what torch gives (any exception is cleared), is NOT_TAKEN, and the group's Python method takes
+ * it as before. Only SUM is taken here: every other operator is the Python path's. */
+
+static PyObject *t_tensor;       /* torch.Tensor */
+static PyObject *t_allreduce;    /* torch.distributed.AllreduceOptions */
+static PyObject *t_broadcast;    /* torch.distributed.BroadcastOptions */
+static PyObject *t_timedelta;    /* datetime.timedelta */
+static PyObject *t_no_timeout;   /* timedelta(0): torch's "none" (its unset value is below it) */
+static PyObject *t_strided;      /* torch.strided */
+static PyObject *t_sum;          /* torch.distributed.ReduceOp.SUM */
+static PyObject *t_dtypes;       /* {torch.dtype: toroid_datatype code} */
+static long t_sum_code;          /* toroid_reduce_op's SUM */
+static PyObject *s_wire, *s_comm, *s_handle, *s_async, *s_timeout, *s_reduce_op, *s_root, *s_is_cpu, *s_layout,
+    *s_is_contiguous, *s_dtype, *s_numel, *s_data_ptr;
+
+/* bind_torch(Tensor, AllreduceOptions, BroadcastOptions, timedelta, timedelta(0), strided,
+ *            ReduceOp.SUM, dtypes, sum_code) */
+static PyObject *bind_torch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 9 || !PyType_Check(args[0]) || !PyType_Check(args[1]) || !PyType_Check(args[2]) ||
+        !PyType_Check(args[3]) || !PyDict_Check(args[7])) {
+        PyErr_SetString(PyExc_TypeError, "bind_torch(Tensor, AllreduceOptions, BroadcastOptions, timedelta, "
+                                         "no_timeout, strided, sum, dtypes, sum_code)");
+        return NULL;
+    }
+    long sum_code = PyLong_AsLong(args[8]);
+    if (sum_code == -1 && PyErr_Occurred())
+        return NULL;
+    static const char *names[] = {"_wire", "_comm", "_handle", "asyncOp", "timeout", "reduceOp", "rootRank",
+                                  "is_cpu", "layout", "is_contiguous", "dtype", "numel", "data_ptr"};
+    PyObject **interned[] = {&s_wire, &s_comm, &s_handle, &s_async, &s_timeout, &s_reduce_op, &s_root,
+                             &s_is_cpu, &s_layout, &s_is_contiguous, &s_dtype, &s_numel, &s_data_ptr};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        if (*interned[i] == NULL && (*interned[i] = PyUnicode_InternFromString(names[i])) == NULL)
+            return NULL;
+    }
+    PyObject **kept[] = {&t_tensor, &t_allreduce, &t_broadcast, &t_timedelta, &t_no_timeout,
+                         &t_strided, &t_sum, &t_dtypes};
+    for (size_t i = 0; i < sizeof kept / sizeof kept[0]; i++) {
+        PyObject *old = *kept[i];
+        Py_INCREF(args[i]);
+        *kept[i] = args[i];
+        Py_XDECREF(old);
+    }
+    t_sum_code = sum_code;
+    Py_RETURN_NONE;
+}
+
+/* getattr(obj, name) is `want` (by identity); 0 for anything else. */
+static int attr_is(PyObject *obj, PyObject *name, PyObject *want) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    int is = v == want;
+    Py_XDECREF(v);
+    return is;
+}
+
+/* obj.name() is `want` (by identity); 0 for anything else. */
+static int call_is(PyObject *obj, PyObject *name, PyObject *want) {
+    PyObject *m = PyObject_GetAttr(obj, name);
+    PyObject *v = m != NULL ? PyObject_CallNoArgs(m) : NULL;
+    int is = v == want;
+    Py_XDECREF(v);
+    Py_XDECREF(m);
+    return is;
+}
+
+/* An int (obj.name(), or obj.name itself when `call` is 0) that fits a size_t, in *out; 0 if
+ * it is not one. */
+static int size_attr(PyObject *obj, PyObject *name, int call, size_t *out) {
+    PyObject *m = PyObject_GetAttr(obj, name);
+    PyObject *v = m != NULL && call ? PyObject_CallNoArgs(m) : m;
+    if (call)
+        Py_XDECREF(m);
+    int ok = v != NULL && PyLong_Check(v);
+    if (ok) {
+        *out = PyLong_AsSize_t(v);
+        ok = !PyErr_Occurred();
+    }
+    Py_XDECREF(v);
+    return ok;
+}
+
+/* The options (of the exact type `type`) ask for what a blocking call gives: asyncOp False and
+ * no timeout of their own (a timedelta <= 0), as _waits_at_once in Python. */
+static int blocking(PyObject *opts, PyObject *type) {
+    if ((PyObject *)Py_TYPE(opts) != type)
+        return 0;
+    PyObject *v = PyObject_GetAttr(opts, s_async);
+    int async = v != NULL ? PyObject_IsTrue(v) : -1;
+    Py_XDECREF(v);
+    if (async != 0)
+        return 0;
+    v = PyObject_GetAttr(opts, s_timeout);
+    int none = v != NULL && Py_IS_TYPE(v, (PyTypeObject *)t_timedelta)
+                   ? PyObject_RichCompareBool(v, t_no_timeout, Py_LE)
+                   : -1;
+    Py_XDECREF(v);
+    return none == 1;
+}
+
+/* The options' reduceOp is SUM. */
+static int sum_of(PyObject *opts) {
+    PyObject *op = PyObject_GetAttr(opts, s_reduce_op);
+    int sum = op != NULL ? PyObject_RichCompareBool(op, t_sum, Py_EQ) : -1;
+    Py_XDECREF(op);
+    return sum == 1;
+}
+
+/* The one tensor of `tensors` (a list of one torch.Tensor), when it is dense, contiguous, on the
+ * CPU and of a toroid type (as _dense_type in Python): its type code, element count and address. */
+struct dense {
+    int dtype;
+    size_t count;
+    void *addr;
+};
+
+static int dense_cpu(PyObject *tensors, struct dense *out) {
+    if (!PyList_CheckExact(tensors) || PyList_Size(tensors) != 1)
+        return 0;
+    PyObject *t = PyList_GetItem(tensors, 0); /* borrowed; the list holds it */
+    if (t == NULL || !PyObject_TypeCheck(t, (PyTypeObject *)t_tensor) || !attr_is(t, s_is_cpu, Py_True) ||
+        !attr_is(t, s_layout, t_strided) || !call_is(t, s_is_contiguous, Py_True))
+        return 0;
+    PyObject *dtype = PyObject_GetAttr(t, s_dtype);
+    PyObject *code = dtype != NULL ? PyDict_GetItemWithError(t_dtypes, dtype) : NULL; /* borrowed */
+    long d = code != NULL ? PyLong_AsLong(code) : -1;
+    Py_XDECREF(dtype);
+    size_t addr;
+    if (width_of(d) == 0 || !size_attr(t, s_numel, 1, &out->count) || !size_attr(t, s_data_ptr, 1, &addr))
+        return 0;
+    out->dtype = (int)d;
+    out->addr = (void *)addr;
+    return 1;
+}
+
+/* The group's communicator handle (group._comm._handle); NULL when it has none (destroyed: the
+ * Python path says so) or when the group has a wire type of its own (compression). */
+static void *comm_of(PyObject *group) {
+    if (!attr_is(group, s_wire, Py_None))
+        return NULL;
+    PyObject *comm = PyObject_GetAttr(group, s_comm);
+    PyObject *h = comm != NULL ? PyObject_GetAttr(comm, s_handle) : NULL;
+    void *handle = h != NULL && PyLong_Check(h) ? PyLong_AsVoidPtr(h) : NULL;
+    Py_XDECREF(h);
+    Py_XDECREF(comm);
+    return handle;
+}
+
+/* torch_all_reduce(group, tensors, opts) -> toroid_result, or NOT_TAKEN: the blocking in-place
+ * SUM of one dense contiguous CPU tensor on the group's communicator. */
+static PyObject *torch_all_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "torch_all_reduce(group, tensors, opts)");
+        return NULL;
+    }
+    struct dense t;
+    void *comm;
+    if (all_reduce_ptr == NULL || t_tensor == NULL || !blocking(args[2], t_allreduce) || !sum_of(args[2]) ||
+        !dense_cpu(args[1], &t) || (comm = comm_of(args[0])) == NULL) {
+        PyErr_Clear();
+        return PyLong_FromLong(NOT_TAKEN);
+    }
+    int code;
+    Py_BEGIN_ALLOW_THREADS
+    code = all_reduce_ptr(comm, t.addr, t.addr, t.count, t.dtype, (int)t_sum_code);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(code);
+}
+
+/* torch_broadcast(group, tensors, opts) -> toroid_result, or NOT_TAKEN: the blocking in-place
+ * broadcast of one dense contiguous CPU tensor from opts.rootRank. */
+static PyObject *torch_broadcast(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "torch_broadcast(group, tensors, opts)");
+        return NULL;
+    }
+    struct dense t;
+    void *comm;
+    size_t root;
+    if (broadcast_ptr == NULL || t_tensor == NULL || !blocking(args[2], t_broadcast) ||
+        !size_attr(args[2], s_root, 0, &root) || root > INT_MAX || !dense_cpu(args[1], &t) ||
+        (comm = comm_of(args[0])) == NULL) {
+        PyErr_Clear();
+        return PyLong_FromLong(NOT_TAKEN);
+    }
+    int code;
+    Py_BEGIN_ALLOW_THREADS
+    code = broadcast_ptr(comm, t.addr, t.addr, t.count, t.dtype, (int)root);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(code);
+}
+
 static PyMethodDef methods[] = {
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL, "bind(all_reduce, broadcast, widths)"},
     {"all_reduce", (PyCFunction)(void (*)(void))all_reduce, METH_FASTCALL,
@@ -215,6 +418,13 @@ static PyMethodDef methods[] = {
      "all_reduce_addr(comm, send, recv, count, dtype, op) -> toroid_result, or -1 (not taken)"},
     {"broadcast_addr", (PyCFunction)(void (*)(void))broadcast_addr, METH_FASTCALL,
      "broadcast_addr(comm, send, recv, count, dtype, root) -> toroid_result, or -1 (not taken)"},
+    {"bind_torch", (PyCFunction)(void (*)(void))bind_torch, METH_FASTCALL,
+     "bind_torch(Tensor, AllreduceOptions, BroadcastOptions, timedelta, timedelta(0), strided, ReduceOp.SUM, "
+     "dtypes, sum_code)"},
+    {"torch_all_reduce", (PyCFunction)(void (*)(void))torch_all_reduce, METH_FASTCALL,
+     "torch_all_reduce(group, tensors, opts) -> toroid_result, or -1 (not taken)"},
+    {"torch_broadcast", (PyCFunction)(void (*)(void))torch_broadcast, METH_FASTCALL,
+     "torch_broadcast(group, tensors, opts) -> toroid_result, or -1 (not taken)"},
     {NULL, NULL, 0, NULL},
 };
 

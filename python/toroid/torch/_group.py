@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .._lib import DataType
 from ..comm import Comm
 from ._backend import _DeviceBackend
-from ._collectives import _DONE, _Collectives, _waits_at_once
+from ._collectives import _DONE, _Collectives, _fast_path, _waits_at_once
 from ._errors import _BACKEND_ERROR, _opt_timeout, _torch_errors
 from ._staging import _Staging, _staged
 from ._store import TorchStore, _is_store_timeout
@@ -398,3 +398,7 @@ for _name in ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgat
               "reduce_scatter_tensor_coalesced", "all_to_all_single", "alltoall_base", "alltoall", "gather", "scatter",
               "barrier", "send", "recv", "recv_anysource", "end_coalescing"):
     setattr(ProcessGroupToroid, _name, _torch_errors(getattr(ProcessGroupToroid, _name)))
+# torch's blocking all_reduce and broadcast, the most common calls, are checked and made in C
+# where they can be.
+ProcessGroupToroid.allreduce = _fast_path("allreduce", ProcessGroupToroid.allreduce)
+ProcessGroupToroid.broadcast = _fast_path("broadcast", ProcessGroupToroid.broadcast)
