@@ -3,6 +3,7 @@ of the "toroid" backend against torch's own gloo backend on the same random tens
 small model trained with DistributedDataParallel on both."""
 
 import datetime
+import functools
 import os
 import random
 import re
@@ -371,11 +372,24 @@ def fastcall_paths(rank, size):
         for shape in ((1,), (1000,), (33, 17), (0,)):
             run(f"{dtype} {shape}", lambda r, d=dtype, sh=shape: rand(sh, d, 1300 + r).to(d), True,
                 fold=lambda xs, d=dtype: sum(xs[1:], xs[0].clone()).to(d))
-    # Not taken: the Python path gives the same results.
-    run("AVG", lambda r: rand((100,), torch.float32, 1400 + r), False, op=dist.ReduceOp.AVG,
+    run("AVG", lambda r: rand((100,), torch.float32, 1400 + r), True, op=dist.ReduceOp.AVG,
         fold=lambda xs: sum(xs) / size)
-    run("MAX", lambda r: rand((100,), torch.int64, 1410 + r), False, op=dist.ReduceOp.MAX,
+    run("MAX", lambda r: rand((100,), torch.int64, 1410 + r), True, op=dist.ReduceOp.MAX,
         fold=lambda xs: torch.stack(xs).max(0).values)
+    run("MIN", lambda r: rand((3, 5), torch.float64, 1450 + r), True, op=dist.ReduceOp.MIN,
+        fold=lambda xs: torch.stack(xs).min(0).values)
+    run("PRODUCT", lambda r: torch.randint(-3, 4, (64,), generator=torch.Generator().manual_seed(1460 + r)),
+        True, op=dist.ReduceOp.PRODUCT, fold=lambda xs: torch.stack(xs).prod(0))
+    # AVG of integers: refused, as the Python path refuses it, and the group goes on.
+    x = torch.arange(4, dtype=torch.int64)
+    try:
+        dist.all_reduce(x, op=dist.ReduceOp.AVG)
+        raise AssertionError("AVG of int64 passed")
+    except toroid.UnsupportedError as e:
+        assert "avg" in str(e).lower(), e
+    # Not taken: the Python path gives the same results.
+    run("BAND", lambda r: rand((100,), torch.int32, 1470 + r), False, op=dist.ReduceOp.BAND,
+        fold=lambda xs: functools.reduce(torch.bitwise_and, xs))
     run("non-contiguous", lambda r: rand((20, 30), torch.float32, 1420 + r).t(), False)
     run("async_op", lambda r: rand((100,), torch.float32, 1430 + r), False, async_op=True)
     run("complex64 (as its real view, a float32 tensor)", lambda r: rand((50,), torch.complex64, 1440 + r), True,

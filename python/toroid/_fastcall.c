@@ -215,7 +215,7 @@ static PyObject *broadcast_addr(PyObject *self, PyObject *const *args, Py_ssize_
  * cost about as much as a 4 KiB all-reduce itself (issue 36). torch_all_reduce and
  * torch_broadcast make the same checks here; a call they do not pass, or an attribute that is not
  * what torch gives (any exception is cleared), is NOT_TAKEN, and the group's Python method takes
- * it as before. Only SUM is taken here: every other operator is the Python path's. */
+ * it as before. The bitwise operators and PREMUL_SUM stay the Python path's. */
 
 static PyObject *t_tensor;       /* torch.Tensor */
 static PyObject *t_allreduce;    /* torch.distributed.AllreduceOptions */
@@ -223,25 +223,37 @@ static PyObject *t_broadcast;    /* torch.distributed.BroadcastOptions */
 static PyObject *t_timedelta;    /* datetime.timedelta */
 static PyObject *t_no_timeout;   /* timedelta(0): torch's "none" (its unset value is below it) */
 static PyObject *t_strided;      /* torch.strided */
-static PyObject *t_sum;          /* torch.distributed.ReduceOp.SUM */
 static PyObject *t_dtypes;       /* {torch.dtype: toroid_datatype code} */
-static long t_sum_code;          /* toroid_reduce_op's SUM */
+#define MAX_OPS 16
+static int op_codes[MAX_OPS];    /* toroid_reduce_op of torch's RedOpType number i; -1: not here */
 static PyObject *s_wire, *s_comm, *s_handle, *s_async, *s_timeout, *s_reduce_op, *s_root, *s_is_cpu, *s_layout,
     *s_is_contiguous, *s_dtype, *s_numel, *s_data_ptr;
 
 /* bind_torch(Tensor, AllreduceOptions, BroadcastOptions, timedelta, timedelta(0), strided,
- *            ReduceOp.SUM, dtypes, sum_code) */
+ *            dtypes, ops: {RedOpType number: toroid_reduce_op}) */
 static PyObject *bind_torch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 9 || !PyType_Check(args[0]) || !PyType_Check(args[1]) || !PyType_Check(args[2]) ||
-        !PyType_Check(args[3]) || !PyDict_Check(args[7])) {
+    if (nargs != 8 || !PyType_Check(args[0]) || !PyType_Check(args[1]) || !PyType_Check(args[2]) ||
+        !PyType_Check(args[3]) || !PyDict_Check(args[6]) || !PyDict_Check(args[7])) {
         PyErr_SetString(PyExc_TypeError, "bind_torch(Tensor, AllreduceOptions, BroadcastOptions, timedelta, "
-                                         "no_timeout, strided, sum, dtypes, sum_code)");
+                                         "no_timeout, strided, dtypes, ops)");
         return NULL;
     }
-    long sum_code = PyLong_AsLong(args[8]);
-    if (sum_code == -1 && PyErr_Occurred())
-        return NULL;
+    int codes[MAX_OPS];
+    for (int i = 0; i < MAX_OPS; i++)
+        codes[i] = -1;
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(args[7], &pos, &key, &value)) {
+        long k = PyLong_AsLong(key), v = PyLong_AsLong(value);
+        if (PyErr_Occurred())
+            return NULL;
+        if (k < 0 || k >= MAX_OPS || v < 0 || v > INT_MAX) {
+            PyErr_SetString(PyExc_ValueError, "bind_torch: an operator number out of range");
+            return NULL;
+        }
+        codes[k] = (int)v;
+    }
     static const char *names[] = {"_wire", "_comm", "_handle", "asyncOp", "timeout", "reduceOp", "rootRank",
                                   "is_cpu", "layout", "is_contiguous", "dtype", "numel", "data_ptr"};
     PyObject **interned[] = {&s_wire, &s_comm, &s_handle, &s_async, &s_timeout, &s_reduce_op, &s_root,
@@ -251,14 +263,14 @@ static PyObject *bind_torch(PyObject *self, PyObject *const *args, Py_ssize_t na
             return NULL;
     }
     PyObject **kept[] = {&t_tensor, &t_allreduce, &t_broadcast, &t_timedelta, &t_no_timeout,
-                         &t_strided, &t_sum, &t_dtypes};
+                         &t_strided, &t_dtypes};
     for (size_t i = 0; i < sizeof kept / sizeof kept[0]; i++) {
         PyObject *old = *kept[i];
         Py_INCREF(args[i]);
         *kept[i] = args[i];
         Py_XDECREF(old);
     }
-    t_sum_code = sum_code;
+    memcpy(op_codes, codes, sizeof op_codes);
     Py_RETURN_NONE;
 }
 
@@ -314,12 +326,15 @@ static int blocking(PyObject *opts, PyObject *type) {
     return none == 1;
 }
 
-/* The options' reduceOp is SUM. */
-static int sum_of(PyObject *opts) {
+/* toroid's operator for the options' reduceOp, or -1. torch's ReduceOp hashes as the number of
+ * its RedOpType (a PREMUL_SUM with its factor too: not in the table), one attribute read and one
+ * hash instead of a comparison per operator; the binding checks that for the torch it runs with
+ * before it binds (torch/_collectives.py). */
+static int op_of(PyObject *opts) {
     PyObject *op = PyObject_GetAttr(opts, s_reduce_op);
-    int sum = op != NULL ? PyObject_RichCompareBool(op, t_sum, Py_EQ) : -1;
+    Py_hash_t h = op != NULL ? PyObject_Hash(op) : -1;
     Py_XDECREF(op);
-    return sum == 1;
+    return h >= 0 && h < MAX_OPS ? op_codes[h] : -1;
 }
 
 /* The one tensor of `tensors` (a list of one torch.Tensor), when it is dense, contiguous, on the
@@ -363,7 +378,8 @@ static void *comm_of(PyObject *group) {
 }
 
 /* torch_all_reduce(group, tensors, opts) -> toroid_result, or NOT_TAKEN: the blocking in-place
- * SUM of one dense contiguous CPU tensor on the group's communicator. */
+ * all-reduce (SUM, PRODUCT, MIN, MAX or AVG) of one dense contiguous CPU tensor on the group's
+ * communicator. */
 static PyObject *torch_all_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 3) {
@@ -372,14 +388,15 @@ static PyObject *torch_all_reduce(PyObject *self, PyObject *const *args, Py_ssiz
     }
     struct dense t;
     void *comm;
-    if (all_reduce_ptr == NULL || t_tensor == NULL || !blocking(args[2], t_allreduce) || !sum_of(args[2]) ||
+    int op = -1;
+    if (all_reduce_ptr == NULL || t_tensor == NULL || !blocking(args[2], t_allreduce) || (op = op_of(args[2])) < 0 ||
         !dense_cpu(args[1], &t) || (comm = comm_of(args[0])) == NULL) {
         PyErr_Clear();
         return PyLong_FromLong(NOT_TAKEN);
     }
     int code;
     Py_BEGIN_ALLOW_THREADS
-    code = all_reduce_ptr(comm, t.addr, t.addr, t.count, t.dtype, (int)t_sum_code);
+    code = all_reduce_ptr(comm, t.addr, t.addr, t.count, t.dtype, op);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(code);
 }
@@ -419,8 +436,7 @@ static PyMethodDef methods[] = {
     {"broadcast_addr", (PyCFunction)(void (*)(void))broadcast_addr, METH_FASTCALL,
      "broadcast_addr(comm, send, recv, count, dtype, root) -> toroid_result, or -1 (not taken)"},
     {"bind_torch", (PyCFunction)(void (*)(void))bind_torch, METH_FASTCALL,
-     "bind_torch(Tensor, AllreduceOptions, BroadcastOptions, timedelta, timedelta(0), strided, ReduceOp.SUM, "
-     "dtypes, sum_code)"},
+     "bind_torch(Tensor, AllreduceOptions, BroadcastOptions, timedelta, timedelta(0), strided, dtypes, ops)"},
     {"torch_all_reduce", (PyCFunction)(void (*)(void))torch_all_reduce, METH_FASTCALL,
      "torch_all_reduce(group, tensors, opts) -> toroid_result, or -1 (not taken)"},
     {"torch_broadcast", (PyCFunction)(void (*)(void))torch_broadcast, METH_FASTCALL,

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from .._lib import DataType, ReduceOp
 from ._errors import _opt_timeout, _torch_error
 from ._staging import _staged
-from ._types import _BITWISE, _TYPES, _Output, _dense_type, _device_type, _dtype, _flat, _op, _reduce_opts, _stream_op, stream_path
+from ._types import _BITWISE, _OPS, _TYPES, _Output, _dense_type, _device_type, _dtype, _flat, _op, _reduce_opts, _stream_op, stream_path
 from ._work import ToroidWork, _Finished
 
 
@@ -52,19 +52,40 @@ def _bind_torch_fastcall() -> bool:
         from .. import _fastcall
     except ImportError:
         return False
-    if not hasattr(_fastcall, "torch_broadcast"):
+    ops = _op_numbers()
+    if not hasattr(_fastcall, "torch_broadcast") or ops is None:
         return False
     _fastcall.bind_torch(torch.Tensor, _ALLREDUCE_OPTIONS, dist.BroadcastOptions, datetime.timedelta, _NO_TIMEOUT,
-                         _STRIDED, _SUM, {t: int(d) for t, d in _TYPES.items()}, int(ReduceOp.SUM))
+                         _STRIDED, {t: int(d) for t, d in _TYPES.items()}, ops)
     return True
+
+
+def _op_numbers() -> Optional[dict]:
+    """{number of torch's RedOpType: toroid's op} for the operators the C path takes, which it
+    finds by the hash of the options' reduceOp: torch's ReduceOp hashes as that number (2.4 to
+    2.15). None where this torch's does not, for any operator: then the C path is not used."""
+    numbers = {}
+    for torch_op, op in _OPS:
+        opts = _ALLREDUCE_OPTIONS()
+        opts.reduceOp = torch_op
+        number = int(torch_op)
+        if hash(opts.reduceOp) != number or not 0 <= number < 16 or not opts.reduceOp == torch_op:
+            return None
+        numbers[number] = int(op)
+    for name, _ in _BITWISE:  # (and none of the others hashes as one of them)
+        opts = _ALLREDUCE_OPTIONS()
+        opts.reduceOp = getattr(dist.ReduceOp, name)
+        if hash(opts.reduceOp) in numbers:
+            return None
+    return numbers
 
 
 _TORCH_FASTCALL = _bind_torch_fastcall()
 
 
 def _fast_path(name: str, general: Callable) -> Callable:
-    """ProcessGroupToroid.allreduce or .broadcast (`name`): torch's blocking dist.all_reduce (SUM)
-    or dist.broadcast of one dense contiguous CPU tensor, checked and made in C by toroid._fastcall's
+    """ProcessGroupToroid.allreduce or .broadcast (`name`): torch's blocking dist.all_reduce (SUM,
+    PRODUCT, MIN, MAX, AVG) or dist.broadcast of one dense contiguous CPU tensor, checked and made in C by toroid._fastcall's
     torch_<call> (in Python the checks cost a 4 KiB call about as much as the collective, issue
     36): the same blocking toroid call as the Python method's first branch makes. Every other
     call, and every call where the extension is absent (or TOROID_PYTHON_FASTCALL=0), is
