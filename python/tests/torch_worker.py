@@ -338,18 +338,22 @@ def obj(seed):
 
 
 def fastcall_built():
-    """Whether toroid._fastcall, with its torch call, is built and bound to the library."""
+    """Whether toroid._fastcall, with its torch calls, is built and bound to the library; where
+    it is, the torch backend's C path must be on (it is off only if this torch's ReduceOp does
+    not hash as its number: see toroid/torch/_collectives.py)."""
     try:
         from toroid import _fastcall
     except ImportError:
         return False
-    return hasattr(_fastcall, "torch_all_reduce") and toroid._lib.FAST is not None
+    built = hasattr(_fastcall, "torch_all_reduce") and toroid._lib.FAST is not None
+    assert not built or toroid.torch._collectives._TORCH_FASTCALL, "the extension is built but the torch C path is off"
+    return built
 
 
 def fastcall_paths(rank, size):
-    """torch's blocking dist.all_reduce goes through toroid._fastcall's torch_all_reduce (C) when
-    it is one dense contiguous CPU tensor of a toroid type with SUM, and through the group's
-    Python method otherwise; both against every element of a reference computed here from
+    """torch's blocking dist.all_reduce (SUM, PRODUCT, MIN, MAX, AVG) and dist.broadcast go
+    through toroid._fastcall's torch_all_reduce and torch_broadcast (C) when they are of one dense
+    contiguous CPU tensor of a toroid type, and through the group's Python methods otherwise; both against every element of a reference computed here from
     every rank's seed (integers exactly). Where the extension is absent (a source checkout) the
     C path does not run, and this says so instead of counting it."""
     pg = dist.distributed_c10d._get_default_group()

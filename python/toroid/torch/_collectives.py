@@ -62,8 +62,8 @@ def _bind_torch_fastcall() -> bool:
 
 def _op_numbers() -> Optional[dict]:
     """{number of torch's RedOpType: toroid's op} for the operators the C path takes, which it
-    finds by the hash of the options' reduceOp: torch's ReduceOp hashes as that number (2.4 to
-    2.15). None where this torch's does not, for any operator: then the C path is not used."""
+    finds by the hash of the options' reduceOp: torch's ReduceOp hashes as that number (torch
+    2.15's does). None where this torch's does not, for any operator: then the C path is off."""
     numbers = {}
     for torch_op, op in _OPS:
         opts = _ALLREDUCE_OPTIONS()
@@ -84,14 +84,15 @@ _TORCH_FASTCALL = _bind_torch_fastcall()
 
 
 def _fast_path(name: str, general: Callable) -> Callable:
-    """ProcessGroupToroid.allreduce or .broadcast (`name`): torch's blocking dist.all_reduce (SUM,
-    PRODUCT, MIN, MAX, AVG) or dist.broadcast of one dense contiguous CPU tensor, checked and made in C by toroid._fastcall's
-    torch_<call> (in Python the checks cost a 4 KiB call about as much as the collective, issue
-    36): the same blocking toroid call as the Python method's first branch makes. Every other
-    call, and every call where the extension is absent (or TOROID_PYTHON_FASTCALL=0), is
-    `general`'s: the method as _Collectives defines it, with _torch_errors around it. Errors are
-    raised as _torch_errors raises them; stats count the calls made in C under `name` and, as
-    the path they took, "<name>:fastcall"."""
+    """ProcessGroupToroid.allreduce or .broadcast (`name`): torch's blocking dist.all_reduce
+    (SUM, PRODUCT, MIN, MAX, AVG) or dist.broadcast of one dense contiguous CPU tensor, checked
+    and made in C by toroid._fastcall's torch_all_reduce or torch_broadcast (in Python the checks
+    cost a 4 KiB call about as much as the collective, issue 36): the same blocking toroid call
+    as the Python method's first branch makes. Every other call, and every call where the
+    extension is absent (or TOROID_PYTHON_FASTCALL=0), is `general`'s: the method as
+    _Collectives defines it, with _torch_errors around it. Errors are raised as _torch_errors
+    raises them; stats count the calls made in C under `name` and, as the path they took,
+    "<name>:fastcall"."""
     if not _TORCH_FASTCALL:
         return general
     from .. import _fastcall
