@@ -340,13 +340,13 @@ def obj(seed):
 def fastcall_built():
     """Whether toroid._fastcall, with its torch calls, is built and bound to the library; where
     it is, the torch backend's C path must be on (it is off only if this torch's ReduceOp does
-    not hash as its number: see toroid/torch/_collectives.py)."""
+    not hash as its number: see toroid/torch/_fastpath.py)."""
     try:
         from toroid import _fastcall
     except ImportError:
         return False
     built = hasattr(_fastcall, "torch_all_reduce") and toroid._lib.FAST is not None
-    assert not built or toroid.torch._collectives._TORCH_FASTCALL, "the extension is built but the torch C path is off"
+    assert not built or toroid.torch._fastpath._TORCH_FASTCALL, "the extension is built but the torch C path is off"
     return built
 
 

@@ -329,7 +329,7 @@ static int blocking(PyObject *opts, PyObject *type) {
 /* toroid's operator for the options' reduceOp, or -1. torch's ReduceOp hashes as the number of
  * its RedOpType (a PREMUL_SUM with its factor too: not in the table), one attribute read and one
  * hash instead of a comparison per operator; the binding checks that for the torch it runs with
- * before it binds (torch/_collectives.py). */
+ * before it binds (torch/_fastpath.py). */
 static int op_of(PyObject *opts) {
     PyObject *op = PyObject_GetAttr(opts, s_reduce_op);
     Py_hash_t h = op != NULL ? PyObject_Hash(op) : -1;

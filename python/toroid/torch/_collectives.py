@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from .._lib import DataType, ReduceOp
-from ._errors import _opt_timeout, _torch_error
+from ._errors import _opt_timeout
 from ._staging import _staged
-from ._types import _BITWISE, _OPS, _TYPES, _Output, _dense_type, _device_type, _dtype, _flat, _op, _reduce_opts, _stream_op, stream_path
+from ._types import _BITWISE, _TYPES, _Output, _dense_type, _device_type, _dtype, _flat, _op, _reduce_opts, _stream_op, stream_path
 from ._work import ToroidWork, _Finished
 
 
@@ -41,84 +41,6 @@ _NOT_TAKEN = object()
 _ALLREDUCE_OPTIONS = dist.AllreduceOptions
 _STRIDED = torch.strided
 _SUM = dist.ReduceOp.SUM
-# toroid._fastcall's answer for a call it did not make (the general path takes it).
-_NOT_TAKEN_CODE = -1
-
-
-def _bind_torch_fastcall() -> bool:
-    """Hands toroid._fastcall the torch objects its torch_all_reduce and torch_broadcast compare
-    with (see _fast_path); False where the extension is absent or older than those functions."""
-    try:
-        from .. import _fastcall
-    except ImportError:
-        return False
-    ops = _op_numbers()
-    if not hasattr(_fastcall, "torch_broadcast") or ops is None:
-        return False
-    _fastcall.bind_torch(torch.Tensor, _ALLREDUCE_OPTIONS, dist.BroadcastOptions, datetime.timedelta, _NO_TIMEOUT,
-                         _STRIDED, {t: int(d) for t, d in _TYPES.items()}, ops)
-    return True
-
-
-def _op_numbers() -> Optional[dict]:
-    """{number of torch's RedOpType: toroid's op} for the operators the C path takes, which it
-    finds by the hash of the options' reduceOp: torch's ReduceOp hashes as that number (torch
-    2.15's does). None where this torch's does not, for any operator: then the C path is off."""
-    numbers = {}
-    for torch_op, op in _OPS:
-        opts = _ALLREDUCE_OPTIONS()
-        opts.reduceOp = torch_op
-        number = int(torch_op)
-        if hash(opts.reduceOp) != number or not 0 <= number < 16 or not opts.reduceOp == torch_op:
-            return None
-        numbers[number] = int(op)
-    for name, _ in _BITWISE:  # (and none of the others hashes as one of them)
-        opts = _ALLREDUCE_OPTIONS()
-        opts.reduceOp = getattr(dist.ReduceOp, name)
-        if hash(opts.reduceOp) in numbers:
-            return None
-    return numbers
-
-
-_TORCH_FASTCALL = _bind_torch_fastcall()
-
-
-def _fast_path(name: str, general: Callable) -> Callable:
-    """ProcessGroupToroid.allreduce or .broadcast (`name`): torch's blocking dist.all_reduce
-    (SUM, PRODUCT, MIN, MAX, AVG) or dist.broadcast of one dense contiguous CPU tensor, checked
-    and made in C by toroid._fastcall's torch_all_reduce or torch_broadcast (in Python the checks
-    cost a 4 KiB call about as much as the collective, issue 36): the same blocking toroid call
-    as the Python method's first branch makes. Every other call, and every call where the
-    extension is absent (or TOROID_PYTHON_FASTCALL=0), is `general`'s: the method as
-    _Collectives defines it, with _torch_errors around it. Errors are raised as _torch_errors
-    raises them; stats count the calls made in C under `name` and, as the path they took,
-    "<name>:fastcall"."""
-    if not _TORCH_FASTCALL:
-        return general
-    from .. import _fastcall
-
-    key, function = f"{name}:fastcall", {"allreduce": "toroid_all_reduce", "broadcast": "toroid_broadcast"}[name]
-    call = {"allreduce": _fastcall.torch_all_reduce, "broadcast": _fastcall.torch_broadcast}[name]
-
-    def fast(self, tensors, opts=None):
-        if _lib.FAST is not None:  # (None until the library is bound, or with TOROID_PYTHON_FASTCALL=0)
-            code = call(self, tensors, opts)
-            if code != _NOT_TAKEN_CODE:
-                stats = self.stats  # (made: done, or failed; counted as every path counts a call)
-                stats[name] += 1
-                stats[key] += 1
-                if code == 0:
-                    return _DONE
-                try:
-                    _lib.check(function, code, self._comm._handle)
-                except _lib.ToroidError as e:
-                    raise _torch_error(e, name, self.rank(), self._timeout_s) from e
-        return general(self, tensors, opts)
-
-    fast.__name__, fast.__doc__ = name, general.__doc__
-    return fast
-
-
 class _Collectives:
     """The collectives of ProcessGroupToroid (a mixin: `self` is the group; see _group.py)."""
 

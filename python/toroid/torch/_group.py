@@ -19,8 +19,9 @@ import torch.distributed as dist
 from .._lib import DataType
 from ..comm import Comm
 from ._backend import _DeviceBackend
-from ._collectives import _DONE, _Collectives, _fast_path, _waits_at_once
+from ._collectives import _DONE, _Collectives, _waits_at_once
 from ._errors import _BACKEND_ERROR, _opt_timeout, _torch_errors
+from ._fastpath import _fast_path
 from ._staging import _Staging, _staged
 from ._store import TorchStore, _is_store_timeout
 from ._types import BACKEND, DEVICES, _Output, _dtype, _flat, _op
