@@ -69,7 +69,14 @@ fn rank_body(case: &str, culprit: usize) {
 }
 
 /// Runs `test` (this test's own name) as 4 rank processes and checks every survivor's line.
-fn run_case(test: &str, case: &str, culprit: usize, tcp: bool, expect: impl Fn(&str) -> bool) {
+/// `expect(line, lines)` judges one survivor's error line; `lines` has every rank's, by rank.
+fn run_case(
+    test: &str,
+    case: &str,
+    culprit: usize,
+    tcp: bool,
+    expect: impl Fn(&str, &[Option<&str>]) -> bool,
+) {
     if util::is_child() {
         let case = std::env::var("STALL_CASE").unwrap();
         let culprit = std::env::var("STALL_CULPRIT").unwrap().parse().unwrap();
@@ -97,6 +104,7 @@ fn run_case(test: &str, case: &str, culprit: usize, tcp: bool, expect: impl Fn(&
         outputs.insert(culprit, String::new());
     }
     let survivors: Vec<usize> = (0..N).filter(|&r| r != culprit || !matches!(case, "stop" | "die")).collect();
+    let lines: Vec<Option<&str>> = outputs.iter().map(|o| util::error_line(o).map(|(l, _)| l)).collect();
     for (i, &r) in survivors.iter().enumerate() {
         let out = &outputs[r];
         assert_eq!(statuses[i].map(|s| s.success()), Some(true), "rank {r} did not exit cleanly:\n{out}");
@@ -108,7 +116,7 @@ fn run_case(test: &str, case: &str, culprit: usize, tcp: bool, expect: impl Fn(&
             continue;
         }
         let (line, ms) = util::error_line(out).unwrap_or_else(|| panic!("rank {r} saw no error:\n{out}"));
-        assert!(expect(line), "rank {r}: wrong conclusion: {line}\n{out}");
+        assert!(expect(line, &lines), "rank {r}: wrong conclusion: {line}\n{out}");
         // Within the timeout plus the report's grace and a margin (the skipping rank's call
         // fails at once: its error waited for it).
         assert!(ms < (TIMEOUT_S + 5) * 1000, "rank {r} took {ms} ms: {line}");
@@ -122,7 +130,7 @@ fn run_case(test: &str, case: &str, culprit: usize, tcp: bool, expect: impl Fn(&
 /// waiters are listed depends on who had exited before they were asked: a rank that failed
 /// exits at once, and is then left out.)
 fn waiters_ok(line: &str, culprit: usize) -> bool {
-    let Some(i) = line.find(" on it") else { return false };
+    let Some(i) = line.find(" on it").or_else(|| line.find(" on them")) else { return false };
     let head = &line[..i];
     let Some(j) = head.rfind("; ") else { return false };
     let list = head[j + 2..].trim_end_matches(" wait").trim_end_matches(" waits");
@@ -131,14 +139,42 @@ fn waiters_ok(line: &str, culprit: usize) -> bool {
 
 fn stop(test: &str, culprit: usize, tcp: bool) {
     let want = format!("rank {culprit} is not answering (stopped or hung) during all_reduce #");
-    run_case(test, "stop", culprit, tcp, |l| l.contains(&want) && waiters_ok(l, culprit));
+    run_case(test, "stop", culprit, tcp, |l, _| l.contains(&want) && waiters_ok(l, culprit));
 }
 
 fn skip(test: &str, culprit: usize, tcp: bool) {
     let want = format!("rank {culprit} never entered all_reduce #");
-    run_case(test, "skip", culprit, tcp, |l| {
-        l.contains(&want) && l.contains("(last seen in all_reduce #") && waiters_ok(l, culprit)
-    });
+    let alone =
+        |l: &str| l.contains(&want) && l.contains("(last seen in all_reduce #") && waiters_ok(l, culprit);
+    run_case(test, "skip", culprit, tcp, |l, lines| alone(l) || late_bystanders(l, culprit, lines, &alone));
+}
+
+/// Under load a rank can still be on its way into the collective when a waiter takes the
+/// snapshots; the report then truly lists it beside the culprit ("ranks 0-1 never entered
+/// all_reduce #13"). That is right only if the culprit is in the group, no waiter is, and each
+/// other rank in it later entered and, in its own line, named the culprit `alone`.
+fn late_bystanders(line: &str, culprit: usize, lines: &[Option<&str>], alone: &dyn Fn(&str) -> bool) -> bool {
+    let Some(i) = line.find(" never entered all_reduce #") else { return false };
+    let head = &line[..i];
+    let from = head.rfind(": ").max(head.rfind("; ")).map_or(0, |j| j + 2);
+    let Some(group) = rank_list(&head[from..]) else { return false };
+    group.contains(&culprit)
+        && group.len() > 1
+        && waiters_ok(line, culprit)
+        && group.iter().all(|&r| r == culprit || lines.get(r).copied().flatten().is_some_and(alone))
+}
+
+/// The ranks of a report's list: "rank 3", "ranks 0-1", "ranks 1, 3, 5-7".
+fn rank_list(s: &str) -> Option<Vec<usize>> {
+    let list = s.strip_prefix("ranks ").or_else(|| s.strip_prefix("rank "))?;
+    let mut ranks = Vec::new();
+    for part in list.split(", ") {
+        match part.split_once('-') {
+            Some((a, b)) => ranks.extend(a.parse::<usize>().ok()?..=b.parse::<usize>().ok()?),
+            None => ranks.push(part.parse().ok()?),
+        }
+    }
+    Some(ranks)
 }
 
 fn different(test: &str, culprit: usize, tcp: bool) {
@@ -146,7 +182,7 @@ fn different(test: &str, culprit: usize, tcp: bool) {
     // when their snapshots were taken (a rank on its way is not in either group).
     let want = format!("rank {culprit} and rank");
     let tail = format!(": broadcast {COUNT} x float root 0 vs all_reduce {COUNT} x float sum");
-    run_case(test, "different", culprit, tcp, |l| {
+    run_case(test, "different", culprit, tcp, |l, _| {
         let Some(i) = l.find(&want) else { return false };
         let Some(j) = l[i..].find(" disagree at #") else { return false };
         !l[i + want.len()..i + j].contains(&culprit.to_string()) && l[i + j..].contains(&tail)
@@ -155,7 +191,28 @@ fn different(test: &str, culprit: usize, tcp: bool) {
 
 fn die(test: &str, culprit: usize, tcp: bool) {
     let want = format!("rank {culprit} died during all_reduce #");
-    run_case(test, "die", culprit, tcp, |l| l.contains(&want) && waiters_ok(l, culprit));
+    run_case(test, "die", culprit, tcp, |l, _| l.contains(&want) && waiters_ok(l, culprit));
+}
+
+/// The harness's own judgement of a late bystander (no processes): accepted only with the
+/// culprit in the group and the bystander's own line naming the culprit alone.
+#[test]
+fn a_late_bystander_is_judged_by_its_own_line() {
+    let alone = |l: &str| l.contains("rank 0 never entered all_reduce #") && waiters_ok(l, 0);
+    let r1 = "timeout: rank 0 never entered all_reduce #13 (last seen in all_reduce #12); ranks 1-3 wait on it: ...";
+    let r2 = "timeout: ranks 0-1 never entered all_reduce #13 (last seen in all_reduce #12); ranks 2-3 wait on them: ...";
+    assert!(late_bystanders(r2, 0, &[None, Some(r1), Some(r2), Some(r1)], &alone));
+    // The bystander's own line blames someone else, or it has none: rejected.
+    assert!(!late_bystanders(r2, 0, &[None, Some(r2), Some(r2), Some(r1)], &alone));
+    assert!(!late_bystanders(r2, 0, &[None, None, Some(r2), Some(r1)], &alone));
+    // The culprit is not in the group, or a waiter is the culprit: rejected.
+    let wrong =
+        "timeout: ranks 1-2 never entered all_reduce #13 (last seen in all_reduce #12); rank 3 waits on them";
+    assert!(!late_bystanders(wrong, 0, &[None, Some(r1), Some(r1), Some(r1)], &alone));
+    let waiter = "timeout: ranks 0-1 never entered all_reduce #13 (last seen in all_reduce #12); ranks 0, 2 wait on them";
+    assert!(!late_bystanders(waiter, 0, &[None, Some(r1), Some(r1), Some(r1)], &alone));
+    assert_eq!(rank_list("ranks 1, 3, 5-7"), Some(vec![1, 3, 5, 6, 7]));
+    assert_eq!(rank_list("rank 4"), Some(vec![4]));
 }
 
 #[test]
@@ -200,11 +257,11 @@ fn dead_rank_tcp() {
 }
 #[test]
 fn slow_rank_shm() {
-    run_case("slow_rank_shm", "slow", 1, false, |_| true);
+    run_case("slow_rank_shm", "slow", 1, false, |_, _| true);
 }
 #[test]
 fn slow_rank_tcp() {
-    run_case("slow_rank_tcp", "slow", 1, true, |_| true);
+    run_case("slow_rank_tcp", "slow", 1, true, |_, _| true);
 }
 
 /// `dump()` on a healthy job: every rank answers, nobody is blamed, a row per rank.
