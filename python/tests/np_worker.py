@@ -2,6 +2,7 @@
 
 Every rank generates every rank's input from a seed, so it computes the expected result itself."""
 
+import collections
 import os
 import pathlib
 import sys
@@ -279,6 +280,45 @@ def fastcall(comm: toroid.Comm):
                     same(buf, data(t, root, n, "int32"), f"{path} broadcast_ptr root {root}")
         finally:
             _lib.FAST = fast
+    # The async calls (all_reduce_addr_async, and every Work's work_wait and work_free), both
+    # paths; on the fast one, counted through a stand-in that forwards to the extension.
+    fast_async = _lib.FAST_ASYNC
+    assert fast_async is fast, "the extension is bound but its async calls are not"
+
+    class Counting:
+        calls = collections.Counter()
+
+        def __getattr__(self, name):
+            f = getattr(fast, name)
+
+            def counted(*args):
+                Counting.calls[name] += 1
+                return f(*args)
+
+            return counted
+
+    for path in ("fast", "ctypes"):
+        _lib.FAST = _lib.FAST_ASYNC = Counting() if path == "fast" else None
+        try:
+            for n in [1, 4099]:
+                t += 1
+                xs = [data(t, r, n, "float32") for r in range(SIZE)]
+                works = [comm.all_reduce(xs[RANK].copy(), op="sum", async_op=True) for _ in range(3)]
+                mine, out = xs[RANK].copy(), np.zeros(n, np.float32)
+                w = comm.all_reduce_ptr(mine.ctypes.data, out.ctypes.data, n, "float32", "max", True, (mine, out), out)
+                same(w.wait(), reference(xs, "max"), f"{path} async all_reduce_ptr n={n}")
+                for i, x in enumerate(reversed(works)):
+                    same(x.wait(), reference(xs, "sum"), f"{path} async all_reduce #{i} n={n}")
+                del works, w, x  # (each Work is freed here, on its path)
+            try:
+                comm.all_reduce(np.zeros(4, np.int32), op="avg", async_op=True)
+                raise AssertionError(f"{path}: async avg on integers accepted")
+            except toroid.UnsupportedError:
+                pass
+        finally:
+            _lib.FAST, _lib.FAST_ASYNC = fast, fast_async
+    c = Counting.calls
+    assert c["all_reduce_addr_async"] == 9 and c["work_wait"] == 8 and c["work_free"] == 8, dict(c)
     # What the extension leaves to the general path raises there, as without it.
     a = np.arange(16, dtype=np.float32)
     frozen = np.ones(16, np.float32)

@@ -351,11 +351,12 @@ def fastcall_built():
 
 
 def fastcall_paths(rank, size):
-    """torch's blocking dist.all_reduce (SUM, PRODUCT, MIN, MAX, AVG) and dist.broadcast go
-    through toroid._fastcall's torch_all_reduce and torch_broadcast (C) when they are of one dense
-    contiguous CPU tensor of a toroid type, and through the group's Python methods otherwise; both against every element of a reference computed here from
-    every rank's seed (integers exactly). Where the extension is absent (a source checkout) the
-    C path does not run, and this says so instead of counting it."""
+    """torch's dist.all_reduce (SUM, PRODUCT, MIN, MAX, AVG) and dist.broadcast, blocking or
+    async without a timeout of their own, go through toroid._fastcall's torch_all_reduce and
+    torch_broadcast (C) when they are of one dense contiguous CPU tensor of a toroid type, and
+    through the group's Python methods otherwise; both against every element of a reference
+    computed here from every rank's seed (integers exactly). Where the extension is absent (a
+    source checkout) the C path does not run, and this says so instead of counting it."""
     pg = dist.distributed_c10d._get_default_group()
     built = fastcall_built()
     if not built:
@@ -395,14 +396,44 @@ def fastcall_paths(rank, size):
     run("BAND", lambda r: rand((100,), torch.int32, 1470 + r), False, op=dist.ReduceOp.BAND,
         fold=lambda xs: functools.reduce(torch.bitwise_and, xs))
     run("non-contiguous", lambda r: rand((20, 30), torch.float32, 1420 + r).t(), False)
-    run("async_op", lambda r: rand((100,), torch.float32, 1430 + r), False, async_op=True)
+    for dtype, op, fold in ((torch.float32, dist.ReduceOp.SUM, sum), (torch.int32, dist.ReduceOp.SUM, sum),
+                            (torch.float64, dist.ReduceOp.MAX, lambda xs: torch.stack(xs).max(0).values),
+                            (torch.bfloat16, dist.ReduceOp.SUM, lambda xs: sum(xs[1:], xs[0].clone()))):
+        run(f"async_op {dtype} {op}", lambda r, d=dtype: rand((100,), d, 1430 + r).to(d), True, op=op, fold=fold,
+            async_op=True, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+    # Async calls in flight together, waited on out of order, through their futures, and one
+    # dropped unwaited (its tensor is kept alive until it has run): each is the C path's.
+    xs = [rand((257,), torch.float32, 1480 + 10 * i + rank) for i in range(4)]
+    before = pg.stats["allreduce:fastcall"]
+    works = [dist.all_reduce(x, async_op=True) for x in xs[:3]]
+    dropped = xs.pop()
+    dist.all_reduce(dropped, async_op=True)  # (the work is dropped at once)
+    futures = [works[1].get_future(), works[0].get_future()]
+    works[2].wait()
+    got = [f.wait() for f in futures]
+    assert got[0][0] is xs[1] and got[1][0] is xs[0], "a future's value is not its call's tensor list"
+    assert all(w.is_completed() and w.is_success() for w in works)
+    dist.barrier()
+    went = pg.stats["allreduce:fastcall"] - before
+    assert went == (4 if built else 0), f"async in flight: the C path ran {went} times"
+    for i, x in enumerate(xs + [dropped]):
+        close(x, sum(rand((257,), torch.float32, 1480 + 10 * i + r) for r in range(size)), f"fastcall async #{i}")
+    # An async call with a timeout of its own: the Python path's (its work enforces it).
+    opts = dist.AllreduceOptions()
+    opts.asyncOp, opts.timeout = True, datetime.timedelta(seconds=60)
+    x = rand((100,), torch.float32, 1490 + rank)
+    before = pg.stats["allreduce:fastcall"]
+    pg.allreduce([x], opts).wait()
+    assert pg.stats["allreduce:fastcall"] == before, "an async call with a timeout took the C path"
+    close(x, sum(rand((100,), torch.float32, 1490 + r) for r in range(size)), "fastcall async with a timeout")
     run("complex64 (as its real view, a float32 tensor)", lambda r: rand((50,), torch.complex64, 1440 + r), True,
         rtol=1e-5, atol=1e-5)
-    # broadcast from every rank: taken for a blocking call of a dense tensor, else the Python path's.
+    # broadcast from every rank: taken for a blocking or async call of a dense tensor, else the
+    # Python path's.
     for root in range(size):
         for dtype, shape, taken, async_op in ((torch.float32, (1000,), True, False), (torch.int64, (7, 3), True, False),
                                               (torch.bfloat16, (1,), True, False), (torch.float64, (0,), True, False),
-                                              (torch.float32, (100,), False, True)):
+                                              (torch.float32, (100,), True, True), (torch.int64, (3,), True, True)):
             x = rand(shape, dtype, 1500 + 10 * root + rank)
             before = pg.stats["broadcast:fastcall"]
             work = dist.broadcast(x, src=root, async_op=async_op)
@@ -415,6 +446,7 @@ def fastcall_paths(rank, size):
     x = rand((20, 30), torch.float32, 1600 + rank).t()
     before = pg.stats["broadcast:fastcall"]
     dist.broadcast(x, src=size - 1)
+    dist.broadcast(x, src=size - 1, async_op=True).wait()
     assert pg.stats["broadcast:fastcall"] == before, "a non-contiguous broadcast took the C path"
     close(x, rand((20, 30), torch.float32, 1600 + size - 1).t(), "fastcall broadcast non-contiguous")
     checks.append("fastcall paths")

@@ -1,8 +1,9 @@
 /* toroid._fastcall: the blocking all-reduce and broadcast of the Python binding (on numpy
  * buffers and on addresses) and of the torch backend (torch's dist.all_reduce and
- * dist.broadcast of one CPU tensor), called without ctypes (issue 36: a 4 KiB all-reduce through
- * ctypes costs ~5 us of argument conversion and Python-level checks on top of the library's
- * ~3 us, and through the torch backend's Python checks about as much again).
+ * dist.broadcast of one CPU tensor, blocking or async), the async all-reduce on addresses, and
+ * the wait and free of every async call's work, called without ctypes (issue 36: a 4 KiB
+ * all-reduce through ctypes costs ~5 us of argument conversion and Python-level checks on top of
+ * the library's ~3 us, and through the torch backend's Python checks about as much again).
  *
  * A CPython extension on the stable ABI of Python 3.11 (Py_LIMITED_API: the buffer protocol
  * entered it in 3.11), built by setup.py where a C compiler and Python's headers exist; where it
@@ -23,17 +24,28 @@
 #include <Python.h>
 #include <limits.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <string.h>
 
 /* The library's signatures (include/toroid.h): the enums are C ints, the result too. */
 typedef int (*all_reduce_fn)(void *comm, const void *send, void *recv, size_t count, int dtype, int op);
 typedef int (*broadcast_fn)(void *comm, const void *send, void *recv, size_t count, int dtype, int root);
+typedef int (*all_reduce_async_fn)(void *comm, const void *send, void *recv, size_t count, int dtype, int op,
+                                   void **work);
+typedef int (*broadcast_async_fn)(void *comm, const void *send, void *recv, size_t count, int dtype, int root,
+                                  void **work);
+typedef int (*work_wait_fn)(void *work, int64_t timeout_ms);
+typedef void (*work_free_fn)(void *work);
 
 #define NOT_TAKEN (-1)
 #define MAX_TYPES 64
 
 static all_reduce_fn all_reduce_ptr;
 static broadcast_fn broadcast_ptr;
+static all_reduce_async_fn all_reduce_async_ptr; /* the async forms, bound by bind_async */
+static broadcast_async_fn broadcast_async_ptr;
+static work_wait_fn work_wait_ptr;
+static work_free_fn work_free_ptr;
 static unsigned char widths[MAX_TYPES]; /* bytes per element of toroid_datatype i; 0: unknown */
 
 /* bind(all_reduce_address, broadcast_address, widths: bytes) */
@@ -207,6 +219,104 @@ static PyObject *broadcast_addr(PyObject *self, PyObject *const *args, Py_ssize_
     return PyLong_FromLong(code);
 }
 
+/* ---- async calls and their wait ------------------------------------------------------------
+ * An async call through ctypes costs its caller three foreign calls with their argument
+ * conversions (the call, toroid_work_wait, toroid_work_free); these take all three. */
+
+/* bind_async(all_reduce_async, broadcast_async, work_wait, work_free): the addresses of those
+ * functions. */
+static PyObject *bind_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "bind_async(all_reduce_async, broadcast_async, work_wait, work_free)");
+        return NULL;
+    }
+    void *ar = PyLong_AsVoidPtr(args[0]);
+    void *bc = PyLong_AsVoidPtr(args[1]);
+    void *ww = PyLong_AsVoidPtr(args[2]);
+    void *wf = PyLong_AsVoidPtr(args[3]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (ar == NULL || bc == NULL || ww == NULL || wf == NULL) {
+        PyErr_SetString(PyExc_ValueError, "bind_async: null function");
+        return NULL;
+    }
+    all_reduce_async_ptr = (all_reduce_async_fn)ar;
+    broadcast_async_ptr = (broadcast_async_fn)bc;
+    work_wait_ptr = (work_wait_fn)ww;
+    work_free_ptr = (work_free_fn)wf;
+    Py_RETURN_NONE;
+}
+
+/* work_free(work) -> None: toroid_work_free (it does not block: freeing an unfinished work does
+ * not cancel it). `work` is the address of a live toroid_work, freed once (the binding's Work
+ * drops its address as it frees it). */
+static PyObject *work_free(PyObject *self, PyObject *arg) {
+    (void)self;
+    void *work = PyLong_AsVoidPtr(arg);
+    if (PyErr_Occurred())
+        return NULL;
+    if (work_free_ptr != NULL && work != NULL)
+        work_free_ptr(work);
+    Py_RETURN_NONE;
+}
+
+/* work_wait(work, timeout_ms) -> toroid_result: toroid_work_wait, the GIL released. `work` is
+ * the address of a live toroid_work (the binding's Work holds it until it frees it). */
+static PyObject *work_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "work_wait(work, timeout_ms)");
+        return NULL;
+    }
+    void *work = PyLong_AsVoidPtr(args[0]);
+    int64_t ms = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (work_wait_ptr == NULL || work == NULL)
+        return PyLong_FromLong(NOT_TAKEN);
+    int code;
+    Py_BEGIN_ALLOW_THREADS
+    code = work_wait_ptr(work, ms);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(code);
+}
+
+/* An issued async call's answer: (toroid_result, work address or 0). */
+static PyObject *issued(int code, void *work) {
+    PyObject *c = PyLong_FromLong(code);
+    PyObject *w = c != NULL ? PyLong_FromVoidPtr(code == 0 ? work : NULL) : NULL;
+    PyObject *pair = w != NULL ? PyTuple_Pack(2, c, w) : NULL;
+    Py_XDECREF(c);
+    Py_XDECREF(w);
+    return pair;
+}
+
+/* all_reduce_addr_async(comm, send, recv, count, dtype, op) -> (toroid_result, work), or -1
+ * (not taken): all_reduce_addr, queued. */
+static PyObject *all_reduce_addr_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long dtype_op[2];
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "all_reduce_addr_async(comm, send, recv, count, dtype, op)");
+        return NULL;
+    }
+    void *comm = PyLong_AsVoidPtr(args[0]);
+    void *send = PyLong_AsVoidPtr(args[1]);
+    void *recv = PyLong_AsVoidPtr(args[2]);
+    size_t count = PyLong_AsSize_t(args[3]);
+    if (PyErr_Occurred() || !longs(args, 4, 2, dtype_op))
+        return NULL;
+    if (all_reduce_async_ptr == NULL || width_of(dtype_op[0]) == 0)
+        return PyLong_FromLong(NOT_TAKEN);
+    void *work = NULL;
+    int code;
+    Py_BEGIN_ALLOW_THREADS
+    code = all_reduce_async_ptr(comm, send, recv, count, (int)dtype_op[0], (int)dtype_op[1], &work);
+    Py_END_ALLOW_THREADS
+    return issued(code, work);
+}
+
 /* ---- the torch backend's blocking all-reduce and broadcast (python/toroid/torch/) ----------
  * torch's dist.all_reduce(tensor) calls ProcessGroupToroid.allreduce([tensor], opts), and
  * dist.broadcast(tensor, src) its broadcast([tensor], opts); with asyncOp False torch takes a
@@ -308,22 +418,25 @@ static int size_attr(PyObject *obj, PyObject *name, int call, size_t *out) {
     return ok;
 }
 
-/* The options (of the exact type `type`) ask for what a blocking call gives: asyncOp False and
- * no timeout of their own (a timedelta <= 0), as _waits_at_once in Python. */
-static int blocking(PyObject *opts, PyObject *type) {
+/* How the options (of the exact type `type`, with no timeout of their own: a timedelta <= 0)
+ * ask for the call: BLOCKING (asyncOp False: what a blocking call gives, as _waits_at_once in
+ * Python), ASYNC (asyncOp True, where the async functions are bound), else 0 (not taken). */
+#define BLOCKING 1
+#define ASYNC 2
+static int call_mode(PyObject *opts, PyObject *type) {
     if ((PyObject *)Py_TYPE(opts) != type)
         return 0;
     PyObject *v = PyObject_GetAttr(opts, s_async);
     int async = v != NULL ? PyObject_IsTrue(v) : -1;
     Py_XDECREF(v);
-    if (async != 0)
+    if (async < 0 || (async == 1 && work_wait_ptr == NULL))
         return 0;
     v = PyObject_GetAttr(opts, s_timeout);
     int none = v != NULL && Py_IS_TYPE(v, (PyTypeObject *)t_timedelta)
                    ? PyObject_RichCompareBool(v, t_no_timeout, Py_LE)
                    : -1;
     Py_XDECREF(v);
-    return none == 1;
+    return none != 1 ? 0 : async ? ASYNC : BLOCKING;
 }
 
 /* toroid's operator for the options' reduceOp, or -1. torch's ReduceOp hashes as the number of
@@ -379,7 +492,8 @@ static void *comm_of(PyObject *group) {
 
 /* torch_all_reduce(group, tensors, opts) -> toroid_result, or NOT_TAKEN: the blocking in-place
  * all-reduce (SUM, PRODUCT, MIN, MAX or AVG) of one dense contiguous CPU tensor on the group's
- * communicator. */
+ * communicator; with asyncOp True, the same call queued: (toroid_result, work), the caller
+ * keeping the tensor alive until the work is done. */
 static PyObject *torch_all_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 3) {
@@ -388,21 +502,26 @@ static PyObject *torch_all_reduce(PyObject *self, PyObject *const *args, Py_ssiz
     }
     struct dense t;
     void *comm;
-    int op = -1;
-    if (all_reduce_ptr == NULL || t_tensor == NULL || !blocking(args[2], t_allreduce) || (op = op_of(args[2])) < 0 ||
-        !dense_cpu(args[1], &t) || (comm = comm_of(args[0])) == NULL) {
+    int op = -1, mode = 0;
+    if (all_reduce_ptr == NULL || t_tensor == NULL || !(mode = call_mode(args[2], t_allreduce)) ||
+        (op = op_of(args[2])) < 0 || !dense_cpu(args[1], &t) || (comm = comm_of(args[0])) == NULL) {
         PyErr_Clear();
         return PyLong_FromLong(NOT_TAKEN);
     }
     int code;
+    void *work = NULL;
     Py_BEGIN_ALLOW_THREADS
-    code = all_reduce_ptr(comm, t.addr, t.addr, t.count, t.dtype, op);
+    if (mode == ASYNC)
+        code = all_reduce_async_ptr(comm, t.addr, t.addr, t.count, t.dtype, op, &work);
+    else
+        code = all_reduce_ptr(comm, t.addr, t.addr, t.count, t.dtype, op);
     Py_END_ALLOW_THREADS
-    return PyLong_FromLong(code);
+    return mode == ASYNC ? issued(code, work) : PyLong_FromLong(code);
 }
 
 /* torch_broadcast(group, tensors, opts) -> toroid_result, or NOT_TAKEN: the blocking in-place
- * broadcast of one dense contiguous CPU tensor from opts.rootRank. */
+ * broadcast of one dense contiguous CPU tensor from opts.rootRank; with asyncOp True, queued, as
+ * torch_all_reduce. */
 static PyObject *torch_broadcast(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 3) {
@@ -412,17 +531,22 @@ static PyObject *torch_broadcast(PyObject *self, PyObject *const *args, Py_ssize
     struct dense t;
     void *comm;
     size_t root;
-    if (broadcast_ptr == NULL || t_tensor == NULL || !blocking(args[2], t_broadcast) ||
+    int mode = 0;
+    if (broadcast_ptr == NULL || t_tensor == NULL || !(mode = call_mode(args[2], t_broadcast)) ||
         !size_attr(args[2], s_root, 0, &root) || root > INT_MAX || !dense_cpu(args[1], &t) ||
         (comm = comm_of(args[0])) == NULL) {
         PyErr_Clear();
         return PyLong_FromLong(NOT_TAKEN);
     }
     int code;
+    void *work = NULL;
     Py_BEGIN_ALLOW_THREADS
-    code = broadcast_ptr(comm, t.addr, t.addr, t.count, t.dtype, (int)root);
+    if (mode == ASYNC)
+        code = broadcast_async_ptr(comm, t.addr, t.addr, t.count, t.dtype, (int)root, &work);
+    else
+        code = broadcast_ptr(comm, t.addr, t.addr, t.count, t.dtype, (int)root);
     Py_END_ALLOW_THREADS
-    return PyLong_FromLong(code);
+    return mode == ASYNC ? issued(code, work) : PyLong_FromLong(code);
 }
 
 static PyMethodDef methods[] = {
@@ -435,18 +559,25 @@ static PyMethodDef methods[] = {
      "all_reduce_addr(comm, send, recv, count, dtype, op) -> toroid_result, or -1 (not taken)"},
     {"broadcast_addr", (PyCFunction)(void (*)(void))broadcast_addr, METH_FASTCALL,
      "broadcast_addr(comm, send, recv, count, dtype, root) -> toroid_result, or -1 (not taken)"},
+    {"bind_async", (PyCFunction)(void (*)(void))bind_async, METH_FASTCALL,
+     "bind_async(all_reduce_async, broadcast_async, work_wait, work_free)"},
+    {"work_free", work_free, METH_O, "work_free(work) -> None"},
+    {"work_wait", (PyCFunction)(void (*)(void))work_wait, METH_FASTCALL,
+     "work_wait(work, timeout_ms) -> toroid_result, or -1 (not taken)"},
+    {"all_reduce_addr_async", (PyCFunction)(void (*)(void))all_reduce_addr_async, METH_FASTCALL,
+     "all_reduce_addr_async(comm, send, recv, count, dtype, op) -> (toroid_result, work), or -1 (not taken)"},
     {"bind_torch", (PyCFunction)(void (*)(void))bind_torch, METH_FASTCALL,
      "bind_torch(Tensor, AllreduceOptions, BroadcastOptions, timedelta, timedelta(0), strided, dtypes, ops)"},
     {"torch_all_reduce", (PyCFunction)(void (*)(void))torch_all_reduce, METH_FASTCALL,
-     "torch_all_reduce(group, tensors, opts) -> toroid_result, or -1 (not taken)"},
+     "torch_all_reduce(group, tensors, opts) -> toroid_result, (toroid_result, work) if async, or -1 (not taken)"},
     {"torch_broadcast", (PyCFunction)(void (*)(void))torch_broadcast, METH_FASTCALL,
-     "torch_broadcast(group, tensors, opts) -> toroid_result, or -1 (not taken)"},
+     "torch_broadcast(group, tensors, opts) -> toroid_result, (toroid_result, work) if async, or -1 (not taken)"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "toroid._fastcall",
-    "The binding's blocking all-reduce and broadcast without ctypes (private; see _lib.py).", -1, methods,
+    "The binding's all-reduce, broadcast and work wait without ctypes (private; see _lib.py).", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

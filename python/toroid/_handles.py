@@ -44,7 +44,10 @@ class Work:
         `timeout` in seconds (None: the communicator's timeout). Past it the communicator is
         aborted and toroid.TimeoutError is raised, as at every toroid deadline."""
         ms = -1 if timeout is None else max(0, int(timeout * 1000))
-        code = _lib.lib().toroid_work_wait(self._handle, ms)
+        fast = _lib.FAST_ASYNC  # (toroid_work_wait without ctypes, where the extension is built)
+        code = fast.work_wait(self._handle, ms) if fast is not None and self._handle else -1
+        if code == -1:
+            code = _lib.lib().toroid_work_wait(self._handle, ms)
         self._finished()
         check(f"{self._name} (wait)", code, self._comm._handle_or_none())
         return self.source() if self._any_source else self._result
@@ -74,7 +77,11 @@ class Work:
         handle, self._handle = self._handle, None
         if handle:
             try:
-                _lib.lib().toroid_work_free(handle)
+                fast = _lib.FAST_ASYNC  # (without ctypes, where the extension is built)
+                if fast is not None:
+                    fast.work_free(handle)
+                else:
+                    _lib.lib().toroid_work_free(handle)
             except Exception:  # pragma: no cover - interpreter shutdown
                 pass
 

@@ -289,10 +289,13 @@ def lib() -> ctypes.CDLL:
 # ctypes, bound to the loaded library; None where the extension was not built (a source
 # checkout, a Python before 3.11, no C compiler at install): the callers then use ctypes.
 FAST = None
+# The same module where it also has the async calls, toroid_work_wait and toroid_work_free
+# (bind_async); None where FAST is None.
+FAST_ASYNC = None
 
 
 def _bind_fastcall(loaded: ctypes.CDLL) -> None:
-    global FAST
+    global FAST, FAST_ASYNC
     if os.environ.get("TOROID_PYTHON_FASTCALL", "1") == "0":  # (docs/ENV.md; to rule it out)
         return
     try:
@@ -306,6 +309,12 @@ def _bind_fastcall(loaded: ctypes.CDLL) -> None:
     _fastcall.bind(address(loaded.toroid_all_reduce, ctypes.c_void_p).value,
                    address(loaded.toroid_broadcast, ctypes.c_void_p).value, bytes(widths))
     FAST = _fastcall
+    if hasattr(_fastcall, "bind_async"):  # (an extension built from an older checkout lacks it)
+        _fastcall.bind_async(address(loaded.toroid_all_reduce_async, ctypes.c_void_p).value,
+                             address(loaded.toroid_broadcast_async, ctypes.c_void_p).value,
+                             address(loaded.toroid_work_wait, ctypes.c_void_p).value,
+                             address(loaded.toroid_work_free, ctypes.c_void_p).value)
+        FAST_ASYNC = _fastcall
 
 
 def library_path() -> str:

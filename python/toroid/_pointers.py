@@ -23,15 +23,21 @@ class _PointerCalls:
 
     def all_reduce_ptr(self, send: int, recv: int, count: int, dtype, op="sum", async_op=False, _refs=(), _result=None,
                        wire=None):
-        fast = _lib.FAST  # (the C extension, where built: the blocking call without ctypes)
-        if fast is not None and not async_op and wire is None and not self._group_depth and type(send) is int:
+        fast = _lib.FAST  # (the C extension, where built: the call without ctypes)
+        if fast is not None and wire is None and not self._group_depth and type(send) is int:
             t, o = _FAST_TYPES.get(dtype), _FAST_OPS.get(op)  # (a member or a name: no parse)
             if t is not None and o is not None and type(recv) is int:
-                code = fast.all_reduce_addr(self._live(), send, recv, count, t, o)
-                if code != _NOT_TAKEN:
-                    if code:
-                        check("toroid_all_reduce", code, self._handle)
-                    return _result
+                if not async_op:
+                    code = fast.all_reduce_addr(self._live(), send, recv, count, t, o)
+                    if code != _NOT_TAKEN:
+                        if code:
+                            check("toroid_all_reduce", code, self._handle)
+                        return _result
+                elif _lib.FAST_ASYNC is not None:
+                    self._prune()
+                    issued = fast.all_reduce_addr_async(self._live(), send, recv, count, t, o)
+                    if issued != _NOT_TAKEN:
+                        return self._issued("toroid_all_reduce", issued, _refs, _result)
         args = (send, recv, count, DataType.of(dtype), ReduceOp.of(op))
         if wire is not None:
             return self._call("toroid_all_reduce_wire", args + (DataType.of(wire),), async_op, _refs, _result)

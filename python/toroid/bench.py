@@ -3,14 +3,16 @@
     python -m toroid.bench                          # 2 ranks, 4 KiB to 64 MiB by 4, float32 SUM
     python -m toroid.bench --ranks 4 --sizes 4K,1M,16M --json bench.json
     python -m toroid.bench --backends toroid --dtype bfloat16
+    python -m toroid.bench --sizes 4K,64K --call future   # async, through the Work's future (DDP's)
 
 It starts the ranks itself (`python -m toroid.bench --worker`, torch's env:// variables with a
 free MASTER_PORT on 127.0.0.1). Every rank creates the world with `init_process_group("gloo")`
 and a toroid group over the same ranks with `new_group(backend="toroid")`, so both backends run
 in the same processes: for each size, after a warm-up, rounds of gloo calls and rounds of toroid
 calls alternate (the first backend swapped each round), so that a change in the machine's load
-falls on both. Each call is one blocking `dist.all_reduce`, as a user makes it, timed with
-`time.perf_counter_ns`; a row reports the median over the calls, the largest over the ranks
+falls on both. Each call is one `dist.all_reduce`, as a user makes it (--call: blocking, the
+default; `wait`: async_op=True, then the Work's wait(); `future`: async_op=True, then
+get_future().wait(), the path DDP's gradient buckets take), timed with `time.perf_counter_ns`; a row reports the median over the calls, the largest over the ranks
 (gathered with a MAX all-reduce after the size's calls). busbw = bytes / time * 2(n-1)/n, as
 nccl-tests defines it. Every size's result of each backend is checked, element by element,
 against the sum of every rank's input computed by each rank itself; a wrong result fails the
@@ -36,6 +38,7 @@ import tempfile
 import time
 
 BACKENDS = ("gloo", "toroid")
+CALLS = ("blocking", "wait", "future")
 _ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -70,6 +73,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300, help="seconds for the whole run (default 300)")
     p.add_argument("--json", metavar="FILE", help="also write the rows (and the header's facts) to FILE")
     p.add_argument("--seed", type=int, default=1, help="seed of the random inputs (default 1)")
+    p.add_argument("--call", choices=CALLS, default="blocking",
+                   help="how each all_reduce is made: blocking (default); wait: async, then Work.wait(); "
+                        "future: async, then Work.get_future().wait()")
     p.add_argument("--worker", metavar="RESULTS", help=argparse.SUPPRESS)  # a rank: rank 0 writes RESULTS
     return p
 
@@ -132,7 +138,8 @@ def worker(args: argparse.Namespace) -> None:
     results = open(args.worker, "w") if rank == 0 else None
     if results:
         facts = dict(torch=torch.__version__, toroid=toroid.version(), library=toroid.library_path(), ranks=n,
-                     cpus=len(os.sched_getaffinity(0)), dtype=args.dtype, op="SUM", backends=backends)
+                     cpus=len(os.sched_getaffinity(0)), dtype=args.dtype, op="SUM", backends=backends,
+                     call=args.call)
         print(json.dumps(facts), file=results, flush=True)
 
     for size in sizes_of(args):
@@ -151,10 +158,16 @@ def worker(args: argparse.Namespace) -> None:
         times: dict[str, list[int]] = {b: [] for b in backends}
 
         def calls(b: str, k: int, timed: bool) -> None:
+            group, call = groups[b], args.call
             for _ in range(k):
                 buf.copy_(mine)  # each call reduces the inputs, not the last result
                 t0 = time.perf_counter_ns()
-                dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=groups[b])
+                if call == "blocking":
+                    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+                elif call == "wait":
+                    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True).wait()
+                else:
+                    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True).get_future().wait()
                 if timed:
                     times[b].append(time.perf_counter_ns() - t0)
 
@@ -202,10 +215,14 @@ def _header(facts: dict) -> list[str]:
             f"{facts['ranks']} ranks on this host, {facts['cpus']} CPUs",
             f"# torch {facts['torch']} (gloo), toroid {facts['toroid']} "
             f"({facts['library'] or 'libtoroid.so from the system library path'})",
-            "# us: median of a size's blocking calls (calls per backend), slowest rank; "
+            f"# us: median of a size's calls ({_CALL_TEXT[facts.get('call', 'blocking')]}; calls per backend), "
+            "slowest rank; "
             "busbw GB/s = bytes/time * 2(n-1)/n; speed-up = gloo us / toroid us",
             f"# {'bytes':>10} {'count':>10} {'calls':>5} {'gloo us':>10} {'toroid us':>10} {'gloo GB/s':>10} "
             f"{'toroid GB/s':>11} {'speed-up':>9}"]
+
+
+_CALL_TEXT = {"blocking": "blocking", "wait": "async, then wait()", "future": "async, then get_future().wait()"}
 
 
 def _row(r: dict) -> str:

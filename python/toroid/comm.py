@@ -461,8 +461,15 @@ class Comm(_PointerCalls):
             return result
         self._prune()
         work = ctypes.c_void_p()
-        check(name + "_async", getattr(f, name + "_async")(handle, *args, ctypes.byref(work)), handle)
-        w = Work(self, work.value, refs, result, name + "_async")
+        return self._issued(name, (getattr(f, name + "_async")(handle, *args, ctypes.byref(work)), work.value), refs,
+                            result)
+
+    def _issued(self, name: str, issued: tuple, refs: tuple, result: Any) -> Work:
+        """The Work of an async call `name` just made (`issued`: its result code and work
+        address; the C extension's answer), raising its error; kept until done."""
+        code, work = issued
+        check(name + "_async", code, self._handle)
+        w = Work(self, work, refs, result, name + "_async")
         self._keep(w)
         return w
 

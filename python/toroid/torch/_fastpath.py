@@ -80,8 +80,16 @@ def _fast_path(name: str, general: Callable) -> Callable:
             code = call(self, tensors, opts)
             if code != _NOT_TAKEN_CODE:
                 stats = self.stats  # (made: done, or failed; counted as every path counts a call)
-                stats[name] += 1
                 stats[key] += 1
+                if type(code) is tuple:  # async: (result, work)
+                    try:
+                        work = self._comm._issued(function, code, (tensors[0],), None)
+                    except _lib.ToroidError as e:
+                        stats[name] += 1
+                        raise _torch_error(e, name, self.rank(), self._timeout_s) from e
+                    self._comm._prune()
+                    return self._work([work], tensors, None, name)  # (which counts it under `name`)
+                stats[name] += 1
                 if code == 0:
                     return _DONE
                 try:

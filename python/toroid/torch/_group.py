@@ -56,7 +56,9 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
         self.stats: collections.Counter = collections.Counter()  # operations issued, by name
         self._coalesced: Optional[list] = None  # send/recv recorded in a coalescing block
         self._staging = threading.local()  # .current: the staging of the CUDA call being issued
-        self._queue: "queue.Queue[Optional[ToroidWork]]" = queue.Queue()
+        # (SimpleQueue: put and get in C, no Condition: the hand-over to the completion thread
+        # is on the path of every get_future(), DDP's included)
+        self._queue: "queue.SimpleQueue[Optional[ToroidWork]]" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._completer, name=f"toroid-pg-r{rank}", daemon=True)
         self._thread.start()
         # The group's backend for each device it takes, for the entry points that look one up by
