@@ -43,7 +43,7 @@ class Work:
 
         `timeout` in seconds (None: the communicator's timeout). Past it the communicator is
         aborted and toroid.TimeoutError is raised, as at every toroid deadline."""
-        ms = -1 if timeout is None else max(0, int(timeout * 1000))
+        ms = -1 if timeout is None else min(max(0, int(timeout * 1000)), 1 << 62)  # (an int64 either way)
         fast = _lib.FAST_ASYNC  # (toroid_work_wait without ctypes, where the extension is built)
         code = fast.work_wait(self._handle, ms) if fast is not None and self._handle else -1
         if code == -1:
