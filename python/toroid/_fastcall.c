@@ -170,27 +170,44 @@ static PyObject *broadcast(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return PyLong_FromLong(code);
 }
 
+/* The arguments of the calls on raw addresses: (comm, send, recv, count, dtype, op or root). */
+struct addr_args {
+    void *comm, *send, *recv;
+    size_t count;
+    long dtype, last;
+};
+
+/* Parses them into *a; 0 (with the exception set: TypeError naming `usage`) if they do not fit. */
+static int addr_args(PyObject *const *args, Py_ssize_t nargs, const char *usage, struct addr_args *a) {
+    long dtype_last[2];
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return 0;
+    }
+    a->comm = PyLong_AsVoidPtr(args[0]);
+    a->send = PyLong_AsVoidPtr(args[1]);
+    a->recv = PyLong_AsVoidPtr(args[2]);
+    a->count = PyLong_AsSize_t(args[3]);
+    if (PyErr_Occurred() || !longs(args, 4, 2, dtype_last))
+        return 0;
+    a->dtype = dtype_last[0];
+    a->last = dtype_last[1];
+    return 1;
+}
+
 /* all_reduce_addr(comm, send, recv, count, dtype, op) -> toroid_result: on raw addresses (the
  * torch backend's dense CPU tensors, whose sizes it has checked), as the ctypes call it replaces:
  * the same trust in the addresses as ctypes.CDLL's function objects give. */
 static PyObject *all_reduce_addr(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    long dtype_op[2];
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "all_reduce_addr(comm, send, recv, count, dtype, op)");
+    struct addr_args a;
+    if (!addr_args(args, nargs, "all_reduce_addr(comm, send, recv, count, dtype, op)", &a))
         return NULL;
-    }
-    void *comm = PyLong_AsVoidPtr(args[0]);
-    void *send = PyLong_AsVoidPtr(args[1]);
-    void *recv = PyLong_AsVoidPtr(args[2]);
-    size_t count = PyLong_AsSize_t(args[3]);
-    if (PyErr_Occurred() || !longs(args, 4, 2, dtype_op))
-        return NULL;
-    if (all_reduce_ptr == NULL || width_of(dtype_op[0]) == 0)
+    if (all_reduce_ptr == NULL || width_of(a.dtype) == 0)
         return PyLong_FromLong(NOT_TAKEN);
     int code;
     Py_BEGIN_ALLOW_THREADS
-    code = all_reduce_ptr(comm, send, recv, count, (int)dtype_op[0], (int)dtype_op[1]);
+    code = all_reduce_ptr(a.comm, a.send, a.recv, a.count, (int)a.dtype, (int)a.last);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(code);
 }
@@ -199,22 +216,14 @@ static PyObject *all_reduce_addr(PyObject *self, PyObject *const *args, Py_ssize
  * all_reduce_addr. */
 static PyObject *broadcast_addr(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    long dtype_root[2];
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "broadcast_addr(comm, send, recv, count, dtype, root)");
+    struct addr_args a;
+    if (!addr_args(args, nargs, "broadcast_addr(comm, send, recv, count, dtype, root)", &a))
         return NULL;
-    }
-    void *comm = PyLong_AsVoidPtr(args[0]);
-    void *send = PyLong_AsVoidPtr(args[1]);
-    void *recv = PyLong_AsVoidPtr(args[2]);
-    size_t count = PyLong_AsSize_t(args[3]);
-    if (PyErr_Occurred() || !longs(args, 4, 2, dtype_root))
-        return NULL;
-    if (broadcast_ptr == NULL || width_of(dtype_root[0]) == 0 || dtype_root[1] < INT_MIN || dtype_root[1] > INT_MAX)
+    if (broadcast_ptr == NULL || width_of(a.dtype) == 0 || a.last < INT_MIN || a.last > INT_MAX)
         return PyLong_FromLong(NOT_TAKEN);
     int code;
     Py_BEGIN_ALLOW_THREADS
-    code = broadcast_ptr(comm, send, recv, count, (int)dtype_root[0], (int)dtype_root[1]);
+    code = broadcast_ptr(a.comm, a.send, a.recv, a.count, (int)a.dtype, (int)a.last);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(code);
 }
@@ -296,23 +305,15 @@ static PyObject *issued(int code, void *work) {
  * (not taken): all_reduce_addr, queued. */
 static PyObject *all_reduce_addr_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    long dtype_op[2];
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "all_reduce_addr_async(comm, send, recv, count, dtype, op)");
+    struct addr_args a;
+    if (!addr_args(args, nargs, "all_reduce_addr_async(comm, send, recv, count, dtype, op)", &a))
         return NULL;
-    }
-    void *comm = PyLong_AsVoidPtr(args[0]);
-    void *send = PyLong_AsVoidPtr(args[1]);
-    void *recv = PyLong_AsVoidPtr(args[2]);
-    size_t count = PyLong_AsSize_t(args[3]);
-    if (PyErr_Occurred() || !longs(args, 4, 2, dtype_op))
-        return NULL;
-    if (all_reduce_async_ptr == NULL || width_of(dtype_op[0]) == 0)
+    if (all_reduce_async_ptr == NULL || width_of(a.dtype) == 0)
         return PyLong_FromLong(NOT_TAKEN);
     void *work = NULL;
     int code;
     Py_BEGIN_ALLOW_THREADS
-    code = all_reduce_async_ptr(comm, send, recv, count, (int)dtype_op[0], (int)dtype_op[1], &work);
+    code = all_reduce_async_ptr(a.comm, a.send, a.recv, a.count, (int)a.dtype, (int)a.last, &work);
     Py_END_ALLOW_THREADS
     return issued(code, work);
 }
