@@ -12,8 +12,9 @@ in the same processes: for each size, after a warm-up, rounds of gloo calls and 
 calls alternate (the first backend swapped each round), so that a change in the machine's load
 falls on both. Each call is one `dist.all_reduce`, as a user makes it (--call: blocking, the
 default; `wait`: async_op=True, then the Work's wait(); `future`: async_op=True, then
-get_future().wait(), the path DDP's gradient buckets take), timed with `time.perf_counter_ns`; a row reports the median over the calls, the largest over the ranks
-(gathered with a MAX all-reduce after the size's calls). busbw = bytes / time * 2(n-1)/n, as
+get_future().wait(), the path DDP's gradient buckets take), timed with `time.perf_counter_ns`;
+a row reports the median over the calls, the largest over the ranks (gathered with a MAX
+all-reduce after the size's calls). busbw = bytes / time * 2(n-1)/n, as
 nccl-tests defines it. Every size's result of each backend is checked, element by element,
 against the sum of every rank's input computed by each rank itself; a wrong result fails the
 run. The whole run is bounded by --timeout: a rank that fails or a run that overstays stops

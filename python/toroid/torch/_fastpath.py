@@ -59,11 +59,13 @@ _TORCH_FASTCALL = _bind_torch_fastcall()
 
 
 def _fast_path(name: str, general: Callable) -> Callable:
-    """ProcessGroupToroid.allreduce or .broadcast (`name`): torch's blocking dist.all_reduce
-    (SUM, PRODUCT, MIN, MAX, AVG) or dist.broadcast of one dense contiguous CPU tensor, checked
-    and made in C by toroid._fastcall's torch_all_reduce or torch_broadcast (in Python the checks
-    cost a 4 KiB call about as much as the collective, issue 36): the same blocking toroid call
-    as the Python method's first branch makes. Every other call, and every call where the
+    """ProcessGroupToroid.allreduce or .broadcast (`name`): torch's dist.all_reduce (SUM,
+    PRODUCT, MIN, MAX, AVG) or dist.broadcast of one dense contiguous CPU tensor, blocking or
+    async without a timeout of its own, checked and made in C by toroid._fastcall's
+    torch_all_reduce or torch_broadcast (in Python the checks cost a 4 KiB call about as much as
+    the collective, issue 36): the same toroid call as the Python method makes, blocking, or
+    queued with its work wrapped as the Python path wraps it (a ToroidWork over the binding's
+    Work, which keeps the tensor alive until it has run). Every other call, and every call where the
     extension is absent (or TOROID_PYTHON_FASTCALL=0), is `general`'s: the method as
     _Collectives defines it, with _torch_errors around it. Errors are raised as _torch_errors
     raises them; stats count the calls made in C under `name` and, as the path they took,
