@@ -118,6 +118,7 @@ class ToroidWork(dist.Work):
             if future is None:  # (nothing to run outside the lock: settled now)
                 self._is_settled = True
                 event = self._settled_event
+        del works  # (the toroid works are freed here, outside the lock)
         if future is not None:
             # The future's callbacks run here, outside the lock (they may wait on other works).
             self._settle_future(future)
@@ -126,7 +127,6 @@ class ToroidWork(dist.Work):
                 event = self._settled_event
         if event is not None:
             event.set()
-        del works  # (the toroid works are freed here, outside the lock)
 
     def _settle_future(self, future: Future) -> None:
         if self._exception is not None:
@@ -195,10 +195,14 @@ class ToroidWork(dist.Work):
                 self._future = Future(devices=devices) if devices else Future()
             late = made and self._done  # _complete has passed the point where it completes it
             future = self._future
+            # (as _enqueue does, under the same lock)
+            enqueue = not late and not self._queued and not self._done
+            if enqueue:
+                self._queued = True
         if late:
             self._settle_future(future)
-        else:
-            self._enqueue()
+        elif enqueue:
+            self._pg._queue.put(self)
         return future
 
     def is_completed(self) -> bool:
