@@ -206,11 +206,14 @@ class ToroidWork(dist.Work):
         return future
 
     def is_completed(self) -> bool:
-        if not self._is_settled and not self._queued and not self._deferred:
+        """Whether the operation has run, its outputs in place. The completing thread marks it
+        so before it completes the future (as gloo's work does), so a caller woken by the future
+        finds it completed, while the future's callbacks may still be running."""
+        if not self._done and not self._queued and not self._deferred:
             works = self._works
             if all(w.test() for w in works):
                 self._complete()  # (done: it does not block)
-        return self._is_settled
+        return self._done
 
     def is_success(self) -> bool:
         return self.is_completed() and self._exception is None
