@@ -4,7 +4,7 @@ memory ordered on a stream (`*_stream_ptr`), as a mixin of `Comm` (comm.py)."""
 from __future__ import annotations
 
 import ctypes
-from typing import Optional
+from typing import Any, Optional
 
 from . import _lib
 from ._handles import Work
@@ -20,6 +20,16 @@ _NOT_TAKEN = -1  # (toroid._fastcall: the call was not made)
 
 class _PointerCalls:
     """Comm's pointer-level calls (a mixin: `self` is the Comm; see comm.py)."""
+
+    def _issued(self, name: str, issued: tuple, refs: tuple, result: Any) -> Work:
+        """The Work of an async call `name` just made (`issued`: its result code and work
+        address; the C extension's answer, or Comm._call's), raising its error; kept until
+        done."""
+        code, work = issued
+        check(name + "_async", code, self._handle)
+        w = Work(self, work, refs, result, name + "_async")
+        self._keep(w)
+        return w
 
     def all_reduce_ptr(self, send: int, recv: int, count: int, dtype, op="sum", async_op=False, _refs=(), _result=None,
                        wire=None):

@@ -464,15 +464,6 @@ class Comm(_PointerCalls):
         return self._issued(name, (getattr(f, name + "_async")(handle, *args, ctypes.byref(work)), work.value), refs,
                             result)
 
-    def _issued(self, name: str, issued: tuple, refs: tuple, result: Any) -> Work:
-        """The Work of an async call `name` just made (`issued`: its result code and work
-        address; the C extension's answer), raising its error; kept until done."""
-        code, work = issued
-        check(name + "_async", code, self._handle)
-        w = Work(self, work, refs, result, name + "_async")
-        self._keep(w)
-        return w
-
     # Pointer-level collectives: addresses (int), counts in elements, DataType or its name.
 
     def barrier(self, async_op: bool = False):

@@ -141,13 +141,20 @@ class ToroidWork(dist.Work):
         self._done = True
         self._is_settled = True
 
+    def _queue_slot(self) -> bool:
+        """Under self._lock: whether the caller is the one to hand the work to the group's
+        completion thread (once, and not once it is done)."""
+        if self._queued or self._done:
+            return False
+        self._queued = True
+        return True
+
     def _enqueue(self) -> None:
         """Hands the work to the group's completion thread (once)."""
         with self._lock:
-            if self._queued or self._done:
-                return
-            self._queued = True
-        self._pg._queue.put(self)
+            go = self._queue_slot()
+        if go:
+            self._pg._queue.put(self)
 
     def _settled(self, seconds: Optional[float]) -> bool:
         """Waits until the future is completed too (a callback of that future, running on the
@@ -195,10 +202,7 @@ class ToroidWork(dist.Work):
                 self._future = Future(devices=devices) if devices else Future()
             late = made and self._done  # _complete has passed the point where it completes it
             future = self._future
-            # (as _enqueue does, under the same lock)
-            enqueue = not late and not self._queued and not self._done
-            if enqueue:
-                self._queued = True
+            enqueue = not late and self._queue_slot()  # (_enqueue's, under the lock held here)
         if late:
             self._settle_future(future)
         elif enqueue:
