@@ -23,6 +23,7 @@ def pytest_report_header(config):
 
 
 def pytest_sessionstart(session):
+    _build_native()
     if not INSTALLED:
         return
     import toroid
@@ -35,3 +36,23 @@ def pytest_sessionstart(session):
             raise RuntimeError(f"TOROID_TEST_INSTALLED=1 but the toroid {what} is the checkout's: {path}")
     if "TOROID_LIBRARY" in os.environ or library.parent != package:
         raise RuntimeError(f"TOROID_TEST_INSTALLED=1 but the library is not the installed package's: {library}")
+
+
+def _build_native():
+    """Builds the C++ torch backend once, before any test starts ranks (each would otherwise
+    wait for the first one's build), and makes it required in every process the tests start:
+    TOROID_TORCH_NATIVE=1, so a build or load failure fails the tests instead of falling back.
+    TOROID_TORCH_NATIVE=0 in the environment runs the Python backend alone (the tests then print
+    that the C++ one DID NOT RUN). Without torch, nothing to build."""
+    if os.environ.get("TOROID_TORCH_NATIVE") == "0":
+        print("conftest: TOROID_TORCH_NATIVE=0: the C++ torch backend DID NOT RUN", file=sys.stderr)
+        return
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return
+    from toroid.torch import _native
+
+    path = _native.build()
+    os.environ["TOROID_TORCH_NATIVE"] = "1"
+    print(f"conftest: the C++ torch backend: {path}", file=sys.stderr)

@@ -14,6 +14,7 @@ WORKER = pathlib.Path(__file__).with_name("torch_worker.py")
 
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("scenario", ["compare", "ddp", "wire", "entry_points", "wait_timeout", "conformance", "errors",
-                                      "peer_death", "shrink", "compare/no-device-backend", "ddp/no-device-backend"])
+                                      "peer_death", "shrink", "compare/no-device-backend", "ddp/no-device-backend",
+                                      "entry_points/python-backend"])
 def test_torch_backend(scenario, n):
     assert_all_passed(run_ranks(n, WORKER, scenario, timeout=300), f"{scenario} passed")

@@ -154,7 +154,11 @@ def test_registered_for_cpu_and_cuda(pg):
     assert list(dist.Backend.backend_capability[tt.BACKEND]) == ["cpu", "cuda"]
     assert {d.type for d in pg._device_types} == {"cpu", "cuda"}
     assert pg._get_backend(torch.device("cuda")) is pg._get_backend(torch.device("cpu"))
-    assert isinstance(pg._get_backend(torch.device("cuda")), tt._DeviceBackend)
+    backend = pg._get_backend(torch.device("cuda"))
+    if pg._native_comm is not None:  # the C++ backend (over the Python one, for what it does not take)
+        assert type(backend).__name__ == "ToroidBackend" and backend._get_backend_name() == tt.BACKEND
+    else:
+        assert isinstance(backend, tt._DeviceBackend)
     # Object collectives and barrier stay on the CPU (torch picks "cpu" when it is registered).
     assert dist.distributed_c10d._get_object_coll_device(pg) == "cpu"
 

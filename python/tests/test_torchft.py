@@ -174,7 +174,7 @@ def test_ddp_kill_restart(tmp_path, kill):
     # from the live one (it started past step 0) ...
     assert [f["step"] for f in finals] == [stop_at, stop_at]
     if ON_TOROID:
-        assert {r["group"] for r in rows(0, a.pid) + rows(1, c.pid)} <= {"ProcessGroupToroid", None}
+        assert {r["group"] for r in rows(0, a.pid) + rows(1, c.pid)} <= {"ProcessGroupToroid", "_NativeGroup", None}
         assert ops.get("allreduce", 0) > 0 and ops.get("send", 0) > 0, ops  # (the checkpoint went over toroid)
     assert first_c["step"] > killed_at and first_c["healing"], first_c
     if kill == "in_allreduce":  # replica 0's all-reduce failed, saying why

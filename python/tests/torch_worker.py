@@ -227,7 +227,7 @@ def ddp(rank, size):
 
     results = {}
     pg = dist.distributed_c10d._get_default_group()
-    before = pg.stats["allreduce"]
+    before, before_native = pg.stats["allreduce"], pg.stats["allreduce:native"]
     for name, group in (("toroid", dist.group.WORLD), ("gloo", GLOO)):
         torch.manual_seed(0)  # the same initial model on every rank and backend
         model = Net()
@@ -246,6 +246,8 @@ def ddp(rank, size):
     # DDP's gradient buckets went through toroid's async all-reduce: several per step.
     # (one bucket in the first step, then DDP rebuilds them: 2 per step with these sizes)
     assert pg.stats["allreduce"] - before >= 1 + 2 * 5, pg.stats
+    if native(pg):  # (from DDP's C++ reducer straight to the C++ backend)
+        assert pg.stats["allreduce:native"] - before_native >= 1 + 2 * 5, pg.stats
     torch.manual_seed(0)
     initial = [p.detach() for p in Net().parameters()]
     assert any(not torch.allclose(a, b) for a, b in zip(results["toroid"], initial)), "the model did not train"
@@ -337,6 +339,27 @@ def obj(seed):
             "name": "x" * g.randrange(0, 5000), "nested": (seed, [seed] * (seed % 7))}
 
 
+def native(pg) -> bool:
+    """Whether the group has the C++ backend (toroid/torch/_native.cpp); conftest.py builds it
+    and sets TOROID_TORCH_NATIVE=1, so where it is not, that was asked for (=0)."""
+    return pg._native_comm is not None
+
+
+def c_path(pg):
+    """The stats key suffix of the group's C path for torch's all_reduce and broadcast, and
+    whether it runs here: "native" (the C++ backend), else "fastcall" (toroid._fastcall, where
+    built)."""
+    return ("native", True) if native(pg) else ("fastcall", fastcall_built())
+
+
+def device_backend_ok(pg) -> bool:
+    """The group's backend for "cpu" is toroid's: the C++ one, or the Python _CpuBackend."""
+    backend = pg._get_backend(torch.device("cpu"))
+    if native(pg):
+        return type(backend).__name__ == "ToroidBackend" and backend._get_backend_name() == "toroid"
+    return isinstance(backend, toroid.torch._CpuBackend)
+
+
 def fastcall_built():
     """Whether toroid._fastcall, with its torch calls, is built and bound to the library; where
     it is, the torch backend's C path must be on (it is off only if this torch's ReduceOp does
@@ -352,23 +375,24 @@ def fastcall_built():
 
 def fastcall_paths(rank, size):
     """torch's dist.all_reduce (SUM, PRODUCT, MIN, MAX, AVG) and dist.broadcast, blocking or
-    async without a timeout of their own, go through toroid._fastcall's torch_all_reduce and
-    torch_broadcast (C) when they are of one dense contiguous CPU tensor of a toroid type, and
-    through the group's Python methods otherwise; both against every element of a reference
-    computed here from every rank's seed (integers exactly). Where the extension is absent (a
-    source checkout) the C path does not run, and this says so instead of counting it."""
+    async without a timeout of their own, take the group's C path when they are of one dense
+    contiguous CPU tensor of a toroid type: the C++ backend (toroid/torch/_native.cpp), or
+    where the group has none ("/python-backend"), toroid._fastcall's torch_all_reduce and
+    torch_broadcast; the group's Python methods otherwise; both against every element of a
+    reference computed here from every rank's seed (integers exactly). Where neither is built
+    the C path does not run, and this says so instead of counting it."""
     pg = dist.distributed_c10d._get_default_group()
-    built = fastcall_built()
-    if not built:
-        print(f"rank {rank}: toroid._fastcall is not built here: torch's C all-reduce path DID NOT RUN", flush=True)
+    path, built = c_path(pg)
+    print(f"rank {rank}: torch's C path is {path}{'' if built else ' (not built here: it DID NOT RUN)'}", flush=True)
+    allreduce_key, broadcast_key = f"allreduce:{path}", f"broadcast:{path}"
 
     def run(what, make, taken, op=dist.ReduceOp.SUM, fold=sum, async_op=False, rtol=1e-5, atol=1e-5):
         x = make(rank)
-        before = pg.stats["allreduce:fastcall"]
+        before = pg.stats[allreduce_key]
         work = dist.all_reduce(x, op=op, async_op=async_op)
         if async_op:
             work.wait()
-        went = pg.stats["allreduce:fastcall"] - before
+        went = pg.stats[allreduce_key] - before
         assert went == (1 if taken and built else 0), f"{what}: the C path ran {went} times, want {int(taken and built)}"
         want = fold([make(r) for r in range(size)])
         close(x, want.to(x.dtype) if want.dtype != x.dtype else want, f"fastcall {what}", rtol=rtol, atol=atol)
@@ -404,7 +428,7 @@ def fastcall_paths(rank, size):
     # Async calls in flight together, waited on out of order, through their futures, and one
     # dropped unwaited (its tensor is kept alive until it has run): each is the C path's.
     xs = [rand((257,), torch.float32, 1480 + 10 * i + rank) for i in range(4)]
-    before = pg.stats["allreduce:fastcall"]
+    before = pg.stats[allreduce_key]
     works = [dist.all_reduce(x, async_op=True) for x in xs[:3]]
     dropped = xs.pop()
     dist.all_reduce(dropped, async_op=True)  # (the work is dropped at once)
@@ -414,17 +438,22 @@ def fastcall_paths(rank, size):
     assert got[0][0] is xs[1] and got[1][0] is xs[0], "a future's value is not its call's tensor list"
     assert all(w.is_completed() and w.is_success() for w in works)
     dist.barrier()
-    went = pg.stats["allreduce:fastcall"] - before
+    went = pg.stats[allreduce_key] - before
     assert went == (4 if built else 0), f"async in flight: the C path ran {went} times"
     for i, x in enumerate(xs + [dropped]):
         close(x, sum(rand((257,), torch.float32, 1480 + 10 * i + r) for r in range(size)), f"fastcall async #{i}")
+    # A future's callback (a Python comm hook's shape), chained: its value, on every rank.
+    y = rand((64,), torch.float32, 1495 + rank)
+    chained = dist.all_reduce(y, async_op=True).get_future().then(lambda f: f.value()[0] * 2).then(
+        lambda f: f.value() + 1)
+    close(chained.wait(), sum(rand((64,), torch.float32, 1495 + r) for r in range(size)) * 2 + 1, "a future's callbacks")
     # An async call with a timeout of its own: the Python path's (its work enforces it).
     opts = dist.AllreduceOptions()
     opts.asyncOp, opts.timeout = True, datetime.timedelta(seconds=60)
     x = rand((100,), torch.float32, 1490 + rank)
-    before = pg.stats["allreduce:fastcall"]
+    before = pg.stats[allreduce_key]
     pg.allreduce([x], opts).wait()
-    assert pg.stats["allreduce:fastcall"] == before, "an async call with a timeout took the C path"
+    assert pg.stats[allreduce_key] == before, "an async call with a timeout took the C path"
     close(x, sum(rand((100,), torch.float32, 1490 + r) for r in range(size)), "fastcall async with a timeout")
     run("complex64 (as its real view, a float32 tensor)", lambda r: rand((50,), torch.complex64, 1440 + r), True,
         rtol=1e-5, atol=1e-5)
@@ -435,19 +464,19 @@ def fastcall_paths(rank, size):
                                               (torch.bfloat16, (1,), True, False), (torch.float64, (0,), True, False),
                                               (torch.float32, (100,), True, True), (torch.int64, (3,), True, True)):
             x = rand(shape, dtype, 1500 + 10 * root + rank)
-            before = pg.stats["broadcast:fastcall"]
+            before = pg.stats[broadcast_key]
             work = dist.broadcast(x, src=root, async_op=async_op)
             if async_op:
                 work.wait()
-            went = pg.stats["broadcast:fastcall"] - before
+            went = pg.stats[broadcast_key] - before
             want = int(taken and built)
             assert went == want, f"broadcast {dtype} from {root}: the C path ran {went} times, want {want}"
             close(x, rand(shape, dtype, 1500 + 11 * root), f"fastcall broadcast {dtype} {shape} from {root}")
     x = rand((20, 30), torch.float32, 1600 + rank).t()
-    before = pg.stats["broadcast:fastcall"]
+    before = pg.stats[broadcast_key]
     dist.broadcast(x, src=size - 1)
     dist.broadcast(x, src=size - 1, async_op=True).wait()
-    assert pg.stats["broadcast:fastcall"] == before, "a non-contiguous broadcast took the C path"
+    assert pg.stats[broadcast_key] == before, "a non-contiguous broadcast took the C path"
     close(x, rand((20, 30), torch.float32, 1600 + size - 1).t(), "fastcall broadcast non-contiguous")
     checks.append("fastcall paths")
 
@@ -457,7 +486,7 @@ def entry_points(rank, size):
     gloo and against references computed here from every rank's seed."""
     pg = dist.distributed_c10d._get_default_group()
     assert torch.device("cpu") in pg._device_types
-    assert isinstance(pg._get_backend(torch.device("cpu")), toroid.torch._CpuBackend)
+    assert device_backend_ok(pg)
     fastcall_paths(rank, size)
 
     def ran(name, before):
@@ -634,7 +663,7 @@ def entry_points(rank, size):
     mine = {name: subs[name][rank % 2] for name in subs}
     assert dist.get_backend(mine["toroid"]) == "toroid"
     assert isinstance(mine["toroid"], toroid.torch.ProcessGroupToroid) and mine["toroid"].comm.size == len(members)
-    assert isinstance(mine["toroid"]._get_backend(torch.device("cpu")), toroid.torch._CpuBackend)
+    assert device_backend_ok(mine["toroid"])
     results = {}
     for name, g in mine.items():
         x = rand((333,), torch.float64, 4000 + rank)
@@ -937,8 +966,22 @@ def peer_death(rank, size):
             if name == "toroid":
                 assert isinstance(e, dist.DistBackendError), repr(e)
                 assert "a peer failed" in str(e) and "closed" in str(e), repr(e)
-                # (the blocking call's C path raised it, where the extension is built: see fastcall_paths)
-                assert group.stats["allreduce:fastcall"] == (1 if fastcall_built() else 0), dict(group.stats)
+                # (the blocking call's C path raised it, where it runs: see fastcall_paths)
+                path, built = c_path(group)
+                assert group.stats[f"allreduce:{path}"] == (1 if built else 0), dict(group.stats)
+                # Async calls after it fail too, with toroid's words: at the issue, or from their
+                # work (wait) and its future, the work then completed and not a success.
+                for how in ("wait", "future"):
+                    w = None
+                    try:
+                        w = dist.all_reduce(torch.ones(10), group=group, async_op=True)
+                        w.wait() if how == "wait" else w.get_future().wait()
+                        raise AssertionError(f"toroid: an async all_reduce ({how}) after a peer died passed")
+                    except RuntimeError as e2:
+                        assert "allreduce" in str(e2) and "toroid" in str(e2), f"{how}: {e2!r}"
+                    if w is not None:
+                        assert w.is_completed() and not w.is_success() and w.exception() is not None, how
+                    checks.append(f"toroid async after a peer death ({how})")
             else:
                 assert "Connection closed by peer" in str(e) or "closed" in str(e), repr(e)
             checks.append(f"{name} peer death")
@@ -1078,11 +1121,14 @@ if __name__ == "__main__":
     SCENARIO, _, variant = SCENARIO.partition("/")
     if variant == "no-device-backend":
         toroid.torch._BACKEND_CONSTRUCTIBLE = False
+    elif variant == "python-backend":  # (the Python backend alone: its C path is toroid._fastcall)
+        os.environ["TOROID_TORCH_NATIVE"] = "0"
+        toroid.torch._native._loaded = None
     dist.init_process_group("toroid", init_method="env://", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=120))
     assert isinstance(dist.distributed_c10d._get_default_group(), toroid.torch.ProcessGroupToroid)
     assert dist.get_backend() == "toroid"
-    if variant:
+    if variant == "no-device-backend":
         try:
             registered = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
         except RuntimeError:  # "No backend type associated with device type cpu"

@@ -52,10 +52,13 @@ class _DeviceBackend(_C10dBackend):
         ranks not excluded (it keeps that group alive: torch wraps the backend alone in the new
         c10d ProcessGroup)."""
         child = self._group().shrink(ranks_to_exclude, shrink_flags, opts)
-        backend = child._backend
-        if backend is None:
+        if child._backend is None:
             raise RuntimeError("toroid: shrink_group needs torch's Python-constructible c10d Backend")
-        backend._owned = child
+        backend = child._device_backend()
+        if backend is child._backend:
+            backend._owned = child
+        else:
+            backend._own(child)  # (the C++ backend: it keeps the group alive from C++)
         return backend
 
     def monitored_barrier(self, opts, wait_all_ranks=False) -> None:
@@ -74,8 +77,12 @@ class _DeviceBackend(_C10dBackend):
 
 
 def _forward(name: str):
+    # (all_reduce and broadcast: the group's Python methods, which a group with the C++ backend
+    # keeps under these names; its own allreduce and broadcast are that backend's)
+    target = {"allreduce": "_py_allreduce", "broadcast": "_py_broadcast"}.get(name, name)
+
     def method(self, *args):
-        return getattr(self._group(), name)(*args)
+        return getattr(self._group(), target)(*args)
 
     method.__name__ = name
     return method

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from .._lib import DataType
 from ..comm import Comm
+from . import _native
 from ._backend import _DeviceBackend
 from ._collectives import _DONE, _Collectives, _waits_at_once
 from ._errors import _BACKEND_ERROR, _opt_timeout, _torch_errors
@@ -35,7 +36,15 @@ def _backend_constructible() -> bool:
 
 
 class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
-    """A torch.distributed process group whose collectives run on a toroid communicator."""
+    """A torch.distributed process group whose collectives run on a toroid communicator.
+
+    Where the C++ backend loads (_native.py) a new group is a _NativeGroup: torch's C++
+    ProcessGroup takes its all_reduce and broadcast to that backend."""
+
+    def __new__(cls, *args, **kwargs):
+        if cls is ProcessGroupToroid and _backend_constructible() and _native.module() is not None:
+            cls = _NativeGroup
+        return super().__new__(cls)
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: Optional[datetime.timedelta] = None,
                  comm: Optional[Comm] = None, wire_dtype: Optional[str] = None,
@@ -67,11 +76,19 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
         # gets none: its ProcessGroup calls this Python group's methods directly.
         self._backend: Optional[_DeviceBackend] = None
         self._shrunk = False  # a communicator shrinks once
+        # The C++ backend's view of the communicator (_native.py), where this group has it.
+        self._native_comm = None
         if _backend_constructible():
             kind = dist.Backend.backend_type_map.get(BACKEND, dist.ProcessGroup.BackendType.CUSTOM)
             self._backend = _DeviceBackend(self, rank, size)
+            backend = self._backend
+            if isinstance(self, _NativeGroup):
+                native = _native.module()
+                self._native_comm = _native.comm_state(native, self)
+                self._native_comm.set_wire(self._wire is not None)
+                backend = native.ToroidBackend(self._native_comm, self._backend, rank, size)
             for device in DEVICES:
-                self._register_backend(torch.device(device), kind, self._backend)
+                self._register_backend(torch.device(device), kind, backend)
             self._set_default_backend(kind)
 
     # The completion thread: toroid runs a group's operations in issue order, so completing the
@@ -96,8 +113,14 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
         staging, self._staging.current = getattr(self._staging, "current", None), None
         return staging
 
+    _native_comm = None  # (until __init__ sets it: set_wire_dtype runs before)
+
     def getBackendName(self) -> str:
         return BACKEND
+
+    def _device_backend(self):
+        """The c10d Backend registered for this group's devices: the C++ one, or _backend."""
+        return self._get_backend(torch.device("cpu")) if self._native_comm is not None else self._backend
 
     def __repr__(self) -> str:
         return f"ProcessGroupToroid(rank={self.rank()}, size={self.size()})"
@@ -118,6 +141,8 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
         if w not in (None, DataType.BFLOAT16, DataType.FLOAT16):
             raise ValueError(f"wire_dtype must be 'bf16', 'f16' or None, not {wire!r}")
         self._wire = w
+        if self._native_comm is not None:
+            self._native_comm.set_wire(w is not None)
 
     def _wire_for(self, t: torch.Tensor, wire: Optional[DataType] = None) -> Optional[DataType]:
         wire = wire if wire is not None else self._wire
@@ -380,12 +405,18 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
             self._queue.put(None)
             if threading.current_thread() is not self._thread:  # (may run from its last work)
                 self._thread.join()
+        native = self._native_comm
+        if native is not None:
+            native.detach()  # (its completion thread finishes the futures it holds, then stops)
         try:
             self._comm.destroy()
         except _lib.ToroidError as e:
             # Each failed operation already failed its own work; say so once more, do not raise
             # from a teardown.
             warnings.warn(f"toroid: {e}", RuntimeWarning, stacklevel=2)
+        finally:
+            if native is not None:
+                native.release()  # (the communicator's operations have all stopped)
 
     def __del__(self):
         try:
@@ -405,3 +436,32 @@ for _name in ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgat
 # where they can be.
 ProcessGroupToroid.allreduce = _fast_path("allreduce", ProcessGroupToroid.allreduce)
 ProcessGroupToroid.broadcast = _fast_path("broadcast", ProcessGroupToroid.broadcast)
+# The Python methods, which the C++ backend falls back to through _DeviceBackend.
+ProcessGroupToroid._py_allreduce = ProcessGroupToroid.allreduce
+ProcessGroupToroid._py_broadcast = ProcessGroupToroid.broadcast
+
+
+class _NativeGroup(ProcessGroupToroid):
+    """A ProcessGroupToroid with the C++ backend (_native.cpp): its all_reduce and broadcast are
+    torch's own C++ ProcessGroup methods, which call that backend without Python (so do DDP's
+    reducer and a "cpu:toroid,cuda:..." group); the backend takes the calls toroid makes as
+    they are and gives the rest to the Python methods (_py_allreduce, _py_broadcast). Its stats
+    count the C++ backend's calls too, under "allreduce:native" and "broadcast:native"."""
+
+    allreduce = dist.ProcessGroup.__dict__["allreduce"]
+    broadcast = dist.ProcessGroup.__dict__["broadcast"]
+
+    @property
+    def stats(self) -> collections.Counter:
+        counts = self._stats
+        native = self._native_comm
+        if native is not None:
+            for name, n in zip(("allreduce", "broadcast"), native.take_counts()):
+                if n:
+                    counts[name] += n
+                    counts[f"{name}:native"] += n
+        return counts
+
+    @stats.setter
+    def stats(self, value: collections.Counter) -> None:
+        self._stats = value
