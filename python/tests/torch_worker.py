@@ -420,6 +420,17 @@ def fastcall_paths(rank, size):
     run("BAND", lambda r: rand((100,), torch.int32, 1470 + r), False, op=dist.ReduceOp.BAND,
         fold=lambda xs: functools.reduce(torch.bitwise_and, xs))
     run("non-contiguous", lambda r: rand((20, 30), torch.float32, 1420 + r).t(), False)
+    # An async call the C path does not take is the Python path's, whole: polled to completion,
+    # its result, success, exception and future as a Python caller sees them.
+    x = rand((20, 30), torch.float32, 1425 + rank).t()
+    w = dist.all_reduce(x, async_op=True)
+    t0 = time.monotonic()
+    while not w.is_completed():
+        assert time.monotonic() - t0 < 30, "an async non-contiguous all_reduce never completed"
+        time.sleep(0.001)
+    want = sum(rand((20, 30), torch.float32, 1425 + r) for r in range(size)).t()
+    assert w.is_success() and w.exception() is None and w.result()[0] is x
+    close(w.get_future().wait()[0], want, "async non-contiguous all_reduce")
     for dtype, op, fold in ((torch.float32, dist.ReduceOp.SUM, sum), (torch.int32, dist.ReduceOp.SUM, sum),
                             (torch.float64, dist.ReduceOp.MAX, lambda xs: torch.stack(xs).max(0).values),
                             (torch.bfloat16, dist.ReduceOp.SUM, lambda xs: sum(xs[1:], xs[0].clone()))):

@@ -1,5 +1,6 @@
-"""toroid's torch backend in C++ (`_native.cpp`): built once per torch and Python with the
-compiler and the headers of the torch that is imported, cached, and loaded by the groups.
+"""toroid's torch backend in C++ (`_native.cpp`, which includes `_native_work.hpp`): built once
+per torch and Python with the compiler and the headers of the torch that is imported, cached,
+and loaded by the groups.
 
 TOROID_TORCH_NATIVE (docs/ENV.md): unset or "auto", build it when it is not cached and fall back
 to the Python backend (with a warning) where it cannot be built; "0", never (the Python backend
@@ -31,6 +32,7 @@ import torch
 from .. import _lib
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_native.cpp")
+_HEADER = os.path.join(os.path.dirname(_SOURCE), "_native_work.hpp")  # (included by _SOURCE)
 _NAME = "_toroid_native"  # (the module's PyInit name: TORCH_EXTENSION_NAME)
 _BUILD_SECONDS = 600  # the longest a build, or the wait for another process's build, may take
 _UNSET = object()
@@ -73,8 +75,10 @@ def _command(cxx: str, out: str) -> list:
 
 def _path(cxx: str) -> str:
     """The cached module's path: one per source, torch, Python and compiler."""
-    with open(_SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read())
+    key = hashlib.sha256()
+    for source in (_SOURCE, _HEADER):
+        with open(source, "rb") as f:
+            key.update(f.read())
     for part in (torch.__version__, str(getattr(torch.version, "git_version", "")), sys.version, cxx,
                  sysconfig.get_config_var("EXT_SUFFIX") or ""):
         key.update(b"\0" + part.encode())
