@@ -40,6 +40,8 @@ class ToroidBackend : public Backend {
         inner_(inner.cast<c10::intrusive_ptr<Backend>>()),
         py_inner_(std::make_shared<PyRef>(std::move(inner))) {}
 
+  py::object inner() const { return py_inner_->obj; }
+
   // The group a shrink's backend keeps alive (torch holds only the backend of the new group).
   void own(py::object owner) { owner_ = std::make_shared<PyRef>(std::move(owner)); }
 
@@ -233,5 +235,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return c10::make_intrusive<ToroidBackend>(std::move(comm), std::move(inner), rank, size);
            }),
            py::arg("comm"), py::arg("inner"), py::arg("rank"), py::arg("size"))
-      .def("_own", &ToroidBackend::own);
+      .def("_own", &ToroidBackend::own)
+      // The Python backend under it, and its toroid group (what a mixed group's user reaches
+      // through torch's ProcessGroup._get_backend).
+      .def_property_readonly("_inner", &ToroidBackend::inner)
+      .def("_group", [](ToroidBackend& b) { return b.inner().attr("_group")(); });
 }

@@ -126,8 +126,9 @@ def build(quiet: bool = False) -> str:
 
 
 def _load(path: str):
-    loader = importlib.machinery.ExtensionFileLoader(_NAME, path)
-    spec = importlib.util.spec_from_file_location(_NAME, path, loader=loader)
+    name = f"{__package__}.{_NAME}"  # (its classes' __module__: toroid.torch._toroid_native)
+    loader = importlib.machinery.ExtensionFileLoader(name, path)
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     return module

@@ -18,6 +18,8 @@
 #include <mutex>
 #include <thread>
 
+#include <unistd.h>
+
 namespace toroid_native {
 
 namespace py = pybind11;
@@ -259,6 +261,9 @@ class CommState : public std::enable_shared_from_this<CommState> {
   // thread completes what it holds and stops. Called without the GIL.
   void detach() {
     handle_.store(nullptr, std::memory_order_release);
+    if (forked()) {
+      return;
+    }
     std::thread thread;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -277,11 +282,19 @@ class CommState : public std::enable_shared_from_this<CommState> {
 
   // After the communicator is destroyed (its operations have all stopped): drop the works.
   void release() {
+    if (forked()) {
+      return;
+    }
     std::lock_guard<std::mutex> lock(mu_);
     inflight_.clear();
   }
 
  private:
+  // A process forked from the one that made this (a DataLoader worker that exits through
+  // Python's teardown): the completion thread and the works are the parent's, and a lock may
+  // have been copied held; the child leaves them alone.
+  bool forked() const { return getpid() != pid_; }
+
   // The completion thread: toroid runs a communicator's operations in issue order, so waiting
   // for the works in that order completes each future as soon as its operation has run.
   void complete_in_order() {
@@ -301,6 +314,7 @@ class CommState : public std::enable_shared_from_this<CommState> {
   }
 
   std::atomic<void*> handle_;
+  pid_t pid_ = getpid();
   Api api_;
   Errors errors_;
   int rank_;
