@@ -41,6 +41,10 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
     Where the C++ backend loads (_native.py) a new group is a _NativeGroup: torch's C++
     ProcessGroup takes its all_reduce and broadcast to that backend."""
 
+    # The C++ backend's view of the communicator (_native.py, CommState), where this group has
+    # the C++ backend; None until __init__ makes it (set_wire_dtype runs before).
+    _native_comm = None
+
     def __new__(cls, *args, **kwargs):
         if cls is ProcessGroupToroid and _backend_constructible() and _native.module() is not None:
             cls = _NativeGroup
@@ -76,8 +80,6 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
         # gets none: its ProcessGroup calls this Python group's methods directly.
         self._backend: Optional[_DeviceBackend] = None
         self._shrunk = False  # a communicator shrinks once
-        # The C++ backend's view of the communicator (_native.py), where this group has it.
-        self._native_comm = None
         if _backend_constructible():
             kind = dist.Backend.backend_type_map.get(BACKEND, dist.ProcessGroup.BackendType.CUSTOM)
             self._backend = _DeviceBackend(self, rank, size)
@@ -112,8 +114,6 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
         """The staging of the CUDA call being issued on this thread (see _staged), once."""
         staging, self._staging.current = getattr(self._staging, "current", None), None
         return staging
-
-    _native_comm = None  # (until __init__ sets it: set_wire_dtype runs before)
 
     def getBackendName(self) -> str:
         return BACKEND

@@ -110,8 +110,8 @@ def build(quiet: bool = False) -> str:
         if os.path.exists(path + ".failed"):
             os.unlink(path + ".failed")  # (this build is the retry)
         if not quiet:
-            print(f"toroid: building the C++ torch backend for torch {torch.__version__} (once; about a minute) "
-                  f"into {path}", file=sys.stderr, flush=True)
+            print(f"toroid: building the C++ torch backend for torch {torch.__version__} (once per torch; "
+                  f"about 30 s on 2 cores) into {path}", file=sys.stderr, flush=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
         os.close(fd)
         try:
