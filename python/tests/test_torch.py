@@ -13,7 +13,7 @@ WORKER = pathlib.Path(__file__).with_name("torch_worker.py")
 
 
 @pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("scenario", ["compare", "ddp", "wire", "entry_points", "wait_timeout", "conformance", "errors",
+@pytest.mark.parametrize("scenario", ["compare", "ddp", "fsdp", "wire", "entry_points", "wait_timeout", "conformance", "errors",
                                       "peer_death", "shrink", "compare/no-device-backend", "ddp/no-device-backend",
                                       "entry_points/python-backend"])
 def test_torch_backend(scenario, n):

@@ -97,6 +97,10 @@ def test_mixed_devices_are_refused_by_every_entry_point(pg):
     f = lambda: fake_cuda(4)  # noqa: E731
     reduce_opts, root_opts, band = dist.AllreduceOptions(), dist.BroadcastOptions(), dist.AllreduceOptions()
     band.reduceOp = dist.ReduceOp.BAND
+    # (the group's Python methods: a FakeCuda tensor is a CUDA tensor to Python only, so through
+    # the C++ backend's entry points, torch's C++ ProcessGroup methods on a group with it, it is
+    # the CPU tensor it is; real CUDA tensors reach the Python methods from there)
+    py = {name: getattr(pg, f"_py_{name}", getattr(pg, name)) for name in tt._backend.NATIVE_OPS}
     calls = {
         "allreduce": lambda: pg.allreduce([c(), f()], reduce_opts),
         "allreduce BAND": lambda: pg.allreduce([c().long(), f().long()], band),
@@ -105,12 +109,12 @@ def test_mixed_devices_are_refused_by_every_entry_point(pg):
         "reduce": lambda: pg.reduce([c(), f()], dist.ReduceOptions()),
         "allgather": lambda: pg.allgather([[f()]], [c()]),
         "allgather_coalesced": lambda: pg.allgather_coalesced([[c()]], [f()]),
-        "_allgather_base": lambda: pg._allgather_base(f(), c()),
+        "all_gather_single": lambda: py["all_gather_single"](f(), c()),
         "all_gather_single_coalesced": lambda: pg.all_gather_single_coalesced([c()], [f()]),
         "reduce_scatter": lambda: pg.reduce_scatter([f()], [[c()]]),
-        "_reduce_scatter_base": lambda: pg._reduce_scatter_base(c(), f()),
+        "reduce_scatter_single": lambda: py["reduce_scatter_single"](c(), f()),
         "reduce_scatter_single_coalesced": lambda: pg.reduce_scatter_single_coalesced([f()], [c()]),
-        "all_to_all_single": lambda: pg.all_to_all_single(c(), f(), [], []),
+        "all_to_all_single": lambda: py["all_to_all_single"](c(), f(), [], []),
         "alltoall": lambda: pg.alltoall([f()], [c()]),
         "gather": lambda: pg.gather([[c()]], [f()]),
         "scatter": lambda: pg.scatter([f()], [[c()]]),

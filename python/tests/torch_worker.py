@@ -260,6 +260,43 @@ def ddp(rank, size):
         close(gathered[r], flat, f"DDP parameters of rank {r}")
 
 
+def fsdp(rank, size):
+    """FSDP2 (fully_shard) on CPU: parameters all-gathered and gradients reduce-scattered
+    through the group (the C++ backend's all_gather_into_tensor and reduce_scatter_tensor where
+    it is built), every parameter after training equal to the same training on gloo."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    pg = dist.distributed_c10d._get_default_group()
+    keys = ("all_gather_single", "reduce_scatter_single")
+    before = {k: (pg.stats[k], pg.stats[f"{k}:native"]) for k in keys}
+    results = {}
+    for name, group in (("toroid", dist.group.WORLD), ("gloo", GLOO)):
+        mesh = DeviceMesh.from_group(group, "cpu")
+        torch.manual_seed(0)  # the same initial model on every rank and backend
+        model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 33), torch.nn.ReLU(),
+                                    torch.nn.Linear(33, 4))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        g = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
+        for _ in range(4):
+            x, y = torch.randn(16, 10, generator=g), torch.randn(16, 4, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        results[name] = [p.full_tensor().detach().clone() for p in model.parameters()]
+    for k in keys:  # (3 layers: 3 gathers forward, 3 backward, 3 reduce-scatters, per step)
+        went, went_native = pg.stats[k] - before[k][0], pg.stats[f"{k}:native"] - before[k][1]
+        assert went >= 4 * 3, f"FSDP's {k} did not run on toroid: {dict(pg.stats)}"
+        assert went_native == (went if native(pg) else 0), f"FSDP's {k}: {went_native} of {went} on the C++ path"
+    torch.manual_seed(0)
+    assert not torch.allclose(results["toroid"][0], torch.nn.Linear(10, 32).weight), "the model did not train"
+    close(results["toroid"], results["gloo"], "FSDP parameters toroid vs gloo", rtol=1e-4, atol=1e-6)
+
+
 def wire(rank, size):
     """Compressed all-reduce through torch: the group option, the DDP hook, and the error bound
     (docs/reference/c-abi.md, compressed all-reduce) on every element of random data."""
@@ -516,6 +553,152 @@ def fastcall_paths(rank, size):
     checks.append("fastcall paths")
 
 
+def native_collectives(rank, size):
+    """torch's all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single (equal splits)
+    and barrier, blocking, async and through their futures, take the C++ backend
+    (toroid/torch/_native.cpp) when their tensors are dense contiguous CPU tensors of a toroid
+    type and of the right sizes (NCCL's in-place forms included); the group's Python methods
+    otherwise, which report wrong sizes in their own words. Every result against a reference
+    computed here from every rank's seed; the C++ backend's calls counted ("<name>:native").
+    Where the group has no C++ backend ("/python-backend") nothing is counted and the results
+    are still checked."""
+    pg = dist.distributed_c10d._get_default_group()
+    built = native(pg)
+    print(f"rank {rank}: the C++ backend's collectives {'run' if built else 'DID NOT RUN (no C++ backend)'}", flush=True)
+
+    def counted(name, taken, call):
+        key = f"{name}:native"
+        before = pg.stats[key]
+        out = call()
+        went = pg.stats[key] - before
+        assert went == (1 if taken and built else 0), f"{name}: the C++ path ran {went} times, want {int(taken and built)}"
+        return out
+
+    def finish(work, mode, tensor):
+        if mode == "wait":
+            work.wait()
+        elif mode == "future":
+            value = work.get_future().wait()
+            assert len(value) == 1 and value[0] is tensor, "a future's value is not its call's output"
+
+    modes = ("block", "wait", "future")
+    shapes = ((1,), (1000,), (33, 17), (0,))
+    dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8,
+              torch.int8)
+    # all_gather_into_tensor: every rank's input at its rank's place.
+    for i, (dtype, shape) in enumerate((d, sh) for d in dtypes for sh in shapes):
+        mode = modes[i % 3]
+        x = rand(shape, dtype, 2000 + 100 * i + rank)
+        out = torch.empty((size * shape[0],) + shape[1:], dtype=dtype)
+        work = counted("all_gather_single", True,
+                       lambda: dist.all_gather_into_tensor(out, x, async_op=mode != "block"))
+        finish(work, mode, out)
+        want = torch.cat([rand(shape, dtype, 2000 + 100 * i + r) for r in range(size)])
+        close(out, want, f"native all_gather_into_tensor {dtype} {shape} {mode}")
+    # In place (NCCL's form: the input is this rank's piece of the output), into a stacked output.
+    out = torch.empty((size, 64), dtype=torch.float32)
+    out[rank] = rand((64,), torch.float32, 2900 + rank)
+    counted("all_gather_single", True, lambda: dist.all_gather_into_tensor(out, out[rank]))
+    close(out, torch.stack([rand((64,), torch.float32, 2900 + r) for r in range(size)]), "native in-place all_gather")
+    # Not taken: a non-contiguous input (the Python path, the same result); wrong sizes and types
+    # (the Python path's refusal).
+    x = rand((8, 6), torch.float32, 2950 + rank).t()
+    out = torch.empty((size * 6, 8), dtype=torch.float32)
+    counted("all_gather_single", False, lambda: dist.all_gather_into_tensor(out, x))
+    close(out, torch.cat([rand((8, 6), torch.float32, 2950 + r).t() for r in range(size)]), "all_gather non-contiguous")
+    for bad_out, what in ((torch.empty(size * 10 + 1), "elements"), (torch.empty(size * 10, dtype=torch.float64), "is")):
+        try:
+            counted("all_gather_single", False, lambda: dist.all_gather_into_tensor(bad_out, torch.ones(10)))
+            raise AssertionError(f"all_gather_into_tensor into a wrong output ({what}) passed")
+        except ValueError as e:
+            assert "all_gather output" in str(e), e
+
+    # reduce_scatter_tensor: piece `rank` of the reduction of every rank's input.
+    folds = {dist.ReduceOp.SUM: lambda xs: sum(xs[1:], xs[0].clone()),
+             dist.ReduceOp.MAX: lambda xs: torch.stack(xs).max(0).values,
+             dist.ReduceOp.MIN: lambda xs: torch.stack(xs).min(0).values,
+             dist.ReduceOp.PRODUCT: lambda xs: torch.stack(xs).prod(0).to(xs[0].dtype),
+             dist.ReduceOp.AVG: lambda xs: sum(xs) / size}
+    cases = [(d, sh, dist.ReduceOp.SUM) for d in dtypes for sh in shapes]
+    cases += [(torch.float32, (100,), dist.ReduceOp.AVG), (torch.float64, (3, 5), dist.ReduceOp.AVG),
+              (torch.int64, (100,), dist.ReduceOp.MAX), (torch.float32, (7,), dist.ReduceOp.MIN),
+              (torch.int32, (64,), dist.ReduceOp.PRODUCT)]
+    for i, (dtype, shape, op) in enumerate(cases):
+        mode = modes[i % 3]
+
+        def make(r, dtype=dtype, shape=shape, i=i, op=op):
+            full = (size * shape[0],) + shape[1:]
+            if op == dist.ReduceOp.PRODUCT:
+                return torch.randint(-3, 4, full, generator=torch.Generator().manual_seed(3000 + 100 * i + r)).to(dtype)
+            return rand(full, dtype, 3000 + 100 * i + r)
+
+        x = make(rank)
+        out = torch.empty(shape, dtype=dtype)
+        work = counted("reduce_scatter_single", True,
+                       lambda: dist.reduce_scatter_tensor(out, x, op=op, async_op=mode != "block"))
+        finish(work, mode, out)
+        want = folds[op]([make(r) for r in range(size)])[rank * shape[0]:(rank + 1) * shape[0]]
+        close(out, want.to(dtype), f"native reduce_scatter_tensor {dtype} {shape} {op} {mode}",
+              rtol=1e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-5, atol=1e-5)
+    # In place (NCCL's form: the output is this rank's piece of the input).
+    x = rand((size * 50,), torch.float64, 3900 + rank)
+    mine = x[rank * 50:(rank + 1) * 50]
+    counted("reduce_scatter_single", True, lambda: dist.reduce_scatter_tensor(mine, x))
+    close(mine, sum(rand((size * 50,), torch.float64, 3900 + r) for r in range(size))[rank * 50:(rank + 1) * 50],
+          "native in-place reduce_scatter_tensor")
+    # AVG of integers: refused, as the Python path refuses it, and the group goes on.
+    try:
+        dist.reduce_scatter_tensor(torch.empty(4, dtype=torch.int64), torch.ones(4 * size, dtype=torch.int64),
+                                   op=dist.ReduceOp.AVG)
+        raise AssertionError("reduce_scatter_tensor AVG of int64 passed")
+    except toroid.UnsupportedError as e:
+        assert "avg" in str(e).lower(), e
+    # Not taken: a non-contiguous output, a wrong input size.
+    out = torch.empty((3, 4), dtype=torch.float32).t()
+    x = rand((size * 4, 3), torch.float32, 3950 + rank)
+    counted("reduce_scatter_single", False, lambda: dist.reduce_scatter_tensor(out, x))
+    want = sum(rand((size * 4, 3), torch.float32, 3950 + r) for r in range(size))[rank * 4:(rank + 1) * 4]
+    close(out, want, "reduce_scatter_tensor into a non-contiguous output")
+    try:
+        counted("reduce_scatter_single", False, lambda: dist.reduce_scatter_tensor(torch.empty(5), torch.ones(5 * size + 1)))
+        raise AssertionError("reduce_scatter_tensor of a wrong input size passed")
+    except ValueError as e:
+        assert "reduce_scatter input" in str(e), e
+
+    # all_to_all_single with equal splits: block j of rank i's input is block i of rank j's output.
+    for i, (dtype, rows, mode) in enumerate(((torch.float32, 4, "block"), (torch.int64, 1, "wait"),
+                                             (torch.bfloat16, 3, "future"), (torch.float64, 0, "block"))):
+        x = rand((size * rows, 5), dtype, 4000 + 100 * i + rank)
+        out = torch.empty_like(x)
+        work = counted("all_to_all_single", True, lambda: dist.all_to_all_single(out, x, async_op=mode != "block"))
+        finish(work, mode, out)
+        want = torch.cat([rand((size * rows, 5), dtype, 4000 + 100 * i + r)[rank * rows:(rank + 1) * rows]
+                          for r in range(size)])
+        close(out, want, f"native all_to_all_single {dtype} {rows} rows {mode}")
+    # Not taken: uneven splits (the Python path).
+    splits = [1] * size
+    x = rand((size, 2), torch.float32, 4900 + rank)
+    out = torch.empty_like(x)
+    counted("all_to_all_single", False, lambda: dist.all_to_all_single(out, x, splits, splits))
+    close(out, torch.stack([rand((size, 2), torch.float32, 4900 + r)[rank] for r in range(size)]), "all_to_all splits")
+
+    # barrier, blocking and async: no rank leaves it before the last has entered (rank 0 enters
+    # 0.3 s late; every other rank waits at least most of that).
+    for mode in ("block", "wait"):
+        dist.barrier()
+        if rank == 0:
+            time.sleep(0.3)
+        t0 = time.monotonic()
+        work = counted("barrier", True, lambda: dist.barrier(async_op=mode == "wait"))
+        if mode == "wait":
+            work.wait()
+        waited = time.monotonic() - t0
+        assert rank == 0 or waited > 0.2, f"barrier ({mode}) returned after {waited:.3f} s, before rank 0 entered it"
+    # A barrier with a timeout of its own: the Python path's.
+    counted("barrier", False, lambda: dist.barrier(timeout=datetime.timedelta(seconds=60)))
+    checks.append("native collectives")
+
+
 def entry_points(rank, size):
     """torch.distributed functions that pick the group's backend by device, on toroid against
     gloo and against references computed here from every rank's seed."""
@@ -523,6 +706,7 @@ def entry_points(rank, size):
     assert torch.device("cpu") in pg._device_types
     assert device_backend_ok(pg)
     fastcall_paths(rank, size)
+    native_collectives(rank, size)
 
     def ran(name, before):
         assert pg.stats[name] > before[name], f"{name} did not run on toroid: {dict(pg.stats)}"
@@ -1170,7 +1354,7 @@ if __name__ == "__main__":
             registered = None
         assert not isinstance(registered, toroid.torch._DeviceBackend), "a device backend was registered"
     GLOO = dist.new_group(backend="gloo")
-    {"compare": compare, "ddp": ddp, "wire": wire, "entry_points": entry_points, "wait_timeout": wait_timeout,
+    {"compare": compare, "ddp": ddp, "fsdp": fsdp, "wire": wire, "entry_points": entry_points, "wait_timeout": wait_timeout,
      "conformance": conformance, "errors": errors, "peer_death": peer_death,
      "shrink": shrink}[SCENARIO](rank, size)
     dist.barrier()

@@ -8,11 +8,12 @@ An installed package needs no import: torch imports this module through the entr
 names "toroid", "cpu:toroid,cuda:nccl" included. `import toroid.torch` registers it too (a
 checkout on PYTHONPATH needs it).
 
-Its all_reduce and broadcast of CPU tensors run in C++ where a C++ compiler is at hand: the
+Its all_reduce, broadcast, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single
+(equal splits) and barrier of CPU tensors run in C++ where a C++ compiler is at hand: the
 group's c10d backend (_native.cpp, built on first use against the imported torch and cached;
 `python -m toroid.torch` builds it ahead of time; TOROID_TORCH_NATIVE, docs/ENV.md) takes torch's
-calls without Python, from dist.all_reduce, DDP's reducer and comm hooks, and mixed groups
-("cpu:toroid,cuda:nccl") alike; everything else is the Python backend's.
+calls without Python, from torch.distributed, DDP's reducer and comm hooks, FSDP, and mixed
+groups ("cpu:toroid,cuda:nccl") alike; everything else is the Python backend's.
 
 `ProcessGroupToroid` is a Python subclass of torch's c10d `Backend` (as ProcessGroupGloo is),
 registered for the "cpu" and "cuda" devices: torch wraps it in a ProcessGroup, so every

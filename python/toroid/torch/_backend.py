@@ -76,10 +76,14 @@ class _DeviceBackend(_C10dBackend):
             pg.shutdown()
 
 
+# The operations the C++ backend takes (_native.cpp): a group with it has torch's C++
+# ProcessGroup methods under these names, and its Python methods under "_py_" + name.
+NATIVE_OPS = ("allreduce", "broadcast", "all_gather_single", "reduce_scatter_single", "all_to_all_single", "barrier")
+
+
 def _forward(name: str):
-    # (all_reduce and broadcast: the group's Python methods, which a group with the C++ backend
-    # keeps under these names; its own allreduce and broadcast are that backend's)
-    target = {"allreduce": "_py_allreduce", "broadcast": "_py_broadcast"}.get(name, name)
+    # (the C++ backend's operations: the group's Python methods, see NATIVE_OPS)
+    target = f"_py_{name}" if name in NATIVE_OPS else name
 
     def method(self, *args):
         return getattr(self._group(), target)(*args)

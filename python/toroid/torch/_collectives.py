@@ -398,7 +398,7 @@ class _Collectives:
     @_staged(outputs=("output",), inputs=("input",))
     def _all_gather_single_host(self, output, input, opts=None):
         w, o = self._gather_into(output, input)
-        return self._work([w], output, _Output.copy_backs([o]), "all_gather_single")
+        return self._work([w], [output], _Output.copy_backs([o]), "all_gather_single")
 
     _allgather_base = all_gather_single
 
@@ -450,7 +450,7 @@ class _Collectives:
     def _reduce_scatter_single_host(self, output, input, opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         w, o = self._scatter_from(output, input, op)
-        return self._work([w], output, _Output.copy_backs([o]), "reduce_scatter_single")
+        return self._work([w], [output], _Output.copy_backs([o]), "reduce_scatter_single")
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -500,7 +500,7 @@ class _Collectives:
             if src.numel() % n or o.buf.numel() != src.numel():
                 raise ValueError("all_to_all_single with equal splits needs equal inputs and outputs divisible by the size")
             w = self._comm.all_to_all_ptr(src.data_ptr(), o.buf.data_ptr(), src.numel() // n, _dtype(src), True, (src, o.buf))
-            return self._work([w], output, _Output.copy_backs([o]), "all_to_all_single")
+            return self._work([w], [output], _Output.copy_backs([o]), "all_to_all_single")
         # Uneven splits are counted in rows of dim 0.
         row = src[0].numel() if src.dim() > 0 and src.shape[0] else 1
         ins = list(input_split_sizes) or [input.shape[0] // n] * n
@@ -520,7 +520,7 @@ class _Collectives:
                 at += s * row
             o.copy_back()
 
-        return self._work([w], output, finish, "all_to_all_single")
+        return self._work([w], [output], finish, "all_to_all_single")
 
     alltoall_base = all_to_all_single
 

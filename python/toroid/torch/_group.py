@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .._lib import DataType
 from ..comm import Comm
 from . import _native
-from ._backend import _DeviceBackend
+from ._backend import NATIVE_OPS, _DeviceBackend
 from ._collectives import _DONE, _Collectives, _waits_at_once
 from ._errors import _BACKEND_ERROR, _opt_timeout, _torch_errors
 from ._fastpath import _fast_path
@@ -39,7 +39,8 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
     """A torch.distributed process group whose collectives run on a toroid communicator.
 
     Where the C++ backend loads (_native.py) a new group is a _NativeGroup: torch's C++
-    ProcessGroup takes its all_reduce and broadcast to that backend."""
+    ProcessGroup takes its all_reduce, broadcast, all_gather_into_tensor, reduce_scatter_tensor,
+    all_to_all_single and barrier to that backend."""
 
     # The C++ backend's view of the communicator (_native.py, CommState), where this group has
     # the C++ backend; None until __init__ makes it (set_wire_dtype runs before).
@@ -437,26 +438,31 @@ for _name in ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgat
 ProcessGroupToroid.allreduce = _fast_path("allreduce", ProcessGroupToroid.allreduce)
 ProcessGroupToroid.broadcast = _fast_path("broadcast", ProcessGroupToroid.broadcast)
 # The Python methods, which the C++ backend falls back to through _DeviceBackend.
-ProcessGroupToroid._py_allreduce = ProcessGroupToroid.allreduce
-ProcessGroupToroid._py_broadcast = ProcessGroupToroid.broadcast
+for _name in NATIVE_OPS:
+    setattr(ProcessGroupToroid, f"_py_{_name}", getattr(ProcessGroupToroid, _name))
 
 
 class _NativeGroup(ProcessGroupToroid):
-    """A ProcessGroupToroid with the C++ backend (_native.cpp): its all_reduce and broadcast are
-    torch's own C++ ProcessGroup methods, which call that backend without Python (so do DDP's
-    reducer and a "cpu:toroid,cuda:..." group); the backend takes the calls toroid makes as
-    they are and gives the rest to the Python methods (_py_allreduce, _py_broadcast). Its stats
-    count the C++ backend's calls too, under "allreduce:native" and "broadcast:native"."""
+    """A ProcessGroupToroid with the C++ backend (_native.cpp): its all_reduce, broadcast,
+    all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single and barrier (NATIVE_OPS)
+    are torch's own C++ ProcessGroup methods, which call that backend without Python (so do
+    DDP's reducer and a "cpu:toroid,cuda:..." group); the backend takes the calls toroid makes
+    as they are and gives the rest to the Python methods (_py_allreduce, ...). Its stats count
+    the C++ backend's calls too, under the operation's name and "<name>:native"."""
 
     allreduce = dist.ProcessGroup.__dict__["allreduce"]
     broadcast = dist.ProcessGroup.__dict__["broadcast"]
+    all_gather_single = _allgather_base = dist.ProcessGroup.__dict__["all_gather_single"]
+    reduce_scatter_single = _reduce_scatter_base = dist.ProcessGroup.__dict__["reduce_scatter_single"]
+    all_to_all_single = alltoall_base = dist.ProcessGroup.__dict__["all_to_all_single"]
+    barrier = dist.ProcessGroup.__dict__["barrier"]
 
     @property
     def stats(self) -> collections.Counter:
         counts = self._stats
         native = self._native_comm
         if native is not None:
-            for name, n in zip(("allreduce", "broadcast"), native.take_counts()):
+            for name, n in native.take_counts().items():
                 if n:
                     counts[name] += n
                     counts[f"{name}:native"] += n

@@ -20,18 +20,38 @@
 namespace toroid_native {
 namespace {
 
-// The toroid type of one dense contiguous CPU tensor, or -1.
-int dense_cpu(const CommState& comm, const std::vector<at::Tensor>& tensors) {
-  if (tensors.size() != 1) {
-    return -1;
-  }
-  const at::Tensor& t = tensors[0];
+// The toroid type of a dense contiguous CPU tensor, or -1.
+int dense_cpu(const CommState& comm, const at::Tensor& t) {
   if (!t.defined() || !t.device().is_cpu() || t.layout() != at::kStrided || !t.is_contiguous() || t.is_conj() ||
       t.is_neg()) {
     return -1;
   }
   return comm.type_code(t.scalar_type());
 }
+
+// The same of a call's one tensor, or -1 for a call of several.
+int dense_cpu(const CommState& comm, const std::vector<at::Tensor>& tensors) {
+  return tensors.size() == 1 ? dense_cpu(comm, tensors[0]) : -1;
+}
+
+// The toroid type of an output and an input of the same type, or -1.
+int dense_pair(const CommState& comm, const at::Tensor& out, const at::Tensor& in) {
+  int type = dense_cpu(comm, in);
+  return type >= 0 && dense_cpu(comm, out) == type ? type : -1;
+}
+
+// The names of one operation: toroid's blocking and queued functions, and torch's.
+struct Names {
+  const char* blocking;
+  const char* queued;
+  const char* op;
+};
+constexpr Names kAllReduceNames{"toroid_all_reduce", "toroid_all_reduce_async", "allreduce"};
+constexpr Names kBroadcastNames{"toroid_broadcast", "toroid_broadcast_async", "broadcast"};
+constexpr Names kAllGatherNames{"toroid_all_gather", "toroid_all_gather_async", "all_gather_single"};
+constexpr Names kReduceScatterNames{"toroid_reduce_scatter", "toroid_reduce_scatter_async", "reduce_scatter_single"};
+constexpr Names kAllToAllNames{"toroid_all_to_all", "toroid_all_to_all_async", "all_to_all_single"};
+constexpr Names kBarrierNames{"toroid_barrier", "toroid_barrier_async", "barrier"};
 
 class ToroidBackend : public Backend {
  public:
@@ -45,52 +65,109 @@ class ToroidBackend : public Backend {
   // The group a shrink's backend keeps alive (torch holds only the backend of the new group).
   void own(py::object owner) { owner_ = std::make_shared<PyRef>(std::move(owner)); }
 
+  // Each operation below takes the call toroid makes as it is (dense contiguous CPU tensors of
+  // a toroid type, a toroid operator, no timeout of the call's own) and gives any other to the
+  // Python backend, which also reports what is wrong with it in its own words.
+
   WorkPtr allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override {
-    void* handle = comm_->handle();
+    void* h = comm_->handle();
     int dtype = dense_cpu(*comm_, tensors);
     int op = comm_->op_code(opts.reduceOp);
-    if (handle == nullptr || dtype < 0 || op < 0 || opts.timeout.count() > 0 || opts.sparseIndices.has_value() ||
+    if (h == nullptr || dtype < 0 || op < 0 || opts.timeout.count() > 0 || opts.sparseIndices.has_value() ||
         comm_->wire.load(std::memory_order_relaxed)) {
-      return python("allreduce", tensors, opts, c10d::OpType::ALLREDUCE);
+      return python("allreduce", c10d::OpType::ALLREDUCE, tensors, tensors, opts);
     }
-    comm_->counts[kAllReduce].fetch_add(1, std::memory_order_relaxed);
     void* buf = tensors[0].data_ptr();
-    auto count = static_cast<size_t>(tensors[0].numel());
+    auto n = static_cast<size_t>(tensors[0].numel());
     const Api& api = comm_->api();
-    if (!opts.asyncOp) {
-      int code = api.all_reduce(handle, buf, buf, count, dtype, op);
-      if (code != 0) {
-        comm_->errors().raise("toroid_all_reduce", code, "allreduce");
-      }
-      return c10::make_intrusive<DoneWork>(tensors, c10d::OpType::ALLREDUCE, comm_->rank());
-    }
-    void* work = nullptr;
-    int code = api.all_reduce_async(handle, buf, buf, count, dtype, op, &work);
-    return issued(code, work, tensors, c10d::OpType::ALLREDUCE, "toroid_all_reduce_async", "allreduce");
+    return run(
+        kAllReduce, kAllReduceNames, c10d::OpType::ALLREDUCE, opts.asyncOp, tensors, {},
+        [&] { return api.all_reduce(h, buf, buf, n, dtype, op); },
+        [&](void** w) { return api.all_reduce_async(h, buf, buf, n, dtype, op, w); });
   }
 
   WorkPtr broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override {
-    void* handle = comm_->handle();
+    void* h = comm_->handle();
     int dtype = dense_cpu(*comm_, tensors);
-    if (handle == nullptr || dtype < 0 || opts.timeout.count() > 0 || opts.rootTensor != 0 || opts.rootRank < 0 ||
+    if (h == nullptr || dtype < 0 || opts.timeout.count() > 0 || opts.rootTensor != 0 || opts.rootRank < 0 ||
         opts.rootRank >= getSize()) {
-      return python("broadcast", tensors, opts, c10d::OpType::BROADCAST);
+      return python("broadcast", c10d::OpType::BROADCAST, tensors, tensors, opts);
     }
-    comm_->counts[kBroadcast].fetch_add(1, std::memory_order_relaxed);
     void* buf = tensors[0].data_ptr();
-    auto count = static_cast<size_t>(tensors[0].numel());
+    auto n = static_cast<size_t>(tensors[0].numel());
     auto root = static_cast<int>(opts.rootRank);
     const Api& api = comm_->api();
-    if (!opts.asyncOp) {
-      int code = api.broadcast(handle, buf, buf, count, dtype, root);
-      if (code != 0) {
-        comm_->errors().raise("toroid_broadcast", code, "broadcast");
-      }
-      return c10::make_intrusive<DoneWork>(tensors, c10d::OpType::BROADCAST, comm_->rank());
+    return run(
+        kBroadcast, kBroadcastNames, c10d::OpType::BROADCAST, opts.asyncOp, tensors, {},
+        [&] { return api.broadcast(h, buf, buf, n, dtype, root); },
+        [&](void** w) { return api.broadcast_async(h, buf, buf, n, dtype, root, w); });
+  }
+
+  // all_gather_into_tensor: `out` is size x `in`, rank r's piece at r (in place where `in` is
+  // that piece of `out`, NCCL's form; toroid refuses other overlaps).
+  WorkPtr all_gather_single(at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& opts) override {
+    void* h = comm_->handle();
+    int dtype = dense_pair(*comm_, out, in);
+    if (h == nullptr || dtype < 0 || opts.timeout.count() > 0 || out.numel() != in.numel() * getSize()) {
+      return python("all_gather_single", c10d::OpType::_ALLGATHER_BASE, {out}, out, in, opts);
     }
-    void* work = nullptr;
-    int code = api.broadcast_async(handle, buf, buf, count, dtype, root, &work);
-    return issued(code, work, tensors, c10d::OpType::BROADCAST, "toroid_broadcast_async", "broadcast");
+    const void* src = in.data_ptr();
+    void* dst = out.data_ptr();
+    auto n = static_cast<size_t>(in.numel());
+    const Api& api = comm_->api();
+    return run(
+        kAllGather, kAllGatherNames, c10d::OpType::_ALLGATHER_BASE, opts.asyncOp, {out}, {in},
+        [&] { return api.all_gather(h, src, dst, n, dtype); },
+        [&](void** w) { return api.all_gather_async(h, src, dst, n, dtype, w); });
+  }
+
+  // reduce_scatter_tensor: `in` is size x `out`; rank r receives piece r of the reduction.
+  WorkPtr reduce_scatter_single(at::Tensor& out, at::Tensor& in, const c10d::ReduceScatterOptions& opts) override {
+    void* h = comm_->handle();
+    int dtype = dense_pair(*comm_, out, in);
+    int op = comm_->op_code(opts.reduceOp);
+    if (h == nullptr || dtype < 0 || op < 0 || opts.timeout.count() > 0 || in.numel() != out.numel() * getSize()) {
+      return python("reduce_scatter_single", c10d::OpType::_REDUCE_SCATTER_BASE, {out}, out, in, opts);
+    }
+    const void* src = in.data_ptr();
+    void* dst = out.data_ptr();
+    auto n = static_cast<size_t>(out.numel());
+    const Api& api = comm_->api();
+    return run(
+        kReduceScatter, kReduceScatterNames, c10d::OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, {out}, {in},
+        [&] { return api.reduce_scatter(h, src, dst, n, dtype, op); },
+        [&](void** w) { return api.reduce_scatter_async(h, src, dst, n, dtype, op, w); });
+  }
+
+  // all_to_all_single with equal splits (none given): block j of `in` goes to rank j, block i
+  // of `out` comes from rank i. Uneven splits are the Python backend's.
+  WorkPtr all_to_all_single(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
+                            std::vector<int64_t>& in_splits, const c10d::AllToAllOptions& opts) override {
+    void* h = comm_->handle();
+    int dtype = dense_pair(*comm_, out, in);
+    if (h == nullptr || dtype < 0 || opts.timeout.count() > 0 || !out_splits.empty() || !in_splits.empty() ||
+        in.numel() % getSize() != 0 || out.numel() != in.numel()) {
+      return python("all_to_all_single", c10d::OpType::ALLTOALL_BASE, {out}, out, in, out_splits, in_splits, opts);
+    }
+    const void* src = in.data_ptr();
+    void* dst = out.data_ptr();
+    auto n = static_cast<size_t>(in.numel() / getSize());
+    const Api& api = comm_->api();
+    return run(
+        kAllToAll, kAllToAllNames, c10d::OpType::ALLTOALL_BASE, opts.asyncOp, {out}, {in},
+        [&] { return api.all_to_all(h, src, dst, n, dtype); },
+        [&](void** w) { return api.all_to_all_async(h, src, dst, n, dtype, w); });
+  }
+
+  WorkPtr barrier(const c10d::BarrierOptions& opts) override {
+    void* h = comm_->handle();
+    if (h == nullptr || opts.timeout.count() > 0) {
+      return python("barrier", c10d::OpType::BARRIER, {}, opts);
+    }
+    const Api& api = comm_->api();
+    return run(
+        kBarrier, kBarrierNames, c10d::OpType::BARRIER, opts.asyncOp, {}, {}, [&] { return api.barrier(h); },
+        [&](void** w) { return api.barrier_async(h, w); });
   }
 
   // Every other operation and property is the Python backend's.
@@ -119,9 +196,6 @@ class ToroidBackend : public Backend {
                     const c10d::AllgatherOptions& o) override {
     return inner_->allgather(out, in, o);
   }
-  WorkPtr all_gather_single(at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& o) override {
-    return inner_->all_gather_single(out, in, o);
-  }
   WorkPtr allgather_coalesced(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
                               const c10d::AllgatherOptions& o) override {
     return inner_->allgather_coalesced(out, in, o);
@@ -145,16 +219,9 @@ class ToroidBackend : public Backend {
                          const c10d::ReduceScatterOptions& o) override {
     return inner_->reduce_scatter(out, in, o);
   }
-  WorkPtr reduce_scatter_single(at::Tensor& out, at::Tensor& in, const c10d::ReduceScatterOptions& o) override {
-    return inner_->reduce_scatter_single(out, in, o);
-  }
   WorkPtr reduce_scatter_single_coalesced(std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,
                                           const c10d::ReduceScatterOptions& o) override {
     return inner_->reduce_scatter_single_coalesced(out, in, o);
-  }
-  WorkPtr all_to_all_single(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
-                            std::vector<int64_t>& in_splits, const c10d::AllToAllOptions& o) override {
-    return inner_->all_to_all_single(out, in, out_splits, in_splits, o);
   }
   WorkPtr alltoall(std::vector<at::Tensor>& out, std::vector<at::Tensor>& in, const c10d::AllToAllOptions& o) override {
     return inner_->alltoall(out, in, o);
@@ -165,32 +232,47 @@ class ToroidBackend : public Backend {
   WorkPtr send(std::vector<at::Tensor>& t, int dst, int tag) override { return inner_->send(t, dst, tag); }
   WorkPtr recv(std::vector<at::Tensor>& t, int src, int tag) override { return inner_->recv(t, src, tag); }
   WorkPtr recvAnysource(std::vector<at::Tensor>& t, int tag) override { return inner_->recvAnysource(t, tag); }
-  WorkPtr barrier(const c10d::BarrierOptions& o) override { return inner_->barrier(o); }
   void abort() override { inner_->abort(); }
   void shutdown() override { inner_->shutdown(); }
 
  private:
-  // The Python backend's call (the group's Python method), its work kept whole.
-  template <typename Options>
-  WorkPtr python(const char* method, std::vector<at::Tensor>& tensors, const Options& opts, c10d::OpType type) {
-    py::gil_scoped_acquire gil;
-    // (options copied: the Python side may keep them past this call)
-    py::object work = py_inner_->obj.attr(method)(tensors, py::cast(opts, py::return_value_policy::copy));
-    if (work.is_none()) {  // (a blocking call the Python path has made: _collectives._DONE)
-      return c10::make_intrusive<DoneWork>(tensors, type, getRank());
+  // One toroid call: blocking (`now()`) on the caller's thread, where toroid runs it when the
+  // communicator is idle, as a completed Work; or queued (`queue(&work)`) as a ToroidWork.
+  // `tensors` are the call's result, `inputs` the other tensors it reads.
+  template <typename Now, typename Queue>
+  WorkPtr run(Count count, const Names& names, c10d::OpType type, bool async_op, std::vector<at::Tensor> tensors,
+              std::vector<at::Tensor> inputs, Now now, Queue queue) {
+    comm_->counts[count].fetch_add(1, std::memory_order_relaxed);
+    if (!async_op) {
+      int code = now();
+      if (code != 0) {
+        comm_->errors().raise(names.blocking, code, names.op);
+      }
+      return c10::make_intrusive<DoneWork>(std::move(tensors), type, comm_->rank());
     }
-    return c10::make_intrusive<PyWorkProxy>(std::move(work));
-  }
-
-  // The Work of an async call just issued, or its refusal raised.
-  WorkPtr issued(int code, void* work, std::vector<at::Tensor>& tensors, c10d::OpType type, const char* function,
-                 const char* name) {
+    void* work = nullptr;
+    int code = queue(&work);
     if (code != 0) {
-      comm_->errors().raise(function, code, name);
+      comm_->errors().raise(names.queued, code, names.op);
     }
-    auto w = c10::make_intrusive<ToroidWork>(comm_, work, tensors, type, function, name);
+    auto w = c10::make_intrusive<ToroidWork>(comm_, work, std::move(tensors), std::move(inputs), type, names.queued,
+                                             names.op);
     comm_->keep(w);
     return w;
+  }
+
+  // The Python backend's call (the group's Python method) of `method` with `args`, its work
+  // kept whole; `result`: the Work's result where that method has made a blocking call (it
+  // returns None, _collectives._DONE).
+  template <typename... Args>
+  WorkPtr python(const char* method, c10d::OpType type, std::vector<at::Tensor> result, const Args&... args) {
+    py::gil_scoped_acquire gil;
+    // (copies: the Python side may keep the options past this call)
+    py::object work = py_inner_->obj.attr(method)(py::cast(args, py::return_value_policy::copy)...);
+    if (work.is_none()) {
+      return c10::make_intrusive<DoneWork>(std::move(result), type, getRank());
+    }
+    return c10::make_intrusive<PyWorkProxy>(std::move(work));
   }
 
   std::shared_ptr<CommState> comm_;
@@ -207,26 +289,23 @@ using namespace toroid_native;  // NOLINT(google-build-using-namespace): the mod
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "toroid's torch backend in C++ (toroid/torch/_native.py builds and loads it)";
   py::class_<CommState, std::shared_ptr<CommState>>(m, "CommState")
-      .def(py::init([](uintptr_t handle, const std::vector<uintptr_t>& addresses, py::object make_error, int rank) {
-             TORCH_CHECK(addresses.size() == 7, "CommState: 7 toroid function addresses");
-             Api api;
-             api.all_reduce = fn<decltype(api.all_reduce)>(addresses[0]);
-             api.all_reduce_async = fn<decltype(api.all_reduce_async)>(addresses[1]);
-             api.broadcast = fn<decltype(api.broadcast)>(addresses[2]);
-             api.broadcast_async = fn<decltype(api.broadcast_async)>(addresses[3]);
-             api.work_wait = fn<decltype(api.work_wait)>(addresses[4]);
-             api.work_test = fn<decltype(api.work_test)>(addresses[5]);
-             api.work_free = fn<decltype(api.work_free)>(addresses[6]);
-             return std::make_shared<CommState>(handle, api, Errors{std::make_shared<PyRef>(std::move(make_error))},
-                                                rank);
+      .def(py::init([](uintptr_t handle, const std::map<std::string, uintptr_t>& addresses, py::object make_error,
+                       int rank) {
+             return std::make_shared<CommState>(handle, Api::from(addresses),
+                                                Errors{std::make_shared<PyRef>(std::move(make_error))}, rank);
            }),
            py::arg("handle"), py::arg("addresses"), py::arg("make_error"), py::arg("rank"))
       .def("set_type", &CommState::set_type)
       .def("set_op", &CommState::set_op)
       .def("set_wire", [](CommState& c, bool wire) { c.wire.store(wire); })
+      // The calls made here since the last take, by the group's stats names.
       .def("take_counts",
            [](CommState& c) {
-             return py::make_tuple(c.counts[kAllReduce].exchange(0), c.counts[kBroadcast].exchange(0));
+             py::dict counts;
+             for (size_t i = 0; i < kCounts; ++i) {
+               counts[kCountNames[i]] = c.counts[i].exchange(0);
+             }
+             return counts;
            })
       .def("detach", &CommState::detach, py::call_guard<py::gil_scoped_release>())
       .def("release", &CommState::release, py::call_guard<py::gil_scoped_release>());

@@ -14,9 +14,12 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
+#include <type_traits>
 
 #include <unistd.h>
 
@@ -33,15 +36,53 @@ struct Api {
   int (*all_reduce_async)(void*, const void*, void*, size_t, int, int, void**) = nullptr;
   int (*broadcast)(void*, const void*, void*, size_t, int, int) = nullptr;
   int (*broadcast_async)(void*, const void*, void*, size_t, int, int, void**) = nullptr;
+  int (*all_gather)(void*, const void*, void*, size_t, int) = nullptr;
+  int (*all_gather_async)(void*, const void*, void*, size_t, int, void**) = nullptr;
+  int (*reduce_scatter)(void*, const void*, void*, size_t, int, int) = nullptr;
+  int (*reduce_scatter_async)(void*, const void*, void*, size_t, int, int, void**) = nullptr;
+  int (*all_to_all)(void*, const void*, void*, size_t, int) = nullptr;
+  int (*all_to_all_async)(void*, const void*, void*, size_t, int, void**) = nullptr;
+  int (*barrier)(void*) = nullptr;
+  int (*barrier_async)(void*, void**) = nullptr;
   int (*work_wait)(void*, int64_t) = nullptr;
   int (*work_test)(void*, int*) = nullptr;
   void (*work_free)(void*) = nullptr;
+
+  // The functions from their addresses in the loaded library, by name (_native.py's
+  // comm_state gives every one).
+  static Api from(const std::map<std::string, uintptr_t>& addresses) {
+    Api api;
+    auto get = [&](auto& f, const char* name) {
+      auto it = addresses.find(name);
+      TORCH_CHECK(it != addresses.end() && it->second != 0, "toroid native backend: no address for ", name);
+      f = reinterpret_cast<std::remove_reference_t<decltype(f)>>(it->second);
+    };
+    get(api.all_reduce, "toroid_all_reduce");
+    get(api.all_reduce_async, "toroid_all_reduce_async");
+    get(api.broadcast, "toroid_broadcast");
+    get(api.broadcast_async, "toroid_broadcast_async");
+    get(api.all_gather, "toroid_all_gather");
+    get(api.all_gather_async, "toroid_all_gather_async");
+    get(api.reduce_scatter, "toroid_reduce_scatter");
+    get(api.reduce_scatter_async, "toroid_reduce_scatter_async");
+    get(api.all_to_all, "toroid_all_to_all");
+    get(api.all_to_all_async, "toroid_all_to_all_async");
+    get(api.barrier, "toroid_barrier");
+    get(api.barrier_async, "toroid_barrier_async");
+    get(api.work_wait, "toroid_work_wait");
+    get(api.work_test, "toroid_work_test");
+    get(api.work_free, "toroid_work_free");
+    return api;
+  }
 };
 
-template <typename F>
-F fn(uintptr_t address) {
-  TORCH_CHECK(address != 0, "toroid native backend: a toroid function address is null");
-  return reinterpret_cast<F>(address);
+// `text` as the exception torch raises for a backend's failure (DistBackendError).
+inline std::exception_ptr backend_error(const std::string& text) {
+  try {
+    C10_THROW_ERROR(DistBackendError, text);
+  } catch (...) {
+    return std::current_exception();
+  }
 }
 
 // A Python object released with the GIL held, whichever thread drops the last reference (a
@@ -86,11 +127,7 @@ struct Errors {
         text = std::string(name) + " failed (toroid result " + std::to_string(code) + ")";
       }
     }
-    try {
-      C10_THROW_ERROR(DistBackendError, text);
-    } catch (...) {
-      return std::current_exception();
-    }
+    return backend_error(text);
   }
 };
 
@@ -101,8 +138,9 @@ class CommState;
 // completed by the communicator's completion thread.
 class ToroidWork : public Work {
  public:
-  ToroidWork(std::shared_ptr<CommState> comm, void* work, std::vector<at::Tensor> tensors, c10d::OpType type,
-             const char* function, const char* name);
+  // `tensors`: the call's result (its future's value); `inputs`: the other tensors it reads.
+  ToroidWork(std::shared_ptr<CommState> comm, void* work, std::vector<at::Tensor> tensors,
+             std::vector<at::Tensor> inputs, c10d::OpType type, const char* function, const char* name);
   ~ToroidWork() override;
 
   // Waits for the operation (timeout_ms < 0: the communicator's timeout; past a shorter one
@@ -132,6 +170,7 @@ class ToroidWork : public Work {
   std::atomic<bool> done_{false};
   int code_ = 0;
   std::vector<at::Tensor> tensors_;
+  std::vector<at::Tensor> inputs_;  // (alive until the operation has run, as tensors_)
   const char* function_;
   const char* name_;
   std::mutex future_mu_;  // guards the three below
@@ -160,7 +199,7 @@ class DoneWork : public Work {
   std::vector<at::Tensor> tensors_;
 };
 
-// A work of the Python backend, for an all_reduce or broadcast the C++ path does not take.
+// A work of the Python backend, for a call of an operation here that the C++ path does not take.
 // (torch's own wrapper of a Python work, PyWorkHolder, forwards wait() and get_future() only:
 // a Python caller of an async call would find it never completed.)
 class PyWorkProxy : public Work {
@@ -179,11 +218,7 @@ class PyWorkProxy : public Work {
       }
       text = py::str(e);
     }
-    try {
-      C10_THROW_ERROR(DistBackendError, text);
-    } catch (...) {
-      return std::current_exception();
-    }
+    return backend_error(text);
   }
   std::vector<at::Tensor> result() override {
     py::gil_scoped_acquire gil;
@@ -204,7 +239,11 @@ class PyWorkProxy : public Work {
 
 constexpr size_t kTypes = 64;  // at::ScalarType values this module maps
 constexpr size_t kOps = 16;    // c10d::ReduceOp::RedOpType values
-enum Count : size_t { kAllReduce, kBroadcast, kCounts };
+// The operations this module takes, as the group's stats name them (take_counts).
+enum Count : size_t { kAllReduce, kBroadcast, kAllGather, kReduceScatter, kAllToAll, kBarrier, kCounts };
+constexpr std::array<const char*, kCounts> kCountNames = {"allreduce",         "broadcast",
+                                                          "all_gather_single", "reduce_scatter_single",
+                                                          "all_to_all_single", "barrier"};
 
 // One toroid communicator as the torch group's backends see it: its handle (null once the
 // group has released it), the toroid functions, the type and operator tables, the works still
@@ -329,9 +368,9 @@ class CommState : public std::enable_shared_from_this<CommState> {
 };
 
 ToroidWork::ToroidWork(std::shared_ptr<CommState> comm, void* work, std::vector<at::Tensor> tensors,
-                       c10d::OpType type, const char* function, const char* name)
+                       std::vector<at::Tensor> inputs, c10d::OpType type, const char* function, const char* name)
     : Work(comm->rank(), type), comm_(std::move(comm)), work_(work), tensors_(std::move(tensors)),
-      function_(function), name_(name) {}
+      inputs_(std::move(inputs)), function_(function), name_(name) {}
 
 ToroidWork::~ToroidWork() {
   // (only finished works are dropped, the communicator keeps the others: CommState::keep)
