@@ -53,6 +53,23 @@ def test_bench_one_backend(tmp_path):
     assert "gloo_p50_us" not in row and "speedup" not in row
 
 
+@pytest.mark.parametrize("op,call", [("all_gather", "blocking"), ("reduce_scatter", "wait")])
+def test_bench_fsdp_collectives(tmp_path, op, call):
+    # 3 ranks: 4 KiB is rounded down to whole pieces (4092 bytes); both backends' results are
+    # checked by every rank against its own reference, so a wrong gather or scatter fails the run.
+    out = tmp_path / "rows.json"
+    p = _run(tmp_path, "--op", op, "--call", call, "--ranks", "3", "--sizes", "4K,96K", "--iters", "4", "--rounds",
+             "2", "--dtype", "int32", "--timeout", "180", "--json", str(out))
+    assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout}\n{p.stderr}"
+    doc = json.loads(out.read_text())
+    assert doc["collective"] == op and doc["ranks"] == 3
+    assert [r["bytes"] for r in doc["rows"]] == [4092, 96 << 10]
+    for r in doc["rows"]:
+        assert r["gloo_p50_us"] > 0 and r["toroid_p50_us"] > 0
+        assert r["toroid_busbw_gbps"] == pytest.approx(r["bytes"] / (r["toroid_p50_us"] * 1e3) * 2 / 3)
+    assert ("all_gather_into_tensor" if op == "all_gather" else "reduce_scatter_tensor") in p.stdout, p.stdout
+
+
 def test_bench_timeout_stops_the_ranks(tmp_path):
     # 0.2 s is less than any rank needs to import torch: the run must end at its deadline, say
     # so, and fail, without waiting for the ranks.
@@ -69,6 +86,7 @@ def test_sizes_and_arguments():
     for bad in (["--sizes", "4X"], ["--sizes", "0"]):
         with pytest.raises(SystemExit):
             bench.parser().parse_args(bad)
-    for bad in (["--backends", "nccl"], ["--dtype", "float32", "--sizes", "6"]):
+    for bad in (["--backends", "nccl"], ["--dtype", "float32", "--sizes", "6"], ["--op", "all_gather", "--sizes", "4"],
+                ["--op", "reduce_scatter", "--call", "future"]):
         with pytest.raises(SystemExit):
             bench.main(bad)

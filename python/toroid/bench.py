@@ -1,23 +1,28 @@
-"""torch's gloo and toroid side by side: all_reduce through torch.distributed on this machine.
+"""torch's gloo and toroid side by side: all_reduce (or FSDP's all_gather_into_tensor and
+reduce_scatter_tensor) through torch.distributed on this machine.
 
     python -m toroid.bench                          # 2 ranks, 4 KiB to 64 MiB by 4, float32 SUM
     python -m toroid.bench --ranks 4 --sizes 4K,1M,16M --json bench.json
     python -m toroid.bench --backends toroid --dtype bfloat16
     python -m toroid.bench --sizes 4K,64K --call future   # async, through the Work's future (DDP's)
+    python -m toroid.bench --op all_gather --sizes 4K,16M  # all_gather_into_tensor (FSDP's)
 
 It starts the ranks itself (`python -m toroid.bench --worker`, torch's env:// variables with a
 free MASTER_PORT on 127.0.0.1). Every rank creates the world with `init_process_group("gloo")`
 and a toroid group over the same ranks with `new_group(backend="toroid")`, so both backends run
 in the same processes: for each size, after a warm-up, rounds of gloo calls and rounds of toroid
 calls alternate (the first backend swapped each round), so that a change in the machine's load
-falls on both. Each call is one `dist.all_reduce`, as a user makes it (--call: blocking, the
+falls on both. Each call is one `dist.all_reduce` (--op; or one `all_gather_into_tensor`, or
+one `reduce_scatter_tensor`, whose size is that of the larger buffer, nccl-tests' convention:
+the gathered output, the input to scatter), as a user makes it (--call: blocking, the
 default; `wait`: async_op=True, then the Work's wait(); `future`: async_op=True, then
 get_future().wait(), the path DDP's gradient buckets take), timed with `time.perf_counter_ns`;
 a row reports the median over the calls, the largest over the ranks (gathered with a MAX
-all-reduce after the size's calls). busbw = bytes / time * 2(n-1)/n, as
-nccl-tests defines it. Every size's result of each backend is checked, element by element,
-against the sum of every rank's input computed by each rank itself; a wrong result fails the
-run. The whole run is bounded by --timeout: a rank that fails or a run that overstays stops
+all-reduce after the size's calls). busbw = bytes / time * 2(n-1)/n for all_reduce, (n-1)/n
+for the others, as nccl-tests defines it. Every size's result of each backend is checked,
+element by element, against a reference (the sum of every rank's input, or their
+concatenation, or this rank's piece of the sum) computed by each rank itself; a wrong result
+fails the run. The whole run is bounded by --timeout: a rank that fails or a run that overstays stops
 every rank, and the exit status is nonzero.
 """
 
@@ -40,6 +45,7 @@ import time
 
 BACKENDS = ("gloo", "toroid")
 CALLS = ("blocking", "wait", "future")
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
 _ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -74,6 +80,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300, help="seconds for the whole run (default 300)")
     p.add_argument("--json", metavar="FILE", help="also write the rows (and the header's facts) to FILE")
     p.add_argument("--seed", type=int, default=1, help="seed of the random inputs (default 1)")
+    p.add_argument("--op", choices=OPS, default="all_reduce",
+                   help="all_reduce (default), all_gather (all_gather_into_tensor) or reduce_scatter "
+                        "(reduce_scatter_tensor), SUM")
     p.add_argument("--call", choices=CALLS, default="blocking",
                    help="how each all_reduce is made: blocking (default); wait: async, then Work.wait(); "
                         "future: async, then Work.get_future().wait()")
@@ -111,12 +120,13 @@ def _inputs(torch, dtype, count: int, seed: int, rank: int, size: int):
     return torch.randint(-1000, 1000, (count,), generator=g, dtype=dtype)
 
 
-def _check(torch, got, want, bound, backend: str, size: int, rank: int) -> None:
-    """Every element of `got` equals the float64 sum `want` within `bound` (exact for integers)."""
+def _check(torch, got, want, bound, backend: str, size: int, rank: int, op: str = "all_reduce") -> None:
+    """Every element of `got` equals the float64 reference `want` within `bound` (exact for
+    integers)."""
     bad = ((got.double() - want).abs() > bound).nonzero()
     if len(bad):
         i = int(bad[0])
-        raise AssertionError(f"{backend} all_reduce of {size} bytes is wrong on rank {rank}: {len(bad)} of "
+        raise AssertionError(f"{backend} {op} of {size} bytes is wrong on rank {rank}: {len(bad)} of "
                              f"{got.numel()} elements, first at [{i}]: {got[i].item()} instead of "
                              f"{want[i].item()} (tolerance {float(bound[i] if bound.dim() else bound)})")
 
@@ -140,55 +150,71 @@ def worker(args: argparse.Namespace) -> None:
     if results:
         facts = dict(torch=torch.__version__, toroid=toroid.version(), library=toroid.library_path(), ranks=n,
                      cpus=len(os.sched_getaffinity(0)), dtype=args.dtype, op="SUM", backends=backends,
-                     call=args.call)
+                     call=args.call, collective=args.op)
         print(json.dumps(facts), file=results, flush=True)
 
     for size in sizes_of(args):
         count = size // dtype.itemsize
-        mine = _inputs(torch, dtype, count, args.seed, rank, size)
-        want = torch.zeros(count, dtype=torch.float64)
-        scale = torch.zeros(count, dtype=torch.float64)
-        for r in range(n):  # the reference, from every rank's input made here
-            x = mine if r == rank else _inputs(torch, dtype, count, args.seed, r, size)
-            want += x.double()
-            scale += x.double().abs()
-        # float sums in another order round differently: n roundings of at most eps * sum|x|
-        bound = scale.mul_(n * torch.finfo(dtype).eps) if dtype.is_floating_point else torch.tensor(0.0)
-        buf = torch.empty_like(mine)
+        piece = count // n  # (all_gather's input, reduce_scatter's output)
+        made = count if args.op != "all_gather" else piece
+        mine = _inputs(torch, dtype, made, args.seed, rank, size)
+        every = [mine if r == rank else _inputs(torch, dtype, made, args.seed, r, size) for r in range(n)]
+        # The reference, from every rank's input made here: their concatenation, or their sum
+        # (this rank's piece of it for reduce_scatter) with float sums' rounding bound.
+        if args.op == "all_gather":
+            want, bound = torch.cat(every).double(), torch.tensor(0.0)
+        else:
+            want = torch.zeros(count, dtype=torch.float64)
+            scale = torch.zeros(count, dtype=torch.float64)
+            for x in every:
+                want += x.double()
+                scale += x.double().abs()
+            # float sums in another order round differently: n roundings of at most eps * sum|x|
+            bound = scale.mul_(n * torch.finfo(dtype).eps) if dtype.is_floating_point else torch.tensor(0.0)
+            if args.op == "reduce_scatter":
+                want = want[rank * piece:(rank + 1) * piece]
+                bound = bound[rank * piece:(rank + 1) * piece] if bound.dim() else bound
+        del every
+        buf = torch.empty(piece if args.op == "reduce_scatter" else count, dtype=dtype)  # the output
         iters = iters_for(size, args)
         times: dict[str, list[int]] = {b: [] for b in backends}
 
         def calls(b: str, k: int, timed: bool) -> None:
-            group, call = groups[b], args.call
+            group, async_op = groups[b], args.call != "blocking"
             for _ in range(k):
-                buf.copy_(mine)  # each call reduces the inputs, not the last result
+                if args.op == "all_reduce":
+                    buf.copy_(mine)  # each call reduces the inputs, not the last result
                 t0 = time.perf_counter_ns()
-                if call == "blocking":
-                    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
-                elif call == "wait":
-                    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True).wait()
+                if args.op == "all_gather":
+                    work = dist.all_gather_into_tensor(buf, mine, group=group, async_op=async_op)
+                elif args.op == "reduce_scatter":
+                    work = dist.reduce_scatter_tensor(buf, mine, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
                 else:
-                    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True).get_future().wait()
+                    work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+                if args.call == "wait":
+                    work.wait()
+                elif args.call == "future":
+                    work.get_future().wait()
                 if timed:
                     times[b].append(time.perf_counter_ns() - t0)
 
         for b in backends:
             calls(b, max(args.warmup, 1), False)
-            _check(torch, buf, want, bound, b, size, rank)
+            _check(torch, buf, want, bound, b, size, rank, args.op)
         for rnd in range(args.rounds):
             for b in backends if rnd % 2 == 0 else backends[::-1]:
                 dist.barrier()  # the ranks start each round together
                 k = iters // args.rounds + (rnd < iters % args.rounds)
                 calls(b, k, True)
                 if rnd == args.rounds - 1:
-                    _check(torch, buf, want, bound, b, size, rank)
+                    _check(torch, buf, want, bound, b, size, rank, args.op)
         p50 = torch.tensor([statistics.median(times[b]) for b in backends], dtype=torch.float64)
         dist.all_reduce(p50, op=dist.ReduceOp.MAX)  # the slowest rank's median
         if results:
             row = dict(bytes=size, count=count, iters=iters)
             for b, ns in zip(backends, p50.tolist()):
                 row[f"{b}_p50_us"] = ns / 1e3
-                row[f"{b}_busbw_gbps"] = size / ns * 2 * (n - 1) / n  # bytes per ns = GB/s
+                row[f"{b}_busbw_gbps"] = size / ns * (2 if args.op == "all_reduce" else 1) * (n - 1) / n  # GB/s
             if len(backends) == 2:
                 row["speedup"] = row["gloo_p50_us"] / row["toroid_p50_us"]
             print(json.dumps(row), file=results, flush=True)
@@ -212,17 +238,22 @@ def _fmt(v, spec: str) -> str:
 
 
 def _header(facts: dict) -> list[str]:
-    return [f"# toroid.bench: all_reduce {facts['op']} {facts['dtype']} in place through torch.distributed, "
+    what = _OP_TEXT[facts.get("collective", "all_reduce")]
+    op = "" if facts.get("collective") == "all_gather" else f" {facts['op']}"
+    return [f"# toroid.bench: {what}{op} {facts['dtype']} through torch.distributed, "
             f"{facts['ranks']} ranks on this host, {facts['cpus']} CPUs",
             f"# torch {facts['torch']} (gloo), toroid {facts['toroid']} "
             f"({facts['library'] or 'libtoroid.so from the system library path'})",
             f"# us: median of a size's calls ({_CALL_TEXT[facts.get('call', 'blocking')]}; calls per backend), "
             "slowest rank; "
-            "busbw GB/s = bytes/time * 2(n-1)/n; speed-up = gloo us / toroid us",
+            f"busbw GB/s = bytes/time * {'2(n-1)/n' if facts.get('collective', 'all_reduce') == 'all_reduce' else '(n-1)/n'}; "
+            "speed-up = gloo us / toroid us",
             f"# {'bytes':>10} {'count':>10} {'calls':>5} {'gloo us':>10} {'toroid us':>10} {'gloo GB/s':>10} "
             f"{'toroid GB/s':>11} {'speed-up':>9}"]
 
 
+_OP_TEXT = {"all_reduce": "all_reduce in place", "all_gather": "all_gather_into_tensor (bytes: the output)",
+            "reduce_scatter": "reduce_scatter_tensor (bytes: the input)"}
 _CALL_TEXT = {"blocking": "blocking", "wait": "async, then wait()", "future": "async, then get_future().wait()"}
 
 
@@ -320,6 +351,14 @@ def main(argv: list[str] | None = None) -> int:
     odd = [s for s in sizes_of(args) if s % _ITEMSIZE[args.dtype]]
     if odd:
         raise SystemExit(f"toroid.bench: sizes must be multiples of {_ITEMSIZE[args.dtype]} bytes for {args.dtype}: {odd}")
+    if args.op != "all_reduce":  # (each rank's piece a whole number of elements: rounded down, as nccl-tests does)
+        unit = _ITEMSIZE[args.dtype] * args.ranks
+        args.sizes = [s - s % unit for s in sizes_of(args)]
+        if 0 in args.sizes:
+            raise SystemExit(f"toroid.bench: {args.op} on {args.ranks} ranks needs sizes of at least {unit} bytes")
+    if args.op == "reduce_scatter" and args.call == "future" and "gloo" in args.backends:
+        raise SystemExit("toroid.bench: gloo's reduce_scatter_tensor has no future (torch: \"Work::getFuture not "
+                         "implemented\"): use --call wait, or --backends toroid")
     if args.worker:
         worker(args)
         return 0
