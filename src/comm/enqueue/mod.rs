@@ -1,7 +1,8 @@
 //! The ordered work queue: blocking calls run on the caller's thread when nothing is queued,
 //! async calls run on the communicator's one worker thread in issue order, and each returns a
 //! [`Work`] that completes when its operation has run; a wait that finds its operation not yet
-//! started runs it (and the queued work before it) on the waiting thread instead. Beside it:
+//! started runs it (and the queued work before it) on the waiting thread instead, and the worker
+//! leaves a just-queued job a moment for such a wait ([`HANDOFF_GRACE`]). Beside it:
 //! groups of operations run as one job (`group.rs`), persistent requests (`persistent.rs`), and
 //! the direct runner queued jobs' hooks meet the other ranks with ([`Inline`]).
 
@@ -16,6 +17,7 @@ use std::any::Any;
 use std::collections::VecDeque;
 use std::marker::PhantomData;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crate::collective::{CallOptions, OpKind};
 use crate::comm::{Communicator, Core, RawOp, lock};
@@ -36,10 +38,18 @@ pub(super) struct Queue {
 }
 
 /// One queued operation and its completion.
+/// How long the worker leaves a job it finds just queued to the thread that queued it: a caller
+/// that waits on its call at once (torch's `dist.send`, a blocking call made async and waited)
+/// runs it itself (`Core::run_queued_through`) within a few microseconds, without the two
+/// cross-core hand-overs (tens of microseconds each) of the worker taking it.
+const HANDOFF_GRACE: Duration = Duration::from_micros(20);
+
 pub(super) struct Job {
     op: RawOp,
     /// When it was issued (ns since the Unix epoch; the flight recorder's issue time).
     issued_ns: u64,
+    /// When it was queued (see [`HANDOFF_GRACE`]).
+    queued: Instant,
     done: Arc<Completion>,
     hooks: Hooks,
 }
@@ -210,7 +220,7 @@ impl Communicator {
                 let issued_ns =
                     if self.core.watch.recorder.is_on() { self.core.watch.recorder.now_ns() } else { 0 };
                 let d = Arc::new(Completion::new(keep));
-                q.jobs.push_back(Job { op, issued_ns, done: d.clone(), hooks });
+                q.jobs.push_back(Job { op, issued_ns, queued: Instant::now(), done: d.clone(), hooks });
                 done.push(d);
             }
             Ok(done)
@@ -244,7 +254,7 @@ impl Communicator {
             return Err(Error::Aborted("communicator is shutting down".into()));
         }
         let issued_ns = if self.core.watch.recorder.is_on() { self.core.watch.recorder.now_ns() } else { 0 };
-        q.jobs.push_back(Job { op, issued_ns, done: done.clone(), hooks });
+        q.jobs.push_back(Job { op, issued_ns, queued: Instant::now(), done: done.clone(), hooks });
         drop(q);
         self.core.queue.cv.notify_all();
         Ok(done)
@@ -370,6 +380,16 @@ impl Core {
                 let mut q = lock(&self.queue.jobs);
                 loop {
                     if !q.running {
+                        if let Some(front) = q.jobs.front() {
+                            // (one its waiter can take: without hooks, see run_queued_through)
+                            let stealable = front.hooks.before.is_none() && front.hooks.after.is_none();
+                            if stealable && front.queued.elapsed() < HANDOFF_GRACE && !q.shutdown {
+                                drop(q);
+                                std::thread::yield_now();
+                                q = lock(&self.queue.jobs);
+                                continue;
+                            }
+                        }
                         if let Some(j) = q.jobs.pop_front() {
                             q.running = true;
                             break j;
@@ -385,30 +405,36 @@ impl Core {
         }
     }
 
-    /// Runs a job taken from the queue (whose `running` the taker set), completes it and frees
-    /// the queue for the next.
+    /// Runs a job taken from the queue (whose `running` the taker set), then completes it and
+    /// frees the queue for the next in one step.
     fn run_job(&self, job: &mut Job) {
         let r = self.execute_guarded(&job.op, &mut job.hooks, job.issued_ns);
         if let Err(e) = &r {
             *lock(&self.watch.last_error) = Some(e.to_string());
         }
+        let mut q = lock(&self.queue.jobs);
+        if let Err(e) = &r
+            && q.shutdown
         {
-            let mut q = lock(&self.queue.jobs);
-            if let Err(e) = &r
-                && q.shutdown
-            {
-                q.failed_in_shutdown += 1;
-                q.first_shutdown_error.get_or_insert_with(|| e.clone());
-            }
+            q.failed_in_shutdown += 1;
+            q.first_shutdown_error.get_or_insert_with(|| e.clone());
         }
+        // Under the queue's lock: the next job cannot start before this one is complete (works
+        // complete in issue order), and the waiter this wakes, which may issue its next call at
+        // once, finds the queue free. Freed after the wake-up, a call issued in that gap went
+        // to the worker, and so did every later one: each a hand-over to the worker and back
+        // (tens of microseconds) instead of a call on the caller's thread.
         job.done.complete(r);
-        self.queue_idle();
+        self.free_queue(q);
     }
 
     /// Frees the queue after a job ran, waking the worker only when it has something to do:
     /// queued jobs, or the shutdown (a needless wake-up takes a core from the ranks).
     fn queue_idle(&self) {
-        let mut q = lock(&self.queue.jobs);
+        self.free_queue(lock(&self.queue.jobs));
+    }
+
+    fn free_queue(&self, mut q: std::sync::MutexGuard<'_, Queue>) {
         q.running = false;
         let wake = !q.jobs.is_empty() || q.shutdown;
         drop(q);
