@@ -118,8 +118,8 @@ def test_mixed_devices_are_refused_by_every_entry_point(pg):
         "alltoall": lambda: pg.alltoall([f()], [c()]),
         "gather": lambda: pg.gather([[c()]], [f()]),
         "scatter": lambda: pg.scatter([f()], [[c()]]),
-        "send": lambda: pg.send([c(), f()], 0),
-        "recv": lambda: pg.recv([f(), c()], 0),
+        "send": lambda: pg.send([c(), f()], 0, 0),  # (torch's ProcessGroup.send: the tag is required)
+        "recv": lambda: pg.recv([f(), c()], 0, 0),
         "recv_anysource": lambda: pg.recv_anysource([f(), c()]),
     }
     for name, call in calls.items():

@@ -696,6 +696,43 @@ def native_collectives(rank, size):
         assert rank == 0 or waited > 0.2, f"barrier ({mode}) returned after {waited:.3f} s, before rank 0 entered it"
     # A barrier with a timeout of its own: the Python path's.
     counted("barrier", False, lambda: dist.barrier(timeout=datetime.timedelta(seconds=60)))
+
+    # send and recv around the ring (even ranks send first, then receive): dist.send/recv and isend/irecv of a dense tensor are the C++ path's, a non-contiguous one
+    # the Python path's; batch_isend_irecv (a coalescing block) is the Python path's, which
+    # orders the batch, and stays correct.
+    nxt, prv = (rank + 1) % size, (rank - 1) % size
+    for i, (dtype, shape, mode, taken) in enumerate(((torch.float32, (1000,), "block", True),
+                                                     (torch.int64, (7, 3), "async", True),
+                                                     (torch.bfloat16, (0,), "block", True),
+                                                     (torch.float64, (20, 30), "t", False))):
+        def message(r, i=i, dtype=dtype, shape=shape, mode=mode):
+            x = rand(shape, dtype, 5000 + 10 * i + r)
+            return x.t() if mode == "t" else x
+
+        mine, got = message(rank), torch.empty_like(message(prv))
+        sends_first = rank % 2 == 0
+
+        def send():
+            if mode == "async":
+                return counted("send", taken, lambda: dist.isend(mine, nxt)).wait()
+            counted("send", taken, lambda: dist.send(mine, nxt))
+
+        def recv():
+            if mode == "async":
+                return counted("recv", taken, lambda: dist.irecv(got, prv)).wait()
+            counted("recv", taken, lambda: dist.recv(got, prv))
+
+        for step in ((send, recv) if sends_first else (recv, send)):
+            step()
+        close(got, message(prv), f"send/recv {dtype} {shape} {mode} from {prv}")
+    mine = rand((333,), torch.float32, 5100 + rank)
+    got = torch.empty(333)
+    before = {k: pg.stats[f"{k}:native"] for k in ("send", "recv")}
+    ops = [dist.P2POp(dist.isend, mine, nxt), dist.P2POp(dist.irecv, got, prv)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    assert all(pg.stats[f"{k}:native"] == before[k] for k in before), f"a batch's send or recv took the C++ path"
+    close(got, rand((333,), torch.float32, 5100 + prv), f"batch_isend_irecv from {prv}")
     checks.append("native collectives")
 
 

@@ -40,7 +40,7 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
 
     Where the C++ backend loads (_native.py) a new group is a _NativeGroup: torch's C++
     ProcessGroup takes its all_reduce, broadcast, all_gather_into_tensor, reduce_scatter_tensor,
-    all_to_all_single and barrier to that backend."""
+    all_to_all_single, barrier, send and recv to that backend."""
 
     # The C++ backend's view of the communicator (_native.py, CommState), where this group has
     # the C++ backend; None until __init__ makes it (set_wire_dtype runs before).
@@ -252,7 +252,7 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
             o = _Output(t)
             works.append(self._comm.recv_ptr(o.buf.data_ptr(), o.buf.numel(), _dtype(o.buf), src, True, (o.buf,)))
             outs.append(o)
-        return works, lambda: [o.copy_back() for o in outs]
+        return works, _Output.copy_backs(outs)  # (None when recv writes the tensors themselves)
 
     @_staged(inputs=("tensors",))
     def send(self, tensors, dstRank, tag=0):
@@ -294,6 +294,8 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
         if self._coalesced is not None:
             raise RuntimeError("toroid: start_coalescing inside a coalescing block")
         self._coalesced = []
+        if self._native_comm is not None:  # (the C++ backend's send and recv come here meanwhile)
+            self._native_comm.set_coalescing(True)
 
     def _defer(self, kind: str, tensors, peer: int) -> ToroidWork:
         # Checked now, so that an operation the batch cannot issue fails it while it is being
@@ -310,6 +312,8 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
 
     def end_coalescing(self, device=None):
         ops, self._coalesced = self._coalesced, None
+        if self._native_comm is not None:
+            self._native_comm.set_coalescing(False)
         if ops is None:
             raise RuntimeError("toroid: end_coalescing without start_coalescing")
         if not ops:
@@ -444,8 +448,8 @@ for _name in NATIVE_OPS:
 
 class _NativeGroup(ProcessGroupToroid):
     """A ProcessGroupToroid with the C++ backend (_native.cpp): its all_reduce, broadcast,
-    all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single and barrier (NATIVE_OPS)
-    are torch's own C++ ProcessGroup methods, which call that backend without Python (so do
+    all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single, barrier, send and recv
+    (NATIVE_OPS) are torch's own C++ ProcessGroup methods, which call that backend without Python (so do
     DDP's reducer and a "cpu:toroid,cuda:..." group); the backend takes the calls toroid makes
     as they are and gives the rest to the Python methods (_py_allreduce, ...). Its stats count
     the C++ backend's calls too, under the operation's name and "<name>:native"."""
@@ -456,6 +460,8 @@ class _NativeGroup(ProcessGroupToroid):
     reduce_scatter_single = _reduce_scatter_base = dist.ProcessGroup.__dict__["reduce_scatter_single"]
     all_to_all_single = alltoall_base = dist.ProcessGroup.__dict__["all_to_all_single"]
     barrier = dist.ProcessGroup.__dict__["barrier"]
+    send = dist.ProcessGroup.__dict__["send"]
+    recv = dist.ProcessGroup.__dict__["recv"]
 
     @property
     def stats(self) -> collections.Counter:

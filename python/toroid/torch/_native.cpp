@@ -52,6 +52,8 @@ constexpr Names kAllGatherNames{"toroid_all_gather", "toroid_all_gather_async", 
 constexpr Names kReduceScatterNames{"toroid_reduce_scatter", "toroid_reduce_scatter_async", "reduce_scatter_single"};
 constexpr Names kAllToAllNames{"toroid_all_to_all", "toroid_all_to_all_async", "all_to_all_single"};
 constexpr Names kBarrierNames{"toroid_barrier", "toroid_barrier_async", "barrier"};
+constexpr Names kSendNames{"toroid_send", "toroid_send_async", "send"};
+constexpr Names kRecvNames{"toroid_recv", "toroid_recv_async", "recv"};
 
 class ToroidBackend : public Backend {
  public:
@@ -159,6 +161,37 @@ class ToroidBackend : public Backend {
         [&](void** w) { return api.all_to_all_async(h, src, dst, n, dtype, w); });
   }
 
+  // send and recv of one tensor (torch's tag is not toroid's: messages between two ranks arrive
+  // in order, as the Python path has them), always queued: torch waits on the Work (dist.send),
+  // and a wait that finds it not yet started runs it on the waiting thread.
+  WorkPtr send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
+    void* h = comm_->handle();
+    int dtype = dense_cpu(*comm_, tensors);
+    if (h == nullptr || dtype < 0 || comm_->coalescing.load(std::memory_order_relaxed)) {
+      return python("send", c10d::OpType::SEND, tensors, tensors, dst, tag);
+    }
+    const void* buf = tensors[0].data_ptr();
+    auto n = static_cast<size_t>(tensors[0].numel());
+    const Api& api = comm_->api();
+    return run(
+        kSend, kSendNames, c10d::OpType::SEND, true, tensors, {}, [] { return 0; },
+        [&](void** w) { return api.send_async(h, buf, n, dtype, dst, w); });
+  }
+
+  WorkPtr recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
+    void* h = comm_->handle();
+    int dtype = dense_cpu(*comm_, tensors);
+    if (h == nullptr || dtype < 0 || comm_->coalescing.load(std::memory_order_relaxed)) {
+      return python("recv", c10d::OpType::RECV, tensors, tensors, src, tag);
+    }
+    void* buf = tensors[0].data_ptr();
+    auto n = static_cast<size_t>(tensors[0].numel());
+    const Api& api = comm_->api();
+    return run(
+        kRecv, kRecvNames, c10d::OpType::RECV, true, tensors, {}, [] { return 0; },
+        [&](void** w) { return api.recv_async(h, buf, n, dtype, src, w); });
+  }
+
   WorkPtr barrier(const c10d::BarrierOptions& opts) override {
     void* h = comm_->handle();
     if (h == nullptr || opts.timeout.count() > 0) {
@@ -229,8 +262,6 @@ class ToroidBackend : public Backend {
   void monitoredBarrier(const c10d::BarrierOptions& o, bool wait_all_ranks) override {
     inner_->monitoredBarrier(o, wait_all_ranks);
   }
-  WorkPtr send(std::vector<at::Tensor>& t, int dst, int tag) override { return inner_->send(t, dst, tag); }
-  WorkPtr recv(std::vector<at::Tensor>& t, int src, int tag) override { return inner_->recv(t, src, tag); }
   WorkPtr recvAnysource(std::vector<at::Tensor>& t, int tag) override { return inner_->recvAnysource(t, tag); }
   void abort() override { inner_->abort(); }
   void shutdown() override { inner_->shutdown(); }
@@ -298,6 +329,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_type", &CommState::set_type)
       .def("set_op", &CommState::set_op)
       .def("set_wire", [](CommState& c, bool wire) { c.wire.store(wire); })
+      .def("set_coalescing", [](CommState& c, bool on) { c.coalescing.store(on); })
       // The calls made here since the last take, by the group's stats names.
       .def("take_counts",
            [](CommState& c) {

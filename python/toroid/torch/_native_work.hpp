@@ -44,6 +44,8 @@ struct Api {
   int (*all_to_all_async)(void*, const void*, void*, size_t, int, void**) = nullptr;
   int (*barrier)(void*) = nullptr;
   int (*barrier_async)(void*, void**) = nullptr;
+  int (*send_async)(void*, const void*, size_t, int, int, void**) = nullptr;
+  int (*recv_async)(void*, void*, size_t, int, int, void**) = nullptr;
   int (*work_wait)(void*, int64_t) = nullptr;
   int (*work_test)(void*, int*) = nullptr;
   void (*work_free)(void*) = nullptr;
@@ -69,6 +71,8 @@ struct Api {
     get(api.all_to_all_async, "toroid_all_to_all_async");
     get(api.barrier, "toroid_barrier");
     get(api.barrier_async, "toroid_barrier_async");
+    get(api.send_async, "toroid_send_async");
+    get(api.recv_async, "toroid_recv_async");
     get(api.work_wait, "toroid_work_wait");
     get(api.work_test, "toroid_work_test");
     get(api.work_free, "toroid_work_free");
@@ -240,10 +244,10 @@ class PyWorkProxy : public Work {
 constexpr size_t kTypes = 64;  // at::ScalarType values this module maps
 constexpr size_t kOps = 16;    // c10d::ReduceOp::RedOpType values
 // The operations this module takes, as the group's stats name them (take_counts).
-enum Count : size_t { kAllReduce, kBroadcast, kAllGather, kReduceScatter, kAllToAll, kBarrier, kCounts };
-constexpr std::array<const char*, kCounts> kCountNames = {"allreduce",         "broadcast",
-                                                          "all_gather_single", "reduce_scatter_single",
-                                                          "all_to_all_single", "barrier"};
+enum Count : size_t { kAllReduce, kBroadcast, kAllGather, kReduceScatter, kAllToAll, kBarrier, kSend, kRecv, kCounts };
+constexpr std::array<const char*, kCounts> kCountNames = {
+    "allreduce", "broadcast", "all_gather_single", "reduce_scatter_single", "all_to_all_single", "barrier", "send",
+    "recv"};
 
 // One toroid communicator as the torch group's backends see it: its handle (null once the
 // group has released it), the toroid functions, the type and operator tables, the works still
@@ -281,6 +285,9 @@ class CommState : public std::enable_shared_from_this<CommState> {
 
   // A wire type on the group (set_wire_dtype): its all-reduces are the Python path's.
   std::atomic<bool> wire{false};
+  // Inside a coalescing block (batch_isend_irecv): its send and recv are the Python path's,
+  // which records them and issues them in an order every rank agrees on.
+  std::atomic<bool> coalescing{false};
   // Calls made here, by operation (the group's stats read and reset them).
   std::array<std::atomic<uint64_t>, kCounts> counts{};
 
