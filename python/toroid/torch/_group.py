@@ -449,10 +449,11 @@ for _name in NATIVE_OPS:
 class _NativeGroup(ProcessGroupToroid):
     """A ProcessGroupToroid with the C++ backend (_native.cpp): its all_reduce, broadcast,
     all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single, barrier, send and recv
-    (NATIVE_OPS) are torch's own C++ ProcessGroup methods, which call that backend without Python (so do
-    DDP's reducer and a "cpu:toroid,cuda:..." group); the backend takes the calls toroid makes
-    as they are and gives the rest to the Python methods (_py_allreduce, ...). Its stats count
-    the C++ backend's calls too, under the operation's name and "<name>:native"."""
+    (NATIVE_OPS) are torch's own C++ ProcessGroup methods, which call that backend without
+    Python (so do DDP's reducer, FSDP and a "cpu:toroid,cuda:..." group); the backend takes the
+    calls toroid makes as they are and gives the rest to the Python methods (_py_allreduce,
+    ...). Its stats count the C++ backend's calls too, under the operation's name and
+    "<name>:native"."""
 
     allreduce = dist.ProcessGroup.__dict__["allreduce"]
     broadcast = dist.ProcessGroup.__dict__["broadcast"]

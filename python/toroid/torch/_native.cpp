@@ -165,31 +165,11 @@ class ToroidBackend : public Backend {
   // in order, as the Python path has them), always queued: torch waits on the Work (dist.send),
   // and a wait that finds it not yet started runs it on the waiting thread.
   WorkPtr send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
-    void* h = comm_->handle();
-    int dtype = dense_cpu(*comm_, tensors);
-    if (h == nullptr || dtype < 0 || comm_->coalescing.load(std::memory_order_relaxed)) {
-      return python("send", c10d::OpType::SEND, tensors, tensors, dst, tag);
-    }
-    const void* buf = tensors[0].data_ptr();
-    auto n = static_cast<size_t>(tensors[0].numel());
-    const Api& api = comm_->api();
-    return run(
-        kSend, kSendNames, c10d::OpType::SEND, true, tensors, {}, [] { return 0; },
-        [&](void** w) { return api.send_async(h, buf, n, dtype, dst, w); });
+    return point_to_point(kSend, tensors, dst, tag);
   }
 
   WorkPtr recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
-    void* h = comm_->handle();
-    int dtype = dense_cpu(*comm_, tensors);
-    if (h == nullptr || dtype < 0 || comm_->coalescing.load(std::memory_order_relaxed)) {
-      return python("recv", c10d::OpType::RECV, tensors, tensors, src, tag);
-    }
-    void* buf = tensors[0].data_ptr();
-    auto n = static_cast<size_t>(tensors[0].numel());
-    const Api& api = comm_->api();
-    return run(
-        kRecv, kRecvNames, c10d::OpType::RECV, true, tensors, {}, [] { return 0; },
-        [&](void** w) { return api.recv_async(h, buf, n, dtype, src, w); });
+    return point_to_point(kRecv, tensors, src, tag);
   }
 
   WorkPtr barrier(const c10d::BarrierOptions& opts) override {
@@ -290,6 +270,26 @@ class ToroidBackend : public Backend {
                                              names.op);
     comm_->keep(w);
     return w;
+  }
+
+  // A send (`kind` kSend) or recv (kRecv) with `peer`; inside a coalescing block
+  // (batch_isend_irecv) the Python path's, which orders the block's messages.
+  WorkPtr point_to_point(Count kind, std::vector<at::Tensor>& tensors, int peer, int tag) {
+    bool sending = kind == kSend;
+    c10d::OpType type = sending ? c10d::OpType::SEND : c10d::OpType::RECV;
+    void* h = comm_->handle();
+    int dtype = dense_cpu(*comm_, tensors);
+    if (h == nullptr || dtype < 0 || comm_->coalescing.load(std::memory_order_relaxed)) {
+      return python(sending ? "send" : "recv", type, tensors, tensors, peer, tag);
+    }
+    void* buf = tensors[0].data_ptr();
+    auto n = static_cast<size_t>(tensors[0].numel());
+    const Api& api = comm_->api();
+    return run(
+        kind, sending ? kSendNames : kRecvNames, type, true, tensors, {}, [] { return 0; },
+        [&](void** w) {
+          return sending ? api.send_async(h, buf, n, dtype, peer, w) : api.recv_async(h, buf, n, dtype, peer, w);
+        });
   }
 
   // The Python backend's call (the group's Python method) of `method` with `args`, its work
