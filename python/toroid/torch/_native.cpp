@@ -52,6 +52,7 @@ constexpr Names kAllGatherNames{"toroid_all_gather", "toroid_all_gather_async", 
 constexpr Names kReduceScatterNames{"toroid_reduce_scatter", "toroid_reduce_scatter_async", "reduce_scatter_single"};
 constexpr Names kAllToAllNames{"toroid_all_to_all", "toroid_all_to_all_async", "all_to_all_single"};
 constexpr Names kBarrierNames{"toroid_barrier", "toroid_barrier_async", "barrier"};
+// (send and recv are always queued: see point_to_point)
 constexpr Names kSendNames{"toroid_send", "toroid_send_async", "send"};
 constexpr Names kRecvNames{"toroid_recv", "toroid_recv_async", "recv"};
 
@@ -253,14 +254,22 @@ class ToroidBackend : public Backend {
   template <typename Now, typename Queue>
   WorkPtr run(Count count, const Names& names, c10d::OpType type, bool async_op, std::vector<at::Tensor> tensors,
               std::vector<at::Tensor> inputs, Now now, Queue queue) {
-    comm_->counts[count].fetch_add(1, std::memory_order_relaxed);
-    if (!async_op) {
-      int code = now();
-      if (code != 0) {
-        comm_->errors().raise(names.blocking, code, names.op);
-      }
-      return c10::make_intrusive<DoneWork>(std::move(tensors), type, comm_->rank());
+    if (async_op) {
+      return queued(count, names, type, std::move(tensors), std::move(inputs), queue);
     }
+    comm_->counts[count].fetch_add(1, std::memory_order_relaxed);
+    int code = now();
+    if (code != 0) {
+      comm_->errors().raise(names.blocking, code, names.op);
+    }
+    return c10::make_intrusive<DoneWork>(std::move(tensors), type, comm_->rank());
+  }
+
+  // The queued form alone (`queue(&work)`), as a ToroidWork.
+  template <typename Queue>
+  WorkPtr queued(Count count, const Names& names, c10d::OpType type, std::vector<at::Tensor> tensors,
+                 std::vector<at::Tensor> inputs, Queue queue) {
+    comm_->counts[count].fetch_add(1, std::memory_order_relaxed);
     void* work = nullptr;
     int code = queue(&work);
     if (code != 0) {
@@ -285,9 +294,8 @@ class ToroidBackend : public Backend {
     void* buf = tensors[0].data_ptr();
     auto n = static_cast<size_t>(tensors[0].numel());
     const Api& api = comm_->api();
-    return run(
-        kind, sending ? kSendNames : kRecvNames, type, true, tensors, {}, [] { return 0; },
-        [&](void** w) {
+    return queued(
+        kind, sending ? kSendNames : kRecvNames, type, tensors, {}, [&](void** w) {
           return sending ? api.send_async(h, buf, n, dtype, peer, w) : api.recv_async(h, buf, n, dtype, peer, w);
         });
   }
