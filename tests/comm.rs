@@ -292,7 +292,7 @@ fn two_communicators_on_one_store_are_independent() {
 }
 
 #[test]
-fn hooks_run_on_the_worker_in_issue_order_around_their_operation() {
+fn hooks_run_in_issue_order_around_their_operation() {
     use std::sync::Mutex;
     use toroid::internals::comm::{Hooks, RawOp};
     use toroid::internals::memory::{RawBufMut, RawBufs};
@@ -313,6 +313,7 @@ fn hooks_run_on_the_worker_in_issue_order_around_their_operation() {
             after: Some(Box::new(move || {
                 l2.lock().unwrap().push(("after", unsafe { *(addr as *const u32) }))
             })),
+            worker_only: false,
         };
         let op = RawOp {
             kind: OpKind::AllReduce(ReduceOp::Sum),
@@ -327,6 +328,47 @@ fn hooks_run_on_the_worker_in_issue_order_around_their_operation() {
         first.wait().unwrap();
         assert_eq!(*log.lock().unwrap(), vec![("before", 1), ("after", 2)]);
         assert!(buf.iter().all(|x| *x == 2));
+    });
+}
+
+/// A wait that finds its job not yet started runs it on the waiting thread, hooks and all
+/// (a group's pack, an in-place layout's move), unless the hooks are the worker's only (a device
+/// job's): those never run on the waiter.
+#[test]
+fn a_waiter_runs_a_hooked_job_unless_its_hooks_are_the_workers() {
+    use std::sync::Mutex;
+    use toroid::internals::comm::{Hooks, RawOp};
+    use toroid::internals::memory::RawBufs;
+    use toroid::{CallOptions, DataType, OpKind};
+    util::run_threads(2, &util::test_config(30.0), |comm| {
+        let me = std::thread::current().id();
+        let mut on_waiter = [0usize; 2];
+        for round in 0..100 {
+            let worker_only = round % 2 == 1;
+            let ran = Arc::new(Mutex::new(None));
+            let r = ran.clone();
+            let hooks = Hooks {
+                before: Some(Box::new(move || *r.lock().unwrap() = Some(std::thread::current().id()))),
+                after: None,
+                worker_only,
+            };
+            let op = RawOp {
+                kind: OpKind::Barrier,
+                dtype: DataType::U8,
+                bufs: RawBufs::None,
+                opts: CallOptions::default(),
+                source: None,
+            };
+            // SAFETY: a barrier has no buffers.
+            let w = unsafe { comm.submit_raw_with_hooks(op, None, hooks) }.unwrap();
+            w.wait().unwrap();
+            let thread = ran.lock().unwrap().expect("the hook did not run");
+            on_waiter[usize::from(worker_only)] += usize::from(thread == me);
+        }
+        assert_eq!(on_waiter[1], 0, "a worker-only hook ran on the waiting thread");
+        // (the worker takes a job left more than 20 us: a busy machine can delay a waiter past
+        // that now and then, not in most of 50 rounds)
+        assert!(on_waiter[0] >= 25, "a waiter ran only {} of 50 hooked jobs itself", on_waiter[0]);
     });
 }
 

@@ -263,7 +263,12 @@ fn a_panic_inside_an_operation_aborts_the_communicator_which_stays_destroyable()
                 opts: CallOptions::default(),
                 source: None,
             };
-            let hooks = Hooks { before: Some(Box::new(|| panic!("injected fault"))), after: None };
+            // (not the worker's only: a wait may run it, and catch its panic, on this thread)
+            let hooks = Hooks {
+                before: Some(Box::new(|| panic!("injected fault"))),
+                after: None,
+                worker_only: false,
+            };
             // SAFETY: a barrier has no buffers.
             let work = unsafe { comm.submit_raw_with_hooks(op, None, hooks) }.unwrap();
             let t = Instant::now();

@@ -25,7 +25,7 @@ fn barrier_after(job: Box<dyn FnOnce() + Send>) -> (RawOp, Hooks) {
         opts: CallOptions::default(),
         source: None,
     };
-    (op, Hooks { before: Some(job), after: None })
+    (op, Hooks { before: Some(job), after: None, worker_only: true })
 }
 
 impl HostComm for Communicator {

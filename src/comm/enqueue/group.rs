@@ -300,7 +300,7 @@ fn packed_job(run: &[(RawOp, Hooks)]) -> QueuedJob {
     let before: Hook = Box::new(move || unsafe { pack_in(inputs, bytes) });
     // SAFETY: as just said.
     let after: Hook = Box::new(move || unsafe { unpack(bytes, outputs) });
-    let hooks = Hooks { before: Some(before), after: Some(after) };
+    let hooks = Hooks { before: Some(before), after: Some(after), worker_only: false };
     (packed_op(&run[0].0, bytes), Some(Box::new(pack)), hooks)
 }
 

@@ -69,6 +69,10 @@ pub struct Hooks {
     pub before: Option<Hook>,
     /// Runs right after the operation succeeded, before its work handle reports completion.
     pub after: Option<Hook>,
+    /// The hooks run on the communicator's worker thread only (a device job's, which expects
+    /// it): a waiter does not run the job itself (see `Core::run_queued_through`). Other hooks
+    /// (a pack's copies, an in-place layout's move) run on whichever thread runs the job.
+    pub worker_only: bool,
 }
 
 impl std::fmt::Debug for Hooks {
@@ -76,6 +80,7 @@ impl std::fmt::Debug for Hooks {
         f.debug_struct("Hooks")
             .field("before", &self.before.is_some())
             .field("after", &self.after.is_some())
+            .field("worker_only", &self.worker_only)
             .finish()
     }
 }
@@ -381,9 +386,11 @@ impl Core {
                 loop {
                     if !q.running {
                         if let Some(front) = q.jobs.front() {
-                            // (one its waiter can take: without hooks, see run_queued_through)
-                            let stealable = front.hooks.before.is_none() && front.hooks.after.is_none();
-                            if stealable && front.queued.elapsed() < HANDOFF_GRACE && !q.shutdown {
+                            // (one its waiter can take, see run_queued_through)
+                            if !front.hooks.worker_only
+                                && front.queued.elapsed() < HANDOFF_GRACE
+                                && !q.shutdown
+                            {
                                 drop(q);
                                 std::thread::yield_now();
                                 q = lock(&self.queue.jobs);
@@ -448,14 +455,15 @@ impl Core {
     /// worker would have (the `running` flag keeps it to one runner). A call waited on at once
     /// thus runs on the caller's thread, without the two cross-core wake-ups of a hand-over to
     /// the worker and back (tens of microseconds each). Stops, leaving the rest to the worker,
-    /// at a job with hooks (those of device collectives expect the worker's thread) and as
-    /// soon as anything else is running.
+    /// at a job whose hooks are the worker's only (`Hooks::worker_only`: a device collective's)
+    /// and as soon as anything else is running. A job's other hooks (a group's pack, an in-place
+    /// layout's move) run here with it.
     fn run_queued_through(&self, done: &Arc<Completion>) {
         while !done.is_done() {
             let mut job = {
                 let mut q = lock(&self.queue.jobs);
                 let steal = !q.running
-                    && q.jobs.front().is_some_and(|j| j.hooks.before.is_none() && j.hooks.after.is_none())
+                    && q.jobs.front().is_some_and(|j| !j.hooks.worker_only)
                     && q.jobs.iter().any(|j| Arc::ptr_eq(&j.done, done));
                 if !steal {
                     return;
