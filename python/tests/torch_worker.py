@@ -16,6 +16,8 @@ import torch.distributed as dist
 import toroid
 import toroid.torch  # noqa: F401 - registers the backend
 
+import torch_native_lists
+
 SCENARIO = sys.argv[1]
 checks = []
 
@@ -734,6 +736,7 @@ def native_collectives(rank, size):
     assert all(pg.stats[f"{k}:native"] == before[k] for k in before), f"a batch's send or recv took the C++ path"
     close(got, rand((333,), torch.float32, 5100 + prv), f"batch_isend_irecv from {prv}")
     checks.append("native collectives")
+    torch_native_lists.check(rank, size, built, rand, close)
 
 
 def entry_points(rank, size):

@@ -337,8 +337,9 @@ class _Collectives:
         w = self._comm.all_gather_ptr(src.data_ptr(), o.buf.data_ptr(), src.numel(), _dtype(src), True, (src, o.buf))
         return w, o
 
-    def _allgather_lists(self, output_lists, input_tensors, name: str):
-        """all_gather of each input into its list of size outputs (one toroid all-gather each)."""
+    def _allgather_lists(self, output_lists, input_tensors, name: str, result):
+        """all_gather of each input into its list of size outputs (one toroid all-gather each);
+        `result`: the work's result and its future's value."""
         if len(output_lists) != len(input_tensors):
             raise ValueError(f"{name}: {len(output_lists)} output lists for {len(input_tensors)} inputs")
         works, finishers = [], []
@@ -354,11 +355,13 @@ class _Collectives:
                     out.copy_(tmp[r].view_as(out))
 
             finishers.append(finish)
-        return self._work(works, output_lists, lambda: [f() for f in finishers], name)
+        return self._work(works, result, lambda: [f() for f in finishers], name)
 
     @_staged(outputs=("output_tensors",), inputs=("input_tensors",))
     def allgather(self, output_tensors, input_tensors, opts=None):
-        return self._allgather_lists(output_tensors, input_tensors, "allgather")
+        # (the result, and a future's value, as gloo's: one input's outputs, else every list)
+        result = output_tensors[0] if len(output_tensors) == 1 else output_tensors
+        return self._allgather_lists(output_tensors, input_tensors, "allgather", result)
 
     @_staged(outputs=("output_lists",), inputs=("input_tensors",))
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
@@ -368,7 +371,7 @@ class _Collectives:
         if any(len(outs) != len(input_tensors) for outs in output_lists):
             raise ValueError(f"allgather_coalesced: every output list needs {len(input_tensors)} tensors (one per input)")
         per_input = [[outs[i] for outs in output_lists] for i in range(len(input_tensors))]
-        return self._allgather_lists(per_input, input_tensors, "allgather_coalesced")
+        return self._allgather_lists(per_input, input_tensors, "allgather_coalesced", output_lists)
 
     def _pair_on_stream(self, output, input, op: Optional[ReduceOp], out_per_in: int) -> bool:
         """Whether an all-gather (op None; output = size x input) or a reduce-scatter (input =

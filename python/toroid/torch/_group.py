@@ -39,8 +39,9 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
     """A torch.distributed process group whose collectives run on a toroid communicator.
 
     Where the C++ backend loads (_native.py) a new group is a _NativeGroup: torch's C++
-    ProcessGroup takes its all_reduce, broadcast, all_gather_into_tensor, reduce_scatter_tensor,
-    all_to_all_single, barrier, send and recv to that backend."""
+    ProcessGroup takes its all_reduce, broadcast, reduce, all_gather (both forms),
+    reduce_scatter_tensor, their coalesced forms, all_to_all_single, barrier, send and recv to
+    that backend (NATIVE_OPS)."""
 
     # The C++ backend's view of the communicator (_native.py, CommState), where this group has
     # the C++ backend; None until __init__ makes it (set_wire_dtype runs before).
@@ -448,9 +449,9 @@ for _name in NATIVE_OPS:
 
 class _NativeGroup(ProcessGroupToroid):
     """A ProcessGroupToroid with the C++ backend (_native.cpp): its all_reduce, broadcast,
-    all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single, barrier, send and recv
-    (NATIVE_OPS) are torch's own C++ ProcessGroup methods, which call that backend without
-    Python (so do DDP's reducer, FSDP and a "cpu:toroid,cuda:..." group); the backend takes the
+    reduce, all_gather (list and tensor forms), reduce_scatter_tensor, their coalesced forms,
+    all_to_all_single, barrier, send and recv (NATIVE_OPS) are torch's own C++ ProcessGroup
+    methods, which call that backend without Python (so do DDP's reducer, FSDP and a "cpu:toroid,cuda:..." group); the backend takes the
     calls toroid makes as they are and gives the rest to the Python methods (_py_allreduce,
     ...). Its stats count the C++ backend's calls too, under the operation's name and
     "<name>:native"."""
@@ -463,6 +464,13 @@ class _NativeGroup(ProcessGroupToroid):
     barrier = dist.ProcessGroup.__dict__["barrier"]
     send = dist.ProcessGroup.__dict__["send"]
     recv = dist.ProcessGroup.__dict__["recv"]
+    reduce = dist.ProcessGroup.__dict__["reduce"]
+    allgather = dist.ProcessGroup.__dict__["allgather"]
+    allreduce_coalesced = dist.ProcessGroup.__dict__["allreduce_coalesced"]
+    all_gather_single_coalesced = allgather_into_tensor_coalesced = \
+        dist.ProcessGroup.__dict__["all_gather_single_coalesced"]
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced = \
+        dist.ProcessGroup.__dict__["reduce_scatter_single_coalesced"]
 
     @property
     def stats(self) -> collections.Counter:

@@ -2,10 +2,11 @@
 // gloo's and oneCCL's bindings are, DDP's comm hook included").
 //
 // A ToroidBackend is the c10d Backend a toroid process group registers for its devices. torch's
-// C++ ProcessGroup calls it without Python for the group's all_reduce and broadcast (from
-// dist.all_reduce, DDP's reducer and its comm hooks, or a "cpu:toroid,cuda:nccl" group), and it
-// takes the calls toroid can make as they are: one dense contiguous CPU tensor of a toroid type,
-// a toroid operator, no timeout of the call's own, no wire type on the group. Blocking ones run
+// C++ ProcessGroup calls it without Python for the group's collectives, send and recv
+// (NATIVE_OPS in _backend.py; from torch.distributed, DDP's reducer and its comm hooks, FSDP, or
+// a "cpu:toroid,cuda:nccl" group), and it takes the calls toroid can make as they are: dense
+// contiguous CPU tensors of a toroid type, a toroid operator, no timeout of the call's own, no
+// wire type on the group. Blocking ones run
 // on the caller's thread (toroid runs them there when the communicator is idle); async ones are
 // queued on the communicator and come back as a Work whose future a completion thread of this
 // module completes, in issue order, without the GIL. Every other call, and every other
@@ -40,6 +41,31 @@ int dense_pair(const CommState& comm, const at::Tensor& out, const at::Tensor& i
   return type >= 0 && dense_cpu(comm, out) == type ? type : -1;
 }
 
+// Whether `outs` are a list-form all-gather's outputs for `in`: `size` CPU tensors of its type
+// and element count (any shape and strides: the result is copied into them).
+bool outputs_of(const std::vector<at::Tensor>& outs, const at::Tensor& in, int size) {
+  return outs.size() == static_cast<size_t>(size) && std::all_of(outs.begin(), outs.end(), [&](const at::Tensor& t) {
+           return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && !t.is_conj() && !t.is_neg() &&
+                  t.scalar_type() == in.scalar_type() && t.numel() == in.numel();
+         });
+}
+
+// Whether `out` and `in` are pairs of a coalesced all-gather (`out_per_in` = size: each output
+// is size x its input) or reduce-scatter (`in_per_out` = size): as many of each, every pair
+// dense, contiguous and of one toroid type, of the operation's sizes.
+bool pairs_of(const CommState& comm, const std::vector<at::Tensor>& out, const std::vector<at::Tensor>& in,
+              int64_t out_per_in, int64_t in_per_out) {
+  if (out.size() != in.size()) {
+    return false;
+  }
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (dense_pair(comm, out[i], in[i]) < 0 || out[i].numel() * in_per_out != in[i].numel() * out_per_in) {
+      return false;
+    }
+  }
+  return true;
+}
+
 // The names of one operation: toroid's blocking and queued functions, and torch's.
 struct Names {
   const char* blocking;
@@ -55,6 +81,13 @@ constexpr Names kBarrierNames{"toroid_barrier", "toroid_barrier_async", "barrier
 // (send and recv are always queued: see point_to_point)
 constexpr Names kSendNames{"toroid_send", "toroid_send_async", "send"};
 constexpr Names kRecvNames{"toroid_recv", "toroid_recv_async", "recv"};
+constexpr Names kReduceNames{"toroid_reduce", "toroid_reduce_async", "reduce"};
+constexpr Names kAllGatherListNames{"toroid_all_gather", "toroid_all_gather_async", "allgather"};
+// (a group's calls are recorded, and run or queued by its end)
+constexpr Names kAllReduceCoalescedNames{"toroid_group_end", "toroid_group_end_async", "allreduce_coalesced"};
+constexpr Names kAllGatherCoalescedNames{"toroid_group_end", "toroid_group_end_async", "all_gather_coalesced"};
+constexpr Names kReduceScatterCoalescedNames{"toroid_group_end", "toroid_group_end_async",
+                                             "reduce_scatter_coalesced"};
 
 class ToroidBackend : public Backend {
  public:
@@ -162,6 +195,131 @@ class ToroidBackend : public Backend {
         [&](void** w) { return api.all_to_all_async(h, src, dst, n, dtype, w); });
   }
 
+  // reduce of one tensor, in place at the root (the others' tensors are only read).
+  WorkPtr reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override {
+    void* h = comm_->handle();
+    int dtype = dense_cpu(*comm_, tensors);
+    int op = comm_->op_code(opts.reduceOp);
+    if (h == nullptr || dtype < 0 || op < 0 || opts.timeout.count() > 0 || opts.rootTensor != 0 || opts.rootRank < 0 ||
+        opts.rootRank >= getSize()) {
+      return python("reduce", c10d::OpType::REDUCE, tensors, tensors, opts);
+    }
+    void* buf = tensors[0].data_ptr();
+    auto n = static_cast<size_t>(tensors[0].numel());
+    auto root = static_cast<int>(opts.rootRank);
+    const Api& api = comm_->api();
+    return run(
+        kReduce, kReduceNames, c10d::OpType::REDUCE, opts.asyncOp, tensors, {},
+        [&] { return api.reduce(h, buf, buf, n, dtype, op, root); },
+        [&](void** w) { return api.reduce_async(h, buf, buf, n, dtype, op, root, w); });
+  }
+
+  // dist.all_gather: one input, a list of `size` outputs of its type and element count (any
+  // shapes and strides, as gloo's). Gathered into one staging buffer, then copied out, as gloo
+  // does; the copy runs after the operation (on the thread that finishes it).
+  WorkPtr allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                    const c10d::AllgatherOptions& opts) override {
+    void* h = comm_->handle();
+    int dtype = dense_cpu(*comm_, inputs);
+    if (h == nullptr || dtype < 0 || opts.timeout.count() > 0 || outputs.size() != 1 ||
+        !outputs_of(outputs[0], inputs[0], getSize())) {
+      return python("allgather", c10d::OpType::ALLGATHER, outputs.size() == 1 ? outputs[0] : std::vector<at::Tensor>{},
+                    outputs, inputs, opts);
+    }
+    const at::Tensor& in = inputs[0];
+    at::Tensor staging = at::empty({getSize() * in.numel()}, in.options());
+    const void* src = in.data_ptr();
+    void* dst = staging.data_ptr();
+    auto n = static_cast<size_t>(in.numel());
+    std::vector<at::Tensor> outs = outputs[0];
+    Then copy_out = [outs, staging, n] {
+      size_t bytes = n * static_cast<size_t>(staging.element_size());
+      const char* from = static_cast<const char*>(staging.data_ptr());
+      for (size_t r = 0; r < outs.size(); ++r) {
+        at::Tensor out = outs[r];
+        if (out.is_contiguous()) {  // (the usual case: a plain copy, without torch's dispatch)
+          std::memcpy(out.data_ptr(), from + r * bytes, bytes);
+        } else {
+          out.copy_(staging.narrow(0, static_cast<int64_t>(r * n), static_cast<int64_t>(n)).view(out.sizes()));
+        }
+      }
+    };
+    const Api& api = comm_->api();
+    return run(
+        kAllGatherList, kAllGatherListNames, c10d::OpType::ALLGATHER, opts.asyncOp, outputs[0], {in, staging},
+        [&] { return api.all_gather(h, src, dst, n, dtype); },
+        [&](void** w) { return api.all_gather_async(h, src, dst, n, dtype, w); }, std::move(copy_out));
+  }
+
+  // allreduce_coalesced (dist.all_reduce_coalesced, torch's _coalescing_manager): one in-place
+  // all-reduce per tensor, all of one type, as one toroid group.
+  WorkPtr allreduce_coalesced(std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
+    void* h = comm_->handle();
+    int dtype = tensors.empty() ? -1 : dense_cpu(*comm_, tensors[0]);
+    int op = comm_->op_code(opts.reduceOp);
+    bool same = std::all_of(tensors.begin(), tensors.end(), [&](const at::Tensor& t) { return dense_cpu(*comm_, t) == dtype; });
+    if (h == nullptr || dtype < 0 || !same || op < 0 || opts.timeout.count() > 0 ||
+        comm_->wire.load(std::memory_order_relaxed)) {
+      return python("allreduce_coalesced", c10d::OpType::ALLREDUCE_COALESCED, tensors, tensors, opts);
+    }
+    const Api& api = comm_->api();
+    return grouped(kAllReduceCoalesced, kAllReduceCoalescedNames, c10d::OpType::ALLREDUCE_COALESCED, opts.asyncOp,
+                   tensors, {}, h, [&] {
+                     for (auto& t : tensors) {
+                       void* buf = t.data_ptr();
+                       int code = api.all_reduce(h, buf, buf, static_cast<size_t>(t.numel()), dtype, op);
+                       if (code != 0) {
+                         return code;
+                       }
+                     }
+                     return 0;
+                   });
+  }
+
+  // all_gather_into_tensor in a coalescing block (FSDP1's, torch's _coalescing_manager): one
+  // all_gather_single per pair, as one toroid group.
+  WorkPtr all_gather_single_coalesced(std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,
+                                      const c10d::AllgatherOptions& opts) override {
+    void* h = comm_->handle();
+    if (h == nullptr || opts.timeout.count() > 0 || !pairs_of(*comm_, out, in, getSize(), 1)) {
+      return python("all_gather_single_coalesced", c10d::OpType::COALESCED, out, out, in, opts);
+    }
+    const Api& api = comm_->api();
+    return grouped(kAllGatherCoalesced, kAllGatherCoalescedNames, c10d::OpType::COALESCED, opts.asyncOp, out, in, h,
+                   [&] {
+                     for (size_t i = 0; i < out.size(); ++i) {
+                       int code = api.all_gather(h, in[i].data_ptr(), out[i].data_ptr(),
+                                                 static_cast<size_t>(in[i].numel()), dense_cpu(*comm_, in[i]));
+                       if (code != 0) {
+                         return code;
+                       }
+                     }
+                     return 0;
+                   });
+  }
+
+  // reduce_scatter_tensor in a coalescing block: one reduce_scatter_single per pair, one group.
+  WorkPtr reduce_scatter_single_coalesced(std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,
+                                          const c10d::ReduceScatterOptions& opts) override {
+    void* h = comm_->handle();
+    int op = comm_->op_code(opts.reduceOp);
+    if (h == nullptr || op < 0 || opts.timeout.count() > 0 || !pairs_of(*comm_, out, in, 1, getSize())) {
+      return python("reduce_scatter_single_coalesced", c10d::OpType::COALESCED, out, out, in, opts);
+    }
+    const Api& api = comm_->api();
+    return grouped(kReduceScatterCoalesced, kReduceScatterCoalescedNames, c10d::OpType::COALESCED, opts.asyncOp, out,
+                   in, h, [&] {
+                     for (size_t i = 0; i < out.size(); ++i) {
+                       int code = api.reduce_scatter(h, in[i].data_ptr(), out[i].data_ptr(),
+                                                     static_cast<size_t>(out[i].numel()), dense_cpu(*comm_, in[i]), op);
+                       if (code != 0) {
+                         return code;
+                       }
+                     }
+                     return 0;
+                   });
+  }
+
   // send and recv of one tensor (torch's tag is not toroid's: messages between two ranks arrive
   // in order, as the Python path has them), always queued: torch waits on the Work (dist.send),
   // and a wait that finds it not yet started runs it on the waiting thread.
@@ -202,21 +360,9 @@ class ToroidBackend : public Backend {
   WorkPtr allreduce_sparse(std::vector<at::Tensor>& t, const c10d::AllreduceOptions& o) override {
     return inner_->allreduce_sparse(t, o);
   }
-  WorkPtr allreduce_coalesced(std::vector<at::Tensor>& t, const c10d::AllreduceCoalescedOptions& o) override {
-    return inner_->allreduce_coalesced(t, o);
-  }
-  WorkPtr reduce(std::vector<at::Tensor>& t, const c10d::ReduceOptions& o) override { return inner_->reduce(t, o); }
-  WorkPtr allgather(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
-                    const c10d::AllgatherOptions& o) override {
-    return inner_->allgather(out, in, o);
-  }
   WorkPtr allgather_coalesced(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
                               const c10d::AllgatherOptions& o) override {
     return inner_->allgather_coalesced(out, in, o);
-  }
-  WorkPtr all_gather_single_coalesced(std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,
-                                      const c10d::AllgatherOptions& o) override {
-    return inner_->all_gather_single_coalesced(out, in, o);
   }
   WorkPtr gather(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
                  const c10d::GatherOptions& o) override {
@@ -233,10 +379,6 @@ class ToroidBackend : public Backend {
                          const c10d::ReduceScatterOptions& o) override {
     return inner_->reduce_scatter(out, in, o);
   }
-  WorkPtr reduce_scatter_single_coalesced(std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,
-                                          const c10d::ReduceScatterOptions& o) override {
-    return inner_->reduce_scatter_single_coalesced(out, in, o);
-  }
   WorkPtr alltoall(std::vector<at::Tensor>& out, std::vector<at::Tensor>& in, const c10d::AllToAllOptions& o) override {
     return inner_->alltoall(out, in, o);
   }
@@ -250,35 +392,66 @@ class ToroidBackend : public Backend {
  private:
   // One toroid call: blocking (`now()`) on the caller's thread, where toroid runs it when the
   // communicator is idle, as a completed Work; or queued (`queue(&work)`) as a ToroidWork.
-  // `tensors` are the call's result, `inputs` the other tensors it reads.
+  // `tensors` are the call's result, `inputs` the other tensors it reads; `then` runs once the
+  // operation has succeeded.
   template <typename Now, typename Queue>
   WorkPtr run(Count count, const Names& names, c10d::OpType type, bool async_op, std::vector<at::Tensor> tensors,
-              std::vector<at::Tensor> inputs, Now now, Queue queue) {
+              std::vector<at::Tensor> inputs, Now now, Queue queue, Then then = {}) {
     if (async_op) {
-      return queued(count, names, type, std::move(tensors), std::move(inputs), queue);
+      return queued(count, names, type, std::move(tensors), std::move(inputs), queue, std::move(then));
     }
     comm_->counts[count].fetch_add(1, std::memory_order_relaxed);
     int code = now();
+    if (code == 0 && then) {
+      code = run_then(then);
+    }
     if (code != 0) {
       comm_->errors().raise(names.blocking, code, names.op);
     }
     return c10::make_intrusive<DoneWork>(std::move(tensors), type, comm_->rank());
   }
 
-  // The queued form alone (`queue(&work)`), as a ToroidWork.
+  // The queued form alone (`queue(&work)`), as a ToroidWork; a call that queued nothing (an
+  // empty group) as a completed Work.
   template <typename Queue>
   WorkPtr queued(Count count, const Names& names, c10d::OpType type, std::vector<at::Tensor> tensors,
-                 std::vector<at::Tensor> inputs, Queue queue) {
+                 std::vector<at::Tensor> inputs, Queue queue, Then then = {}) {
     comm_->counts[count].fetch_add(1, std::memory_order_relaxed);
     void* work = nullptr;
     int code = queue(&work);
     if (code != 0) {
       comm_->errors().raise(names.queued, code, names.op);
     }
+    if (work == nullptr) {
+      return c10::make_intrusive<DoneWork>(std::move(tensors), type, comm_->rank());
+    }
     auto w = c10::make_intrusive<ToroidWork>(comm_, work, std::move(tensors), std::move(inputs), type, names.queued,
-                                             names.op);
+                                             names.op, std::move(then));
     comm_->keep(w);
     return w;
+  }
+
+  // Several calls as one toroid group (NCCL's ncclGroupStart/End: toroid packs consecutive
+  // small all-reduces into one): `record()` makes the blocking calls, which the open group
+  // records; the group's end runs them (blocking) or queues them as one work. The group is
+  // closed whatever `record` returns, so every rank queues what it recorded.
+  template <typename Record>
+  WorkPtr grouped(Count count, const Names& names, c10d::OpType type, bool async_op, std::vector<at::Tensor> tensors,
+                  std::vector<at::Tensor> inputs, void* h, Record record) {
+    const Api& api = comm_->api();
+    auto in_group = [&](auto end) {
+      int code = api.group_start(h);
+      if (code != 0) {
+        return code;
+      }
+      int recorded = record();
+      code = end();
+      return recorded != 0 ? recorded : code;
+    };
+    return run(
+        count, names, type, async_op, std::move(tensors), std::move(inputs),
+        [&] { return in_group([&] { return api.group_end(h); }); },
+        [&](void** w) { return in_group([&] { return api.group_end_async(h, w); }); });
   }
 
   // A send (`kind` kSend) or recv (kRecv) with `peer`; inside a coalescing block

@@ -188,9 +188,10 @@ def comm_state(native, pg) -> Any:
     from ._types import _OPS, _TYPES
 
     loaded = _lib.lib()
-    names = [f"toroid_{op}{form}" for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all",
-                                             "barrier") for form in ("", "_async")]
-    names += ["toroid_send_async", "toroid_recv_async", "toroid_work_wait", "toroid_work_test", "toroid_work_free"]
+    names = [f"toroid_{op}{form}" for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce",
+                                             "all_to_all", "barrier") for form in ("", "_async")]
+    names += ["toroid_send_async", "toroid_recv_async", "toroid_group_start", "toroid_group_end",
+              "toroid_group_end_async", "toroid_work_wait", "toroid_work_test", "toroid_work_free"]
     addresses = {n: ctypes.cast(getattr(loaded, n), ctypes.c_void_p).value for n in names}
     ref = weakref.ref(pg)
     state = native.CommState(pg._comm._live(), addresses, lambda f, c, n: _native_error(ref, f, c, n), pg.rank())

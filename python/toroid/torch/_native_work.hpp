@@ -9,11 +9,14 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -40,12 +43,17 @@ struct Api {
   int (*all_gather_async)(void*, const void*, void*, size_t, int, void**) = nullptr;
   int (*reduce_scatter)(void*, const void*, void*, size_t, int, int) = nullptr;
   int (*reduce_scatter_async)(void*, const void*, void*, size_t, int, int, void**) = nullptr;
+  int (*reduce)(void*, const void*, void*, size_t, int, int, int) = nullptr;
+  int (*reduce_async)(void*, const void*, void*, size_t, int, int, int, void**) = nullptr;
   int (*all_to_all)(void*, const void*, void*, size_t, int) = nullptr;
   int (*all_to_all_async)(void*, const void*, void*, size_t, int, void**) = nullptr;
   int (*barrier)(void*) = nullptr;
   int (*barrier_async)(void*, void**) = nullptr;
   int (*send_async)(void*, const void*, size_t, int, int, void**) = nullptr;
   int (*recv_async)(void*, void*, size_t, int, int, void**) = nullptr;
+  int (*group_start)(void*) = nullptr;
+  int (*group_end)(void*) = nullptr;
+  int (*group_end_async)(void*, void**) = nullptr;
   int (*work_wait)(void*, int64_t) = nullptr;
   int (*work_test)(void*, int*) = nullptr;
   void (*work_free)(void*) = nullptr;
@@ -67,12 +75,17 @@ struct Api {
     get(api.all_gather_async, "toroid_all_gather_async");
     get(api.reduce_scatter, "toroid_reduce_scatter");
     get(api.reduce_scatter_async, "toroid_reduce_scatter_async");
+    get(api.reduce, "toroid_reduce");
+    get(api.reduce_async, "toroid_reduce_async");
     get(api.all_to_all, "toroid_all_to_all");
     get(api.all_to_all_async, "toroid_all_to_all_async");
     get(api.barrier, "toroid_barrier");
     get(api.barrier_async, "toroid_barrier_async");
     get(api.send_async, "toroid_send_async");
     get(api.recv_async, "toroid_recv_async");
+    get(api.group_start, "toroid_group_start");
+    get(api.group_end, "toroid_group_end");
+    get(api.group_end_async, "toroid_group_end_async");
     get(api.work_wait, "toroid_work_wait");
     get(api.work_test, "toroid_work_test");
     get(api.work_free, "toroid_work_free");
@@ -137,14 +150,34 @@ struct Errors {
 
 class CommState;
 
+// What a call does after its toroid operation has run, on whichever thread finishes it: copies
+// a staging buffer into the call's tensors (a list-form all-gather's). Empty for most calls.
+using Then = std::function<void()>;
+
+constexpr int kInternalError = 2;  // TOROID_INTERNAL_ERROR
+
+// Runs a call's step after its operation (shapes and types were checked when it was issued, so
+// a failure here is a bug: reported as toroid's internal error rather than thrown on a thread
+// that cannot take it).
+inline int run_then(const Then& then) noexcept {
+  try {
+    then();
+    return 0;
+  } catch (...) {
+    return kInternalError;
+  }
+}
+
 // The Work of an async toroid call: it keeps the call's tensors alive until the operation has
 // run, frees the toroid work once it has, and has its future (made when first asked for)
 // completed by the communicator's completion thread.
 class ToroidWork : public Work {
  public:
-  // `tensors`: the call's result (its future's value); `inputs`: the other tensors it reads.
+  // `tensors`: the call's result (its future's value); `inputs`: the other tensors it reads
+  // (a staging buffer among them); `then`: run once the operation has succeeded.
   ToroidWork(std::shared_ptr<CommState> comm, void* work, std::vector<at::Tensor> tensors,
-             std::vector<at::Tensor> inputs, c10d::OpType type, const char* function, const char* name);
+             std::vector<at::Tensor> inputs, c10d::OpType type, const char* function, const char* name,
+             Then then = {});
   ~ToroidWork() override;
 
   // Waits for the operation (timeout_ms < 0: the communicator's timeout; past a shorter one
@@ -175,6 +208,7 @@ class ToroidWork : public Work {
   int code_ = 0;
   std::vector<at::Tensor> tensors_;
   std::vector<at::Tensor> inputs_;  // (alive until the operation has run, as tensors_)
+  Then then_;
   const char* function_;
   const char* name_;
   std::mutex future_mu_;  // guards the three below
@@ -244,10 +278,25 @@ class PyWorkProxy : public Work {
 constexpr size_t kTypes = 64;  // at::ScalarType values this module maps
 constexpr size_t kOps = 16;    // c10d::ReduceOp::RedOpType values
 // The operations this module takes, as the group's stats name them (take_counts).
-enum Count : size_t { kAllReduce, kBroadcast, kAllGather, kReduceScatter, kAllToAll, kBarrier, kSend, kRecv, kCounts };
+enum Count : size_t {
+  kAllReduce,
+  kBroadcast,
+  kAllGather,
+  kReduceScatter,
+  kAllToAll,
+  kBarrier,
+  kSend,
+  kRecv,
+  kReduce,
+  kAllGatherList,
+  kAllReduceCoalesced,
+  kAllGatherCoalesced,
+  kReduceScatterCoalesced,
+  kCounts
+};
 constexpr std::array<const char*, kCounts> kCountNames = {
     "allreduce", "broadcast", "all_gather_single", "reduce_scatter_single", "all_to_all_single", "barrier", "send",
-    "recv"};
+    "recv", "reduce", "allgather", "allreduce_coalesced", "all_gather_coalesced", "reduce_scatter_coalesced"};
 
 // One toroid communicator as the torch group's backends see it: its handle (null once the
 // group has released it), the toroid functions, the type and operator tables, the works still
@@ -375,9 +424,10 @@ class CommState : public std::enable_shared_from_this<CommState> {
 };
 
 ToroidWork::ToroidWork(std::shared_ptr<CommState> comm, void* work, std::vector<at::Tensor> tensors,
-                       std::vector<at::Tensor> inputs, c10d::OpType type, const char* function, const char* name)
+                       std::vector<at::Tensor> inputs, c10d::OpType type, const char* function, const char* name,
+                       Then then)
     : Work(comm->rank(), type), comm_(std::move(comm)), work_(work), tensors_(std::move(tensors)),
-      inputs_(std::move(inputs)), function_(function), name_(name) {}
+      inputs_(std::move(inputs)), then_(std::move(then)), function_(function), name_(name) {}
 
 ToroidWork::~ToroidWork() {
   // (only finished works are dropped, the communicator keeps the others: CommState::keep)
@@ -399,6 +449,11 @@ void ToroidWork::take(int64_t timeout_ms) {
   code_ = api.work_wait(work_, timeout_ms);
   api.work_free(work_);
   work_ = nullptr;
+  if (code_ == 0 && then_) {
+    code_ = run_then(then_);
+  }
+  then_ = nullptr;
+  inputs_.clear();  // (the operation has run: a staging buffer is freed here)
   done_.store(true, std::memory_order_release);
 }
 
