@@ -116,8 +116,8 @@ def test_mixed_devices_are_refused_by_every_entry_point(pg):
         "reduce_scatter_single_coalesced": lambda: py["reduce_scatter_single_coalesced"]([f()], [c()]),
         "all_to_all_single": lambda: py["all_to_all_single"](c(), f(), [], []),
         "alltoall": lambda: pg.alltoall([f()], [c()]),
-        "gather": lambda: pg.gather([[c()]], [f()]),
-        "scatter": lambda: pg.scatter([f()], [[c()]]),
+        "gather": lambda: py["gather"]([[c()]], [f()]),
+        "scatter": lambda: py["scatter"]([f()], [[c()]]),
         "send": lambda: pg.send([c(), f()], 0, 0),  # (torch's ProcessGroup.send: the tag is required)
         "recv": lambda: pg.recv([f(), c()], 0, 0),
         "recv_anysource": lambda: pg.recv_anysource([f(), c()]),

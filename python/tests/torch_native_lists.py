@@ -34,6 +34,7 @@ def check(rank, size, built, rand, close):
         return None
 
     all_gather(rank, size, counted, finish, rand, close)
+    gather_scatter(rank, size, counted, finish, rand, close)
     reduce(rank, size, counted, finish, rand, close)
     coalesced(rank, size, counted, rand, close)
 
@@ -70,6 +71,50 @@ def all_gather(rank, size, counted, finish, rand, close):
     objs = [None] * size
     dist.all_gather_object(objs, {"rank": rank, "tail": "x" * (rank * 100)})
     assert objs == [{"rank": r, "tail": "x" * (r * 100)} for r in range(size)], objs
+
+
+def gather_scatter(rank, size, counted, finish, rand, close):
+    """dist.gather: the root's list receives every rank's input (the others pass none);
+    dist.scatter: each rank's output receives the root's piece for it. Every type, a few shapes
+    (empty included), every root, blocking, wait() and the future; gather's outputs and
+    scatter's pieces of other shapes and strides."""
+    for i, dtype in enumerate(DTYPES):
+        mode, root, shape = MODES[i % 3], i % size, ((7,), (0,), (5, 3))[i % 3]
+        x = rand(shape, dtype, 9000 + 100 * i + rank)
+        outs = [torch.full(shape, 3, dtype=dtype) for _ in range(size)] if rank == root else None
+        work = counted("gather", True, lambda: dist.gather(x, outs, dst=root, async_op=mode != "block"))
+        finish(work, mode)
+        if rank == root:
+            close(outs, [rand(shape, dtype, 9000 + 100 * i + r) for r in range(size)],
+                  f"native gather {dtype} {shape} to {root} {mode}")
+        pieces = [rand(shape, dtype, 9500 + 100 * i + r) for r in range(size)] if rank == root else None
+        out = torch.full(shape, 3, dtype=dtype)
+        work = counted("scatter", True, lambda: dist.scatter(out, pieces, src=root, async_op=mode != "block"))
+        finish(work, mode)
+        close(out, rand(shape, dtype, 9500 + 100 * i + rank), f"native scatter {dtype} {shape} from {root} {mode}")
+    # Outputs and pieces of other shapes and strides (transposed ones).
+    root = size - 1
+    x = rand((12,), torch.float64, 9900 + rank)
+    outs = [torch.empty(4, 3, dtype=torch.float64).t() for _ in range(size)] if rank == root else None
+    counted("gather", True, lambda: dist.gather(x, outs, dst=root))
+    if rank == root:
+        close([o.reshape(-1) for o in outs], [rand((12,), torch.float64, 9900 + r) for r in range(size)],
+              "native gather into transposed outputs")
+    pieces = [rand((3, 4), torch.float64, 9950 + r).t() for r in range(size)] if rank == root else None
+    out = torch.empty(4, 3, dtype=torch.float64)
+    counted("scatter", True, lambda: dist.scatter(out, pieces, src=root))
+    close(out, rand((3, 4), torch.float64, 9950 + rank).t(), "native scatter of transposed pieces")
+    # Not taken: a non-contiguous input to gather, a non-contiguous output of scatter (the Python
+    # path, the same results).
+    x = rand((3, 4), torch.int32, 9970 + rank).t()
+    outs = [torch.empty(4, 3, dtype=torch.int32) for _ in range(size)] if rank == 0 else None
+    counted("gather", False, lambda: dist.gather(x, outs, dst=0))
+    if rank == 0:
+        close(outs, [rand((3, 4), torch.int32, 9970 + r).t() for r in range(size)], "gather of a non-contiguous input")
+    pieces = [rand((2, 5), torch.int32, 9980 + r) for r in range(size)] if rank == 0 else None
+    out = torch.empty(5, 2, dtype=torch.int32).t()
+    counted("scatter", False, lambda: dist.scatter(out, pieces, src=0))
+    close(out, rand((2, 5), torch.int32, 9980 + rank), "scatter into a non-contiguous output")
 
 
 def reduce(rank, size, counted, finish, rand, close):

@@ -80,7 +80,7 @@ class _DeviceBackend(_C10dBackend):
 # ProcessGroup methods under these names, and its Python methods under "_py_" + name.
 NATIVE_OPS = ("allreduce", "broadcast", "all_gather_single", "reduce_scatter_single", "all_to_all_single", "barrier",
               "send", "recv", "reduce", "allgather", "allreduce_coalesced", "all_gather_single_coalesced",
-              "reduce_scatter_single_coalesced")
+              "reduce_scatter_single_coalesced", "gather", "scatter")
 
 
 def _forward(name: str):

@@ -549,8 +549,8 @@ class _Collectives:
 
         def finish():
             if self.rank() == root:
-                for r, out in enumerate(output_tensors[0]):
-                    out.copy_(tmp[r])
+                for r, out in enumerate(output_tensors[0]):  # (any shape of the input's size, as all_gather)
+                    out.copy_(tmp[r].view_as(out))
 
         return self._work([w], output_tensors, finish, "gather")
 

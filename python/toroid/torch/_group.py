@@ -40,8 +40,8 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
 
     Where the C++ backend loads (_native.py) a new group is a _NativeGroup: torch's C++
     ProcessGroup takes its all_reduce, broadcast, reduce, all_gather (both forms),
-    reduce_scatter_tensor, their coalesced forms, all_to_all_single, barrier, send and recv to
-    that backend (NATIVE_OPS)."""
+    reduce_scatter_tensor, their coalesced forms, gather, scatter, all_to_all_single, barrier,
+    send and recv to that backend (NATIVE_OPS)."""
 
     # The C++ backend's view of the communicator (_native.py, CommState), where this group has
     # the C++ backend; None until __init__ makes it (set_wire_dtype runs before).
@@ -450,7 +450,8 @@ for _name in NATIVE_OPS:
 class _NativeGroup(ProcessGroupToroid):
     """A ProcessGroupToroid with the C++ backend (_native.cpp): its all_reduce, broadcast,
     reduce, all_gather (list and tensor forms), reduce_scatter_tensor, their coalesced forms,
-    all_to_all_single, barrier, send and recv (NATIVE_OPS) are torch's own C++ ProcessGroup
+    gather, scatter, all_to_all_single, barrier, send and recv (NATIVE_OPS) are torch's own C++
+    ProcessGroup
     methods, which call that backend without Python (so do DDP's reducer, FSDP and a "cpu:toroid,cuda:..." group); the backend takes the
     calls toroid makes as they are and gives the rest to the Python methods (_py_allreduce,
     ...). Its stats count the C++ backend's calls too, under the operation's name and
@@ -471,6 +472,8 @@ class _NativeGroup(ProcessGroupToroid):
         dist.ProcessGroup.__dict__["all_gather_single_coalesced"]
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced = \
         dist.ProcessGroup.__dict__["reduce_scatter_single_coalesced"]
+    gather = dist.ProcessGroup.__dict__["gather"]
+    scatter = dist.ProcessGroup.__dict__["scatter"]
 
     @property
     def stats(self) -> collections.Counter:

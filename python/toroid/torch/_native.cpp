@@ -41,8 +41,9 @@ int dense_pair(const CommState& comm, const at::Tensor& out, const at::Tensor& i
   return type >= 0 && dense_cpu(comm, out) == type ? type : -1;
 }
 
-// Whether `outs` are a list-form all-gather's outputs for `in`: `size` CPU tensors of its type
-// and element count (any shape and strides: the result is copied into them).
+// Whether `outs` are `size` CPU tensors of `in`'s type and element count, of any shape and
+// strides (copied into or out of a staging buffer: a list-form all-gather's or a gather's
+// outputs for `in`, a scatter's inputs for its output `in`).
 bool outputs_of(const std::vector<at::Tensor>& outs, const at::Tensor& in, int size) {
   return outs.size() == static_cast<size_t>(size) && std::all_of(outs.begin(), outs.end(), [&](const at::Tensor& t) {
            return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && !t.is_conj() && !t.is_neg() &&
@@ -83,6 +84,8 @@ constexpr Names kSendNames{"toroid_send", "toroid_send_async", "send"};
 constexpr Names kRecvNames{"toroid_recv", "toroid_recv_async", "recv"};
 constexpr Names kReduceNames{"toroid_reduce", "toroid_reduce_async", "reduce"};
 constexpr Names kAllGatherListNames{"toroid_all_gather", "toroid_all_gather_async", "allgather"};
+constexpr Names kGatherNames{"toroid_all_gather", "toroid_all_gather_async", "gather"};
+constexpr Names kScatterNames{"toroid_broadcast", "toroid_broadcast_async", "scatter"};
 // (a group's calls are recorded, and run or queued by its end)
 constexpr Names kAllReduceCoalescedNames{"toroid_group_end", "toroid_group_end_async", "allreduce_coalesced"};
 constexpr Names kAllGatherCoalescedNames{"toroid_group_end", "toroid_group_end_async", "all_gather_coalesced"};
@@ -226,29 +229,68 @@ class ToroidBackend : public Backend {
       return python("allgather", c10d::OpType::ALLGATHER, outputs.size() == 1 ? outputs[0] : std::vector<at::Tensor>{},
                     outputs, inputs, opts);
     }
-    const at::Tensor& in = inputs[0];
-    at::Tensor staging = at::empty({getSize() * in.numel()}, in.options());
-    const void* src = in.data_ptr();
-    void* dst = staging.data_ptr();
-    auto n = static_cast<size_t>(in.numel());
-    std::vector<at::Tensor> outs = outputs[0];
-    Then copy_out = [outs, staging, n] {
-      size_t bytes = n * static_cast<size_t>(staging.element_size());
-      const char* from = static_cast<const char*>(staging.data_ptr());
-      for (size_t r = 0; r < outs.size(); ++r) {
-        at::Tensor out = outs[r];
-        if (out.is_contiguous()) {  // (the usual case: a plain copy, without torch's dispatch)
-          std::memcpy(out.data_ptr(), from + r * bytes, bytes);
+    return gathered(kAllGatherList, kAllGatherListNames, c10d::OpType::ALLGATHER, opts.asyncOp, h, dtype, inputs[0],
+                    outputs[0]);
+  }
+
+  // dist.gather: as the list-form all-gather (every rank receives every piece; toroid has no
+  // gather of its own), the root's list of `size` outputs filled from the staging buffer.
+  WorkPtr gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                 const c10d::GatherOptions& opts) override {
+    void* h = comm_->handle();
+    int dtype = dense_cpu(*comm_, inputs);
+    bool root = opts.rootRank == getRank();
+    // (the root passes one list of outputs, the others none)
+    bool shaped =
+        dtype >= 0 && (root ? outputs.size() == 1 && outputs_of(outputs[0], inputs[0], getSize()) : outputs.empty());
+    if (h == nullptr || dtype < 0 || opts.timeout.count() > 0 || opts.rootRank < 0 || opts.rootRank >= getSize() ||
+        !shaped) {
+      return python("gather", c10d::OpType::GATHER, outputs.size() == 1 ? outputs[0] : std::vector<at::Tensor>{},
+                    outputs, inputs, opts);
+    }
+    return gathered(kGather, kGatherNames, c10d::OpType::GATHER, opts.asyncOp, h, dtype, inputs[0],
+                    root ? outputs[0] : std::vector<at::Tensor>{});
+  }
+
+  // dist.scatter: the root's `size` pieces copied into one staging buffer when the call is made,
+  // broadcast (toroid has no scatter of its own), and each rank's piece copied into its output
+  // after the operation.
+  WorkPtr scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                  const c10d::ScatterOptions& opts) override {
+    void* h = comm_->handle();
+    int dtype = dense_cpu(*comm_, outputs);
+    bool root = opts.rootRank == getRank();
+    // (the root passes one list of inputs, the others none)
+    bool shaped =
+        dtype >= 0 && (root ? inputs.size() == 1 && outputs_of(inputs[0], outputs[0], getSize()) : inputs.empty());
+    if (h == nullptr || dtype < 0 || opts.timeout.count() > 0 || opts.rootRank < 0 || opts.rootRank >= getSize() ||
+        !shaped) {
+      return python("scatter", c10d::OpType::SCATTER, outputs, outputs, inputs, opts);
+    }
+    at::Tensor out = outputs[0];
+    auto n = static_cast<size_t>(out.numel());
+    at::Tensor staging = at::empty({getSize() * out.numel()}, out.options());
+    if (root) {
+      size_t bytes = n * static_cast<size_t>(out.element_size());
+      for (size_t r = 0; r < inputs[0].size(); ++r) {
+        const at::Tensor& piece = inputs[0][r];
+        auto at = static_cast<int64_t>(r * n);
+        if (piece.is_contiguous()) {
+          std::memcpy(static_cast<char*>(staging.data_ptr()) + r * bytes, piece.data_ptr(), bytes);
         } else {
-          out.copy_(staging.narrow(0, static_cast<int64_t>(r * n), static_cast<int64_t>(n)).view(out.sizes()));
+          staging.narrow(0, at, static_cast<int64_t>(n)).view(piece.sizes()).copy_(piece);
         }
       }
-    };
+    }
+    void* buf = staging.data_ptr();
+    size_t count = n * static_cast<size_t>(getSize());
+    auto from = static_cast<int>(opts.rootRank);
     const Api& api = comm_->api();
     return run(
-        kAllGatherList, kAllGatherListNames, c10d::OpType::ALLGATHER, opts.asyncOp, outputs[0], {in, staging},
-        [&] { return api.all_gather(h, src, dst, n, dtype); },
-        [&](void** w) { return api.all_gather_async(h, src, dst, n, dtype, w); }, std::move(copy_out));
+        kScatter, kScatterNames, c10d::OpType::SCATTER, opts.asyncOp, outputs, {staging},
+        [&] { return api.broadcast(h, buf, buf, count, dtype, from); },
+        [&](void** w) { return api.broadcast_async(h, buf, buf, count, dtype, from, w); },
+        copy_out(staging, n, {out}, static_cast<size_t>(getRank())));
   }
 
   // allreduce_coalesced (dist.all_reduce_coalesced, torch's _coalescing_manager): one in-place
@@ -364,16 +406,8 @@ class ToroidBackend : public Backend {
                               const c10d::AllgatherOptions& o) override {
     return inner_->allgather_coalesced(out, in, o);
   }
-  WorkPtr gather(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
-                 const c10d::GatherOptions& o) override {
-    return inner_->gather(out, in, o);
-  }
   WorkPtr gather_single(at::Tensor& out, at::Tensor& in, const c10d::GatherOptions& o) override {
     return inner_->gather_single(out, in, o);
-  }
-  WorkPtr scatter(std::vector<at::Tensor>& out, std::vector<std::vector<at::Tensor>>& in,
-                  const c10d::ScatterOptions& o) override {
-    return inner_->scatter(out, in, o);
   }
   WorkPtr reduce_scatter(std::vector<at::Tensor>& out, std::vector<std::vector<at::Tensor>>& in,
                          const c10d::ReduceScatterOptions& o) override {
@@ -452,6 +486,40 @@ class ToroidBackend : public Backend {
         count, names, type, async_op, std::move(tensors), std::move(inputs),
         [&] { return in_group([&] { return api.group_end(h); }); },
         [&](void** w) { return in_group([&] { return api.group_end_async(h, w); }); });
+  }
+
+  // An all-gather of `in` into a staging buffer of `size` pieces, copied into `outs` after the
+  // operation (none: nothing copied, a gather's other ranks).
+  WorkPtr gathered(Count count, const Names& names, c10d::OpType type, bool async_op, void* h, int dtype,
+                   const at::Tensor& in, std::vector<at::Tensor> outs) {
+    at::Tensor staging = at::empty({getSize() * in.numel()}, in.options());
+    const void* src = in.data_ptr();
+    void* dst = staging.data_ptr();
+    auto n = static_cast<size_t>(in.numel());
+    const Api& api = comm_->api();
+    Then then = outs.empty() ? Then{} : copy_out(staging, n, outs, 0);
+    return run(
+        count, names, type, async_op, std::move(outs), {in, staging},
+        [&] { return api.all_gather(h, src, dst, n, dtype); },
+        [&](void** w) { return api.all_gather_async(h, src, dst, n, dtype, w); }, std::move(then));
+  }
+
+  // Copies pieces `first`, `first + 1`, ... of `n` elements of `staging` into `outs`: plainly
+  // where an output is contiguous, else through torch's copy (any shape and strides).
+  static Then copy_out(at::Tensor staging, size_t n, std::vector<at::Tensor> outs, size_t first) {
+    return [staging = std::move(staging), n, outs = std::move(outs), first] {
+      size_t bytes = n * static_cast<size_t>(staging.element_size());
+      const char* from = static_cast<const char*>(staging.data_ptr());
+      for (size_t i = 0; i < outs.size(); ++i) {
+        at::Tensor out = outs[i];
+        size_t piece = first + i;
+        if (out.is_contiguous()) {  // (the usual case: a plain copy, without torch's dispatch)
+          std::memcpy(out.data_ptr(), from + piece * bytes, bytes);
+        } else {
+          out.copy_(staging.narrow(0, static_cast<int64_t>(piece * n), static_cast<int64_t>(n)).view(out.sizes()));
+        }
+      }
+    };
   }
 
   // A send (`kind` kSend) or recv (kRecv) with `peer`; inside a coalescing block

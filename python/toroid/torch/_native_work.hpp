@@ -292,11 +292,14 @@ enum Count : size_t {
   kAllReduceCoalesced,
   kAllGatherCoalesced,
   kReduceScatterCoalesced,
+  kGather,
+  kScatter,
   kCounts
 };
 constexpr std::array<const char*, kCounts> kCountNames = {
     "allreduce", "broadcast", "all_gather_single", "reduce_scatter_single", "all_to_all_single", "barrier", "send",
-    "recv", "reduce", "allgather", "allreduce_coalesced", "all_gather_coalesced", "reduce_scatter_coalesced"};
+    "recv", "reduce", "allgather", "allreduce_coalesced", "all_gather_coalesced", "reduce_scatter_coalesced", "gather",
+    "scatter"};
 
 // One toroid communicator as the torch group's backends see it: its handle (null once the
 // group has released it), the toroid functions, the type and operator tables, the works still
