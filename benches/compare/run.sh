@@ -3,7 +3,8 @@
 # (our own mpi_allreduce_bench.c, timed the same way), oneCCL (oneccl_allreduce_bench.cpp), and
 # PyTorch's gloo backend when torch is installed. Prints one table per rank count with the median
 # over RUNS interleaved runs and the ratio toroid/other per size, for busbw (higher is better) and
-# time (lower is better); then, with torch, toroid and gloo through torch.distributed.
+# time (lower is better); then, with torch, toroid and gloo through torch.distributed, and
+# toroid's numpy binding.
 #
 #   benches/compare/run.sh                  # 2 and 4 ranks, 4 KiB .. 64 MiB, 5 runs each
 #   RANKS="2 4 8" RUNS=3 benches/compare/run.sh
@@ -131,7 +132,7 @@ echo "# uptime after:  $(uptime)"
 python3 "$here/table.py" "$out" $RANKS
 # Through torch: torch.distributed's all_reduce on toroid and on gloo in the same processes,
 # alternating (python -m toroid.bench, which checks every result), with this checkout's package
-# and release library.
+# and release library; beside them toroid's own numpy binding on the same communicator.
 if [ "$TORCH" = 1 ] && python3 -c "import torch.distributed, numpy" 2>/dev/null; then
     (cd "$root" && cargo build --release --quiet --lib)
     for n in $RANKS; do
@@ -139,6 +140,7 @@ if [ "$TORCH" = 1 ] && python3 -c "import torch.distributed, numpy" 2>/dev/null;
         echo "## $n ranks through torch.distributed (python -m toroid.bench)"
         PYTHONPATH="$root/python" TOROID_LIBRARY="$root/target/release/libtoroid.so" \
             python3 -m toroid.bench --ranks "$n" -b "$MINB" -e "$MAXB" -f "$FACTOR" --timeout 900 \
+            --backends gloo,toroid,numpy \
             || echo "# toroid.bench failed (exit status $?)"
     done
 fi

@@ -53,6 +53,22 @@ def test_bench_one_backend(tmp_path):
     assert "gloo_p50_us" not in row and "speedup" not in row
 
 
+def test_bench_numpy_backend(tmp_path):
+    # toroid's own binding on the toroid group's communicator, beside torch's path, 3 ranks, its
+    # results checked as the others' are; the table gets its two columns.
+    out = tmp_path / "rows.json"
+    p = _run(tmp_path, "--ranks", "3", "--backends", "toroid,numpy", "--sizes", "4K,64K", "--iters", "4",
+             "--rounds", "2", "--call", "wait", "--dtype", "float64", "--timeout", "180", "--json", str(out))
+    assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout}\n{p.stderr}"
+    doc = json.loads(out.read_text())
+    assert doc["backends"] == ["toroid", "numpy"] and "numpy us" in p.stdout, p.stdout
+    for r in doc["rows"]:
+        assert r["numpy_p50_us"] > 0 and r["numpy_busbw_gbps"] > 0 and r["toroid_p50_us"] > 0, r
+        assert "speedup" not in r
+    table = [line.split() for line in p.stdout.splitlines() if not line.startswith("#")]
+    assert [len(t) for t in table] == [10, 10], p.stdout  # (gloo's and the speed-up columns are "-")
+
+
 @pytest.mark.parametrize("op,call", [("all_gather", "blocking"), ("reduce_scatter", "wait")])
 def test_bench_fsdp_collectives(tmp_path, op, call):
     # 3 ranks: 4 KiB is rounded down to whole pieces (4092 bytes); both backends' results are
@@ -87,6 +103,7 @@ def test_sizes_and_arguments():
         with pytest.raises(SystemExit):
             bench.parser().parse_args(bad)
     for bad in (["--backends", "nccl"], ["--dtype", "float32", "--sizes", "6"], ["--op", "all_gather", "--sizes", "4"],
-                ["--op", "reduce_scatter", "--call", "future"]):
+                ["--op", "reduce_scatter", "--call", "future"], ["--backends", "numpy", "--op", "all_gather"],
+                ["--backends", "numpy", "--call", "future"], ["--backends", "numpy", "--dtype", "bfloat16"]):
         with pytest.raises(SystemExit):
             bench.main(bad)

@@ -6,6 +6,7 @@ reduce_scatter_tensor) through torch.distributed on this machine.
     python -m toroid.bench --backends toroid --dtype bfloat16
     python -m toroid.bench --sizes 4K,64K --call future   # async, through the Work's future (DDP's)
     python -m toroid.bench --op all_gather --sizes 4K,16M  # all_gather_into_tensor (FSDP's)
+    python -m toroid.bench --backends gloo,toroid,numpy     # and toroid's own numpy binding
 
 It starts the ranks itself (`python -m toroid.bench --worker`, torch's env:// variables with a
 free MASTER_PORT on 127.0.0.1). Every rank creates the world with `init_process_group("gloo")`
@@ -22,7 +23,10 @@ all-reduce after the size's calls). busbw = bytes / time * 2(n-1)/n for all_redu
 for the others, as nccl-tests defines it. Every size's result of each backend is checked,
 element by element, against a reference (the sum of every rank's input, or their
 concatenation, or this rank's piece of the sum) computed by each rank itself; a wrong result
-fails the run. The whole run is bounded by --timeout: a rank that fails or a run that overstays stops
+fails the run. `numpy` (not in the default set) adds toroid's own Python binding on the toroid
+group's communicator (`comm.all_reduce` of a numpy view of the same buffer; all_reduce,
+blocking or wait, not bfloat16), to compare the numpy path with torch's. The whole run is
+bounded by --timeout: a rank that fails or a run that overstays stops
 every rank, and the exit status is nonzero.
 """
 
@@ -43,7 +47,8 @@ import sys
 import tempfile
 import time
 
-BACKENDS = ("gloo", "toroid")
+BACKENDS = ("gloo", "toroid", "numpy")
+DEFAULT_BACKENDS = ("gloo", "toroid")
 CALLS = ("blocking", "wait", "future")
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 _ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
@@ -72,7 +77,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-bytes", "-e", type=parse_size, default=64 << 20, help="largest size (default 64M)")
     p.add_argument("--factor", "-f", type=int, default=4, help="ratio of consecutive sizes (default 4)")
     p.add_argument("--dtype", choices=list(_ITEMSIZE), default="float32", help="element type (default float32); op SUM")
-    p.add_argument("--backends", type=_list, default=list(BACKENDS), help="which of gloo,toroid (default both)")
+    p.add_argument("--backends", type=_list, default=list(DEFAULT_BACKENDS),
+                   help="which of gloo,toroid,numpy (default gloo,toroid; numpy: toroid's own binding)")
     p.add_argument("--iters", type=int, help="timed calls per backend and size (default: 2 GiB of messages, "
                                              "20 to 1000 calls: 1000 up to 1 MiB, 32 at 64 MiB)")
     p.add_argument("--rounds", type=int, default=4, help="rounds each size's calls are split into (default 4)")
@@ -142,8 +148,9 @@ def worker(args: argparse.Namespace) -> None:
     timeout = datetime.timedelta(seconds=args.timeout)
     dist.init_process_group("gloo", timeout=timeout)  # env://; also gathers the timings
     groups = {"gloo": dist.group.WORLD}
-    if "toroid" in args.backends:
+    if "toroid" in args.backends or "numpy" in args.backends:
         groups["toroid"] = dist.new_group(backend="toroid", timeout=timeout)
+    comm = groups["toroid"].comm if "numpy" in args.backends else None  # (the numpy backend's)
     backends = [b for b in BACKENDS if b in args.backends]
     dtype = getattr(torch, args.dtype)
     results = open(args.worker, "w") if rank == 0 else None
@@ -176,16 +183,19 @@ def worker(args: argparse.Namespace) -> None:
                 bound = bound[rank * piece:(rank + 1) * piece] if bound.dim() else bound
         del every
         buf = torch.empty(piece if args.op == "reduce_scatter" else count, dtype=dtype)  # the output
+        arr = buf.numpy() if comm is not None else None  # (the same memory)
         iters = iters_for(size, args)
         times: dict[str, list[int]] = {b: [] for b in backends}
 
         def calls(b: str, k: int, timed: bool) -> None:
-            group, async_op = groups[b], args.call != "blocking"
+            group, async_op = groups.get(b), args.call != "blocking"
             for _ in range(k):
                 if args.op == "all_reduce":
                     buf.copy_(mine)  # each call reduces the inputs, not the last result
                 t0 = time.perf_counter_ns()
-                if args.op == "all_gather":
+                if b == "numpy":
+                    work = comm.all_reduce(arr, async_op=async_op)  # (in place, SUM)
+                elif args.op == "all_gather":
                     work = dist.all_gather_into_tensor(buf, mine, group=group, async_op=async_op)
                 elif args.op == "reduce_scatter":
                     work = dist.reduce_scatter_tensor(buf, mine, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
@@ -215,7 +225,7 @@ def worker(args: argparse.Namespace) -> None:
             for b, ns in zip(backends, p50.tolist()):
                 row[f"{b}_p50_us"] = ns / 1e3
                 row[f"{b}_busbw_gbps"] = size / ns * (2 if args.op == "all_reduce" else 1) * (n - 1) / n  # GB/s
-            if len(backends) == 2:
+            if "gloo" in backends and "toroid" in backends:
                 row["speedup"] = row["gloo_p50_us"] / row["toroid_p50_us"]
             print(json.dumps(row), file=results, flush=True)
     if results:
@@ -249,7 +259,8 @@ def _header(facts: dict) -> list[str]:
             f"busbw GB/s = bytes/time * {'2(n-1)/n' if facts.get('collective', 'all_reduce') == 'all_reduce' else '(n-1)/n'}; "
             "speed-up = gloo us / toroid us",
             f"# {'bytes':>10} {'count':>10} {'calls':>5} {'gloo us':>10} {'toroid us':>10} {'gloo GB/s':>10} "
-            f"{'toroid GB/s':>11} {'speed-up':>9}"]
+            f"{'toroid GB/s':>11} {'speed-up':>9}" + (f" {'numpy us':>10} {'numpy GB/s':>10}"
+                                                     if "numpy" in facts.get("backends", ()) else "")]
 
 
 _OP_TEXT = {"all_reduce": "all_reduce in place", "all_gather": "all_gather_into_tensor (bytes: the output)",
@@ -261,7 +272,8 @@ def _row(r: dict) -> str:
     g, t = r.get("gloo_p50_us"), r.get("toroid_p50_us")
     return (f"  {r['bytes']:>10} {r['count']:>10} {r['iters']:>5} {_fmt(g, '10.1f')} {_fmt(t, '10.1f')} "
             f"{_fmt(r.get('gloo_busbw_gbps'), '10.3f')} {_fmt(r.get('toroid_busbw_gbps'), '11.3f')} "
-            f"{_fmt(r.get('speedup'), '8.2f') + ('x' if 'speedup' in r else ' ')}")
+            f"{_fmt(r.get('speedup'), '8.2f') + ('x' if 'speedup' in r else ' ')}"
+            + (f" {r['numpy_p50_us']:10.1f} {r['numpy_busbw_gbps']:10.3f}" if "numpy_p50_us" in r else ""))
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
@@ -345,7 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     unknown = [b for b in args.backends if b not in BACKENDS]
     if unknown or not args.backends:
-        raise SystemExit(f"toroid.bench: --backends takes gloo and/or toroid, not {','.join(unknown) or 'nothing'}")
+        raise SystemExit(f"toroid.bench: --backends takes gloo, toroid and/or numpy, not "
+                         f"{','.join(unknown) or 'nothing'}")
+    if "numpy" in args.backends and (args.op != "all_reduce" or args.call == "future" or args.dtype == "bfloat16"):
+        raise SystemExit("toroid.bench: the numpy backend times a blocking or waited all_reduce (no future) of a "
+                         "numpy type (not bfloat16)")
     if args.ranks < 1 or args.rounds < 1:
         raise SystemExit("toroid.bench: need --ranks >= 1 and --rounds >= 1")
     odd = [s for s in sizes_of(args) if s % _ITEMSIZE[args.dtype]]
