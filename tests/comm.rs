@@ -337,9 +337,7 @@ fn hooks_run_in_issue_order_around_their_operation() {
 #[test]
 fn a_waiter_runs_a_hooked_job_unless_its_hooks_are_the_workers() {
     use std::sync::Mutex;
-    use toroid::internals::comm::{Hooks, RawOp};
-    use toroid::internals::memory::RawBufs;
-    use toroid::{CallOptions, DataType, OpKind};
+    use toroid::internals::comm::Hooks;
     util::run_threads(2, &util::test_config(30.0), |comm| {
         let me = std::thread::current().id();
         let mut on_waiter = [0usize; 2];
@@ -352,15 +350,8 @@ fn a_waiter_runs_a_hooked_job_unless_its_hooks_are_the_workers() {
                 after: None,
                 worker_only,
             };
-            let op = RawOp {
-                kind: OpKind::Barrier,
-                dtype: DataType::U8,
-                bufs: RawBufs::None,
-                opts: CallOptions::default(),
-                source: None,
-            };
             // SAFETY: a barrier has no buffers.
-            let w = unsafe { comm.submit_raw_with_hooks(op, None, hooks) }.unwrap();
+            let w = unsafe { comm.submit_raw_with_hooks(util::barrier_op(), None, hooks) }.unwrap();
             w.wait().unwrap();
             let thread = ran.lock().unwrap().expect("the hook did not run");
             on_waiter[usize::from(worker_only)] += usize::from(thread == me);

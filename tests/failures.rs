@@ -252,17 +252,9 @@ fn a_mismatched_frame_never_lands_in_the_receive_buffer() {
 
 #[test]
 fn a_panic_inside_an_operation_aborts_the_communicator_which_stays_destroyable() {
-    use toroid::internals::comm::{Hooks, RawOp};
-    use toroid::internals::memory::RawBufs;
+    use toroid::internals::comm::Hooks;
     util::run_threads(2, &util::test_config(20.0), |comm| {
         if comm.rank() == 0 {
-            let op = RawOp {
-                kind: OpKind::Barrier,
-                dtype: DataType::U8,
-                bufs: RawBufs::None,
-                opts: CallOptions::default(),
-                source: None,
-            };
             // (not the worker's only: a wait may run it, and catch its panic, on this thread)
             let hooks = Hooks {
                 before: Some(Box::new(|| panic!("injected fault"))),
@@ -270,7 +262,7 @@ fn a_panic_inside_an_operation_aborts_the_communicator_which_stays_destroyable()
                 worker_only: false,
             };
             // SAFETY: a barrier has no buffers.
-            let work = unsafe { comm.submit_raw_with_hooks(op, None, hooks) }.unwrap();
+            let work = unsafe { comm.submit_raw_with_hooks(util::barrier_op(), None, hooks) }.unwrap();
             let t = Instant::now();
             let e = work.wait().unwrap_err();
             assert!(

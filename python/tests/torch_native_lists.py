@@ -13,9 +13,9 @@ DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int
           torch.int8)
 
 
-def check(rank, size, built, rand, close):
-    """Runs every case; `built`: the group has the C++ backend; `rand(shape, dtype, seed)` and
-    `close(got, want, what, rtol, atol)` are torch_worker's."""
+def counter(built):
+    """`counted(name, taken, call)`: makes the call and checks that the default group's C++
+    backend made it once under `name` when `taken` (and `built`), else never."""
     pg = dist.distributed_c10d._get_default_group()
 
     def counted(name, taken, call):
@@ -23,8 +23,17 @@ def check(rank, size, built, rand, close):
         before = pg.stats[key]
         out = call()
         went = pg.stats[key] - before
-        assert went == (1 if taken and built else 0), f"{name}: the C++ path ran {went} times, want {int(taken and built)}"
+        want = 1 if taken and built else 0
+        assert went == want, f"{name}: the C++ path ran {went} times, want {want}"
         return out
+
+    return counted
+
+
+def check(rank, size, built, rand, close):
+    """Runs every case; `built`: the group has the C++ backend; `rand(shape, dtype, seed)` and
+    `close(got, want, what, rtol, atol)` are torch_worker's."""
+    counted = counter(built)
 
     def finish(work, mode):
         if mode == "wait":

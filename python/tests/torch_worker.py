@@ -568,13 +568,7 @@ def native_collectives(rank, size):
     built = native(pg)
     print(f"rank {rank}: the C++ backend's collectives {'run' if built else 'DID NOT RUN (no C++ backend)'}", flush=True)
 
-    def counted(name, taken, call):
-        key = f"{name}:native"
-        before = pg.stats[key]
-        out = call()
-        went = pg.stats[key] - before
-        assert went == (1 if taken and built else 0), f"{name}: the C++ path ran {went} times, want {int(taken and built)}"
-        return out
+    counted = torch_native_lists.counter(built)
 
     def finish(work, mode, tensor):
         if mode == "wait":

@@ -201,3 +201,14 @@ pub fn all_reduce_until_error(comm: &Communicator, elems: usize) -> (toroid::Err
         assert!(start.elapsed() < Duration::from_secs(60), "no error within 60 s");
     }
 }
+
+/// A barrier as a raw operation (what `submit_raw_with_hooks` queues around hooks in tests).
+pub fn barrier_op() -> toroid::internals::comm::RawOp {
+    toroid::internals::comm::RawOp {
+        kind: toroid::OpKind::Barrier,
+        dtype: toroid::DataType::U8,
+        bufs: toroid::internals::memory::RawBufs::None,
+        opts: toroid::CallOptions::default(),
+        source: None,
+    }
+}

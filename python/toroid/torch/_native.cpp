@@ -67,6 +67,18 @@ bool pairs_of(const CommState& comm, const std::vector<at::Tensor>& out, const s
   return true;
 }
 
+// Makes `call(i)` for i in 0..n, stopping at the first failure; returns its toroid result.
+template <typename Call>
+int each(size_t n, Call call) {
+  for (size_t i = 0; i < n; ++i) {
+    int code = call(i);
+    if (code != 0) {
+      return code;
+    }
+  }
+  return 0;
+}
+
 // The names of one operation: toroid's blocking and queued functions, and torch's.
 struct Names {
   const char* blocking;
@@ -270,15 +282,15 @@ class ToroidBackend : public Backend {
     at::Tensor out = outputs[0];
     auto n = static_cast<size_t>(out.numel());
     at::Tensor staging = at::empty({getSize() * out.numel()}, out.options());
-    if (root) {
+    if (root && n > 0) {  // (empty pieces: nothing to copy, and their data may be null)
       size_t bytes = n * static_cast<size_t>(out.element_size());
       for (size_t r = 0; r < inputs[0].size(); ++r) {
         const at::Tensor& piece = inputs[0][r];
-        auto at = static_cast<int64_t>(r * n);
+        auto offset = static_cast<int64_t>(r * n);
         if (piece.is_contiguous()) {
           std::memcpy(static_cast<char*>(staging.data_ptr()) + r * bytes, piece.data_ptr(), bytes);
         } else {
-          staging.narrow(0, at, static_cast<int64_t>(n)).view(piece.sizes()).copy_(piece);
+          staging.narrow(0, offset, static_cast<int64_t>(n)).view(piece.sizes()).copy_(piece);
         }
       }
     }
@@ -299,7 +311,8 @@ class ToroidBackend : public Backend {
     void* h = comm_->handle();
     int dtype = tensors.empty() ? -1 : dense_cpu(*comm_, tensors[0]);
     int op = comm_->op_code(opts.reduceOp);
-    bool same = std::all_of(tensors.begin(), tensors.end(), [&](const at::Tensor& t) { return dense_cpu(*comm_, t) == dtype; });
+    bool same = std::all_of(tensors.begin(), tensors.end(),
+                            [&](const at::Tensor& t) { return dense_cpu(*comm_, t) == dtype; });
     if (h == nullptr || dtype < 0 || !same || op < 0 || opts.timeout.count() > 0 ||
         comm_->wire.load(std::memory_order_relaxed)) {
       return python("allreduce_coalesced", c10d::OpType::ALLREDUCE_COALESCED, tensors, tensors, opts);
@@ -307,14 +320,10 @@ class ToroidBackend : public Backend {
     const Api& api = comm_->api();
     return grouped(kAllReduceCoalesced, kAllReduceCoalescedNames, c10d::OpType::ALLREDUCE_COALESCED, opts.asyncOp,
                    tensors, {}, h, [&] {
-                     for (auto& t : tensors) {
-                       void* buf = t.data_ptr();
-                       int code = api.all_reduce(h, buf, buf, static_cast<size_t>(t.numel()), dtype, op);
-                       if (code != 0) {
-                         return code;
-                       }
-                     }
-                     return 0;
+                     return each(tensors.size(), [&](size_t i) {
+                       void* buf = tensors[i].data_ptr();
+                       return api.all_reduce(h, buf, buf, static_cast<size_t>(tensors[i].numel()), dtype, op);
+                     });
                    });
   }
 
@@ -329,14 +338,10 @@ class ToroidBackend : public Backend {
     const Api& api = comm_->api();
     return grouped(kAllGatherCoalesced, kAllGatherCoalescedNames, c10d::OpType::COALESCED, opts.asyncOp, out, in, h,
                    [&] {
-                     for (size_t i = 0; i < out.size(); ++i) {
-                       int code = api.all_gather(h, in[i].data_ptr(), out[i].data_ptr(),
-                                                 static_cast<size_t>(in[i].numel()), dense_cpu(*comm_, in[i]));
-                       if (code != 0) {
-                         return code;
-                       }
-                     }
-                     return 0;
+                     return each(out.size(), [&](size_t i) {
+                       return api.all_gather(h, in[i].data_ptr(), out[i].data_ptr(),
+                                             static_cast<size_t>(in[i].numel()), dense_cpu(*comm_, in[i]));
+                     });
                    });
   }
 
@@ -351,14 +356,10 @@ class ToroidBackend : public Backend {
     const Api& api = comm_->api();
     return grouped(kReduceScatterCoalesced, kReduceScatterCoalescedNames, c10d::OpType::COALESCED, opts.asyncOp, out,
                    in, h, [&] {
-                     for (size_t i = 0; i < out.size(); ++i) {
-                       int code = api.reduce_scatter(h, in[i].data_ptr(), out[i].data_ptr(),
-                                                     static_cast<size_t>(out[i].numel()), dense_cpu(*comm_, in[i]), op);
-                       if (code != 0) {
-                         return code;
-                       }
-                     }
-                     return 0;
+                     return each(out.size(), [&](size_t i) {
+                       return api.reduce_scatter(h, in[i].data_ptr(), out[i].data_ptr(),
+                                                 static_cast<size_t>(out[i].numel()), dense_cpu(*comm_, in[i]), op);
+                     });
                    });
   }
 
@@ -509,6 +510,9 @@ class ToroidBackend : public Backend {
   static Then copy_out(at::Tensor staging, size_t n, std::vector<at::Tensor> outs, size_t first) {
     return [staging = std::move(staging), n, outs = std::move(outs), first] {
       size_t bytes = n * static_cast<size_t>(staging.element_size());
+      if (bytes == 0) {
+        return;  // (empty outputs: nothing to copy, and their data may be null)
+      }
       const char* from = static_cast<const char*>(staging.data_ptr());
       for (size_t i = 0; i < outs.size(); ++i) {
         at::Tensor out = outs[i];
