@@ -252,11 +252,7 @@ class ToroidBackend : public Backend {
     void* h = comm_->handle();
     int dtype = dense_cpu(*comm_, inputs);
     bool root = opts.rootRank == getRank();
-    // (the root passes one list of outputs, the others none)
-    bool shaped =
-        dtype >= 0 && (root ? outputs.size() == 1 && outputs_of(outputs[0], inputs[0], getSize()) : outputs.empty());
-    if (h == nullptr || dtype < 0 || opts.timeout.count() > 0 || opts.rootRank < 0 || opts.rootRank >= getSize() ||
-        !shaped) {
+    if (h == nullptr || dtype < 0 || opts.timeout.count() > 0 || !root_list(outputs, inputs[0], opts.rootRank)) {
       return python("gather", c10d::OpType::GATHER, outputs.size() == 1 ? outputs[0] : std::vector<at::Tensor>{},
                     outputs, inputs, opts);
     }
@@ -272,11 +268,7 @@ class ToroidBackend : public Backend {
     void* h = comm_->handle();
     int dtype = dense_cpu(*comm_, outputs);
     bool root = opts.rootRank == getRank();
-    // (the root passes one list of inputs, the others none)
-    bool shaped =
-        dtype >= 0 && (root ? inputs.size() == 1 && outputs_of(inputs[0], outputs[0], getSize()) : inputs.empty());
-    if (h == nullptr || dtype < 0 || opts.timeout.count() > 0 || opts.rootRank < 0 || opts.rootRank >= getSize() ||
-        !shaped) {
+    if (h == nullptr || dtype < 0 || opts.timeout.count() > 0 || !root_list(inputs, outputs[0], opts.rootRank)) {
       return python("scatter", c10d::OpType::SCATTER, outputs, outputs, inputs, opts);
     }
     at::Tensor out = outputs[0];
@@ -487,6 +479,19 @@ class ToroidBackend : public Backend {
         count, names, type, async_op, std::move(tensors), std::move(inputs),
         [&] { return in_group([&] { return api.group_end(h); }); },
         [&](void** w) { return in_group([&] { return api.group_end_async(h, w); }); });
+  }
+
+  // Whether `lists` is a rooted call's list of pieces for `like` (a gather's outputs, a
+  // scatter's inputs): one list of `size` (outputs_of) at the root `root_rank`, which must be a
+  // rank, and none elsewhere.
+  bool root_list(const std::vector<std::vector<at::Tensor>>& lists, const at::Tensor& like, int64_t root_rank) const {
+    if (root_rank < 0 || root_rank >= getSize()) {
+      return false;
+    }
+    if (root_rank != getRank()) {
+      return lists.empty();
+    }
+    return lists.size() == 1 && outputs_of(lists[0], like, getSize());
   }
 
   // An all-gather of `in` into a staging buffer of `size` pieces, copied into `outs` after the
