@@ -5,6 +5,8 @@ ProcessGroupGloo.
   (process_group_test.py, and the Manager/DDP integration and checkpoint-transport tests), run
   unchanged on gloo and on toroid (torchft_suite.py --compare): every test that passes on gloo
   must pass on toroid, and every toroid test must pass (the toroid-only extras included).
+- test_wait_timeout_aborts_the_group: a Work.wait(timeout) past its timeout aborts the group, on
+  the C++ path and the Python one (torchft_timeout_worker.py).
 - test_ddp_kill_restart: torchft's DDP example (two replica groups, a lighthouse in this
   process), one replica SIGKILLed mid-run and restarted: training goes on without it, the
   restarted replica heals from the live one over toroid, and both end with equal parameters.
@@ -90,6 +92,29 @@ def _wait(what: str, cond, seconds: float, procs: list):
                 raise AssertionError(f"a worker exited ({p.returncode}) while waiting for {what}")
         time.sleep(0.2)
     raise AssertionError(f"timed out after {seconds:.0f} s waiting for {what}")
+
+
+@pytest.mark.parametrize("native", ["as_set", "0"])
+def test_wait_timeout_aborts_the_group(native):
+    """A wait that times out aborts the group on either path (torchft_timeout_worker.py): the
+    C++ backend's works were once left unwrapped, so a timed-out recv held up the next send
+    until its own timeout (torchft's PGTransportTest failed when a rank's group was native)."""
+    env = _env()
+    if native == "0":
+        env["TOROID_TORCH_NATIVE"] = "0"
+    python_path = env.get("TOROID_TORCH_NATIVE") == "0"
+    r = subprocess.run([sys.executable, str(HERE / "torchft_timeout_worker.py")], capture_output=True,
+                       text=True, timeout=120, check=False, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    assert seen["1"]["exact"], seen
+    # (both ranks' groups on one path: groups made at once on two threads wait for the C++
+    # backend's first load instead of taking the Python path while it loads)
+    assert [seen[r]["python_path"] for r in ("0", "1")] == [python_path] * 2, seen
+    assert seen["1"]["recv"].startswith("Operation timed out! toroid recv did not complete within 0.05 s"), seen
+    assert seen["1"]["errored"].startswith("RuntimeError('aborted: a wait on the toroid process group timed out"), seen
+    assert "aborted" in seen["1"]["send"], seen
+    assert seen["1"]["send_seconds"] < 2.0, seen  # (not the 5 s timeout)
 
 
 @pytest.mark.parametrize("kill", ["external", "in_allreduce"])

@@ -36,6 +36,7 @@ Importing this module needs torchft; `import toroid` and `import toroid.torch` d
 from __future__ import annotations
 
 import os
+import re
 import threading
 from contextlib import contextmanager
 from datetime import timedelta
@@ -48,7 +49,6 @@ from torchft.process_group import ProcessGroupWrapper
 
 from . import _lib
 from .torch import ProcessGroupToroid as _ToroidGroup
-from .torch import ToroidWork
 from .torch._errors import _BACKEND_ERROR, _seconds
 
 __all__ = ["ProcessGroupToroid"]
@@ -70,19 +70,24 @@ class _Work(dist.Work):
     ToroidWork, except that a wait(timeout) that passes its timeout aborts the group (see the
     module's notes) before raising."""
 
-    def __init__(self, owner: "ProcessGroupToroid", group: _ToroidGroup, work: ToroidWork):
+    def __init__(self, owner: "ProcessGroupToroid", group: _ToroidGroup, work: dist.Work):
         super().__init__()
         self._owner = owner
         self._group = group
-        self._work = work
+        self._work = work  # a ToroidWork, or a work of the C++ backend (torch's Work type)
 
     def wait(self, timeout=None) -> bool:
+        seconds = _seconds(timeout)
         try:
-            return self._work.wait(timeout)
+            # (a C++ backend's work takes a timedelta, or nothing for no timeout)
+            return self._work.wait() if seconds is None else self._work.wait(timedelta(seconds=seconds))
         except RuntimeError as e:
-            if _seconds(timeout) is None or self._work.is_completed():
+            if seconds is None or self._work.is_completed():
                 raise  # the operation's own failure
-            what = f"{self._work._name} did not complete within {_seconds(timeout):g} s"
+            # (the C++ backend's works name their operation only in their message)
+            named = re.search(r"toroid (\w+) did not complete", str(e))
+            name = getattr(self._work, "_name", None) or (named.group(1) if named else "operation")
+            what = f"{name} did not complete within {seconds:g} s"
             self._owner._wait_timed_out(self._group, what)
             raise RuntimeError(f"Operation timed out! toroid {what} (Work.wait timeout); the toroid process group "
                                "is aborted: the pending operation held up every later one") from e
@@ -142,8 +147,10 @@ class ProcessGroupToroid(ProcessGroupWrapper):
         return pg
 
     def _wrap_work(self, work, opts):
+        # Every work of a toroid group: a ToroidWork of the Python path or one of the C++
+        # backend (which took most calls, send and recv among them, and returns torch's Work).
         pg = self._pg
-        if isinstance(work, ToroidWork) and isinstance(pg, _ToroidGroup):
+        if isinstance(work, dist.Work) and isinstance(pg, _ToroidGroup):
             return _Work(self, pg, work)
         return work
 

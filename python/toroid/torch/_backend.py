@@ -79,7 +79,7 @@ class _DeviceBackend(_C10dBackend):
 # The operations the C++ backend takes (_native.cpp): a group with it has torch's C++
 # ProcessGroup methods under these names, and its Python methods under "_py_" + name.
 NATIVE_OPS = ("allreduce", "broadcast", "all_gather_single", "reduce_scatter_single", "all_to_all_single", "barrier",
-              "reduce", "allgather", "allreduce_coalesced", "all_gather_single_coalesced",
+              "send", "recv", "reduce", "allgather", "allreduce_coalesced", "all_gather_single_coalesced",
               "reduce_scatter_single_coalesced", "gather", "scatter")
 
 

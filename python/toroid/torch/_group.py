@@ -40,8 +40,8 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
 
     Where the C++ backend loads (_native.py) a new group is a _NativeGroup: torch's C++
     ProcessGroup takes its all_reduce, broadcast, reduce, all_gather (both forms),
-    reduce_scatter_tensor, their coalesced forms, gather, scatter, all_to_all_single and barrier
-    to that backend (NATIVE_OPS)."""
+    reduce_scatter_tensor, their coalesced forms, gather, scatter, all_to_all_single, barrier,
+    send and recv to that backend (NATIVE_OPS)."""
 
     # The C++ backend's view of the communicator (_native.py, CommState), where this group has
     # the C++ backend; None until __init__ makes it (set_wire_dtype runs before).
@@ -450,7 +450,7 @@ for _name in NATIVE_OPS:
 class _NativeGroup(ProcessGroupToroid):
     """A ProcessGroupToroid with the C++ backend (_native.cpp): its all_reduce, broadcast,
     reduce, all_gather (list and tensor forms), reduce_scatter_tensor, their coalesced forms,
-    gather, scatter, all_to_all_single and barrier (NATIVE_OPS) are torch's own C++
+    gather, scatter, all_to_all_single, barrier, send and recv (NATIVE_OPS) are torch's own C++
     ProcessGroup
     methods, which call that backend without Python (so do DDP's reducer, FSDP and a "cpu:toroid,cuda:..." group); the backend takes the
     calls toroid makes as they are and gives the rest to the Python methods (_py_allreduce,
@@ -463,6 +463,8 @@ class _NativeGroup(ProcessGroupToroid):
     reduce_scatter_single = _reduce_scatter_base = dist.ProcessGroup.__dict__["reduce_scatter_single"]
     all_to_all_single = alltoall_base = dist.ProcessGroup.__dict__["all_to_all_single"]
     barrier = dist.ProcessGroup.__dict__["barrier"]
+    send = dist.ProcessGroup.__dict__["send"]
+    recv = dist.ProcessGroup.__dict__["recv"]
     reduce = dist.ProcessGroup.__dict__["reduce"]
     allgather = dist.ProcessGroup.__dict__["allgather"]
     allreduce_coalesced = dist.ProcessGroup.__dict__["allreduce_coalesced"]

@@ -92,7 +92,6 @@ constexpr Names kReduceScatterNames{"toroid_reduce_scatter", "toroid_reduce_scat
 constexpr Names kAllToAllNames{"toroid_all_to_all", "toroid_all_to_all_async", "all_to_all_single"};
 constexpr Names kBarrierNames{"toroid_barrier", "toroid_barrier_async", "barrier"};
 // (send and recv are always queued: see point_to_point)
-constexpr bool kPointToPointInPython = true;
 constexpr Names kSendNames{"toroid_send", "toroid_send_async", "send"};
 constexpr Names kRecvNames{"toroid_recv", "toroid_recv_async", "recv"};
 constexpr Names kReduceNames{"toroid_reduce", "toroid_reduce_async", "reduce"};
@@ -539,9 +538,7 @@ class ToroidBackend : public Backend {
     c10d::OpType type = sending ? c10d::OpType::SEND : c10d::OpType::RECV;
     void* h = comm_->handle();
     int dtype = dense_cpu(*comm_, tensors);
-    // (for now always: torchft's PGTransportTest, send/recv waited with a timeout, hung in 4 of
-    // 10 runs on this path and in none of 10 on the Python path; see the issue 36 note)
-    if (kPointToPointInPython || h == nullptr || dtype < 0 || comm_->coalescing.load(std::memory_order_relaxed)) {
+    if (h == nullptr || dtype < 0 || comm_->coalescing.load(std::memory_order_relaxed)) {
       return python(sending ? "send" : "recv", type, tensors, tensors, peer, tag);
     }
     void* buf = tensors[0].data_ptr();

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import warnings
 import weakref
@@ -37,6 +38,9 @@ _NAME = "_toroid_native"  # (the module's PyInit name: TORCH_EXTENSION_NAME)
 _BUILD_SECONDS = 600  # the longest a build, or the wait for another process's build, may take
 _UNSET = object()
 _loaded: Any = _UNSET  # the module, None when off or unavailable, _UNSET before the first try
+# Held while the first try builds and loads it: groups made at once on other threads (torchft's
+# tests run a rank per thread) wait for it rather than see None and take the Python path.
+_loading = threading.Lock()
 
 
 def _mode() -> str:
@@ -139,30 +143,40 @@ def module():
     once per process) where it cannot be built or loaded under "auto". A failed build is
     remembered in the cache (`<module>.failed`, its error), so that under "auto" every later
     process does not compile again for nothing; "1", or removing that file, tries again."""
-    global _loaded
     if _loaded is _UNSET:
-        mode = _mode()
-        _loaded = None
-        if mode != "0":
-            failed = None
-            try:
-                failed = _path(_compiler()) + ".failed"
-                if mode == "auto" and os.path.exists(failed):
-                    with open(failed) as f:
-                        raise RuntimeError(f"an earlier build failed ({failed}): {f.read(2000)}")
-                _loaded = _load(build())
-            except Exception as e:
-                if mode == "1":
-                    raise RuntimeError(f"toroid: TOROID_TORCH_NATIVE=1 but the C++ torch backend is unavailable: {e}") from e
-                if failed is not None and not os.path.exists(failed):
-                    try:
-                        with open(failed, "w") as f:
-                            f.write(str(e))
-                    except OSError:
-                        pass
-                warnings.warn(f"toroid: the C++ torch backend is unavailable, the Python one runs every call "
-                              f"(TOROID_TORCH_NATIVE=0 silences this): {e}", RuntimeWarning, stacklevel=2)
+        with _loading:
+            if _loaded is _UNSET:
+                _first_load()
     return _loaded
+
+
+def _first_load() -> None:
+    """module()'s first try (under _loading): sets _loaded once it knows (a thread that reads it
+    meanwhile sees _UNSET and waits for the lock)."""
+    global _loaded
+    mode = _mode()
+    loaded = None
+    if mode != "0":
+        failed = None
+        try:
+            failed = _path(_compiler()) + ".failed"
+            if mode == "auto" and os.path.exists(failed):
+                with open(failed) as f:
+                    raise RuntimeError(f"an earlier build failed ({failed}): {f.read(2000)}")
+            loaded = _load(build())
+        except Exception as e:
+            if mode == "1":
+                _loaded = None
+                raise RuntimeError(f"toroid: TOROID_TORCH_NATIVE=1 but the C++ torch backend is unavailable: {e}") from e
+            if failed is not None and not os.path.exists(failed):
+                try:
+                    with open(failed, "w") as f:
+                        f.write(str(e))
+                except OSError:
+                    pass
+            warnings.warn(f"toroid: the C++ torch backend is unavailable, the Python one runs every call "
+                          f"(TOROID_TORCH_NATIVE=0 silences this): {e}", RuntimeWarning, stacklevel=4)
+    _loaded = loaded
 
 
 def _native_error(group_ref, function: str, code: int, name: str) -> BaseException:

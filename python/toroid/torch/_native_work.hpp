@@ -14,6 +14,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -492,11 +493,14 @@ bool ToroidWork::wait(std::chrono::milliseconds timeout) {
     std::unique_lock<std::mutex> lock(future_mu_);
     if (!settled_cv_.wait_for(lock, timeout, [this] { return settled_; })) {
       lock.unlock();
+      // (formatted here: PyErr_Format has no %g)
+      char message[256];
+      std::snprintf(message, sizeof message,
+                    "Operation timed out! toroid %s did not complete within %g s (Work.wait timeout; the operation "
+                    "is still pending)",
+                    name_, static_cast<double>(timeout.count()) / 1000.0);
       py::gil_scoped_acquire gil;
-      PyErr_Format(PyExc_RuntimeError,
-                   "Operation timed out! toroid %s did not complete within %g s (Work.wait timeout; the operation "
-                   "is still pending)",
-                   name_, static_cast<double>(timeout.count()) / 1000.0);
+      PyErr_SetString(PyExc_RuntimeError, message);
       throw py::error_already_set();
     }
   }
