@@ -331,6 +331,54 @@ static void test_reduce(toroid_comm *comm, toroid_datatype d, toroid_redop op, s
   free_inputs(in);
 }
 
+/* The elements rank i sends rank j in all_to_all_v test `tid`: 0 to max. */
+static size_t v_count(int tid, int i, int j, size_t max) {
+  return ((size_t)tid * 11 + (size_t)i * 5 + (size_t)j * 3 + (size_t)(i * j)) % (max + 1);
+}
+
+/* Blocks of their own sizes (some empty); blocking or queued. Every rank's whole input is
+   built from its seed, so this rank cuts what it should receive from each sender's. */
+static void test_all_to_all_v(toroid_comm *comm, toroid_datatype d, size_t max, int queued) {
+  size_t es = dtype_size(d);
+  int tid = g_tid++;
+  size_t send_counts[64], recv_counts[64], total_in[64] = {0}, recv_total = 0;
+  if (g_size > 64) {
+    fprintf(stderr, "test_all_to_all_v: more than 64 ranks\n");
+    exit(1);
+  }
+  for (int i = 0; i < g_size; i++)
+    for (int j = 0; j < g_size; j++) total_in[i] += v_count(tid, i, j, max);
+  size_t most = 0;
+  for (int i = 0; i < g_size; i++) most = total_in[i] > most ? total_in[i] : most;
+  unsigned char **in = inputs(d, TOROID_SUM, tid, most);
+  for (int j = 0; j < g_size; j++) {
+    send_counts[j] = v_count(tid, g_rank, j, max);
+    recv_counts[j] = v_count(tid, j, g_rank, max);
+    recv_total += recv_counts[j];
+  }
+  unsigned char *expected = malloc(recv_total * es + 1), *recv = malloc(recv_total * es + 1);
+  size_t at = 0;
+  for (int j = 0; j < g_size; j++) {
+    size_t before = 0;
+    for (int k = 0; k < g_rank; k++) before += v_count(tid, j, k, max);
+    memcpy(expected + at * es, in[j] + before * es, recv_counts[j] * es);
+    at += recv_counts[j];
+  }
+  memset(recv, 0xA5, recv_total * es);
+  if (queued) {
+    toroid_work *w;
+    CHECK(toroid_all_to_all_v_async(comm, in[g_rank], send_counts, recv, recv_counts, d, &w));
+    CHECK(toroid_work_wait(w, -1));
+    toroid_work_free(w);
+  } else {
+    CHECK(toroid_all_to_all_v(comm, in[g_rank], send_counts, recv, recv_counts, d));
+  }
+  verify_bytes(queued ? "async all_to_all_v" : "all_to_all_v", recv, expected, recv_total * es);
+  free(recv);
+  free(expected);
+  free_inputs(in);
+}
+
 static void test_all_to_all(toroid_comm *comm, toroid_datatype d, size_t count, int in_place) {
   size_t piece = count * dtype_size(d), total = piece * (size_t)g_size;
   unsigned char **in = inputs(d, TOROID_SUM, g_tid++, count * (size_t)g_size);
@@ -590,6 +638,7 @@ int main(int argc, char **argv) {
   for (size_t c = 0; c < NCOUNTS; c++) {
     test_all_to_all(comm, TOROID_INT32, COUNTS[c], 0);
     test_all_to_all(comm, TOROID_UINT8, COUNTS[c], 1);
+    test_all_to_all_v(comm, TOROID_FLOAT64, COUNTS[c], (int)(c % 2));
     test_send_recv(comm, COUNTS[c]);
   }
   test_send_recv(comm, 200003);

@@ -725,6 +725,33 @@ enum toroid_result toroid_all_to_all_async(struct toroid_comm *comm,
                                            struct toroid_work **work);
 
 /**
+ * All-to-all with blocks of any size (MPI's Alltoallv, packed): `send_counts[j]` elements of
+ * `sendbuf`, after the blocks for ranks below j, go to rank j, and `recv_counts[j]` elements
+ * from rank j land in `recvbuf` after the blocks from ranks below j. Both arrays hold `size`
+ * counts; `send_counts[j]` here must equal `recv_counts[rank]` at rank j (where a pair
+ * disagrees, the receiver fails with its block untouched and aborts the communicator, so the
+ * next call fails on every rank). Out of place only; counts may be 0.
+ */
+enum toroid_result toroid_all_to_all_v(struct toroid_comm *comm,
+                                       const void *sendbuf,
+                                       const size_t *send_counts,
+                                       void *recvbuf,
+                                       const size_t *recv_counts,
+                                       toroid_datatype dtype);
+
+/**
+ * toroid_all_to_all_v, queued (the counts are read before it returns; the buffers stay in
+ * use until the work completes).
+ */
+enum toroid_result toroid_all_to_all_v_async(struct toroid_comm *comm,
+                                             const void *sendbuf,
+                                             const size_t *send_counts,
+                                             void *recvbuf,
+                                             const size_t *recv_counts,
+                                             toroid_datatype dtype,
+                                             struct toroid_work **work);
+
+/**
  * Returns once every rank has entered the barrier.
  */
 enum toroid_result toroid_barrier(struct toroid_comm *comm);

@@ -39,6 +39,9 @@ pub enum OpKind {
     Reduce(ReduceOp, usize),
     /// all_to_all
     AllToAll,
+    /// all_to_all with a block of its own size for each pair of ranks (the sizes travel beside
+    /// the buffers: `RawOp::splits`)
+    AllToAllV,
     /// barrier
     Barrier,
     /// send to peer
@@ -63,6 +66,7 @@ impl OpKind {
             OpKind::Broadcast(_) => CollKind::Broadcast,
             OpKind::Reduce(..) => CollKind::Reduce,
             OpKind::AllToAll => CollKind::AllToAll,
+            OpKind::AllToAllV => CollKind::AllToAllV,
             OpKind::Barrier => CollKind::Barrier,
             OpKind::Send(_) | OpKind::Recv(_) | OpKind::RecvAny => CollKind::PointToPoint,
             OpKind::SplitExchange => CollKind::Split,
@@ -95,10 +99,12 @@ pub enum CollKind {
     Split = 9,
     /// the link measurements of the cost model
     Probe = 10,
+    /// all_to_all_v (blocks of any sizes)
+    AllToAllV = 11,
 }
 
 impl CollKind {
-    const ALL: [CollKind; 10] = [
+    const ALL: [CollKind; 11] = [
         CollKind::AllReduce,
         CollKind::ReduceScatter,
         CollKind::AllGather,
@@ -109,6 +115,7 @@ impl CollKind {
         CollKind::PointToPoint,
         CollKind::Split,
         CollKind::Probe,
+        CollKind::AllToAllV,
     ];
 
     /// The snake_case name used in logs and errors.
@@ -124,6 +131,7 @@ impl CollKind {
             CollKind::PointToPoint => "send/recv",
             CollKind::Split => "split",
             CollKind::Probe => "probe",
+            CollKind::AllToAllV => "all_to_all_v",
         }
     }
 

@@ -38,7 +38,7 @@ pub fn candidates(kind: CollKind) -> &'static [Algorithm] {
         ],
         CollKind::ReduceScatter | CollKind::AllGather => &[Algorithm::Ring],
         CollKind::Broadcast | CollKind::Reduce => &[Algorithm::Chain, Algorithm::Tree],
-        CollKind::AllToAll => &[Algorithm::Pairwise],
+        CollKind::AllToAll | CollKind::AllToAllV => &[Algorithm::Pairwise],
         CollKind::Barrier => &[Algorithm::Dissemination],
         CollKind::PointToPoint => &[Algorithm::Direct],
         CollKind::Split | CollKind::Probe => &[Algorithm::Ring],
@@ -73,6 +73,7 @@ fn kind_by_name(s: &str) -> Option<CollKind> {
         "broadcast" | "bcast" => CollKind::Broadcast,
         "reduce" => CollKind::Reduce,
         "alltoall" => CollKind::AllToAll,
+        "alltoallv" => CollKind::AllToAllV,
         "barrier" => CollKind::Barrier,
         _ => return None,
     })

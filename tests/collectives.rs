@@ -102,3 +102,33 @@ fn all_to_all_slides_its_window_of_steps_in_flight() {
         });
     }
 }
+
+/// An all-to-all-v whose two ends disagree on a block's size is an error at the receiving end,
+/// within the timeout, which leaves that block as it was (a frame's header is checked before
+/// any of its bytes is copied) and aborts the communicator: the next collective fails on every
+/// rank, so no rank goes on with a result its peers do not share.
+#[test]
+fn all_to_all_v_whose_ends_disagree_fails_every_rank() {
+    if util::is_child() {
+        return;
+    }
+    let cfg = util::test_config(20.0);
+    util::run_threads(3, &cfg, |comm| {
+        let (me, n) = (comm.rank(), comm.size());
+        // Rank 0 sends rank 1 five elements; rank 1 expects four, as from everyone else.
+        let sends: Vec<usize> = (0..n).map(|j| if me == 0 && j == 1 { 5 } else { 4 }).collect();
+        let recvs = vec![4usize; n];
+        let send = vec![me as u32 + 1; sends.iter().sum()];
+        let mut recv = vec![u32::MAX; 4 * n];
+        let t = Instant::now();
+        let first = comm.all_to_all_v(&send, &sends, &mut recv, &recvs);
+        if me == 1 {
+            let e = first.as_ref().expect_err("rank 1 received a block of the wrong size");
+            assert!(e.to_string().contains("frame of 20 bytes"), "{e}");
+            assert!(recv[..4].iter().all(|&x| x == u32::MAX), "the mismatched block was written: {recv:?}");
+        }
+        let then = comm.barrier();
+        assert!(first.is_err() || then.is_err(), "rank {me}: no error after the mismatch");
+        assert!(t.elapsed().as_secs_f64() < 15.0, "rank {me}: {:?} to fail", t.elapsed());
+    });
+}

@@ -321,6 +321,7 @@ fn hooks_run_in_issue_order_around_their_operation() {
             bufs: RawBufs::InPlace(RawBufMut::new(bytemuck::cast_slice_mut(&mut buf))),
             opts: CallOptions::default(),
             source: None,
+            splits: None,
         };
         // SAFETY: `buf` stays alive and untouched until the wait returns.
         let w = unsafe { comm.submit_raw_with_hooks(op, None, hooks) }.unwrap();

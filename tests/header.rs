@@ -173,6 +173,8 @@ fn header_declares_the_design_contract() {
         "toroid_broadcast_async",
         "toroid_reduce_async",
         "toroid_all_to_all_async",
+        "toroid_all_to_all_v",
+        "toroid_all_to_all_v_async",
         "toroid_barrier_async",
         "toroid_send_async",
         "toroid_recv_async",

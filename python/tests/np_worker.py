@@ -90,6 +90,17 @@ def collectives(comm: toroid.Comm):
             xs = [data(t, r, n * SIZE, dtype) for r in range(SIZE)]
             want = np.concatenate([xs[j][RANK * n:(RANK + 1) * n] for j in range(SIZE)])
             same(comm.all_to_all(xs[RANK]), want, "all_to_all")
+            # all_to_all_v: rank i sends rank j counts(i, j) elements (0 to n), async every
+            # other time; every block checked against the sender's data.
+            def counts(i, j, t=t, n=n):
+                return (i * 5 + j * 3 + t + i * j) % (n + 1)
+
+            xs = [data(t, r, sum(counts(r, j) for j in range(SIZE)), dtype) for r in range(SIZE)]
+            want = np.concatenate([xs[j][sum(counts(j, k) for k in range(RANK)):][:counts(j, RANK)] for j in range(SIZE)])
+            got = np.full(len(want), 7, dtype=dtype)
+            w = comm.all_to_all_v(xs[RANK], [counts(RANK, j) for j in range(SIZE)], got,
+                                  [counts(j, RANK) for j in range(SIZE)], async_op=bool(t % 2))
+            same(w.wait() if t % 2 else w, want, f"all_to_all_v {dtype} up to {n}")
             for root in range(SIZE):
                 buf = data(t, RANK, n, dtype)
                 same(comm.broadcast(buf, root), data(t, root, n, dtype), f"broadcast root {root}")

@@ -556,7 +556,7 @@ def fastcall_paths(rank, size):
 
 
 def native_collectives(rank, size):
-    """torch's all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single (equal splits)
+    """torch's all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single (equal or uneven splits)
     and barrier, blocking, async and through their futures, take the C++ backend
     (toroid/torch/_native.cpp) when their tensors are dense contiguous CPU tensors of a toroid
     type and of the right sizes (NCCL's in-place forms included); the group's Python methods
@@ -671,12 +671,29 @@ def native_collectives(rank, size):
         want = torch.cat([rand((size * rows, 5), dtype, 4000 + 100 * i + r)[rank * rows:(rank + 1) * rows]
                           for r in range(size)])
         close(out, want, f"native all_to_all_single {dtype} {rows} rows {mode}")
-    # Not taken: uneven splits (the Python path).
+    # Uneven splits (toroid_all_to_all_v): rank i sends rank j rows(i, j) rows, 0 to 3 of them;
+    # the reference is cut from every rank's input, rebuilt from its seed.
+    for k, (dtype, mode) in enumerate(((torch.float32, "block"), (torch.int64, "wait"),
+                                       (torch.bfloat16, "future"), (torch.float64, "block"))):
+        def rows(i, j, k=k):
+            return (i * 7 + j * 3 + k * 5 + i * j) % 4
+
+        def sent(i, dtype=dtype, k=k):
+            return rand((sum(rows(i, t) for t in range(size)), 3), dtype, 4900 + 10 * k + i)
+
+        ins, outs = [rows(rank, j) for j in range(size)], [rows(j, rank) for j in range(size)]
+        x = sent(rank)
+        out = torch.empty((sum(outs), 3), dtype=dtype)
+        work = counted("all_to_all_single", True,
+                       lambda: dist.all_to_all_single(out, x, outs, ins, async_op=mode != "block"))
+        finish(work, mode, out)
+        want = torch.cat([sent(j)[sum(rows(j, t) for t in range(rank)):][:rows(j, rank)] for j in range(size)])
+        close(out, want, f"native all_to_all_single, splits {ins} / {outs}, {dtype} {mode}")
+    # Not taken: input and output one tensor (the Python path, which copies the input first).
     splits = [1] * size
-    x = rand((size, 2), torch.float32, 4900 + rank)
-    out = torch.empty_like(x)
-    counted("all_to_all_single", False, lambda: dist.all_to_all_single(out, x, splits, splits))
-    close(out, torch.stack([rand((size, 2), torch.float32, 4900 + r)[rank] for r in range(size)]), "all_to_all splits")
+    x = rand((size, 2), torch.float32, 4990 + rank)
+    counted("all_to_all_single", False, lambda: dist.all_to_all_single(x, x, splits, splits))
+    close(x, torch.stack([rand((size, 2), torch.float32, 4990 + r)[rank] for r in range(size)]), "all_to_all in place")
 
     # barrier, blocking and async: no rank leaves it before the last has entered (rank 0 enters
     # 0.3 s late; every other rank waits at least most of that).

@@ -82,6 +82,20 @@ class _PointerCalls:
         args = (send, recv, count_per_rank, DataType.of(dtype))
         return self._call("toroid_all_to_all", args, async_op, _refs, _result)
 
+    def all_to_all_v_ptr(self, send: int, send_counts, recv: int, recv_counts, dtype, async_op=False, _refs=(),
+                         _result=None):
+        """All-to-all with blocks of any size (toroid_all_to_all_v): `send_counts[j]` elements
+        of `send`, after the blocks for the ranks below j, go to rank j; `recv_counts[j]` from
+        rank j land in `recv` after the blocks from the ranks below j (`size` counts each)."""
+        counts = []
+        for what, c in (("send_counts", send_counts), ("recv_counts", recv_counts)):
+            c = [int(x) for x in c]
+            if len(c) != self.size or any(x < 0 for x in c):
+                raise ValueError(f"all_to_all_v: {what} must be {self.size} counts of at least 0, got {c}")
+            counts.append((ctypes.c_size_t * len(c))(*c))
+        args = (send, counts[0], recv, counts[1], DataType.of(dtype))
+        return self._call("toroid_all_to_all_v", args, async_op, _refs, _result)
+
     def send_ptr(self, buf: int, count: int, dtype, peer: int, async_op=False, _refs=(), _result=None):
         return self._call("toroid_send", (buf, count, DataType.of(dtype), peer), async_op, _refs, _result)
 

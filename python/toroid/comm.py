@@ -571,6 +571,14 @@ class Comm(_PointerCalls):
             (send, recv), recv,
         )
 
+    def all_to_all_v(self, send, send_counts, recv, recv_counts, async_op: bool = False):
+        """Blocks of any size: `send_counts[j]` elements of `send` (after the blocks for the
+        ranks below j) go to rank j; `recv_counts[j]` from rank j land in `recv` after the
+        blocks from the ranks below j (MPI's Alltoallv, packed; out of place)."""
+        self._kind(send, recv)
+        return self.all_to_all_v_ptr(_buffer(send, False), send_counts, _buffer(recv, True), recv_counts,
+                                     numpy_dtype(send), async_op, (send, recv), recv)
+
     def send(self, buf, peer: int, async_op: bool = False):
         """Sends `buf` to `peer` (which calls recv with an array of the same size and type)."""
         return self.send_ptr(_buffer(buf, False), buf.size, numpy_dtype(buf), peer, async_op, (buf,), None)

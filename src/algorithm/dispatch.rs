@@ -9,6 +9,7 @@ use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::topology::Layout;
 use crate::trace::Phase as Stage;
+use crate::transport::exchange::Splits;
 
 /// One validated operation, with its buffers as slices.
 #[derive(Debug)]
@@ -28,13 +29,15 @@ pub struct Call<'a> {
     pub narrow_to: Option<DataType>,
     /// Chunks the torus is pipelined in (1: not pipelined; the same on every rank).
     pub torus_chunks: usize,
+    /// An all-to-all-v's blocks.
+    pub splits: Option<Splits<'a>>,
 }
 
 /// Runs `call` over `ctx` (the probe is not an algorithm: the communicator runs it).
 pub fn run(ctx: &mut OpContext<'_>, scratch: &mut Scratch, layout: &Layout, call: Call<'_>) -> Result<()> {
     let n = ctx.size();
     let me = ctx.rank();
-    let Call { kind, dtype, algo, bufs, input, narrow_to, torus_chunks } = call;
+    let Call { kind, dtype, algo, bufs, input, narrow_to, torus_chunks, splits } = call;
     let need = || Error::Internal(format!("{kind:?} without the buffers it needs").into());
     // The phase an algorithm runs in unless it names its own (the ring phases do).
     ctx.phase(match kind {
@@ -44,7 +47,9 @@ pub fn run(ctx: &mut OpContext<'_>, scratch: &mut Scratch, layout: &Layout, call
         OpKind::AllGather | OpKind::SplitExchange => Stage::AllGather,
         OpKind::Broadcast(_) => Stage::Broadcast,
         OpKind::Reduce(..) => Stage::Reduce,
-        OpKind::AllToAll | OpKind::Barrier | OpKind::Send(_) | OpKind::Recv(_) => Stage::Exchange,
+        OpKind::AllToAll | OpKind::AllToAllV | OpKind::Barrier | OpKind::Send(_) | OpKind::Recv(_) => {
+            Stage::Exchange
+        }
         OpKind::RecvAny => Stage::RecvAny,
         OpKind::Probe => Stage::None,
     });
@@ -105,6 +110,9 @@ pub fn run(ctx: &mut OpContext<'_>, scratch: &mut Scratch, layout: &Layout, call
             super::broadcast::reduce(ctx, scratch, algo, bufs, dtype, rop, root)
         }
         OpKind::AllToAll => super::pairwise::all_to_all(ctx, scratch, bufs.ok_or_else(need)?),
+        OpKind::AllToAllV => {
+            super::pairwise::all_to_all_v(ctx, splits.ok_or_else(need)?, bufs.ok_or_else(need)?)
+        }
         OpKind::Barrier => super::pairwise::barrier(ctx),
         OpKind::Send(peer) => super::pairwise::send(ctx, input.ok_or_else(need)?, peer),
         OpKind::Recv(peer) => match bufs.ok_or_else(need)? {

@@ -35,7 +35,7 @@ use crate::collective::{Bufs, Fingerprint};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::reduce;
-use crate::transport::exchange::{AllToAllPlan, RingPlan, Stream};
+use crate::transport::exchange::{AllToAllPlan, RingPlan, Splits, Stream};
 use crate::transport::window::Window;
 use crate::transport::{Peers, Sink, Source};
 
@@ -105,7 +105,16 @@ impl OpContext<'_> {
         dst: &mut [u8],
     ) -> Result<()> {
         let member = |j: usize| group.rank(j);
-        let plan = AllToAllPlan { n: group.len(), me, member: &member, first_step, block };
+        let plan = AllToAllPlan { n: group.len(), me, member: &member, first_step, block, splits: None };
+        self.peers.all_to_all(&self.fp, self.deadline, &plan, src, dst)
+    }
+
+    /// The pairwise all-to-all-v of the whole communicator: the blocks where `splits` puts
+    /// them (this rank's own block is the caller's to copy). Uses steps `1 .. n - 1`.
+    pub fn all_to_all_v(&mut self, splits: Splits<'_>, src: &[u8], dst: &mut [u8]) -> Result<()> {
+        let (n, me) = (self.size(), self.rank());
+        let member = |j: usize| j;
+        let plan = AllToAllPlan { n, me, member: &member, first_step: 1, block: 0, splits: Some(splits) };
         self.peers.all_to_all(&self.fp, self.deadline, &plan, src, dst)
     }
 }

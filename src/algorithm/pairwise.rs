@@ -5,12 +5,16 @@
 //! [`WINDOW`](crate::transport::exchange::WINDOW) steps are in flight at once
 //! (`Peers::all_to_all`), so a slow pair does not hold the others' next steps back.
 //!
+//! **Pairwise all-to-all-v**: the same steps, each block of the size the caller gives for that
+//! pair (an empty block is still a frame, so every step completes the same way).
+//!
 //! **Dissemination barrier**: in round `k` rank `r` sends an empty frame to `r + 2^k` and waits
 //! for one from `r - 2^k`; after `ceil(log2 n)` rounds every rank has (transitively) heard from
 //! every other, whatever `n`.
 
 use super::{Bufs, Group, OpContext, Scratch};
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::transport::exchange::Splits;
 use crate::transport::{Sink, Source};
 
 /// All-to-all: block `j` of this rank's input goes to rank `j`, whose output block `r` it
@@ -31,6 +35,22 @@ pub fn all_to_all(ctx: &mut OpContext<'_>, scratch: &mut Scratch, bufs: Bufs<'_>
     let at = |j: usize| j * block..(j + 1) * block;
     dst[at(r)].copy_from_slice(&src[at(r)]);
     ctx.all_to_all(Group::World(n), r, 1, block, src, dst)
+}
+
+/// All-to-all-v: block `j` of this rank's input (`splits.send[j]..splits.send[j + 1]`) goes to
+/// rank `j`, whose output block `r` it becomes; blocks differ in size, and each pair of ranks
+/// agrees on the size of theirs (a frame of another length is an error). Out of place only.
+pub fn all_to_all_v(ctx: &mut OpContext<'_>, splits: Splits<'_>, bufs: Bufs<'_>) -> Result<()> {
+    let r = ctx.rank();
+    let Bufs::OutOfPlace { send, recv } = bufs else {
+        return Err(Error::Internal("all_to_all_v in place".into()));
+    };
+    let (mine, into) = (splits.send[r]..splits.send[r + 1], splits.recv[r]..splits.recv[r + 1]);
+    if mine.len() != into.len() {
+        return Err(Error::Internal("all_to_all_v: this rank's own block changes size".into()));
+    }
+    recv[into].copy_from_slice(&send[mine]);
+    ctx.all_to_all_v(splits, send, recv)
 }
 
 /// Dissemination barrier.

@@ -152,8 +152,14 @@ fn pipelined(
             Some(to) => {
                 let mut col = Narrowed::round(scratch, ny, y, to, dtype, data);
                 let member = |j: usize| column.rank(j);
-                let a2a =
-                    AllToAllPlan { n: ny, me: y, member: &member, first_step: col_step(c), block: 2 * col.c };
+                let a2a = AllToAllPlan {
+                    n: ny,
+                    me: y,
+                    member: &member,
+                    first_step: col_step(c),
+                    block: 2 * col.c,
+                    splits: None,
+                };
                 let (pieces, received) = col.exchange_bufs();
                 ctx.drive(&mut [&mut AllToAllRun::new(&a2a, pieces, received)?, &mut lane.first])?;
                 col.reduce(dtype, op);

@@ -124,6 +124,47 @@ impl Communicator {
         self.go(OpKind::AllToAll, T::DTYPE, Some(bytes_of(send)), Some(bytes_of_mut(recv)))
     }
 
+    /// All-to-all with blocks of any size (MPI's `MPI_Alltoallv`, packed; torch's
+    /// `all_to_all_single` with splits): `send_counts[j]` elements of `send`, after the blocks
+    /// for the ranks below `j`, go to rank `j`; `recv_counts[j]` elements from rank `j` land in
+    /// `recv` after the blocks from the ranks below `j`. Both lists have one count per rank and
+    /// add up to their buffer's length; `send_counts[j]` here must equal `recv_counts[rank]` at
+    /// rank `j` (where a pair disagrees, the receiver fails with its block untouched and the
+    /// communicator aborts, so the next call fails on every rank).
+    pub fn all_to_all_v<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        self.all_to_all_v_bytes(T::DTYPE, bytes_of(send), send_counts, bytes_of_mut(recv), recv_counts)
+    }
+
+    /// [`Communicator::all_to_all_v`] on untyped bytes holding elements of `dtype` (the counts
+    /// are elements).
+    pub fn all_to_all_v_bytes(
+        &self,
+        dtype: DataType,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let splits = super::split_offsets(send_counts, recv_counts, self.size(), dtype.size())?;
+        let op = RawOp {
+            kind: OpKind::AllToAllV,
+            dtype,
+            bufs: RawBufs::OutOfPlace(RawBuf::new(send), RawBufMut::new(recv)),
+            opts: CallOptions::default(),
+            source: None,
+            splits: Some(splits),
+        };
+        // SAFETY: the buffers are borrowed for this blocking call, which returns only once the
+        // operation has stopped touching them; `&` and `&mut` borrows cannot overlap.
+        unsafe { self.run(op) }
+    }
+
     /// In-place all-to-all.
     pub fn all_to_all_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
         self.go(OpKind::AllToAll, T::DTYPE, None, Some(bytes_of_mut(buf)))
@@ -155,6 +196,7 @@ impl Communicator {
             bufs: RawBufs::InPlace(RawBufMut::new(bytes_of_mut(buf))),
             opts: CallOptions::default(),
             source: Some(slot.clone()),
+            splits: None,
         };
         // SAFETY: `buf` is borrowed for this blocking call, which returns only once the
         // operation has stopped touching it.
@@ -179,7 +221,7 @@ impl Communicator {
         };
         // SAFETY: the buffers are borrowed for this blocking call, which returns only once the
         // operation has stopped touching them; `&` and `&mut` borrows cannot overlap.
-        unsafe { self.run(RawOp { kind, dtype, bufs, opts, source: None }) }
+        unsafe { self.run(RawOp { kind, dtype, bufs, opts, source: None, splits: None }) }
     }
 
     /// Async in-place all-reduce of an owned buffer; `wait` gives it back.
@@ -242,6 +284,7 @@ impl Communicator {
                     bufs: RawBufs::None,
                     opts: CallOptions::default(),
                     source: None,
+                    splits: None,
                 },
                 None,
             )
@@ -255,7 +298,7 @@ impl Communicator {
         make: impl FnOnce(&mut [u8]) -> (OpKind, RawBufs),
     ) -> Result<Work<B>> {
         let (kind, bufs) = make(bytes_of_mut(buf.as_mut_elems()));
-        let op = RawOp { kind, dtype: T::DTYPE, bufs, opts, source: None };
+        let op = RawOp { kind, dtype: T::DTYPE, bufs, opts, source: None, splits: None };
         // SAFETY: the work keeps `buf` alive until the operation completes, and its heap data
         // does not move when `buf` is moved into the box (OwnedBuffer's promise).
         let w = unsafe { self.submit_raw(op, Some(Box::new(buf)))? };

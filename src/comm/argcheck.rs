@@ -7,6 +7,8 @@
 //! [`check_device`] are its two entries, so every caller reports the same errors for the same
 //! condition and the GPU path checks nothing itself.
 
+use std::sync::Arc;
+
 use super::RawOp;
 use crate::collective::{Algorithm, CallOptions, OpKind};
 use crate::dtype::DataType;
@@ -46,19 +48,23 @@ pub(crate) struct Call<'a> {
     pub buffers: Buffers<'a>,
     /// Its options.
     pub opts: CallOptions,
+    /// An all-to-all-v's block offsets (`RawOp::splits`).
+    pub splits: Option<&'a [usize]>,
 }
 
 impl<'a> Call<'a> {
     /// The call `op` describes (host memory).
     pub(crate) fn host(op: &'a RawOp) -> Call<'a> {
-        Call { kind: op.kind, dtype: op.dtype, buffers: Buffers::Host(&op.bufs), opts: op.opts }
+        let splits = op.splits.as_deref();
+        Call { kind: op.kind, dtype: op.dtype, buffers: Buffers::Host(&op.bufs), opts: op.opts, splits }
     }
 
     /// The call `call` describes (device memory, default options).
     #[cfg(feature = "cuda")]
     pub(crate) fn device(call: &DeviceCall) -> Call<'static> {
         let DeviceCall { kind, dtype, count, send, recv } = *call;
-        Call { kind, dtype, buffers: Buffers::Device { count, send, recv }, opts: CallOptions::default() }
+        let (buffers, opts) = (Buffers::Device { count, send, recv }, CallOptions::default());
+        Call { kind, dtype, buffers, opts, splits: None }
     }
 }
 
@@ -135,6 +141,7 @@ fn common(call: &Call<'_>, rank: usize, n: usize) -> Result<()> {
         OpKind::AllGather
         | OpKind::SplitExchange
         | OpKind::AllToAll
+        | OpKind::AllToAllV
         | OpKind::Barrier
         | OpKind::Probe
         | OpKind::RecvAny => Ok(()),
@@ -209,6 +216,7 @@ fn host(call: &Call<'_>, bufs: &RawBufs, rank: usize, n: usize, has_window: bool
                 ).into()));
             }
         }
+        OpKind::AllToAllV => all_to_all_v(call.splits, inp, out, in_place, es, rank, n)?,
         OpKind::Barrier => {}
         OpKind::Probe => {
             if out != crate::tuning::PROBE_LEN * 8 {
@@ -236,6 +244,72 @@ fn host(call: &Call<'_>, bufs: &RawBufs, rank: usize, n: usize, has_window: bool
                     .into(),
             ));
         }
+    }
+    Ok(())
+}
+
+/// An all-to-all-v's counts (elements of `es` bytes: one per rank to send, one per rank to
+/// receive, `n` each) as its block offsets in bytes (`RawOp::splits`): the one conversion for
+/// the Rust API and the C ABI, refused when a list has the wrong length or a total overflows.
+pub(crate) fn split_offsets(send: &[usize], recv: &[usize], n: usize, es: usize) -> Result<Arc<[usize]>> {
+    let mut offsets = Vec::with_capacity(2 * (n + 1));
+    for (what, counts) in [("send_counts", send), ("recv_counts", recv)] {
+        if counts.len() != n {
+            return Err(Error::InvalidArgument(
+                format!("all_to_all_v: {what} has {} entries for {n} ranks", counts.len()).into(),
+            ));
+        }
+        let mut at = 0usize;
+        offsets.push(0);
+        for &c in counts {
+            at = c
+                .checked_mul(es)
+                .and_then(|b| b.checked_add(at))
+                .filter(|b| isize::try_from(*b).is_ok())
+                .ok_or_else(|| {
+                    Error::InvalidArgument(
+                        format!("all_to_all_v: the {what} overflow the address space").into(),
+                    )
+                })?;
+            offsets.push(at);
+        }
+    }
+    Ok(offsets.into())
+}
+
+/// An all-to-all-v's blocks: `n + 1` byte offsets for the input's blocks, then as many for the
+/// output's, each list from 0 to the buffer's length, never decreasing, on whole elements; this
+/// rank's own block the same size in both; out of place.
+fn all_to_all_v(
+    splits: Option<&[usize]>,
+    inp: usize,
+    out: usize,
+    in_place: bool,
+    es: usize,
+    rank: usize,
+    n: usize,
+) -> Result<()> {
+    let bad = |why: String| Err(Error::InvalidArgument(format!("all_to_all_v: {why}").into()));
+    if in_place {
+        return bad("has no in-place form (give an input and an output)".into());
+    }
+    let Some(splits) = splits.filter(|s| s.len() == 2 * (n + 1)) else {
+        return Err(Error::InvalidUsage(
+            "all_to_all_v without its counts (Communicator::all_to_all_v, toroid_all_to_all_v)".into(),
+        ));
+    };
+    let (send, recv) = splits.split_at(n + 1);
+    for (what, offsets, len) in [("input", send, inp), ("output", recv, out)] {
+        if offsets[0] != 0 || offsets[n] != len || offsets.windows(2).any(|w| w[0] > w[1]) {
+            return bad(format!("the {what}'s counts add up to {} bytes, not its {len}", offsets[n]));
+        }
+        if let Some(o) = offsets.iter().find(|o| !o.is_multiple_of(es)) {
+            return bad(format!("the {what}'s block at byte {o} is not on a whole element"));
+        }
+    }
+    let (mine, into) = (send[rank + 1] - send[rank], recv[rank + 1] - recv[rank]);
+    if mine != into {
+        return bad(format!("this rank sends itself {mine} bytes but expects {into}"));
     }
     Ok(())
 }

@@ -16,7 +16,7 @@ fn op(kind: OpKind, dtype: DataType, inp: &[u8], out: &mut [u8]) -> RawOp {
     } else {
         RawBufs::OutOfPlace(RawBuf::new(inp), RawBufMut::new(out))
     };
-    RawOp { kind, dtype, bufs, opts: CallOptions::default(), source: None }
+    RawOp { kind, dtype, bufs, opts: CallOptions::default(), source: None, splits: None }
 }
 
 fn message(r: Result<()>) -> String {
@@ -150,4 +150,33 @@ fn host_and_device_forms_of_one_invalid_call_fail_alike() {
     let call = Call::device(&DeviceCall { kind: sum, dtype: DataType::F32, count: 4, send, recv });
     let m = check(&call, 0, 3, false).expect_err("host memory is not device memory").to_string();
     assert!(m.contains("sendbuf is host memory, recvbuf is host memory"), "{m}");
+}
+
+#[test]
+fn all_to_all_v_blocks_add_up_to_the_buffers_and_keep_this_ranks_size() {
+    let v = |inp: &[u8], out: &mut [u8], send: &[usize], recv: &[usize], rank: usize| {
+        let mut o = op(OpKind::AllToAllV, DataType::I32, inp, out);
+        o.splits = Some(split_offsets(send, recv, 3, 4)?);
+        validate(&o, rank, 3, false)
+    };
+    let (a, mut b) = (vec![0u8; 24], vec![0u8; 20]);
+    // Rank 1 sends 1, 2, 3 elements and receives 0, 2, 3: its own block is 2 both ways.
+    assert!(v(&a, &mut b, &[1, 2, 3], &[0, 2, 3], 1).is_ok());
+    let m = message(v(&a, &mut b, &[1, 2, 3], &[0, 1, 4], 1));
+    assert!(m.contains("sends itself 8 bytes but expects 4"), "{m}");
+    let m = message(v(&a, &mut b, &[1, 2, 2], &[0, 2, 3], 1));
+    assert!(m.contains("the input's counts add up to 20 bytes, not its 24"), "{m}");
+    let m = message(v(&a, &mut b, &[1, 2, 3], &[0, 2, 2], 1));
+    assert!(m.contains("the output's counts add up to 16 bytes, not its 20"), "{m}");
+    let m = message(v(&a, &mut b, &[1, 2], &[0, 2, 3], 1));
+    assert!(m.contains("send_counts has 2 entries for 3 ranks"), "{m}");
+    let m = message(v(&a, &mut b, &[usize::MAX / 2, 2, 3], &[0, 2, 3], 1));
+    assert!(m.contains("overflow"), "{m}");
+    // No in-place form, and no all-to-all-v without its counts.
+    let mut buf = vec![0u8; 24];
+    let mut o = op(OpKind::AllToAllV, DataType::I32, &[], &mut buf);
+    o.splits = Some(split_offsets(&[1, 2, 3], &[1, 2, 3], 3, 4).expect("offsets"));
+    assert!(message(validate(&o, 1, 3, false)).contains("no in-place form"));
+    let m = message(validate(&op(OpKind::AllToAllV, DataType::I32, &a, &mut b), 1, 3, false));
+    assert!(m.contains("without its counts"), "{m}");
 }

@@ -100,6 +100,7 @@ impl Core {
             ),
             opts,
             source: None,
+            splits: None,
         };
         self.execute(&scatter, issued_ns)?;
         self.watch.recorder.end(true);
@@ -114,6 +115,7 @@ impl Core {
             bufs: RawBufs::InPlace(RawBufMut::new(bytemuck::cast_slice_mut(pieces))),
             opts,
             source: None,
+            splits: None,
         };
         self.execute(&gather, issued_ns)?;
         // SAFETY: as for the input; nothing else touches the output meanwhile.

@@ -22,7 +22,7 @@ use crate::dtype::ReduceOp;
 use crate::error::{Error, Result};
 use crate::rendezvous::Store;
 use crate::topology::{Layout, Topology};
-use crate::transport::exchange::AbortSignal;
+use crate::transport::exchange::{AbortSignal, Splits};
 use crate::transport::window::Window;
 use crate::transport::{Peers, tcp};
 use crate::tuning::{self, AlgoFilter, CostModel, Shape};
@@ -235,6 +235,8 @@ impl Core {
             }
             OpKind::Reduce(o, r) => (op.bufs.input_len() / es, r as i32, o, op.bufs.input_len()),
             OpKind::AllToAll => (op.bufs.output_len() / es / n, -1, ReduceOp::Sum, op.bufs.output_len()),
+            // (its counts differ by rank: the fingerprint carries none, each frame its length)
+            OpKind::AllToAllV => (0, -1, ReduceOp::Sum, op.bufs.input_len().max(op.bufs.output_len())),
             OpKind::Barrier | OpKind::Probe => (0, -1, ReduceOp::Sum, 0),
             OpKind::Send(_) => (op.bufs.input_len() / es, -1, ReduceOp::Sum, op.bufs.input_len()),
             OpKind::Recv(_) => (op.bufs.output_len() / es, -1, ReduceOp::Sum, op.bufs.output_len()),
@@ -299,6 +301,10 @@ impl Core {
                     input,
                     narrow_to,
                     torus_chunks,
+                    splits: op.splits.as_deref().map(|s| {
+                        let (send, recv) = s.split_at(s.len() / 2);
+                        Splits { send, recv }
+                    }),
                 };
                 algorithm::dispatch::run(&mut ctx, scratch, &self.ident.layout, call)
             }

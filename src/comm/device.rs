@@ -24,6 +24,7 @@ fn barrier_after(job: Box<dyn FnOnce() + Send>) -> (RawOp, Hooks) {
         bufs: RawBufs::None,
         opts: CallOptions::default(),
         source: None,
+        splits: None,
     };
     (op, Hooks { before: Some(job), after: None, worker_only: true })
 }

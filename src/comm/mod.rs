@@ -37,7 +37,7 @@ mod setup;
 mod stall;
 
 pub use api::OwnedBuffer;
-pub(crate) use argcheck::validate;
+pub(crate) use argcheck::{split_offsets, validate};
 pub use enqueue::group::Group;
 pub use enqueue::persistent::{AllReducePlan, Persistent};
 pub use enqueue::{Hook, Hooks, Work};
@@ -72,6 +72,9 @@ pub struct RawOp {
     /// Where a receive from any source ([`OpKind::RecvAny`]) records the rank its message came
     /// from, once it has one (`None`: not needed).
     pub source: Option<Arc<AtomicUsize>>,
+    /// An all-to-all-v's blocks ([`OpKind::AllToAllV`]): byte offsets, `n + 1` of the input's
+    /// blocks then `n + 1` of the output's (see `transport::exchange::Splits`); `None` otherwise.
+    pub splits: Option<Arc<[usize]>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -380,6 +380,66 @@ pub unsafe extern "C" fn toroid_all_to_all_async(
     }
 }
 
+/// The operation of toroid_all_to_all_v and toroid_all_to_all_v_async.
+fn all_to_all_v(
+    sendbuf: *const c_void,
+    send_counts: *const usize,
+    recvbuf: *mut c_void,
+    recv_counts: *const usize,
+    dtype: RawDatatype,
+) -> (Coll, Args) {
+    (Coll::AllToAllV(send_counts, recv_counts), Args { send: sendbuf, recv: recvbuf, count: 0, dtype })
+}
+
+/// All-to-all with blocks of any size (MPI's Alltoallv, packed): `send_counts[j]` elements of
+/// `sendbuf`, after the blocks for ranks below j, go to rank j, and `recv_counts[j]` elements
+/// from rank j land in `recvbuf` after the blocks from ranks below j. Both arrays hold `size`
+/// counts; `send_counts[j]` here must equal `recv_counts[rank]` at rank j (where a pair
+/// disagrees, the receiver fails with its block untouched and aborts the communicator, so the
+/// next call fails on every rank). Out of place only; counts may be 0.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn toroid_all_to_all_v(
+    comm: *mut toroid_comm,
+    sendbuf: *const c_void,
+    send_counts: *const usize,
+    recvbuf: *mut c_void,
+    recv_counts: *const usize,
+    dtype: RawDatatype,
+) -> toroid_result {
+    // SAFETY: the C contract: buffers and counts valid for the call's lengths until it returns.
+    unsafe {
+        collective(
+            "toroid_all_to_all_v",
+            comm,
+            all_to_all_v(sendbuf, send_counts, recvbuf, recv_counts, dtype),
+            Completion::Blocking,
+        )
+    }
+}
+
+/// toroid_all_to_all_v, queued (the counts are read before it returns; the buffers stay in
+/// use until the work completes).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn toroid_all_to_all_v_async(
+    comm: *mut toroid_comm,
+    sendbuf: *const c_void,
+    send_counts: *const usize,
+    recvbuf: *mut c_void,
+    recv_counts: *const usize,
+    dtype: RawDatatype,
+    work: *mut *mut toroid_work,
+) -> toroid_result {
+    // SAFETY: the C contract: counts valid until it returns, buffers until the work completes.
+    unsafe {
+        collective(
+            "toroid_all_to_all_v_async",
+            comm,
+            all_to_all_v(sendbuf, send_counts, recvbuf, recv_counts, dtype),
+            Completion::Queued(work),
+        )
+    }
+}
+
 /// The operation of toroid_barrier and toroid_barrier_async.
 fn barrier() -> (Coll, Args) {
     (Coll::Barrier, Args::none())

@@ -37,6 +37,8 @@ pub(crate) enum Coll {
     Broadcast(c_int),
     Reduce(RawRedop, c_int),
     AllToAll,
+    /// Counts (elements) to send to each rank, to receive from each: `size` entries each.
+    AllToAllV(*const usize, *const usize),
     Barrier,
     Send(c_int),
     Recv(c_int),
@@ -120,6 +122,22 @@ fn check_range(addr: usize, len: usize, what: &str) -> Result<()> {
     Ok(())
 }
 
+/// An all-to-all-v's counts (elements, `n` to send and `n` to receive) as the byte offsets of
+/// its blocks (`RawOp::splits`), refused when a pointer is NULL or a total overflows.
+///
+/// # Safety
+/// Each non-NULL pointer must be valid for reads of `n` counts (the C caller's promise).
+unsafe fn block_offsets(send: *const usize, recv: *const usize, n: usize, es: usize) -> Result<Arc<[usize]>> {
+    let counts = |p: *const usize, what: &str| {
+        if p.is_null() {
+            return Err(Error::InvalidArgument(format!("{what} is NULL").into()));
+        }
+        // SAFETY: non-NULL, and valid for `n` reads as the caller promises.
+        Ok(unsafe { std::slice::from_raw_parts(p, n) })
+    };
+    crate::comm::split_offsets(counts(send, "send_counts")?, counts(recv, "recv_counts")?, n, es)
+}
+
 /// A rank argument: non-negative and below the communicator's size.
 fn rank_arg(v: c_int, n: usize, what: &str) -> Result<usize> {
     let r = non_negative(v, what)?;
@@ -169,6 +187,7 @@ pub(crate) unsafe fn prepare(
         let dtype = if matches!(coll, Coll::Barrier) { DataType::U8 } else { a.dtype.get()? };
         let es = dtype.size();
         let mut hooks = Hooks::default();
+        let mut splits = None;
         let (kind, bufs) = match coll {
             Coll::AllReduce(op) => {
                 let op = op.get()?;
@@ -250,6 +269,18 @@ pub(crate) unsafe fn prepare(
                     RawBufs::from_pair(send_buf(a.send, b, "sendbuf")?, recv_buf(a.recv, b, "recvbuf")?)?,
                 )
             }
+            Coll::AllToAllV(send_counts, recv_counts) => {
+                let offsets = block_offsets(send_counts, recv_counts, n, es)?;
+                let (send, recv) = (offsets[n], offsets[2 * n + 1]);
+                splits = Some(offsets);
+                (
+                    OpKind::AllToAllV,
+                    RawBufs::from_pair(
+                        send_buf(a.send, send, "sendbuf")?,
+                        recv_buf(a.recv, recv, "recvbuf")?,
+                    )?,
+                )
+            }
             Coll::Barrier => (OpKind::Barrier, RawBufs::None),
             Coll::Send(peer) => {
                 let peer = rank_arg(peer, n, "peer")?;
@@ -268,7 +299,7 @@ pub(crate) unsafe fn prepare(
         };
         // A receive from any source reports its sender here (usize::MAX until it has one).
         let source = matches!(kind, OpKind::RecvAny).then(|| Arc::new(AtomicUsize::new(usize::MAX)));
-        let op = RawOp { kind, dtype, bufs, opts, source };
+        let op = RawOp { kind, dtype, bufs, opts, source, splits };
         // The same checks as every Rust call, so both report the same errors.
         crate::comm::validate(&op, me, n, comm.has_shared_window())?;
         Ok(Prepared { op, hooks })

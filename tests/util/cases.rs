@@ -15,6 +15,13 @@ pub enum Coll {
     Broadcast(usize),
     Reduce(usize),
     AllToAll,
+    /// Blocks of 0..=count elements, a size of their own for each pair of ranks.
+    AllToAllV,
+}
+
+/// The elements rank `from` sends rank `to` in all-to-all-v case `id` (0..=max).
+pub fn v_count(id: u64, from: usize, to: usize, max: usize) -> usize {
+    (super::data::mix(id << 20 ^ (from as u64) << 10 ^ to as u64) % (max as u64 + 1)) as usize
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -142,6 +149,25 @@ pub fn check(comm: &Communicator, id: u64, c: &Case) -> Result<(), String> {
                 }
             }
         }
+        Coll::AllToAllV => {
+            // Block j of rank i's input starts after its blocks for the ranks below j.
+            let before =
+                |from: usize, to: usize| (0..to).map(|t| v_count(id, from, t, c.count)).sum::<usize>();
+            let sends: Vec<usize> = (0..n).map(|j| v_count(id, r, j, c.count)).collect();
+            let recvs: Vec<usize> = (0..n).map(|j| v_count(id, j, r, c.count)).collect();
+            let mut inp = vec![0u8; sends.iter().sum::<usize>() * s];
+            fill(&mut inp, id, r, 0, d, c.op);
+            let mut out = vec![GARBAGE; recvs.iter().sum::<usize>() * s];
+            comm.all_to_all_v_bytes(d, &inp, &sends, &mut out, &recvs)
+                .map_err(|e| format!("rank {r}: {c:?}: {e}"))?;
+            let mut at = 0;
+            for (j, &len) in recvs.iter().enumerate() {
+                for k in 0..len {
+                    expect("out", at + k, elem(&out, at + k), inputs.of(j, before(j, r) + k), 0.0);
+                }
+                at += len;
+            }
+        }
     }
     if bad.is_empty() { Ok(()) } else { Err(format!("rank {r}: {c:?}: {}", bad.join("; "))) }
 }
@@ -197,6 +223,9 @@ pub fn cases(n: usize, large: bool, window: bool) -> Vec<Case> {
                 push(Coll::AllGather, d, ReduceOp::Sum, count, ip, None);
                 push(Coll::AllGather, d, ReduceOp::Sum, count, ip, Some(Algorithm::Ring));
                 push(Coll::AllToAll, d, ReduceOp::Sum, count, ip, None);
+                if !ip {
+                    push(Coll::AllToAllV, d, ReduceOp::Sum, count, ip, None);
+                }
                 for &root in &roots {
                     for algo in [Algorithm::Chain, Algorithm::Tree] {
                         push(Coll::Broadcast(root), d, ReduceOp::Sum, count, ip, Some(algo));
@@ -224,6 +253,9 @@ pub fn cases(n: usize, large: bool, window: bool) -> Vec<Case> {
             push(Coll::AllGather, DataType::F32, ReduceOp::Sum, m, ip, Some(Algorithm::Ring));
             push(Coll::AllReduce, DataType::F32, ReduceOp::Avg, m, ip, Some(Algorithm::Ring));
             push(Coll::AllToAll, DataType::I32, ReduceOp::Sum, m, ip, None);
+            if !ip {
+                push(Coll::AllToAllV, DataType::I32, ReduceOp::Sum, m, ip, None);
+            }
             push(Coll::Broadcast(n / 2), DataType::F32, ReduceOp::Sum, m, ip, Some(Algorithm::Chain));
             push(Coll::Reduce(n / 2), DataType::F32, ReduceOp::Sum, m, ip, Some(Algorithm::Chain));
         }

@@ -210,5 +210,6 @@ pub fn barrier_op() -> toroid::internals::comm::RawOp {
         bufs: toroid::internals::memory::RawBufs::None,
         opts: toroid::CallOptions::default(),
         source: None,
+        splits: None,
     }
 }

@@ -63,6 +63,7 @@ impl Op {
                     Coll::Broadcast(_) => "broadcast",
                     Coll::Reduce(_) => "reduce",
                     Coll::AllToAll => "all_to_all",
+                    Coll::AllToAllV => "all_to_all_v",
                 };
                 match c.algo {
                     Some(a) => format!("{kind}/{a}"),
@@ -126,10 +127,15 @@ pub fn draw(rng: &mut Rng, n: usize, max_bytes: usize, window: bool) -> Op {
         }
         5 => (Coll::Reduce(root), vec![None, Some(Algorithm::Chain), Some(Algorithm::Tree)]),
         _ => {
-            if rng.below(2) == 0 {
-                return Op::SendRecv { dtype, count };
+            match rng.below(3) {
+                0 => return Op::SendRecv { dtype, count },
+                // (blocks of 0..=count elements, out of place)
+                1 => {
+                    let case = Case { coll: Coll::AllToAllV, dtype, op, count, in_place: false, algo: None };
+                    return Op::Coll(case);
+                }
+                _ => (Coll::AllToAll, vec![None, Some(Algorithm::Pairwise)]),
             }
-            (Coll::AllToAll, vec![None, Some(Algorithm::Pairwise)])
         }
     };
     // Pieces of reduce_scatter, all_gather and all_to_all are per rank: keep the whole buffer

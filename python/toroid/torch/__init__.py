@@ -9,7 +9,8 @@ names "toroid", "cpu:toroid,cuda:nccl" included. `import toroid.torch` registers
 checkout on PYTHONPATH needs it).
 
 Its all_reduce, broadcast, reduce, all_gather (list form), all_gather_into_tensor,
-reduce_scatter_tensor, their coalesced forms, gather, scatter, all_to_all_single (equal splits),
+reduce_scatter_tensor, their coalesced forms, gather, scatter, all_to_all_single (equal or
+uneven splits),
 barrier, send and recv of CPU tensors run in C++ where a C++ compiler is at hand: the
 group's c10d backend (_native.cpp, built on first use against the imported torch and cached;
 `python -m toroid.torch` builds it ahead of time; TOROID_TORCH_NATIVE, docs/ENV.md) takes torch's

@@ -465,26 +465,11 @@ class _Collectives:
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
-    def _all_to_all_v(self, send_blocks: list, recv_counts: list, dtype: torch.dtype):
-        """All-to-all of blocks of any sizes: padded to the largest block of any rank (one small
-        all-reduce finds it), exchanged as equal blocks. Returns (work, padded output, M)."""
-        n = self.size()
-        local = max([b.numel() for b in send_blocks] + list(recv_counts) + [0])
-        m = torch.tensor([local], dtype=torch.int64)
-        self._comm.all_reduce_ptr(m.data_ptr(), m.data_ptr(), 1, DataType.INT64, ReduceOp.MAX)
-        width = int(m.item())
-        send = torch.zeros(n * width, dtype=dtype)
-        for j, b in enumerate(send_blocks):
-            send[j * width:j * width + b.numel()] = b
-        recv = torch.empty(n * width, dtype=dtype)
-        w = self._comm.all_to_all_ptr(send.data_ptr(), recv.data_ptr(), width, _dtype(send), True, (send, recv))
-        return w, recv, width
-
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         """all_to_all_single. CUDA tensors with equal splits: on the stream path
         (toroid_all_to_all_stream on torch's current stream: blocking, pipelined through pinned
         host memory) when _pair_on_stream allows and the size divides the input, else staged
-        (uneven splits always: the padded exchange of _all_to_all_v runs on the CPU)."""
+        (uneven splits always: toroid_all_to_all_v runs on the CPU)."""
         if (_device_type([output, input]) == "cuda" and not output_split_sizes and not input_split_sizes
                 and self._pair_on_stream(output, input, None, 1) and input.numel() % self.size() == 0):
             def call(t, stream):
@@ -504,38 +489,36 @@ class _Collectives:
                 raise ValueError("all_to_all_single with equal splits needs equal inputs and outputs divisible by the size")
             w = self._comm.all_to_all_ptr(src.data_ptr(), o.buf.data_ptr(), src.numel() // n, _dtype(src), True, (src, o.buf))
             return self._work([w], [output], _Output.copy_backs([o]), "all_to_all_single")
-        # Uneven splits are counted in rows of dim 0.
+        # Uneven splits are counted in rows of dim 0; the blocks lie packed in both tensors.
         row = src[0].numel() if src.dim() > 0 and src.shape[0] else 1
         ins = list(input_split_sizes) or [input.shape[0] // n] * n
         outs = list(output_split_sizes) or [output.shape[0] // n] * n
-        flat_in = src.reshape(-1)
-        blocks, at = [], 0
-        for s in ins:
-            blocks.append(flat_in[at:at + s * row])
-            at += s * row
-        w, recv, width = self._all_to_all_v(blocks, [s * row for s in outs], src.dtype)
+        if len(ins) != n or len(outs) != n or sum(ins) * row != src.numel():
+            raise ValueError(f"all_to_all_single: input splits {ins} (rows of {row}) do not cover the input "
+                             f"of {src.numel()} elements in {n} blocks")
         o = _Output(output)
-
-        def finish():
-            flat_out, at = o.buf.reshape(-1), 0
-            for j, s in enumerate(outs):
-                flat_out[at:at + s * row] = recv[j * width:j * width + s * row]
-                at += s * row
-            o.copy_back()
-
-        return self._work([w], [output], finish, "all_to_all_single")
+        if o.buf.data_ptr() == src.data_ptr() and src.numel():  # (all_to_all_v is out of place)
+            src = src.clone()
+        w = self._comm.all_to_all_v_ptr(src.data_ptr(), [s * row for s in ins], o.buf.data_ptr(),
+                                        [s * row for s in outs], _dtype(src), True, (src, o.buf))
+        return self._work([w], [output], _Output.copy_backs([o]), "all_to_all_single")
 
     alltoall_base = all_to_all_single
 
     @_staged(outputs=("output_tensors",), inputs=("input_tensors",))
     def alltoall(self, output_tensors, input_tensors, opts=None):
         blocks = [_flat(t.contiguous()).reshape(-1) for t in input_tensors]
-        w, recv, width = self._all_to_all_v(blocks, [t.numel() for t in output_tensors], blocks[0].dtype)
+        send = torch.cat(blocks)
+        recv = torch.empty(sum(t.numel() for t in output_tensors), dtype=send.dtype)
+        w = self._comm.all_to_all_v_ptr(send.data_ptr(), [b.numel() for b in blocks], recv.data_ptr(),
+                                        [t.numel() for t in output_tensors], _dtype(send), True, (send, recv))
 
         def finish():
-            for j, out in enumerate(output_tensors):
+            at = 0
+            for out in output_tensors:
                 o = _flat(out)  # a view: writing it writes `out`
-                o.copy_(recv[j * width:j * width + o.numel()].view_as(o))
+                o.copy_(recv[at:at + o.numel()].view_as(o))
+                at += o.numel()
 
         return self._work([w], output_tensors, finish, "alltoall")
 

@@ -90,6 +90,7 @@ constexpr Names kBroadcastNames{"toroid_broadcast", "toroid_broadcast_async", "b
 constexpr Names kAllGatherNames{"toroid_all_gather", "toroid_all_gather_async", "all_gather_single"};
 constexpr Names kReduceScatterNames{"toroid_reduce_scatter", "toroid_reduce_scatter_async", "reduce_scatter_single"};
 constexpr Names kAllToAllNames{"toroid_all_to_all", "toroid_all_to_all_async", "all_to_all_single"};
+constexpr Names kAllToAllVNames{"toroid_all_to_all_v", "toroid_all_to_all_v_async", "all_to_all_single"};
 constexpr Names kBarrierNames{"toroid_barrier", "toroid_barrier_async", "barrier"};
 // (send and recv are always queued: see point_to_point)
 constexpr Names kSendNames{"toroid_send", "toroid_send_async", "send"};
@@ -190,15 +191,19 @@ class ToroidBackend : public Backend {
         [&](void** w) { return api.reduce_scatter_async(h, src, dst, n, dtype, op, w); });
   }
 
-  // all_to_all_single with equal splits (none given): block j of `in` goes to rank j, block i
-  // of `out` comes from rank i. Uneven splits are the Python backend's.
+  // all_to_all_single: block j of `in` goes to rank j, block i of `out` comes from rank i;
+  // equal blocks where no splits are given, else toroid_all_to_all_v with the splits' rows.
   WorkPtr all_to_all_single(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
                             std::vector<int64_t>& in_splits, const c10d::AllToAllOptions& opts) override {
     void* h = comm_->handle();
     int dtype = dense_pair(*comm_, out, in);
-    if (h == nullptr || dtype < 0 || opts.timeout.count() > 0 || !out_splits.empty() || !in_splits.empty() ||
-        in.numel() % getSize() != 0 || out.numel() != in.numel()) {
+    bool even = out_splits.empty() && in_splits.empty();
+    if (h == nullptr || dtype < 0 || opts.timeout.count() > 0 ||
+        (even && (in.numel() % getSize() != 0 || out.numel() != in.numel()))) {
       return python("all_to_all_single", c10d::OpType::ALLTOALL_BASE, {out}, out, in, out_splits, in_splits, opts);
+    }
+    if (!even) {
+      return all_to_all_v(out, in, out_splits, in_splits, opts, dtype, h);
     }
     const void* src = in.data_ptr();
     void* dst = out.data_ptr();
@@ -208,6 +213,53 @@ class ToroidBackend : public Backend {
         kAllToAll, kAllToAllNames, c10d::OpType::ALLTOALL_BASE, opts.asyncOp, {out}, {in},
         [&] { return api.all_to_all(h, src, dst, n, dtype); },
         [&](void** w) { return api.all_to_all_async(h, src, dst, n, dtype, w); });
+  }
+
+  // all_to_all_single with splits (rows of dim 0; none: equal rows), as toroid_all_to_all_v
+  // counts them (elements); anything it cannot count so goes to the Python path, which says
+  // what is wrong.
+  WorkPtr all_to_all_v(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
+                       std::vector<int64_t>& in_splits, const c10d::AllToAllOptions& opts, int dtype, void* h) {
+    std::vector<size_t> send, recv;
+    // (out of place only: one tensor for both is the Python path's, which copies the input)
+    bool apart = in.numel() == 0 || out.numel() == 0 || in.data_ptr() != out.data_ptr();
+    bool counted = in.dim() > 0 && out.dim() > 0 && apart &&
+                   rows(in, in_splits, send) && rows(out, out_splits, recv) &&
+                   (in.size(0) == 0 || out.size(0) == 0 || in.numel() / in.size(0) == out.numel() / out.size(0));
+    if (!counted) {
+      return python("all_to_all_single", c10d::OpType::ALLTOALL_BASE, {out}, out, in, out_splits, in_splits, opts);
+    }
+    const void* src = in.data_ptr();
+    void* dst = out.data_ptr();
+    const Api& api = comm_->api();
+    return run(
+        kAllToAll, kAllToAllVNames, c10d::OpType::ALLTOALL_BASE, opts.asyncOp, {out}, {in},
+        [&] { return api.all_to_all_v(h, src, send.data(), dst, recv.data(), dtype); },
+        [&](void** w) { return api.all_to_all_v_async(h, src, send.data(), dst, recv.data(), dtype, w); });
+  }
+
+  // The element counts of `t`'s blocks: `splits` rows of dim 0 each (none: equal rows), which
+  // must be `size` of them, not negative, and cover `t`.
+  bool rows(const at::Tensor& t, const std::vector<int64_t>& splits, std::vector<size_t>& counts) const {
+    int64_t n = getSize();
+    int64_t rows = t.size(0);
+    int64_t row = rows > 0 ? t.numel() / rows : 0;
+    if (splits.empty()) {
+      if (rows % n != 0) {
+        return false;
+      }
+      counts.assign(static_cast<size_t>(n), static_cast<size_t>(rows / n * row));
+      return true;
+    }
+    int64_t total = 0;
+    for (int64_t s : splits) {
+      if (s < 0 || s > rows) {
+        return false;
+      }
+      total += s;
+      counts.push_back(static_cast<size_t>(s * row));
+    }
+    return static_cast<int64_t>(splits.size()) == n && total == rows;
   }
 
   // reduce of one tensor, in place at the root (the others' tensors are only read).

@@ -203,7 +203,7 @@ def comm_state(native, pg) -> Any:
 
     loaded = _lib.lib()
     names = [f"toroid_{op}{form}" for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce",
-                                             "all_to_all", "barrier") for form in ("", "_async")]
+                                             "all_to_all", "all_to_all_v", "barrier") for form in ("", "_async")]
     names += ["toroid_send_async", "toroid_recv_async", "toroid_group_start", "toroid_group_end",
               "toroid_group_end_async", "toroid_work_wait", "toroid_work_test", "toroid_work_free"]
     addresses = {n: ctypes.cast(getattr(loaded, n), ctypes.c_void_p).value for n in names}

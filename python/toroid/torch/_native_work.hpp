@@ -48,6 +48,8 @@ struct Api {
   int (*reduce_async)(void*, const void*, void*, size_t, int, int, int, void**) = nullptr;
   int (*all_to_all)(void*, const void*, void*, size_t, int) = nullptr;
   int (*all_to_all_async)(void*, const void*, void*, size_t, int, void**) = nullptr;
+  int (*all_to_all_v)(void*, const void*, const size_t*, void*, const size_t*, int) = nullptr;
+  int (*all_to_all_v_async)(void*, const void*, const size_t*, void*, const size_t*, int, void**) = nullptr;
   int (*barrier)(void*) = nullptr;
   int (*barrier_async)(void*, void**) = nullptr;
   int (*send_async)(void*, const void*, size_t, int, int, void**) = nullptr;
@@ -80,6 +82,8 @@ struct Api {
     get(api.reduce_async, "toroid_reduce_async");
     get(api.all_to_all, "toroid_all_to_all");
     get(api.all_to_all_async, "toroid_all_to_all_async");
+    get(api.all_to_all_v, "toroid_all_to_all_v");
+    get(api.all_to_all_v_async, "toroid_all_to_all_v_async");
     get(api.barrier, "toroid_barrier");
     get(api.barrier_async, "toroid_barrier_async");
     get(api.send_async, "toroid_send_async");

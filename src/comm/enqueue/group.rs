@@ -148,7 +148,7 @@ impl<'a> Group<'a> {
     pub const FUSE_MAX: usize = FUSE_MAX;
 
     fn add(&mut self, kind: OpKind, dtype: crate::dtype::DataType, bufs: RawBufs) -> &mut Self {
-        let op = RawOp { kind, dtype, bufs, opts: CallOptions::default(), source: None };
+        let op = RawOp { kind, dtype, bufs, opts: CallOptions::default(), source: None, splits: None };
         self.ops.push((op, Hooks::default()));
         self
     }
@@ -246,6 +246,7 @@ fn packed_op(first: &RawOp, pack: RawBufMut) -> RawOp {
         bufs: RawBufs::InPlace(pack),
         opts: first.opts,
         source: None,
+        splits: None,
     }
 }
 
@@ -373,7 +374,14 @@ mod tests {
     fn ar(buf: &mut [u8], dtype: DataType, op: ReduceOp) -> (RawOp, Hooks) {
         let bufs = RawBufs::InPlace(RawBufMut::new(buf));
         (
-            RawOp { kind: OpKind::AllReduce(op), dtype, bufs, opts: CallOptions::default(), source: None },
+            RawOp {
+                kind: OpKind::AllReduce(op),
+                dtype,
+                bufs,
+                opts: CallOptions::default(),
+                source: None,
+                splits: None,
+            },
             Hooks::default(),
         )
     }
@@ -395,6 +403,7 @@ mod tests {
                 bufs,
                 opts: CallOptions::default(),
                 source: None,
+                splits: None,
             };
             (op, Hooks::default())
         };
@@ -419,6 +428,7 @@ mod tests {
                 bufs: RawBufs::InPlace(same),
                 opts: CallOptions::default(),
                 source: None,
+                splits: None,
             };
             (op, Hooks::default())
         };

@@ -56,6 +56,7 @@ impl Communicator {
             bufs: RawBufs::InPlace(RawBufMut::new(bytemuck::cast_slice_mut(buf))),
             opts: CallOptions::default(),
             source: None,
+            splits: None,
         };
         let c = &self.core;
         c.forked()?;
@@ -92,6 +93,7 @@ impl<T: Element> Persistent<'_, T> {
             bufs: RawBufs::InPlace(RawBufMut::new(bytemuck::cast_slice_mut(self.buf))),
             opts: self.opts,
             source: None,
+            splits: None,
         };
         // SAFETY: the buffer is borrowed mutably by `self` for this blocking call; the
         // operation is the one validated at set-up (same buffer, type, op), with the algorithm
@@ -170,6 +172,7 @@ impl AllReducePlan {
             bufs: RawBufs::InPlace(RawBufMut::new(bytes)),
             opts: self.opts,
             source: None,
+            splits: None,
         };
         // SAFETY: the job keeps `buf` until the operation completes, and its heap data does not
         // move when `buf` moves into the box (OwnedBuffer's promise); the operation is the one

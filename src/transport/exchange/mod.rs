@@ -53,7 +53,7 @@ mod wait;
 
 pub use abort::{AbortSignal, REVOKED};
 pub use frame::HEADER_LEN;
-pub use pairwise::{AllToAllPlan, AllToAllRun, WINDOW};
+pub use pairwise::{AllToAllPlan, AllToAllRun, Splits, WINDOW};
 pub use ring_run::RingRun;
 pub use stream::{Stream, Then};
 

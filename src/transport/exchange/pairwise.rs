@@ -46,8 +46,21 @@ pub struct AllToAllPlan<'f> {
     /// Step number on the wire of step `s = 1` (step `s` travels as `first_step + s - 1`).
     pub first_step: usize,
     /// Bytes of one block: block `j` of the source goes to member `j`, block `j` of the output
-    /// comes from member `j`.
+    /// comes from member `j` (unless `splits` gives each block its own place).
     pub block: usize,
+    /// An all-to-all-v's blocks, where they differ in size.
+    pub splits: Option<Splits<'f>>,
+}
+
+/// Where each member's block lies in an all-to-all-v's buffers: byte offsets, `n + 1` each
+/// (block `j` of the source is `send[j]..send[j + 1]`, of the output `recv[j]..recv[j + 1]`),
+/// never decreasing (checked by [`AllToAllRun::new`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Splits<'f> {
+    /// Offsets of the blocks to send.
+    pub send: &'f [usize],
+    /// Offsets of the blocks to receive.
+    pub recv: &'f [usize],
 }
 
 impl std::fmt::Debug for AllToAllPlan<'_> {
@@ -57,6 +70,7 @@ impl std::fmt::Debug for AllToAllPlan<'_> {
             .field("me", &self.me)
             .field("first_step", &self.first_step)
             .field("block", &self.block)
+            .field("splits", &self.splits)
             .finish_non_exhaustive()
     }
 }
@@ -70,8 +84,34 @@ impl AllToAllPlan<'_> {
         (self.me + self.n - s) % self.n
     }
 
-    fn at(&self, j: usize) -> Range<usize> {
-        j * self.block..(j + 1) * self.block
+    /// The source's block for member `j`.
+    fn send_at(&self, j: usize) -> Range<usize> {
+        match self.splits {
+            Some(s) => s.send[j]..s.send[j + 1],
+            None => j * self.block..(j + 1) * self.block,
+        }
+    }
+
+    /// The output's block from member `j`.
+    fn recv_at(&self, j: usize) -> Range<usize> {
+        match self.splits {
+            Some(s) => s.recv[j]..s.recv[j + 1],
+            None => j * self.block..(j + 1) * self.block,
+        }
+    }
+
+    /// Whether the blocks fit buffers of `src` and `dst` bytes.
+    fn fits(&self, src: usize, dst: usize) -> bool {
+        let n = self.n;
+        match self.splits {
+            None => src >= n * self.block && dst >= n * self.block,
+            Some(s) => {
+                let ordered = |o: &[usize], len: usize| {
+                    o.len() == n + 1 && o.windows(2).all(|w| w[0] <= w[1]) && o[n] <= len
+                };
+                ordered(s.send, src) && ordered(s.recv, dst)
+            }
+        }
     }
 
     fn step(&self, s: usize) -> u16 {
@@ -90,6 +130,8 @@ pub struct AllToAllRun<'a> {
     /// Steps `lo..open` are in flight; every step below `lo` is complete.
     lo: usize,
     open: usize,
+    /// Bytes this rank sends and receives in all.
+    moved: usize,
 }
 
 impl std::fmt::Debug for AllToAllRun<'_> {
@@ -106,13 +148,15 @@ impl<'a> AllToAllRun<'a> {
     /// The all-to-all `plan` from `src` into `dst` (at least `n` blocks each).
     pub fn new(plan: &'a AllToAllPlan<'a>, src: &'a [u8], dst: &'a mut [u8]) -> Result<AllToAllRun<'a>> {
         let n = plan.n;
-        if plan.me >= n.max(1) || src.len() < n * plan.block || dst.len() < n * plan.block {
+        if plan.me >= n.max(1) || !plan.fits(src.len(), dst.len()) {
             return Err(Error::Internal(
-                format!("all-to-all of {n} blocks of {} bytes: buffers too short", plan.block).into(),
+                format!("all-to-all of {n} blocks ({:?}): buffers too short", plan).into(),
             ));
         }
         let (txs, rxs) = (std::array::from_fn(|_| None), std::array::from_fn(|_| None));
-        Ok(AllToAllRun { plan, src, dst, txs, rxs, lo: 1, open: 1 })
+        let others = (0..n).filter(|&j| j != plan.me);
+        let moved = others.map(|j| plan.send_at(j).len() + plan.recv_at(j).len()).sum();
+        Ok(AllToAllRun { plan, src, dst, txs, rxs, lo: 1, open: 1, moved })
     }
 
     fn complete(&self, s: usize) -> bool {
@@ -141,9 +185,9 @@ impl Stream for AllToAllRun<'_> {
             let (to, from) = ((plan.member)(plan.to(s)), (plan.member)(plan.from(s)));
             peers.ensure(&[to, from], fp, plan.step(s), deadline)?;
             let header = encode(KIND_DATA, fp, plan.step(s), 0);
-            let data = &self.src[plan.at(plan.to(s))];
-            self.txs[s % WINDOW] = Some(Tx::new(to, Source::Bytes(data), plan.block, header, peers.segment));
-            self.rxs[s % WINDOW] = Some(Rx::new(from, plan.block, peers.segment));
+            let data = &self.src[plan.send_at(plan.to(s))];
+            self.txs[s % WINDOW] = Some(Tx::new(to, Source::Bytes(data), data.len(), header, peers.segment));
+            self.rxs[s % WINDOW] = Some(Rx::new(from, plan.recv_at(plan.from(s)).len(), peers.segment));
             self.open += 1;
         }
         let mut progressed = false;
@@ -155,7 +199,7 @@ impl Stream for AllToAllRun<'_> {
             if let Some(r) = self.rxs[s % WINDOW].as_mut().filter(|r| !r.done) {
                 let peer = r.peer;
                 let link = live_link(&mut peers.links, peer)?;
-                let mut sink = Sink::Copy(&mut self.dst[plan.at(plan.from(s))]);
+                let mut sink = Sink::Copy(&mut self.dst[plan.recv_at(plan.from(s))]);
                 progressed |= r
                     .pump(&mut sink, peers.rank, link, fp, plan.step(s), scratch)
                     .map_err(|e| e.with_peer(peer))?;
@@ -196,13 +240,14 @@ impl Stream for AllToAllRun<'_> {
     }
 
     fn moved(&self) -> usize {
-        2 * self.plan.n.saturating_sub(1) * self.plan.block
+        self.moved
     }
 }
 
 impl Peers {
     /// Runs the pairwise all-to-all `plan` (see [`AllToAllRun`]): block `plan.to(s)` of `src`
-    /// to that member and block `plan.from(s)` of `dst` from that one, for every step, up to
+    /// to that member and block `plan.from(s)` of `dst` from that one (of the sizes `plan.splits`
+    /// gives, where it does: a size both ends disagree on is an error), for every step, up to
     /// [`WINDOW`] steps at once. This rank's own block is the caller's to copy.
     pub fn all_to_all(
         &mut self,
