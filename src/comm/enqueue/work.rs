@@ -32,8 +32,14 @@ impl Completion {
     }
 
     pub(in crate::comm) fn complete(&self, r: Result<()>) {
-        *lock(&self.result) = Some(r);
+        // `done` is set before the result's lock is released: a waiter that finds the result
+        // (under that lock) then also finds the work done (`Work::wait_timeout` checks both;
+        // set after the unlock, a waiter could see the result, not yet `done`, and report a
+        // timeout for a work that had completed).
+        let mut result = lock(&self.result);
+        *result = Some(r);
         self.done.store(true, Ordering::Release);
+        drop(result);
         self.cv.notify_all();
     }
 
@@ -175,5 +181,39 @@ impl<B: 'static> Work<B> {
                     .map_err(|_| Error::Internal("work buffer already taken".into()))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A waiter that finds the result also finds the work done: `Work::wait_timeout` reports a
+    /// timeout for a result without `done`. Observed by a thread that takes the result's lock
+    /// as often as it can while another completes the work, many times over.
+    #[test]
+    fn a_completed_result_is_never_seen_without_done() {
+        let mut seen_early = 0;
+        for _ in 0..2_000 {
+            let c = Arc::new(Completion::new(None));
+            let go = Arc::new(AtomicBool::new(false));
+            let (c2, go2) = (c.clone(), go.clone());
+            let completer = std::thread::spawn(move || {
+                while !go2.load(Ordering::Acquire) {
+                    std::hint::spin_loop();
+                }
+                c2.complete(Ok(()));
+            });
+            go.store(true, Ordering::Release);
+            loop {
+                let found = lock(&c.result).is_some();
+                if found {
+                    seen_early += usize::from(!c.is_done());
+                    break;
+                }
+            }
+            completer.join().expect("completer");
+        }
+        assert_eq!(seen_early, 0, "a waiter saw the result before the work was done");
     }
 }
