@@ -97,8 +97,8 @@ constexpr Names kSendNames{"toroid_send", "toroid_send_async", "send"};
 constexpr Names kRecvNames{"toroid_recv", "toroid_recv_async", "recv"};
 constexpr Names kReduceNames{"toroid_reduce", "toroid_reduce_async", "reduce"};
 constexpr Names kAllGatherListNames{"toroid_all_gather", "toroid_all_gather_async", "allgather"};
-constexpr Names kGatherNames{"toroid_all_gather", "toroid_all_gather_async", "gather"};
-constexpr Names kScatterNames{"toroid_broadcast", "toroid_broadcast_async", "scatter"};
+constexpr Names kGatherNames{"toroid_all_to_all_v", "toroid_all_to_all_v_async", "gather"};
+constexpr Names kScatterNames{"toroid_all_to_all_v", "toroid_all_to_all_v_async", "scatter"};
 // (a group's calls are recorded, and run or queued by its end)
 constexpr Names kAllReduceCoalescedNames{"toroid_group_end", "toroid_group_end_async", "allreduce_coalesced"};
 constexpr Names kAllGatherCoalescedNames{"toroid_group_end", "toroid_group_end_async", "all_gather_coalesced"};
@@ -297,8 +297,8 @@ class ToroidBackend : public Backend {
                     outputs[0]);
   }
 
-  // dist.gather: as the list-form all-gather (every rank receives every piece; toroid has no
-  // gather of its own), the root's list of `size` outputs filled from the staging buffer.
+  // dist.gather: one toroid_all_to_all_v in which every rank sends its input to the root only
+  // (the root receives `size` pieces into a staging buffer, then fills its list of outputs).
   WorkPtr gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                  const c10d::GatherOptions& opts) override {
     void* h = comm_->handle();
@@ -308,13 +308,21 @@ class ToroidBackend : public Backend {
       return python("gather", c10d::OpType::GATHER, outputs.size() == 1 ? outputs[0] : std::vector<at::Tensor>{},
                     outputs, inputs, opts);
     }
-    return gathered(kGather, kGatherNames, c10d::OpType::GATHER, opts.asyncOp, h, dtype, inputs[0],
-                    root ? outputs[0] : std::vector<at::Tensor>{});
+    const at::Tensor& in = inputs[0];
+    auto n = static_cast<size_t>(in.numel());
+    auto size = static_cast<size_t>(getSize());
+    std::vector<size_t> send(size, 0), recv(size, root ? n : 0);
+    send[static_cast<size_t>(opts.rootRank)] = n;
+    at::Tensor staging = at::empty({root ? getSize() * in.numel() : 0}, in.options());
+    std::vector<at::Tensor> outs = root ? outputs[0] : std::vector<at::Tensor>{};
+    Then then = root ? copy_out(staging, n, outs, 0) : Then{};
+    return rooted(kGather, kGatherNames, c10d::OpType::GATHER, opts.asyncOp, h, dtype, in.data_ptr(), send,
+                  staging.data_ptr(), recv, std::move(outs), {in, staging}, std::move(then));
   }
 
-  // dist.scatter: the root's `size` pieces copied into one staging buffer when the call is made,
-  // broadcast (toroid has no scatter of its own), and each rank's piece copied into its output
-  // after the operation.
+  // dist.scatter: one toroid_all_to_all_v in which the root sends piece j to rank j (its
+  // pieces copied into one staging buffer when the call is made); each rank receives its piece
+  // into its output (through a buffer and a copy where the output is not contiguous).
   WorkPtr scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
                   const c10d::ScatterOptions& opts) override {
     void* h = comm_->handle();
@@ -325,28 +333,26 @@ class ToroidBackend : public Backend {
     }
     at::Tensor out = outputs[0];
     auto n = static_cast<size_t>(out.numel());
-    at::Tensor staging = at::empty({getSize() * out.numel()}, out.options());
+    auto size = static_cast<size_t>(getSize());
+    std::vector<size_t> send(size, root ? n : 0), recv(size, 0);
+    recv[static_cast<size_t>(opts.rootRank)] = n;
+    at::Tensor staging = at::empty({root ? getSize() * out.numel() : 0}, out.options());
     if (root && n > 0) {  // (empty pieces: nothing to copy, and their data may be null)
       size_t bytes = n * static_cast<size_t>(out.element_size());
       for (size_t r = 0; r < inputs[0].size(); ++r) {
         const at::Tensor& piece = inputs[0][r];
-        auto offset = static_cast<int64_t>(r * n);
         if (piece.is_contiguous()) {
           std::memcpy(static_cast<char*>(staging.data_ptr()) + r * bytes, piece.data_ptr(), bytes);
         } else {
-          staging.narrow(0, offset, static_cast<int64_t>(n)).view(piece.sizes()).copy_(piece);
+          staging.narrow(0, static_cast<int64_t>(r * n), static_cast<int64_t>(n)).view(piece.sizes()).copy_(piece);
         }
       }
     }
-    void* buf = staging.data_ptr();
-    size_t count = n * static_cast<size_t>(getSize());
-    auto from = static_cast<int>(opts.rootRank);
-    const Api& api = comm_->api();
-    return run(
-        kScatter, kScatterNames, c10d::OpType::SCATTER, opts.asyncOp, outputs, {staging},
-        [&] { return api.broadcast(h, buf, buf, count, dtype, from); },
-        [&](void** w) { return api.broadcast_async(h, buf, buf, count, dtype, from, w); },
-        copy_out(staging, n, {out}, static_cast<size_t>(getRank())));
+    bool direct = out.is_contiguous();
+    at::Tensor into = direct ? out : at::empty({out.numel()}, out.options());
+    Then then = direct ? Then{} : copy_out(into, n, {out}, 0);
+    return rooted(kScatter, kScatterNames, c10d::OpType::SCATTER, opts.asyncOp, h, dtype, staging.data_ptr(), send,
+                  into.data_ptr(), recv, outputs, {staging, into}, std::move(then));
   }
 
   // allreduce_coalesced (dist.all_reduce_coalesced, torch's _coalescing_manager): one in-place
@@ -546,8 +552,8 @@ class ToroidBackend : public Backend {
     return lists.size() == 1 && outputs_of(lists[0], like, getSize());
   }
 
-  // An all-gather of `in` into a staging buffer of `size` pieces, copied into `outs` after the
-  // operation (none: nothing copied, a gather's other ranks).
+  // The list-form all-gather: `in` gathered into a staging buffer of `size` pieces, copied
+  // into `outs` after the operation.
   WorkPtr gathered(Count count, const Names& names, c10d::OpType type, bool async_op, void* h, int dtype,
                    const at::Tensor& in, std::vector<at::Tensor> outs) {
     at::Tensor staging = at::empty({getSize() * in.numel()}, in.options());
@@ -560,6 +566,19 @@ class ToroidBackend : public Backend {
         count, names, type, async_op, std::move(outs), {in, staging},
         [&] { return api.all_gather(h, src, dst, n, dtype); },
         [&](void** w) { return api.all_gather_async(h, src, dst, n, dtype, w); }, std::move(then));
+  }
+
+  // A gather's or scatter's toroid_all_to_all_v from `src` by `send` counts into `dst` by
+  // `recv` counts (elements per rank; the vectors are read before the call returns).
+  WorkPtr rooted(Count count, const Names& names, c10d::OpType type, bool async_op, void* h, int dtype,
+                 const void* src, const std::vector<size_t>& send, void* dst, const std::vector<size_t>& recv,
+                 std::vector<at::Tensor> result, std::vector<at::Tensor> keep, Then then) {
+    const Api& api = comm_->api();
+    return run(
+        count, names, type, async_op, std::move(result), std::move(keep),
+        [&] { return api.all_to_all_v(h, src, send.data(), dst, recv.data(), dtype); },
+        [&](void** w) { return api.all_to_all_v_async(h, src, send.data(), dst, recv.data(), dtype, w); },
+        std::move(then));
   }
 
   // Copies pieces `first`, `first + 1`, ... of `n` elements of `staging` into `outs`: plainly
