@@ -1,7 +1,7 @@
 // Cross-memory attach (process_vm_readv / process_vm_writev) against memcpy on this machine:
 // the evidence behind docs/decisions/no-single-copy-cma.md.
 //
-//   gcc -O2 benches/compare/cma_probe.c -o /tmp/cma_probe && /tmp/cma_probe
+//   gcc -O2 benches/compare/cma_probe.c -o target/cma_probe && target/cma_probe
 //
 // A forked child fills a private 64 MiB buffer; the parent copies it out of the child with
 // process_vm_readv (and into it with process_vm_writev) in blocks of 16 KiB to 64 MiB, best of

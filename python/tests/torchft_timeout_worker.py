@@ -45,7 +45,6 @@ def main() -> int:
         seen["python_path"] = isinstance(getattr(work, "_work", work), ToroidWork)
         barrier.wait()
         if rank == 1:
-            start = time.monotonic()
             try:
                 pg.recv([torch.zeros(1, dtype=torch.int64)], 0, 1).wait(timedelta(milliseconds=50))
                 seen["recv"] = "completed"

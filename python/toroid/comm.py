@@ -566,15 +566,11 @@ class Comm(_PointerCalls):
             raise ValueError(f"all_to_all input of {send.size} elements does not split into {self.size}")
         recv = np.empty_like(send) if recv is None else recv
         self._same(send, recv)
-        return self.all_to_all_ptr(
-            _buffer(send, False), _buffer(recv, True), send.size // self.size, numpy_dtype(send), async_op,
-            (send, recv), recv,
-        )
+        return self.all_to_all_ptr(_buffer(send, False), _buffer(recv, True), send.size // self.size,
+                                   numpy_dtype(send), async_op, (send, recv), recv)
 
     def all_to_all_v(self, send, send_counts, recv, recv_counts, async_op: bool = False):
-        """Blocks of any size: `send_counts[j]` elements of `send` (after the blocks for the
-        ranks below j) go to rank j; `recv_counts[j]` from rank j land in `recv` after the
-        blocks from the ranks below j (MPI's Alltoallv, packed; out of place)."""
+        """`all_to_all_v_ptr` on numpy arrays: packed blocks of any size, out of place."""
         self._kind(send, recv)
         return self.all_to_all_v_ptr(_buffer(send, False), send_counts, _buffer(recv, True), recv_counts,
                                      numpy_dtype(send), async_op, (send, recv), recv)

@@ -561,7 +561,7 @@ class ToroidBackend : public Backend {
     void* dst = staging.data_ptr();
     auto n = static_cast<size_t>(in.numel());
     const Api& api = comm_->api();
-    Then then = outs.empty() ? Then{} : copy_out(staging, n, outs, 0);
+    Then then = copy_out(staging, n, outs, 0);
     return run(
         count, names, type, async_op, std::move(outs), {in, staging},
         [&] { return api.all_gather(h, src, dst, n, dtype); },

@@ -194,12 +194,14 @@ mod tests {
     #[test]
     fn a_completed_result_is_never_seen_without_done() {
         let mut seen_early = 0;
+        let deadline = Instant::now() + Duration::from_secs(30);
         for _ in 0..2_000 {
             let c = Arc::new(Completion::new(None));
             let go = Arc::new(AtomicBool::new(false));
             let (c2, go2) = (c.clone(), go.clone());
             let completer = std::thread::spawn(move || {
                 while !go2.load(Ordering::Acquire) {
+                    assert!(Instant::now() < deadline, "the completer was never started");
                     std::hint::spin_loop();
                 }
                 c2.complete(Ok(()));
@@ -211,6 +213,7 @@ mod tests {
                     seen_early += usize::from(!c.is_done());
                     break;
                 }
+                assert!(Instant::now() < deadline, "the work was never completed");
             }
             completer.join().expect("completer");
         }
