@@ -116,14 +116,30 @@ const EPOCH_HEADER: &str = "epoch,step,global_batch,lr,train_loss,train_acc,test
 
 impl Metrics {
     /// Creates `dir` and the CSV files `steps.csv` and `epochs.csv` in it. With `append` (a
-    /// resumed run) existing files are kept and their rows become the start of the history, so
-    /// the plot covers the whole run.
+    /// resumed run, or an elastic survivor taking over from a rank 0 that died) existing files
+    /// are kept and their rows become the start of the history, so the plot covers the whole
+    /// run; a last row the previous writer did not finish (it was killed inside the write) is
+    /// cut off first, or the next row would be appended to its fragment and lost in it.
     pub fn create(dir: &Path, append: bool) -> Result<Metrics> {
+        Metrics::open(dir, append, None)
+    }
+
+    /// Under `--elastic`, the survivor that became rank 0 after rank 0 died takes over `dir`'s
+    /// files from the steps up to `step`, the one the survivors go back to: rows of later steps
+    /// go (the dead rank may have finished and logged the failed step, which the survivors now
+    /// redo and log again).
+    pub fn take_over(dir: &Path, step: u64) -> Result<Metrics> {
+        Metrics::open(dir, true, Some(step))
+    }
+
+    fn open(dir: &Path, append: bool, after: Option<u64>) -> Result<Metrics> {
         std::fs::create_dir_all(dir)
             .context(|| format!("cannot create output directory {}", dir.display()))?;
         let open = |name: &str, header: &str| -> Result<std::fs::File> {
             let path = dir.join(name);
-            let exists = append && path.exists();
+            // A file the previous writer left without a complete header counts as absent.
+            let rows_after = if name == "epochs.csv" { None } else { after };
+            let exists = append && path.exists() && cut_rows(&path, rows_after)? > 0;
             let mut f = std::fs::OpenOptions::new()
                 .create(true)
                 .append(exists)
@@ -132,41 +148,42 @@ impl Metrics {
                 .open(&path)
                 .context(|| format!("cannot write {}", path.display()))?;
             if !exists {
-                writeln!(f, "{header}")?;
+                write_row(&mut f, format_args!("{header}"))?;
             }
             Ok(f)
         };
+        let (step_file, epoch_file, eval_file) = (
+            open("steps.csv", STEP_HEADER)?,
+            open("epochs.csv", EPOCH_HEADER)?,
+            open("evals.csv", EVAL_HEADER)?,
+        );
+        // Read after the opens have cut any torn row.
         let (steps, epochs) = if append { read_history(dir)? } else { (vec![], vec![]) };
-        Ok(Metrics {
-            dir: dir.to_path_buf(),
-            steps,
-            epochs,
-            step_file: open("steps.csv", STEP_HEADER)?,
-            epoch_file: open("epochs.csv", EPOCH_HEADER)?,
-            eval_file: open("evals.csv", EVAL_HEADER)?,
-        })
+        Ok(Metrics { dir: dir.to_path_buf(), steps, epochs, step_file, epoch_file, eval_file })
     }
 
     /// Records a step row.
     pub fn step(&mut self, r: StepRow) -> Result<()> {
-        writeln!(
-            self.step_file,
-            "{},{:.4},{},{:.6},{:.5},{:.1},{:.4},{:.5},{},{},{},{},{:.5},{:.5},{:.3}",
-            r.step,
-            r.epoch,
-            r.batch,
-            r.lr,
-            r.loss,
-            r.images_per_s,
-            r.step_s,
-            r.comm_s,
-            r.examples,
-            r.fresh,
-            r.bytes,
-            r.echo,
-            r.t_up_s,
-            r.t_down_s,
-            r.r
+        write_row(
+            &mut self.step_file,
+            format_args!(
+                "{},{:.4},{},{:.6},{:.5},{:.1},{:.4},{:.5},{},{},{},{},{:.5},{:.5},{:.3}",
+                r.step,
+                r.epoch,
+                r.batch,
+                r.lr,
+                r.loss,
+                r.images_per_s,
+                r.step_s,
+                r.comm_s,
+                r.examples,
+                r.fresh,
+                r.bytes,
+                r.echo,
+                r.t_up_s,
+                r.t_down_s,
+                r.r
+            ),
         )?;
         self.steps.push(r);
         Ok(())
@@ -179,41 +196,44 @@ impl Metrics {
 
     /// Records an evaluation row.
     pub fn eval(&mut self, r: EvalRow) -> Result<()> {
-        writeln!(
-            self.eval_file,
-            "{},{:.4},{},{},{},{:.2},{:.2},{:.5},{:.5},{:.4}",
-            r.step,
-            r.epoch,
-            r.examples,
-            r.fresh,
-            r.bytes,
-            r.wall_s,
-            r.train_s,
-            r.train_loss,
-            r.test_loss,
-            r.test_acc
-        )?;
-        Ok(())
+        write_row(
+            &mut self.eval_file,
+            format_args!(
+                "{},{:.4},{},{},{},{:.2},{:.2},{:.5},{:.5},{:.4}",
+                r.step,
+                r.epoch,
+                r.examples,
+                r.fresh,
+                r.bytes,
+                r.wall_s,
+                r.train_s,
+                r.train_loss,
+                r.test_loss,
+                r.test_acc
+            ),
+        )
     }
 
     /// Records an epoch row.
     pub fn epoch(&mut self, r: EpochRow) -> Result<()> {
-        writeln!(
-            self.epoch_file,
-            "{},{},{},{:.6},{:.5},{:.4},{:.5},{:.4},{:.1},{:.4},{:.1},{:.1},{:.4}",
-            r.epoch,
-            r.step,
-            r.batch,
-            r.lr,
-            r.train_loss,
-            r.train_acc,
-            r.test_loss,
-            r.test_acc,
-            r.images_per_s,
-            r.comm_fraction,
-            r.epoch_s,
-            r.wall_s,
-            r.epochs_done
+        write_row(
+            &mut self.epoch_file,
+            format_args!(
+                "{},{},{},{:.6},{:.5},{:.4},{:.5},{:.4},{:.1},{:.4},{:.1},{:.1},{:.4}",
+                r.epoch,
+                r.step,
+                r.batch,
+                r.lr,
+                r.train_loss,
+                r.train_acc,
+                r.test_loss,
+                r.test_acc,
+                r.images_per_s,
+                r.comm_fraction,
+                r.epoch_s,
+                r.wall_s,
+                r.epochs_done
+            ),
         )?;
         self.epochs.push(r);
         Ok(())
@@ -225,6 +245,39 @@ impl Metrics {
         plot(&path, title, &self.steps, &self.epochs)?;
         Ok(path)
     }
+}
+
+/// Writes one CSV row and its newline with a single `write`: `writeln!` on a file makes a system
+/// call per formatted piece, and a rank killed between two of them (an elastic run's rank 0)
+/// would leave a fragment that the next writer's row is glued to.
+fn write_row(file: &mut std::fs::File, row: std::fmt::Arguments) -> Result<()> {
+    let mut line = row.to_string();
+    line.push('\n');
+    file.write_all(line.as_bytes())?;
+    Ok(())
+}
+
+/// Cuts `path` back to the end of its last complete line (see [`Metrics::create`]) and, with
+/// `after`, to before its first row of a later step (see [`Metrics::take_over`]); returns the
+/// length kept.
+fn cut_rows(path: &Path, after: Option<u64>) -> Result<usize> {
+    let text = std::fs::read(path).context(|| format!("cannot read {}", path.display()))?;
+    let mut keep = 0;
+    for (i, line) in text.split_inclusive(|&b| b == b'\n').enumerate() {
+        let step = || std::str::from_utf8(line).ok()?.split(',').next()?.trim().parse::<u64>().ok();
+        if !line.ends_with(b"\n") || (i > 0 && after.is_some_and(|a| step().is_some_and(|s| s > a))) {
+            break;
+        }
+        keep += line.len();
+    }
+    if keep < text.len() {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .context(|| format!("cannot write {}", path.display()))?;
+        f.set_len(keep as u64).context(|| format!("cannot truncate {}", path.display()))?;
+    }
+    Ok(keep)
 }
 
 /// Reads the rows of `dir/steps.csv` and `dir/epochs.csv` (missing files: no rows).
@@ -551,6 +604,30 @@ mod tests {
         m.epoch(EpochRow { epoch: 2, ..Default::default() }).unwrap();
         let csv = std::fs::read_to_string(dir.join("epochs.csv")).unwrap();
         assert_eq!(csv.lines().count(), 4);
+        // A writer killed inside a row left a fragment: the next one cuts it and its own row
+        // starts a line of its own.
+        drop(m);
+        let mut f = std::fs::OpenOptions::new().append(true).open(dir.join("steps.csv")).unwrap();
+        f.write_all(b"20,2.0000,64,0.100000,0.5,500.0,0.1,0.01,0,0,0,1,Na").unwrap();
+        drop(f);
+        let mut m = Metrics::create(&dir, true).unwrap();
+        assert_eq!(m.steps.len(), 20);
+        m.step(StepRow { step: 20, loss: 0.5, ..Default::default() }).unwrap();
+        let csv = std::fs::read_to_string(dir.join("steps.csv")).unwrap();
+        let steps: Vec<&str> = csv.lines().skip(1).map(|l| l.split(',').next().unwrap()).collect();
+        assert_eq!(steps, (0..=20).map(|i| i.to_string()).collect::<Vec<_>>());
+        assert!(csv.ends_with('\n') && csv.lines().all(|l| l.split(',').count() == 15), "{csv}");
+        // A header the writer did not finish is written again.
+        drop(m);
+        std::fs::write(dir.join("evals.csv"), "step,epo").unwrap();
+        drop(Metrics::create(&dir, true).unwrap());
+        assert_eq!(std::fs::read_to_string(dir.join("evals.csv")).unwrap(), format!("{EVAL_HEADER}\n"));
+        // Taking over from step 12 drops the rows of steps 13-20 (the dead writer's, redone).
+        let m = Metrics::take_over(&dir, 12).unwrap();
+        assert_eq!(m.steps.iter().map(|r| r.step).collect::<Vec<_>>(), (0..=12).collect::<Vec<_>>());
+        let csv = std::fs::read_to_string(dir.join("steps.csv")).unwrap();
+        assert_eq!(csv.lines().count(), 14);
+        assert_eq!(std::fs::read_to_string(dir.join("epochs.csv")).unwrap().lines().count(), 4);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -23,7 +23,8 @@
 //!    skips exactly the examples the old world had consumed, and the epoch goes on with the
 //!    rest;
 //! 4. retries the failed step. If rank 0 died, the new rank 0 takes over the metrics files
-//!    (appending to them) and the checkpoints.
+//!    (appending to them, after dropping any row the dead rank logged for the failed step) and the
+//!    checkpoints.
 //!
 //! A failure elsewhere (outside the steps of an epoch: the end-of-epoch report, evaluation, a
 //! checkpoint) still ends the run with the error, as does any failure that did not abort the
@@ -109,7 +110,7 @@ impl Trainer {
         self.rep = self.rep.rebuilt(small, &self.model.params);
         if self.rank == 0 && self.metrics.is_none() {
             // Rank 0 died: this survivor takes its files over.
-            self.metrics = Some(Metrics::create(&self.args.out, true)?);
+            self.metrics = Some(Metrics::take_over(&self.args.out, save.step)?);
         }
         self.rep.check_identical(&self.host_values(), &format!("parameters before step {step}"))?;
         eprintln!(
