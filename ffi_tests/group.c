@@ -1,7 +1,11 @@
 /* toroid_group_start / toroid_group_end: 100 small all-reduces of pseudo-random lengths with a
  * broadcast and NCCL's in-place all-gather between them, recorded and run as one group, every
  * element checked against sums computed independently; the statistics show the all-reduces
- * packed into 2; nested groups, and misuse (end without start, async and send inside a group).
+ * packed into 2; nested groups, and misuse (end without start, async calls and receive-from-any
+ * inside a group). Sends and receives in a group (NCCL's grouped ncclSend / ncclRecv): every
+ * rank sends 4 MiB to both neighbours before receiving (which blocking calls one by one cannot
+ * complete), blocking and through toroid_group_end_async, every element checked; a receive
+ * overlapping another buffer of the group is refused before anything runs.
  * toroid_group_end_async: a group queued behind async work, one call too large to pack.
  * toroid_all_reduce_init / toroid_request_run: a persistent all-reduce run 10 times on new data,
  * out of place and in place, every element checked; runs refused inside a group and once the
@@ -26,6 +30,56 @@ static uint64_t all_reduces(toroid_comm *comm) {
   for (size_t i = 0; i < n && i < 256; i++)
     if (cells[i].kind == 1) c += cells[i].count;
   return c;
+}
+
+#define P2P (1 << 20) /* int32 elements: 4 MiB */
+
+static int32_t p2p_value(int src, int dst, int round, int i) { return (src * 1000003 + dst * 7919 + round * 131 + i) ^ 0x5a5a; }
+
+/* Every rank sends to both neighbours, then receives from both, in one group. */
+static void p2p(toroid_comm *comm, int size) {
+  if (size < 2) return;
+  int next = (g_rank + 1) % size, prev = (g_rank + size - 1) % size;
+  int32_t *out_next = malloc(P2P * sizeof(int32_t)), *out_prev = malloc(P2P * sizeof(int32_t));
+  int32_t *in_prev = malloc(P2P * sizeof(int32_t)), *in_next = malloc(P2P * sizeof(int32_t));
+  if (!out_next || !out_prev || !in_prev || !in_next) FAIL("out of memory");
+  for (int round = 0; round < 2; round++) {
+    for (int i = 0; i < P2P; i++) {
+      out_next[i] = p2p_value(g_rank, next, round, i);
+      out_prev[i] = p2p_value(g_rank, prev, round, i);
+      in_prev[i] = in_next[i] = 0;
+    }
+    int two = size > 2; /* with 2 ranks both neighbours are one rank: one message each way */
+    CHECK(toroid_group_start(comm));
+    CHECK(toroid_send(comm, out_next, P2P, TOROID_INT32, next));
+    if (two) CHECK(toroid_send(comm, out_prev, P2P, TOROID_INT32, prev));
+    CHECK(toroid_recv(comm, in_prev, P2P, TOROID_INT32, prev));
+    if (two) CHECK(toroid_recv(comm, in_next, P2P, TOROID_INT32, next));
+    if (round == 0) {
+      CHECK(toroid_group_end(comm));
+    } else {
+      toroid_work *w = NULL;
+      CHECK(toroid_group_end_async(comm, &w));
+      if (!w) FAIL("a group of sends and receives queued no work");
+      CHECK(toroid_work_wait(w, -1));
+      toroid_work_free(w);
+    }
+    for (int i = 0; i < P2P; i++) {
+      if (in_prev[i] != p2p_value(prev, g_rank, round, i)) FAIL("round %d: element %d from rank %d", round, i, prev);
+      if (two && in_next[i] != p2p_value(next, g_rank, round, i)) FAIL("round %d: element %d from rank %d", round, i, next);
+    }
+  }
+  /* A receive overlapping a send of the group: refused at the end, before anything runs (the
+   * communicator stays usable: the barrier after it). */
+  CHECK(toroid_group_start(comm));
+  CHECK(toroid_send(comm, out_next, 100, TOROID_INT32, next));
+  CHECK(toroid_recv(comm, out_next + 50, 100, TOROID_INT32, prev));
+  EXPECT_CODE(TOROID_INVALID_ARGUMENT, toroid_group_end(comm));
+  CHECK(toroid_barrier(comm));
+  free(out_next);
+  free(out_prev);
+  free(in_prev);
+  free(in_next);
 }
 
 int main(void) {
@@ -55,10 +109,11 @@ int main(void) {
   CHECK(toroid_all_gather(comm, gathered + g_rank * 19, gathered, 19, TOROID_INT32));
   for (int c = CALLS / 2; c < CALLS; c++)
     CHECK(toroid_all_reduce(comm, bufs[c], bufs[c], (size_t)len_of(c), TOROID_FLOAT64, TOROID_SUM));
-  /* Inside a group: async calls and point-to-point are refused, and nothing is recorded. */
+  /* Inside a group: async calls and receive-from-any are refused, and nothing is recorded. */
   toroid_work *w = NULL;
   EXPECT_CODE(TOROID_INVALID_USAGE, toroid_all_reduce_async(comm, bufs[0], bufs[0], 1, TOROID_FLOAT64, TOROID_SUM, &w));
-  EXPECT_CODE(TOROID_INVALID_USAGE, toroid_send(comm, bufs[0], 1, TOROID_FLOAT64, (g_rank + 1) % size));
+  int src = -1;
+  if (size > 1) EXPECT_CODE(TOROID_INVALID_USAGE, toroid_recv_any(comm, bufs[0], 1, TOROID_FLOAT64, &src));
   CHECK(toroid_group_end(comm));
   EXPECT_CODE(TOROID_INVALID_USAGE, toroid_group_end(comm));
 
@@ -159,6 +214,7 @@ int main(void) {
   CHECK(toroid_group_start(comm));
   EXPECT_CODE(TOROID_INVALID_USAGE, toroid_request_run(inp));
   CHECK(toroid_group_end(comm));
+  p2p(comm, size);
   toroid_request_free(oop);
   EXPECT_CODE(TOROID_INVALID_USAGE, toroid_request_run(oop)); /* freed */
   CHECK(toroid_comm_destroy(comm));

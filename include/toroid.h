@@ -503,9 +503,15 @@ const char *toroid_get_last_error(const struct toroid_comm *comm);
 /**
  * Opens a group on `comm` (or nests one in an open group): until the matching
  * `toroid_group_end`, blocking collectives on `comm` (all_reduce, reduce_scatter, all_gather,
- * broadcast, reduce, all_to_all, barrier) are checked and recorded, and return TOROID_SUCCESS
- * at once without touching their buffers. Async calls, send and receive are refused inside a
- * group (TOROID_INVALID_USAGE). Every rank must record the same calls in the same order.
+ * broadcast, reduce, all_to_all, all_to_all_v, barrier) and toroid_send / toroid_recv are
+ * checked and recorded, and return TOROID_SUCCESS at once without touching their buffers.
+ * The group's sends and receives run side by side after its collectives (NCCL's grouped
+ * ncclSend / ncclRecv: a group where each rank sends to one peer and receives from another
+ * completes whatever the sizes; as in NCCL, a group orders none of its operations), each
+ * pairing with its peer's send or receive, grouped or not, in the pair's order; no receive's
+ * buffer may overlap another of the group's send or receive buffers (TOROID_INVALID_ARGUMENT
+ * at the end, before anything runs). Async calls and toroid_recv_any are refused inside a
+ * group (TOROID_INVALID_USAGE). Every rank must record the same collectives in the same order.
  */
 enum toroid_result toroid_group_start(struct toroid_comm *comm);
 

@@ -50,6 +50,9 @@ pub enum OpKind {
     Recv(usize),
     /// receive from whichever peer sends first (the rank is reported back)
     RecvAny,
+    /// sends and receives that run side by side (a group's consecutive `Send`s and `Recv`s;
+    /// they travel beside the buffers: `RawOp::batch`), each on the wire as if alone
+    SendRecv,
     /// the all-gather inside `split`
     SplitExchange,
     /// the cost model's link measurements (output: the probe results as 6 f64)
@@ -68,7 +71,7 @@ impl OpKind {
             OpKind::AllToAll => CollKind::AllToAll,
             OpKind::AllToAllV => CollKind::AllToAllV,
             OpKind::Barrier => CollKind::Barrier,
-            OpKind::Send(_) | OpKind::Recv(_) | OpKind::RecvAny => CollKind::PointToPoint,
+            OpKind::Send(_) | OpKind::Recv(_) | OpKind::RecvAny | OpKind::SendRecv => CollKind::PointToPoint,
             OpKind::SplitExchange => CollKind::Split,
             OpKind::Probe => CollKind::Probe,
         }

@@ -322,6 +322,7 @@ fn hooks_run_in_issue_order_around_their_operation() {
             opts: CallOptions::default(),
             source: None,
             splits: None,
+            batch: None,
         };
         // SAFETY: `buf` stays alive and untouched until the wait returns.
         let w = unsafe { comm.submit_raw_with_hooks(op, None, hooks) }.unwrap();

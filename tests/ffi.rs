@@ -443,7 +443,7 @@ fn c_wire_all_reduce_is_within_its_bound_and_identical_on_every_rank() {
 }
 
 #[test]
-fn c_group_packs_small_all_reduces_and_runs_the_rest_in_order() {
+fn c_group_packs_small_all_reduces_runs_the_rest_in_order_and_sends_side_by_side() {
     let exe = build("group");
     for (n, env) in [(3, &[][..]), (5, &[("TOROID_SHM_DISABLE", "1")][..])] {
         let out = run_ranks(n, 60, env, &[exe.as_os_str()]);

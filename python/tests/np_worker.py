@@ -524,8 +524,9 @@ def wire(comm):
 
 def group(comm):
     """80 small all-reduces of mixed types and ops with a broadcast and an all-gather between
-    them, in one `with comm.group()`: every element checked; the all-reduces run packed. Then a
-    persistent all-reduce (`all_reduce_init`) run 5 times on new data."""
+    them, in one `with comm.group()`: every element checked; the all-reduces run packed. Then
+    sends and receives in a group, and a persistent all-reduce (`all_reduce_init`) run 5 times
+    on new data."""
     def all_reduces():
         return sum(c["count"] for c in comm.stats() if c["kind"] == "all_reduce")
 
@@ -557,6 +558,30 @@ def group(comm):
         raise AssertionError("an async call inside a group")
     except toroid.InvalidUsageError:
         pass
+    # Sends and receives in a group run side by side: every rank sends 4 MiB to each neighbour
+    # before receiving (blocking calls one by one would wait for each other), blocking and async.
+    if SIZE > 1:
+        nxt, prv = (RANK + 1) % SIZE, (RANK - 1) % SIZE
+        for async_op in (False, True):
+            out = {p: data(500 + p, RANK, 1 << 20, np.float32) for p in {nxt, prv}}
+            got = {p: np.zeros(1 << 20, np.float32) for p in {nxt, prv}}
+            with comm.group():
+                for p in out:
+                    comm.send(out[p], p)
+                for p in got:
+                    comm.recv(got[p], p)
+                assert not any(g.any() for g in got.values()), "a receive ran before the group ended"
+            if async_op:  # the same group again, queued (group_end(async_op=True))
+                for g in got.values():
+                    g[:] = 0
+                comm.group_start()
+                for p in out:
+                    comm.send(out[p], p)
+                for p in got:
+                    comm.recv(got[p], p)
+                comm.group_end(async_op=True).wait()
+            for p in got:
+                same(got[p], data(500 + RANK, p, 1 << 20, np.float32), f"group receive from {p} (async {async_op})")
     # A persistent all-reduce, run on new data each time, out of place.
     x = np.zeros(300, np.float32)
     y = np.zeros(300, np.float32)

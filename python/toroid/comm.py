@@ -400,12 +400,12 @@ class Comm(_PointerCalls):
 
     @contextlib.contextmanager
     def group(self):
-        """Runs the blocking collectives issued inside the ``with`` block as one group when it
-        ends (toroid_group_start / toroid_group_end): consecutive small all-reduces of one
-        type and op are packed into one all-reduce. Inside the block the calls return at once
-        and their arrays are filled when the block ends; async calls and send/recv are refused.
-        Every rank must issue the same calls in the same order. If the block raises, the calls
-        recorded so far still run (the other ranks expect them) and the exception propagates."""
+        """Runs the blocking calls issued inside the ``with`` block as one group when it ends
+        (toroid_group_start / toroid_group_end): small all-reduces of one type and op packed
+        into one, sends and receives side by side after the collectives. The calls return at
+        once, their arrays filled when the block ends; async calls and recv_any are refused.
+        Every rank must issue the same collectives in the same order. If the block raises, the
+        calls recorded so far still run (the other ranks expect them) and it propagates."""
         self.group_start()
         ok = False
         try:

@@ -47,9 +47,12 @@ pub fn run(ctx: &mut OpContext<'_>, scratch: &mut Scratch, layout: &Layout, call
         OpKind::AllGather | OpKind::SplitExchange => Stage::AllGather,
         OpKind::Broadcast(_) => Stage::Broadcast,
         OpKind::Reduce(..) => Stage::Reduce,
-        OpKind::AllToAll | OpKind::AllToAllV | OpKind::Barrier | OpKind::Send(_) | OpKind::Recv(_) => {
-            Stage::Exchange
-        }
+        OpKind::AllToAll
+        | OpKind::AllToAllV
+        | OpKind::Barrier
+        | OpKind::Send(_)
+        | OpKind::Recv(_)
+        | OpKind::SendRecv => Stage::Exchange,
         OpKind::RecvAny => Stage::RecvAny,
         OpKind::Probe => Stage::None,
     });
@@ -122,6 +125,9 @@ pub fn run(ctx: &mut OpContext<'_>, scratch: &mut Scratch, layout: &Layout, call
         OpKind::Probe => Err(Error::Internal("the probe is run by the communicator".into())),
         OpKind::RecvAny => {
             Err(Error::Internal("the communicator resolves the source of a receive first".into()))
+        }
+        OpKind::SendRecv => {
+            Err(Error::Internal("the communicator runs a batch of sends and receives".into()))
         }
     }
 }

@@ -159,6 +159,7 @@ impl Communicator {
             opts: CallOptions::default(),
             source: None,
             splits: Some(splits),
+            batch: None,
         };
         // SAFETY: the buffers are borrowed for this blocking call, which returns only once the
         // operation has stopped touching them; `&` and `&mut` borrows cannot overlap.
@@ -197,6 +198,7 @@ impl Communicator {
             opts: CallOptions::default(),
             source: Some(slot.clone()),
             splits: None,
+            batch: None,
         };
         // SAFETY: `buf` is borrowed for this blocking call, which returns only once the
         // operation has stopped touching it.
@@ -221,7 +223,7 @@ impl Communicator {
         };
         // SAFETY: the buffers are borrowed for this blocking call, which returns only once the
         // operation has stopped touching them; `&` and `&mut` borrows cannot overlap.
-        unsafe { self.run(RawOp { kind, dtype, bufs, opts, source: None, splits: None }) }
+        unsafe { self.run(RawOp { kind, dtype, bufs, opts, source: None, splits: None, batch: None }) }
     }
 
     /// Async in-place all-reduce of an owned buffer; `wait` gives it back.
@@ -285,6 +287,7 @@ impl Communicator {
                     opts: CallOptions::default(),
                     source: None,
                     splits: None,
+                    batch: None,
                 },
                 None,
             )
@@ -298,7 +301,7 @@ impl Communicator {
         make: impl FnOnce(&mut [u8]) -> (OpKind, RawBufs),
     ) -> Result<Work<B>> {
         let (kind, bufs) = make(bytes_of_mut(buf.as_mut_elems()));
-        let op = RawOp { kind, dtype: T::DTYPE, bufs, opts, source: None, splits: None };
+        let op = RawOp { kind, dtype: T::DTYPE, bufs, opts, source: None, splits: None, batch: None };
         // SAFETY: the work keeps `buf` alive until the operation completes, and its heap data
         // does not move when `buf` is moved into the box (OwnedBuffer's promise).
         let w = unsafe { self.submit_raw(op, Some(Box::new(buf)))? };

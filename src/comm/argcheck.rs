@@ -145,6 +145,8 @@ fn common(call: &Call<'_>, rank: usize, n: usize) -> Result<()> {
         | OpKind::Barrier
         | OpKind::Probe
         | OpKind::RecvAny => Ok(()),
+        // (checked item by item: `validate`)
+        OpKind::SendRecv => Err(Error::Internal("a batch of sends and receives checked as one call".into())),
     }
 }
 
@@ -226,6 +228,7 @@ fn host(call: &Call<'_>, bufs: &RawBufs, rank: usize, n: usize, has_window: bool
         OpKind::Send(_) | OpKind::Recv(_) => {
             whole("buffer", inp.max(out))?;
         }
+        OpKind::SendRecv => {}
         OpKind::RecvAny => {
             if n < 2 {
                 return Err(Error::InvalidUsage(
@@ -375,7 +378,57 @@ fn device(call: &Call<'_>, count: usize, send: u64, recv: u64, me: usize, n: usi
 
 /// [`check`] of `op` on host memory (the Rust API, the queue and the C ABI).
 pub(crate) fn validate(op: &RawOp, rank: usize, size: usize, has_window: bool) -> Result<()> {
+    if op.kind == OpKind::SendRecv {
+        return batch(op, rank, size, has_window);
+    }
     check(&Call::host(op), rank, size, has_window).map(drop)
+}
+
+/// A batch of sends and receives ([`OpKind::SendRecv`]): each is a valid send or receive of its
+/// own, and no receive's buffer overlaps another buffer of the batch (they are written side by
+/// side; several sends may read one buffer).
+fn batch(op: &RawOp, rank: usize, size: usize, has_window: bool) -> Result<()> {
+    let items = op.batch.as_deref().unwrap_or_default();
+    if items.is_empty() {
+        return Err(Error::Internal("a batch of sends and receives without any".into()));
+    }
+    // (start, end, written) of every non-empty buffer
+    let mut spans = Vec::with_capacity(items.len());
+    for item in items {
+        let span = match (item.kind, item.bufs) {
+            (OpKind::Send(_), RawBufs::Read(b)) => (b.addr(), b.len(), false),
+            (OpKind::Recv(_), RawBufs::InPlace(b)) => (b.addr(), b.len(), true),
+            _ => {
+                return Err(Error::Internal(
+                    format!("a batch of sends and receives holds {:?}", item.kind).into(),
+                ));
+            }
+        };
+        if item.batch.is_some() {
+            return Err(Error::Internal("a batch inside a batch".into()));
+        }
+        check(&Call::host(item), rank, size, has_window)?;
+        if span.1 > 0 {
+            spans.push((span.0, span.0 + span.1, span.2));
+        }
+    }
+    // In address order, a buffer overlaps an earlier one when it starts before the furthest
+    // end so far; it clashes when it or an earlier written buffer reaching past its start is
+    // written.
+    spans.sort_unstable();
+    let (mut end, mut written_end) = (0, 0);
+    for (start, stop, written) in spans {
+        if start < written_end || (written && start < end) {
+            return Err(Error::InvalidArgument(
+                "a receive's buffer overlaps another buffer of its group's sends and receives".into(),
+            ));
+        }
+        end = end.max(stop);
+        if written {
+            written_end = written_end.max(stop);
+        }
+    }
+    Ok(())
 }
 
 /// [`check`] of a call on device memory: the ordinal of the device its buffers are on, or

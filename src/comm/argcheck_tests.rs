@@ -16,7 +16,7 @@ fn op(kind: OpKind, dtype: DataType, inp: &[u8], out: &mut [u8]) -> RawOp {
     } else {
         RawBufs::OutOfPlace(RawBuf::new(inp), RawBufMut::new(out))
     };
-    RawOp { kind, dtype, bufs, opts: CallOptions::default(), source: None, splits: None }
+    RawOp { kind, dtype, bufs, opts: CallOptions::default(), source: None, splits: None, batch: None }
 }
 
 fn message(r: Result<()>) -> String {
@@ -179,4 +179,61 @@ fn all_to_all_v_blocks_add_up_to_the_buffers_and_keep_this_ranks_size() {
     assert!(message(validate(&o, 1, 3, false)).contains("no in-place form"));
     let m = message(validate(&op(OpKind::AllToAllV, DataType::I32, &a, &mut b), 1, 3, false));
     assert!(m.contains("without its counts"), "{m}");
+}
+
+#[test]
+fn a_batch_of_sends_and_receives_checks_each_and_refuses_overlapping_receives() {
+    let mut m = vec![0u8; 64];
+    let p = m.as_mut_ptr();
+    // Descriptors over one allocation (never run): [0, 16), [8, 24), [32, 48).
+    // SAFETY: in bounds of `m`; only addresses and lengths are looked at.
+    let (w0, w8, w32) = unsafe {
+        (
+            RawBufMut::from_raw(p, 16).unwrap(),
+            RawBufMut::from_raw(p.add(8), 16).unwrap(),
+            RawBufMut::from_raw(p.add(32), 16).unwrap(),
+        )
+    };
+    let item = |kind: OpKind, bufs: RawBufs| RawOp {
+        kind,
+        dtype: DataType::F32,
+        bufs,
+        opts: CallOptions::default(),
+        source: None,
+        splits: None,
+        batch: None,
+    };
+    let batch = |items: Vec<RawOp>| RawOp {
+        kind: OpKind::SendRecv,
+        dtype: DataType::U8,
+        bufs: RawBufs::None,
+        opts: CallOptions::default(),
+        source: None,
+        splits: None,
+        batch: Some(items.into()),
+    };
+    let send = |b: RawBufMut, peer| item(OpKind::Send(peer), RawBufs::Read(b.as_read()));
+    let recv = |b: RawBufMut, peer| item(OpKind::Recv(peer), RawBufs::InPlace(b));
+    // Two sends may read overlapping memory; receives write apart from everything else.
+    assert!(validate(&batch(vec![send(w0, 1), send(w8, 2), recv(w32, 1)]), 0, 3, false).is_ok());
+    for bad in
+        [vec![send(w0, 1), recv(w8, 2)], vec![recv(w8, 1), send(w0, 2)], vec![recv(w0, 1), recv(w8, 2)]]
+    {
+        let m = message(validate(&batch(bad), 0, 3, false));
+        assert!(m.contains("overlaps another buffer"), "{m}");
+    }
+    // A receive inside a large send's span, with a small send between them in address order.
+    // SAFETY: as above.
+    let (big, tiny) =
+        unsafe { (RawBufMut::from_raw(p, 64).unwrap(), RawBufMut::from_raw(p.add(4), 4).unwrap()) };
+    let m = message(validate(&batch(vec![send(big, 1), send(tiny, 1), recv(w32, 2)]), 0, 3, false));
+    assert!(m.contains("overlaps another buffer"), "{m}");
+    // Each item is checked as a call of its own.
+    let m = message(validate(&batch(vec![send(w0, 0), recv(w32, 1)]), 0, 3, false));
+    assert!(m.contains("cannot send to or receive from itself"), "{m}");
+    let m = message(validate(&batch(vec![send(w0, 3), recv(w32, 1)]), 0, 3, false));
+    assert!(m.contains("peer 3 is not a rank"), "{m}");
+    // Only sends and receives, and at least one.
+    assert!(validate(&batch(vec![item(OpKind::Barrier, RawBufs::None)]), 0, 3, false).is_err());
+    assert!(validate(&batch(vec![]), 0, 3, false).is_err());
 }

@@ -101,6 +101,7 @@ impl Core {
             opts,
             source: None,
             splits: None,
+            batch: None,
         };
         self.execute(&scatter, issued_ns)?;
         self.watch.recorder.end(true);
@@ -116,6 +117,7 @@ impl Core {
             opts,
             source: None,
             splits: None,
+            batch: None,
         };
         self.execute(&gather, issued_ns)?;
         // SAFETY: as for the input; nothing else touches the output meanwhile.

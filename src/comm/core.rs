@@ -20,9 +20,10 @@ use crate::collective::{Algorithm, Bufs, CallOptions, CollKind, Fingerprint, OpK
 use crate::config::Config;
 use crate::dtype::ReduceOp;
 use crate::error::{Error, Result};
+use crate::memory::RawBufs;
 use crate::rendezvous::Store;
 use crate::topology::{Layout, Topology};
-use crate::transport::exchange::{AbortSignal, Splits};
+use crate::transport::exchange::{AbortSignal, P2pDir, P2pTask, Splits};
 use crate::transport::window::Window;
 use crate::transport::{Peers, tcp};
 use crate::tuning::{self, AlgoFilter, CostModel, Shape};
@@ -212,6 +213,9 @@ impl Core {
         let started = std::time::Instant::now();
         let deadline = crate::config::deadline_from(started, timeout);
         engine.peers.begin_op();
+        if op.kind == OpKind::SendRecv {
+            return self.execute_batch(engine, op, issued_ns, started, deadline);
+        }
         let kind = match op.kind {
             OpKind::RecvAny => match engine.peers.wait_any_send(&engine.received, deadline) {
                 Ok(p) => {
@@ -240,7 +244,9 @@ impl Core {
             OpKind::Barrier | OpKind::Probe => (0, -1, ReduceOp::Sum, 0),
             OpKind::Send(_) => (op.bufs.input_len() / es, -1, ReduceOp::Sum, op.bufs.input_len()),
             OpKind::Recv(_) => (op.bufs.output_len() / es, -1, ReduceOp::Sum, op.bufs.output_len()),
-            OpKind::RecvAny => return Err(Error::Internal("receive from any source left unresolved".into())),
+            OpKind::RecvAny | OpKind::SendRecv => {
+                return Err(Error::Internal(format!("{:?} left unresolved", op.kind).into()));
+            }
         };
         let algo = self.choose(kind, bytes, &op.opts);
         let seq = match kind {
@@ -310,6 +316,54 @@ impl Core {
             }
         };
         result.map_err(|e| self.failed(engine, self.with_stall_report(e.with_seq(fp.seq))))
+    }
+
+    /// Runs a validated [`OpKind::SendRecv`]: its sends and receives side by side
+    /// (`transport::exchange::batch`), each under the fingerprint it would have alone (the
+    /// pair's next sequence number in its direction, counted in the batch's order).
+    fn execute_batch(
+        &self,
+        engine: &mut Engine,
+        op: &RawOp,
+        issued_ns: u64,
+        started: std::time::Instant,
+        deadline: std::time::Instant,
+    ) -> Result<()> {
+        let items = op.batch.as_deref().unwrap_or_default();
+        let mut tasks = Vec::with_capacity(items.len());
+        for item in items {
+            let (peer, bytes, counter) = match item.kind {
+                OpKind::Send(p) => (p, item.bufs.input_len(), &mut engine.sent),
+                OpKind::Recv(p) => (p, item.bufs.output_len(), &mut engine.received),
+                k => return Err(Error::Internal(format!("{k:?} in a batch of sends and receives").into())),
+            };
+            counter[peer] += 1;
+            let fp = Fingerprint {
+                seq: counter[peer],
+                kind: CollKind::PointToPoint,
+                dtype: item.dtype,
+                op: ReduceOp::Sum,
+                count: (bytes / item.dtype.size()) as u64,
+                root: -1,
+                algo: self.choose(item.kind, bytes, &item.opts) as u8,
+            };
+            // SAFETY: validated buffers (no receive overlaps another buffer of the batch), valid
+            // until the operation completes as for every operation (see `memory`).
+            let dir = unsafe {
+                match item.bufs {
+                    RawBufs::Read(b) => P2pDir::Send(b.as_slice()),
+                    RawBufs::InPlace(b) => P2pDir::Recv(b.as_mut_slice()),
+                    _ => return Err(Error::Internal("a send or receive without its buffer".into())),
+                }
+            };
+            tasks.push(P2pTask { peer, fp, dir });
+        }
+        let Some(first) = tasks.first().map(|t| (t.fp, t.peer)) else { return Ok(()) };
+        tracing::debug!(target: "toroid::coll", "rank {}: {} sends and receives from {}", self.ident.rank, tasks.len(), first.0);
+        self.watch.recorder.start(&first.0, Some(first.1), issued_ns, started);
+        let result = engine.peers.send_recv(deadline, &mut tasks);
+        drop(tasks);
+        result.map_err(|e| self.failed(engine, self.with_stall_report(e)))
     }
 
     /// An operation failed: every link closes (peers learn why) and the communicator aborts.

@@ -25,6 +25,7 @@ fn barrier_after(job: Box<dyn FnOnce() + Send>) -> (RawOp, Hooks) {
         opts: CallOptions::default(),
         source: None,
         splits: None,
+        batch: None,
     };
     (op, Hooks { before: Some(job), after: None, worker_only: true })
 }

@@ -75,6 +75,9 @@ pub struct RawOp {
     /// An all-to-all-v's blocks ([`OpKind::AllToAllV`]): byte offsets, `n + 1` of the input's
     /// blocks then `n + 1` of the output's (see `transport::exchange::Splits`); `None` otherwise.
     pub splits: Option<Arc<[usize]>>,
+    /// The sends and receives of an [`OpKind::SendRecv`], each a validated `Send` or `Recv` of
+    /// its own (see `batch.rs`); `None` otherwise.
+    pub batch: Option<Box<[RawOp]>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

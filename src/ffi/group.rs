@@ -1,8 +1,9 @@
 //! `toroid_group_start` / `toroid_group_end`: NCCL's `ncclGroupStart` / `ncclGroupEnd`, per
-//! communicator. Between them, the blocking collective calls on the communicator are checked and
-//! recorded, not run, and return at once; the end runs them as one group
-//! ([`crate::Communicator::group`]: consecutive small all-reduces packed into one). Their
-//! buffers must stay valid, and untouched, until the end returns.
+//! communicator. Between them, the blocking collective calls, sends and receives on the
+//! communicator are checked and recorded, not run, and return at once; the end runs them as one
+//! group ([`crate::Communicator::group`]: consecutive small all-reduces packed into one, the
+//! sends and receives side by side after the collectives). Their buffers must stay valid, and untouched,
+//! until the end returns.
 
 use std::sync::{Arc, Mutex};
 
@@ -39,7 +40,7 @@ pub(crate) fn refuse_in_group(h: &CommHandle, what: &str) -> Result<()> {
         return Err(Error::InvalidUsage(
             format!(
                 "{what} cannot be issued inside a group (toroid_group_start .. toroid_group_end): \
-                 a group holds blocking collectives"
+                 a group holds blocking collectives, sends and receives"
             )
             .into(),
         ));
@@ -49,9 +50,15 @@ pub(crate) fn refuse_in_group(h: &CommHandle, what: &str) -> Result<()> {
 
 /// Opens a group on `comm` (or nests one in an open group): until the matching
 /// `toroid_group_end`, blocking collectives on `comm` (all_reduce, reduce_scatter, all_gather,
-/// broadcast, reduce, all_to_all, barrier) are checked and recorded, and return TOROID_SUCCESS
-/// at once without touching their buffers. Async calls, send and receive are refused inside a
-/// group (TOROID_INVALID_USAGE). Every rank must record the same calls in the same order.
+/// broadcast, reduce, all_to_all, all_to_all_v, barrier) and toroid_send / toroid_recv are
+/// checked and recorded, and return TOROID_SUCCESS at once without touching their buffers.
+/// The group's sends and receives run side by side after its collectives (NCCL's grouped
+/// ncclSend / ncclRecv: a group where each rank sends to one peer and receives from another
+/// completes whatever the sizes; as in NCCL, a group orders none of its operations), each
+/// pairing with its peer's send or receive, grouped or not, in the pair's order; no receive's
+/// buffer may overlap another of the group's send or receive buffers (TOROID_INVALID_ARGUMENT
+/// at the end, before anything runs). Async calls and toroid_recv_any are refused inside a
+/// group (TOROID_INVALID_USAGE). Every rank must record the same collectives in the same order.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn toroid_group_start(comm: *mut toroid_comm) -> toroid_result {
     const NAME: &str = "toroid_group_start";

@@ -299,7 +299,7 @@ pub(crate) unsafe fn prepare(
         };
         // A receive from any source reports its sender here (usize::MAX until it has one).
         let source = matches!(kind, OpKind::RecvAny).then(|| Arc::new(AtomicUsize::new(usize::MAX)));
-        let op = RawOp { kind, dtype, bufs, opts, source, splits };
+        let op = RawOp { kind, dtype, bufs, opts, source, splits, batch: None };
         // The same checks as every Rust call, so both report the same errors.
         crate::comm::validate(&op, me, n, comm.has_shared_window())?;
         Ok(Prepared { op, hooks })
@@ -316,8 +316,8 @@ pub(crate) unsafe fn blocking(
     a: Args,
     opts: CallOptions,
 ) -> Result<Option<usize>> {
-    if matches!(coll, Coll::Send(_) | Coll::Recv(_) | Coll::RecvAny) {
-        super::group::refuse_in_group(h, "a send or receive")?;
+    if matches!(coll, Coll::RecvAny) {
+        super::group::refuse_in_group(h, "a receive from any source")?;
     }
     // SAFETY: forwarded from the caller.
     let p = unsafe { prepare(&h.comm, coll, a, opts)? };

@@ -211,5 +211,6 @@ pub fn barrier_op() -> toroid::internals::comm::RawOp {
         opts: toroid::CallOptions::default(),
         source: None,
         splits: None,
+        batch: None,
     }
 }

@@ -10,8 +10,16 @@
 //! group computes what the same calls made one by one compute (packed all-reduces are
 //! element-wise, and a pack never holds two calls whose buffers overlap).
 //!
-//! Every rank must issue the same group: the same calls in the same order, as for the calls one
-//! by one. Packing depends only on the calls, so every rank packs the same way; a rank whose
+//! A group's sends and receives run side by side as one operation after its collectives
+//! ([`OpKind::SendRecv`], `transport::exchange::batch`), as NCCL runs a group's `ncclSend` and
+//! `ncclRecv` together: a group in which every rank sends to one neighbour and receives from the
+//! other completes, where the same blocking calls one by one wait for each other. (NCCL orders
+//! none of a group's operations either: a receive and a collective on its buffer belong in two
+//! groups.) Each travels as it would alone, so a group's send pairs with a lone receive on its
+//! peer, and sends to one peer arrive in their order.
+//!
+//! Every rank must issue the same collectives in a group, in the same order, as for the calls
+//! one by one (sends and receives pair with their peers' as single calls do). Packing depends only on the calls, so every rank packs the same way; a rank whose
 //! calls differ sends a pack of another count or type, which the fingerprint check turns into
 //! an error on every rank (a mismatch, not a hang).
 
@@ -66,12 +74,7 @@ impl Communicator {
     /// The buffers of every operation must be valid as [`RawBufs::bufs`] requires until this
     /// returns; the hooks may touch only their operation's buffers.
     pub(crate) unsafe fn run_group(&self, ops: Vec<(RawOp, Hooks)>) -> Result<()> {
-        let c = &self.core;
-        for (op, _) in &ops {
-            c.forked()?;
-            crate::comm::argcheck::validate(op, c.ident.rank, c.ident.size, c.links.has_window)?;
-        }
-        let mut ops = ops;
+        let mut ops = self.checked_group(ops)?;
         let mut start = 0;
         for end in pack_ends(&ops) {
             if end - start >= 2 {
@@ -85,6 +88,24 @@ impl Communicator {
             start = end;
         }
         Ok(())
+    }
+
+    /// A group's operations as they run: its collectives in issue order, then its sends and
+    /// receives as one batch ([`OpKind::SendRecv`]; one alone stays as it is), every one
+    /// checked before anything runs.
+    fn checked_group(&self, ops: Vec<(RawOp, Hooks)>) -> Result<Vec<(RawOp, Hooks)>> {
+        let c = &self.core;
+        c.forked()?;
+        let (p2ps, mut ops): (Vec<_>, Vec<_>) = ops.into_iter().partition(p2p);
+        match p2ps.len() {
+            0 => {}
+            1 => ops.extend(p2ps),
+            _ => ops.push((batch_op(&p2ps), Hooks::default())),
+        }
+        for (op, _) in &ops {
+            crate::comm::argcheck::validate(op, c.ident.rank, c.ident.size, c.links.has_window)?;
+        }
+        Ok(ops)
     }
 
     /// One all-reduce of the packed inputs of `run` (all-reduces of one type, op and options),
@@ -119,12 +140,7 @@ impl Communicator {
     /// The buffers of every operation must stay valid, and untouched by anything else, until
     /// the last work completes; the hooks may touch only their operation's buffers.
     pub(crate) unsafe fn submit_group(&self, ops: Vec<(RawOp, Hooks)>) -> Result<Vec<Work<()>>> {
-        let c = &self.core;
-        for (op, _) in &ops {
-            c.forked()?;
-            crate::comm::argcheck::validate(op, c.ident.rank, c.ident.size, c.links.has_window)?;
-        }
-        let mut ops = ops;
+        let mut ops = self.checked_group(ops)?;
         let mut jobs = Vec::new();
         let mut start = 0;
         for end in pack_ends(&ops) {
@@ -148,7 +164,15 @@ impl<'a> Group<'a> {
     pub const FUSE_MAX: usize = FUSE_MAX;
 
     fn add(&mut self, kind: OpKind, dtype: crate::dtype::DataType, bufs: RawBufs) -> &mut Self {
-        let op = RawOp { kind, dtype, bufs, opts: CallOptions::default(), source: None, splits: None };
+        let op = RawOp {
+            kind,
+            dtype,
+            bufs,
+            opts: CallOptions::default(),
+            source: None,
+            splits: None,
+            batch: None,
+        };
         self.ops.push((op, Hooks::default()));
         self
     }
@@ -208,6 +232,20 @@ impl<'a> Group<'a> {
         self.add(OpKind::ReduceScatter(op), T::DTYPE, b)
     }
 
+    /// Adds a send to `peer` (see [`Communicator::send`]); the group's sends and receives run
+    /// side by side, after its collectives.
+    pub fn send<T: Element>(&mut self, buf: &'a [T], peer: usize) -> &mut Self {
+        let b = RawBufs::Read(RawBuf::new(bytemuck::cast_slice(buf)));
+        self.add(OpKind::Send(peer), T::DTYPE, b)
+    }
+
+    /// Adds a receive from `peer` (see [`Communicator::recv`]); the group's sends and receives
+    /// run side by side, after its collectives.
+    pub fn recv<T: Element>(&mut self, buf: &'a mut [T], peer: usize) -> &mut Self {
+        let b = RawBufs::InPlace(RawBufMut::new(bytemuck::cast_slice_mut(buf)));
+        self.add(OpKind::Recv(peer), T::DTYPE, b)
+    }
+
     /// Calls added so far.
     pub fn len(&self) -> usize {
         self.ops.len()
@@ -247,6 +285,7 @@ fn packed_op(first: &RawOp, pack: RawBufMut) -> RawOp {
         opts: first.opts,
         source: None,
         splits: None,
+        batch: None,
     }
 }
 
@@ -303,6 +342,27 @@ fn packed_job(run: &[(RawOp, Hooks)]) -> QueuedJob {
     let after: Hook = Box::new(move || unsafe { unpack(bytes, outputs) });
     let hooks = Hooks { before: Some(before), after: Some(after), worker_only: false };
     (packed_op(&run[0].0, bytes), Some(Box::new(pack)), hooks)
+}
+
+/// Whether `op` is a send or receive that joins its group's batch (see the module
+/// documentation).
+fn p2p((op, hooks): &(RawOp, Hooks)) -> bool {
+    matches!(op.kind, OpKind::Send(_) | OpKind::Recv(_)) && hooks.before.is_none() && hooks.after.is_none()
+}
+
+/// The one operation of a group's sends and receives: each as it is, side by side, under the
+/// shortest of their deadlines.
+fn batch_op(run: &[(RawOp, Hooks)]) -> RawOp {
+    let timeout = run.iter().filter_map(|(op, _)| op.opts.timeout).min();
+    RawOp {
+        kind: OpKind::SendRecv,
+        dtype: crate::dtype::DataType::U8,
+        bufs: RawBufs::None,
+        opts: CallOptions { timeout, ..CallOptions::default() },
+        source: None,
+        splits: None,
+        batch: Some(run.iter().map(|(op, _)| op.clone()).collect()),
+    }
 }
 
 /// Whether `op` can join a pack.
@@ -381,6 +441,7 @@ mod tests {
                 opts: CallOptions::default(),
                 source: None,
                 splits: None,
+                batch: None,
             },
             Hooks::default(),
         )
@@ -404,6 +465,7 @@ mod tests {
                 opts: CallOptions::default(),
                 source: None,
                 splits: None,
+                batch: None,
             };
             (op, Hooks::default())
         };
@@ -429,6 +491,7 @@ mod tests {
                 opts: CallOptions::default(),
                 source: None,
                 splits: None,
+                batch: None,
             };
             (op, Hooks::default())
         };

@@ -319,7 +319,15 @@ impl Inline {
             Some(b) => RawBufs::InPlace(RawBufMut::new(b)),
             None => RawBufs::None,
         };
-        let op = RawOp { kind, dtype, bufs, opts: CallOptions::default(), source: None, splits: None };
+        let op = RawOp {
+            kind,
+            dtype,
+            bufs,
+            opts: CallOptions::default(),
+            source: None,
+            splits: None,
+            batch: None,
+        };
         crate::comm::argcheck::validate(&op, self.0.ident.rank, self.0.ident.size, self.0.links.has_window)?;
         self.0.abort.check()?;
         let r = self.0.execute(&op, 0);

@@ -57,6 +57,7 @@ impl Communicator {
             opts: CallOptions::default(),
             source: None,
             splits: None,
+            batch: None,
         };
         let c = &self.core;
         c.forked()?;
@@ -94,6 +95,7 @@ impl<T: Element> Persistent<'_, T> {
             opts: self.opts,
             source: None,
             splits: None,
+            batch: None,
         };
         // SAFETY: the buffer is borrowed mutably by `self` for this blocking call; the
         // operation is the one validated at set-up (same buffer, type, op), with the algorithm
@@ -173,6 +175,7 @@ impl AllReducePlan {
             opts: self.opts,
             source: None,
             splits: None,
+            batch: None,
         };
         // SAFETY: the job keeps `buf` until the operation completes, and its heap data does not
         // move when `buf` moves into the box (OwnedBuffer's promise); the operation is the one

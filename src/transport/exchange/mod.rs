@@ -41,6 +41,7 @@
 
 mod abort;
 mod any;
+mod batch;
 mod connect;
 pub(crate) mod frame;
 mod pairwise;
@@ -52,6 +53,7 @@ mod tx;
 mod wait;
 
 pub use abort::{AbortSignal, REVOKED};
+pub use batch::{P2pDir, P2pTask};
 pub use frame::HEADER_LEN;
 pub use pairwise::{AllToAllPlan, AllToAllRun, Splits, WINDOW};
 pub use ring_run::RingRun;

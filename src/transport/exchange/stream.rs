@@ -47,20 +47,44 @@ pub trait Stream {
     fn moved(&self) -> usize;
 }
 
+/// Peers one direction of a sleeping drive watches at most (a batch of sends and receives
+/// with more peers naps instead: [`Wants::overflowed`]).
+const WANTS_MAX: usize = 64;
+const _: () = assert!(WANTS_MAX >= 2 * super::WINDOW);
+/// How long a drive whose peers did not all fit in its [`Wants`] sleeps at most.
+const NAP: std::time::Duration = std::time::Duration::from_millis(1);
+
 /// The peers a sleeping drive waits on.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Wants {
-    ranks: [usize; 2 * super::WINDOW],
+    ranks: [usize; WANTS_MAX],
     len: usize,
+    overflowed: bool,
+}
+
+impl Default for Wants {
+    fn default() -> Wants {
+        Wants { ranks: [0; WANTS_MAX], len: 0, overflowed: false }
+    }
 }
 
 impl Wants {
-    /// Adds `rank` (once; past the capacity it is dropped: the sleep is capped anyway).
+    /// Adds `rank` (once; past the capacity it is dropped, and the drive sleeps only briefly).
     pub fn push(&mut self, rank: usize) {
-        if self.len < self.ranks.len() && !self.as_slice().contains(&rank) {
+        if self.as_slice().contains(&rank) {
+            return;
+        }
+        if self.len < self.ranks.len() {
             self.ranks[self.len] = rank;
             self.len += 1;
+        } else {
+            self.overflowed = true;
         }
+    }
+
+    /// Whether a rank did not fit (the sleep would not wake for it).
+    fn overflowed(&self) -> bool {
+        self.overflowed
     }
 
     /// The ranks added so far.
@@ -135,7 +159,9 @@ impl Peers {
             }
             let (peer, step) = waiting.waiting();
             self.progress.waiting(peer, step);
-            self.sleep(fp, writes.as_slice(), reads.as_slice(), deadline)?;
+            let until =
+                if writes.overflowed() || reads.overflowed() { deadline.min(now + NAP) } else { deadline };
+            self.sleep(fp, writes.as_slice(), reads.as_slice(), until)?;
             last_progress = Instant::now();
         }
     }
