@@ -173,6 +173,7 @@ fn a_grouped_receive_of_the_wrong_size_or_from_a_silent_peer_fails() {
                 g.send(&out, 0).recv(&mut a, 0);
                 g.run().expect("rank 1's exchange with rank 0");
                 assert_eq!(a, vec![1u8; 10]);
+                std::thread::sleep(Duration::from_secs(5)); // (alive, as rank 2, until rank 0 fails)
             }
             _ => std::thread::sleep(Duration::from_secs(5)),
         }

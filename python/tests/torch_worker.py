@@ -712,7 +712,7 @@ def native_collectives(rank, size):
 
     # send and recv around the ring (even ranks send first, then receive): dist.send/recv and isend/irecv of a dense tensor are the C++ path's, a non-contiguous one
     # the Python path's; batch_isend_irecv (a coalescing block) is the Python path's, which
-    # orders the batch, and stays correct.
+    # issues the batch as one toroid group, and stays correct.
     nxt, prv = (rank + 1) % size, (rank - 1) % size
     for i, (dtype, shape, mode, taken) in enumerate(((torch.float32, (1000,), "block", True),
                                                      (torch.int64, (7, 3), "async", True),
@@ -819,7 +819,8 @@ def entry_points(rank, size):
         assert "same type" in str(e), e
 
     # batch_isend_irecv: every rank sends 8 MB to every other rank and receives as much, all
-    # sends first (a cycle of sends: it deadlocks unless the backend orders the batch).
+    # sends first (a cycle of sends: it deadlocks unless the backend runs the batch side by
+    # side, as toroid's group does, or orders it).
     def message(src, dst):
         return rand((1 << 21) + 7 * src + dst, torch.float32, 9000 + 100 * src + dst)
 
@@ -840,7 +841,7 @@ def entry_points(rank, size):
         close(got["toroid"][p], message(p, rank), f"batch_isend_irecv from {p} reference")
     # The same batch where torch's own batch_isend_irecv would not coalesce (torch 2.11 does not
     # for a ProcessGroup subclass; emulated by a backend that says it cannot): toroid's
-    # replacement still records and orders it.
+    # replacement still records it and issues it as one group.
     assert dist.batch_isend_irecv is toroid.torch.batch_isend_irecv
     saved = toroid.torch._DeviceBackend.supports_coalescing
     toroid.torch._DeviceBackend.supports_coalescing = property(lambda self: False)

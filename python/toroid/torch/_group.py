@@ -284,12 +284,11 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
     # ---- coalescing (batch_isend_irecv) ----------------------------------------------------
     # Between start_coalescing and end_coalescing (torch's _coalescing_manager, which
     # batch_isend_irecv uses when supports_coalescing is true), send and recv are recorded and
-    # issued at the end in an order every rank agrees on, so that a batch never deadlocks on
-    # toroid's one-operation-at-a-time queue (a send waits for its receiver): by peer pair
-    # (lower rank, higher rank) ascending, within a pair first the lower rank's messages to the
-    # higher, then the other way, each direction in issue order. At any moment the smallest
-    # pair left has both its ranks at it, so the batch always progresses. Collectives called
-    # inside a block are issued at once, not deferred.
+    # issued at the end as one toroid group (toroid_group_start .. toroid_group_end_async):
+    # toroid runs a group's sends and receives side by side, each pairing with its peer's in
+    # the pair's order, so no batch deadlocks on toroid's one-operation-at-a-time queue (where
+    # a send waits for its receiver) and every exchange of the batch moves at once. Collectives
+    # called inside a block are issued at once, not deferred.
 
     def start_coalescing(self, device=None) -> None:  # (device: from ProcessGroup._start_coalescing)
         if self._coalesced is not None:
@@ -319,29 +318,42 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
             raise RuntimeError("toroid: end_coalescing without start_coalescing")
         if not ops:
             return None
-        me = self.rank()
-
-        def order(item):
-            i, (kind, _, peer, _) = item
-            lo, hi = min(me, peer), max(me, peer)
-            return (lo, hi, 0 if (kind == "send") == (me == lo) else 1, i)
-
-        issued = []
+        comm, recorded, group_work = self._comm, [], None
+        comm.group_start()
         try:
-            for _, (kind, tensors, peer, w) in sorted(enumerate(ops), key=order):
+            for kind, tensors, peer, w in ops:
                 if kind == "send":
-                    works, finish = self._send(tensors, peer), None
+                    for t in tensors:
+                        src = _flat(t.contiguous())
+                        comm.send_ptr(src.data_ptr(), src.numel(), _dtype(src), peer, False, (src,))
+                    finish = None
                 else:
-                    works, finish = self._recv(tensors, peer)
-                w._works, w._finish, w._deferred = works, finish, False
-                issued.append(w)
+                    outs = [_Output(t) for t in tensors]
+                    for o in outs:
+                        comm.recv_ptr(o.buf.data_ptr(), o.buf.numel(), _dtype(o.buf), peer, False, (o.buf,))
+                    finish = _Output.copy_backs(outs)
+                recorded.append((w, finish))
         finally:
-            for _, _, _, w in ops:  # (queued even if a later op failed to issue: they complete)
-                if w in issued:
-                    self.stats[w._name] += 1
+            # What was recorded runs even if a later op failed to record (its peers expect it);
+            # a group the end refuses (a receive overlapping another buffer) runs nothing.
+            try:
+                group_work = comm.group_end(async_op=True)
+            except BaseException as e:
+                recorded, refused = [], e
+            else:
+                refused = None
+            issued = [w for w, _ in recorded]
+            for w, finish in recorded:
+                w._works, w._finish, w._deferred = [group_work] if group_work is not None else [], finish, False
+                self.stats[w._name] += 1
+                if not w._lazy:  # (a lazy one completes on its waiter's thread: see ToroidWork)
                     w._enqueue()
-                else:
-                    w._fail_unissued(RuntimeError(f"toroid {w._name}: not issued (an earlier operation of its batch failed)"))
+            for _, _, _, w in ops:
+                if w not in issued:
+                    w._fail_unissued(refused or RuntimeError(f"toroid {w._name}: not issued (an earlier operation "
+                                                             "of its batch failed)"))
+            if refused is not None:
+                raise refused
 
         def finish():
             for w in issued:

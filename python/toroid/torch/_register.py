@@ -102,8 +102,8 @@ _torch_batch_isend_irecv = dist.distributed_c10d.batch_isend_irecv
 
 def batch_isend_irecv(p2p_op_list):
     """torch.distributed.batch_isend_irecv, installed in its place on import: a batch on a
-    toroid group is recorded and issued in the order that cannot deadlock
-    (ProcessGroupToroid.start_coalescing / end_coalescing) on every torch version; other groups
+    toroid group is recorded and issued as one toroid group, its sends and receives side by
+    side (ProcessGroupToroid.start_coalescing / end_coalescing) on every torch version; other groups
     go to torch's own. (torch 2.11's own coalesces only when the group's type is exactly
     ProcessGroup, so for a toroid group it issued the sends one by one, and two ranks sending
     more than a ring holds to each other deadlocked; newer versions coalesce for subclasses.)
