@@ -6,7 +6,7 @@
 //! messages to one peer arrive in order (an empty one among them), types differ per message, a
 //! collective in the group gives its own result, and grouped sends pair with single receives.
 //! A group whose receive disagrees with its sender's size, and one whose peer never sends, fail
-//! with an error, not a hang.
+//! with an error, not a hang, and so do the groups of the neighbours of a rank that is gone.
 
 mod util;
 
@@ -177,5 +177,32 @@ fn a_grouped_receive_of_the_wrong_size_or_from_a_silent_peer_fails() {
             }
             _ => std::thread::sleep(Duration::from_secs(5)),
         }
+    });
+}
+
+#[test]
+fn a_rank_that_dies_during_a_group_fails_its_peers_groups_with_an_error() {
+    if util::is_child() {
+        return;
+    }
+    // Every rank sends 4 MiB to each neighbour before receiving; rank 2 is gone instead (its
+    // communicator dropped: its links close, as when its process dies). Ranks 0 and 1, both
+    // its neighbours with 3 ranks, fail within the timeout naming rank 2, and do not hang.
+    util::run_threads(3, &util::test_config(30.0), |comm| {
+        let (n, me) = (comm.size(), comm.rank());
+        if me == 2 {
+            drop(comm);
+            return;
+        }
+        let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+        let out = vec![me as f32; 1 << 20];
+        let (mut a, mut b) = (vec![0f32; 1 << 20], vec![0f32; 1 << 20]);
+        let t = Instant::now();
+        let mut g = comm.group();
+        g.send(&out, next).send(&out, prev).recv(&mut a, prev).recv(&mut b, next);
+        let err = g.run().expect_err("a group with a dead peer must fail");
+        assert!(t.elapsed() < Duration::from_secs(30), "rank {me} took {:?}", t.elapsed());
+        assert!(err.to_string().contains("rank 2"), "rank {me}: {err}");
+        assert!(comm.is_aborted(), "rank {me}: {err}");
     });
 }
