@@ -296,7 +296,7 @@ fn hooks_run_in_issue_order_around_their_operation() {
     use std::sync::Mutex;
     use toroid::internals::comm::{Hooks, RawOp};
     use toroid::internals::memory::{RawBufMut, RawBufs};
-    use toroid::{CallOptions, DataType, OpKind};
+    use toroid::{DataType, OpKind};
     util::run_threads(2, &util::test_config(30.0), |comm| {
         let log = Arc::new(Mutex::new(Vec::new()));
         let mut buf = vec![1u32; 4099];
@@ -315,15 +315,11 @@ fn hooks_run_in_issue_order_around_their_operation() {
             })),
             worker_only: false,
         };
-        let op = RawOp {
-            kind: OpKind::AllReduce(ReduceOp::Sum),
-            dtype: DataType::U32,
-            bufs: RawBufs::InPlace(RawBufMut::new(bytemuck::cast_slice_mut(&mut buf))),
-            opts: CallOptions::default(),
-            source: None,
-            splits: None,
-            batch: None,
-        };
+        let op = RawOp::new(
+            OpKind::AllReduce(ReduceOp::Sum),
+            DataType::U32,
+            RawBufs::InPlace(RawBufMut::new(bytemuck::cast_slice_mut(&mut buf))),
+        );
         // SAFETY: `buf` stays alive and untouched until the wait returns.
         let w = unsafe { comm.submit_raw_with_hooks(op, None, hooks) }.unwrap();
         w.wait_timeout(Duration::from_secs(20)).unwrap();

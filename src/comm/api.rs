@@ -278,20 +278,7 @@ impl Communicator {
     /// Async barrier.
     pub fn barrier_async(&self) -> Result<Work<()>> {
         // SAFETY: a barrier has no buffers.
-        unsafe {
-            self.submit_raw(
-                RawOp {
-                    kind: OpKind::Barrier,
-                    dtype: DataType::U8,
-                    bufs: RawBufs::None,
-                    opts: CallOptions::default(),
-                    source: None,
-                    splits: None,
-                    batch: None,
-                },
-                None,
-            )
-        }
+        unsafe { self.submit_raw(RawOp::new(OpKind::Barrier, DataType::U8, RawBufs::None), None) }
     }
 
     fn submit_owned<T: Element, B: OwnedBuffer<T>>(

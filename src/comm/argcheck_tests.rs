@@ -16,7 +16,7 @@ fn op(kind: OpKind, dtype: DataType, inp: &[u8], out: &mut [u8]) -> RawOp {
     } else {
         RawBufs::OutOfPlace(RawBuf::new(inp), RawBufMut::new(out))
     };
-    RawOp { kind, dtype, bufs, opts: CallOptions::default(), source: None, splits: None, batch: None }
+    RawOp::new(kind, dtype, bufs)
 }
 
 fn message(r: Result<()>) -> String {
@@ -194,15 +194,7 @@ fn a_batch_of_sends_and_receives_checks_each_and_refuses_overlapping_receives() 
             RawBufMut::from_raw(p.add(32), 16).unwrap(),
         )
     };
-    let item = |kind: OpKind, bufs: RawBufs| RawOp {
-        kind,
-        dtype: DataType::F32,
-        bufs,
-        opts: CallOptions::default(),
-        source: None,
-        splits: None,
-        batch: None,
-    };
+    let item = |kind: OpKind, bufs: RawBufs| RawOp::new(kind, DataType::F32, bufs);
     let batch = |items: Vec<RawOp>| RawOp {
         kind: OpKind::SendRecv,
         dtype: DataType::U8,

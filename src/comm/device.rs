@@ -18,15 +18,7 @@ use crate::memory::RawBufs;
 /// The operation a device job queues: a barrier after the job (its hook), so the work
 /// completes once every rank has finished the collective.
 fn barrier_after(job: Box<dyn FnOnce() + Send>) -> (RawOp, Hooks) {
-    let op = RawOp {
-        kind: OpKind::Barrier,
-        dtype: DataType::U8,
-        bufs: RawBufs::None,
-        opts: CallOptions::default(),
-        source: None,
-        splits: None,
-        batch: None,
-    };
+    let op = RawOp::new(OpKind::Barrier, DataType::U8, RawBufs::None);
     (op, Hooks { before: Some(job), after: None, worker_only: true })
 }
 

@@ -80,6 +80,13 @@ pub struct RawOp {
     pub batch: Option<Box<[RawOp]>>,
 }
 
+impl RawOp {
+    /// `kind` on `bufs` with the default options and nothing beside the buffers.
+    pub fn new(kind: OpKind, dtype: DataType, bufs: RawBufs) -> RawOp {
+        RawOp { kind, dtype, bufs, opts: CallOptions::default(), source: None, splits: None, batch: None }
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Every critical section leaves its state consistent before anything can panic.
     m.lock().unwrap_or_else(|e| e.into_inner())

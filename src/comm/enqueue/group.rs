@@ -164,15 +164,7 @@ impl<'a> Group<'a> {
     pub const FUSE_MAX: usize = FUSE_MAX;
 
     fn add(&mut self, kind: OpKind, dtype: crate::dtype::DataType, bufs: RawBufs) -> &mut Self {
-        let op = RawOp {
-            kind,
-            dtype,
-            bufs,
-            opts: CallOptions::default(),
-            source: None,
-            splits: None,
-            batch: None,
-        };
+        let op = RawOp::new(kind, dtype, bufs);
         self.ops.push((op, Hooks::default()));
         self
     }
@@ -433,18 +425,7 @@ mod tests {
 
     fn ar(buf: &mut [u8], dtype: DataType, op: ReduceOp) -> (RawOp, Hooks) {
         let bufs = RawBufs::InPlace(RawBufMut::new(buf));
-        (
-            RawOp {
-                kind: OpKind::AllReduce(op),
-                dtype,
-                bufs,
-                opts: CallOptions::default(),
-                source: None,
-                splits: None,
-                batch: None,
-            },
-            Hooks::default(),
-        )
+        (RawOp::new(OpKind::AllReduce(op), dtype, bufs), Hooks::default())
     }
 
     #[test]
@@ -458,15 +439,7 @@ mod tests {
         let (f, _) = rest.split_at_mut(64);
         let bcast = {
             let bufs = RawBufs::InPlace(RawBufMut::new(&mut *d));
-            let op = RawOp {
-                kind: OpKind::Broadcast(0),
-                dtype: DataType::F32,
-                bufs,
-                opts: CallOptions::default(),
-                source: None,
-                splits: None,
-                batch: None,
-            };
+            let op = RawOp::new(OpKind::Broadcast(0), DataType::F32, bufs);
             (op, Hooks::default())
         };
         let ops = vec![
@@ -484,15 +457,7 @@ mod tests {
         // SAFETY: only the descriptors' addresses are compared; nothing is read or written.
         let same = unsafe { RawBufMut::from_raw(p, 64).unwrap() };
         let mk = || {
-            let op = RawOp {
-                kind: OpKind::AllReduce(ReduceOp::Sum),
-                dtype: DataType::F32,
-                bufs: RawBufs::InPlace(same),
-                opts: CallOptions::default(),
-                source: None,
-                splits: None,
-                batch: None,
-            };
+            let op = RawOp::new(OpKind::AllReduce(ReduceOp::Sum), DataType::F32, RawBufs::InPlace(same));
             (op, Hooks::default())
         };
         assert_eq!(pack_ends(&[mk(), mk(), mk()]), vec![1, 2, 3]);

@@ -19,7 +19,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::collective::{CallOptions, OpKind};
+use crate::collective::OpKind;
 use crate::comm::{Communicator, Core, RawOp, lock};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
@@ -319,15 +319,7 @@ impl Inline {
             Some(b) => RawBufs::InPlace(RawBufMut::new(b)),
             None => RawBufs::None,
         };
-        let op = RawOp {
-            kind,
-            dtype,
-            bufs,
-            opts: CallOptions::default(),
-            source: None,
-            splits: None,
-            batch: None,
-        };
+        let op = RawOp::new(kind, dtype, bufs);
         crate::comm::argcheck::validate(&op, self.0.ident.rank, self.0.ident.size, self.0.links.has_window)?;
         self.0.abort.check()?;
         let r = self.0.execute(&op, 0);

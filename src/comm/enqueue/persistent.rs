@@ -50,15 +50,11 @@ impl Communicator {
     /// What a persistent all-reduce does once: checks an in-place all-reduce of `buf` with `op`
     /// and returns its options with the algorithm every rank chooses for it.
     fn plan_all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<CallOptions> {
-        let probe = RawOp {
-            kind: OpKind::AllReduce(op),
-            dtype: T::DTYPE,
-            bufs: RawBufs::InPlace(RawBufMut::new(bytemuck::cast_slice_mut(buf))),
-            opts: CallOptions::default(),
-            source: None,
-            splits: None,
-            batch: None,
-        };
+        let probe = RawOp::new(
+            OpKind::AllReduce(op),
+            T::DTYPE,
+            RawBufs::InPlace(RawBufMut::new(bytemuck::cast_slice_mut(buf))),
+        );
         let c = &self.core;
         c.forked()?;
         crate::comm::argcheck::validate(&probe, c.ident.rank, c.ident.size, c.links.has_window)?;
