@@ -744,8 +744,27 @@ def native_collectives(rank, size):
     ops = [dist.P2POp(dist.isend, mine, nxt), dist.P2POp(dist.irecv, got, prv)]
     for w in dist.batch_isend_irecv(ops):
         w.wait()
-    assert all(pg.stats[f"{k}:native"] == before[k] for k in before), f"a batch's send or recv took the C++ path"
+    want = int(built)
+    assert all(pg.stats[f"{k}:native"] == before[k] + want for k in before), "a batch's dense send and recv"
     close(got, rand((333,), torch.float32, 5100 + prv), f"batch_isend_irecv from {prv}")
+    # A batch whose second message the C++ path does not take (a transposed tensor): it and the
+    # rest of the batch go to the Python path, after the first, so the three messages of one
+    # shape and type still pair in issue order (a swap would show in the values).
+    def msg(k, r):
+        x = rand((20, 30) if k != 1 else (30, 20), torch.float64, 5200 + 10 * k + r)
+        return x.t() if k == 1 else x
+
+    outs = [torch.empty(20, 30, dtype=torch.float64), torch.empty(30, 20, dtype=torch.float64).t(),
+            torch.empty(20, 30, dtype=torch.float64)]
+    before = {k: pg.stats[f"{k}:native"] for k in ("send", "recv")}
+    ops = [dist.P2POp(dist.isend, msg(k, rank), nxt) for k in range(3)]
+    ops += [dist.P2POp(dist.irecv, outs[k], prv) for k in range(3)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    for k in range(3):
+        close(outs[k], msg(k, prv), f"mixed batch_isend_irecv, message {k} from {prv}")
+    assert pg.stats["send:native"] == before["send"] + want, "the batch's first send is the C++ path's"
+    assert pg.stats["recv:native"] == before["recv"], "the batch's receives follow its sends to the Python path"
     checks.append("native collectives")
     torch_native_lists.check(rank, size, built, rand, close)
 

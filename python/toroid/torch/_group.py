@@ -283,19 +283,26 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
 
     # ---- coalescing (batch_isend_irecv) ----------------------------------------------------
     # Between start_coalescing and end_coalescing (torch's _coalescing_manager, which
-    # batch_isend_irecv uses when supports_coalescing is true), send and recv are recorded and
-    # issued at the end as one toroid group (toroid_group_start .. toroid_group_end_async):
-    # toroid runs a group's sends and receives side by side, each pairing with its peer's in
-    # the pair's order, so no batch deadlocks on toroid's one-operation-at-a-time queue (where
-    # a send waits for its receiver) and every exchange of the batch moves at once. Collectives
-    # called inside a block are issued at once, not deferred.
+    # batch_isend_irecv uses when supports_coalescing is true), send and recv are recorded (by
+    # the C++ backend where it takes them: _native_batch.hpp) and issued at the end as one
+    # toroid group (toroid_group_start .. toroid_group_end_async): toroid runs a group's sends
+    # and receives side by side, each pairing with its peer's in the pair's order, so no batch
+    # deadlocks on toroid's one-operation-at-a-time queue (where a send waits for its receiver)
+    # and every exchange of the batch moves at once. Collectives called inside a block are
+    # issued at once, not deferred.
 
     def start_coalescing(self, device=None) -> None:  # (device: from ProcessGroup._start_coalescing)
         if self._coalesced is not None:
             raise RuntimeError("toroid: start_coalescing inside a coalescing block")
         self._coalesced = []
-        if self._native_comm is not None:  # (the C++ backend's send and recv come here meanwhile)
+        if self._native_comm is not None:  # (the C++ backend keeps the sends and recvs it takes)
             self._native_comm.set_coalescing(True)
+
+    def drop_coalescing(self) -> None:
+        """Gives up the coalescing block in progress: nothing of it is issued."""
+        self._coalesced = None
+        if self._native_comm is not None:
+            self._native_comm.drop_batch()
 
     def _defer(self, kind: str, tensors, peer: int) -> ToroidWork:
         # Checked now, so that an operation the batch cannot issue fails it while it is being
@@ -312,48 +319,60 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
 
     def end_coalescing(self, device=None):
         ops, self._coalesced = self._coalesced, None
-        if self._native_comm is not None:
-            self._native_comm.set_coalescing(False)
+        native = self._native_comm
         if ops is None:
+            if native is not None:
+                native.set_coalescing(False)
             raise RuntimeError("toroid: end_coalescing without start_coalescing")
-        if not ops:
-            return None
-        comm, recorded, group_work = self._comm, [], None
-        comm.group_start()
-        try:
+        comm, recorded = self._comm, []
+
+        def record() -> list:
+            """Records the block's calls taken here into the open group; returns their tensors."""
+            keep = []
             for kind, tensors, peer, w in ops:
                 if kind == "send":
                     for t in tensors:
                         src = _flat(t.contiguous())
                         comm.send_ptr(src.data_ptr(), src.numel(), _dtype(src), peer, False, (src,))
+                        keep.append(src)
                     finish = None
                 else:
                     outs = [_Output(t) for t in tensors]
                     for o in outs:
                         comm.recv_ptr(o.buf.data_ptr(), o.buf.numel(), _dtype(o.buf), peer, False, (o.buf,))
+                        keep.append(o.buf)
                     finish = _Output.copy_backs(outs)
                 recorded.append((w, finish))
-        finally:
-            # What was recorded runs even if a later op failed to record (its peers expect it);
-            # a group the end refuses (a receive overlapping another buffer) runs nothing.
-            try:
-                group_work = comm.group_end(async_op=True)
-            except BaseException as e:
-                recorded, refused = [], e
+            return keep
+
+        # One toroid group: the C++ backend's calls of the block first (end_batch; they were
+        # issued first: the first call it did not take sent the rest here), then these. Whatever
+        # fails, the group is ended (every rank queues what it recorded) and the error raised.
+        refused = group_work = None
+        try:
+            if native is not None:
+                group_work = native.end_batch(record)
             else:
-                refused = None
-            issued = [w for w, _ in recorded]
-            for w, finish in recorded:
-                w._works, w._finish, w._deferred = [group_work] if group_work is not None else [], finish, False
-                self.stats[w._name] += 1
-                if not w._lazy:  # (a lazy one completes on its waiter's thread: see ToroidWork)
-                    w._enqueue()
-            for _, _, _, w in ops:
-                if w not in issued:
-                    w._fail_unissued(refused or RuntimeError(f"toroid {w._name}: not issued (an earlier operation "
-                                                             "of its batch failed)"))
-            if refused is not None:
-                raise refused
+                comm.group_start()
+                try:
+                    record()
+                finally:
+                    group_work = comm.group_end(async_op=True)
+        except BaseException as e:  # noqa: BLE001 - every work of the block reports it, then raised
+            refused = e
+        for w, finish in recorded if refused is None else ():
+            w._works, w._finish, w._deferred = [group_work] if group_work is not None else [], finish, False
+            self.stats[w._name] += 1
+            if not w._lazy:  # (a lazy one completes on its waiter's thread: see ToroidWork)
+                w._enqueue()
+        issued = [w for w, _ in recorded] if refused is None else []
+        for _, _, _, w in ops:
+            if w._deferred:
+                w._fail_unissued(refused or RuntimeError(f"toroid {w._name}: not issued"))
+        if refused is not None:
+            raise refused
+        if group_work is None and not ops:
+            return None  # (an empty block)
 
         def finish():
             for w in issued:
@@ -361,7 +380,8 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
                 if w._exception is not None:
                     raise w._exception
 
-        return self._work([], [t for _, _, _, w in ops for t in w._result], finish, "coalesced")
+        return self._work([group_work] if group_work is not None else [],
+                          [t for _, _, _, w in ops for t in w._result], finish, "coalesced")
 
     # ---- splitting (torch.distributed.split_group) ----------------------------------------
 

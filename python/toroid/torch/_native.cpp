@@ -18,6 +18,8 @@
 
 #include "_native_work.hpp"
 
+#include <optional>
+
 namespace toroid_native {
 namespace {
 
@@ -603,13 +605,32 @@ class ToroidBackend : public Backend {
   }
 
   // A send (`kind` kSend) or recv (kRecv) with `peer`; inside a coalescing block
-  // (batch_isend_irecv) the Python path's, which orders the block's messages.
+  // (batch_isend_irecv) kept for the block's end, which runs the block as one toroid group
+  // (_native_batch.hpp; a tensor this path does not take sends it and the rest of the block to
+  // the Python path).
   WorkPtr point_to_point(Count kind, std::vector<at::Tensor>& tensors, int peer, int tag) {
     bool sending = kind == kSend;
     c10d::OpType type = sending ? c10d::OpType::SEND : c10d::OpType::RECV;
     void* h = comm_->handle();
     int dtype = dense_cpu(*comm_, tensors);
-    if (h == nullptr || dtype < 0 || comm_->coalescing.load(std::memory_order_relaxed)) {
+    bool takes = h != nullptr && dtype >= 0;
+    if (comm_->coalescing.load(std::memory_order_relaxed)) {
+      if (takes && peer >= 0 && peer < getSize() && peer != getRank()) {
+        void* buf = tensors[0].data_ptr();
+        auto n = static_cast<size_t>(tensors[0].numel());
+        if (auto slot = comm_->batch.add({sending, buf, n, dtype, peer})) {
+          comm_->counts[kind].fetch_add(1, std::memory_order_relaxed);
+          auto w = c10::make_intrusive<ToroidWork>(comm_, nullptr, tensors, std::vector<at::Tensor>{}, type,
+                                                   "toroid_group_end_async", sending ? "send" : "recv");
+          w->set_slot(std::move(slot));
+          comm_->keep(w);
+          return w;
+        }
+      }
+      comm_->batch.to_python();
+      takes = false;
+    }
+    if (!takes) {
       return python(sending ? "send" : "recv", type, tensors, tensors, peer, tag);
     }
     void* buf = tensors[0].data_ptr();
@@ -641,6 +662,80 @@ class ToroidBackend : public Backend {
   std::shared_ptr<PyRef> owner_;
 };
 
+// What a coalescing block's calls on the Python path wait on: the block's slot.
+struct BatchWait {
+  std::shared_ptr<BatchSlot> slot;
+  std::shared_ptr<CommState> comm;
+
+  // (timeout: seconds, None for the communicator's; raises the batch's failure)
+  void wait(std::optional<double> timeout) const {
+    int64_t ms = timeout ? static_cast<int64_t>(std::max(0.0, *timeout) * 1000.0) : -1;
+    int code = 0;
+    {
+      py::gil_scoped_release release;
+      code = slot->finish(ms);
+    }
+    if (code != 0) {
+      comm->errors().raise("toroid_group_end_async", code, "batch_isend_irecv");
+    }
+  }
+};
+
+// Ends a coalescing block: one toroid group of the calls the C++ path kept (in issue order),
+// then those `record()` records (the Python path's, after them in issue order too; it returns
+// the tensors they read and write), queued as one toroid work bound to the block's slot, which
+// every Work of the block waits on (None for a block that queued nothing). The group is ended
+// whatever fails, so every rank queues what it recorded; a failure is then raised (and
+// reported by every Work of the block).
+py::object end_batch(const std::shared_ptr<CommState>& comm, const py::function& record) {
+  const Api& api = comm->api();
+  comm->coalescing.store(false);
+  auto ended = comm->batch.end(api.work_fns());
+  std::vector<Batch::Call>& calls = ended.first;
+  std::shared_ptr<BatchSlot>& slot = ended.second;
+  void* h = comm->handle();
+  int code = h == nullptr ? kInvalidUsage : api.group_start(h);
+  if (code != 0) {
+    slot->bind(nullptr, code);
+    comm->errors().raise("toroid_group_start", code, "batch_isend_irecv");
+  }
+  for (const Batch::Call& c : calls) {
+    int r = c.sending ? api.send(h, c.buf, c.count, c.dtype, c.peer) : api.recv(h, c.buf, c.count, c.dtype, c.peer);
+    code = code != 0 ? code : r;
+  }
+  py::object keep;
+  std::exception_ptr raised;
+  try {
+    keep = record();
+  } catch (py::error_already_set&) {
+    raised = std::current_exception();
+  }
+  void* work = nullptr;
+  int end = api.group_end_async(h, &work);
+  code = code != 0 ? code : end;
+  {
+    py::gil_scoped_release release;  // (a failed batch is waited for here: its calls ran)
+    slot->bind(work, raised && code == 0 ? kInvalidUsage : code);
+  }
+  if (!keep.is_none()) {  // (the Python path's tensors, alive until the batch has run)
+    auto keeper = c10::make_intrusive<ToroidWork>(comm, nullptr, keep.cast<std::vector<at::Tensor>>(),
+                                                  std::vector<at::Tensor>{}, c10d::OpType::COALESCED,
+                                                  "toroid_group_end_async", "batch_isend_irecv");
+    keeper->set_slot(slot);
+    comm->keep(keeper);
+  }
+  if (raised) {
+    std::rethrow_exception(raised);
+  }
+  if (code != 0) {
+    comm->errors().raise("toroid_group_end_async", code, "batch_isend_irecv");
+  }
+  if (work == nullptr) {
+    return py::none();  // (an empty block: nothing was queued)
+  }
+  return py::cast(BatchWait{slot, comm});
+}
+
 }  // namespace
 }  // namespace toroid_native
 
@@ -658,7 +753,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_type", &CommState::set_type)
       .def("set_op", &CommState::set_op)
       .def("set_wire", [](CommState& c, bool wire) { c.wire.store(wire); })
-      .def("set_coalescing", [](CommState& c, bool on) { c.coalescing.store(on); })
+      .def("set_coalescing",
+           [](CommState& c, bool on) {
+             if (on) {
+               c.batch.begin(c.api().work_fns());
+             }
+             c.coalescing.store(on);
+           })
+      .def("end_batch", &end_batch, py::arg("record"))
+      // A block given up before its end (a call of it could not be issued): nothing of it runs,
+      // and its Works report it.
+      .def("drop_batch",
+           [](CommState& c) {
+             c.coalescing.store(false);
+             c.batch.end(c.api().work_fns()).second->bind(nullptr, kInvalidUsage);
+           })
       // The calls made here since the last take, by the group's stats names.
       .def("take_counts",
            [](CommState& c) {
@@ -670,6 +779,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            })
       .def("detach", &CommState::detach, py::call_guard<py::gil_scoped_release>())
       .def("release", &CommState::release, py::call_guard<py::gil_scoped_release>());
+  py::class_<BatchWait>(m, "BatchWait")
+      .def("wait", &BatchWait::wait, py::arg("timeout") = py::none())
+      .def("test", [](const BatchWait& w) { return w.slot->test(); });
   py::class_<ToroidBackend, Backend, c10::intrusive_ptr<ToroidBackend>>(m, "ToroidBackend")
       .def(py::init([](std::shared_ptr<CommState> comm, py::object inner, int rank, int size) {
              return c10::make_intrusive<ToroidBackend>(std::move(comm), std::move(inner), rank, size);

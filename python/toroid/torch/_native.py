@@ -1,6 +1,6 @@
-"""toroid's torch backend in C++ (`_native.cpp`, which includes `_native_work.hpp`): built once
-per torch and Python with the compiler and the headers of the torch that is imported, cached,
-and loaded by the groups.
+"""toroid's torch backend in C++ (`_native.cpp`, which includes `_native_work.hpp` and
+`_native_batch.hpp`): built once per torch and Python with the compiler and the headers of the
+torch that is imported, cached, and loaded by the groups.
 
 TOROID_TORCH_NATIVE (docs/ENV.md): unset or "auto", build it when it is not cached and fall back
 to the Python backend (with a warning) where it cannot be built; "0", never (the Python backend
@@ -33,7 +33,8 @@ import torch
 from .. import _lib
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_native.cpp")
-_HEADER = os.path.join(os.path.dirname(_SOURCE), "_native_work.hpp")  # (included by _SOURCE)
+_HEADERS = tuple(os.path.join(os.path.dirname(_SOURCE), h)  # (included by _SOURCE)
+                 for h in ("_native_work.hpp", "_native_batch.hpp"))
 _NAME = "_toroid_native"  # (the module's PyInit name: TORCH_EXTENSION_NAME)
 _BUILD_SECONDS = 600  # the longest a build, or the wait for another process's build, may take
 _UNSET = object()
@@ -80,7 +81,7 @@ def _command(cxx: str, out: str) -> list:
 def _path(cxx: str) -> str:
     """The cached module's path: one per source, torch, Python and compiler."""
     key = hashlib.sha256()
-    for source in (_SOURCE, _HEADER):
+    for source in (_SOURCE, *_HEADERS):
         with open(source, "rb") as f:
             key.update(f.read())
     for part in (torch.__version__, str(getattr(torch.version, "git_version", "")), sys.version, cxx,
@@ -204,7 +205,7 @@ def comm_state(native, pg) -> Any:
     loaded = _lib.lib()
     names = [f"toroid_{op}{form}" for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce",
                                              "all_to_all", "all_to_all_v", "barrier") for form in ("", "_async")]
-    names += ["toroid_send_async", "toroid_recv_async", "toroid_group_start", "toroid_group_end",
+    names += ["toroid_send", "toroid_send_async", "toroid_recv", "toroid_recv_async", "toroid_group_start", "toroid_group_end",
               "toroid_group_end_async", "toroid_work_wait", "toroid_work_test", "toroid_work_free"]
     addresses = {n: ctypes.cast(getattr(loaded, n), ctypes.c_void_p).value for n in names}
     ref = weakref.ref(pg)

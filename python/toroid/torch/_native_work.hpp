@@ -27,6 +27,8 @@
 
 #include <unistd.h>
 
+#include "_native_batch.hpp"
+
 namespace toroid_native {
 
 namespace py = pybind11;
@@ -52,7 +54,9 @@ struct Api {
   int (*all_to_all_v_async)(void*, const void*, const size_t*, void*, const size_t*, int, void**) = nullptr;
   int (*barrier)(void*) = nullptr;
   int (*barrier_async)(void*, void**) = nullptr;
+  int (*send)(void*, const void*, size_t, int, int) = nullptr;
   int (*send_async)(void*, const void*, size_t, int, int, void**) = nullptr;
+  int (*recv)(void*, void*, size_t, int, int) = nullptr;
   int (*recv_async)(void*, void*, size_t, int, int, void**) = nullptr;
   int (*group_start)(void*) = nullptr;
   int (*group_end)(void*) = nullptr;
@@ -60,6 +64,8 @@ struct Api {
   int (*work_wait)(void*, int64_t) = nullptr;
   int (*work_test)(void*, int*) = nullptr;
   void (*work_free)(void*) = nullptr;
+
+  WorkFns work_fns() const { return WorkFns{work_wait, work_test, work_free}; }
 
   // The functions from their addresses in the loaded library, by name (_native.py's
   // comm_state gives every one).
@@ -86,7 +92,9 @@ struct Api {
     get(api.all_to_all_v_async, "toroid_all_to_all_v_async");
     get(api.barrier, "toroid_barrier");
     get(api.barrier_async, "toroid_barrier_async");
+    get(api.send, "toroid_send");
     get(api.send_async, "toroid_send_async");
+    get(api.recv, "toroid_recv");
     get(api.recv_async, "toroid_recv_async");
     get(api.group_start, "toroid_group_start");
     get(api.group_end, "toroid_group_end");
@@ -190,6 +198,9 @@ class ToroidWork : public Work {
   // its toroid result (again on every later call).
   int finish(int64_t timeout_ms);
   bool finished() const { return done_.load(std::memory_order_acquire); }
+  // A call of a batch (_native_batch.hpp): its operation is the batch's, waited on through
+  // `slot` (set before the work is shared, with a null toroid work).
+  void set_slot(std::shared_ptr<BatchSlot> slot) { slot_ = std::move(slot); }
   // Whether the operation has run, without blocking.
   bool test();
   // Completes the future once the operation has run (the completion thread's part).
@@ -209,6 +220,7 @@ class ToroidWork : public Work {
   std::shared_ptr<CommState> comm_;
   std::mutex finish_mu_;
   void* work_;  // the toroid work until finished, then null
+  std::shared_ptr<BatchSlot> slot_;  // (a batch's call: its batch)
   std::atomic<bool> done_{false};
   int code_ = 0;
   std::vector<at::Tensor> tensors_;
@@ -342,9 +354,10 @@ class CommState : public std::enable_shared_from_this<CommState> {
 
   // A wire type on the group (set_wire_dtype): its all-reduces are the Python path's.
   std::atomic<bool> wire{false};
-  // Inside a coalescing block (batch_isend_irecv): its send and recv are the Python path's,
-  // which records them and issues them in an order every rank agrees on.
+  // Inside a coalescing block (batch_isend_irecv): its dense CPU sends and recvs wait in
+  // `batch` for the block's end (_native_batch.hpp), the others are the Python path's.
   std::atomic<bool> coalescing{false};
+  Batch batch;
   // Calls made here, by operation (the group's stats read and reset them).
   std::array<std::atomic<uint64_t>, kCounts> counts{};
 
@@ -454,8 +467,15 @@ int ToroidWork::finish(int64_t timeout_ms) {
 
 void ToroidWork::take(int64_t timeout_ms) {
   const Api& api = comm_->api();
-  code_ = api.work_wait(work_, timeout_ms);
-  api.work_free(work_);
+  if (slot_) {
+    code_ = slot_->finish(timeout_ms);
+    if (code_ == kInvalidUsage && !slot_->test()) {
+      return;  // (waited on inside its coalescing block: not finished, reported by the caller)
+    }
+  } else {
+    code_ = api.work_wait(work_, timeout_ms);
+    api.work_free(work_);
+  }
   work_ = nullptr;
   if (code_ == 0 && then_) {
     code_ = run_then(then_);
@@ -470,11 +490,11 @@ bool ToroidWork::test() {
     return true;
   }
   std::unique_lock<std::mutex> lock(finish_mu_, std::try_to_lock);
-  if (!lock.owns_lock() || work_ == nullptr) {
+  if (!lock.owns_lock() || (work_ == nullptr && !slot_)) {
     return finished();  // (another thread is finishing it)
   }
   int done = 0;
-  if (comm_->api().work_test(work_, &done) != 0 || done == 0) {
+  if (slot_ ? !slot_->test() : (comm_->api().work_test(work_, &done) != 0 || done == 0)) {
     return false;
   }
   take(-1);  // (it has run: its result at once, so a future asked for from now on is complete)

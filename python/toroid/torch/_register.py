@@ -118,7 +118,7 @@ def batch_isend_irecv(p2p_op_list):
     try:
         works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in p2p_op_list]
     except BaseException:
-        group._coalesced = None  # nothing of the batch was issued (_defer checks each operation)
+        group.drop_coalescing()  # nothing of the batch is issued (_defer checks each operation)
         raise
     group.end_coalescing()
     return works
