@@ -50,8 +50,8 @@ pub enum OpKind {
     Recv(usize),
     /// receive from whichever peer sends first (the rank is reported back)
     RecvAny,
-    /// sends and receives that run side by side (a group's consecutive `Send`s and `Recv`s;
-    /// they travel beside the buffers: `RawOp::batch`), each on the wire as if alone
+    /// sends and receives that run side by side (a group's `Send`s and `Recv`s; they travel
+    /// beside the buffers: `RawOp::batch`), each on the wire as if alone
     SendRecv,
     /// the all-gather inside `split`
     SplitExchange,

@@ -1,7 +1,6 @@
 //! Unit tests of [`super`]: the argument checks, host and device forms, without sockets or a GPU.
 
 use super::*;
-use crate::collective::CallOptions;
 use crate::dtype::{DataType, ReduceOp};
 use crate::memory::{RawBuf, RawBufMut};
 
@@ -196,13 +195,8 @@ fn a_batch_of_sends_and_receives_checks_each_and_refuses_overlapping_receives() 
     };
     let item = |kind: OpKind, bufs: RawBufs| RawOp::new(kind, DataType::F32, bufs);
     let batch = |items: Vec<RawOp>| RawOp {
-        kind: OpKind::SendRecv,
-        dtype: DataType::U8,
-        bufs: RawBufs::None,
-        opts: CallOptions::default(),
-        source: None,
-        splits: None,
         batch: Some(items.into()),
+        ..RawOp::new(OpKind::SendRecv, DataType::U8, RawBufs::None)
     };
     let send = |b: RawBufMut, peer| item(OpKind::Send(peer), RawBufs::Read(b.as_read()));
     let recv = |b: RawBufMut, peer| item(OpKind::Recv(peer), RawBufs::InPlace(b));

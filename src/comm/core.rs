@@ -361,9 +361,10 @@ impl Core {
         let Some(first) = tasks.first().map(|t| (t.fp, t.peer)) else { return Ok(()) };
         tracing::debug!(target: "toroid::coll", "rank {}: {} sends and receives from {}", self.ident.rank, tasks.len(), first.0);
         self.watch.recorder.start(&first.0, Some(first.1), issued_ns, started);
-        let result = engine.peers.send_recv(deadline, &mut tasks);
-        drop(tasks);
-        result.map_err(|e| self.failed(engine, self.with_stall_report(e)))
+        engine
+            .peers
+            .send_recv(deadline, &mut tasks)
+            .map_err(|e| self.failed(engine, self.with_stall_report(e)))
     }
 
     /// An operation failed: every link closes (peers learn why) and the communicator aborts.

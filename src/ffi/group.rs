@@ -2,8 +2,8 @@
 //! communicator. Between them, the blocking collective calls, sends and receives on the
 //! communicator are checked and recorded, not run, and return at once; the end runs them as one
 //! group ([`crate::Communicator::group`]: consecutive small all-reduces packed into one, the
-//! sends and receives side by side after the collectives). Their buffers must stay valid, and untouched,
-//! until the end returns.
+//! sends and receives side by side after the collectives). Their buffers must stay valid, and
+//! untouched, until the end returns.
 
 use std::sync::{Arc, Mutex};
 

@@ -135,10 +135,10 @@ impl Metrics {
     fn open(dir: &Path, append: bool, after: Option<u64>) -> Result<Metrics> {
         std::fs::create_dir_all(dir)
             .context(|| format!("cannot create output directory {}", dir.display()))?;
-        let open = |name: &str, header: &str| -> Result<std::fs::File> {
+        // `rows_after`: the file's rows are by step, cut past `after`.
+        let open = |name: &str, header: &str, rows_after: Option<u64>| -> Result<std::fs::File> {
             let path = dir.join(name);
             // A file the previous writer left without a complete header counts as absent.
-            let rows_after = if name == "epochs.csv" { None } else { after };
             let exists = append && path.exists() && cut_rows(&path, rows_after)? > 0;
             let mut f = std::fs::OpenOptions::new()
                 .create(true)
@@ -153,9 +153,9 @@ impl Metrics {
             Ok(f)
         };
         let (step_file, epoch_file, eval_file) = (
-            open("steps.csv", STEP_HEADER)?,
-            open("epochs.csv", EPOCH_HEADER)?,
-            open("evals.csv", EVAL_HEADER)?,
+            open("steps.csv", STEP_HEADER, after)?,
+            open("epochs.csv", EPOCH_HEADER, None)?,
+            open("evals.csv", EVAL_HEADER, after)?,
         );
         // Read after the opens have cut any torn row.
         let (steps, epochs) = if append { read_history(dir)? } else { (vec![], vec![]) };

@@ -240,19 +240,26 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
         self._store.set(f"{key}/out", error.encode())
         raise _BACKEND_ERROR(error)
 
-    def _send(self, tensors, dst: int) -> list:
+    def _send(self, tensors, dst: int, async_op: bool = True, keep: Optional[list] = None) -> list:
+        """Sends `tensors` to `dst` (blocking inside a group: recorded); `keep` collects the
+        buffers the calls read."""
         works = []
         for t in tensors:
             src = _flat(t.contiguous())
-            works.append(self._comm.send_ptr(src.data_ptr(), src.numel(), _dtype(src), dst, True, (src,)))
+            works.append(self._comm.send_ptr(src.data_ptr(), src.numel(), _dtype(src), dst, async_op, (src,)))
+            if keep is not None:
+                keep.append(src)
         return works
 
-    def _recv(self, tensors, src: int):
+    def _recv(self, tensors, src: int, async_op: bool = True, keep: Optional[list] = None):
+        """Receives `tensors` from `src`, as _send; returns the works and the copy-back."""
         works, outs = [], []
         for t in tensors:
             o = _Output(t)
-            works.append(self._comm.recv_ptr(o.buf.data_ptr(), o.buf.numel(), _dtype(o.buf), src, True, (o.buf,)))
+            works.append(self._comm.recv_ptr(o.buf.data_ptr(), o.buf.numel(), _dtype(o.buf), src, async_op, (o.buf,)))
             outs.append(o)
+            if keep is not None:
+                keep.append(o.buf)
         return works, _Output.copy_backs(outs)  # (None when recv writes the tensors themselves)
 
     @_staged(inputs=("tensors",))
@@ -331,17 +338,10 @@ class ProcessGroupToroid(_Collectives, dist.ProcessGroup):
             keep = []
             for kind, tensors, peer, w in ops:
                 if kind == "send":
-                    for t in tensors:
-                        src = _flat(t.contiguous())
-                        comm.send_ptr(src.data_ptr(), src.numel(), _dtype(src), peer, False, (src,))
-                        keep.append(src)
+                    self._send(tensors, peer, False, keep)
                     finish = None
                 else:
-                    outs = [_Output(t) for t in tensors]
-                    for o in outs:
-                        comm.recv_ptr(o.buf.data_ptr(), o.buf.numel(), _dtype(o.buf), peer, False, (o.buf,))
-                        keep.append(o.buf)
-                    finish = _Output.copy_backs(outs)
+                    _, finish = self._recv(tensors, peer, False, keep)
                 recorded.append((w, finish))
             return keep
 

@@ -614,10 +614,10 @@ class ToroidBackend : public Backend {
     void* h = comm_->handle();
     int dtype = dense_cpu(*comm_, tensors);
     bool takes = h != nullptr && dtype >= 0;
+    void* buf = takes ? tensors[0].data_ptr() : nullptr;
+    auto n = takes ? static_cast<size_t>(tensors[0].numel()) : 0;
     if (comm_->coalescing.load(std::memory_order_relaxed)) {
       if (takes && peer >= 0 && peer < getSize() && peer != getRank()) {
-        void* buf = tensors[0].data_ptr();
-        auto n = static_cast<size_t>(tensors[0].numel());
         if (auto slot = comm_->batch.add({sending, buf, n, dtype, peer})) {
           comm_->counts[kind].fetch_add(1, std::memory_order_relaxed);
           auto w = c10::make_intrusive<ToroidWork>(comm_, nullptr, tensors, std::vector<at::Tensor>{}, type,
@@ -633,8 +633,6 @@ class ToroidBackend : public Backend {
     if (!takes) {
       return python(sending ? "send" : "recv", type, tensors, tensors, peer, tag);
     }
-    void* buf = tensors[0].data_ptr();
-    auto n = static_cast<size_t>(tensors[0].numel());
     const Api& api = comm_->api();
     return queued(
         kind, sending ? kSendNames : kRecvNames, type, tensors, {}, [&](void** w) {

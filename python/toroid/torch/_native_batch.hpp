@@ -51,6 +51,12 @@ class BatchSlot {
     done_ = work_ == nullptr;
   }
 
+  // Whether the batch has ended (before, a wait is a misuse: its calls are not issued yet).
+  bool bound() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return bound_;
+  }
+
   // Waits for the batch (timeout_ms < 0: the communicator's timeout) and returns its toroid
   // result; TOROID_INVALID_USAGE for a wait before the block has ended.
   int finish(int64_t timeout_ms) {

@@ -467,11 +467,12 @@ int ToroidWork::finish(int64_t timeout_ms) {
 
 void ToroidWork::take(int64_t timeout_ms) {
   const Api& api = comm_->api();
+  if (slot_ && !slot_->bound()) {
+    code_ = kInvalidUsage;  // (waited on inside its coalescing block: not finished)
+    return;
+  }
   if (slot_) {
     code_ = slot_->finish(timeout_ms);
-    if (code_ == kInvalidUsage && !slot_->test()) {
-      return;  // (waited on inside its coalescing block: not finished, reported by the caller)
-    }
   } else {
     code_ = api.work_wait(work_, timeout_ms);
     api.work_free(work_);

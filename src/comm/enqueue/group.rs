@@ -19,9 +19,10 @@
 //! peer, and sends to one peer arrive in their order.
 //!
 //! Every rank must issue the same collectives in a group, in the same order, as for the calls
-//! one by one (sends and receives pair with their peers' as single calls do). Packing depends only on the calls, so every rank packs the same way; a rank whose
-//! calls differ sends a pack of another count or type, which the fingerprint check turns into
-//! an error on every rank (a mismatch, not a hang).
+//! one by one (sends and receives pair with their peers' as single calls do). Packing depends
+//! only on the calls, so every rank packs the same way; a rank whose calls differ sends a pack
+//! of another count or type, which the fingerprint check turns into an error on every rank (a
+//! mismatch, not a hang).
 
 use std::marker::PhantomData;
 
@@ -347,13 +348,9 @@ fn p2p((op, hooks): &(RawOp, Hooks)) -> bool {
 fn batch_op(run: &[(RawOp, Hooks)]) -> RawOp {
     let timeout = run.iter().filter_map(|(op, _)| op.opts.timeout).min();
     RawOp {
-        kind: OpKind::SendRecv,
-        dtype: crate::dtype::DataType::U8,
-        bufs: RawBufs::None,
         opts: CallOptions { timeout, ..CallOptions::default() },
-        source: None,
-        splits: None,
         batch: Some(run.iter().map(|(op, _)| op.clone()).collect()),
+        ..RawOp::new(OpKind::SendRecv, crate::dtype::DataType::U8, RawBufs::None)
     }
 }
 

@@ -54,12 +54,17 @@ enum State<'a> {
     Done,
 }
 
+/// A task's progress.
+struct Slot<'a> {
+    state: State<'a>,
+    /// The task before it on its peer and direction.
+    prev: Option<usize>,
+}
+
 /// A batch running on its buffers (a [`Stream`]).
 pub(super) struct BatchRun<'t, 'a> {
     tasks: &'t mut [P2pTask<'a>],
-    state: Vec<State<'a>>,
-    /// The task before each on its peer and direction.
-    prev: Vec<Option<usize>>,
+    slots: Vec<Slot<'a>>,
     /// Tasks not done.
     left: usize,
     /// The first task not done.
@@ -70,10 +75,13 @@ pub(super) struct BatchRun<'t, 'a> {
 impl<'t, 'a> BatchRun<'t, 'a> {
     fn new(tasks: &'t mut [P2pTask<'a>]) -> BatchRun<'t, 'a> {
         let mut last = std::collections::HashMap::new();
-        let prev = tasks
+        let slots = tasks
             .iter()
             .enumerate()
-            .map(|(i, t)| last.insert((t.peer, matches!(t.dir, P2pDir::Send(_))), i))
+            .map(|(i, t)| Slot {
+                state: State::Waiting,
+                prev: last.insert((t.peer, matches!(t.dir, P2pDir::Send(_))), i),
+            })
             .collect();
         let moved = tasks
             .iter()
@@ -82,12 +90,11 @@ impl<'t, 'a> BatchRun<'t, 'a> {
                 P2pDir::Recv(b) => b.len(),
             })
             .sum();
-        let state = tasks.iter().map(|_| State::Waiting).collect();
-        BatchRun { left: tasks.len(), tasks, state, prev, lo: 0, moved }
+        BatchRun { left: tasks.len(), tasks, slots, lo: 0, moved }
     }
 
     fn done_at(&self, i: usize) -> bool {
-        matches!(self.state[i], State::Done)
+        matches!(self.slots[i].state, State::Done)
     }
 }
 
@@ -101,9 +108,11 @@ impl Stream for BatchRun<'_, '_> {
     ) -> Result<bool> {
         let mut progressed = false;
         for i in self.lo..self.tasks.len() {
-            if matches!(self.state[i], State::Waiting) && self.prev[i].is_none_or(|p| self.done_at(p)) {
+            if matches!(self.slots[i].state, State::Waiting)
+                && self.slots[i].prev.is_none_or(|p| self.done_at(p))
+            {
                 let t = &self.tasks[i];
-                self.state[i] = match &t.dir {
+                self.slots[i].state = match &t.dir {
                     // Step 0, as a send alone (`algorithm::pairwise::send`).
                     P2pDir::Send(b) => {
                         let header = encode(KIND_DATA, &t.fp, 0, 0);
@@ -114,7 +123,7 @@ impl Stream for BatchRun<'_, '_> {
                 progressed = true;
             }
             let task = &mut self.tasks[i];
-            let finished = match (&mut self.state[i], &mut task.dir) {
+            let finished = match (&mut self.slots[i].state, &mut task.dir) {
                 (State::Sending(tx), _) => {
                     let link = live_link(&mut peers.links, tx.peer)?;
                     progressed |= tx.pump(link, None).map_err(|e| explain_send_failure(link, tx.peer, e))?;
@@ -132,7 +141,7 @@ impl Stream for BatchRun<'_, '_> {
                 _ => false,
             };
             if finished {
-                self.state[i] = State::Done;
+                self.slots[i].state = State::Done;
                 self.left -= 1;
             }
         }
@@ -147,8 +156,8 @@ impl Stream for BatchRun<'_, '_> {
     }
 
     fn wants(&self, writes: &mut Wants, reads: &mut Wants) {
-        for s in &self.state[self.lo..] {
-            match s {
+        for s in &self.slots[self.lo..] {
+            match &s.state {
                 State::Sending(tx) => writes.push(tx.peer),
                 State::Receiving(rx) => reads.push(rx.peer),
                 State::Waiting | State::Done => {}
@@ -161,12 +170,12 @@ impl Stream for BatchRun<'_, '_> {
     }
 
     fn timeout_error(&self, peers: &Peers, fp: &Fingerprint) -> Error {
-        let Some(i) =
-            (self.lo..self.tasks.len()).find(|&i| !matches!(self.state[i], State::Waiting | State::Done))
+        let Some(i) = (self.lo..self.tasks.len())
+            .find(|&i| !matches!(self.slots[i].state, State::Waiting | State::Done))
         else {
             return Error::Internal(format!("a batch of sends and receives in {fp} timed out idle").into());
         };
-        let (tx, rx) = match &self.state[i] {
+        let (tx, rx) = match &self.slots[i].state {
             State::Sending(tx) => (Some(tx), None),
             State::Receiving(rx) => (None, Some(rx)),
             State::Waiting | State::Done => (None, None),
@@ -188,10 +197,12 @@ impl Peers {
             self.check_peer(t.peer)?;
         }
         // Links on demand: every peer of the batch is expected to be at its own side of it.
-        let mut linked: Vec<usize> = tasks.iter().map(|t| t.peer).collect();
-        linked.sort_unstable();
-        linked.dedup();
-        self.ensure(&linked, &first, 0, deadline)?;
+        if self.connector.is_some() {
+            let mut linked: Vec<usize> = tasks.iter().map(|t| t.peer).collect();
+            linked.sort_unstable();
+            linked.dedup();
+            self.ensure(&linked, &first, 0, deadline)?;
+        }
         self.drive(&first, deadline, &mut [&mut BatchRun::new(tasks)])
     }
 }

@@ -48,7 +48,7 @@ pub trait Stream {
 }
 
 /// Peers one direction of a sleeping drive watches at most (a batch of sends and receives
-/// with more peers naps instead: [`Wants::overflowed`]).
+/// with more peers naps instead: `Wants::overflowed`).
 const WANTS_MAX: usize = 64;
 const _: () = assert!(WANTS_MAX >= 2 * super::WINDOW);
 /// How long a drive whose peers did not all fit in its [`Wants`] sleeps at most.
@@ -59,6 +59,7 @@ const NAP: std::time::Duration = std::time::Duration::from_millis(1);
 pub struct Wants {
     ranks: [usize; WANTS_MAX],
     len: usize,
+    /// A rank did not fit (the sleep would not wake for it).
     overflowed: bool,
 }
 
@@ -80,11 +81,6 @@ impl Wants {
         } else {
             self.overflowed = true;
         }
-    }
-
-    /// Whether a rank did not fit (the sleep would not wake for it).
-    fn overflowed(&self) -> bool {
-        self.overflowed
     }
 
     /// The ranks added so far.
@@ -160,7 +156,7 @@ impl Peers {
             let (peer, step) = waiting.waiting();
             self.progress.waiting(peer, step);
             let until =
-                if writes.overflowed() || reads.overflowed() { deadline.min(now + NAP) } else { deadline };
+                if writes.overflowed || reads.overflowed { deadline.min(now + NAP) } else { deadline };
             self.sleep(fp, writes.as_slice(), reads.as_slice(), until)?;
             last_progress = Instant::now();
         }
