@@ -435,8 +435,10 @@ fn ranks_sharing_an_auth_token_work_in_processes() {
     }
 }
 
-/// A rank with another token never joins: it gets an error naming TOROID_AUTH_TOKEN, the
-/// others time out waiting for it (and log the rejected connection), nobody hangs.
+/// A rank with another token never joins: it gets an error naming TOROID_AUTH_TOKEN, rank 0
+/// times out waiting for it (and logs the rejected connection), nobody hangs. Rank 1 waits for
+/// rank 0 (on one host set-up links rank 0 with each rank, for the shared window): it fails when
+/// rank 0 gives up, or at its own deadline.
 #[test]
 fn a_rank_with_another_token_is_refused() {
     let store: Arc<dyn Store> = Arc::new(toroid::rendezvous::MemStore::new());
@@ -451,7 +453,12 @@ fn a_rank_with_another_token_is_refused() {
     let results: Vec<_> = handles.into_iter().map(|h| h.join().expect("no panic")).collect();
     let msg = |r: usize| results[r].as_ref().expect_err("must fail").to_string();
     assert!(msg(2).contains("TOROID_AUTH_TOKEN"), "{}", msg(2));
-    for r in 0..2 {
-        assert!(msg(r).contains("never connected") || msg(r).contains("deadline"), "rank {r}: {}", msg(r));
-    }
+    assert!(msg(0).contains("never connected") || msg(0).contains("deadline"), "rank 0: {}", msg(0));
+    let m1 = msg(1);
+    assert!(
+        m1.contains("never connected")
+            || m1.contains("deadline")
+            || m1.contains("rank 0 closed its connection"),
+        "rank 1: {m1}"
+    );
 }

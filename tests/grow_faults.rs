@@ -4,7 +4,7 @@
 //! or while it joins, a survivor killed while the others grow. Every trial must end with every
 //! process that was not killed either done with exact results or failed with an error, all
 //! within the bound (no hang), never a wrong element, no process left, and no /dev/shm name but
-//! one a killed process made inside its set-up window (which the next set-up would sweep; the
+//! one a killed process made inside a set-up exchange (which the next set-up would sweep; the
 //! test removes it).
 //! When the only fault is the killed rank in the loop, every process must succeed.
 //!
@@ -223,7 +223,7 @@ fn faults_in_the_grow_cycle_never_hang_or_corrupt() {
         for pid in pids {
             assert!(!util::alive(pid), "{what}: process {pid} still running");
         }
-        // A process SIGKILLed inside a set-up's window of milliseconds may leave the name of a
+        // A process SIGKILLed inside a pair's or the window's set-up exchange may leave the name of a
         // segment it made (the next set-up on the host sweeps it once 30 s old; see
         // src/transport/shm/mod.rs); any other name is a leak. The test removes them itself.
         for (name, pid) in shm_names().into_iter().filter(|(n, _)| !shm_before.contains(n)) {

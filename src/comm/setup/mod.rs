@@ -270,6 +270,13 @@ impl Communicator {
             // start: a peer may dial as soon as its own set-up is done.
             let rdma: Vec<bool> = (0..size).map(rdma_peer).collect();
             let rdma_cfg = rdma.contains(&true).then(|| Arc::new(cfg.clone()));
+            // Pairs of this host where both ranks allow shared memory move to it as their
+            // links open. Every other rank looks like another host to the shared-memory set-up.
+            let shm_pair = |p: usize| {
+                p != rank && topology.host_of[p] == topology.host_of[rank] && shm_ok[p] && shm_ok[rank]
+            };
+            let shm: Vec<bool> = (0..size).map(shm_pair).collect();
+            let shm_opts = shm.contains(&true).then(|| Arc::new(shm::ShmOptions::from_config(cfg)));
             let lctx = LazyCtx {
                 rank,
                 size,
@@ -278,6 +285,8 @@ impl Communicator {
                 lanes: lanes.to_vec(),
                 rdma,
                 rdma_cfg,
+                shm,
+                shm_opts,
             };
             let inbox = Arc::new(Inbox::new(lctx.clone())?);
             let control = Control::start(
@@ -289,12 +298,15 @@ impl Communicator {
                 cfg.status_dir.as_deref(),
             )?;
             let mut dialer = Dialer::new(lctx, shared_addrs.clone(), opts, inbox);
-            // Linked now: the ranks of this host that shared memory pairs with (both allow
-            // it). Every other rank looks like another host to the shared-memory set-up.
-            let shm_pair = |p: usize| {
-                p != rank && topology.host_of[p] == topology.host_of[rank] && shm_ok[p] && shm_ok[rank]
+            // Linked now: only what the shared window's set-up runs over, when every rank
+            // shares this host (rank 0 and each other rank); every other pair, of this host or
+            // not, links the first time an operation needs it.
+            let window = cfg.shm_chunk_size > 0 && (0..size).all(|p| p == rank || shm_pair(p));
+            let now: Vec<usize> = match (window, rank) {
+                (false, _) => Vec::new(),
+                (true, 0) => (1..size).collect(),
+                (true, _) => vec![0],
             };
-            let now: Vec<usize> = (0..size).filter(|&p| shm_pair(p)).collect();
             let transports = dialer.link_now(&now, deadline, &abort)?;
             let host_of: Vec<usize> = (0..size)
                 .map(|p| if p == rank || shm_pair(p) { topology.host_of[p] } else { size + p })
@@ -314,8 +326,16 @@ impl Communicator {
             )?;
             (transports, control, None, topology.host_of.clone())
         };
-        let links =
-            shm::connect(rank, &shm_host_of, transports, &shm::ShmOptions::from_config(cfg), id, deadline)?;
+        let pairs = if lazy { shm::Pairs::OnDemand } else { shm::Pairs::AtSetUp };
+        let links = shm::connect(
+            rank,
+            &shm_host_of,
+            transports,
+            &shm::ShmOptions::from_config(cfg),
+            pairs,
+            id,
+            deadline,
+        )?;
         let config = cfg.clone();
         let shm::ShmSetup { links: mut transports, window, shm_peers } = links;
         // Links on demand move to RDMA as they open (the connector's exchange).
@@ -340,9 +360,10 @@ impl Communicator {
         }
         let has_window = window.is_some();
         tracing::info!(target: "toroid::init",
-            "rank {rank}/{size}: connected; host {} of {}, local rank {}/{}, spin {:?}{}; shared memory with {shm_peers} peers{}",
+            "rank {rank}/{size}: connected; host {} of {}, local rank {}/{}, spin {:?}{}; shared memory with {shm_peers} peers{}{}",
             topology.host_of[rank], topology.hosts, topology.local_rank, topology.local_size,
             spin.spin, if oversubscribed { " (more ranks than cores: yielding)" } else { "" },
+            if lazy { " so far (the others of this host as their links open)" } else { "" },
             if has_window { ", shared window" } else { "" });
         let filter = AlgoFilter::parse(config.algo.as_deref().unwrap_or(""))?;
         let layout = Layout::new(&topology, rank, config.torus_shape)?;

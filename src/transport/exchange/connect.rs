@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::transport::Transport;
 
 /// How often a rank waiting for a peer's connection checks that the peer's process exists.
-const GONE_CHECK: Duration = Duration::from_secs(1);
+pub(super) const GONE_CHECK: Duration = Duration::from_secs(1);
 
 impl Peers {
     /// Makes sure every rank of `peers` is linked, opening the links that are missing (see the

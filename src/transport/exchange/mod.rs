@@ -196,6 +196,8 @@ pub struct Peers {
     connector: Option<Box<dyn Connector>>,
     /// Set by [`Peers::poison`]: no link is used or opened any more.
     closed: bool,
+    /// When [`Peers::poll_idle_links`] last asked whether an unlinked peer's process exists.
+    gone_checked: Option<std::time::Instant>,
 }
 
 impl fmt::Debug for Peers {
@@ -246,6 +248,7 @@ impl Peers {
             progress: Arc::default(),
             connector: None,
             closed: false,
+            gone_checked: None,
         }
     }
 

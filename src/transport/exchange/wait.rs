@@ -6,6 +6,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::time::Instant;
 
+use super::connect::GONE_CHECK;
 use super::frame::{HEADER_LEN, KIND_ABORT, decode, read_abort};
 use super::{MAX_SLEEP, Peers, mismatch};
 use crate::collective::{CollKind, Fingerprint};
@@ -18,7 +19,10 @@ pub(super) const ARRIVAL: usize = usize::MAX - 1;
 impl Peers {
     /// Checks, without blocking, every link for what an idle link can show (an abort frame, a
     /// frame of a mismatched collective, a closed connection) while this rank waits outside the
-    /// engine (in the shared window). Returns true when the link to `watch` is closed.
+    /// engine (in the shared window). Returns true when the link to `watch` is closed. With
+    /// links on demand `watch` may have none yet (a window member this rank never exchanged
+    /// with directly): then its process is asked about at most every [`GONE_CHECK`], and one
+    /// that is gone is an error naming it.
     pub fn poll_idle_links(&mut self, fp: &Fingerprint, watch: usize) -> Result<bool> {
         self.abort.check()?;
         self.pollfds.clear();
@@ -57,9 +61,34 @@ impl Peers {
             }
         }
         Ok(match self.links.get(watch).and_then(Option::as_ref) {
-            None => true,
             Some(l) => l.hup_token == self.token,
+            None if self.connector.is_some() && !self.closed => {
+                self.check_gone(fp, watch)?;
+                false
+            }
+            None => true,
         })
+    }
+
+    /// Asks whether unlinked `peer`'s process still exists (its listener refuses once it is
+    /// gone), at most every [`GONE_CHECK`].
+    fn check_gone(&mut self, fp: &Fingerprint, peer: usize) -> Result<()> {
+        let now = Instant::now();
+        if self.gone_checked.is_some_and(|t| now < t + GONE_CHECK) {
+            return Ok(());
+        }
+        self.gone_checked = Some(now);
+        match self.connector.as_ref().and_then(|c| c.peer_gone(peer)) {
+            Some(why) => Err(Error::Remote(
+                format!(
+                    "rank {} waited for rank {peer} during {fp}, but rank {peer} is gone: {why}",
+                    self.rank
+                )
+                .into(),
+            )
+            .with_peer(peer)),
+            None => Ok(()),
+        }
     }
 
     /// Sleeps in poll(2) until an active link can progress, an idle link shows something, the

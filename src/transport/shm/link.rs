@@ -196,6 +196,12 @@ impl Drop for ShmTransport {
 
 /// A connected pair of non-blocking Unix stream sockets as transports (wake-up channels for
 /// in-process pairs).
+/// A connected pair of wake-up sockets (tests of other modules).
+#[cfg(test)]
+pub(super) fn socket_pair_for_tests() -> (UnixWake, UnixWake) {
+    socket_pair().expect("socketpair")
+}
+
 fn socket_pair() -> Result<(UnixWake, UnixWake)> {
     let (a, b) = socketpair::stream_pair().map_err(|e| Error::system("socketpair", e))?;
     Ok((UnixWake(a), UnixWake(b)))
@@ -203,7 +209,7 @@ fn socket_pair() -> Result<(UnixWake, UnixWake)> {
 
 /// One end of a socket pair used only to wake the other end.
 #[derive(Debug)]
-struct UnixWake(OwnedFd);
+pub(super) struct UnixWake(OwnedFd);
 
 impl Transport for UnixWake {
     fn kind(&self) -> &'static str {

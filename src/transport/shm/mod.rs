@@ -2,17 +2,20 @@
 //!
 //! ## Segments
 //!
-//! Every pair of ranks with the same host identity shares one segment holding two
-//! single-producer/single-consumer rings, one per direction. The lower rank creates it in the
-//! shared-memory directory (`TOROID_SHM_DIR`, default `/dev/shm`) under an unguessable name
-//! `toroid-<pid>-<nonce>-p<lo>-<hi>`, reserves its pages with `fallocate(2)` (a tmpfs that is too
-//! small fails here with a clear message instead of a `SIGBUS` on first touch), maps it and
-//! offers it to the peer over their TCP connection. The peer maps it, checks the nonce written in
-//! the header, unlinks the name and accepts; the creator unlinks too (whoever is first wins). The
-//! name therefore exists only for the milliseconds of set-up: after a normal exit, an error or a
-//! `kill -9` at any later moment nothing is left in `/dev/shm`, because the memory lives only as
-//! long as some process maps it. Names left behind by a process killed inside that set-up window
-//! are swept by the next set-up on the host ([`sweep_stale`]).
+//! Every pair of ranks with the same host identity that exchanges directly shares one segment
+//! holding two single-producer/single-consumer rings, one per direction: every pair at set-up
+//! with a mesh, each pair as its link opens with links on demand (`pair`; set-up then links
+//! only rank 0 with each rank, for the window). One rank creates it (the lower at set-up, the
+//! dialing one on demand) in the shared-memory directory (`TOROID_SHM_DIR`, default
+//! `/dev/shm`) under an unguessable name `toroid-<pid>-<nonce>-p<lo>-<hi>`, reserves its pages
+//! with `fallocate(2)` (a tmpfs that is too small fails here with a clear message instead of a
+//! `SIGBUS` on first touch), maps it and offers it to the peer over their TCP connection. The
+//! peer maps it, checks the nonce written in the header, unlinks the name and accepts; the
+//! creator unlinks too (whoever is first wins). The name therefore exists only for the round
+//! trip of that exchange: after a normal exit, an error or a `kill -9` at any later moment
+//! nothing is left in `/dev/shm`, because the memory lives only as long as some process maps
+//! it. Names left behind by a process killed inside that exchange are swept by the next set-up
+//! on the host ([`sweep_stale`]).
 //!
 //! ```text
 //! offset 0      header: magic, version, nonce, ring capacity        (one page)
@@ -57,6 +60,7 @@
 //! | `byte_ring` | the producer and consumer ends of a byte ring, over any shared memory (tested on the heap) |
 //! | `link` | [`ShmTransport`], and the Unix socket pair that wakes in-process pairs |
 //! | `setup` | [`connect`]: upgrading same-host links and setting up the window |
+//! | `pair` | one pair's move to shared memory as its link opens on demand |
 //! | [`window`] | the window: one segment mapped by every rank of a host |
 //!
 //! The operating-system calls (files, mappings, sockets, `poll`, futexes) are in `crate::sys`.
@@ -66,6 +70,7 @@
 
 mod byte_ring;
 mod link;
+pub(crate) mod pair;
 mod segment;
 pub(crate) mod setup;
 pub mod window;
@@ -73,4 +78,4 @@ pub mod window;
 pub use byte_ring::pair_segment_len;
 pub use link::ShmTransport;
 pub use segment::{NAME_PREFIX, Segment, segment_name};
-pub use setup::{ShmOptions, ShmSetup, connect};
+pub use setup::{Pairs, ShmOptions, ShmSetup, connect};

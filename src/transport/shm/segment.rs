@@ -208,7 +208,7 @@ pub fn segment_name(nonce: u64, what: &str) -> String {
 }
 
 /// Removes names in `dir` that toroid left behind: created by a process that no longer exists
-/// (killed inside the set-up window, when only the name keeps the memory), at least
+/// (killed inside a set-up exchange, when only the name keeps the memory), at least
 /// 30 seconds old (`STALE_AGE`). Returns the names removed.
 pub fn sweep_stale(dir: &Path) -> Vec<String> {
     let mut removed = Vec::new();

@@ -45,9 +45,9 @@ const MSG_MAGIC: u32 = u32::from_le_bytes(*b"TRSM");
 pub(crate) const MSG_LEN: usize = 256;
 const MSG_TEXT: usize = MSG_LEN - 32;
 pub(crate) const OFFER: u8 = 1;
-const DECLINE: u8 = 2;
-const ACCEPT: u8 = 3;
-const REFUSE: u8 = 4;
+pub(crate) const DECLINE: u8 = 2;
+pub(crate) const ACCEPT: u8 = 3;
+pub(crate) const REFUSE: u8 = 4;
 pub(crate) const WIN_OFFER: u8 = 5;
 const WIN_NONE: u8 = 6;
 const WIN_OK: u8 = 7;
@@ -173,8 +173,19 @@ fn link_mut(links: &mut [Option<Box<dyn Transport>>], peer: usize) -> Result<&mu
     }
 }
 
+/// Who moves the same-host pairs to shared memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pairs {
+    /// [`connect`] does, over the links set-up opened to every rank of this host (a mesh).
+    AtSetUp,
+    /// The connector does as each link opens on demand (`shm::pair`); [`connect`] only
+    /// counts the pairs already moved and sets up the window.
+    OnDemand,
+}
+
 /// Upgrades the links to every rank on this host (`host_of[r] == host_of[rank]`) to shared
-/// memory, and, when every rank is on this host and `window` is asked for, sets up the window.
+/// memory (with [`Pairs::AtSetUp`]), and, when every rank is on this host and `window` is asked
+/// for, sets up the window over the links to rank 0.
 ///
 /// Runs over the freshly connected links before any frame moves, the same way on every rank:
 /// the lower rank of each pair creates the segment and offers it, the higher one maps it and
@@ -185,6 +196,7 @@ pub fn connect(
     host_of: &[usize],
     mut links: Vec<Option<Box<dyn Transport>>>,
     opts: &ShmOptions,
+    pairs: Pairs,
     comm_id: u64,
     deadline: Instant,
 ) -> Result<ShmSetup> {
@@ -199,33 +211,38 @@ pub fn connect(
             tracing::info!(target: "toroid::net", "rank {rank}: removed stale shared-memory names {removed:?}");
         }
     }
+    let shm_peers = match pairs {
+        Pairs::AtSetUp => upgrade_pairs(rank, &local, &mut links, opts, comm_id, deadline)?,
+        Pairs::OnDemand => links.iter().flatten().filter(|t| t.kind() == "shm").count(),
+    };
+    // 4. The window of all ranks, when they all share this host.
+    let window = if local.len() + 1 == size && opts.window_region > 0 {
+        window_setup(rank, size, &mut links, opts, comm_id, deadline)?
+    } else {
+        None
+    };
+    Ok(ShmSetup { links, window, shm_peers })
+}
+
+/// Steps 1 to 3 of [`connect`] with [`Pairs::AtSetUp`]: offers, answers, and the links of the
+/// pairs that agreed moved to shared memory; returns how many did.
+fn upgrade_pairs(
+    rank: usize,
+    local: &[usize],
+    links: &mut [Option<Box<dyn Transport>>],
+    opts: &ShmOptions,
+    comm_id: u64,
+    deadline: Instant,
+) -> Result<usize> {
     let cap = ring_capacity(opts.ring);
-    let len = pair_segment_len(cap);
     let mut failures: Vec<String> = Vec::new();
     // 1. Offer a segment to every higher local rank (the messages fit in socket buffers, so
     //    offering to everyone before reading anything cannot deadlock).
     let mut offered: Vec<(usize, Segment)> = Vec::new();
     for &p in local.iter().filter(|&&p| p > rank) {
-        let nonce = crate::sys::random::id() ^ comm_id;
-        let made = if opts.enabled {
-            Segment::create(&opts.dir, &segment_name(nonce, &format!("p{rank}-{p}")), len).map_err(|e| e.0)
-        } else {
-            Err("shared memory disabled on this rank (TOROID_SHM_DISABLE)".to_string())
-        };
-        let msg = match made {
-            Ok(seg) => {
-                seg.u64_at(PAIR_NONCE).store(nonce, Ordering::Relaxed);
-                seg.u64_at(PAIR_CAP).store(cap as u64, Ordering::Relaxed);
-                seg.u64_at(PAIR_MAGIC).store(SEG_MAGIC ^ SEG_VERSION, Ordering::Release);
-                let path = seg.path().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
-                let msg = if path.len() <= MSG_TEXT {
-                    encode_msg(OFFER, nonce, len as u64, &path)
-                } else {
-                    encode_msg(DECLINE, 0, 0, "segment path too long")
-                };
-                if msg[4] == OFFER {
-                    offered.push((p, seg));
-                }
+        let msg = match create_pair(opts, comm_id, rank, p) {
+            Ok((seg, msg)) => {
+                offered.push((p, seg));
                 msg
             }
             Err(reason) => {
@@ -233,33 +250,24 @@ pub fn connect(
                 encode_msg(DECLINE, 0, 0, &reason)
             }
         };
-        send_msg(link_mut(&mut links, p)?, p, &msg, deadline)?;
+        send_msg(link_mut(links, p)?, p, &msg, deadline)?;
     }
     // 2. Answer the offers of the lower local ranks.
     let mut accepted: Vec<(usize, Segment, usize)> = Vec::new();
     for &p in local.iter().filter(|&&p| p < rank) {
-        let t = link_mut(&mut links, p)?;
+        let t = link_mut(links, p)?;
         let m = recv_msg(t, p, deadline)?;
         match m.kind {
-            OFFER => {
-                let opened = if opts.enabled {
-                    check_offer(&opts.dir, &m.text, m.size, None)
-                        .and_then(|(path, len)| open_pair(&path, len, m.nonce))
-                } else {
-                    Err("shared memory disabled on this rank (TOROID_SHM_DISABLE)".to_string())
-                };
-                match opened {
-                    Ok((mut seg, cap)) => {
-                        seg.unlink();
-                        send_msg(t, p, &encode_msg(ACCEPT, m.nonce, 0, ""), deadline)?;
-                        accepted.push((p, seg, cap));
-                    }
-                    Err(reason) => {
-                        failures.push(format!("rank {p}'s segment: {reason}"));
-                        send_msg(t, p, &encode_msg(REFUSE, m.nonce, 0, &reason), deadline)?;
-                    }
+            OFFER => match map_offer(opts, &m) {
+                Ok((seg, cap)) => {
+                    send_msg(t, p, &encode_msg(ACCEPT, m.nonce, 0, ""), deadline)?;
+                    accepted.push((p, seg, cap));
                 }
-            }
+                Err(reason) => {
+                    failures.push(format!("rank {p}'s segment: {reason}"));
+                    send_msg(t, p, &encode_msg(REFUSE, m.nonce, 0, &reason), deadline)?;
+                }
+            },
             DECLINE => failures.push(format!("rank {p}: {}", m.text)),
             k => {
                 return Err(Error::Remote(
@@ -270,7 +278,7 @@ pub fn connect(
     }
     // 3. Collect the answers to our offers.
     for (p, mut seg) in offered {
-        let m = recv_msg(link_mut(&mut links, p)?, p, deadline)?;
+        let m = recv_msg(link_mut(links, p)?, p, deadline)?;
         seg.unlink();
         match m.kind {
             ACCEPT => accepted.push((p, seg, cap)),
@@ -292,13 +300,7 @@ pub fn connect(
             "rank {rank}: shared memory unavailable for {} of {} peers on this host, using TCP for them: {}",
             local.len() - shm_peers, local.len(), failures[0]);
     }
-    // 4. The window of all ranks, when they all share this host.
-    let window = if local.len() + 1 == size && opts.window_region > 0 {
-        window_setup(rank, size, &mut links, opts, comm_id, deadline)?
-    } else {
-        None
-    };
-    Ok(ShmSetup { links, window, shm_peers })
+    Ok(shm_peers)
 }
 
 /// Checks a peer's offer before anything is opened: the path must name a toroid segment
@@ -346,6 +348,53 @@ fn open_pair(path: &Path, len: usize, nonce: u64) -> std::result::Result<(Segmen
     if !cap.is_power_of_two() || cap < MIN_RING || pair_segment_len(cap) != len {
         return Err(format!("{}: bad ring size {cap}", path.display()));
     }
+    Ok((seg, cap))
+}
+
+/// The ring capacity written in the header of a pair segment this rank created.
+pub(crate) fn pair_capacity(seg: &Segment) -> usize {
+    seg.u64_at(PAIR_CAP).load(Ordering::Relaxed) as usize
+}
+
+/// Why this rank makes no segment: shared memory is off here.
+const DISABLED: &str = "shared memory disabled on this rank (TOROID_SHM_DISABLE)";
+
+/// A pair segment for this rank and `peer`, its header written, and the `OFFER` naming it (or
+/// why none could be made).
+pub(crate) fn create_pair(
+    opts: &ShmOptions,
+    comm_id: u64,
+    rank: usize,
+    peer: usize,
+) -> std::result::Result<(Segment, [u8; MSG_LEN]), String> {
+    if !opts.enabled {
+        return Err(DISABLED.to_string());
+    }
+    let cap = ring_capacity(opts.ring);
+    let len = pair_segment_len(cap);
+    let nonce = crate::sys::random::id() ^ comm_id;
+    let (lo, hi) = (rank.min(peer), rank.max(peer));
+    let seg =
+        Segment::create(&opts.dir, &segment_name(nonce, &format!("p{lo}-{hi}")), len).map_err(|e| e.0)?;
+    seg.u64_at(PAIR_NONCE).store(nonce, Ordering::Relaxed);
+    seg.u64_at(PAIR_CAP).store(cap as u64, Ordering::Relaxed);
+    seg.u64_at(PAIR_MAGIC).store(SEG_MAGIC ^ SEG_VERSION, Ordering::Release);
+    let path = seg.path().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
+    if path.len() > MSG_TEXT {
+        return Err(format!("the segment path {path:?} is too long for the offer"));
+    }
+    Ok((seg, encode_msg(OFFER, nonce, len as u64, &path)))
+}
+
+/// Maps the pair segment a peer's `OFFER` names, after checking the offer and the segment's
+/// header, and removes its name: the segment and its ring capacity, or why not.
+pub(crate) fn map_offer(opts: &ShmOptions, m: &Msg) -> std::result::Result<(Segment, usize), String> {
+    if !opts.enabled {
+        return Err(DISABLED.to_string());
+    }
+    let (mut seg, cap) = check_offer(&opts.dir, &m.text, m.size, None)
+        .and_then(|(path, len)| open_pair(&path, len, m.nonce))?;
+    seg.unlink();
     Ok((seg, cap))
 }
 

@@ -28,8 +28,10 @@ pub use crate::config::MAX_LANES;
 /// Wire protocol version; bumped on any incompatible change of handshake or frames.
 /// (2: links between ranks of one host start with the shared-memory set-up of `shm`;
 /// 3: authenticated handshakes; 4: the frame header carries the fingerprint in its one
-/// encoding, `collective::Fingerprint::encode`; 5: striped connections, the hello names its lane.)
-pub const PROTOCOL_VERSION: u16 = 5;
+/// encoding, `collective::Fingerprint::encode`; 5: striped connections, the hello names its lane;
+/// 6: a same-host link opened on demand starts with its own shared-memory exchange, the dialing
+/// rank offering, before it is secured.)
+pub const PROTOCOL_VERSION: u16 = 6;
 const HELLO_MAGIC: u32 = u32::from_le_bytes(*b"TRDH");
 pub(crate) const HELLO_LEN: usize = 24;
 pub(crate) const KIND_HELLO: u8 = 1;

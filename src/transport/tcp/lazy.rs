@@ -19,7 +19,12 @@
 //! to RDMA before using it, with the exchange of `transport::rdma::setup`: the dialing rank
 //! offers and confirms in [`Connector::dial`]; the accepting rank answers and settles in the
 //! control thread's poll loop, without blocking it ([`Inbox::advance`]), before the engine
-//! takes the link.
+//! takes the link. Pairs on one host where both ranks allow shared memory (`LazyCtx::shm`)
+//! move the new link to shared memory the same way (`transport::shm::pair`): the dialing rank
+//! creates and offers the segment on the raw connection before securing it, the accepting
+//! rank's control thread maps it and answers (`lazy/upgrade.rs`). So a pair of one host gets its
+//! segment only once an operation needs it: set-up maps only the window and rank 0's pairs,
+//! whose links the window's set-up runs over.
 //!
 //! Strangers meet the bounds of set-up: at most [`MAX_PENDING`] connections in handshake (the
 //! oldest goes), each with the set-up allowance to finish, a rank and lane claimed once. After
@@ -41,7 +46,9 @@ use crate::error::{Error, Result};
 use crate::sys::eventfd::EventFd;
 use crate::sys::poll::{Events, PollFd, poll};
 use crate::transport::rdma::setup as rdma;
+use crate::transport::shm::ShmOptions;
 use crate::transport::{AbortSignal, Connector, Transport};
+use upgrade::{Accepting, Exchange, Upgrade, dial_shm};
 
 /// Incoming connections in handshake at most; past this the oldest is dropped. A genuine
 /// peer's hello arrives within a round trip, so only that many dials at one rank within one
@@ -71,12 +78,22 @@ pub struct LazyCtx {
     pub rdma: Vec<bool>,
     /// The settings rings open with, when `rdma` names any peer.
     pub rdma_cfg: Option<std::sync::Arc<Config>>,
+    /// Peers whose links move to shared memory once open (same host, both ranks allow it);
+    /// empty: none.
+    pub shm: Vec<bool>,
+    /// The shared-memory settings, when `shm` names any peer.
+    pub shm_opts: Option<std::sync::Arc<ShmOptions>>,
 }
 
 impl LazyCtx {
     /// The settings to move the link to `peer` to RDMA with, if it moves.
     fn rdma_for(&self, peer: usize) -> Option<&Config> {
         self.rdma_cfg.as_deref().filter(|_| self.rdma.get(peer).copied().unwrap_or(false))
+    }
+
+    /// The settings to move the link to `peer` to shared memory with, if it moves.
+    fn shm_for(&self, peer: usize) -> Option<&ShmOptions> {
+        self.shm_opts.as_deref().filter(|_| self.shm.get(peer).copied().unwrap_or(false))
     }
 
     fn ctx(&self) -> Ctx<'_> {
@@ -98,7 +115,7 @@ struct InState {
     claimed: Vec<u16>,
     /// Checked lanes of ranks not all of whose lanes are in yet.
     partial: HashMap<usize, Vec<Option<TcpStream>>>,
-    /// Peers whose every lane is in and whose RDMA exchange is underway.
+    /// Peers whose every lane is in and whose RDMA or shared-memory exchange is underway.
     upgrading: Vec<Accepting>,
     /// Peers whose every lane is in (and exchange done), for the engine to take.
     ready: Vec<Ready>,
@@ -107,49 +124,8 @@ struct InState {
     dropped: usize,
 }
 
-/// A linked peer for the engine: its lanes, and the agreed RDMA ring if the link moves.
-type Ready = (usize, Vec<TcpStream>, Option<rdma::Upgrade>);
-
-/// The accepting side of a link's RDMA exchange: reading the offer, then the verdict.
-struct Accepting {
-    peer: usize,
-    lanes: Vec<TcpStream>,
-    msg: Box<[u8; rdma::MSG_LEN]>,
-    got: usize,
-    /// Set once the offer is answered.
-    answered: Option<rdma::Upgrade>,
-    deadline: Instant,
-}
-
-impl Accepting {
-    /// Reads what arrived; `Ok(Some(msg))` once a whole message is in.
-    fn read(&mut self) -> std::result::Result<Option<rdma::Msg>, String> {
-        use std::io::Read;
-        let Some(mut s) = self.lanes.first() else { return Err("no connection".into()) };
-        while self.got < rdma::MSG_LEN {
-            match s.read(&mut self.msg[self.got..]) {
-                Ok(0) => return Err("closed during the RDMA exchange".into()),
-                Ok(n) => self.got += n,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(None),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(format!("RDMA exchange: {e}")),
-            }
-        }
-        self.got = 0;
-        rdma::decode_msg(&self.msg).map(Some).map_err(|e| e.to_string())
-    }
-
-    /// Sends a whole message: a few hundred bytes into a fresh connection's empty buffer.
-    fn send(&self, msg: &[u8; rdma::MSG_LEN]) -> std::result::Result<(), String> {
-        use std::io::Write;
-        let Some(mut s) = self.lanes.first() else { return Err("no connection".into()) };
-        match s.write(msg) {
-            Ok(n) if n == msg.len() => Ok(()),
-            Ok(n) => Err(format!("RDMA exchange: only {n} bytes of an answer went")),
-            Err(e) => Err(format!("RDMA exchange: {e}")),
-        }
-    }
-}
+/// A linked peer for the engine: its lanes, and what the link moves to (RDMA, shared memory).
+type Ready = (usize, Vec<TcpStream>, Option<Upgrade>);
 
 /// The accepting half: connections the control thread took whose hello carries this
 /// communicator's id, until their handshake is done and the engine takes them.
@@ -250,14 +226,18 @@ impl Inbox {
                                 st.partial.remove(&r).unwrap_or_default().into_iter().flatten().collect();
                             match &st.closed {
                                 Some(frame) => refuse(lanes, frame),
-                                None if self.ctx.rdma_for(r).is_some() => st.upgrading.push(Accepting {
-                                    peer: r,
+                                None if self.ctx.rdma_for(r).is_some() => st.upgrading.push(Accepting::new(
+                                    r,
                                     lanes,
-                                    msg: Box::new([0; rdma::MSG_LEN]),
-                                    got: 0,
-                                    answered: None,
-                                    deadline: now + HANDSHAKE_ALLOWANCE,
-                                }),
+                                    Exchange::Rdma,
+                                    now + HANDSHAKE_ALLOWANCE,
+                                )),
+                                None if self.ctx.shm_for(r).is_some() => st.upgrading.push(Accepting::new(
+                                    r,
+                                    lanes,
+                                    Exchange::Shm,
+                                    now + HANDSHAKE_ALLOWANCE,
+                                )),
                                 None => {
                                     st.ready.push((r, lanes, None));
                                     delivered = true;
@@ -284,11 +264,9 @@ impl Inbox {
         }
     }
 
-    /// Moves the RDMA exchanges on (answer the offer, then take the verdict); returns true
-    /// when a link became ready. A peer that breaks the exchange or misses its deadline is
-    /// dropped: its dial fails.
+    /// Moves the RDMA and shared-memory exchanges on; returns true when a link became ready.
+    /// A peer that breaks the exchange or misses its deadline is dropped: its dial fails.
     fn exchange(&self, st: &mut InState, now: Instant) -> bool {
-        let Some(cfg) = self.ctx.rdma_cfg.as_deref() else { return false };
         let rank = self.ctx.rank;
         let mut delivered = false;
         let mut i = 0;
@@ -299,30 +277,24 @@ impl Inbox {
                     i += 1;
                     continue;
                 }
-                Ok(None) => Err("no RDMA exchange before its deadline".to_string()),
+                Ok(None) => Err("no exchange before its deadline".to_string()),
                 Err(why) => Err(why),
-                // The offer: answer it. The verdict: the exchange is done.
-                Ok(Some(m)) => match a.answered.take() {
-                    None => rdma::answer(cfg, self.ctx.comm_id, rank, a.peer, &m)
-                        .map_err(|e| e.to_string())
-                        .and_then(|(up, reply)| a.send(&reply).map(|()| (up, false))),
-                    Some(up) => rdma::settle(up, a.peer, &m).map(|up| (up, true)).map_err(|e| e.to_string()),
-                },
+                Ok(Some(m)) => a.step(
+                    &m,
+                    self.ctx.rdma_cfg.as_deref(),
+                    self.ctx.shm_opts.as_deref(),
+                    self.ctx.comm_id,
+                    rank,
+                ),
             };
             match step {
-                Ok((up, false)) => {
-                    st.upgrading[i].answered = Some(up);
-                    i += 1;
-                }
-                Ok((up, true)) => {
+                Ok(None) => i += 1,
+                Ok(Some(up)) => {
                     let a = st.upgrading.swap_remove(i);
-                    if let Some(why) = &up.failure {
-                        tracing::warn!(target: "toroid::net", "rank {rank}: link from rank {} stays TCP: {why}", a.peer);
-                    }
                     match &st.closed {
                         Some(frame) => refuse(a.lanes, frame),
                         None => {
-                            st.ready.push((a.peer, a.lanes, Some(up)));
+                            st.ready.push((a.peer, a.lanes, up));
                             delivered = true;
                         }
                     }
@@ -489,10 +461,22 @@ impl Dialer {
                     let streams: Vec<TcpStream> =
                         lanes.by_ref().take(n).filter_map(Outgoing::into_stream).collect();
                     self.sockets.fetch_add(streams.len(), Ordering::Relaxed);
+                    let mapped = match (self.ctx.shm_for(peer), streams.first()) {
+                        (Some(o), Some(lane)) => {
+                            dial_shm(o, ctx.comm_id, ctx.rank, peer, lane, deadline, abort)?
+                        }
+                        _ => None,
+                    };
                     let end = LinkEnd { me: ctx.rank, peer, dialer: true, deadline, abort: Some(abort) };
                     let t = transport_of(streams, &self.opts, end)?
                         .ok_or_else(|| Error::Internal("a dial produced no connection".into()))?;
-                    links.push((peer, t));
+                    links.push((
+                        peer,
+                        match mapped {
+                            Some(m) => m.into_link(false, t),
+                            None => t,
+                        },
+                    ));
                 }
                 return Ok(links);
             }
@@ -551,7 +535,8 @@ impl Connector for Dialer {
                 out.push((
                     p,
                     match up {
-                        Some(up) => up.finish(t)?,
+                        Some(Upgrade::Rdma(up)) => up.finish(t)?,
+                        Some(Upgrade::Shm(m)) => m.into_link(true, t),
                         None => t,
                     },
                 ));
@@ -580,6 +565,8 @@ impl Connector for Dialer {
     fn kind_of(&self, peer: usize) -> &'static str {
         if self.ctx.rdma_for(peer).is_some() {
             "rdma"
+        } else if self.ctx.shm_for(peer).is_some() {
+            "shm"
         } else if self.ctx.lanes.get(peer).is_some_and(|&l| l > 1) {
             "tcp-striped"
         } else {
@@ -590,3 +577,4 @@ impl Connector for Dialer {
 
 #[cfg(test)]
 mod tests;
+mod upgrade;

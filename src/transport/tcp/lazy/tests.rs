@@ -18,6 +18,8 @@ fn ctx(rank: usize, size: usize, auth: Option<&str>) -> LazyCtx {
         lanes: vec![1; size],
         rdma: Vec::new(),
         rdma_cfg: None,
+        shm: Vec::new(),
+        shm_opts: None,
     }
 }
 
