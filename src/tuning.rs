@@ -183,9 +183,11 @@ pub fn check_forced(kind: CollKind, algo: Algorithm) -> Result<()> {
 /// The collectives the shared window can run when every rank is on one host.
 pub fn intra_candidates(kind: CollKind) -> &'static [Algorithm] {
     match kind {
-        CollKind::AllReduce | CollKind::ReduceScatter | CollKind::AllGather | CollKind::Broadcast => {
-            &[Algorithm::ShmDirect]
-        }
+        CollKind::AllReduce
+        | CollKind::ReduceScatter
+        | CollKind::AllGather
+        | CollKind::Broadcast
+        | CollKind::Barrier => &[Algorithm::ShmDirect],
         _ => &[],
     }
 }

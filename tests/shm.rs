@@ -290,6 +290,44 @@ fn window_mismatch_is_an_error_on_every_rank() {
     });
 }
 
+#[test]
+fn a_barrier_in_the_window_waits_for_everyone_and_finds_a_mismatch() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    // Nobody leaves a barrier before the last rank has entered it: the counter each rank bumps
+    // before entering reads 4 to everyone after it (rank 3 enters 200 ms late).
+    let entered = Arc::new(AtomicUsize::new(0));
+    let e = entered.clone();
+    util::run_threads(4, &util::test_config(20.0), move |comm| {
+        assert!(comm.has_shared_window());
+        for round in 1..=3usize {
+            if comm.rank() == 3 {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            e.fetch_add(1, Ordering::SeqCst);
+            comm.barrier().unwrap();
+            assert_eq!(
+                e.load(Ordering::SeqCst),
+                4 * round,
+                "rank {} left barrier {round} early",
+                comm.rank()
+            );
+            comm.barrier().unwrap();
+        }
+    });
+    // One rank's all-reduce against the others' barrier: an error on every rank, not a hang.
+    util::run_threads(3, &util::test_config(20.0), |comm| {
+        let e = if comm.rank() == 2 {
+            let mut v = vec![1.0f32; 10];
+            comm.all_reduce(&mut v, ReduceOp::Sum).unwrap_err()
+        } else {
+            comm.barrier().unwrap_err()
+        };
+        let msg = e.to_string();
+        assert!(msg.contains("mismatch") || msg.contains("abort"), "rank {}: {msg}", comm.rank());
+    });
+}
+
 /// Runs the child body of `test` as `n` ranks under `toroid-run` inside a private mount namespace
 /// whose /dev/shm is a fresh tmpfs of `size`; returns (job output, what /dev/shm held after).
 fn run_with_small_dev_shm(test: &str, n: usize, size: &str) -> Option<(std::process::Output, String)> {

@@ -84,6 +84,9 @@ fn a_pair_of_one_host_gets_its_segment_when_first_used() {
             let star: BTreeSet<usize> = if r == 0 { (1..n).collect() } else { BTreeSet::from([0]) };
             let early: BTreeSet<usize> = comm.connected_peers().into_iter().collect();
             assert_eq!(early, star, "rank {r} after set-up");
+            // A barrier on one host runs in the window: it links nobody.
+            comm.barrier().unwrap();
+            assert_eq!(comm.connected_peers().into_iter().collect::<BTreeSet<_>>(), star, "rank {r}");
             // 5 x 64 KiB rings' worth each way: the rings wrap many times.
             ring_exchange(&comm, 1, 40_000);
             let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
@@ -235,4 +238,54 @@ fn processes_pair_through_shared_memory_on_demand() {
     }
     assert!(names_in(&dir).is_empty(), "names left: {:?}", names_in(&dir));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_window_member_with_no_link_that_dies_is_found_within_seconds() {
+    const TIMEOUT_S: u64 = 30;
+    if util::is_child() {
+        let comm = Communicator::from_env().unwrap();
+        assert!(comm.has_shared_window());
+        let mut v = vec![1.0f32; 1000];
+        // A window collective: it links nobody.
+        comm.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+        match comm.rank() {
+            // Rank 2 dies; rank 1, which has no link to it (set-up linked only rank 0 with each
+            // rank), waits in the window for the broadcast's root while rank 0, which could
+            // tell from its link, is busy elsewhere.
+            2 => {
+                // SAFETY: kill(2) on our own pid; no memory is involved.
+                unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+            }
+            1 => {
+                println!("LINKED {:?}", comm.connected_peers());
+                let start = Instant::now();
+                let e = comm.broadcast(&mut v, 2).unwrap_err();
+                println!("ERROR {} after {} ms: {e}", e.category(), start.elapsed().as_millis());
+            }
+            _ => {
+                std::thread::sleep(Duration::from_secs(8));
+                let _ = comm.broadcast(&mut v, 2);
+            }
+        }
+        return;
+    }
+    let children =
+        util::spawn_ranks("a_window_member_with_no_link_that_dies_is_found_within_seconds", 3, |_| {
+            vec![
+                ("TOROID_TIMEOUT".into(), TIMEOUT_S.to_string()),
+                ("TOROID_CONNECT".into(), "lazy".into()),
+                ("TOROID_COST_MODEL".into(), "default".into()),
+            ]
+        });
+    let (statuses, outputs) = util::wait_all(children, Instant::now() + Duration::from_secs(TIMEOUT_S + 30));
+    let out = &outputs[1];
+    assert_eq!(statuses[1].map(|s| s.success()), Some(true), "rank 1:\n{out}");
+    let linked =
+        out.lines().find_map(|l| l.split("LINKED ").nth(1)).unwrap_or_else(|| panic!("rank 1:\n{out}"));
+    assert!(!linked.contains('2'), "rank 1 should have no link to rank 2: {linked}");
+    let (line, ms) = util::error_line(out).unwrap_or_else(|| panic!("rank 1 saw no error:\n{out}"));
+    // Rank 0 comes after 8 s: an error before that is the gone check's.
+    assert!(ms < 5_000, "rank 1 waited {ms} ms: {line}");
+    assert!(line.contains("rank 2") && line.contains("gone"), "{line}");
 }

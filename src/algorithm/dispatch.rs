@@ -57,12 +57,16 @@ pub fn run(ctx: &mut OpContext<'_>, scratch: &mut Scratch, layout: &Layout, call
         OpKind::Probe => Stage::None,
     });
     if algo == Algorithm::ShmDirect {
-        let bufs = bufs.ok_or_else(need)?;
         return match kind {
-            OpKind::AllReduce(rop) => super::intra::all_reduce(ctx, bufs, dtype, rop),
-            OpKind::ReduceScatter(rop) => super::intra::reduce_scatter(ctx, bufs, dtype, rop),
-            OpKind::AllGather | OpKind::SplitExchange => super::intra::all_gather(ctx, bufs),
-            OpKind::Broadcast(root) => super::intra::broadcast(ctx, bufs, root),
+            OpKind::AllReduce(rop) => super::intra::all_reduce(ctx, bufs.ok_or_else(need)?, dtype, rop),
+            OpKind::ReduceScatter(rop) => {
+                super::intra::reduce_scatter(ctx, bufs.ok_or_else(need)?, dtype, rop)
+            }
+            OpKind::AllGather | OpKind::SplitExchange => {
+                super::intra::all_gather(ctx, bufs.ok_or_else(need)?)
+            }
+            OpKind::Broadcast(root) => super::intra::broadcast(ctx, bufs.ok_or_else(need)?, root),
+            OpKind::Barrier => super::intra::barrier(ctx),
             _ => Err(Error::Internal(format!("shm_direct cannot run {kind:?}").into())),
         };
     }

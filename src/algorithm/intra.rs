@@ -30,7 +30,8 @@
 //!
 //! **reduce_scatter** is phases 1 and 2 (each rank reduces its own piece from every region);
 //! **all_gather** copies each rank's piece into its region and every rank reads all regions;
-//! **broadcast** has the root copy in and everyone else copy out. Each rank posts the same number
+//! **broadcast** has the root copy in and everyone else copy out; a **barrier** only posts
+//! and waits for every member. Each rank posts the same number
 //! of stages per chunk in every collective, so stage values keep meaning the same phase
 //! everywhere. `avg` pre-scales inputs by `1/n` where they are copied in (as the ring does).
 //!
@@ -425,6 +426,19 @@ pub fn all_gather(ctx: &mut OpContext<'_>, bufs: Bufs<'_>) -> Result<()> {
             }
             win.end_chunk(b);
         }
+        Ok(())
+    })
+}
+
+/// Barrier on the window: every member posts one stage and waits for everyone's (one
+/// synchronisation, where dissemination over point-to-point links takes `log2 n` rounds of
+/// messages and links `log2 n` peers).
+pub fn barrier(ctx: &mut OpContext<'_>) -> Result<()> {
+    with_window(ctx, |win, sync| {
+        let b = sync.begin_chunk(win, false)?;
+        let s = win.post();
+        sync.wait_all(win, s)?;
+        win.end_chunk(b);
         Ok(())
     })
 }

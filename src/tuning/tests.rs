@@ -168,6 +168,11 @@ fn intra_choice_follows_the_filter() {
     assert_ne!(other, Algorithm::ShmDirect);
     assert!(check_forced(CollKind::AllGather, Algorithm::ShmDirect).is_ok());
     assert!(check_forced(CollKind::Reduce, Algorithm::ShmDirect).is_err());
+    // A barrier on one host posts and waits in the window, unless told to disseminate.
+    assert_eq!(none.choose_intra(CollKind::Barrier, 0, 3), Some(Algorithm::ShmDirect));
+    let dis = AlgoFilter::parse("barrier:dissemination").unwrap();
+    assert_eq!(dis.choose_intra(CollKind::Barrier, 0, 3), None);
+    assert!(check_forced(CollKind::Barrier, Algorithm::ShmDirect).is_ok());
 }
 
 #[test]
