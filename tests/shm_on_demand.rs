@@ -289,3 +289,34 @@ fn a_window_member_with_no_link_that_dies_is_found_within_seconds() {
     assert!(ms < 5_000, "rank 1 waited {ms} ms: {line}");
     assert!(line.contains("rank 2") && line.contains("gone"), "{line}");
 }
+
+#[test]
+fn a_pair_opened_to_a_rank_that_failed_gets_its_reason() {
+    if util::is_child() {
+        return;
+    }
+    use std::sync::{Arc, Barrier};
+    // No window, so set-up links nobody: rank 1 dials rank 0 only after rank 0 aborted. Rank
+    // 0's control thread reads the offer, refuses it and sends its abort frame, so rank 1's
+    // receive fails with rank 0's reason, not with a broken exchange.
+    let dir = fresh_dir("failed-peer");
+    let aborted = Arc::new(Barrier::new(2));
+    let a = aborted.clone();
+    util::run_threads(2, &shm_config(&dir, false), move |comm| {
+        if comm.rank() == 0 {
+            comm.abort();
+            a.wait();
+            // Stay until rank 1 is done: the control thread answers for this communicator.
+            a.wait();
+        } else {
+            a.wait();
+            let mut got = [0u32; 8];
+            let r = comm.recv(&mut got, 0);
+            a.wait();
+            let msg = r.expect_err("a receive from a rank that aborted").to_string();
+            assert!(msg.contains("rank 0 called abort"), "rank 1: {msg}");
+        }
+    });
+    assert!(names_in(&dir).is_empty(), "names left: {:?}", names_in(&dir));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -89,6 +89,13 @@ pub fn answer(
     }
 }
 
+/// Step 2 in an accepting rank that will not map anything (it failed): the `REFUSE` with
+/// `why` that answers an `OFFER` (nothing answers a `DECLINE` or a message of another kind).
+pub fn refusal(msg: &[u8; MSG_LEN], why: &str) -> Option<[u8; MSG_LEN]> {
+    let m = decode_msg(msg).ok()?;
+    (m.kind == OFFER).then(|| encode_msg(REFUSE, m.nonce, 0, why))
+}
+
 /// The end of step 2, in the dialing rank: the answer to its offer settles the pair (the
 /// segment's name is removed either way).
 pub fn settle(
@@ -105,6 +112,10 @@ pub fn settle(
             let cap = super::setup::pair_capacity(&seg);
             Ok(Ok(Mapped { seg, cap }))
         }
+        ACCEPT => Err(Error::Remote(
+            format!("shared-memory exchange: rank {peer} accepted another offer than this rank's").into(),
+        )
+        .with_peer(peer)),
         REFUSE => Ok(Err(format!("rank {peer}: {}", m.text))),
         k => Err(unexpected(peer, k)),
     }

@@ -225,19 +225,21 @@ impl Inbox {
                             let lanes: Vec<TcpStream> =
                                 st.partial.remove(&r).unwrap_or_default().into_iter().flatten().collect();
                             match &st.closed {
-                                Some(frame) => refuse(lanes, frame),
                                 None if self.ctx.rdma_for(r).is_some() => st.upgrading.push(Accepting::new(
                                     r,
                                     lanes,
                                     Exchange::Rdma,
                                     now + HANDSHAKE_ALLOWANCE,
                                 )),
-                                None if self.ctx.shm_for(r).is_some() => st.upgrading.push(Accepting::new(
+                                // Even after this rank failed: the dialer's offer is read and
+                                // refused first, so that the abort frame reaches its engine.
+                                _ if self.ctx.shm_for(r).is_some() => st.upgrading.push(Accepting::new(
                                     r,
                                     lanes,
                                     Exchange::Shm,
                                     now + HANDSHAKE_ALLOWANCE,
                                 )),
+                                Some(frame) => refuse(lanes, frame),
                                 None => {
                                     st.ready.push((r, lanes, None));
                                     delivered = true;
@@ -270,6 +272,7 @@ impl Inbox {
         let rank = self.ctx.rank;
         let mut delivered = false;
         let mut i = 0;
+        let closed = st.closed.is_some();
         while i < st.upgrading.len() {
             let a = &mut st.upgrading[i];
             let step = match a.read() {
@@ -282,7 +285,7 @@ impl Inbox {
                 Ok(Some(m)) => a.step(
                     &m,
                     self.ctx.rdma_cfg.as_deref(),
-                    self.ctx.shm_opts.as_deref(),
+                    self.ctx.shm_opts.as_deref().filter(|_| !closed),
                     self.ctx.comm_id,
                     rank,
                 ),

@@ -79,7 +79,8 @@ impl Accepting {
     }
 
     /// One step of the exchange on a whole message `m`: `Ok(Some(upgrade))` once the link is
-    /// settled, `Ok(None)` while more is to come, `Err` when the peer broke it.
+    /// settled, `Ok(None)` while more is to come, `Err` when the peer broke it. `shm` is `None`
+    /// once this rank failed.
     pub(super) fn step(
         &mut self,
         m: &[u8; MSG_LEN],
@@ -111,8 +112,15 @@ impl Accepting {
                     }
                 }
             }
+            // No settings: this rank failed; the offer is refused and the link then closed
+            // with the abort frame, which the dialer reads as TCP.
             Exchange::Shm => {
-                let opts = shm.ok_or("no shared-memory settings")?;
+                let Some(opts) = shm else {
+                    if let Some(reply) = pair::refusal(m, &format!("rank {rank} failed")) {
+                        self.send(&reply)?;
+                    }
+                    return Ok(Some(None));
+                };
                 let (reply, mapped) = pair::answer(opts, self.peer, m).map_err(|e| e.to_string())?;
                 if let Some(reply) = reply {
                     self.send(&reply)?;
