@@ -19,7 +19,8 @@
 use super::link::ShmTransport;
 use super::segment::Segment;
 use super::setup::{
-    ACCEPT, DECLINE, MSG_LEN, OFFER, REFUSE, ShmOptions, create_pair, decode_msg, encode_msg, map_offer,
+    ACCEPT, Created, DECLINE, MSG_LEN, OFFER, REFUSE, ShmOptions, create_pair, decode_msg, encode_msg,
+    map_offer,
 };
 use crate::error::{Error, Result};
 use crate::transport::Transport;
@@ -46,6 +47,7 @@ pub type Outcome = std::result::Result<Mapped, String>;
 #[derive(Debug)]
 pub struct Offered {
     seg: Segment,
+    cap: usize,
     nonce: u64,
 }
 
@@ -58,10 +60,7 @@ pub fn offer(
     peer: usize,
 ) -> (std::result::Result<Offered, String>, [u8; MSG_LEN]) {
     match create_pair(opts, comm_id, rank, peer) {
-        Ok((seg, msg)) => {
-            let nonce = decode_msg(&msg).map_or(0, |m| m.nonce);
-            (Ok(Offered { seg, nonce }), msg)
-        }
+        Ok(Created { seg, cap, nonce, offer }) => (Ok(Offered { seg, cap, nonce }), offer),
         Err(why) => {
             let msg = encode_msg(DECLINE, 0, 0, &why);
             (Err(why), msg)
@@ -103,15 +102,11 @@ pub fn settle(
     peer: usize,
     msg: &[u8; MSG_LEN],
 ) -> Result<std::result::Result<Mapped, String>> {
-    let Offered { mut seg, nonce } = offered;
+    let Offered { mut seg, cap, nonce } = offered;
     seg.unlink();
     let m = decode_msg(msg)?;
     match m.kind {
-        ACCEPT if m.nonce == nonce => {
-            // The capacity this rank wrote into the header it created.
-            let cap = super::setup::pair_capacity(&seg);
-            Ok(Ok(Mapped { seg, cap }))
-        }
+        ACCEPT if m.nonce == nonce => Ok(Ok(Mapped { seg, cap })),
         ACCEPT => Err(Error::Remote(
             format!("shared-memory exchange: rank {peer} accepted another offer than this rank's").into(),
         )

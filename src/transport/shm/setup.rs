@@ -241,9 +241,9 @@ fn upgrade_pairs(
     let mut offered: Vec<(usize, Segment)> = Vec::new();
     for &p in local.iter().filter(|&&p| p > rank) {
         let msg = match create_pair(opts, comm_id, rank, p) {
-            Ok((seg, msg)) => {
-                offered.push((p, seg));
-                msg
+            Ok(made) => {
+                offered.push((p, made.seg));
+                made.offer
             }
             Err(reason) => {
                 failures.push(reason.clone());
@@ -351,22 +351,24 @@ fn open_pair(path: &Path, len: usize, nonce: u64) -> std::result::Result<(Segmen
     Ok((seg, cap))
 }
 
-/// The ring capacity written in the header of a pair segment this rank created.
-pub(crate) fn pair_capacity(seg: &Segment) -> usize {
-    seg.u64_at(PAIR_CAP).load(Ordering::Relaxed) as usize
+/// A pair segment this rank created, its header written, and the `OFFER` naming it.
+pub(crate) struct Created {
+    pub(crate) seg: Segment,
+    pub(crate) cap: usize,
+    pub(crate) nonce: u64,
+    pub(crate) offer: [u8; MSG_LEN],
 }
 
 /// Why this rank makes no segment: shared memory is off here.
 const DISABLED: &str = "shared memory disabled on this rank (TOROID_SHM_DISABLE)";
 
-/// A pair segment for this rank and `peer`, its header written, and the `OFFER` naming it (or
-/// why none could be made).
+/// A pair segment for this rank and `peer` and the offer naming it, or why none could be made.
 pub(crate) fn create_pair(
     opts: &ShmOptions,
     comm_id: u64,
     rank: usize,
     peer: usize,
-) -> std::result::Result<(Segment, [u8; MSG_LEN]), String> {
+) -> std::result::Result<Created, String> {
     if !opts.enabled {
         return Err(DISABLED.to_string());
     }
@@ -383,7 +385,8 @@ pub(crate) fn create_pair(
     if path.len() > MSG_TEXT {
         return Err(format!("the segment path {path:?} is too long for the offer"));
     }
-    Ok((seg, encode_msg(OFFER, nonce, len as u64, &path)))
+    let offer = encode_msg(OFFER, nonce, len as u64, &path);
+    Ok(Created { seg, cap, nonce, offer })
 }
 
 /// Maps the pair segment a peer's `OFFER` names, after checking the offer and the segment's

@@ -4,8 +4,8 @@
 //! The accepting (lower) rank runs its half in the control thread's poll loop ([`Accepting`],
 //! never blocking it), so a dial completes whatever the lower rank's engine is doing. The
 //! dialing rank runs the shared-memory half here ([`dial_shm`]) on the new connection's first
-//! lane before the link is secured, the side that accepts reading it there too; its RDMA half
-//! is `rdma::setup::dial_side`.
+//! lane, before the link is secured (the accepting rank reads the raw connection as well); its
+//! RDMA half is `rdma::setup::dial_side`.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -41,11 +41,11 @@ pub(super) enum Exchange {
 pub(super) struct Accepting {
     pub(super) peer: usize,
     pub(super) lanes: Vec<TcpStream>,
-    pub(super) kind: Exchange,
+    kind: Exchange,
     msg: Box<[u8; MSG_LEN]>,
     got: usize,
     /// Set once an RDMA offer is answered.
-    pub(super) answered: Option<rdma::Upgrade>,
+    answered: Option<rdma::Upgrade>,
     pub(super) deadline: Instant,
 }
 
