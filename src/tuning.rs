@@ -187,7 +187,8 @@ pub fn intra_candidates(kind: CollKind) -> &'static [Algorithm] {
         | CollKind::ReduceScatter
         | CollKind::AllGather
         | CollKind::Broadcast
-        | CollKind::Barrier => &[Algorithm::ShmDirect],
+        | CollKind::Barrier
+        | CollKind::Split => &[Algorithm::ShmDirect],
         _ => &[],
     }
 }

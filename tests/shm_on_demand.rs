@@ -84,8 +84,11 @@ fn a_pair_of_one_host_gets_its_segment_when_first_used() {
             let star: BTreeSet<usize> = if r == 0 { (1..n).collect() } else { BTreeSet::from([0]) };
             let early: BTreeSet<usize> = comm.connected_peers().into_iter().collect();
             assert_eq!(early, star, "rank {r} after set-up");
-            // A barrier on one host runs in the window: it links nobody.
+            // A barrier and a split's exchange on one host run in the window: they link nobody.
             comm.barrier().unwrap();
+            let child = comm.split(Some(0), -(r as i64)).unwrap().expect("a member");
+            assert_eq!(child.rank(), n - 1 - r);
+            drop(child);
             assert_eq!(comm.connected_peers().into_iter().collect::<BTreeSet<_>>(), star, "rank {r}");
             // 5 x 64 KiB rings' worth each way: the rings wrap many times.
             ring_exchange(&comm, 1, 40_000);

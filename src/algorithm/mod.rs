@@ -14,7 +14,7 @@
 //! | all_to_all | `pairwise` |
 //! | barrier | `dissemination` |
 //! | send/recv | `direct` |
-//! | all_reduce, reduce_scatter, all_gather, broadcast, barrier (one host) | `shm_direct` (loads and stores in a shared window) |
+//! | all_reduce, reduce_scatter, all_gather, broadcast, barrier, split's exchange (one host) | `shm_direct` (loads and stores in a shared window) |
 
 pub mod broadcast;
 pub mod dispatch;

@@ -173,6 +173,8 @@ fn intra_choice_follows_the_filter() {
     let dis = AlgoFilter::parse("barrier:dissemination").unwrap();
     assert_eq!(dis.choose_intra(CollKind::Barrier, 0, 3), None);
     assert!(check_forced(CollKind::Barrier, Algorithm::ShmDirect).is_ok());
+    // So does a split's exchange (an all-gather): neither links pairs of the host.
+    assert_eq!(none.choose_intra(CollKind::Split, 64, 3), Some(Algorithm::ShmDirect));
 }
 
 #[test]
