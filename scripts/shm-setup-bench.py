@@ -12,7 +12,8 @@ slowest rank's set-up, and the peak of shared memory in use (the pair segments a
 while they are mapped, less what was in use before).
 
     cargo build --release
-    scripts/shm-setup-bench.py --bin /tmp/old/target/release,target/release --sizes 4,8,16,32
+    git worktree add ../toroid-before <REV> && (cd ../toroid-before && cargo build --release)
+    scripts/shm-setup-bench.py --bin ../toroid-before/target/release,target/release --sizes 4,8,16,32
 
 Prints a Markdown table; every run is bounded by --timeout.
 """

@@ -30,10 +30,10 @@
 //!
 //! **reduce_scatter** is phases 1 and 2 (each rank reduces its own piece from every region);
 //! **all_gather** copies each rank's piece into its region and every rank reads all regions;
-//! **broadcast** has the root copy in and everyone else copy out; a **barrier** only posts
-//! and waits for every member. Each rank posts the same number
-//! of stages per chunk in every collective, so stage values keep meaning the same phase
-//! everywhere. `avg` pre-scales inputs by `1/n` where they are copied in (as the ring does).
+//! **broadcast** has the root copy in and everyone else copy out; a **barrier** only posts and
+//! waits for every member. Each rank posts the same number of stages per chunk in every
+//! collective, so stage values keep meaning the same phase everywhere. `avg` pre-scales inputs
+//! by `1/n` where they are copied in (as the ring does).
 //!
 //! Reductions run in blocks of [`BLOCK`] bytes, so a block of the output stays in L1 while
 //! every source streams through it.
